@@ -1,0 +1,133 @@
+"""attnkern.attention: input validation and kernel dispatch, in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _registry
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated call: q, k, v as C-contiguous (batch, n, d) arrays."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    causal: bool
+    scale: float
+    out_shape: tuple[int, ...]
+
+    @property
+    def empty(self) -> bool:
+        return math.prod(self.out_shape) == 0
+
+
+def _as_array(x, name: str) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(f"{name} is a GPU array; the CPU kernels take NumPy arrays (copy it to the host first)")
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:  # e.g. a torch tensor that requires grad
+        raise TypeError(f"{name} cannot be converted to a NumPy array: {exc}") from None
+    if arr.dtype == object:
+        raise TypeError(f"{name} must be an array of numbers, got {type(x).__name__} of objects (ragged?)")
+    return arr
+
+
+def validate(q, k, v, *, causal, scale, check_finite) -> Call:
+    """Checks shapes, dtypes and values; raises TypeError/ValueError saying what to fix."""
+    q, k, v = (_as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{n} has dtype {x.dtype}; attnkern supports float32 and float64 (convert with .astype)")
+        if not 2 <= x.ndim <= 4:
+            raise ValueError(
+                f"{n} has {x.ndim} dimension(s), shape {x.shape}; expected 2 to 4: (N, D), (H, N, D) or (B, H, N, D)"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        raise ValueError(
+            f"q, k, v must have the same leading (batch, head) dimensions, got shapes {q.shape}, {k.shape}, {v.shape}"
+        )
+    (nq, d), (nk, dk), (nv, dv) = q.shape[-2:], k.shape[-2:], v.shape[-2:]
+    if d != dk:
+        raise ValueError(f"q and k must have the same feature size D, got q {q.shape} and k {k.shape}")
+    if nk != nv:
+        raise ValueError(f"k and v must have the same sequence length, got k {k.shape} and v {v.shape}")
+    if d == 0:
+        raise ValueError("the feature size D of q and k is 0; attention needs D >= 1")
+    if nk == 0:
+        raise ValueError("k and v have no keys (sequence length 0): softmax over nothing is undefined")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    if check_finite:
+        for x, n in ((q, "q"), (k, "k"), (v, "v")):
+            if not np.isfinite(x).all():
+                raise ValueError(f"{n} contains NaN or infinity; pass finite values (or check_finite=False)")
+    lead = q.shape[:-2]
+    batch = math.prod(lead)
+    return Call(
+        q=np.ascontiguousarray(q).reshape(batch, nq, d),
+        k=np.ascontiguousarray(k).reshape(batch, nk, d),
+        v=np.ascontiguousarray(v).reshape(batch, nk, dv),
+        causal=bool(causal),
+        scale=float(scale),
+        out_shape=(*lead, nq, dv),
+    )
+
+
+def _auto(call: Call) -> _registry.Kernel:
+    """The fastest available kernel for the call. native.flash beats every
+    other CPU kernel at every shape we measure (python -m attnkern.bench)."""
+    for name in ("native.flash", "torch.sdpa", "numpy.naive"):
+        kernel = _registry.get(name)
+        if kernel.unavailable_reason() is None:
+            return kernel
+    raise RuntimeError("no attention kernel is available")  # pragma: no cover - numpy.naive always is
+
+
+def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=True, **params) -> np.ndarray:
+    """softmax(q k^T * scale) v.
+
+    q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
+    dimensions, float32 or float64 (one dtype); returns (..., Nq, Dv) in that dtype.
+    scale defaults to 1/sqrt(D); causal=True lets query i see keys j <= i (top-left
+    aligned, as torch's is_causal). kernel is a name from attnkern.kernels() or
+    "auto"; params are the kernel's tunables (attnkern.kernel_info(name)).
+
+    Inputs that are not C-contiguous NumPy arrays (views, lists, CPU tensors) are
+    copied once; C-contiguous arrays are used in place. With check_finite, inputs
+    with NaN/inf raise ValueError and a non-finite result (scores overflowing the
+    dtype) raises FloatingPointError.
+    """
+    call = validate(q, k, v, causal=causal, scale=scale, check_finite=check_finite)
+    chosen = _auto(call) if kernel == "auto" else _registry.get(kernel)
+    reason = chosen.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"kernel {chosen.name} is not available here: {reason}")
+    resolved = chosen.resolve_params(params)
+    if call.empty:
+        return np.zeros(call.out_shape, dtype=call.q.dtype)
+    out = chosen.run(call.q, call.k, call.v, call.causal, call.scale, **resolved)
+    if check_finite and not np.isfinite(out).all():
+        raise FloatingPointError(
+            f"{chosen.name} produced non-finite values: q k^T * scale overflows {call.q.dtype}; "
+            "scale the inputs down or use float64"
+        )
+    return out.reshape(call.out_shape)
+

@@ -1,0 +1,31 @@
+"""NumPy attention: the naive baseline (materialised scores) in the input
+dtype; attnkern.reference runs the same code in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._registry import Kernel, register
+
+
+def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float) -> np.ndarray:
+    """softmax(q k^T * scale) v on (batch, n, d) arrays, in their dtype, with the
+    (batch, nq, nk) score matrix materialised; causal masks keys j > i."""
+    scores = np.matmul(q, k.swapaxes(-1, -2))
+    scores *= scores.dtype.type(scale)
+    if causal:
+        nq, nk = scores.shape[-2:]
+        scores[..., np.triu(np.ones((nq, nk), dtype=bool), k=1)] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return np.matmul(scores, v)
+
+
+register(
+    Kernel(
+        name="numpy.naive",
+        description="NumPy: materialise q k^T, softmax, matmul with v (threads: the BLAS's own)",
+        run=softmax_attention,
+    )
+)

@@ -1,0 +1,112 @@
+"""The kernel registry: one entry per kernel, with its tunables and whether it
+can run here. Kernels receive validated, C-contiguous (batch, n, d) arrays."""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (respects affinity masks and cgroups' cpusets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Param:
+    """An integer tunable with an inclusive allowed range."""
+
+    name: str
+    default: int | Callable[[], int]
+    low: int
+    high: int
+    doc: str
+
+    def default_value(self) -> int:
+        return self.default() if callable(self.default) else self.default
+
+    def check(self, kernel: str, value) -> int:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            value = operator.index(value)  # ints and NumPy integers, not floats
+        except TypeError:
+            raise TypeError(
+                f"{kernel}: {self.name} must be an integer in [{self.low}, {self.high}], "
+                f"got {value!r} of type {type(value).__name__}"
+            ) from None
+        if not self.low <= value <= self.high:
+            raise ValueError(
+                f"{kernel}: {self.name}={value} is out of range; allowed: "
+                f"{self.low} <= {self.name} <= {self.high} ({self.doc})"
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    description: str
+    # run(q, k, v, causal, scale, **params) -> out, on (batch, n, d) arrays
+    run: Callable
+    params: tuple[Param, ...] = ()
+    # returns None when the kernel can run here, else the reason it cannot
+    unavailable_reason: Callable[[], str | None] = field(default=lambda: None)
+
+    def resolve_params(self, given: dict) -> dict:
+        known = {p.name: p for p in self.params}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            takes = ", ".join(known) if known else "no tunable parameters"
+            raise TypeError(f"{self.name} does not take {', '.join(map(repr, unknown))}; it takes {takes}")
+        return {
+            name: p.check(self.name, given[name]) if name in given else p.default_value()
+            for name, p in known.items()
+        }
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def register(kernel: Kernel) -> Kernel:
+    if kernel.name in _KERNELS:
+        raise ValueError(f"kernel {kernel.name!r} is registered twice")
+    _KERNELS[kernel.name] = kernel
+    return kernel
+
+
+def get(name) -> Kernel:
+    if not isinstance(name, str) or name not in _KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; choose 'auto' or one of: {', '.join(_KERNELS)}")
+    return _KERNELS[name]
+
+
+def kernels() -> tuple[str, ...]:
+    """Names of all kernels, available on this machine or not."""
+    return tuple(_KERNELS)
+
+
+def kernel_info(name: str) -> dict:
+    """Whether kernel `name` runs here (and why not), and its tunables:
+    {name, description, available, reason, params: {p: {default, min, max, doc}}}."""
+    kernel = get(name)
+    reason = kernel.unavailable_reason()
+    return {
+        "name": kernel.name,
+        "description": kernel.description,
+        "available": reason is None,
+        "reason": reason,
+        "params": {
+            p.name: {"default": p.default_value(), "min": p.low, "max": p.high, "doc": p.doc}
+            for p in kernel.params
+        },
+    }
+
+
+def num_threads_param(high: int) -> Param:
+    return Param("num_threads", cpu_count, 1, high, "threads; default: the CPUs this process may use")

@@ -1,0 +1,74 @@
+"""PyTorch peers, available when torch is installed. torch is imported on first
+use (it takes a second). num_threads sets torch's process-wide intra-op
+thread count for the call and restores it afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+
+from ._registry import Kernel, num_threads_param, register
+
+
+def _unavailable():
+    if importlib.util.find_spec("torch") is None:
+        return "PyTorch is not installed (pip install 'attnkern[torch]')"
+    return None
+
+
+@contextlib.contextmanager
+def _threads(torch, n: int):
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
+
+
+def _sdpa(q, k, v, causal, scale, num_threads=1):
+    import torch
+
+    with _threads(torch, num_threads), torch.no_grad():
+        out = torch.nn.functional.scaled_dot_product_attention(
+            torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), is_causal=causal, scale=scale
+        )
+    return out.numpy()
+
+
+def _naive(q, k, v, causal, scale, num_threads=1):
+    import torch
+
+    with _threads(torch, num_threads), torch.no_grad():
+        qt, kt, vt = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
+        scores = (qt @ kt.transpose(-1, -2)) * scale
+        if causal:
+            nq, nk = scores.shape[-2:]
+            mask = torch.ones(nq, nk, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ vt
+    return out.numpy()
+
+
+_THREADS = num_threads_param(1024)
+
+register(
+    Kernel(
+        name="torch.sdpa",
+        description="torch.nn.functional.scaled_dot_product_attention on the CPU",
+        run=_sdpa,
+        params=(_THREADS,),
+        unavailable_reason=_unavailable,
+    )
+)
+register(
+    Kernel(
+        name="torch.naive",
+        description="PyTorch ops: q @ k^T, masked softmax, @ v (materialised scores)",
+        run=_naive,
+        params=(_THREADS,),
+        unavailable_reason=_unavailable,
+    )
+)

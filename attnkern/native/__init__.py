@@ -1,0 +1,94 @@
+"""The C kernels (attn_kernels.h) registered as native.naive, native.tiled and
+native.flash. The instruction set is chosen at run time: the best the CPU has,
+or the one named by the environment variable ATTNKERN_ISA (generic, avx2,
+avx512), read on every call so tests can force the portable fallback."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .._registry import Kernel, Param, num_threads_param, register
+
+try:
+    from . import _attn
+except ImportError as exc:  # pragma: no cover - a broken build
+    _attn = None
+    _IMPORT_ERROR = f"the compiled extension failed to import: {exc}"
+else:
+    _IMPORT_ERROR = None
+
+
+def active_isa() -> str:
+    """The instruction set the native kernels use now."""
+    if _attn is None:
+        raise RuntimeError(_IMPORT_ERROR)
+    forced = os.environ.get("ATTNKERN_ISA", "").strip().lower()
+    if not forced:
+        return _attn.best_isa()
+    if forced not in _attn.ISAS:
+        raise ValueError(f"ATTNKERN_ISA={forced!r} is not one of: {', '.join(_attn.ISAS)}")
+    if not _attn.isa_supported(forced):
+        raise RuntimeError(f"ATTNKERN_ISA={forced!r}: not supported by this build or CPU")
+    return forced
+
+
+def supported_isas() -> tuple[str, ...]:
+    """Instruction sets this build and CPU can run, portable first."""
+    return tuple(i for i in _attn.ISAS if _attn.isa_supported(i)) if _attn else ()
+
+
+def _runner(algo: str):
+    def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1):
+        out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
+        _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads)
+        return out
+
+    run.__name__ = f"native_{algo}"
+    return run
+
+
+def _unavailable():
+    return _IMPORT_ERROR
+
+
+_MAX_BLOCK_Q = _attn.MAX_BLOCK_Q if _attn else 1024
+_MAX_BLOCK_K = _attn.MAX_BLOCK_K if _attn else 4096
+_THREADS = num_threads_param(_attn.MAX_THREADS if _attn else 256)
+
+
+def _blocks(block_q: int, block_k: int) -> tuple[Param, ...]:
+    return (
+        Param("block_q", block_q, 1, _MAX_BLOCK_Q, "query rows per task"),
+        Param("block_k", block_k, 1, _MAX_BLOCK_K, "keys per streamed K/V block"),
+    )
+
+
+register(
+    Kernel(
+        name="native.naive",
+        description="C/SIMD: the full N x N score matrix of each head, row softmax, rows over OpenMP threads",
+        run=_runner("naive"),
+        params=(_THREADS,),
+        unavailable_reason=_unavailable,
+    )
+)
+register(
+    Kernel(
+        name="native.tiled",
+        description="C/SIMD: packed K/V blocks and register-tiled matmuls; exact softmax over a block_q x N score strip",
+        run=_runner("tiled"),
+        params=(*_blocks(64, 256), _THREADS),
+        unavailable_reason=_unavailable,
+    )
+)
+register(
+    Kernel(
+        name="native.flash",
+        description="C/SIMD: online softmax over streamed K/V blocks (FlashAttention-2 order), no N x N buffer",
+        run=_runner("flash"),
+        params=(*_blocks(64, 256), _THREADS),
+        unavailable_reason=_unavailable,
+    )
+)

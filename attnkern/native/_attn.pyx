@@ -1,0 +1,88 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+"""Thin wrapper over the C kernels: arguments arrive validated from
+attnkern._api; the GIL is released for the whole computation."""
+
+from libc.stdint cimport int64_t
+
+cdef extern from "attn.h" nogil:
+    enum:
+        ATTN_OK
+        ATTN_ENOMEM
+        ATTN_EINVAL
+        ATTN_EISA
+        ATTN_ISA_COUNT
+        ATTN_MAX_BLOCK_Q
+        ATTN_MAX_BLOCK_K
+        ATTN_MAX_THREADS
+    ctypedef struct attn_problem:
+        int64_t batch, nq, nk, d, dv
+        int causal
+        double scale
+        int block_q, block_k, num_threads
+    int attn_isa_compiled(int isa)
+    int attn_isa_supported(int isa)
+    int attn_best_isa()
+    const char *attn_isa_name(int isa)
+    int attn_max_threads()
+    int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q,
+                         const float *k, const float *v, float *out)
+    int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q,
+                         const double *k, const double *v, double *out)
+
+ALGORITHMS = {"naive": 0, "tiled": 1, "flash": 2}
+ISAS = tuple(attn_isa_name(i).decode() for i in range(ATTN_ISA_COUNT))
+MAX_BLOCK_Q = ATTN_MAX_BLOCK_Q
+MAX_BLOCK_K = ATTN_MAX_BLOCK_K
+MAX_THREADS = ATTN_MAX_THREADS
+
+
+def isa_compiled(str name):
+    return bool(attn_isa_compiled(ISAS.index(name)))
+
+
+def isa_supported(str name):
+    return bool(attn_isa_supported(ISAS.index(name)))
+
+
+def best_isa():
+    return ISAS[attn_best_isa()]
+
+
+def max_threads():
+    return attn_max_threads()
+
+
+ctypedef fused real:
+    float
+    double
+
+
+def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
+            const real[:, :, ::1] v, real[:, :, ::1] out, bint causal, double scale,
+            int block_q, int block_k, int num_threads):
+    """out[...] = softmax(q k^T * scale) v on (batch, n, d) arrays."""
+    cdef attn_problem p
+    cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa)
+    p.batch, p.nq, p.nk = q.shape[0], q.shape[1], k.shape[1]
+    p.d, p.dv = q.shape[2], v.shape[2]
+    p.causal, p.scale = causal, scale
+    p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
+    if (k.shape[0] != p.batch or v.shape[0] != p.batch or k.shape[2] != p.d
+            or v.shape[1] != p.nk or out.shape[0] != p.batch or out.shape[1] != p.nq
+            or out.shape[2] != p.dv):
+        raise ValueError("native forward: inconsistent shapes")
+    cdef const real *qp = &q[0, 0, 0] if q.size else NULL
+    cdef const real *kp = &k[0, 0, 0] if k.size else NULL
+    cdef const real *vp = &v[0, 0, 0] if v.size else NULL
+    cdef real *op = &out[0, 0, 0] if out.size else NULL
+    with nogil:
+        if real is float:
+            err = attn_forward_f32(a, i, &p, qp, kp, vp, op)
+        else:
+            err = attn_forward_f64(a, i, &p, qp, kp, vp, op)
+    if err == ATTN_ENOMEM:
+        raise MemoryError(f"native.{algo}: out of memory for its work buffers")
+    if err == ATTN_EISA:
+        raise RuntimeError(f"native.{algo}: instruction set {isa!r} is not supported on this CPU")
+    if err != ATTN_OK:
+        raise ValueError(f"native.{algo}: invalid arguments (error {err})")

@@ -1,0 +1,44 @@
+/* Public C interface of attnkern's native attention kernels.
+ *
+ * Arrays are C-contiguous: q (batch, nq, d), k (batch, nk, d), v (batch, nk, dv),
+ * out (batch, nq, dv), where batch folds all leading dimensions (B * H).
+ * The Python layer validates arguments; the C entry points re-check them and
+ * return an error code rather than trusting their caller.
+ */
+#ifndef ATTNKERN_ATTN_H
+#define ATTNKERN_ATTN_H
+
+#include <stdint.h>
+
+enum attn_algo { ATTN_NAIVE = 0, ATTN_TILED = 1, ATTN_FLASH = 2 };
+enum attn_isa { ATTN_ISA_GENERIC = 0, ATTN_ISA_AVX2 = 1, ATTN_ISA_AVX512 = 2, ATTN_ISA_COUNT = 3 };
+enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3 };
+
+/* Tunable limits, shared with the Python layer through the Cython module. */
+#define ATTN_MAX_BLOCK_Q 1024
+#define ATTN_MAX_BLOCK_K 4096
+#define ATTN_MAX_THREADS 256
+
+typedef struct {
+    int64_t batch, nq, nk, d, dv;
+    int causal;        /* top-left aligned: query i sees keys j <= i */
+    double scale;      /* multiplies q . k before the softmax */
+    int block_q, block_k, num_threads;
+} attn_problem;
+
+/* Per-ISA entry points (generated from attn_kernels.h). */
+typedef int (*attn_fn_f32)(const attn_problem *, const float *, const float *, const float *, float *);
+typedef int (*attn_fn_f64)(const attn_problem *, const double *, const double *, const double *, double *);
+
+int attn_isa_compiled(int isa);
+int attn_isa_supported(int isa);  /* compiled in and the CPU has it */
+int attn_best_isa(void);
+const char *attn_isa_name(int isa);
+int attn_max_threads(void);
+
+int attn_forward_f32(int algo, int isa, const attn_problem *p,
+                     const float *q, const float *k, const float *v, float *out);
+int attn_forward_f64(int algo, int isa, const attn_problem *p,
+                     const double *q, const double *k, const double *v, double *out);
+
+#endif

@@ -1,0 +1,55 @@
+/* Shared by every ISA translation unit, before attn_kernels.h. */
+#ifndef ATTNKERN_ATTN_COMMON_H
+#define ATTNKERN_ATTN_COMMON_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attn.h"
+
+#define ATTN_INLINE inline __attribute__((always_inline))
+#define ATTN_LOG2E 1.4426950408889634
+#define ATTN_ALIGN 64
+
+/* (ln 2)^k / k!: Taylor series of 2^f = e^(f ln 2). For |f| <= 1/2 the
+ * truncation error after degree 6 is 1.2e-7 (float32's epsilon) and after
+ * degree 13 2e-16 (float64's). */
+static const double attn_exp2_taylor[14] = {
+    1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
+    0.009618129107628477, 0.0013333558146428441, 0.00015403530393381606,
+    1.5252733804059838e-05, 1.3215486790144305e-06, 1.0178086009239696e-07,
+    7.054911620801121e-09, 4.44553827187081e-10, 2.5678435993488196e-11,
+    1.3691488853904124e-12,
+};
+
+/* Cache-line aligned buffers; size 0 still gives a valid pointer. */
+static inline void *attn_alloc(size_t size)
+{
+    size_t rounded = (size + ATTN_ALIGN - 1) / ATTN_ALIGN * ATTN_ALIGN;
+    return aligned_alloc(ATTN_ALIGN, rounded ? rounded : ATTN_ALIGN);
+}
+
+static inline void attn_free(void *p) { free(p); }
+
+#define ATTN_DECLARE_ISA(isa)                                                                  \
+    int attn_naive_f32_##isa(const attn_problem *, const float *, const float *, const float *, \
+                             float *);                                                         \
+    int attn_tiled_f32_##isa(const attn_problem *, const float *, const float *, const float *, \
+                             float *);                                                         \
+    int attn_flash_f32_##isa(const attn_problem *, const float *, const float *, const float *, \
+                             float *);                                                         \
+    int attn_naive_f64_##isa(const attn_problem *, const double *, const double *,              \
+                             const double *, double *);                                        \
+    int attn_tiled_f64_##isa(const attn_problem *, const double *, const double *,              \
+                             const double *, double *);                                        \
+    int attn_flash_f64_##isa(const attn_problem *, const double *, const double *,              \
+                             const double *, double *);
+
+ATTN_DECLARE_ISA(generic)
+ATTN_DECLARE_ISA(avx2)
+ATTN_DECLARE_ISA(avx512)
+
+#endif

@@ -1,0 +1,122 @@
+/* Run-time choice of instruction set, argument checks, and the tables that
+ * map (algorithm, ISA) to a kernel. */
+#include "attn_common.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ATTN_TABLE(isa, dt)                                                        \
+    { attn_naive_##dt##_##isa, attn_tiled_##dt##_##isa, attn_flash_##dt##_##isa }
+
+static const attn_fn_f32 table_f32[ATTN_ISA_COUNT][3] = {
+    ATTN_TABLE(generic, f32),
+#ifdef ATTN_HAVE_AVX2
+    ATTN_TABLE(avx2, f32),
+#else
+    {0, 0, 0},
+#endif
+#ifdef ATTN_HAVE_AVX512
+    ATTN_TABLE(avx512, f32),
+#else
+    {0, 0, 0},
+#endif
+};
+
+static const attn_fn_f64 table_f64[ATTN_ISA_COUNT][3] = {
+    ATTN_TABLE(generic, f64),
+#ifdef ATTN_HAVE_AVX2
+    ATTN_TABLE(avx2, f64),
+#else
+    {0, 0, 0},
+#endif
+#ifdef ATTN_HAVE_AVX512
+    ATTN_TABLE(avx512, f64),
+#else
+    {0, 0, 0},
+#endif
+};
+
+const char *attn_isa_name(int isa)
+{
+    static const char *names[ATTN_ISA_COUNT] = {"generic", "avx2", "avx512"};
+    return isa >= 0 && isa < ATTN_ISA_COUNT ? names[isa] : "unknown";
+}
+
+int attn_isa_compiled(int isa)
+{
+    return isa >= 0 && isa < ATTN_ISA_COUNT && table_f32[isa][0] != 0;
+}
+
+int attn_isa_supported(int isa)
+{
+    if (!attn_isa_compiled(isa))
+        return 0;
+    switch (isa) {
+    case ATTN_ISA_GENERIC:
+        return 1;
+#if defined(__x86_64__) || defined(__i386__)
+    case ATTN_ISA_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case ATTN_ISA_AVX512:
+        return __builtin_cpu_supports("avx512f");
+#endif
+    default:
+        return 0;
+    }
+}
+
+int attn_best_isa(void)
+{
+    for (int isa = ATTN_ISA_COUNT - 1; isa > 0; isa--)
+        if (attn_isa_supported(isa))
+            return isa;
+    return ATTN_ISA_GENERIC;
+}
+
+int attn_max_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_num_procs();
+#else
+    return 1;
+#endif
+}
+
+static int check_problem(int algo, int isa, const attn_problem *p)
+{
+    if (algo < ATTN_NAIVE || algo > ATTN_FLASH)
+        return ATTN_EINVAL;
+    if (!attn_isa_supported(isa))
+        return ATTN_EISA;
+    if (p->batch < 0 || p->nq < 0 || p->nk < 1 || p->d < 1 || p->dv < 0)
+        return ATTN_EINVAL;
+    if (p->block_q < 1 || p->block_q > ATTN_MAX_BLOCK_Q || p->block_k < 1 ||
+        p->block_k > ATTN_MAX_BLOCK_K || p->num_threads < 1 || p->num_threads > ATTN_MAX_THREADS)
+        return ATTN_EINVAL;
+    if (!isfinite(p->scale))
+        return ATTN_EINVAL;
+    return ATTN_OK;
+}
+
+int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q, const float *k,
+                     const float *v, float *out)
+{
+    int err = check_problem(algo, isa, p);
+    if (err)
+        return err;
+    if (p->batch == 0 || p->nq == 0 || p->dv == 0)
+        return ATTN_OK;
+    return table_f32[isa][algo](p, q, k, v, out);
+}
+
+int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q, const double *k,
+                     const double *v, double *out)
+{
+    int err = check_problem(algo, isa, p);
+    if (err)
+        return err;
+    if (p->batch == 0 || p->nq == 0 || p->dv == 0)
+        return ATTN_OK;
+    return table_f64[isa][algo](p, q, k, v, out);
+}

@@ -1,0 +1,486 @@
+/* The three attention algorithms, written once over a small vector API.
+ *
+ * This file is a template: each attn_<isa>.c defines the vector API for one
+ * instruction set and includes it once per dtype, with
+ *   T, DT   element type and its tag (float/f32, double/f64)
+ *   ISA     tag of the instruction set (generic, avx2, avx512)
+ *   VT, VW  vector type and its width in elements
+ *   MR      rows of the register tile in the matmul micro-kernels
+ *   EXP2_DEGREE, EXP2_LO  degree of the exp2 polynomial, lowest exponent kept
+ * and functions v<op>_<DT>: load/store (aligned), loadu/storeu, set1 zero fma
+ * mul add sub max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>.
+ *
+ * All three work in the log2 domain: q is multiplied by scale * log2(e) once,
+ * so probabilities are exp2(s - max) and the softmax needs one FMA-free
+ * subtraction per score.
+ *
+ * Determinism: every output row is produced by one thread, in an order that
+ * depends only on the block sizes, never on the thread count.
+ */
+
+#define ATTN_CAT_(a, b) a##b
+#define ATTN_CAT(a, b) ATTN_CAT_(a, b)
+#define V_(op, dt) v##op##_##dt
+#define V__(op, dt) V_(op, dt)
+#define V(op) V__(op, DT)
+#define FN_(name, dt, isa) attn_##name##_##dt##_##isa
+#define FN__(name, dt, isa) FN_(name, dt, isa)
+#define FN(name) FN__(name, DT, ISA)
+/* Static helpers get a dtype suffix so both instantiations live in one file. */
+#define ST(name) ATTN_CAT(name##_, DT)
+
+#define NR (2 * VW) /* columns of the register tile: two vectors */
+
+/* 2^x for x <= 0 (x = -inf and tiny x give 2^EXP2_LO, callers zero masked
+ * entries explicitly): split x = n + f with |f| <= 1/2, Taylor series of
+ * 2^f = e^(f ln 2), times 2^n built in the exponent bits. */
+static ATTN_INLINE VT ST(vexp2)(VT x)
+{
+    x = V(max)(x, V(set1)((T)EXP2_LO));
+    VT n = V(round)(x);
+    VT f = V(sub)(x, n);
+    VT p = V(set1)((T)attn_exp2_taylor[EXP2_DEGREE]);
+    for (int i = EXP2_DEGREE - 1; i >= 0; i--)
+        p = V(fma)(p, f, V(set1)((T)attn_exp2_taylor[i]));
+    return V(mul)(p, V(pow2i)(n));
+}
+
+/* s[r][0:NR) = sum_d a[r][d] * b[d][0:NR) for r < mr: one register tile of
+ * Q Kt, with b a packed panel of Kt (d rows of NR contiguous columns). */
+static ATTN_INLINE void ST(tile_qk)(int mr, int64_t d, const T *a, int64_t lda,
+                                    const T *b, T *s, int64_t lds)
+{
+    VT acc[MR][2];
+    for (int r = 0; r < MR; r++)
+        acc[r][0] = acc[r][1] = V(zero)();
+    for (int64_t t = 0; t < d; t++) {
+        VT b0 = V(load)(b + t * NR), b1 = V(load)(b + t * NR + VW);
+        for (int r = 0; r < MR; r++) {
+            if (r < mr) {
+                VT ar = V(set1)(a[r * lda + t]);
+                acc[r][0] = V(fma)(ar, b0, acc[r][0]);
+                acc[r][1] = V(fma)(ar, b1, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+            V(store)(s + r * lds, acc[r][0]);
+            V(store)(s + r * lds + VW, acc[r][1]);
+        }
+    }
+}
+
+/* o[r][0:NR) = o[r][0:NR) * alpha[r] + sum_k p[r][k] * b[k][0:NR) for r < mr:
+ * one register tile of P V with the online-softmax rescale fused in; b is a
+ * packed panel of V (kb rows of NR contiguous columns). */
+static ATTN_INLINE void ST(tile_pv)(int mr, int64_t kb, const T *p, int64_t ldp,
+                                    const T *b, T *o, int64_t ldo, const T *alpha)
+{
+    VT acc[MR][2];
+    for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+            VT ar = V(set1)(alpha[r]);
+            acc[r][0] = V(mul)(V(load)(o + r * ldo), ar);
+            acc[r][1] = V(mul)(V(load)(o + r * ldo + VW), ar);
+        }
+    }
+    for (int64_t t = 0; t < kb; t++) {
+        VT b0 = V(load)(b + t * NR), b1 = V(load)(b + t * NR + VW);
+        for (int r = 0; r < MR; r++) {
+            if (r < mr) {
+                VT pr = V(set1)(p[r * ldp + t]);
+                acc[r][0] = V(fma)(pr, b0, acc[r][0]);
+                acc[r][1] = V(fma)(pr, b1, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+            V(store)(o + r * ldo, acc[r][0]);
+            V(store)(o + r * ldo + VW, acc[r][1]);
+        }
+    }
+}
+
+/* Full tiles take the constant-MR path so the compiler keeps the tile in
+ * registers; only the last, partial row tile pays for a runtime row count. */
+static inline void ST(call_qk)(int mr, int64_t d, const T *a, int64_t lda, const T *b,
+                               T *s, int64_t lds)
+{
+    if (mr == MR)
+        ST(tile_qk)(MR, d, a, lda, b, s, lds);
+    else
+        ST(tile_qk)(mr, d, a, lda, b, s, lds);
+}
+
+static inline void ST(call_pv)(int mr, int64_t kb, const T *p, int64_t ldp, const T *b,
+                               T *o, int64_t ldo, const T *alpha)
+{
+    if (mr == MR)
+        ST(tile_pv)(MR, kb, p, ldp, b, o, ldo, alpha);
+    else
+        ST(tile_pv)(mr, kb, p, ldp, b, o, ldo, alpha);
+}
+
+/* Packs rows [0, kb) of k (row stride d) as Kt panels: panel j holds
+ * d rows of NR columns, columns past kb are zero. */
+static void ST(pack_kt)(const T *k, int64_t kb, int64_t d, T *kt)
+{
+    for (int64_t j0 = 0; j0 < kb; j0 += NR) {
+        T *panel = kt + j0 * d;
+        int64_t nc = kb - j0 < NR ? kb - j0 : NR;
+        for (int64_t t = 0; t < d; t++) {
+            int64_t c = 0;
+            for (; c < nc; c++)
+                panel[t * NR + c] = k[(j0 + c) * d + t];
+            for (; c < NR; c++)
+                panel[t * NR + c] = 0;
+        }
+    }
+}
+
+/* Packs rows [0, kb) of v (row stride dv) as panels of NR columns: panel c
+ * starts at c * kb * NR and holds kb rows; columns past dv are zero. */
+static void ST(pack_v)(const T *v, int64_t kb, int64_t dv, T *vp)
+{
+    for (int64_t c0 = 0; c0 < dv; c0 += NR) {
+        T *panel = vp + c0 * kb;
+        int64_t nc = dv - c0 < NR ? dv - c0 : NR;
+        for (int64_t t = 0; t < kb; t++) {
+            int64_t c = 0;
+            for (; c < nc; c++)
+                panel[t * NR + c] = v[t * dv + c0 + c];
+            for (; c < NR; c++)
+                panel[t * NR + c] = 0;
+        }
+    }
+}
+
+/* Max of x[0:n), n >= 1. */
+static T ST(row_max)(const T *x, int64_t n)
+{
+    int64_t j = 0;
+    T m = x[0];
+    if (n >= VW) {
+        VT vm = V(load)(x);
+        for (j = VW; j + VW <= n; j += VW)
+            vm = V(max)(vm, V(load)(x + j));
+        m = V(hmax)(vm);
+    }
+    for (; j < n; j++)
+        m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+/* x[j] = 2^(x[j] - m) for j < valid, x[j] = 0 for valid <= j < n (n a
+ * multiple of VW); returns the sum. */
+static T ST(row_exp2_sum)(T *x, int64_t valid, int64_t n, T m)
+{
+    VT vm = V(set1)(m), vs = V(zero)();
+    int64_t lim = (valid + VW - 1) / VW * VW;
+    for (int64_t j = 0; j < lim; j += VW) {
+        VT e = ST(vexp2)(V(sub)(V(load)(x + j), vm));
+        V(store)(x + j, e);
+    }
+    for (int64_t j = valid; j < n; j++)
+        x[j] = 0;
+    for (int64_t j = 0; j < lim; j += VW)
+        vs = V(add)(vs, V(load)(x + j));
+    return V(hsum)(vs);
+}
+
+/* Scaled copy of q rows [0, rows): a[r][t] = q[r][t] * c, row stride d. */
+static void ST(scale_rows)(const T *q, int64_t rows, int64_t d, T c, T *a)
+{
+    for (int64_t i = 0; i < rows * d; i++)
+        a[i] = q[i] * c;
+}
+
+static int64_t ST(round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Keys a causal row i sees within the key block [j0, j0 + kb). */
+static int64_t ST(causal_valid)(int causal, int64_t i, int64_t j0, int64_t kb)
+{
+    if (!causal)
+        return kb;
+    int64_t n = i - j0 + 1;
+    return n < 0 ? 0 : (n > kb ? kb : n);
+}
+
+/* Writes out[r][:] = o[r][:] / l[r] for r < rows. */
+static void ST(write_out)(const T *o, int64_t ldo, const T *l, int64_t rows, int64_t dv, T *out)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < dv; c++)
+            out[r * dv + c] = o[r * ldo + c] / l[r];
+}
+
+/* ---------------------------------------------------------------- naive */
+/* The baseline: materialise the nq x nk score matrix of one head, softmax
+ * each row, then one vectorised axpy per key. Rows are spread over threads. */
+int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
+{
+    const int64_t nq = p->nq, nk = p->nk, d = p->d, dv = p->dv;
+    const int64_t lds = ST(round_up)(nk, VW);
+    const T c = (T)(p->scale * ATTN_LOG2E);
+    T *s = attn_alloc((size_t)nq * (size_t)lds * sizeof(T));
+    if (!s)
+        return ATTN_ENOMEM;
+    for (int64_t b = 0; b < p->batch; b++) {
+        const T *qb = q + b * nq * d, *kb = k + b * nk * d, *vb = v + b * nk * dv;
+        T *ob = out + b * nq * dv;
+#pragma omp parallel for schedule(static) num_threads(p->num_threads)
+        for (int64_t i = 0; i < nq; i++) {
+            T *si = s + i * lds;
+            const T *qi = qb + i * d;
+            int64_t valid = ST(causal_valid)(p->causal, i, 0, nk);
+            for (int64_t j = 0; j < valid; j++) {
+                const T *kj = kb + j * d;
+                VT acc = V(zero)();
+                int64_t t = 0;
+                for (; t + VW <= d; t += VW)
+                    acc = V(fma)(V(loadu)(qi + t), V(loadu)(kj + t), acc);
+                T dot = V(hsum)(acc);
+                for (; t < d; t++)
+                    dot += qi[t] * kj[t];
+                si[j] = dot * c;
+            }
+            T m = ST(row_max)(si, valid);
+            T l = ST(row_exp2_sum)(si, valid, lds, m);
+            T *oi = ob + i * dv;
+            for (int64_t t = 0; t < dv; t++)
+                oi[t] = 0;
+            for (int64_t j = 0; j < valid; j++) {
+                const T *vj = vb + j * dv;
+                VT pj = V(set1)(si[j]);
+                int64_t t = 0;
+                for (; t + VW <= dv; t += VW)
+                    V(storeu)(oi + t, V(fma)(pj, V(loadu)(vj + t), V(loadu)(oi + t)));
+                for (; t < dv; t++)
+                    oi[t] += si[j] * vj[t];
+            }
+            for (int64_t t = 0; t < dv; t++)
+                oi[t] /= l;
+        }
+    }
+    attn_free(s);
+    return ATTN_OK;
+}
+
+/* Per-thread workspace of the blocked algorithms. */
+typedef struct {
+    T *a;      /* scaled q block, bq x d */
+    T *kt;     /* packed Kt, d x bk_pad */
+    T *vp;     /* packed V, bk x dv_pad */
+    T *s;      /* scores / probabilities, bq x lds */
+    T *o;      /* output accumulator, bq x dv_pad */
+    T *m, *l, *alpha; /* per row: running max, running sum, rescale */
+} ST(workspace);
+
+static void ST(ws_free)(ST(workspace) *w)
+{
+    attn_free(w->a); attn_free(w->kt); attn_free(w->vp); attn_free(w->s);
+    attn_free(w->o); attn_free(w->m); attn_free(w->l); attn_free(w->alpha);
+}
+
+static int ST(ws_alloc)(ST(workspace) *w, int64_t bq, int64_t bk, int64_t lds,
+                        int64_t d, int64_t dv_pad)
+{
+    int64_t bk_pad = ST(round_up)(bk, NR);
+    w->a = attn_alloc(sizeof(T) * (size_t)(bq * d));
+    w->kt = attn_alloc(sizeof(T) * (size_t)(d * bk_pad));
+    w->vp = attn_alloc(sizeof(T) * (size_t)(bk * dv_pad));
+    w->s = attn_alloc(sizeof(T) * (size_t)(bq * lds));
+    w->o = attn_alloc(sizeof(T) * (size_t)(bq * dv_pad));
+    w->m = attn_alloc(sizeof(T) * (size_t)bq);
+    w->l = attn_alloc(sizeof(T) * (size_t)bq);
+    w->alpha = attn_alloc(sizeof(T) * (size_t)bq);
+    if (w->a && w->kt && w->vp && w->s && w->o && w->m && w->l && w->alpha)
+        return 1;
+    ST(ws_free)(w);
+    return 0;
+}
+
+/* s[:, 0:kb_pad) = a . kt for rows [0, bq); in a causal block, tiles left of
+ * nothing a row can see are skipped (row r sees keys < row_lim(r)). */
+static void ST(block_qk)(const ST(workspace) *w, const T *kblk, int64_t kb, int64_t bq,
+                         int64_t d, T *s, int64_t lds, int causal, int64_t i0, int64_t j0)
+{
+    ST(pack_kt)(kblk, kb, d, w->kt);
+    for (int64_t jp = 0; jp < kb; jp += NR) {
+        const T *panel = w->kt + jp * d;
+        for (int64_t r0 = 0; r0 < bq; r0 += MR) {
+            int mr = (int)(bq - r0 < MR ? bq - r0 : MR);
+            if (causal && j0 + jp > i0 + r0 + mr - 1)
+                continue;
+            ST(call_qk)(mr, d, w->a + r0 * d, d, panel, s + r0 * lds + jp, lds);
+        }
+    }
+}
+
+/* o = o * alpha + p . V for a key block of kb rows (alpha NULL: no rescale);
+ * in a causal block only the keys a row tile can see are visited. */
+static void ST(block_pv)(const ST(workspace) *w, const T *vblk, int64_t kb, int64_t bq,
+                         int64_t dv, int64_t dv_pad, const T *pr, int64_t ldp,
+                         const T *alpha, int causal, int64_t i0, int64_t j0)
+{
+    ST(pack_v)(vblk, kb, dv, w->vp);
+    for (int64_t r0 = 0; r0 < bq; r0 += MR) {
+        int mr = (int)(bq - r0 < MR ? bq - r0 : MR);
+        int64_t kv = ST(causal_valid)(causal, i0 + r0 + mr - 1, j0, kb);
+        if (kv == 0)
+            continue;  /* all p are zero and alpha is one */
+        for (int64_t c0 = 0; c0 < dv_pad; c0 += NR)
+            ST(call_pv)(mr, kv, pr + r0 * ldp, ldp, w->vp + c0 * kb, w->o + r0 * dv_pad + c0,
+                        dv_pad, alpha + r0);
+    }
+}
+
+/* One query block: rows [i0, i0 + bq) of batch entry bh. */
+typedef void (*ST(block_fn))(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
+                             const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+                             int64_t dv_pad, int64_t lds);
+
+/* Runs body over every (batch entry, query block), heaviest causal blocks
+ * first, each block on one thread with that thread's own workspace. */
+static int ST(for_each_qblock)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
+                               int64_t lds, ST(block_fn) body)
+{
+    const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q;
+    const int64_t ntasks = nqb * p->batch;
+    const int64_t dv_pad = ST(round_up)(p->dv, NR);
+    int failed = 0;
+#pragma omp parallel num_threads(p->num_threads)
+    {
+        ST(workspace) w = {0};
+        int ok = ST(ws_alloc)(&w, p->block_q, p->block_k, lds, p->d, dv_pad);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < ntasks; t++) {
+            if (!ok)
+                continue;
+            int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
+            int64_t bq = p->nq - i0 < p->block_q ? p->nq - i0 : p->block_q;
+            body(p, q, k, v, out, &w, bh, i0, bq, dv_pad, lds);
+        }
+        if (ok)
+            ST(ws_free)(&w);
+    }
+    return failed ? ATTN_ENOMEM : ATTN_OK;
+}
+
+/* ---------------------------------------------------------------- tiled */
+/* Cache-blocked exact softmax: for a block of queries, the whole score row
+ * block (bq x nk) is built from packed K blocks, softmaxed in two passes,
+ * then multiplied with packed V blocks. O(bq * nk) memory per thread. */
+static void ST(tiled_block)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
+                            const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+                            int64_t dv_pad, int64_t lds)
+{
+    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k;
+    const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
+    const int64_t bk_pad = ST(round_up)(bk, NR);
+    const T *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
+    ST(scale_rows)(q + (bh * p->nq + i0) * d, bq, d, (T)(p->scale * ATTN_LOG2E), w->a);
+    /* key block j0 lives at columns [(j0 / bk) * bk_pad, + kb) of s */
+    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        int64_t kb = kend - j0 < bk ? kend - j0 : bk;
+        ST(block_qk)(w, kh + j0 * d, kb, bq, d, w->s + (j0 / bk) * bk_pad, lds, p->causal, i0, j0);
+    }
+    for (int64_t r = 0; r < bq; r++) {
+        T *sr = w->s + r * lds;
+        T m = -INFINITY, l = 0;
+        for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+            int64_t kb = kend - j0 < bk ? kend - j0 : bk;
+            int64_t valid = ST(causal_valid)(p->causal, i0 + r, j0, kb);
+            if (valid > 0) {
+                T mb = ST(row_max)(sr + (j0 / bk) * bk_pad, valid);
+                m = mb > m ? mb : m;
+            }
+        }
+        for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+            int64_t kb = kend - j0 < bk ? kend - j0 : bk;
+            int64_t valid = ST(causal_valid)(p->causal, i0 + r, j0, kb);
+            l += ST(row_exp2_sum)(sr + (j0 / bk) * bk_pad, valid, ST(round_up)(kb, VW), m);
+        }
+        w->l[r] = l;
+        w->alpha[r] = 1;
+        for (int64_t c = 0; c < dv_pad; c++)
+            w->o[r * dv_pad + c] = 0;
+    }
+    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        int64_t kb = kend - j0 < bk ? kend - j0 : bk;
+        ST(block_pv)(w, vh + j0 * dv, kb, bq, dv, dv_pad, w->s + (j0 / bk) * bk_pad, lds,
+                     w->alpha, p->causal, i0, j0);
+    }
+    ST(write_out)(w->o, dv_pad, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
+}
+
+int FN(tiled)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
+{
+    const int64_t nkb = (p->nk + p->block_k - 1) / p->block_k;
+    const int64_t lds = nkb * ST(round_up)(p->block_k, NR);
+    return ST(for_each_qblock)(p, q, k, v, out, lds, ST(tiled_block));
+}
+
+/* ---------------------------------------------------------------- flash */
+/* Online softmax (FlashAttention-2 order): for a block of queries, stream
+ * K/V blocks, keep a running max and sum per row and rescale the output
+ * accumulator; no buffer grows with nk. Causal blocks past the diagonal are
+ * never touched. */
+static void ST(flash_block)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
+                            const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+                            int64_t dv_pad, int64_t lds)
+{
+    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k;
+    const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
+    const T *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
+    ST(scale_rows)(q + (bh * p->nq + i0) * d, bq, d, (T)(p->scale * ATTN_LOG2E), w->a);
+    for (int64_t r = 0; r < bq; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0;
+    }
+    for (int64_t i = 0; i < bq * dv_pad; i++)
+        w->o[i] = 0;
+    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        int64_t kb = kend - j0 < bk ? kend - j0 : bk;
+        int64_t kb_vw = ST(round_up)(kb, VW);
+        ST(block_qk)(w, kh + j0 * d, kb, bq, d, w->s, lds, p->causal, i0, j0);
+        for (int64_t r = 0; r < bq; r++) {
+            T *sr = w->s + r * lds;
+            int64_t valid = ST(causal_valid)(p->causal, i0 + r, j0, kb);
+            if (valid == 0) {  /* row sees none of this block */
+                for (int64_t j = 0; j < kb_vw; j++)
+                    sr[j] = 0;
+                w->alpha[r] = 1;
+                continue;
+            }
+            T mb = ST(row_max)(sr, valid);
+            T mnew = mb > w->m[r] ? mb : w->m[r];
+            /* first block: m = -inf and the accumulator is zero, alpha = 0 */
+            w->alpha[r] = w->m[r] == -INFINITY ? 0 : (T)exp2((double)(w->m[r] - mnew));
+            w->l[r] = w->l[r] * w->alpha[r] + ST(row_exp2_sum)(sr, valid, kb_vw, mnew);
+            w->m[r] = mnew;
+        }
+        ST(block_pv)(w, vh + j0 * dv, kb, bq, dv, dv_pad, w->s, lds, w->alpha, p->causal, i0, j0);
+    }
+    ST(write_out)(w->o, dv_pad, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
+}
+
+int FN(flash)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
+{
+    return ST(for_each_qblock)(p, q, k, v, out, ST(round_up)(p->block_k, NR), ST(flash_block));
+}
+
+#undef NR
+#undef ST
+#undef FN
+#undef FN__
+#undef FN_
+#undef V
+#undef V__
+#undef V_
