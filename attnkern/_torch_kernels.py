@@ -31,11 +31,11 @@ def _threads(torch, n: int):
 def _sdpa(q, k, v, causal, scale, num_threads=1):
     import torch
 
+    # (1, batch, n, d): torch's fused CPU kernels take 4-D inputs; 3-D ones fall back to plain math
+    qt, kt, vt = (torch.from_numpy(x)[None] for x in (q, k, v))
     with _threads(torch, num_threads), torch.no_grad():
-        out = torch.nn.functional.scaled_dot_product_attention(
-            torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), is_causal=causal, scale=scale
-        )
-    return out.numpy()
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+    return out[0].numpy()
 
 
 def _naive(q, k, v, causal, scale, num_threads=1):

@@ -22,7 +22,7 @@ static ATTN_INLINE __m256 vround_f32(__m256 x)
 {
     return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-/* 2^n for integral n in [-126, 0]: n + 127 in the exponent field. */
+/* 2^n for integral n in [-127, 0]: n + 127 in the exponent field (0 for -127). */
 static ATTN_INLINE __m256 vpow2i_f32(__m256 n)
 {
     __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
@@ -58,7 +58,7 @@ static ATTN_INLINE __m256d vround_f64(__m256d x)
 {
     return _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-/* 2^n for integral n in [-1022, 0]: adding 1.5 * 2^52 puts n in the low
+/* 2^n for integral n in [-1023, 0]: adding 1.5 * 2^52 puts n in the low
  * mantissa bits; n + 1023 shifted into the exponent field is 2^n. */
 static ATTN_INLINE __m256d vpow2i_f64(__m256d n)
 {
@@ -80,13 +80,15 @@ static ATTN_INLINE double vhmax_f64(__m256d x)
 #define DT f32
 #define VT __m256
 #define VW 8
-#define EXP2_DEGREE 6
-#define EXP2_LO -126
+#define EXP2_COEF attn_exp2_f32
+#define EXP2_DEGREE 5
+#define EXP2_LO -127
 #include "attn_kernels.h"
 #undef T
 #undef DT
 #undef VT
 #undef VW
+#undef EXP2_COEF
 #undef EXP2_DEGREE
 #undef EXP2_LO
 
@@ -94,6 +96,7 @@ static ATTN_INLINE double vhmax_f64(__m256d x)
 #define DT f64
 #define VT __m256d
 #define VW 4
+#define EXP2_COEF attn_exp2_f64
 #define EXP2_DEGREE 13
-#define EXP2_LO -1022
+#define EXP2_LO -1023
 #include "attn_kernels.h"

@@ -14,10 +14,15 @@
 #define ATTN_LOG2E 1.4426950408889634
 #define ATTN_ALIGN 64
 
-/* (ln 2)^k / k!: Taylor series of 2^f = e^(f ln 2). For |f| <= 1/2 the
- * truncation error after degree 6 is 1.2e-7 (float32's epsilon) and after
- * degree 13 2e-16 (float64's). */
-static const double attn_exp2_taylor[14] = {
+/* Polynomials for 2^f, |f| <= 1/2, lowest degree first.
+ * float32: Chebyshev interpolant of degree 5, relative error 1.0e-7 (below
+ * float32's epsilon of 1.2e-7) with one FMA fewer than Taylor's degree 6.
+ * float64: Taylor series (ln 2)^k / k! to degree 13, truncation error 2e-16. */
+static const double attn_exp2_f32[6] = {
+    1.0000000754548972, 0.6931471880262294, 0.24022107485309188,
+    0.055503571142190296, 0.009676031918298474, 0.0013390863364698205,
+};
+static const double attn_exp2_f64[14] = {
     1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
     0.009618129107628477, 0.0013333558146428441, 0.00015403530393381606,
     1.5252733804059838e-05, 1.3215486790144305e-06, 1.0178086009239696e-07,

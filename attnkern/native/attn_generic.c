@@ -95,13 +95,15 @@ ATTN_GENERIC_OPS(double, f64, 4, uint64_t, 1023, 52)
 #define DT f32
 #define VT vec_f32
 #define VW 8
-#define EXP2_DEGREE 6
-#define EXP2_LO -126
+#define EXP2_COEF attn_exp2_f32
+#define EXP2_DEGREE 5
+#define EXP2_LO -127
 #include "attn_kernels.h"
 #undef T
 #undef DT
 #undef VT
 #undef VW
+#undef EXP2_COEF
 #undef EXP2_DEGREE
 #undef EXP2_LO
 
@@ -109,6 +111,7 @@ ATTN_GENERIC_OPS(double, f64, 4, uint64_t, 1023, 52)
 #define DT f64
 #define VT vec_f64
 #define VW 4
+#define EXP2_COEF attn_exp2_f64
 #define EXP2_DEGREE 13
-#define EXP2_LO -1022
+#define EXP2_LO -1023
 #include "attn_kernels.h"

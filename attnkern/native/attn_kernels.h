@@ -6,7 +6,8 @@
  *   ISA     tag of the instruction set (generic, avx2, avx512)
  *   VT, VW  vector type and its width in elements
  *   MR      rows of the register tile in the matmul micro-kernels
- *   EXP2_DEGREE, EXP2_LO  degree of the exp2 polynomial, lowest exponent kept
+ *   EXP2_COEF, EXP2_DEGREE  the 2^f polynomial (attn_common.h) and its degree
+ *   EXP2_LO  the exponent whose 2^n has all exponent bits zero (-127, -1023)
  * and functions v<op>_<DT>: load/store (aligned), loadu/storeu, set1 zero fma
  * mul add sub max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>.
  *
@@ -31,17 +32,17 @@
 
 #define NR (2 * VW) /* columns of the register tile: two vectors */
 
-/* 2^x for x <= 0 (x = -inf and tiny x give 2^EXP2_LO, callers zero masked
- * entries explicitly): split x = n + f with |f| <= 1/2, Taylor series of
- * 2^f = e^(f ln 2), times 2^n built in the exponent bits. */
+/* 2^x for x <= 0: split x = n + f with |f| <= 1/2, a polynomial for 2^f,
+ * times 2^n built in the exponent bits. x <= EXP2_LO (masked scores are
+ * -inf) gives n = EXP2_LO, whose exponent bits are all zero: exactly 0. */
 static ATTN_INLINE VT ST(vexp2)(VT x)
 {
     x = V(max)(x, V(set1)((T)EXP2_LO));
     VT n = V(round)(x);
     VT f = V(sub)(x, n);
-    VT p = V(set1)((T)attn_exp2_taylor[EXP2_DEGREE]);
+    VT p = V(set1)((T)EXP2_COEF[EXP2_DEGREE]);
     for (int i = EXP2_DEGREE - 1; i >= 0; i--)
-        p = V(fma)(p, f, V(set1)((T)attn_exp2_taylor[i]));
+        p = V(fma)(p, f, V(set1)((T)EXP2_COEF[i]));
     return V(mul)(p, V(pow2i)(n));
 }
 
@@ -174,19 +175,21 @@ static T ST(row_max)(const T *x, int64_t n)
 }
 
 /* x[j] = 2^(x[j] - m) for j < valid, x[j] = 0 for valid <= j < n (n a
- * multiple of VW); returns the sum. */
+ * multiple of VW); returns the sum. One pass: the tail of the last vector is
+ * set to -inf first, which vexp2 maps to exactly 0. */
 static T ST(row_exp2_sum)(T *x, int64_t valid, int64_t n, T m)
 {
     VT vm = V(set1)(m), vs = V(zero)();
     int64_t lim = (valid + VW - 1) / VW * VW;
+    for (int64_t j = valid; j < lim; j++)
+        x[j] = -INFINITY;
     for (int64_t j = 0; j < lim; j += VW) {
         VT e = ST(vexp2)(V(sub)(V(load)(x + j), vm));
         V(store)(x + j, e);
+        vs = V(add)(vs, e);
     }
-    for (int64_t j = valid; j < n; j++)
+    for (int64_t j = lim; j < n; j++)
         x[j] = 0;
-    for (int64_t j = 0; j < lim; j += VW)
-        vs = V(add)(vs, V(load)(x + j));
     return V(hsum)(vs);
 }
 

@@ -1,0 +1,52 @@
+"""Bit-identical results run after run and for every thread count; safe under
+concurrent calls from Python threads (the GIL is released in native code)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import attnkern
+from conftest import ISAS, NATIVE, assert_matches_reference, forced_isa, random_qkv
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel", NATIVE)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bitwise_identical_across_runs_and_threads(kernel, isa, causal, dtype):
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, (2, 3), 203, 181, 40, 24, dtype)
+    with forced_isa(isa):
+        first = attnkern.attention(q, k, v, causal=causal, kernel=kernel, num_threads=1)
+        for threads in (1, 2, 3, 4, 7):
+            for _ in range(2):
+                out = attnkern.attention(q, k, v, causal=causal, kernel=kernel, num_threads=threads)
+                assert out.tobytes() == first.tobytes(), f"num_threads={threads} changed the result"
+
+
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_concurrent_python_threads(kernel):
+    rng = np.random.default_rng(12)
+    problems = [random_qkv(rng, (2,), 120 + i, 90 + 2 * i, 32, 16, np.float32) for i in range(6)]
+    expected = [attnkern.attention(*p, kernel=kernel, num_threads=1) for p in problems]
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                out = attnkern.attention(*problems[i], kernel=kernel, num_threads=2)
+                assert out.tobytes() == expected[i].tobytes()
+            results[i] = out
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(problems))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert sorted(results) == list(range(len(problems)))
+    for i, (q, k, v) in enumerate(problems):
+        assert_matches_reference(results[i], q, k, v)

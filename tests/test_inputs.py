@@ -1,0 +1,160 @@
+"""Bad input gets a clear exception; unusual but valid input gets a correct result."""
+
+import re
+
+import numpy as np
+import pytest
+
+import attnkern
+from conftest import AVAILABLE, NATIVE, assert_matches_reference, forced_isa, random_qkv
+
+rng = np.random.default_rng(5)
+Q, K, V = random_qkv(rng, (2,), 9, 11, 8, 4, np.float32)
+
+
+def _with(**changes):
+    args = {"q": Q, "k": K, "v": V}
+    args.update(changes)
+    return args
+
+
+BAD_ARRAYS = [
+    (_with(q=Q[0, 0]), ValueError, "q has 1 dimension"),
+    (_with(q=Q[None, None], k=K[None, None], v=V[None, None]), ValueError, "expected 2 to 4"),
+    (_with(k=K[..., :7]), ValueError, "same feature size D"),
+    (_with(v=V[:, :10]), ValueError, "same sequence length"),
+    (_with(q=np.concatenate([Q, Q])), ValueError, "same leading"),
+    (_with(q=Q.astype(np.int64)), TypeError, "dtype int64"),
+    (_with(q=Q.astype(np.float16), k=K.astype(np.float16), v=V.astype(np.float16)), TypeError, "float16"),
+    (_with(k=K.astype(np.float64)), TypeError, "share one dtype"),
+    (_with(k=K[:, :0], v=V[:, :0]), ValueError, "no keys"),
+    (_with(q=Q[..., :0], k=K[..., :0]), ValueError, "feature size D of q and k is 0"),
+    (_with(q=np.where(np.arange(8) == 3, np.nan, Q).astype(np.float32)), ValueError, "q contains NaN"),
+    (_with(v=np.full_like(V, np.inf)), ValueError, "v contains NaN or infinity"),
+    (_with(q=[[1.0, 2.0], [3.0]]), TypeError, "cannot be converted|ragged"),
+    (_with(q="not an array"), TypeError, "dtype <U12"),
+]
+
+
+@pytest.mark.parametrize("kernel", AVAILABLE)
+@pytest.mark.parametrize("args,exc,message", BAD_ARRAYS)
+def test_bad_arrays(kernel, args, exc, message):
+    with pytest.raises(exc, match=message):
+        attnkern.attention(**args, kernel=kernel)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,message",
+    [
+        ({"scale": float("nan")}, ValueError, "scale must be finite"),
+        ({"scale": "big"}, TypeError, "scale must be a real number"),
+        ({"causal": "yes"}, TypeError, "causal must be True or False"),
+        ({"kernel": "cuda.warp9"}, ValueError, "unknown kernel 'cuda.warp9'; choose 'auto' or one of: native.naive"),
+        ({"kernel": "native.flash", "block_q": 0}, ValueError, re.escape("1 <= block_q <= 1024")),
+        ({"kernel": "native.flash", "block_q": 10**6}, ValueError, "block_q=1000000 is out of range"),
+        ({"kernel": "native.tiled", "block_k": -1}, ValueError, re.escape("1 <= block_k <= 4096")),
+        ({"kernel": "native.flash", "num_threads": 0}, ValueError, "num_threads=0 is out of range"),
+        ({"kernel": "native.flash", "num_threads": 10**5}, ValueError, "num_threads=100000 is out of range"),
+        ({"kernel": "native.flash", "block_q": 3.5}, TypeError, "block_q must be an integer"),
+        ({"kernel": "native.flash", "block_q": True}, TypeError, "block_q must be an integer"),
+        ({"kernel": "native.flash", "tile": 4}, TypeError, "does not take 'tile'; it takes block_q, block_k, num_threads"),
+        ({"kernel": "native.naive", "block_q": 4}, TypeError, "does not take 'block_q'; it takes num_threads"),
+        ({"kernel": "numpy.naive", "num_threads": 2}, TypeError, "it takes no tunable parameters"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        attnkern.attention(Q, K, V, **kwargs)
+
+
+def test_forced_isa_errors():
+    with forced_isa("sse9"), pytest.raises(ValueError, match="ATTNKERN_ISA='sse9' is not one of"):
+        attnkern.attention(Q, K, V, kernel="native.flash")
+    missing = [i for i in ("avx2", "avx512") if i not in attnkern.supported_isas()]
+    for isa in missing:
+        with forced_isa(isa), pytest.raises(RuntimeError, match="not supported by this build or CPU"):
+            attnkern.attention(Q, K, V, kernel="native.flash")
+
+
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_overflowing_scores_raise(kernel):
+    q = np.full((4, 8), 1e20, dtype=np.float32)
+    with pytest.raises(FloatingPointError, match="overflows float32"):
+        attnkern.attention(q, q, q, kernel=kernel)
+
+
+def test_out_of_memory_is_a_python_error():
+    big = np.ones((200_000, 1), dtype=np.float32)  # a 200000^2 score matrix: 160 GB
+    with pytest.raises(MemoryError, match="native.naive: out of memory"):
+        attnkern.attention(big, big, big, kernel="native.naive")
+
+
+def test_unavailable_kernel_raises(monkeypatch):
+    from attnkern import _registry
+
+    broken = _registry.Kernel("test.broken", "never runs", run=None, unavailable_reason=lambda: "no such device")
+    monkeypatch.setitem(_registry._KERNELS, broken.name, broken)
+    info = attnkern.kernel_info("test.broken")
+    assert info["available"] is False and info["reason"] == "no such device"
+    with pytest.raises(RuntimeError, match="test.broken is not available here: no such device"):
+        attnkern.attention(Q, K, V, kernel="test.broken")
+
+
+@pytest.mark.parametrize("kernel", AVAILABLE)
+def test_valid_but_unusual_inputs(kernel):
+    # non-contiguous views are copied, lists converted (float64), results correct
+    qt = np.asfortranarray(Q)
+    assert_matches_reference(attnkern.attention(qt, K, V, kernel=kernel), Q, K, V)
+    kv = np.ascontiguousarray(K[:, ::-1])
+    assert_matches_reference(attnkern.attention(Q, K[:, ::-1], V, kernel=kernel), Q, kv, V)
+    ql, kl, vl = (x[0].astype(np.float64).tolist() for x in (Q, K, V))
+    out = attnkern.attention(ql, kl, vl, kernel=kernel)
+    assert out.dtype == np.float64
+    assert_matches_reference(out, np.array(ql), np.array(kl), np.array(vl))
+    # empty outputs: no queries, zero value width, zero batch
+    assert attnkern.attention(Q[:, :0], K, V, kernel=kernel).shape == (2, 0, 4)
+    assert attnkern.attention(Q, K, V[..., :0], kernel=kernel).shape == (2, 9, 0)
+    assert attnkern.attention(Q[:0], K[:0], V[:0], kernel=kernel).shape == (0, 9, 4)
+    # one query, one key: the output is v
+    np.testing.assert_array_equal(attnkern.attention(Q[:, :1], K[:, :1], V[:, :1], kernel=kernel), V[:, :1])
+
+
+def test_torch_cpu_tensors_are_accepted():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in (Q, K, V))
+    out = attnkern.attention(q, k, v, kernel="native.flash")
+    assert isinstance(out, np.ndarray)
+    assert_matches_reference(out, Q, K, V)
+    with pytest.raises(TypeError, match="cannot be converted to a NumPy array"):
+        attnkern.attention(q.clone().requires_grad_(), k, v)
+
+
+def test_check_finite_off_skips_the_input_scan():
+    q = Q.copy()
+    q[0, 0, 0] = np.nan
+    out = attnkern.attention(q, K, V, kernel="native.flash", check_finite=False)
+    assert np.isnan(out[0, 0]).all() and np.isfinite(out[1]).all()
+
+
+def test_kernel_registry():
+    names = attnkern.kernels()
+    for expected in ("numpy.naive", "native.naive", "native.tiled", "native.flash", "torch.sdpa", "torch.naive"):
+        assert expected in names
+    info = attnkern.kernel_info("native.flash")
+    assert info["available"] and info["reason"] is None
+    assert set(info["params"]) == {"block_q", "block_k", "num_threads"}
+    for p in info["params"].values():
+        assert p["min"] <= p["default"] <= p["max"]
+    with pytest.raises(ValueError, match="unknown kernel"):
+        attnkern.kernel_info("nope")
+
+
+def test_reference_is_float64_and_exact_on_a_hand_case():
+    q = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    k = np.array([[0.0, 0.0], [np.log(3.0) * np.sqrt(2.0), 0.0]], dtype=np.float32)
+    v = np.array([[1.0], [5.0]], dtype=np.float32)
+    ref = attnkern.reference(q, k, v)
+    assert ref.dtype == np.float64
+    # row 0: scores (0, ln 3) -> weights (1/4, 3/4) -> 4; row 1: uniform -> 3
+    np.testing.assert_allclose(ref, [[4.0], [3.0]], rtol=1e-6)
+    np.testing.assert_allclose(attnkern.reference(q, k, v, causal=True), [[1.0], [3.0]], rtol=1e-6)
