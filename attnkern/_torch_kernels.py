@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 
+import numpy as np
+
 from ._registry import Kernel, num_threads_param, register
 
 
@@ -31,6 +33,10 @@ def _threads(torch, n: int):
 def _sdpa(q, k, v, causal, scale, num_threads=1):
     import torch
 
+    if q.dtype.type(scale) == 0:
+        # torch's fused kernel gives NaN for a scale that is 0 in the dtype, with is_causal (0 * -inf);
+        # zero scores through q = 0 are the same softmax
+        q, scale = np.zeros_like(q), 1.0
     # (1, batch, n, d): torch's fused CPU kernels take 4-D inputs; 3-D ones fall back to plain math
     qt, kt, vt = (torch.from_numpy(x)[None] for x in (q, k, v))
     with _threads(torch, num_threads), torch.no_grad():

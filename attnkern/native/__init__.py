@@ -79,7 +79,7 @@ register(
         name="native.tiled",
         description="C/SIMD: packed K/V blocks and register-tiled matmuls; exact softmax over a block_q x N score strip",
         run=_runner("tiled"),
-        params=(*_blocks(64, 256), _THREADS),
+        params=(*_blocks(256, 256), _THREADS),
         unavailable_reason=_unavailable,
     )
 )
@@ -88,7 +88,7 @@ register(
         name="native.flash",
         description="C/SIMD: online softmax over streamed K/V blocks (FlashAttention-2 order), no N x N buffer",
         run=_runner("flash"),
-        params=(*_blocks(64, 256), _THREADS),
+        params=(*_blocks(256, 256), _THREADS),
         unavailable_reason=_unavailable,
     )
 )
