@@ -33,10 +33,11 @@ def _threads(torch, n: int):
 def _sdpa(q, k, v, causal, scale, num_threads=1):
     import torch
 
-    if q.dtype.type(scale) == 0:
-        # torch's fused kernel gives NaN for a scale that is 0 in the dtype, with is_causal (0 * -inf);
-        # zero scores through q = 0 are the same softmax
-        q, scale = np.zeros_like(q), 1.0
+    if causal and not q.dtype.type(scale) > 0:
+        # torch's fused kernel masks with -inf before scaling: a scale that is negative, or
+        # 0 in the dtype, turns the mask into +inf or NaN. The same scores, with the sign
+        # (or the zero) moved into q:
+        q, scale = (-q, -scale) if q.dtype.type(scale) < 0 else (np.zeros_like(q), 1.0)
     # (1, batch, n, d): torch's fused CPU kernels take 4-D inputs; 3-D ones fall back to plain math
     qt, kt, vt = (torch.from_numpy(x)[None] for x in (q, k, v))
     with _threads(torch, num_threads), torch.no_grad():
