@@ -39,8 +39,33 @@ def supported_isas() -> tuple[str, ...]:
     return tuple(i for i in _attn.ISAS if _attn.isa_supported(i)) if _attn else ()
 
 
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 1 << 62
+
+
+def _check_workspace(algo, q, k, block_q, num_threads):
+    """Refuse score buffers larger than the machine's memory: with overcommit the
+    allocation would succeed and the process be killed when it touches them."""
+    nk = k.shape[1] + 64  # rounded up to a vector multiple per block in C; 64 covers it
+    if algo == "naive":
+        need = q.shape[1] * nk * q.itemsize
+    elif algo == "tiled":
+        need = min(num_threads, q.shape[0] * -(-q.shape[1] // block_q)) * block_q * nk * q.itemsize
+    else:
+        return
+    if need > _physical_memory():
+        raise MemoryError(
+            f"native.{algo}: out of memory: its score buffer needs {need / 2**30:.1f} GiB, more than this "
+            f"machine's {_physical_memory() / 2**30:.1f} GiB; use native.flash (no N x N buffer)"
+        )
+
+
 def _runner(algo: str):
     def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1):
+        _check_workspace(algo, q, k, block_q, num_threads)
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
         _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads)
         return out
