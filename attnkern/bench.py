@@ -5,8 +5,9 @@
     python -m attnkern.bench --memory        # peak extra memory of native.flash at N = 65536
 
 Every kernel runs with the same thread count (BLAS threads pinned with
-threadpoolctl, torch's through its num_threads); calls are interleaved
-round-robin so machine noise hits all kernels alike, and medians are reported.
+threadpoolctl, torch's through its num_threads). Kernels take turns (a pause,
+an untimed call, then timed calls back to back) round-robin over two passes,
+so slow drifts of a shared machine hit all alike; medians are reported.
 GFLOP/s counts 4*B*H*Nq*Nk*D per forward (two matmuls), half for causal.
 The ceiling is NumPy's float32 matmul at 2048^3 measured in the same run.
 """
@@ -56,23 +57,26 @@ def _thread_params(kernel: str, threads: int) -> dict:
     return {"num_threads": threads} if "num_threads" in attnkern.kernel_info(kernel)["params"] else {}
 
 
-def time_kernels(kernels, q, k, v, causal: bool, threads: int, repeat: int, settle: float = 0.2) -> dict[str, float]:
-    """Median seconds per call of each kernel, calls interleaved round-robin.
+def time_kernels(kernels, q, k, v, causal: bool, threads: int, repeat: int, settle: float = 0.3,
+                 passes: int = 2) -> dict[str, float]:
+    """Median seconds per call of each kernel.
 
-    BLAS and OpenMP worker threads spin-wait for a while after a call; on a
-    small machine they would steal the cores of the next kernel, so each timed
-    call starts after a pause of `settle` seconds."""
+    Each kernel gets a turn of one untimed and `repeat` timed calls; turns go
+    round-robin `passes` times. BLAS and OpenMP worker threads spin-wait for a
+    while after a call and would steal the next kernel's cores on a small
+    machine, so each turn starts after `settle` seconds of pause; within a turn
+    calls are back to back, as a user's loop would make them."""
     params = {name: _thread_params(name, threads) for name in kernels}
     times: dict[str, list[float]] = {name: [] for name in kernels}
     with _blas_limits(threads):
-        for name in kernels:  # warm-up: imports, page faults, caches
-            attnkern.attention(q, k, v, causal=causal, kernel=name, **params[name])
-        for _ in range(repeat):
+        for _ in range(passes):
             for name in kernels:
-                time.sleep(settle)  # let the last kernel's worker threads stop spinning
-                t0 = time.perf_counter()
+                time.sleep(settle)
                 attnkern.attention(q, k, v, causal=causal, kernel=name, **params[name])
-                times[name].append(time.perf_counter() - t0)
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    attnkern.attention(q, k, v, causal=causal, kernel=name, **params[name])
+                    times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -82,7 +86,7 @@ def run_table(args) -> list[dict]:
         print(f"# skipping {k}: {attnkern.kernel_info(k)['reason']}")
     ceiling = sgemm_gflops(args.threads)
     print(f"# {_cpu_name()} ({platform.machine()}), native ISA {attnkern.active_isa()}")
-    print(f"# threads {args.threads} for every kernel; dtype {args.dtype}; median of {args.repeat} interleaved calls")
+    print(f"# threads {args.threads} for every kernel; dtype {args.dtype}; median of {args.passes} x {args.repeat} calls")
     print(f"# sgemm ceiling (NumPy float32 matmul 2048^3): {ceiling:.1f} GFLOP/s")
     peers = [p for p in ("torch.sdpa", "numpy.naive") if p in kernels]
     head = f"{'N':>6} {'causal':>6} {'kernel':<14} {'median ms':>10} {'GFLOP/s':>8} {'%sgemm':>7}"
@@ -94,7 +98,7 @@ def run_table(args) -> list[dict]:
     for n in args.sizes:
         q, k, v = (rng.standard_normal((b, h, n, d), dtype=args.dtype) for _ in range(3))
         for causal in args.causal:
-            med = time_kernels(kernels, q, k, v, causal, args.threads, args.repeat)
+            med = time_kernels(kernels, q, k, v, causal, args.threads, args.repeat, args.settle, args.passes)
             flops = attention_flops(b, h, n, n, d, causal)
             for name in kernels:
                 gf = flops / med[name] / 1e9
@@ -155,7 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=7, help="timed calls per kernel and configuration")
+    parser.add_argument("--repeat", type=int, default=5, help="timed calls per kernel, configuration and pass")
+    parser.add_argument("--settle", type=float, default=0.3, help="seconds of pause before each kernel's turn")
+    parser.add_argument("--passes", type=int, default=2, help="round-robin passes over the kernels")
     parser.add_argument("--kernels", nargs="+", default=["native.flash", "torch.sdpa", "numpy.naive"])
     parser.add_argument("--memory", action="store_true", help="also measure peak extra memory at N = 65536")
     parser.add_argument("--memory-n", type=int, default=65536)

@@ -10,7 +10,7 @@ from attnkern import bench
 def test_bench_table_and_memory(tmp_path, capsys):
     pytest.importorskip("threadpoolctl")
     out = tmp_path / "bench.json"
-    argv = ["--sizes", "64", "--heads", "2", "--repeat", "1", "--memory", "--memory-n", "4096", "--json", str(out)]
+    argv = ["--sizes", "64", "--heads", "2", "--repeat", "1", "--passes", "1", "--settle", "0", "--memory", "--memory-n", "4096", "--json", str(out)]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     kernels = {row["kernel"] for row in result["rows"]}
