@@ -91,7 +91,7 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
     )
 
 
-def _auto(call: Call) -> _registry.Kernel:
+def _auto() -> _registry.Kernel:
     """The fastest available kernel for the call. native.flash beats every
     other CPU kernel at every shape we measure (python -m attnkern.bench)."""
     for name in ("native.flash", "torch.sdpa", "numpy.naive"):
@@ -116,7 +116,7 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     dtype) raises FloatingPointError.
     """
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=check_finite)
-    chosen = _auto(call) if kernel == "auto" else _registry.get(kernel)
+    chosen = _auto() if kernel == "auto" else _registry.get(kernel)
     reason = chosen.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"kernel {chosen.name} is not available here: {reason}")
