@@ -1,0 +1,72 @@
+"""Forward time of every kernel over shapes, dtypes and causal masking."""
+
+import numpy as np
+
+from .common import CPU_KERNELS, OPTIONAL_KERNELS, THREADS, random_qkv, setup_kernel
+
+
+class Forward:
+    """float32 forward, (B, H, N, D) from small (call overhead) to large (compute bound)."""
+
+    params = [
+        CPU_KERNELS + OPTIONAL_KERNELS,
+        ["1x1x128x64", "1x8x1024x64", "1x4x1024x128", "1x8x4096x64"],
+        [False, True],
+    ]
+    param_names = ["kernel", "shape", "causal"]
+    # 2 rounds x 2..10 samples, at most ~2 s of samples per round: the naive
+    # kernels at N=4096 take 1-3 s a call on 2 cores, flash ~20 ms at N=1024.
+    rounds = 2
+    repeat = (2, 10, 2.0)
+    warmup_time = 0.2
+    timeout = 180
+
+    def setup(self, kernel, shape, causal):
+        self.call = setup_kernel(kernel)
+        self.q, self.k, self.v = random_qkv(shape)
+
+    def time_forward(self, kernel, shape, causal):
+        self.call(self.q, self.k, self.v, causal)
+
+
+class ForwardFloat64:
+    """float64 forward at one mid-size shape."""
+
+    params = [CPU_KERNELS + OPTIONAL_KERNELS, ["1x8x1024x64"], [False, True]]
+    param_names = ["kernel", "shape", "causal"]
+    rounds = 2
+    repeat = (2, 10, 2.0)
+    warmup_time = 0.2
+    timeout = 120
+
+    def setup(self, kernel, shape, causal):
+        self.call = setup_kernel(kernel)
+        self.q, self.k, self.v = random_qkv(shape, np.float64)
+
+    def time_forward(self, kernel, shape, causal):
+        self.call(self.q, self.k, self.v, causal)
+
+
+class BlockSweep:
+    """Tunables of the blocked kernels: block_q x block_k x num_threads."""
+
+    params = [
+        ["native.flash", "native.tiled"],
+        ["1x8x1024x64", "1x2x2048x64"],
+        [32, 128, 256],
+        [64, 256, 1024],
+        sorted({1, THREADS}),
+    ]
+    param_names = ["kernel", "shape", "block_q", "block_k", "num_threads"]
+    # 72 combinations of 20-80 ms calls: ~1 s of samples per round each.
+    rounds = 2
+    repeat = (3, 10, 1.0)
+    warmup_time = 0.1
+    timeout = 120
+
+    def setup(self, kernel, shape, block_q, block_k, num_threads):
+        self.call = setup_kernel(kernel, num_threads, block_q=block_q, block_k=block_k)
+        self.q, self.k, self.v = random_qkv(shape)
+
+    def time_forward(self, kernel, shape, block_q, block_k, num_threads):
+        self.call(self.q, self.k, self.v)

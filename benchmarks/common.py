@@ -1,0 +1,90 @@
+"""Shared helpers of the asv suite.
+
+The suite talks to attnkern only through its public API (attention, reference,
+kernels, kernel_info), so the same benchmarks run against old commits too:
+a kernel a commit does not have is skipped, not an error.
+"""
+
+import os
+
+import numpy as np
+
+import attnkern
+
+# Imported here, once, rather than in each benchmark's setup: asv forks every
+# benchmark from a server process that has imported the suite, and importing
+# torch takes seconds (minutes over a few hundred parameter combinations).
+try:
+    import torch
+except ImportError:
+    torch = None
+try:
+    from threadpoolctl import threadpool_limits
+except ImportError:  # asv.conf.json installs it
+    threadpool_limits = None
+
+# One thread count for every kernel and every commit, so a number means the same
+# thing over the project's history. Override for a bigger machine; results from
+# different settings should then go under a different asv machine name.
+THREADS = int(os.environ.get("ATTNKERN_BENCH_THREADS", "2"))
+
+# Kernels that run on the CPU, in the order the site lists them.
+CPU_KERNELS = ["numpy.naive", "native.naive", "native.tiled", "native.flash", "torch.sdpa", "torch.naive"]
+# numba.* and cuda.* kernels join here once they exist (issue 4); on a machine or
+# commit without them their benchmarks are skipped.
+OPTIONAL_KERNELS = ["numba.flash", "cuda.naive", "cuda.flash"]
+
+
+def parse_shape(shape: str) -> tuple[int, int, int, int]:
+    """'1x8x1024x64' -> (B, H, N, D)."""
+    b, h, n, d = (int(x) for x in shape.split("x"))
+    return b, h, n, d
+
+
+def flops(shape: str, causal: bool) -> float:
+    """Floating-point operations of one forward: 4*B*H*N*N*D, half with a causal mask."""
+    b, h, n, d = parse_shape(shape)
+    f = 4.0 * b * h * n * n * d
+    return f / 2 if causal else f
+
+
+def random_qkv(shape: str, dtype=np.float32, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(parse_shape(shape)).astype(dtype) for _ in range(3))
+
+
+def pin_threads(threads: int = THREADS) -> None:
+    """Limit BLAS/OpenMP pools (NumPy's OpenBLAS, torch) for the rest of this
+    benchmark process; asv runs each benchmark in its own process."""
+    if threadpool_limits is None:
+        raise NotImplementedError("threadpoolctl is not installed: thread counts cannot be pinned")
+    threadpool_limits(limits=threads)
+    if torch is not None:
+        torch.set_num_threads(threads)
+
+
+def kernel_call(kernel: str, threads: int = THREADS, **params):
+    """A function (q, k, v, causal) -> out for `kernel` with `threads` threads, or
+    NotImplementedError (asv's skip) where the kernel is missing or unavailable."""
+    if kernel not in attnkern.kernels():
+        raise NotImplementedError(f"{kernel} does not exist in this commit")
+    info = attnkern.kernel_info(kernel)
+    if not info["available"]:
+        raise NotImplementedError(f"{kernel} is not available here: {info['reason']}")
+    if "num_threads" in info["params"]:
+        params.setdefault("num_threads", threads)
+    for name, value in params.items():
+        spec = info["params"].get(name)
+        if spec is None or not spec["min"] <= value <= spec["max"]:
+            raise NotImplementedError(f"{kernel} does not take {name}={value} in this commit")
+
+    def call(q, k, v, causal=False):
+        return attnkern.attention(q, k, v, causal=causal, kernel=kernel, **params)
+
+    return call
+
+
+def setup_kernel(kernel: str, threads: int = THREADS, **params):
+    """pin_threads + kernel_call: what every benchmark's setup starts with."""
+    pin_threads(threads)
+    return kernel_call(kernel, threads, **params)
