@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml requirements-build.txt requirements-bench.txt
 	$(PY) -m pip install -r requirements-build.txt -r requirements-bench.txt
 	$(PY) -m pip install --no-build-isolation -e '.[test,bench]'
 	# the JavaScript libraries asv's site loads from CDNs, for offline use (tools/offline_site.py)
-	$(PY) -m pip download --quiet --no-deps --no-binary :all: -d $(VENV)/asv-www asv==0.4.2
+	$(PY) tools/offline_site.py --download
 	touch $@
 
 # Set up from a fresh clone and run the tests, the slow asv end-to-end ones included.

@@ -7,21 +7,28 @@ site shows only asv's "Can not determine continental origin of swallow" page.
 This script points those tags at local copies under HTML_DIR/vendor/, taken from
 asv 0.4.2's source distribution, which shipped them: the same jQuery 3.3.1 (byte
 for byte), flot 0.8.3 and plugins that asv 0.6 loads, and bootstrap 3.1.0 for
-3.1.1. `make setup` downloads that sdist from PyPI into .venv/asv-www/.
+3.1.1. `make setup` downloads that sdist from PyPI into .venv/asv-www/ (--download;
+checked against its sha256 on PyPI).
 
 A CDN address this script does not know (a newer asv) is an error, not skipped.
 
+    python tools/offline_site.py --download [--sdist PATH]
     python tools/offline_site.py [HTML_DIR] [--sdist PATH]
 """
 
 import argparse
+import hashlib
 import re
 import sys
 import tarfile
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SDIST = REPO / ".venv" / "asv-www" / "asv-0.4.2.tar.gz"
+SDIST_URL = ("https://files.pythonhosted.org/packages/46/c7/"
+             "a5144ca1409a4a1a8212ebdbe4a78df7ebb3758ff44dfe97c881fc08927e/asv-0.4.2.tar.gz")
+SDIST_SHA256 = "9134f56b7a2f465420f17b5bb0dee16047a70f01029c996b7ab3f197de2d0779"
 VENDOR_IN_SDIST = "asv-0.4.2/asv/www/vendor/"
 
 # end of the CDN address in asv 0.6's index.html -> file in asv 0.4.2's www/vendor
@@ -50,6 +57,19 @@ def local_copy(url: str) -> str:
             return name
     raise SystemExit(f"offline_site: no local copy of {url} (asv's site now loads something new: "
                      "add it to LOCAL_COPY)")
+
+
+def download(sdist: Path = DEFAULT_SDIST) -> None:
+    """Fetch asv 0.4.2's sdist (not with pip: pip would run its 2019 setup.py)."""
+    if sdist.is_file() and hashlib.sha256(sdist.read_bytes()).hexdigest() == SDIST_SHA256:
+        return
+    with urllib.request.urlopen(SDIST_URL, timeout=60) as response:
+        data = response.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != SDIST_SHA256:
+        raise SystemExit(f"offline_site: {SDIST_URL} has sha256 {digest}, expected {SDIST_SHA256}")
+    sdist.parent.mkdir(parents=True, exist_ok=True)
+    sdist.write_bytes(data)
 
 
 def make_offline(html_dir: Path, sdist: Path = DEFAULT_SDIST) -> list[str]:
@@ -86,7 +106,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("html_dir", nargs="?", type=Path, default=REPO / ".asv" / "html")
     parser.add_argument("--sdist", type=Path, default=DEFAULT_SDIST)
+    parser.add_argument("--download", action="store_true", help="fetch the sdist from PyPI and stop")
     args = parser.parse_args(argv)
+    if args.download:
+        download(args.sdist)
+        return 0
     copied = make_offline(args.html_dir, args.sdist)
     print(f"{args.html_dir}/index.html now loads {len(copied)} local files from vendor/")
     return 0
