@@ -195,7 +195,7 @@ def test_site_renders_in_chromium(site):
     # lists the suite's benchmarks
     assert "continental origin of swallow" not in index.stdout, index.stdout
     for name in ("Forward.time_forward", "BlockSweep.time_forward", "PeakMemory.peakmem_forward",
-                 "SpeedupOverTorch.track_speedup", "Accuracy.track_relative_error"):
+                 "TimeVsTorch.track_time_ratio", "Accuracy.track_relative_error"):
         assert name in index.stdout, f"{name} is not on the index page"
     # the graph page: flot drew its canvas, with native.flash's series in the legend
     assert 'class="flot-base"' in page.stdout, page.stdout[-3000:]
