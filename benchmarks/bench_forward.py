@@ -20,31 +20,22 @@ class Forward:
     repeat = (2, 10, 2.0)
     warmup_time = 0.2
     timeout = 180
+    dtype = np.float32
 
     def setup(self, kernel, shape, causal):
         self.call = setup_kernel(kernel)
-        self.q, self.k, self.v = random_qkv(shape)
+        self.q, self.k, self.v = random_qkv(shape, self.dtype)
 
     def time_forward(self, kernel, shape, causal):
         self.call(self.q, self.k, self.v, causal)
 
 
-class ForwardFloat64:
+class ForwardFloat64(Forward):
     """float64 forward at one mid-size shape."""
 
     params = [CPU_KERNELS + OPTIONAL_KERNELS, ["1x8x1024x64"], [False, True]]
-    param_names = ["kernel", "shape", "causal"]
-    rounds = 2
-    repeat = (2, 10, 2.0)
-    warmup_time = 0.2
+    dtype = np.float64
     timeout = 120
-
-    def setup(self, kernel, shape, causal):
-        self.call = setup_kernel(kernel)
-        self.q, self.k, self.v = random_qkv(shape, np.float64)
-
-    def time_forward(self, kernel, shape, causal):
-        self.call(self.q, self.k, self.v, causal)
 
 
 class BlockSweep:
