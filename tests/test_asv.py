@@ -103,7 +103,7 @@ def history(tmp_path_factory):
     common = ["--machine", MACHINE, "--factor", FACTOR, "-b", FLASH_REGEX, "--show-stderr"]
     slowed = asv("continuous", *common, a, b, check=False)
     unchanged = asv("continuous", *common, c, d, check=False)
-    return dict(tmp=tmp, clone=clone, conf=conf, asv=asv, commits=(a, b, c, d), slowed=slowed, unchanged=unchanged)
+    return dict(tmp=tmp, asv=asv, commits=(a, b, c, d), slowed=slowed, unchanged=unchanged)
 
 
 def comparison_row(out: str, benchmark: str) -> list[str]:
