@@ -14,7 +14,9 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 @dataclass(frozen=True)
 class Call:
-    """A validated call: q, k, v as C-contiguous (batch, n, d) arrays."""
+    """A validated call: q, k, v as C-contiguous (batch, n, d) arrays, NumPy
+    arrays on the host or Numba device arrays on the GPU (device=True); like is
+    the caller's q, whose kind of array the output takes."""
 
     q: np.ndarray
     k: np.ndarray
@@ -22,17 +24,37 @@ class Call:
     causal: bool
     scale: float
     out_shape: tuple[int, ...]
+    device: bool = False
+    like: object = None
 
     @property
     def empty(self) -> bool:
         return math.prod(self.out_shape) == 0
 
 
-def _as_array(x, name: str) -> np.ndarray:
+def _gpu():
+    """attnkern's GPU array helpers; they need numba-cuda."""
+    try:
+        from ._numba import cuda_arrays
+    except ImportError as exc:
+        raise TypeError(
+            f"GPU arrays need numba-cuda, which failed to import ({exc}): pip install 'attnkern[cuda]', "
+            "or copy the arrays to the host"
+        ) from None
+    return cuda_arrays
+
+
+def _is_gpu_array(x) -> bool:
+    # Numba's CUDA simulator (the tests' GPU) has device arrays without the interface
+    return hasattr(x, "__cuda_array_interface__") or type(x).__module__.startswith("numba.cuda.simulator")
+
+
+def _as_array(x, name: str):
+    """A NumPy array, or for GPU arrays a Numba device view of them."""
     if isinstance(x, np.ndarray):
         return x
-    if hasattr(x, "__cuda_array_interface__"):
-        raise TypeError(f"{name} is a GPU array; the CPU kernels take NumPy arrays (copy it to the host first)")
+    if _is_gpu_array(x):
+        return _gpu().as_device_array(x, name)
     try:
         arr = np.asarray(x)
     except Exception as exc:  # e.g. a torch tensor that requires grad
@@ -44,7 +66,13 @@ def _as_array(x, name: str) -> np.ndarray:
 
 def validate(q, k, v, *, causal, scale, check_finite) -> Call:
     """Checks shapes, dtypes and values; raises TypeError/ValueError saying what to fix."""
+    like = q
     q, k, v = (_as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    on_gpu = [not isinstance(x, np.ndarray) for x in (q, k, v)]
+    if any(on_gpu) and not all(on_gpu):
+        where = ", ".join(f"{n} on the {'GPU' if g else 'host'}" for n, g in zip("qkv", on_gpu))
+        raise TypeError(f"q, k, v must all be host (NumPy) arrays or all GPU arrays, got {where}")
+    device = all(on_gpu)
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
         if x.dtype not in _DTYPES:
             raise TypeError(f"{n} has dtype {x.dtype}; attnkern supports float32 and float64 (convert with .astype)")
@@ -75,25 +103,43 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
+    if device:
+        for x, n in ((q, "q"), (k, "k"), (v, "v")):
+            if not x.is_c_contiguous():
+                raise ValueError(
+                    f"{n} is a GPU array that is not C-contiguous (strides {x.strides}); GPU inputs are used in "
+                    "place, never copied: pass a contiguous one (torch: .contiguous(), CuPy: cupy.ascontiguousarray)"
+                )
     if check_finite:
         for x, n in ((q, "q"), (k, "k"), (v, "v")):
-            if not np.isfinite(x).all():
+            if not _all_finite(x, device):
                 raise ValueError(f"{n} contains NaN or infinity; pass finite values (or check_finite=False)")
     lead = q.shape[:-2]
     batch = math.prod(lead)
+    contiguous = (lambda x: x) if device else np.ascontiguousarray
     return Call(
-        q=np.ascontiguousarray(q).reshape(batch, nq, d),
-        k=np.ascontiguousarray(k).reshape(batch, nk, d),
-        v=np.ascontiguousarray(v).reshape(batch, nk, dv),
+        q=contiguous(q).reshape(batch, nq, d),
+        k=contiguous(k).reshape(batch, nk, d),
+        v=contiguous(v).reshape(batch, nk, dv),
         causal=bool(causal),
         scale=float(scale),
         out_shape=(*lead, nq, dv),
+        device=device,
+        like=like,
     )
 
 
-def _auto() -> _registry.Kernel:
+def _all_finite(x, device: bool) -> bool:
+    return _gpu().all_finite(x) if device else bool(np.isfinite(x).all())
+
+
+def _auto(device: bool = False) -> _registry.Kernel:
     """The fastest available kernel for the call. native.flash beats every
-    other CPU kernel at every shape we measure (python -m attnkern.bench)."""
+    other CPU kernel at every shape we measure (python -m attnkern.bench);
+    GPU arrays go to cuda.flash. NumPy arrays stay on the CPU even where a GPU
+    is present: ask for a cuda.* kernel to send them there."""
+    if device:
+        return _registry.get("cuda.flash")
     for name in ("native.flash", "torch.sdpa", "numpy.naive"):
         kernel = _registry.get(name)
         if kernel.unavailable_reason() is None:
@@ -106,6 +152,10 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
 
     q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
     dimensions, float32 or float64 (one dtype); returns (..., Nq, Dv) in that dtype.
+    GPU arrays (anything with __cuda_array_interface__: torch CUDA tensors, CuPy
+    arrays, Numba device arrays) run on the cuda.* kernels in place, and the
+    output is a GPU array of q's kind; the cuda.* kernels also take NumPy
+    arrays, which they copy to the GPU and back.
     scale defaults to 1/sqrt(D); causal=True lets query i see keys j <= i (top-left
     aligned, as torch's is_causal). kernel is a name from attnkern.kernels() or
     "auto"; params are the kernel's tunables (attnkern.kernel_info(name)).
@@ -116,18 +166,24 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     dtype) raises FloatingPointError.
     """
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=check_finite)
-    chosen = _auto() if kernel == "auto" else _registry.get(kernel)
+    chosen = _auto(call.device) if kernel == "auto" else _registry.get(kernel)
+    if call.device and chosen.device != "cuda":
+        raise TypeError(
+            f"{chosen.name} runs on the CPU and q, k, v are GPU arrays: use kernel='auto' or a cuda.* kernel, "
+            "or copy the arrays to the host"
+        )
     reason = chosen.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"kernel {chosen.name} is not available here: {reason}")
     resolved = chosen.resolve_params(params)
     if call.empty:
-        return np.zeros(call.out_shape, dtype=call.q.dtype)
-    out = chosen.run(call.q, call.k, call.v, call.causal, call.scale, **resolved)
-    if check_finite and not np.isfinite(out).all():
-        raise FloatingPointError(
-            f"{chosen.name} produced non-finite values: q k^T * scale overflows {call.q.dtype}; "
-            "scale the inputs down or use float64"
-        )
-    return out.reshape(call.out_shape)
+        out = _gpu().zeros(call.out_shape, call.q.dtype) if call.device else np.zeros(call.out_shape, call.q.dtype)
+    else:
+        out = chosen.run(call.q, call.k, call.v, call.causal, call.scale, **resolved).reshape(call.out_shape)
+        if check_finite and not _all_finite(out, call.device):
+            raise FloatingPointError(
+                f"{chosen.name} produced non-finite values: q k^T * scale overflows {call.q.dtype}; "
+                "scale the inputs down or use float64"
+            )
+    return _gpu().like(out, call.like) if call.device else out
 

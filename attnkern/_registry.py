@@ -19,13 +19,15 @@ def cpu_count() -> int:
 
 @dataclass(frozen=True)
 class Param:
-    """An integer tunable with an inclusive allowed range."""
+    """An integer tunable with an inclusive allowed range, and optionally a set
+    of allowed values within it (for kernels compiled per tile shape)."""
 
     name: str
     default: int | Callable[[], int]
     low: int
     high: int
     doc: str
+    choices: tuple[int, ...] | None = None
 
     def default_value(self) -> int:
         return self.default() if callable(self.default) else self.default
@@ -40,6 +42,11 @@ class Param:
                 f"{kernel}: {self.name} must be an integer in [{self.low}, {self.high}], "
                 f"got {value!r} of type {type(value).__name__}"
             ) from None
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(
+                f"{kernel}: {self.name}={value} is not allowed; choose one of "
+                f"{', '.join(map(str, self.choices))} ({self.doc})"
+            )
         if not self.low <= value <= self.high:
             raise ValueError(
                 f"{kernel}: {self.name}={value} is out of range; allowed: "
@@ -57,6 +64,8 @@ class Kernel:
     params: tuple[Param, ...] = ()
     # returns None when the kernel can run here, else the reason it cannot
     unavailable_reason: Callable[[], str | None] = field(default=lambda: None)
+    # "cpu": takes NumPy arrays; "cuda": NumPy arrays (copied there and back) or GPU arrays
+    device: str = "cpu"
 
     def resolve_params(self, given: dict) -> dict:
         known = {p.name: p for p in self.params}
@@ -93,19 +102,25 @@ def kernels() -> tuple[str, ...]:
 
 def kernel_info(name: str) -> dict:
     """Whether kernel `name` runs here (and why not), and its tunables:
-    {name, description, available, reason, params: {p: {default, min, max, doc}}}."""
+    {name, description, device, available, reason, params: {p: {default, min, max, doc}}};
+    a tunable restricted to a set of values also has "choices"."""
     kernel = get(name)
     reason = kernel.unavailable_reason()
     return {
         "name": kernel.name,
         "description": kernel.description,
+        "device": kernel.device,
         "available": reason is None,
         "reason": reason,
-        "params": {
-            p.name: {"default": p.default_value(), "min": p.low, "max": p.high, "doc": p.doc}
-            for p in kernel.params
-        },
+        "params": {p.name: _param_info(p) for p in kernel.params},
     }
+
+
+def _param_info(p: Param) -> dict:
+    info = {"default": p.default_value(), "min": p.low, "max": p.high, "doc": p.doc}
+    if p.choices is not None:
+        info["choices"] = list(p.choices)
+    return info
 
 
 def num_threads_param(high: int) -> Param:

@@ -1,10 +1,18 @@
 import contextlib
 import os
 
-import numpy as np
-from hypothesis import HealthCheck, settings
+# Before attnkern (and with it Numba) is imported:
+# - CUDA kernels run in Numba's CUDA simulator unless ATTNKERN_TEST_GPU=1 asks for a real GPU;
+# - Numba's thread pool gets 4 threads even on a 2-CPU machine, so determinism is tested
+#   across more thread counts than the machine has cores (as for the native kernels).
+if os.environ.get("ATTNKERN_TEST_GPU") != "1":
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+os.environ.setdefault("NUMBA_NUM_THREADS", "4")
 
-import attnkern
+import numpy as np  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import attnkern  # noqa: E402
 
 settings.register_profile(
     "default", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
@@ -28,9 +36,18 @@ def conditioning(q, k, scale=None):
     kn = np.linalg.norm(k.astype(np.float64), axis=-1).max(initial=0.0)
     return max(1.0, scale * qn * kn / np.sqrt(d))
 
-AVAILABLE = [k for k in attnkern.kernels() if attnkern.kernel_info(k)["available"]]
+# CPU kernels; the CUDA ones (simulated on a machine without a GPU) are tested in test_cuda.py
+AVAILABLE = [k for k in attnkern.kernels() if not k.startswith("cuda.") and attnkern.kernel_info(k)["available"]]
 NATIVE = [k for k in AVAILABLE if k.startswith("native.")]
 ISAS = attnkern.supported_isas()
+# kernels with tunables (num_threads, and block sizes where they have them), paired with
+# the instruction sets to force (None: Numba's kernels, compiled for this CPU)
+TUNABLE = [(k, isa) for k in NATIVE for isa in ISAS] + [(k, None) for k in AVAILABLE if k.startswith("numba.")]
+CPU_TUNABLE = [k for k in AVAILABLE if k.startswith(("native.", "numba."))]
+
+
+def max_threads(kernel):
+    return attnkern.kernel_info(kernel)["params"]["num_threads"]["max"]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnkern
-from conftest import AVAILABLE, ISAS, NATIVE, assert_matches_reference, forced_isa, random_qkv
+from conftest import AVAILABLE, CPU_TUNABLE, TUNABLE, assert_matches_reference, forced_isa, max_threads, random_qkv
 
 
 @st.composite
@@ -37,13 +37,12 @@ def test_kernel_matches_reference(kernel, p):
     assert_matches_reference(out, q, k, v, p["causal"], p["scale"])
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kernel", NATIVE)
+@pytest.mark.parametrize("kernel, isa", TUNABLE)
 @given(p=problems(), data=st.data())
-def test_native_every_isa_and_tunables(kernel, isa, p, data):
+def test_every_isa_and_tunables(kernel, isa, p, data):
     """The portable fallback and each vector path, with random valid tunables."""
     info = attnkern.kernel_info(kernel)["params"]
-    params = {"num_threads": data.draw(st.integers(1, 4), label="num_threads")}
+    params = {"num_threads": data.draw(st.integers(1, min(4, max_threads(kernel))), label="num_threads")}
     if "block_q" in info:
         params["block_q"] = data.draw(st.integers(1, 160), label="block_q")
         params["block_k"] = data.draw(st.integers(1, 320), label="block_k")
@@ -53,10 +52,9 @@ def test_native_every_isa_and_tunables(kernel, isa, p, data):
     assert_matches_reference(out, q, k, v, p["causal"], p["scale"])
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kernel", NATIVE)
+@pytest.mark.parametrize("kernel, isa", TUNABLE)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_native_block_edges(kernel, isa, dtype):
+def test_block_edges(kernel, isa, dtype):
     """Sizes one off the register tile and vector widths, blocks of 1 and larger than N."""
     rng = np.random.default_rng(7)
     tunables = attnkern.kernel_info(kernel)["params"]
@@ -90,7 +88,7 @@ def test_huge_scores_stay_finite_and_correct(kernel, dtype):
         np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6 * np.abs(v).max())
 
 
-@pytest.mark.parametrize("kernel", NATIVE)
+@pytest.mark.parametrize("kernel", CPU_TUNABLE)
 def test_causal_matches_torch_top_left(kernel):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)

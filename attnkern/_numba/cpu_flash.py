@@ -1,0 +1,226 @@
+"""numba.flash: FlashAttention-2 order on the CPU, compiled by Numba.
+
+One prange task per (batch*head, query block); each task streams K/V blocks
+and keeps a running max, sum and output accumulator per query row, so no
+N x N buffer exists and every output row is computed by one thread in a fixed
+order (bit-identical results for any thread count). Scores live in the log2
+domain (q is pre-scaled by scale*log2(e)) and 2^x is a polynomial plus
+exponent bits written through an integer view, which LLVM vectorises; a libm
+exp call per score would cost more than the two matmuls (Numba has no vector
+exp without Intel's SVML). Importing this module imports Numba; functions are
+compiled on first use per dtype and cached on disk (cache=True).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+LOG2E = 1.4426950408889634
+# 2^f for |f| <= 1/2, lowest degree first: the polynomials of native/attn_common.h
+# (float32: Chebyshev degree 5, rel. err 1.0e-7; float64: Taylor degree 13, 2e-16).
+EXP2_F32 = (1.0000000754548972, 0.6931471880262294, 0.24022107485309188,
+            0.055503571142190296, 0.009676031918298474, 0.0013390863364698205)
+EXP2_F64 = (1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
+            0.009618129107628477, 0.0013333558146428441, 0.00015403530393381606,
+            1.5252733804059838e-05, 1.3215486790144305e-06, 1.0178086009239696e-07,
+            7.054911620801121e-09, 4.44553827187081e-10, 2.5678435993488196e-11,
+            1.3691488853904124e-12)
+
+# fastmath lets LLVM vectorise the reductions and contract a*b+c into FMAs; the
+# compiled code, and with it the rounding, is the same on every call.
+_JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
+
+
+def _exp2_f32(x, scratch, n):
+    """x[:n] = 2^x[:n] in place for x <= 0; x < -126 (and -inf) gives exactly 0.
+    scratch: a float32 buffer of at least n, reused as the exponent bits."""
+    bits = scratch.view(np.int32)
+    c0, c1, c2, c3, c4, c5 = EXP2_F32
+    for j in range(n):
+        t = max(x[j], np.float32(-126.0))
+        r = np.floor(t + np.float32(0.5))
+        f = t - r
+        p = np.float32(c5)
+        p = p * f + np.float32(c4)
+        p = p * f + np.float32(c3)
+        p = p * f + np.float32(c2)
+        p = p * f + np.float32(c1)
+        p = p * f + np.float32(c0)
+        x[j] = p
+        # 2^r in the exponent field; r = -126 marks an underflow, flushed to 0 below
+        bits[j] = (np.int32(r) + np.int32(127)) << np.int32(23)
+    xi = x.view(np.int32)
+    for j in range(n):
+        e = bits[j]
+        # multiply p (in [0.7, 1.42]) by 2^r by adding r to its exponent
+        xi[j] = xi[j] + e - np.int32(127 << 23) if e > np.int32(1 << 23) else np.int32(0)
+
+
+def _exp2_f64(x, scratch, n):
+    """The float64 twin of _exp2_f32: x < -1022 (and -inf) gives exactly 0."""
+    bits = scratch.view(np.int64)
+    c = EXP2_F64
+    for j in range(n):
+        t = max(x[j], -1022.0)
+        r = np.floor(t + 0.5)
+        f = t - r
+        p = c[13]
+        p = p * f + c[12]
+        p = p * f + c[11]
+        p = p * f + c[10]
+        p = p * f + c[9]
+        p = p * f + c[8]
+        p = p * f + c[7]
+        p = p * f + c[6]
+        p = p * f + c[5]
+        p = p * f + c[4]
+        p = p * f + c[3]
+        p = p * f + c[2]
+        p = p * f + c[1]
+        p = p * f + c[0]
+        x[j] = p
+        bits[j] = (np.int64(r) + np.int64(1023)) << np.int64(52)
+    xi = x.view(np.int64)
+    for j in range(n):
+        e = bits[j]
+        xi[j] = xi[j] + e - np.int64(1023 << 52) if e > np.int64(1 << 52) else np.int64(0)
+
+
+def exp2_inplace(x, scratch, n):
+    """2^x in place for the first n entries of x (x <= 0), in x's dtype."""
+
+
+@overload(exp2_inplace, jit_options=dict(fastmath=True, error_model="numpy"))
+def _exp2_inplace_typed(x, scratch, n):
+    # chosen when Numba types the call, so each dtype compiles only its own version
+    return _exp2_f32 if x.dtype == types.float32 else _exp2_f64
+
+
+@njit(**_JIT)
+def _dot_into(a, b, c, i, j, k, accumulate, zero):
+    """c[i, j] (+)= a[i, :k] . b[j, :k]"""
+    acc = c[i, j] if accumulate else zero
+    for t in range(k):
+        acc += a[i, t] * b[j, t]
+    c[i, j] = acc
+
+
+@njit(**_JIT)
+def _matmul_abt(a, b, c, m, n, k, accumulate, zero):
+    """c[:m, :n] (+)= a[:m, :k] @ b[:n, :k]^T: both operands read along rows.
+
+    A 2 x 4 tile of dot products per pass: each loaded element of a feeds four
+    FMAs and each of b two, and LLVM vectorises every dot product along k (the
+    contiguous axis) with fastmath. This runs about 1.5x faster than
+    outer-product loops over rows of c, which LLVM cannot keep in registers
+    (it must assume c may alias a and b). zero: 0 in c's dtype, for the
+    accumulators (a literal 0 would make them float64 under Numba's typing)."""
+    m2 = m - m % 2
+    n4 = n - n % 4
+    for i in range(0, m2, 2):
+        for j in range(0, n4, 4):
+            c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = zero
+            for t in range(k):
+                x0 = a[i, t]
+                x1 = a[i + 1, t]
+                y0 = b[j, t]
+                y1 = b[j + 1, t]
+                y2 = b[j + 2, t]
+                y3 = b[j + 3, t]
+                c00 += x0 * y0
+                c01 += x0 * y1
+                c02 += x0 * y2
+                c03 += x0 * y3
+                c10 += x1 * y0
+                c11 += x1 * y1
+                c12 += x1 * y2
+                c13 += x1 * y3
+            if accumulate:
+                c00 += c[i, j]
+                c01 += c[i, j + 1]
+                c02 += c[i, j + 2]
+                c03 += c[i, j + 3]
+                c10 += c[i + 1, j]
+                c11 += c[i + 1, j + 1]
+                c12 += c[i + 1, j + 2]
+                c13 += c[i + 1, j + 3]
+            c[i, j] = c00
+            c[i, j + 1] = c01
+            c[i, j + 2] = c02
+            c[i, j + 3] = c03
+            c[i + 1, j] = c10
+            c[i + 1, j + 1] = c11
+            c[i + 1, j + 2] = c12
+            c[i + 1, j + 3] = c13
+        for j in range(n4, n):  # the last n % 4 columns
+            for r in range(i, i + 2):
+                _dot_into(a, b, c, r, j, k, accumulate, zero)
+    for i in range(m2, m):  # the last row when m is odd
+        for j in range(n):
+            _dot_into(a, b, c, i, j, k, accumulate, zero)
+
+
+@njit(parallel=True, **_JIT)
+def flash_forward(q, k, v, out, causal, scale, block_q, block_k):
+    """out[b] = softmax(q[b] k[b]^T * scale) v[b] for (batch, n, d) C-contiguous arrays."""
+    batch, nq, d = q.shape
+    nk = k.shape[1]
+    dv = v.shape[2]
+    dtype = q.dtype
+    n_qblocks = (nq + block_q - 1) // block_q
+    ntasks = batch * n_qblocks
+    qscale = scale * LOG2E
+    for task in prange(ntasks):
+        # causal: the heaviest query blocks (most keys) first, for the dynamic chunks
+        qb = (n_qblocks - 1 - task % n_qblocks) if causal else task % n_qblocks
+        b = task // n_qblocks
+        i0 = qb * block_q
+        rows = min(block_q, nq - i0)
+        # per-task workspace, allocated once and reused over the K/V blocks
+        qs = np.empty((rows, d), dtype)
+        vt = np.empty((dv, block_k), dtype)
+        s = np.empty((rows, block_k), dtype)
+        scratch = np.empty(block_k, dtype)
+        acc = np.zeros((rows, dv), dtype)
+        m = np.full(rows, -np.inf, dtype)
+        lsum = np.zeros(rows, dtype)
+        zero = np.zeros(1, dtype)[0]
+        for i in range(rows):
+            for t in range(d):
+                qs[i, t] = q[b, i0 + i, t] * qscale
+        # top-left causal mask: row i sees keys j <= i
+        kend = min(nk, i0 + rows) if causal else nk
+        for j0 in range(0, kend, block_k):
+            nkeys = min(block_k, kend - j0)
+            _matmul_abt(qs, k[b, j0:j0 + nkeys], s, rows, nkeys, d, False, zero)
+            for i in range(rows):
+                si = s[i]
+                if causal:
+                    for j in range(max(0, i0 + i + 1 - j0), nkeys):
+                        si[j] = -np.inf
+                mb = m[i]
+                for j in range(nkeys):
+                    mb = max(mb, si[j])
+                if mb == -np.inf:  # every key so far is masked for this row: p = 0
+                    si[:nkeys] = 0
+                    continue
+                for j in range(nkeys):
+                    si[j] -= mb
+                exp2_inplace(si, scratch, nkeys)
+                alpha = np.exp2(m[i] - mb)  # 0 on the row's first block (m = -inf)
+                m[i] = mb
+                lsum[i] = lsum[i] * alpha + np.sum(si[:nkeys])
+                if alpha != 1:
+                    for e in range(dv):
+                        acc[i, e] *= alpha
+            # V^T of this block, so that P V reads both operands along the keys
+            for j in range(nkeys):
+                for e in range(dv):
+                    vt[e, j] = v[b, j0 + j, e]
+            _matmul_abt(s, vt, acc, rows, dv, nkeys, True, zero)
+        for i in range(rows):
+            inv = 1 / lsum[i]
+            for e in range(dv):
+                out[b, i0 + i, e] = acc[i, e] * inv

@@ -1,0 +1,332 @@
+"""cuda.naive and cuda.flash: attention kernels for NVIDIA GPUs, written with
+numba-cuda. Importing this module imports numba.cuda; kernels are compiled on
+first use for each (dtype, tile shape, padded head size) and kept per process.
+
+Versions side by side, each with what it changes:
+
+cuda.naive (three launches, the N x N scores in device memory)
+    1. qk_scores: S = Q K^T * scale, a shared-memory tiled matmul; each block
+       loads a T x T tile of Q and of K, the K tile stored transposed (padded
+       by one column: no bank conflicts) so the inner loop reads both tiles
+       along rows. Causal tiles wholly above the diagonal only write -inf.
+    2. softmax_rows: one block per row; max and sum reduced with warp shuffles
+       inside each warp and shared memory across warps; exp(s - max), so it is
+       stable for any score magnitude.
+    3. pv_matmul: O = P V, the same tiling; causal rows stop at the diagonal.
+cuda.flash (one launch, FlashAttention-2 forward; no N x N buffer)
+    Each block owns block_q queries and streams K/V tiles of block_k keys
+    through shared memory. A thread computes a 4 x 4 tile of scores in
+    registers (its rows ty + r*RG, keys tx + c*KG: strided, so reads of the
+    shared tiles are conflict-free or broadcast), keeps the running max, sum
+    and a 4-row slice of the output accumulator in registers, and exchanges
+    row maxima with the other KG threads of its row group by warp shuffles.
+    Scores are in the log2 domain (Q pre-scaled by scale*log2(e)); the row
+    sum is reduced across the group only once, at the end. Causal blocks
+    stream only the K/V tiles up to the diagonal.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import config, cuda, float64
+
+LOG2E = 1.4426950408889634
+SHARED_BYTES = 48 * 1024  # static shared memory per block (CUDA's limit without opt-in)
+MICRO = 4  # rows and keys per thread in cuda.flash's score tile
+FULL_MASK = 0xFFFFFFFF
+
+if config.ENABLE_CUDASIM:
+    # Numba's CUDA simulator has no warp shuffles (and runs a Python thread per
+    # GPU thread, with slow barriers). Our kernels reduce with every thread of
+    # the block converged, so a reduction through shared memory between two
+    # block-wide barriers gives every lane its group's result, as on the GPU.
+    @cuda.jit(device=True)
+    def lane_reduce(value, width, is_max):
+        buf = cuda.shared.array(1024, float64)
+        tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        cuda.syncthreads()
+        buf[tid] = value
+        cuda.syncthreads()
+        first = tid - tid % width
+        acc = buf[first]
+        for i in range(first + 1, first + width):
+            acc = max(acc, buf[i]) if is_max else acc + buf[i]
+        cuda.syncthreads()
+        return type(value)(acc)
+else:
+    @cuda.jit(device=True)
+    def lane_reduce(value, width, is_max):
+        """The max (is_max) or sum of value over each aligned group of `width`
+        lanes (a power of two up to 32), returned to every lane: a butterfly
+        of warp shuffles, no shared memory."""
+        offset = width // 2
+        while offset > 0:
+            other = cuda.shfl_xor_sync(FULL_MASK, value, offset)
+            value = max(value, other) if is_max else value + other
+            offset //= 2
+        return value
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ---------------------------------------------------------------- cuda.naive
+
+@functools.cache
+def naive_kernels(dtype: str, tile: int):
+    """The three kernels of cuda.naive for one dtype and square tile size."""
+    T = tile
+    TILE, TILE_PADDED = (T, T), (T, T + 1)  # padded: a column of the tile spans every bank
+    ftype = np.dtype(dtype).type
+    NEG_INF = ftype(-np.inf)
+    ZERO = ftype(0)
+    # two warps in the simulator, whose threads are Python threads: still a
+    # cross-warp reduction, at an eighth of the cost
+    SOFTMAX_THREADS = 64 if config.ENABLE_CUDASIM else 256
+    WARPS = SOFTMAX_THREADS // 32
+
+    @cuda.jit
+    def qk_scores(q, k, s, scale, causal):
+        b = cuda.blockIdx.z
+        row0 = cuda.blockIdx.y * T
+        col0 = cuda.blockIdx.x * T
+        ty = cuda.threadIdx.y
+        tx = cuda.threadIdx.x
+        row = row0 + ty
+        col = col0 + tx
+        nq, d = q.shape[1], q.shape[2]
+        nk = k.shape[1]
+        if causal and col0 > row0 + T - 1:  # the whole tile is above the diagonal
+            if row < nq and col < nk:
+                s[b, row, col] = NEG_INF
+            return
+        tq = cuda.shared.array(TILE, ftype)
+        tkt = cuda.shared.array(TILE_PADDED, ftype)  # K tile transposed: tkt[t, j] = k[col0 + j, t]
+        acc = ZERO
+        for t0 in range(0, d, T):
+            tq[ty, tx] = q[b, row, t0 + tx] if row < nq and t0 + tx < d else ZERO
+            krow = col0 + ty
+            tkt[tx, ty] = k[b, krow, t0 + tx] if krow < nk and t0 + tx < d else ZERO
+            cuda.syncthreads()
+            for t in range(T):
+                acc += tq[ty, t] * tkt[t, tx]
+            cuda.syncthreads()
+        if row < nq and col < nk:
+            s[b, row, col] = NEG_INF if causal and col > row else acc * scale
+
+    @cuda.jit(device=True)
+    def _block_reduce(value, partial, lane, warp, is_max):
+        """The max or sum of value over the block, returned to every thread."""
+        value = lane_reduce(value, 32, is_max)
+        if lane == 0:
+            partial[warp] = value
+        cuda.syncthreads()
+        value = partial[0]
+        for w in range(1, WARPS):
+            value = max(value, partial[w]) if is_max else value + partial[w]
+        cuda.syncthreads()  # partial is reused by the next reduction
+        return value
+
+    @cuda.jit
+    def softmax_rows(s):
+        b = cuda.blockIdx.y
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        nk = s.shape[2]
+        partial = cuda.shared.array(WARPS, ftype)
+        x = s[b, row]
+        m = NEG_INF
+        for j in range(tid, nk, SOFTMAX_THREADS):
+            m = max(m, x[j])
+        m = _block_reduce(m, partial, lane, warp, True)
+        total = ZERO
+        for j in range(tid, nk, SOFTMAX_THREADS):
+            e = math.exp(x[j] - m)  # the row max is finite: key 0 is always visible
+            x[j] = e
+            total += e
+        total = _block_reduce(total, partial, lane, warp, False)
+        inv = ftype(1) / total
+        for j in range(tid, nk, SOFTMAX_THREADS):
+            x[j] *= inv
+
+    @cuda.jit
+    def pv_matmul(p, v, out, causal):
+        b = cuda.blockIdx.z
+        row0 = cuda.blockIdx.y * T
+        col0 = cuda.blockIdx.x * T
+        ty = cuda.threadIdx.y
+        tx = cuda.threadIdx.x
+        row = row0 + ty
+        col = col0 + tx
+        nq, nk = p.shape[1], p.shape[2]
+        dv = v.shape[2]
+        tp = cuda.shared.array(TILE, ftype)
+        tv = cuda.shared.array(TILE_PADDED, ftype)
+        kend = min(nk, row0 + T) if causal else nk  # p is 0 right of the diagonal
+        acc = ZERO
+        for j0 in range(0, kend, T):
+            tp[ty, tx] = p[b, row, j0 + tx] if row < nq and j0 + tx < nk else ZERO
+            vrow = j0 + ty
+            tv[ty, tx] = v[b, vrow, col] if vrow < nk and col < dv else ZERO
+            cuda.syncthreads()
+            for t in range(T):
+                acc += tp[ty, t] * tv[t, tx]
+            cuda.syncthreads()
+        if row < nq and col < dv:
+            out[b, row, col] = acc
+
+    return qk_scores, softmax_rows, pv_matmul, SOFTMAX_THREADS
+
+
+def naive(q, k, v, out, causal: bool, scale: float, tile: int) -> None:
+    """out = softmax(q k^T * scale) v on device arrays (batch, n, d)."""
+    batch, nq, _ = q.shape
+    nk, dv = k.shape[1], v.shape[2]
+    qk_scores, softmax_rows, pv_matmul, threads = naive_kernels(q.dtype.name, tile)
+    scores = cuda.device_array((batch, nq, nk), dtype=q.dtype)
+    qk_scores[(-(-nk // tile), -(-nq // tile), batch), (tile, tile)](q, k, scores, q.dtype.type(scale), causal)
+    softmax_rows[(nq, batch), threads](scores)
+    pv_matmul[(-(-dv // tile), -(-nq // tile), batch), (tile, tile)](scores, v, out, causal)
+
+
+def naive_workspace_bytes(batch: int, nq: int, nk: int, itemsize: int) -> int:
+    return batch * nq * nk * itemsize
+
+
+# ---------------------------------------------------------------- cuda.flash
+
+def flash_shared_bytes(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> int:
+    """Shared memory of one cuda.flash block: Q tile, K^T-or-P tile, V tile."""
+    dp, dvp = flash_padded_dims(block_k, d, dv)
+    return (block_q * (dp + 1) + max(dp, block_q) * (block_k + 1) + block_k * dvp) * itemsize
+
+
+def flash_padded_dims(block_k: int, d: int, dv: int) -> tuple[int, int]:
+    """Head sizes rounded up (zero-filled) so one compiled kernel serves many D."""
+    kg = block_k // MICRO
+    return round_up(d, 16), round_up(dv, max(16, kg))
+
+
+@functools.cache
+def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int):
+    """cuda.flash's kernel for one dtype, tile shape and padded head sizes."""
+    ftype = np.dtype(dtype).type
+    NEG_INF = ftype(-np.inf)
+    ZERO = ftype(0)
+    TM = TN = MICRO
+    RG = block_q // TM  # row groups: thread ty owns rows ty + r*RG
+    KG = block_k // TN  # threads per row group: thread tx owns keys tx + c*KG
+    CV = dvp // KG  # output columns per thread: tx + c*KG
+    NT = RG * KG
+    BQ, BK, DP, DVP = block_q, block_k, dp, dvp
+    # shapes as constants of the closure: Numba needs them known at compile time
+    SQ_SHAPE = (BQ, DP + 1)
+    SKP_SHAPE = (max(DP, BQ), BK + 1)
+    SV_SHAPE = (BK, DVP)
+    S_SHAPE = (TM, TN)
+    O_SHAPE = (TM, CV)
+
+    @cuda.jit
+    def flash_forward(q, k, v, out, qscale, causal):
+        b = cuda.blockIdx.y
+        q0 = cuda.blockIdx.x * BQ
+        tid = cuda.threadIdx.x
+        tx = tid % KG
+        ty = tid // KG
+        nq, d = q.shape[1], q.shape[2]
+        nk, dv = k.shape[1], v.shape[2]
+
+        sq = cuda.shared.array(SQ_SHAPE, ftype)
+        # K^T while scores are computed, then P for the P V product
+        skp = cuda.shared.array(SKP_SHAPE, ftype)
+        sv = cuda.shared.array(SV_SHAPE, ftype)
+        s = cuda.local.array(S_SHAPE, ftype)
+        o = cuda.local.array(O_SHAPE, ftype)
+        m = cuda.local.array(TM, ftype)
+        lsum = cuda.local.array(TM, ftype)
+
+        for idx in range(tid, BQ * DP, NT):
+            i = idx // DP
+            t = idx % DP
+            sq[i, t] = q[b, q0 + i, t] * qscale if q0 + i < nq and t < d else ZERO
+        for r in range(TM):
+            m[r] = NEG_INF
+            lsum[r] = ZERO
+            for c in range(CV):
+                o[r, c] = ZERO
+
+        kend = min(nk, q0 + BQ) if causal else nk
+        for j0 in range(0, kend, BK):
+            cuda.syncthreads()  # the previous tile's P and V are consumed
+            for idx in range(tid, BK * DP, NT):
+                j = idx // DP
+                t = idx % DP
+                skp[t, j] = k[b, j0 + j, t] if j0 + j < nk and t < d else ZERO
+            for idx in range(tid, BK * DVP, NT):
+                j = idx // DVP
+                e = idx % DVP
+                sv[j, e] = v[b, j0 + j, e] if j0 + j < nk and e < dv else ZERO
+            cuda.syncthreads()
+
+            for r in range(TM):
+                for c in range(TN):
+                    s[r, c] = ZERO
+            for t in range(DP):
+                for r in range(TM):
+                    a = sq[ty + r * RG, t]
+                    for c in range(TN):
+                        s[r, c] += a * skp[t, tx + c * KG]
+            cuda.syncthreads()  # K^T is consumed: skp now takes P
+
+            for r in range(TM):
+                row = q0 + ty + r * RG
+                mt = NEG_INF
+                for c in range(TN):
+                    key = j0 + tx + c * KG
+                    if key >= nk or (causal and key > row):
+                        s[r, c] = NEG_INF
+                    mt = max(mt, s[r, c])
+                mnew = max(m[r], lane_reduce(mt, KG, True))
+                # mnew is finite: key 0 is visible to every row, and it is in the first tile
+                alpha = math.exp2(m[r] - mnew)
+                m[r] = mnew
+                part = ZERO
+                for c in range(TN):
+                    p = math.exp2(s[r, c] - mnew)
+                    part += p
+                    skp[ty + r * RG, tx + c * KG] = p
+                lsum[r] = lsum[r] * alpha + part  # this thread's keys only; summed at the end
+                for c in range(CV):
+                    o[r, c] *= alpha
+            cuda.syncthreads()
+
+            for j in range(BK):
+                for r in range(TM):
+                    p = skp[ty + r * RG, j]
+                    for c in range(CV):
+                        o[r, c] += p * sv[j, tx + c * KG]
+
+        for r in range(TM):
+            total = lane_reduce(lsum[r], KG, False)
+            row = q0 + ty + r * RG
+            inv = ftype(1) / total
+            for c in range(CV):
+                e = tx + c * KG
+                if row < nq and e < dv:
+                    out[b, row, e] = o[r, c] * inv
+
+    return flash_forward, NT
+
+
+def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int) -> None:
+    """out = softmax(q k^T * scale) v on device arrays (batch, n, d)."""
+    batch, nq, d = q.shape
+    dp, dvp = flash_padded_dims(block_k, d, v.shape[2])
+    kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp)
+    kernel[(-(-nq // block_q), batch), threads](q, k, v, out, q.dtype.type(scale * LOG2E), causal)

@@ -1,0 +1,213 @@
+"""The cuda.* kernels against the float64 reference. Without a GPU they run in
+Numba's CUDA simulator (conftest sets NUMBA_ENABLE_CUDASIM=1 unless
+ATTNKERN_TEST_GPU=1), which runs a Python thread per GPU thread: shapes are
+small, tiles smaller, so several tiles, partial tiles and the causal diagonal
+are all crossed. The simulator has no warp shuffles; cuda_kernels.lane_reduce
+emulates them there (the device script checks the real ones on a GPU)."""
+
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+import attnkern
+from conftest import assert_matches_reference, random_qkv
+
+CUDA = [k for k in attnkern.kernels() if k.startswith("cuda.")]
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+if not all(attnkern.kernel_info(k)["available"] for k in CUDA):
+    pytest.skip(f"CUDA kernels unavailable: {attnkern.kernel_info('cuda.flash')['reason']}", allow_module_level=True)
+
+from numba import cuda  # noqa: E402  (numba-cuda is there: the kernels are available)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_simulator_barriers():
+    """The simulator's launcher polls its threads while they wait at barriers;
+    with Python's default 5 ms GIL switch interval each barrier costs a switch
+    per thread. 0.5 ms makes these tests about 4x faster."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    yield
+    sys.setswitchinterval(before)
+
+
+def is_gpu_array(x):
+    return attnkern._api._is_gpu_array(x) and not isinstance(x, np.ndarray)
+
+# (kernel, tunables): tiles of 8 and 16 on the odd sizes below give several
+# full tiles, a partial one, and (for flash) groups of 2, 4 and 8 lanes
+CONFIGS = [
+    ("cuda.naive", {"tile": 8}),
+    ("cuda.flash", {"block_q": 8, "block_k": 8}),
+    ("cuda.flash", {"block_q": 16, "block_k": 16}),
+    ("cuda.flash", {"block_q": 8, "block_k": 32}),
+]
+# (lead, nq, nk, d, dv): sizes that do not divide the tiles, nq > nk and nq < nk, D = 1
+SHAPES = [((), 13, 11, 5, 3), ((2,), 9, 20, 17, 8), ((1, 2), 10, 6, 1, 2)]
+
+
+@pytest.mark.parametrize("kernel, params", CONFIGS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_reference(kernel, params, dtype, causal):
+    rng = np.random.default_rng(zlib.crc32(repr((kernel, params, dtype, causal)).encode()))
+    for lead, nq, nk, d, dv in SHAPES:
+        q, k, v = random_qkv(rng, lead, nq, nk, d, dv, dtype)
+        scale = rng.uniform(-1, 1)
+        out = attnkern.attention(q, k, v, causal=causal, scale=scale, kernel=kernel, **params)
+        assert isinstance(out, np.ndarray)  # NumPy in, NumPy out (copied there and back)
+        assert_matches_reference(out, q, k, v, causal, scale)
+
+
+@pytest.mark.parametrize("kernel", CUDA)
+def test_default_tiles_and_huge_scores(kernel):
+    """Default tunables, scores of 1e4 (stable softmax), the one-hot answer."""
+    rng = np.random.default_rng(1)
+    n, d = 21, 4
+    q = np.zeros((1, n, d), np.float32)
+    k = np.zeros((1, n, d), np.float32)
+    q[..., 0] = 100.0
+    k[..., 0] = 100.0 + rng.permutation(n) * 0.5
+    v = rng.standard_normal((1, n, 3)).astype(np.float32)
+    for causal in (False, True):
+        out = attnkern.attention(q, k, v, causal=causal, scale=1.0, kernel=kernel)
+        ref = attnkern.reference(q, k, v, causal=causal, scale=1.0)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6 * np.abs(v).max())
+
+
+@pytest.mark.parametrize("kernel", CUDA)
+def test_device_arrays_in_device_arrays_out(kernel):
+    rng = np.random.default_rng(2)
+    q, k, v = random_qkv(rng, (2,), 10, 12, 6, 5, np.float32)
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    params = dict(CONFIGS)[kernel]
+    out = attnkern.attention(dq, dk, dv, causal=True, kernel=kernel, **params)
+    assert is_gpu_array(out)
+    assert out.shape == (2, 10, 5)
+    assert_matches_reference(out.copy_to_host(), q, k, v, causal=True)
+
+
+def test_auto_sends_gpu_arrays_to_cuda_flash():
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, (), 10, 12, 6, 5, np.float32)
+    out = attnkern.attention(*(cuda.to_device(x) for x in (q, k, v)))
+    assert is_gpu_array(out)
+    assert_matches_reference(out.copy_to_host(), q, k, v)
+    assert attnkern._api._auto(device=True).name == "cuda.flash"
+
+
+class Borrowed:
+    """Some other library's GPU array: only __cuda_array_interface__."""
+
+    def __init__(self, device_array):
+        self._owner = device_array
+        self.__cuda_array_interface__ = device_array.__cuda_array_interface__
+
+
+@pytest.mark.skipif(SIMULATED, reason="the simulator's device arrays have no __cuda_array_interface__")
+def test_any_cuda_array_interface_object():
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, (), 7, 9, 4, 4, np.float64)
+    dq, dk, dv = (Borrowed(cuda.to_device(x)) for x in (q, k, v))
+    out = attnkern.attention(dq, dk, dv, kernel="cuda.naive", tile=8)
+    assert is_gpu_array(out)
+    assert_matches_reference(out.copy_to_host(), q, k, v)
+
+
+def test_device_bad_input():
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, (2,), 6, 6, 4, 4, np.float32)
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    with pytest.raises(TypeError, match="all be host .NumPy. arrays or all GPU arrays, got q on the GPU, k on the host"):
+        attnkern.attention(dq, k, v, kernel="cuda.flash")
+    with pytest.raises(TypeError, match="native.flash runs on the CPU and q, k, v are GPU arrays"):
+        attnkern.attention(dq, dk, dv, kernel="native.flash")
+    bad = q.copy()
+    bad[1, 2, 3] = np.nan
+    with pytest.raises(ValueError, match="q contains NaN or infinity"):
+        attnkern.attention(cuda.to_device(bad), dk, dv)
+    with pytest.raises(TypeError, match="must share one dtype"):
+        attnkern.attention(dq, cuda.to_device(k.astype(np.float64)), dv)
+    with pytest.raises(ValueError, match="same leading"):
+        attnkern.attention(dq, cuda.to_device(k[:1]), cuda.to_device(v[:1]))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        attnkern.attention(cuda.to_device(np.asfortranarray(q)), dk, dv)
+    empty = attnkern.attention(cuda.to_device(q[:, :0]), dk, dv)
+    assert is_gpu_array(empty) and empty.shape == (2, 0, 4)
+
+
+@pytest.mark.filterwarnings("ignore:.*overflow encountered:RuntimeWarning")  # the simulator computes in NumPy
+def test_overflowing_scores_raise():
+    q = np.full((4, 8), 1e20, dtype=np.float32)
+    with pytest.raises(FloatingPointError, match="overflows float32"):
+        attnkern.attention(q, q, q, kernel="cuda.flash", block_q=8, block_k=8)
+
+
+def test_tunables_are_validated():
+    q, k, v = random_qkv(np.random.default_rng(5), (), 4, 4, 4, 4, np.float32)
+    with pytest.raises(ValueError, match=r"block_q=12 is not allowed; choose one of 0, 8, 16, 32, 64, 128"):
+        attnkern.attention(q, k, v, kernel="cuda.flash", block_q=12)
+    with pytest.raises(ValueError, match=r"tile=64 is not allowed; choose one of 8, 16, 32"):
+        attnkern.attention(q, k, v, kernel="cuda.naive", tile=64)
+    with pytest.raises(TypeError, match="cuda.flash does not take 'num_threads'"):
+        attnkern.attention(q, k, v, kernel="cuda.flash", num_threads=2)
+    # a tile that does not fit in shared memory is refused before launch ...
+    big_d = np.ones((4, 256), np.float64)
+    with pytest.raises(ValueError, match="needs .* bytes of shared memory, over the 49152-byte limit"):
+        attnkern.attention(big_d, big_d, big_d, kernel="cuda.flash", block_q=128, block_k=128)
+    # ... and with 0 (the default) the largest that fits is picked; at D = 256 in
+    # float64 none does, and the error says what to do instead
+    with pytest.raises(ValueError, match="use smaller blocks .*, float32, or cuda.naive"):
+        attnkern.attention(big_d, big_d, big_d, kernel="cuda.flash")
+    info = attnkern.kernel_info("cuda.flash")["params"]
+    assert info["block_q"]["choices"] == [0, 8, 16, 32, 64, 128]
+
+
+def test_bitwise_deterministic():
+    rng = np.random.default_rng(6)
+    q, k, v = random_qkv(rng, (), 17, 15, 6, 3, np.float32)
+    for kernel, params in CONFIGS[:2]:
+        first = attnkern.attention(q, k, v, causal=True, kernel=kernel, **params)
+        again = attnkern.attention(q, k, v, causal=True, kernel=kernel, **params)
+        assert first.tobytes() == again.tobytes()
+
+
+def test_without_a_gpu_the_kernels_say_why():
+    """A fresh process with the simulator off, on a machine with no GPU."""
+    code = (
+        "import attnkern, numpy as np\n"
+        "info = attnkern.kernel_info('cuda.flash')\n"
+        "print('AVAILABLE' if info['available'] else 'REASON ' + info['reason'])\n"
+        "try:\n"
+        "    attnkern.attention(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32),"
+        " np.ones((2, 2), np.float32), kernel='cuda.flash')\n"
+        "except RuntimeError as exc:\n"
+        "    print('ERROR', exc)\n"
+    )
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    if "AVAILABLE" in result.stdout:
+        pytest.skip("this machine has a usable GPU")
+    assert "REASON no usable CUDA GPU" in result.stdout
+    assert "ERROR kernel cuda.flash is not available here: no usable CUDA GPU" in result.stdout
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+def test_torch_and_cupy_arrays_stay_on_the_gpu(library):
+    """No copies: the output is the caller's kind of array, on its device."""
+    lib = pytest.importorskip(library)
+    if library == "torch" and not lib.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(rng, (1, 2), 33, 40, 16, 8, np.float32)
+    to_gpu = (lambda x: lib.from_numpy(x).cuda()) if library == "torch" else lib.asarray
+    out = attnkern.attention(*(to_gpu(x) for x in (q, k, v)), causal=True)
+    assert type(out).__module__.partition(".")[0] == library
+    host = out.cpu().numpy() if library == "torch" else lib.asnumpy(out)
+    assert_matches_reference(host, q, k, v, causal=True)
