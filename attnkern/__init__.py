@@ -6,7 +6,7 @@
     attnkern.kernel_info(name)    # available here? tunables?
 """
 
-from . import native, _numpy_kernels, _torch_kernels, _numba  # noqa: F401, I001  (registers the kernels, in this order)
+from . import native, _numpy_kernels, _torch_kernels, jit  # noqa: F401, I001  (registers the kernels, in this order)
 from ._api import attention
 from ._reference import reference
 from ._registry import kernel_info, kernels

@@ -35,7 +35,7 @@ class Call:
 def _gpu():
     """attnkern's GPU array helpers; they need numba-cuda."""
     try:
-        from ._numba import cuda_arrays
+        from .jit import cuda_arrays
     except ImportError as exc:
         raise TypeError(
             f"GPU arrays need numba-cuda, which failed to import ({exc}): pip install 'attnkern[cuda]', "

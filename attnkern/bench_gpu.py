@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     kernels = {"torch.sdpa": others.pop("torch.sdpa"), "cuda.flash": ours("cuda.flash"),
                "cuda.naive": ours("cuda.naive"), **others}
     if args.sweep:
-        from attnkern._numba import _FLASH_TILES, cuda_kernels
+        from attnkern.jit import _FLASH_TILES, cuda_kernels
 
         for bq, bk in _FLASH_TILES:
             if cuda_kernels.flash_shared_bytes(bq, bk, args.dim, args.dim, 4) <= cuda_kernels.SHARED_BYTES:

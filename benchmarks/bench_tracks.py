@@ -15,7 +15,7 @@ import numpy as np
 
 import attnkern
 
-from .common import CPU_KERNELS, OPTIONAL_KERNELS, flops, kernel_call, random_qkv, setup_kernel
+from .common import CPU_KERNELS, CUDA_KERNELS, flops, kernel_call, random_qkv, setup_kernel
 
 SHAPES = ["1x8x1024x64", "1x8x2048x64"]
 
@@ -34,7 +34,7 @@ def median_seconds(call, args, calls: int) -> float:
 class Throughput:
     """Time per floating-point operation: 10 ps/FLOP is 100 GFLOP/s."""
 
-    params = [["native.flash", "native.tiled", "torch.sdpa", "numpy.naive"] + OPTIONAL_KERNELS, SHAPES,
+    params = [["native.flash", "native.tiled", "torch.sdpa", "numpy.naive", "numba.flash"], SHAPES,
               [False, True]]
     param_names = ["kernel", "shape", "causal"]
     rounds = 2
@@ -56,7 +56,7 @@ class TimeVsTorch:
     turns (kernel, torch, kernel, torch, ...), so machine drift hits both alike.
     Below 1: faster than PyTorch's CPU attention."""
 
-    params = [["native.flash", "native.tiled", "numpy.naive"] + OPTIONAL_KERNELS, SHAPES, [False, True]]
+    params = [["native.flash", "native.tiled", "numpy.naive", "numba.flash"], SHAPES, [False, True]]
     param_names = ["kernel", "shape", "causal"]
     rounds = 2
     timeout = 240
@@ -81,7 +81,7 @@ class Accuracy:
     """max |out - ref| / max |ref| against attnkern.reference (float64), on fixed
     random inputs with an odd N that no block size divides."""
 
-    params = [CPU_KERNELS + OPTIONAL_KERNELS, ["float32", "float64"], [False, True]]
+    params = [CPU_KERNELS + CUDA_KERNELS, ["float32", "float64"], [False, True]]
     param_names = ["kernel", "dtype", "causal"]
     rounds = 1
     timeout = 120

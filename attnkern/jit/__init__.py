@@ -169,10 +169,14 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0):
 
 
 _TILE_SIZES = (8, 16, 32, 64, 128)
-# cuda.flash's tiles in order of preference for block_q = block_k = 0 (measured on an
-# H100 with python -m attnkern.gpu_bench); the first that fits shared memory is used
+# cuda.flash's tiles in order of preference for block_q = block_k = 0: the first that
+# fits shared memory is used. block_k >= 16 first (a narrower tile leaves each thread
+# Dv/2 output columns, more than its registers hold), then larger tiles (fewer K/V
+# reloads), then taller ones. On an H100 at D = 64 float32 that picks 128 x 16, the
+# fastest we measured (python -m attnkern.bench_gpu --sweep); other head sizes and
+# float64 follow the rule, unmeasured.
 _FLASH_TILES = tuple(
-    sorted(((bq, bk) for bq in _TILE_SIZES for bk in _TILE_SIZES), key=lambda t: (-t[0] * t[1], -t[0]))
+    sorted(((bq, bk) for bq in _TILE_SIZES for bk in _TILE_SIZES), key=lambda t: (t[1] < 16, -t[0] * t[1], -t[0]))
 )
 
 register(

@@ -1,0 +1,61 @@
+"""What is particular to numba.flash: Numba's on-disk cache and its thread pool.
+Its correctness, determinism and concurrency are tested with the other CPU
+kernels (conftest.TUNABLE, CPU_TUNABLE)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnkern
+from conftest import assert_matches_reference, random_qkv
+
+if not attnkern.kernel_info("numba.flash")["available"]:
+    pytest.skip(attnkern.kernel_info("numba.flash")["reason"], allow_module_level=True)
+
+_FIRST_CALL = """
+import json, numpy as np, attnkern
+from attnkern.jit import cpu_flash
+q = np.ones((2, 5, 3), np.float32)
+attnkern.attention(q, q, q, kernel="numba.flash")
+stats = cpu_flash.flash_forward.stats
+print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+"""
+
+
+def test_compiled_code_is_cached_on_disk(tmp_path):
+    """The first process compiles and writes Numba's cache; the next one loads it
+    instead of compiling (a hit, no miss)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def first_call():
+        result = subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    assert first_call() == {"hits": 0, "misses": 1}
+    assert list(tmp_path.rglob("*.nbi")), "no cache index written"
+    assert first_call() == {"hits": 1, "misses": 0}
+
+
+def test_num_threads_is_limited_to_numbas_pool():
+    q, k, v = random_qkv(np.random.default_rng(0), (2,), 10, 10, 4, 4, np.float32)
+    limit = attnkern.kernel_info("numba.flash")["params"]["num_threads"]["max"]
+    assert limit == int(os.environ["NUMBA_NUM_THREADS"])  # conftest sets 4
+    with pytest.raises(ValueError, match=rf"num_threads={limit + 1} is out of range; allowed: 1 <= num_threads <= "
+                                         rf"{limit}"):
+        attnkern.attention(q, k, v, kernel="numba.flash", num_threads=limit + 1)
+    out = attnkern.attention(q, k, v, kernel="numba.flash", num_threads=limit)
+    assert_matches_reference(out, q, k, v)
+
+
+def test_one_query_block_of_many_rows_and_a_long_key_stream():
+    """block_q larger than N, block_k of 1: every key its own block."""
+    q, k, v = random_qkv(np.random.default_rng(1), (), 37, 29, 5, 6, np.float64)
+    for causal in (False, True):
+        out = attnkern.attention(q, k, v, causal=causal, kernel="numba.flash", block_q=1024, block_k=1)
+        assert_matches_reference(out, q, k, v, causal)
