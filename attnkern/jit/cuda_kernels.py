@@ -23,13 +23,12 @@ cuda.flash (one launch, FlashAttention-2 forward; no N x N buffer)
     Scores are in the log2 domain (Q pre-scaled by scale*log2(e)); the row
     sum is reduced across the group only once, at the end. Causal blocks
     stream only the K/V tiles up to the diagonal.
-    On an H100 (D = 64, float32) it runs 10-11.5 TFLOP/s at N >= 4096, a third
-    of torch's float32 SDPA (python -m attnkern.bench_gpu). What holds it back,
-    as measured: 150-190 registers per thread (Numba's 64-bit index arithmetic
-    and array descriptors), so 3 blocks of 128 threads per SM. Variants that
-    were slower and are not kept: explicit register fragments for the 4 x 4
-    products (-10 to -20%), registers capped at 80-128 (spills), and 8 x 4,
-    4 x 8, 8 x 8 and 2 x 4 micro-tiles (-10% to -55%).
+    Every index is unsigned and the inner loops walk running offsets (see
+    flash_kernel): that alone took it from a third of torch's float32 SDPA to
+    about 0.5-0.65x on an H100 (python -m attnkern.bench_gpu). Variants that
+    were slower and are not kept: explicit register fragments with signed
+    indices, registers capped at 80-128 (spills), 8 x 4, 4 x 8, 8 x 8 and 2 x 4
+    micro-tiles, and unrolling the inner loops by 4-16.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import functools
 import math
 
 import numpy as np
-from numba import config, cuda, float64
+from numba import config, cuda, float64, uint64
 
 LOG2E = 1.4426950408889634
 SHARED_BYTES = 48 * 1024  # static shared memory per block (CUDA's limit without opt-in)
@@ -223,7 +222,15 @@ def flash_padded_dims(block_k: int, d: int, dv: int, micro=MICRO) -> tuple[int, 
 @functools.cache
 def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micro=MICRO):
     """cuda.flash's kernel for one dtype, tile shape and padded head sizes;
-    micro: the (rows, keys) of scores each thread holds."""
+    micro: the (rows, keys) of scores each thread holds.
+
+    Every index is an unsigned 64-bit integer, and the inner loops walk
+    running offsets: Numba computes a signed index with a negative-index
+    wraparound select, which left ~35 integer instructions beside the 16 FMAs
+    of each step of Q K^T (SASS, H100). Measured at (1, 16, 4096, 64) float32,
+    128 x 16 tiles: signed 2-D indexing 10.7 TFLOP/s; unsigned running offsets
+    in the inner loops 12.7; unsigned indices everywhere, global arrays flat,
+    17.3 (22.2 at N = 16384)."""
     ftype = np.dtype(dtype).type
     NEG_INF = ftype(-np.inf)
     ZERO = ftype(0)
@@ -233,70 +240,82 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
     CV = dvp // KG  # output columns per thread: tx + c*KG
     NT = RG * KG
     BQ, BK, DP, DVP = block_q, block_k, dp, dvp
-    # shapes as constants of the closure: Numba needs them known at compile time
-    SQ_SHAPE = (BQ, DP + 1)
-    SKP_SHAPE = (max(DP, BQ), BK + 1)
-    SV_SHAPE = (BK, DVP)
-    S_SHAPE = (TM, TN)
-    O_SHAPE = (TM, CV)
+    SQ_LD, SKP_LD = DP + 1, BK + 1  # padded row strides of the Q and K^T/P tiles
+    # sizes and shapes as constants of the closure: Numba needs them at compile time
+    SQ_SIZE, SKP_SIZE, SV_SIZE = BQ * SQ_LD, max(DP, BQ) * SKP_LD, BK * DVP
+    S_SHAPE, O_SHAPE, FRAG = (TM, TN), (TM, CV), max(TM, TN, CV)
+    U = np.uint64
+    U_BQ, U_BK, U_DP, U_DVP, U_KG = U(BQ), U(BK), U(DP), U(DVP), U(KG)
+    U_SQ_LD, U_SKP_LD = U(SQ_LD), U(SKP_LD)
+    U_RG_SQ, U_RG_SKP = U(RG * SQ_LD), U(RG * SKP_LD)  # from one of a thread's rows to the next
+    U_0, U_1 = U(0), U(1)
 
     @cuda.jit
-    def flash_forward(q, k, v, out, qscale, causal):
-        b = cuda.blockIdx.y
-        q0 = cuda.blockIdx.x * BQ
-        tid = cuda.threadIdx.x
-        tx = tid % KG
-        ty = tid // KG
-        nq, d = q.shape[1], q.shape[2]
-        nk, dv = k.shape[1], v.shape[2]
+    def flash_forward(q, k, v, out, nq, nk, d, dv, qscale, causal):
+        # q, k, v, out: flat arrays of (batch, n, d) rows; every index below is unsigned
+        nq, nk, d, dv = uint64(nq), uint64(nk), uint64(d), uint64(dv)
+        b = uint64(cuda.blockIdx.y)
+        q0 = uint64(cuda.blockIdx.x) * U_BQ
+        tid = uint64(cuda.threadIdx.x)
+        tx = tid % U_KG
+        ty = tid // U_KG
+        q_rows, kv_rows = b * nq, b * nk  # this head's first row in q/out and in k/v
 
-        sq = cuda.shared.array(SQ_SHAPE, ftype)
-        # K^T while scores are computed, then P for the P V product
-        skp = cuda.shared.array(SKP_SHAPE, ftype)
-        sv = cuda.shared.array(SV_SHAPE, ftype)
+        sq = cuda.shared.array(SQ_SIZE, ftype)
+        skp = cuda.shared.array(SKP_SIZE, ftype)  # K^T while scores are computed, then P
+        sv = cuda.shared.array(SV_SIZE, ftype)
         s = cuda.local.array(S_SHAPE, ftype)
         o = cuda.local.array(O_SHAPE, ftype)
         m = cuda.local.array(TM, ftype)
         lsum = cuda.local.array(TM, ftype)
+        fa = cuda.local.array(FRAG, ftype)  # fragments of the two operands of a product step
+        fb = cuda.local.array(FRAG, ftype)
 
-        for idx in range(tid, BQ * DP, NT):
-            i = idx // DP
-            t = idx % DP
-            sq[i, t] = q[b, q0 + i, t] * qscale if q0 + i < nq and t < d else ZERO
+        for n in range(tid, BQ * DP, NT):
+            i, t = uint64(n) // U_DP, uint64(n) % U_DP
+            row = q0 + i
+            sq[i * U_SQ_LD + t] = q[(q_rows + row) * d + t] * qscale if row < nq and t < d else ZERO
         for r in range(TM):
             m[r] = NEG_INF
             lsum[r] = ZERO
             for c in range(CV):
                 o[r, c] = ZERO
 
-        kend = min(nk, q0 + BQ) if causal else nk
-        for j0 in range(0, kend, BK):
+        kend = min(nk, q0 + U_BQ) if causal else nk
+        for j0 in range(U_0, kend, U_BK):
             cuda.syncthreads()  # the previous tile's P and V are consumed
-            for idx in range(tid, BK * DP, NT):
-                j = idx // DP
-                t = idx % DP
-                skp[t, j] = k[b, j0 + j, t] if j0 + j < nk and t < d else ZERO
-            for idx in range(tid, BK * DVP, NT):
-                j = idx // DVP
-                e = idx % DVP
-                sv[j, e] = v[b, j0 + j, e] if j0 + j < nk and e < dv else ZERO
+            for n in range(tid, BK * DP, NT):
+                j, t = uint64(n) // U_DP, uint64(n) % U_DP
+                key = j0 + j
+                skp[t * U_SKP_LD + j] = k[(kv_rows + key) * d + t] if key < nk and t < d else ZERO
+            for n in range(tid, BK * DVP, NT):
+                j, e = uint64(n) // U_DVP, uint64(n) % U_DVP
+                key = j0 + j
+                sv[n] = v[(kv_rows + key) * dv + e] if key < nk and e < dv else ZERO
             cuda.syncthreads()
 
             for r in range(TM):
                 for c in range(TN):
                     s[r, c] = ZERO
-            for t in range(DP):
+            q_at = ty * U_SQ_LD  # sq[ty, t]
+            k_at = tx  # skp[t, tx]
+            for _ in range(DP):
                 for r in range(TM):
-                    a = sq[ty + r * RG, t]
+                    fa[r] = sq[q_at + U(r) * U_RG_SQ]
+                for c in range(TN):
+                    fb[c] = skp[k_at + U(c) * U_KG]
+                for r in range(TM):
                     for c in range(TN):
-                        s[r, c] += a * skp[t, tx + c * KG]
+                        s[r, c] += fa[r] * fb[c]
+                q_at += U_1
+                k_at += U_SKP_LD
             cuda.syncthreads()  # K^T is consumed: skp now takes P
 
             for r in range(TM):
-                row = q0 + ty + r * RG
+                row = q0 + ty + U(r * RG)
                 mt = NEG_INF
                 for c in range(TN):
-                    key = j0 + tx + c * KG
+                    key = j0 + tx + U(c * KG)
                     if key >= nk or (causal and key > row):
                         s[r, c] = NEG_INF
                     mt = max(mt, s[r, c])
@@ -308,26 +327,33 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
                 for c in range(TN):
                     p = math.exp2(s[r, c] - mnew)
                     part += p
-                    skp[ty + r * RG, tx + c * KG] = p
+                    skp[(ty + U(r * RG)) * U_SKP_LD + tx + U(c * KG)] = p
                 lsum[r] = lsum[r] * alpha + part  # this thread's keys only; summed at the end
                 for c in range(CV):
                     o[r, c] *= alpha
             cuda.syncthreads()
 
-            for j in range(BK):
+            p_at = ty * U_SKP_LD  # P[ty, j]
+            v_at = tx  # sv[j, tx]
+            for _ in range(BK):
                 for r in range(TM):
-                    p = skp[ty + r * RG, j]
+                    fa[r] = skp[p_at + U(r) * U_RG_SKP]
+                for c in range(CV):
+                    fb[c] = sv[v_at + U(c) * U_KG]
+                for r in range(TM):
                     for c in range(CV):
-                        o[r, c] += p * sv[j, tx + c * KG]
+                        o[r, c] += fa[r] * fb[c]
+                p_at += U_1
+                v_at += U_DVP
 
         for r in range(TM):
             total = lane_reduce(lsum[r], KG, False)
-            row = q0 + ty + r * RG
+            row = q0 + ty + U(r * RG)
             inv = ftype(1) / total
             for c in range(CV):
-                e = tx + c * KG
+                e = tx + U(c * KG)
                 if row < nq and e < dv:
-                    out[b, row, e] = o[r, c] * inv
+                    out[(q_rows + row) * dv + e] = o[r, c] * inv
 
     return flash_forward, NT
 
@@ -337,4 +363,6 @@ def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, 
     batch, nq, d = q.shape
     dp, dvp = flash_padded_dims(block_k, d, v.shape[2], micro)
     kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro)
-    kernel[(-(-nq // block_q), batch), threads](q, k, v, out, q.dtype.type(scale * LOG2E), causal)
+    flat = [x.reshape(x.size) for x in (q, k, v, out)]
+    kernel[(-(-nq // block_q), batch), threads](*flat, nq, k.shape[1], d, v.shape[2],
+                                                 q.dtype.type(scale * LOG2E), causal)
