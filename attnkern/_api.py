@@ -110,9 +110,9 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
                     f"{n} is a GPU array that is not C-contiguous (strides {x.strides}); GPU inputs are used in "
                     "place, never copied: pass a contiguous one (torch: .contiguous(), CuPy: cupy.ascontiguousarray)"
                 )
-    if check_finite:
+    if check_finite and not _all_finite(device, q, k, v):  # one scan; then find the culprit
         for x, n in ((q, "q"), (k, "k"), (v, "v")):
-            if not _all_finite(x, device):
+            if not _all_finite(device, x):
                 raise ValueError(f"{n} contains NaN or infinity; pass finite values (or check_finite=False)")
     lead = q.shape[:-2]
     batch = math.prod(lead)
@@ -129,8 +129,10 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
     )
 
 
-def _all_finite(x, device: bool) -> bool:
-    return _gpu().all_finite(x) if device else bool(np.isfinite(x).all())
+def _all_finite(device: bool, *arrays) -> bool:
+    if device:
+        return _gpu().all_finite(*arrays)
+    return all(np.isfinite(x).all() for x in arrays)
 
 
 def _auto(device: bool = False) -> _registry.Kernel:
@@ -176,14 +178,19 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     if reason is not None:
         raise RuntimeError(f"kernel {chosen.name} is not available here: {reason}")
     resolved = chosen.resolve_params(params)
-    if call.empty:
-        out = _gpu().zeros(call.out_shape, call.q.dtype) if call.device else np.zeros(call.out_shape, call.q.dtype)
+    if call.device:  # the output is allocated here, as the caller's kind of GPU array
+        out, returned = _gpu().empty_like_kind(call.out_shape, call.q.dtype, call.like)
+        if not call.empty:
+            chosen.run(call.q, call.k, call.v, call.causal, call.scale,
+                       out=out.reshape(call.q.shape[0], call.q.shape[1], call.v.shape[2]), **resolved)
+    elif call.empty:
+        out = returned = np.zeros(call.out_shape, call.q.dtype)
     else:
-        out = chosen.run(call.q, call.k, call.v, call.causal, call.scale, **resolved).reshape(call.out_shape)
-        if check_finite and not _all_finite(out, call.device):
-            raise FloatingPointError(
-                f"{chosen.name} produced non-finite values: q k^T * scale overflows {call.q.dtype}; "
-                "scale the inputs down or use float64"
-            )
-    return _gpu().like(out, call.like) if call.device else out
+        out = returned = chosen.run(call.q, call.k, call.v, call.causal, call.scale, **resolved).reshape(call.out_shape)
+    if check_finite and not call.empty and not _all_finite(call.device, out):
+        raise FloatingPointError(
+            f"{chosen.name} produced non-finite values: q k^T * scale overflows {call.q.dtype}; "
+            "scale the inputs down or use float64"
+        )
+    return returned
 

@@ -59,7 +59,8 @@ class Param:
 class Kernel:
     name: str
     description: str
-    # run(q, k, v, causal, scale, **params) -> out, on (batch, n, d) arrays
+    # run(q, k, v, causal, scale, **params) -> out, on (batch, n, d) arrays; device="cuda"
+    # kernels also take out=, a (batch, n, dv) GPU array that attention() allocated
     run: Callable
     params: tuple[Param, ...] = ()
     # returns None when the kernel can run here, else the reason it cannot

@@ -99,20 +99,23 @@ def _cuda_unavailable():
     return "no usable CUDA GPU"  # pragma: no cover - is_available() and a context disagree
 
 
-def _to_device(q, k, v, out_shape):
-    """Device views of q, k, v (copies when they are NumPy arrays) and an output array."""
+def _to_device(q, k, v, out):
+    """q, k, v on the device (copies of NumPy arrays), and an output there: `out`
+    when the caller gave one (attention() does for GPU inputs), else a new one."""
     from numba import cuda
 
     if isinstance(q, np.ndarray):
         q, k, v = (cuda.to_device(x) for x in (q, k, v))
-    return q, k, v, cuda.device_array(out_shape, dtype=q.dtype)
+    if out is None:
+        out = cuda.device_array((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
+    return q, k, v, out
 
 
 def _from_device(out, host: bool):
     return out.copy_to_host() if host else out
 
 
-def _cuda_naive(q, k, v, causal, scale, tile=16):
+def _cuda_naive(q, k, v, causal, scale, tile=16, out=None):
     from . import cuda_kernels
 
     need = cuda_kernels.naive_workspace_bytes(q.shape[0], q.shape[1], k.shape[1], q.dtype.itemsize)
@@ -123,7 +126,7 @@ def _cuda_naive(q, k, v, causal, scale, tile=16):
             f"{free / 2**30:.1f} GiB are free; use cuda.flash (no N x N buffer)"
         )
     host = isinstance(q, np.ndarray)
-    dq, dk, dv, out = _to_device(q, k, v, (q.shape[0], q.shape[1], v.shape[2]))
+    dq, dk, dv, out = _to_device(q, k, v, out)
     cuda_kernels.naive(dq, dk, dv, out, causal, scale, tile)
     return _from_device(out, host)
 
@@ -158,12 +161,12 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
     )
 
 
-def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0):
+def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, out=None):
     from . import cuda_kernels
 
     block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
     host = isinstance(q, np.ndarray)
-    dq, dk, dv, out = _to_device(q, k, v, (q.shape[0], q.shape[1], v.shape[2]))
+    dq, dk, dv, out = _to_device(q, k, v, out)
     cuda_kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k)
     return _from_device(out, host)
 
