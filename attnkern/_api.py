@@ -15,8 +15,8 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 @dataclass(frozen=True)
 class Call:
     """A validated call: q, k, v as C-contiguous (batch, n, d) arrays, NumPy
-    arrays on the host or Numba device arrays on the GPU (device=True); like is
-    the caller's q, whose kind of array the output takes."""
+    arrays on the host or jit.cuda_arrays.GpuArray on the GPU (device=True);
+    like is the caller's q, whose kind of array the output takes."""
 
     q: np.ndarray
     k: np.ndarray
@@ -50,11 +50,19 @@ def _is_gpu_array(x) -> bool:
 
 
 def _as_array(x, name: str):
-    """A NumPy array, or for GPU arrays a Numba device view of them."""
+    """A NumPy array, or for GPU arrays a GpuArray view of them."""
     if isinstance(x, np.ndarray):
         return x
-    if _is_gpu_array(x):
-        return _gpu().as_device_array(x, name)
+    if type(x).__module__.startswith("numba.cuda.simulator"):
+        return _gpu().as_device_array(x, name, None)
+    try:  # read once: torch computes the interface on every access
+        desc = x.__cuda_array_interface__
+    except AttributeError:  # a host object (CPU torch tensors raise this too)
+        desc = None
+    except Exception as exc:  # e.g. a CUDA tensor that requires grad
+        raise TypeError(f"{name} is a GPU array whose __cuda_array_interface__ failed: {exc}") from None
+    if desc is not None:
+        return _gpu().as_device_array(x, name, desc)
     try:
         arr = np.asarray(x)
     except Exception as exc:  # e.g. a torch tensor that requires grad

@@ -100,19 +100,21 @@ def _cuda_unavailable():
 
 
 def _to_device(q, k, v, out):
-    """q, k, v on the device (copies of NumPy arrays), and an output there: `out`
+    """q, k, v as GpuArrays (copies of NumPy arrays), and an output there: `out`
     when the caller gave one (attention() does for GPU inputs), else a new one."""
-    from numba import cuda
+    from . import cuda_arrays
 
     if isinstance(q, np.ndarray):
-        q, k, v = (cuda.to_device(x) for x in (q, k, v))
+        q, k, v = (cuda_arrays.from_host(x) for x in (q, k, v))
     if out is None:
-        out = cuda.device_array((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
+        out = cuda_arrays.device_empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
     return q, k, v, out
 
 
 def _from_device(out, host: bool):
-    return out.copy_to_host() if host else out
+    from . import cuda_arrays
+
+    return cuda_arrays.to_host(out) if host else out
 
 
 def _cuda_naive(q, k, v, causal, scale, tile=16, out=None):

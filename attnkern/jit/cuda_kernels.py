@@ -191,10 +191,11 @@ def naive_kernels(dtype: str, tile: int):
 
 
 def naive(q, k, v, out, causal: bool, scale: float, tile: int) -> None:
-    """out = softmax(q k^T * scale) v on device arrays (batch, n, d)."""
+    """out = softmax(q k^T * scale) v on GpuArrays (batch, n, d) (cuda_arrays)."""
     batch, nq, _ = q.shape
     nk, dv = k.shape[1], v.shape[2]
     qk_scores, softmax_rows, pv_matmul, threads = naive_kernels(q.dtype.name, tile)
+    q, k, v, out = (x.view() for x in (q, k, v, out))
     scores = cuda.device_array((batch, nq, nk), dtype=q.dtype)
     qk_scores[(-(-nk // tile), -(-nq // tile), batch), (tile, tile)](q, k, scores, q.dtype.type(scale), causal)
     softmax_rows[(nq, batch), threads](scores)
@@ -359,10 +360,9 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
 
 
 def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO) -> None:
-    """out = softmax(q k^T * scale) v on device arrays (batch, n, d)."""
+    """out = softmax(q k^T * scale) v on GpuArrays (batch, n, d) (cuda_arrays)."""
     batch, nq, d = q.shape
     dp, dvp = flash_padded_dims(block_k, d, v.shape[2], micro)
     kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro)
-    flat = [x.reshape(x.size) for x in (q, k, v, out)]
-    kernel[(-(-nq // block_q), batch), threads](*flat, nq, k.shape[1], d, v.shape[2],
+    kernel[(-(-nq // block_q), batch), threads](q.flat, k.flat, v.flat, out.flat, nq, k.shape[1], d, v.shape[2],
                                                  q.dtype.type(scale * LOG2E), causal)
