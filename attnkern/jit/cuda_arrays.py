@@ -2,10 +2,9 @@
 __cuda_array_interface__ (Numba device arrays, PyTorch CUDA tensors, CuPy
 arrays, ...) are viewed as Numba device arrays without a copy; the output is
 allocated as the kind of array q was: a torch tensor on q's device for torch,
-a CuPy array for CuPy, a Numba device array otherwise. Allocating through
-torch's or CuPy's caching allocator also matters for speed: a plain
-cudaMalloc/cudaFree per call cost about 300 us and stalled the pipeline
-(H100, N = 1024, where the kernel takes about as long)."""
+a CuPy array for CuPy, a Numba device array otherwise. Their caching
+allocators are also cheaper than Numba's cudaMalloc per call: torch.empty and
+a view of it took 18 us, cuda.device_array 110 us (H100, 4 MB)."""
 
 from __future__ import annotations
 
@@ -72,8 +71,8 @@ def as_device_array(x, name: str, desc) -> GpuArray:
             flat = cuda.device_array(0, dtype=dtype)  # nothing to view; numba refuses a null pointer
         elif contiguous:
             # Our kernels run on the legacy default stream (interface stream 1): work the
-            # producer queued there comes first anyway; for any other stream wait here.
-            # (Waiting always made every call synchronous.)
+            # producer queued there comes first anyway; for any other stream wait here
+            # (Numba's default waits whenever a stream is named, i.e. on every torch call).
             stream = desc.get("stream")
             flat_desc = {**desc, "shape": (math.prod(shape),), "strides": None}
             flat = cuda.from_cuda_array_interface(flat_desc, owner=x,
