@@ -43,6 +43,7 @@ LOG2E = 1.4426950408889634
 SHARED_BYTES = 48 * 1024  # static shared memory per block (CUDA's limit without opt-in)
 MICRO = (4, 4)  # rows and keys per thread in cuda.flash's score tile
 FULL_MASK = 0xFFFFFFFF
+INLINE = {} if config.ENABLE_CUDASIM else {"forceinline": True}  # the simulator takes no such option
 
 if config.ENABLE_CUDASIM:
     # Numba's CUDA simulator has no warp shuffles (and runs a Python thread per
@@ -63,7 +64,7 @@ if config.ENABLE_CUDASIM:
         cuda.syncthreads()
         return type(value)(acc)
 else:
-    @cuda.jit(device=True, forceinline=True)
+    @cuda.jit(device=True, **INLINE)
     def lane_reduce(value, width, is_max):
         """The max (is_max) or sum of value over each aligned group of `width`
         lanes (a power of two up to 32), returned to every lane: a butterfly
@@ -208,6 +209,25 @@ def naive_workspace_bytes(batch: int, nq: int, nk: int, itemsize: int) -> int:
 
 # ---------------------------------------------------------------- cuda.flash
 
+@cuda.jit(device=True, **INLINE)
+def tile_products(acc, rows, cols, steps, a, a_at, a_row_step, a_step, b, b_at, b_col_step, b_step, fa, fb):
+    """acc[r, c] += sum over `steps` of a[a_at + r*a_row_step] * b[b_at + c*b_col_step],
+    both offsets advancing by a_step and b_step each step: one thread's register
+    tile of a product of two shared-memory tiles. Offsets are unsigned and walk,
+    rather than being recomputed from signed 2-D indices (see flash_kernel);
+    inlined into a kernel whose rows/cols/steps are constants, the loops unroll."""
+    for _ in range(steps):
+        for r in range(rows):
+            fa[r] = a[a_at + uint64(r) * a_row_step]
+        for c in range(cols):
+            fb[c] = b[b_at + uint64(c) * b_col_step]
+        for r in range(rows):
+            for c in range(cols):
+                acc[r, c] += fa[r] * fb[c]
+        a_at += a_step
+        b_at += b_step
+
+
 def flash_shared_bytes(block_q: int, block_k: int, d: int, dv: int, itemsize: int, micro=MICRO) -> int:
     """Shared memory of one cuda.flash block: Q tile, K^T-or-P tile, V tile."""
     dp, dvp = flash_padded_dims(block_k, d, dv, micro)
@@ -298,18 +318,8 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
             for r in range(TM):
                 for c in range(TN):
                     s[r, c] = ZERO
-            q_at = ty * U_SQ_LD  # sq[ty, t]
-            k_at = tx  # skp[t, tx]
-            for _ in range(DP):
-                for r in range(TM):
-                    fa[r] = sq[q_at + U(r) * U_RG_SQ]
-                for c in range(TN):
-                    fb[c] = skp[k_at + U(c) * U_KG]
-                for r in range(TM):
-                    for c in range(TN):
-                        s[r, c] += fa[r] * fb[c]
-                q_at += U_1
-                k_at += U_SKP_LD
+            # s += Q[rows] K^T[:, keys], from sq[ty, t] and skp[t, tx] along t
+            tile_products(s, TM, TN, DP, sq, ty * U_SQ_LD, U_RG_SQ, U_1, skp, tx, U_KG, U_SKP_LD, fa, fb)
             cuda.syncthreads()  # K^T is consumed: skp now takes P
 
             for r in range(TM):
@@ -334,18 +344,8 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
                     o[r, c] *= alpha
             cuda.syncthreads()
 
-            p_at = ty * U_SKP_LD  # P[ty, j]
-            v_at = tx  # sv[j, tx]
-            for _ in range(BK):
-                for r in range(TM):
-                    fa[r] = skp[p_at + U(r) * U_RG_SKP]
-                for c in range(CV):
-                    fb[c] = sv[v_at + U(c) * U_KG]
-                for r in range(TM):
-                    for c in range(CV):
-                        o[r, c] += fa[r] * fb[c]
-                p_at += U_1
-                v_at += U_DVP
+            # o += P[rows] V[:, columns], from P[ty, j] and sv[j, tx] along j
+            tile_products(o, TM, CV, BK, skp, ty * U_SKP_LD, U_RG_SKP, U_1, sv, tx, U_KG, U_DVP, fa, fb)
 
         for r in range(TM):
             total = lane_reduce(lsum[r], KG, False)
