@@ -6,8 +6,9 @@
 For (B, H, N, D) = (1, 16, N, 64) float32, every kernel is first checked
 against the float64 reference on a sample of query rows (all heads, all keys:
 the full reference at N = 16384 would need 34 GB), then timed with CUDA events
-after warm-up: the median of --repeat calls, each bracketed by its own pair of
-events on the default stream. Peers: torch.nn.functional.scaled_dot_product_attention
+after warm-up: the median of --repeat samples, each a pair of events on the
+default stream around --back-to-back calls (default 1: isolated calls, where
+Python launch overhead counts in full; 5 or so: queued calls, as in a loop). Peers: torch.nn.functional.scaled_dot_product_attention
 (float32; TF32 off, so every kernel here does float32 FMAs), torch.naive
 (materialised scores) and the same naive algorithm in CuPy. attnkern's kernels
 are called through attnkern.attention on torch CUDA tensors (no copies) with
@@ -94,18 +95,23 @@ def sampled_error(out, q, k, v, causal: bool, scale: float, rows: np.ndarray) ->
     return float(np.abs(o - ref).max() / (np.abs(vh).max() * kappa))
 
 
-def time_call(torch, fn, args, repeat: int, warmup: int = 3) -> float:
-    """Median milliseconds per call, CUDA events around each call."""
+def time_call(torch, fn, args, repeat: int, back_to_back: int, warmup: int = 3) -> float:
+    """Median milliseconds per call over `repeat` samples; each sample is a pair of
+    CUDA events around `back_to_back` consecutive calls, divided by their number.
+    With 1, a sample is one isolated call: the GPU idles while Python prepares the
+    launch, so launch overhead counts in full. With more, calls queue as in a
+    training loop and a call's overhead overlaps the previous call's kernel."""
     for _ in range(warmup):
         fn(*args)
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(*args)
+        for _ in range(back_to_back):
+            fn(*args)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / back_to_back)
     return statistics.median(times)
 
 
@@ -139,7 +145,7 @@ def measure(torch, kernels: dict, n: int, args, rng) -> list[dict]:
                 torch.cuda.synchronize()
                 row["error"] = sampled_error(out, q, k, v, causal, scale, rows)
                 del out
-                row["ms"] = time_call(torch, fn, (q, k, v, causal, scale), args.repeat)
+                row["ms"] = time_call(torch, fn, (q, k, v, causal, scale), args.repeat, args.back_to_back)
                 row["tflops"] = flops / row["ms"] / 1e9
             except Exception as exc:  # e.g. out of memory for the naive kernels at N = 16384
                 row["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
@@ -171,6 +177,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--back-to-back", type=int, default=1,
+                        help="calls per timed sample (1: isolated calls, launch overhead in full)")
     parser.add_argument("--check-rows", type=int, default=64, help="query rows per head checked against float64")
     parser.add_argument("--sweep", action="store_true", help="also time every cuda.flash tile that fits")
     parser.add_argument("--json", help="write the measurements to this file")
@@ -190,8 +198,9 @@ def main(argv=None) -> int:
         for bq, bk in _FLASH_TILES:
             if cuda_kernels.flash_shared_bytes(bq, bk, args.dim, args.dim, 4) <= cuda_kernels.SHARED_BYTES:
                 kernels[f"cuda.flash[{bq}x{bk}]"] = ours("cuda.flash", block_q=bq, block_k=bk)
-    print(f"# {torch.cuda.get_device_name()}; float32 (1, {args.heads}, N, {args.dim}); "
-          f"median of {args.repeat} calls, CUDA events; error = max|out - ref| / (max|v| kappa), bound 1e-5")
+    print(f"# {torch.cuda.get_device_name()}; float32 (1, {args.heads}, N, {args.dim}); median of {args.repeat} "
+          f"samples of {args.back_to_back} back-to-back call(s), CUDA events; "
+          "error = max|out - ref| / (max|v| kappa), bound 1e-5")
     print(f"{'N':>6} {'causal':>6} {'kernel':<28} {'ms':>9} {'TFLOP/s':>8} {'vs torch':>10} {'error':>9}")
     rng = np.random.default_rng(0)
     everything = []
