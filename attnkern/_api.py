@@ -44,16 +44,11 @@ def _gpu():
     return cuda_arrays
 
 
-def _is_gpu_array(x) -> bool:
-    # Numba's CUDA simulator (the tests' GPU) has device arrays without the interface
-    return hasattr(x, "__cuda_array_interface__") or type(x).__module__.startswith("numba.cuda.simulator")
-
-
 def _as_array(x, name: str):
     """A NumPy array, or for GPU arrays a GpuArray view of them."""
     if isinstance(x, np.ndarray):
         return x
-    if type(x).__module__.startswith("numba.cuda.simulator"):
+    if type(x).__module__.startswith("numba.cuda.simulator"):  # the tests' GPU: no interface
         return _gpu().as_device_array(x, name, None)
     try:  # read once: torch computes the interface on every access
         desc = x.__cuda_array_interface__

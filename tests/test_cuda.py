@@ -36,7 +36,9 @@ def fast_simulator_barriers():
 
 
 def is_gpu_array(x):
-    return attnkern._api._is_gpu_array(x) and not isinstance(x, np.ndarray)
+    # the simulator's device arrays have no __cuda_array_interface__
+    simulated = type(x).__module__.startswith("numba.cuda.simulator")
+    return (simulated or hasattr(x, "__cuda_array_interface__")) and not isinstance(x, np.ndarray)
 
 # (kernel, tunables): tiles of 8 and 16 on the odd sizes below give several
 # full tiles, a partial one, and (for flash) groups of 2, 4 and 8 lanes
