@@ -1,0 +1,223 @@
+"""Calibrate the regression signals on this machine: false alarms over A/A
+comparisons of identical library code, and detection of real slowdowns
+injected into native.flash, for each method:
+
+  asv       `asv continuous` on native.flash's Forward time benchmarks, verdicts
+            at factors 1.1, 1.2 and 1.3 (`asv compare` over the same results)
+  paired    tools/gate.py's paired, alternating timing (no counting)
+  counted   tools/gate.py's instruction counts under Valgrind
+
+    .venv/bin/python tools/calibrate_gate.py --out bench-results/gate-calibration.json
+
+The slowdown: native.flash's flash_block recomputes the Q·Kᵀ scores of the first
+rows of every query block once more (a second `block_qk` over those rows; the
+result overwrites identical values, so outputs stay exact). The fraction of rows
+sets its size; the counted ratio measures what each level really costs. Everything
+runs in a temporary clone; the main repository is not touched. Takes about an
+hour with the defaults; the raw data and a Markdown table are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gate  # noqa: E402
+
+REPO = gate.REPO
+INJECT_FILE = "attnkern/native/attn_kernels.h"
+# The score block of flash_block (the tiled kernel's call differs: it offsets s).
+INJECT_LINE = "        ST(block_qk)(w, kh + j0 * d, kb, bq, d, w->s, lds, p->causal, i0, j0);\n"
+# Percent of a query block's rows whose scores are computed twice, for each target
+# slowdown of the timed kernel (percent). On the AVX-512 path that is about one
+# percent of time per percent of rows; the AVX2 path's instruction count grows by
+# about 0.55% per percent (non-causal; less with the causal mask, whose first rows
+# see few keys). The calibration reports what each level really measured.
+ROWS_FOR_LEVEL = {2: 2, 5: 5, 10: 10}
+ASV_REGEX = r"(^|\.)Forward\.time_forward\('native\.flash', '(1x8x1024x64|1x4x1024x128)'"
+PAIRED_REGEX = r"^native\.flash:"
+FACTORS = ("1.1", "1.2", "1.3")
+
+
+def inject_slowdown(source: str, rows_percent: int) -> str:
+    """attn_kernels.h with flash_block recomputing `rows_percent`% of each block's score rows."""
+    if source.count(INJECT_LINE) != 1:
+        raise ValueError(f"the line the slowdown follows moved: {INJECT_LINE!r}")
+    extra = INJECT_LINE.replace("kb, bq, d,", f"kb, (bq * {rows_percent} + 99) / 100, d,")
+    return source.replace(INJECT_LINE, INJECT_LINE + extra)
+
+
+def git(repo, *args) -> str:
+    env = dict(os.environ, GIT_AUTHOR_NAME="calibration", GIT_AUTHOR_EMAIL="gate@attnkern",
+               GIT_COMMITTER_NAME="calibration", GIT_COMMITTER_EMAIL="gate@attnkern")
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def make_history(clone: Path, levels) -> dict[str, str]:
+    """Commits off HEAD: a README no-op (identical library code) and one
+    injected slowdown per level. Returns {name: sha}."""
+    base = git(clone, "rev-parse", "HEAD")
+    shas = {"base": base}
+    git(clone, "checkout", "-q", "-b", "noop", base)
+    with (clone / "README.md").open("a") as f:
+        f.write("\nA line of nothing measurable.\n")
+    git(clone, "commit", "-q", "-am", "README: no-op")
+    shas["noop"] = git(clone, "rev-parse", "HEAD")
+    for level in levels:
+        git(clone, "checkout", "-q", "-b", f"slow{level}", base)
+        path = clone / INJECT_FILE
+        path.write_text(inject_slowdown(path.read_text(), ROWS_FOR_LEVEL[level]))
+        git(clone, "commit", "-q", "-am", f"flash: {ROWS_FOR_LEVEL[level]}% of score rows twice (~{level}% slower)")
+        shas[f"slow{level}"] = git(clone, "rev-parse", "HEAD")
+    git(clone, "checkout", "-q", base)
+    return shas
+
+
+def asv_setup(tmp: Path, clone: Path):
+    from asv.util import load_json
+
+    config = load_json(str(REPO / "asv.conf.json"), js_comments=True)
+    config.update(repo=str(clone), benchmark_dir=str(clone / "benchmarks"), env_dir=str(REPO / ".asv" / "env"),
+                  results_dir=str(tmp / "results"), html_dir=str(tmp / "html"))
+    conf = tmp / "asv.conf.json"
+    conf.write_text(json.dumps(config, indent=2))
+    machine = "attnkern-calibration"
+    subprocess.run([sys.executable, "-m", "asv", "machine", "--yes", "--machine", machine], cwd=clone,
+                   check=True, capture_output=True)
+
+    def asv(*args):
+        return subprocess.run([sys.executable, "-m", "asv", *args, "--config", str(conf), "--machine", machine],
+                              cwd=clone, capture_output=True, text=True)
+
+    return asv
+
+
+def asv_trial(asv, base: str, head: str) -> dict:
+    t0 = time.perf_counter()
+    run = asv("continuous", "--factor", FACTORS[0], "-b", ASV_REGEX, base, head)
+    seconds = time.perf_counter() - t0
+    out = {"seconds": seconds, "returncode": run.returncode, "factors": {}}
+    for factor in FACTORS:
+        cmp = asv("compare", "--factor", factor, base, head)
+        rows = []
+        for line in cmp.stdout.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("|") and len(cells) == 5 and "native.flash" in cells[4]:
+                rows.append({"change": cells[0], "before": cells[1], "after": cells[2], "ratio": cells[3],
+                             "benchmark": cells[4]})
+        out["factors"][factor] = {"rows": rows, "flagged": [r["benchmark"] for r in rows if r["change"] == "+"]}
+    if not out["factors"][FACTORS[0]]["rows"]:
+        out["error"] = (run.stdout + run.stderr)[-3000:]
+    return out
+
+
+def paired_trial(clone: Path, base: str, head: str, seed: int, tmp: Path) -> dict:
+    path = tmp / f"paired-{head[:8]}-{seed}.json"
+    t0 = time.perf_counter()
+    code = gate.main(["--repo", str(clone), "--base", base, "--head", head, "--no-count", "-b", PAIRED_REGEX,
+                      "--seed", str(seed), "--json", str(path)])
+    data = json.loads(path.read_text())
+    return {"seconds": time.perf_counter() - t0, "returncode": code,
+            "rows": [{k: r.get(k) for k in ("benchmark", "ratio", "interval", "verdict", "rounds")}
+                     for r in data["rows"]],
+            "flagged": [r["benchmark"] for r in data["rows"] if r["verdict"] == "slower"]}
+
+
+def counted_runs(clone: Path, shas: dict, cache: Path) -> dict:
+    """Instruction counts of native.flash for every commit, the base three times
+    (run-to-run identity)."""
+    configs = [("native.flash", s, c) for s in gate.COUNT_SHAPES for c in (False, True)]
+    out = {}
+    for name in ["base", "base", "base", *[n for n in shas if n != "base"]]:
+        site = gate.build(clone, shas[name], cache, print)
+        python, env = gate.interpreter(site)
+        t0 = time.perf_counter()
+        counts = gate.counting.count(configs, python=python, env=env)
+        out.setdefault(name, []).append({"seconds": time.perf_counter() - t0,
+                                         "Ir": {k: v["Ir"] for k, v in counts.items()}})
+    return out
+
+
+def summarize(data) -> str:
+    lines = ["| method | threshold | false alarms (A/A) | " +
+             " | ".join(f"{lvl}% slowdown flagged" for lvl in data["levels"]) + " | minutes per comparison |",
+             "|---|---|---|" + "---|" * len(data["levels"]) + "---|"]
+
+    def frac(trials, flagged):
+        return f"{sum(1 for t in trials if flagged(t))}/{len(trials)}"
+
+    for factor in FACTORS:
+        aa = data["asv"]["noop"]
+        cells = [frac(data["asv"][f"slow{lvl}"], lambda t: t["factors"][factor]["flagged"]) for lvl in data["levels"]]
+        mins = statistics.median(t["seconds"] for ts in data["asv"].values() for t in ts) / 60
+        lines.append(f"| asv continuous | factor {factor} | {frac(aa, lambda t: t['factors'][factor]['flagged'])} | "
+                     + " | ".join(cells) + f" | {mins:.1f} |")
+    aa = data["paired"]["noop"]
+    cells = [frac(data["paired"][f"slow{lvl}"], lambda t: t["flagged"]) for lvl in data["levels"]]
+    mins = statistics.median(t["seconds"] for ts in data["paired"].values() for t in ts) / 60
+    lines.append(f"| paired A/B | interval above +{data['time_threshold']:.0%} | {frac(aa, lambda t: t['flagged'])} | "
+                 + " | ".join(cells) + f" | {mins:.1f} |")
+    base = data["counted"]["base"]
+    same = all(r["Ir"] == base[0]["Ir"] for r in base) and data["counted"]["noop"][0]["Ir"] == base[0]["Ir"]
+    cells = []
+    for lvl in data["levels"]:
+        ratios = [data["counted"][f"slow{lvl}"][0]["Ir"][k] / base[0]["Ir"][k] for k in base[0]["Ir"]]
+        cells.append(f"{'all' if min(ratios) > 1.01 else 'not all'} ({min(ratios):.3f}-{max(ratios):.3f}x)")
+    mins = statistics.median(t["seconds"] for ts in data["counted"].values() for t in ts) / 60
+    lines.append(f"| counted | +1% instructions | {'0 (identical counts)' if same else 'counts differ'} | "
+                 + " | ".join(cells) + f" | {mins:.1f} per build |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/calibrate_gate.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "bench-results" / "gate-calibration.json"))
+    parser.add_argument("--aa", type=int, default=5, help="A/A comparisons per method (default 5)")
+    parser.add_argument("--trials", type=int, default=3, help="comparisons per injected level (default 3)")
+    parser.add_argument("--levels", type=int, nargs="+", default=sorted(ROWS_FOR_LEVEL), choices=sorted(ROWS_FOR_LEVEL))
+    parser.add_argument("--methods", nargs="+", default=["counted", "paired", "asv"], choices=["counted", "paired", "asv"])
+    args = parser.parse_args(argv)
+    cache = REPO / ".gate" / "builds"
+    data = {"cpu": gate.cpu_name(), "levels": args.levels, "time_threshold": 0.02, "started": time.ctime(),
+            "rows_for_level": ROWS_FOR_LEVEL, "asv_regex": ASV_REGEX, "paired_regex": PAIRED_REGEX}
+    with tempfile.TemporaryDirectory(prefix="attnkern-calibrate-") as tmp:
+        tmp = Path(tmp)
+        clone = tmp / "attnkern"
+        subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+        shas = make_history(clone, args.levels)
+        data["shas"] = shas
+        comparisons = [("noop", seed) for seed in range(args.aa)]
+        comparisons += [(f"slow{lvl}", seed) for seed in range(args.trials) for lvl in args.levels]
+        if "counted" in args.methods:
+            data["counted"] = counted_runs(clone, shas, cache)
+        asv = asv_setup(tmp, clone) if "asv" in args.methods else None
+        for method in ("paired", "asv"):
+            if method in args.methods:
+                data[method] = {}
+        for i, (name, seed) in enumerate(comparisons):
+            print(f"== comparison {i + 1}/{len(comparisons)}: base -> {name} (seed {seed})", flush=True)
+            if "paired" in args.methods:
+                data["paired"].setdefault(name, []).append(paired_trial(clone, shas["base"], shas[name], seed, tmp))
+            if asv is not None:
+                data["asv"].setdefault(name, []).append(asv_trial(asv, shas["base"], shas[name]))
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(data, indent=1))
+    data["finished"] = time.ctime()
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    if set(args.methods) == {"counted", "paired", "asv"}:
+        print(summarize(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,389 @@
+"""The regression gate: did HEAD make a CPU kernel slower than BASE?
+
+    make gate BASE=main                      # or: .venv/bin/python tools/gate.py --base main
+    .venv/bin/python tools/gate.py --base main -b native.flash --json gate.json
+
+Both commits are built into wheels (meson-python, cached under .gate/builds by
+commit) and compared with two signals, each immune to a different kind of noise:
+
+counted   Instructions executed by one single-threaded call of each kernel
+          (benchmarks/counting.py: callgrind, only the kernel call is counted).
+          Deterministic: identical code gives identical counts, so a tight
+          threshold (default 1%) has no false alarms. Valgrind runs the AVX2
+          path (it does not emulate AVX-512), and instructions are not time:
+          memory stalls and vector width changes show only in the second signal.
+
+time      Wall time of both builds in paired, alternating turns on this machine:
+          one worker process per build, each with its own wheel, the same inputs
+          and thread counts; per round and configuration both take a turn (in a
+          random order), a turn being a pause (so the other worker's OpenMP
+          threads stop spinning), an untimed call and back-to-back timed calls.
+          The paired ratio per round (median candidate / median baseline) cancels
+          the machine's slow drift; the estimate is the median over rounds and
+          its 95% interval comes from a bootstrap over rounds.
+
+A configuration is `slower` when its counted ratio exceeds 1 + --count-threshold,
+or when the whole time interval lies above 1 + --time-threshold; `faster`
+likewise below; otherwise `same`. The exit status is 1 if anything is slower,
+0 otherwise (2 for a usage or build error). The measured false-alarm and
+detection rates of these thresholds, and the gate's cost, are in
+docs/regression-gate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
+
+KERNELS = ["native.flash", "native.tiled", "native.naive", "numba.flash", "numpy.naive"]
+TIME_SHAPES = ["1x8x512x64", "1x8x1024x64"]
+COUNT_SHAPES = ["1x2x256x64", "1x2x333x64"]
+
+
+# ---------------------------------------------------------------- builds
+def resolve(repo: Path, rev: str) -> str:
+    proc = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=repo,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"gate: {rev!r} is not a commit of {repo}")
+    return proc.stdout.strip()
+
+
+def build(repo: Path, sha: str, cache: Path, log) -> Path:
+    """attnkern of commit `sha` installed (no dependencies) into its own
+    directory, from a wheel built like asv builds it; cached by commit."""
+    site = cache / sha / "site"
+    if (site / "attnkern").is_dir():
+        return site
+    log(f"building {sha[:10]} ...")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="attnkern-gate-") as tmp:
+        src, wheels = Path(tmp) / "src", Path(tmp) / "wheels"
+        src.mkdir()
+        archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=repo, capture_output=True,
+                                 check=True).stdout
+        with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+            tar.extractall(src, filter="data")
+        tmp_site = site.with_name("site.tmp")
+        shutil.rmtree(tmp_site, ignore_errors=True)
+        steps = [lambda: [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                          str(wheels), str(src)],
+                 lambda: [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_site),
+                          *map(str, wheels.glob("*.whl"))]]
+        for step in steps:
+            proc = subprocess.run(step(), capture_output=True, text=True)
+            if proc.returncode != 0:
+                shutil.rmtree(tmp_site, ignore_errors=True)
+                raise SystemExit(f"gate: building {sha[:10]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    site.with_name("site.tmp").rename(site)
+    log(f"built {sha[:10]} in {time.perf_counter() - t0:.0f} s")
+    return site
+
+
+def interpreter(site: Path) -> tuple[list[str], dict]:
+    """The command and environment that import attnkern from `site` and its
+    dependencies from this virtualenv. `-S` skips site-packages' .pth files:
+    the editable install of the working tree must not shadow the build."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), sysconfig.get_paths()["purelib"],
+                                         sysconfig.get_paths()["platlib"]])
+    env.pop("ATTNKERN_ISA", None)
+    return [sys.executable, "-S"], env
+
+
+# ---------------------------------------------------------------- counted signal
+def count_both(configs, sites, log) -> dict[str, dict[str, dict]]:
+    out = {}
+    for side, site in sites.items():
+        log(f"counting instructions of {len(configs)} configurations under valgrind ({side}) ...")
+        t0 = time.perf_counter()
+        python, env = interpreter(site)
+        out[side] = counting.count(configs, python=python, env=env)
+        log(f"counted {side} in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+# ---------------------------------------------------------------- paired timing
+class Worker:
+    """A process with one build's attnkern that times calls on request."""
+
+    def __init__(self, site: Path, threads: int):
+        python, env = interpreter(site)
+        env.update(OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+                   MKL_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(max(threads, 1)))
+        self.proc = subprocess.Popen([*python, __file__, "--worker", str(site), str(threads)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def ask(self, **request):
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"gate worker died (exit {self.proc.wait()})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+
+
+def worker_main(site: str, threads: int) -> None:
+    """The worker's loop: JSON requests on stdin, one JSON reply per line."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    import attnkern
+
+    if not os.path.realpath(attnkern.__file__).startswith(os.path.realpath(site)):
+        print(json.dumps({"error": f"imported {attnkern.__file__}, not the build in {site}"}), flush=True)
+        return
+    threadpool_limits(limits=threads)
+    calls, inputs = {}, {}
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "quit":
+                return
+            key = req["key"]
+            if req["op"] == "setup":
+                kernel, shape, causal = key.split(":")
+                if kernel not in attnkern.kernels() or not attnkern.kernel_info(kernel)["available"]:
+                    print(json.dumps({"skip": f"{kernel} is not in this build or not available"}), flush=True)
+                    continue
+                params = {"num_threads": threads} if "num_threads" in attnkern.kernel_info(kernel)["params"] else {}
+                rng = np.random.default_rng(0)
+                q, k, v = (rng.standard_normal(tuple(int(x) for x in shape.split("x")), dtype=np.float32)
+                           for _ in range(3))
+                inputs[key] = (q, k, v)
+                calls[key] = (lambda kernel, causal, params: lambda q, k, v: attnkern.attention(
+                    q, k, v, causal=causal, kernel=kernel, **params))(kernel, bool(int(causal)), params)
+                calls[key](q, k, v)  # compile / load caches, start thread pools
+                t0 = time.perf_counter()
+                calls[key](q, k, v)
+                print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+            elif req["op"] == "time":
+                call, args = calls[key], inputs[key]
+                call(*args)  # untimed: caches and thread pools warm for this configuration
+                times = []
+                for _ in range(req["calls"]):
+                    t0 = time.perf_counter()
+                    call(*args)
+                    times.append(time.perf_counter() - t0)
+                print(json.dumps({"times": times}), flush=True)
+        except Exception as exc:  # reported to the driver, which stops
+            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+
+
+def bootstrap_median_ci(ratios, level=0.95, resamples=4000, seed=0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median of `ratios` (seeded: the
+    same data give the same interval)."""
+    rng = random.Random(seed)
+    n = len(ratios)
+    meds = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
+
+
+def time_both(configs, sites, args, log) -> dict[str, dict]:
+    """Paired, alternating timing of every configuration on both builds."""
+    workers = {side: Worker(site, args.threads) for side, site in sites.items()}
+    rng = random.Random(args.seed)
+    try:
+        plan = {}
+        for key in configs:
+            replies = {side: w.ask(op="setup", key=key) for side, w in workers.items()}
+            if any("skip" in r for r in replies.values()):
+                plan[key] = {"skip": next(r["skip"] for r in replies.values() if "skip" in r)}
+                continue
+            per_call = replies["baseline"]["seconds"]
+            plan[key] = {"calls": max(args.min_calls, min(50, round(args.turn / max(per_call, 1e-6)))),
+                         "rounds": [], "baseline": [], "candidate": []}
+        keys = [k for k in configs if "skip" not in plan[k]]
+        t0 = time.perf_counter()
+        for r in range(args.rounds):
+            rng.shuffle(keys)
+            for key in keys:
+                sides = ["baseline", "candidate"]
+                rng.shuffle(sides)
+                med = {}
+                for side in sides:
+                    time.sleep(args.settle)
+                    med[side] = statistics.median(workers[side].ask(op="time", key=key,
+                                                                    calls=plan[key]["calls"])["times"])
+                plan[key]["baseline"].append(med["baseline"])
+                plan[key]["candidate"].append(med["candidate"])
+                plan[key]["rounds"].append(med["candidate"] / med["baseline"])
+            elapsed = time.perf_counter() - t0
+            log(f"timing: round {r + 1}/{args.rounds} ({elapsed:.0f} s, "
+                f"~{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s left)")
+        for key in keys:
+            p = plan[key]
+            p["ratio"] = statistics.median(p["rounds"])
+            p["interval"] = bootstrap_median_ci(p["rounds"], seed=args.seed)
+    finally:
+        for w in workers.values():
+            w.close()
+    return plan
+
+
+# ---------------------------------------------------------------- verdicts and table
+def verdict(lo: float, hi: float, threshold: float) -> str:
+    if lo > 1 + threshold:
+        return "slower"
+    if hi < 1 - threshold:
+        return "faster"
+    return "same"
+
+
+def rows_of(counted, timed, args) -> list[dict]:
+    rows = []
+    for key, base in (counted or {}).get("baseline", {}).items():
+        cand = counted["candidate"][key]
+        if "error" in base or "error" in cand:
+            rows.append({"benchmark": key, "signal": "counted", "verdict": "skipped",
+                         "note": base.get("error") or cand.get("error")})
+            continue
+        ratio = cand["Ir"] / base["Ir"]
+        rows.append({"benchmark": key, "signal": "counted", "unit": "instructions", "baseline": base["Ir"],
+                     "candidate": cand["Ir"], "ratio": ratio, "interval": [ratio, ratio],
+                     "verdict": verdict(ratio, ratio, args.count_threshold),
+                     "baseline_counts": base, "candidate_counts": cand,
+                     "estimated_cycles_ratio": counting.estimated_cycles(cand) / counting.estimated_cycles(base)})
+    for key, p in (timed or {}).items():
+        if "skip" in p:
+            rows.append({"benchmark": key, "signal": "time", "verdict": "skipped", "note": p["skip"]})
+            continue
+        lo, hi = p["interval"]
+        rows.append({"benchmark": key, "signal": "time", "unit": "s", "baseline": statistics.median(p["baseline"]),
+                     "candidate": statistics.median(p["candidate"]), "ratio": p["ratio"], "interval": [lo, hi],
+                     "verdict": verdict(lo, hi, args.time_threshold), "rounds": p["rounds"],
+                     "calls_per_turn": p["calls"]})
+    return rows
+
+
+def print_table(rows) -> None:
+    head = f"{'benchmark':<34} {'signal':<8} {'baseline':>12} {'candidate':>12} {'ratio':>7} {'95% interval':>17}  verdict"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if r["verdict"] == "skipped":
+            print(f"{r['benchmark']:<34} {r['signal']:<8} {'':>12} {'':>12} {'':>7} {'':>17}  skipped: {r['note']}")
+            continue
+        if r["signal"] == "counted":
+            b, c, iv = f"{r['baseline'] / 1e6:.3f}M", f"{r['candidate'] / 1e6:.3f}M", "exact"
+        else:
+            b, c = f"{r['baseline'] * 1e3:.3f} ms", f"{r['candidate'] * 1e3:.3f} ms"
+            iv = f"[{r['interval'][0]:.3f}, {r['interval'][1]:.3f}]"
+        mark = {"slower": "SLOWER", "faster": "faster", "same": "same"}[r["verdict"]]
+        print(f"{r['benchmark']:<34} {r['signal']:<8} {b:>12} {c:>12} {r['ratio']:>7.3f} {iv:>17}  {mark}")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/gate.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="baseline commit (a branch, tag or sha)")
+    parser.add_argument("--repo", default=str(REPO), help="the git repository (default: this one)")
+    parser.add_argument("--head", default="HEAD", help="candidate commit (default HEAD; uncommitted edits are not seen)")
+    parser.add_argument("--kernels", nargs="+", default=KERNELS)
+    parser.add_argument("-b", "--bench", help="only configurations matching this regex (kernel:shape:causal)")
+    parser.add_argument("--time-shapes", nargs="+", default=TIME_SHAPES, help="BxHxNxD shapes timed")
+    parser.add_argument("--count-shapes", nargs="+", default=COUNT_SHAPES, help="BxHxNxD shapes counted")
+    parser.add_argument("--no-count", action="store_true", help="skip the counted signal")
+    parser.add_argument("--no-time", action="store_true", help="skip the timed signal")
+    parser.add_argument("--count-threshold", type=float, default=0.01, help="relative change of instructions (default 0.01)")
+    parser.add_argument("--time-threshold", type=float, default=0.02,
+                        help="the time interval must lie beyond 1 +/- this (default 0.02)")
+    parser.add_argument("--rounds", type=int, default=30, help="paired rounds per configuration (default 30)")
+    parser.add_argument("--turn", type=float, default=0.1, help="seconds of timed calls per turn (default 0.1)")
+    parser.add_argument("--min-calls", type=int, default=3, help="timed calls per turn at least (default 3)")
+    parser.add_argument("--settle", type=float, default=0.05, help="pause before each turn, seconds (default 0.05)")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("ATTNKERN_BENCH_THREADS", "2")),
+                        help="threads of every kernel and BLAS when timing (default 2); counting uses 1")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the turn order and the bootstrap")
+    parser.add_argument("--cache", default=str(REPO / ".gate" / "builds"), help="where built commits are kept")
+    parser.add_argument("--json", help="write every measurement (per-round ratios, counts) to this file")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # a timing worker started by time_both
+        worker_main(argv[1], int(argv[2]))
+        return 0
+    args = parser.parse_args(argv)
+
+    def log(msg):
+        print(f"[gate {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    repo = Path(args.repo)
+    shas = {"baseline": resolve(repo, args.base), "candidate": resolve(repo, args.head)}
+    keep = re.compile(args.bench) if args.bench else None
+
+    def configs(shapes):
+        keys = [(k, s, c) for k in args.kernels for s in shapes for c in (False, True)]
+        return [c for c in keys if keep is None or keep.search(counting.config_key(*c))]
+
+    count_cfg, time_cfg = configs(args.count_shapes), configs(args.time_shapes)
+    if not count_cfg and not time_cfg:
+        raise SystemExit("gate: no configuration matches")
+    if not args.no_count and (why := counting.valgrind_missing()):
+        raise SystemExit(f"gate: {why}")
+    cache = Path(args.cache)
+    sites = {side: build(repo, sha, cache, log) for side, sha in shas.items()}
+    counted = None if args.no_count or not count_cfg else count_both(count_cfg, sites, log)
+    timed = None
+    if not args.no_time and time_cfg:
+        timed = time_both([counting.config_key(*c) for c in time_cfg], sites, args, log)
+    rows = rows_of(counted, timed, args)
+    minutes = (time.perf_counter() - started) / 60
+    print(f"# {shas['baseline'][:10]} (baseline) -> {shas['candidate'][:10]} (candidate) on {cpu_name()}")
+    print(f"# counted: instructions of one call, 1 thread, under valgrind; slower above {args.count_threshold:+.1%}")
+    print(f"# time: {args.rounds} paired rounds, {args.threads} threads, median ratio and 95% bootstrap interval; "
+          f"slower when the interval lies above {args.time_threshold:+.1%}")
+    print_table(rows)
+    slower = [r for r in rows if r["verdict"] == "slower"]
+    print(f"# {len(slower)} slower, {sum(r['verdict'] == 'faster' for r in rows)} faster, "
+          f"{sum(r['verdict'] == 'same' for r in rows)} unchanged; {minutes:.1f} min")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"baseline": shas["baseline"], "candidate": shas["candidate"], "cpu": cpu_name(),
+                       "threads": args.threads, "rounds": args.rounds, "count_threshold": args.count_threshold,
+                       "time_threshold": args.time_threshold, "minutes": minutes, "rows": rows}, f, indent=1)
+    if slower:
+        print("# PERFORMANCE DECREASED: " + ", ".join(f"{r['benchmark']} ({r['signal']})" for r in slower))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
