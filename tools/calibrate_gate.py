@@ -7,7 +7,7 @@ injected into native.flash, for each method:
   paired    tools/gate.py's paired, alternating timing (no counting)
   counted   tools/gate.py's instruction counts under Valgrind
 
-    .venv/bin/python tools/calibrate_gate.py --out bench-results/gate-calibration.json
+    .venv/bin/python tools/calibrate_gate.py --out docs/data/gate-calibration.json
 
 The slowdown: native.flash's flash_block recomputes the Q·Kᵀ scores of the first
 rows of every query block once more (a second `block_qk` over those rows; the
@@ -181,7 +181,7 @@ def summarize(data) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tools/calibrate_gate.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "bench-results" / "gate-calibration.json"))
+    parser.add_argument("--out", default=str(REPO / "docs" / "data" / "gate-calibration.json"))
     parser.add_argument("--aa", type=int, default=5, help="A/A comparisons per method (default 5)")
     parser.add_argument("--trials", type=int, default=3, help="comparisons per injected level (default 3)")
     parser.add_argument("--levels", type=int, nargs="+", default=sorted(ROWS_FOR_LEVEL), choices=sorted(ROWS_FOR_LEVEL))
