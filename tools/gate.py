@@ -14,13 +14,12 @@ counted   Instructions executed by one single-threaded call of each kernel
           memory stalls and vector width changes show only in the second signal.
 
 time      Wall time of both builds in paired, alternating turns on this machine:
-          one worker process per build, each with its own wheel, the same inputs
-          and thread counts; per round and configuration both take a turn (in a
-          random order), a turn being a pause (so the other worker's OpenMP
-          threads stop spinning), an untimed call and back-to-back timed calls.
-          The paired ratio per round (median candidate / median baseline) cancels
-          the machine's slow drift; the estimate is the median over rounds and
-          its 95% interval comes from a bootstrap over rounds.
+          one worker process per build (benchmarks/turns.py), each with its own
+          wheel, the same inputs and thread counts, idle OpenMP threads sleeping;
+          per round and configuration both take a turn in a random order, a turn
+          being an untimed call and one timed call. The paired ratio per round
+          (candidate / baseline) cancels the machine's drift; the estimate is
+          the median over rounds, its 95% interval a bootstrap over rounds.
 
 A configuration is `slower` when its counted ratio exceeds 1 + --count-threshold,
 or when the whole time interval lies above 1 + --time-threshold; `faster`
@@ -33,6 +32,7 @@ docs/regression-gate.md.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -51,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
+import turns  # noqa: E402  (benchmarks/turns.py: paired timing in worker processes)
 
 KERNELS = ["native.flash", "native.tiled", "native.naive", "numba.flash", "numpy.naive"]
 TIME_SHAPES = ["1x8x512x64", "1x8x1024x64"]
@@ -79,7 +80,7 @@ def build(repo: Path, sha: str, cache: Path, log) -> Path:
         src.mkdir()
         archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=repo, capture_output=True,
                                  check=True).stdout
-        with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(src, filter="data")
         tmp_site = site.with_name("site.tmp")
         shutil.rmtree(tmp_site, ignore_errors=True)
@@ -121,127 +122,44 @@ def count_both(configs, sites, log) -> dict[str, dict[str, dict]]:
 
 
 # ---------------------------------------------------------------- paired timing
-class Worker:
-    """A process with one build's attnkern that times calls on request."""
-
-    def __init__(self, site: Path, threads: int):
-        python, env = interpreter(site)
-        env.update(OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-                   MKL_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(max(threads, 1)))
-        self.proc = subprocess.Popen([*python, __file__, "--worker", str(site), str(threads)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-
-    def ask(self, **request):
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"gate worker died (exit {self.proc.wait()})")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        return reply
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=60)
-
-
-def worker_main(site: str, threads: int) -> None:
-    """The worker's loop: JSON requests on stdin, one JSON reply per line."""
-    import numpy as np
-    from threadpoolctl import threadpool_limits
-
-    import attnkern
-
-    if not os.path.realpath(attnkern.__file__).startswith(os.path.realpath(site)):
-        print(json.dumps({"error": f"imported {attnkern.__file__}, not the build in {site}"}), flush=True)
-        return
-    threadpool_limits(limits=threads)
-    calls, inputs = {}, {}
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            if req["op"] == "quit":
-                return
-            key = req["key"]
-            if req["op"] == "setup":
-                kernel, shape, causal = key.split(":")
-                if kernel not in attnkern.kernels() or not attnkern.kernel_info(kernel)["available"]:
-                    print(json.dumps({"skip": f"{kernel} is not in this build or not available"}), flush=True)
-                    continue
-                params = {"num_threads": threads} if "num_threads" in attnkern.kernel_info(kernel)["params"] else {}
-                rng = np.random.default_rng(0)
-                q, k, v = (rng.standard_normal(tuple(int(x) for x in shape.split("x")), dtype=np.float32)
-                           for _ in range(3))
-                inputs[key] = (q, k, v)
-                calls[key] = (lambda kernel, causal, params: lambda q, k, v: attnkern.attention(
-                    q, k, v, causal=causal, kernel=kernel, **params))(kernel, bool(int(causal)), params)
-                calls[key](q, k, v)  # compile / load caches, start thread pools
-                t0 = time.perf_counter()
-                calls[key](q, k, v)
-                print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
-            elif req["op"] == "time":
-                call, args = calls[key], inputs[key]
-                call(*args)  # untimed: caches and thread pools warm for this configuration
-                times = []
-                for _ in range(req["calls"]):
-                    t0 = time.perf_counter()
-                    call(*args)
-                    times.append(time.perf_counter() - t0)
-                print(json.dumps({"times": times}), flush=True)
-        except Exception as exc:  # reported to the driver, which stops
-            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-
-
-def bootstrap_median_ci(ratios, level=0.95, resamples=4000, seed=0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the median of `ratios` (seeded: the
-    same data give the same interval)."""
-    rng = random.Random(seed)
-    n = len(ratios)
-    meds = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(resamples))
-    lo = meds[int((1 - level) / 2 * resamples)]
-    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
-    return lo, hi
-
-
 def time_both(configs, sites, args, log) -> dict[str, dict]:
-    """Paired, alternating timing of every configuration on both builds."""
-    workers = {side: Worker(site, args.threads) for side, site in sites.items()}
+    """Paired, alternating timing of every configuration on both builds, one
+    worker process per build (benchmarks/turns.py)."""
+    workers = {}
+    for side, site in sites.items():
+        python, env = interpreter(site)
+        workers[side] = turns.Worker(python, env, args.threads)
     rng = random.Random(args.seed)
     try:
         plan = {}
         for key in configs:
-            replies = {side: w.ask(op="setup", key=key) for side, w in workers.items()}
-            if any("skip" in r for r in replies.values()):
-                plan[key] = {"skip": next(r["skip"] for r in replies.values() if "skip" in r)}
+            kernel, shape, causal = key.split(":")
+            replies = {side: w.setup(kernel, shape, bool(int(causal)), key=key) for side, w in workers.items()}
+            skip = [r["skip"] for r in replies.values() if "skip" in r]
+            if skip:
+                plan[key] = {"skip": skip[0]}
                 continue
-            per_call = replies["baseline"]["seconds"]
-            plan[key] = {"calls": max(args.min_calls, min(50, round(args.turn / max(per_call, 1e-6)))),
-                         "rounds": [], "baseline": [], "candidate": []}
+            for side, r in replies.items():
+                if not os.path.realpath(r["file"]).startswith(os.path.realpath(sites[side])):
+                    raise SystemExit(f"gate: the {side} worker imported {r['file']}, not its build")
+            plan[key] = {"calls": args.calls, "rounds": [], "baseline": [], "candidate": []}
         keys = [k for k in configs if "skip" not in plan[k]]
         t0 = time.perf_counter()
         for r in range(args.rounds):
             rng.shuffle(keys)
             for key in keys:
-                sides = ["baseline", "candidate"]
-                rng.shuffle(sides)
-                med = {}
-                for side in sides:
-                    time.sleep(args.settle)
-                    med[side] = statistics.median(workers[side].ask(op="time", key=key,
-                                                                    calls=plan[key]["calls"])["times"])
-                plan[key]["baseline"].append(med["baseline"])
-                plan[key]["candidate"].append(med["candidate"])
-                plan[key]["rounds"].append(med["candidate"] / med["baseline"])
+                med = turns.paired_turns(workers, 1, plan[key]["calls"], args.settle, rng, key)
+                plan[key]["baseline"] += med["baseline"]
+                plan[key]["candidate"] += med["candidate"]
+                plan[key]["rounds"].append(med["candidate"][0] / med["baseline"][0])
             elapsed = time.perf_counter() - t0
-            log(f"timing: round {r + 1}/{args.rounds} ({elapsed:.0f} s, "
-                f"~{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s left)")
+            if (r + 1) % max(1, args.rounds // 10) == 0 or r + 1 == args.rounds:
+                log(f"timing: round {r + 1}/{args.rounds} ({elapsed:.0f} s, "
+                    f"~{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s left)")
         for key in keys:
             p = plan[key]
             p["ratio"] = statistics.median(p["rounds"])
-            p["interval"] = bootstrap_median_ci(p["rounds"], seed=args.seed)
+            p["interval"] = turns.bootstrap_median_ci(p["rounds"], seed=args.seed)
     finally:
         for w in workers.values():
             w.close()
@@ -326,19 +244,14 @@ def main(argv=None) -> int:
     parser.add_argument("--count-threshold", type=float, default=0.01, help="relative change of instructions (default 0.01)")
     parser.add_argument("--time-threshold", type=float, default=0.02,
                         help="the time interval must lie beyond 1 +/- this (default 0.02)")
-    parser.add_argument("--rounds", type=int, default=30, help="paired rounds per configuration (default 30)")
-    parser.add_argument("--turn", type=float, default=0.1, help="seconds of timed calls per turn (default 0.1)")
-    parser.add_argument("--min-calls", type=int, default=3, help="timed calls per turn at least (default 3)")
-    parser.add_argument("--settle", type=float, default=0.05, help="pause before each turn, seconds (default 0.05)")
+    parser.add_argument("--rounds", type=int, default=150, help="paired rounds per configuration (default 150)")
+    parser.add_argument("--calls", type=int, default=1, help="timed calls per turn (default 1); a turn's median counts")
+    parser.add_argument("--settle", type=float, default=0.0, help="pause before each turn, seconds (default 0)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("ATTNKERN_BENCH_THREADS", "2")),
                         help="threads of every kernel and BLAS when timing (default 2); counting uses 1")
     parser.add_argument("--seed", type=int, default=0, help="seed of the turn order and the bootstrap")
     parser.add_argument("--cache", default=str(REPO / ".gate" / "builds"), help="where built commits are kept")
     parser.add_argument("--json", help="write every measurement (per-round ratios, counts) to this file")
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:  # a timing worker started by time_both
-        worker_main(argv[1], int(argv[2]))
-        return 0
     args = parser.parse_args(argv)
 
     def log(msg):
