@@ -4,18 +4,20 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ASV := $(VENV)/bin/asv
-.PHONY: setup system-packages test test-fast bench site compare clean
+.PHONY: setup system-packages test test-fast bench site compare gate calibrate-gate sanitize test-sanitize fuzz clean
 
 setup: system-packages $(VENV)/.installed
 
 # Debian packages the tests use: headless Chromium (the asv site test; a Chrome
-# already installed, as on GitHub's runners, does too) and shellcheck (actionlint
-# checks the workflows' scripts with it).
+# already installed, as on GitHub's runners, does too), shellcheck (actionlint
+# checks the workflows' scripts with it) and Valgrind (the counted benchmarks and
+# the regression gate count instructions under callgrind).
 system-packages:
 	@missing=""; \
 	found() { command -v "$$1" > /dev/null; }; \
 	found chromium || found chromium-browser || found google-chrome || missing="$$missing chromium"; \
 	found shellcheck || missing="$$missing shellcheck"; \
+	found valgrind || missing="$$missing valgrind"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing Debian packages:$$missing"; \
 		sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
@@ -57,5 +59,47 @@ compare: setup
 	mkdir -p bench-results
 	$(PY) -m attnkern.bench --memory --json bench-results/latest.json
 
+# The regression gate: HEAD against BASE, counted instructions and paired timing
+# (docs/regression-gate.md). Exits non-zero if a kernel got slower.
+BASE ?= main
+GATE_ARGS ?=
+gate: setup
+	$(PY) tools/gate.py --base $(BASE) $(GATE_ARGS)
+
+# Re-measure the gate's false alarms and detection rates (about an hour).
+calibrate-gate: setup
+	$(PY) tools/calibrate_gate.py
+
+# The native extension built with AddressSanitizer + UndefinedBehaviorSanitizer
+# (meson's b_sanitize) into its own virtualenv, .sanitize/venv, which takes every
+# other package from .venv (docs/hardening.md).
+SAN := .sanitize
+SAN_PY := $(SAN)/venv/bin/python
+sanitize: setup
+	rm -rf $(SAN)/wheel $(SAN)/build
+	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w $(SAN)/wheel -Cbuild-dir=$(SAN)/build \
+		-Csetup-args=-Db_sanitize=address,undefined -Csetup-args=-Db_lundef=false \
+		-Csetup-args=-Dbuildtype=debugoptimized .
+	$(PYTHON) -m venv --clear --without-pip $(SAN)/venv
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> $$($(SAN_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/attnkern-deps.pth
+	$(PY) -m pip --python $(SAN_PY) install -q --no-deps $(SAN)/wheel/*.whl
+
+# The tests of the library (not the slow end-to-end ones, the workflow lint or the
+# CUDA simulator, which run no C code) against the sanitizer build, every ISA the
+# CPU has; run from $(SAN) so the source tree does not shadow the installed build.
+test-sanitize: sanitize
+	cd $(SAN) && ../tools/sanitized venv/bin/python -m pytest -m "not slow" -p no:cacheprovider \
+		--rootdir=.. -c ../pyproject.toml ../tests --ignore=../tests/test_workflows.py \
+		--ignore=../tests/test_cuda.py --ignore=../tests/test_asv.py
+
+# Coverage-guided fuzzing (Atheris) of attention() and the Cython entry points on
+# the sanitizer build, time-boxed; new interesting inputs go to $(SAN)/corpus.
+FUZZ_SECONDS ?= 120
+fuzz: sanitize
+	mkdir -p $(SAN)/corpus
+	cd $(SAN) && ../tools/sanitized venv/bin/python ../tests/fuzz/fuzz_attention.py \
+		-max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1 corpus ../tests/fuzz/corpus
+
 clean:
-	rm -rf $(VENV) build bench-results .asv
+	rm -rf $(VENV) build bench-results .asv .gate $(SAN)

@@ -1,6 +1,6 @@
 """Derived figures tracked over history, with units: cost per FLOP (throughput),
-time relative to torch.sdpa measured side by side in the same process, and
-accuracy against the float64 reference.
+time relative to torch.sdpa measured side by side (paired turns of two worker
+processes), and accuracy against the float64 reference.
 
 asv 0.6 reads every number as lower-is-better: `asv continuous`, `asv compare` and
 the site's regressions page flag an increase. So throughput is tracked as
@@ -15,7 +15,8 @@ import numpy as np
 
 import attnkern
 
-from .common import CPU_KERNELS, CUDA_KERNELS, flops, kernel_call, random_qkv, setup_kernel
+from .common import CPU_KERNELS, CUDA_KERNELS, THREADS, flops, kernel_call, random_qkv, setup_kernel
+from .turns import Worker, paired_turns
 
 SHAPES = ["1x8x1024x64", "1x8x2048x64"]
 
@@ -52,27 +53,36 @@ class Throughput:
 
 
 class TimeVsTorch:
-    """kernel time / torch.sdpa time, both timed in this process in alternating
-    turns (kernel, torch, kernel, torch, ...), so machine drift hits both alike.
-    Below 1: faster than PyTorch's CPU attention."""
+    """kernel time / torch.sdpa time, paired: the kernel and torch each run in a
+    worker process of their own (turns.py) and take alternating turns, one call
+    each, so machine drift hits both alike and neither runtime's thread pools
+    can slow the other (in one process, a numba.flash call left torch 4-7x
+    slower). The median of the per-round ratios. Below 1: faster than PyTorch's
+    CPU attention."""
 
     params = [["native.flash", "native.tiled", "numpy.naive", "numba.flash"], SHAPES, [False, True]]
     param_names = ["kernel", "shape", "causal"]
-    rounds = 2
-    timeout = 240
+    rounds = 1
+    timeout = 300
+    turns = 25
 
     def setup(self, kernel, shape, causal):
-        self.call = setup_kernel(kernel)
-        self.torch = kernel_call("torch.sdpa")
-        self.q, self.k, self.v = random_qkv(shape)
+        kernel_call(kernel)  # NotImplementedError (skip) where missing or unavailable
+        kernel_call("torch.sdpa")
+        self.workers = {"kernel": Worker(threads=THREADS), "torch": Worker(threads=THREADS)}
+        for name, k in (("kernel", kernel), ("torch", "torch.sdpa")):
+            reply = self.workers[name].setup(k, shape, causal)
+            if "skip" in reply:
+                self.teardown(kernel, shape, causal)
+                raise NotImplementedError(reply["skip"])
+
+    def teardown(self, kernel, shape, causal):
+        for w in self.workers.values():
+            w.close()
 
     def track_time_ratio(self, kernel, shape, causal):
-        args = (self.q, self.k, self.v, causal)
-        ours, theirs = [], []
-        for _ in range(3):
-            ours.append(median_seconds(self.call, args, calls=3))
-            theirs.append(median_seconds(self.torch, args, calls=3))
-        return statistics.median(ours) / statistics.median(theirs)
+        meds = paired_turns(self.workers, self.turns)
+        return statistics.median(a / b for a, b in zip(meds["kernel"], meds["torch"]))
 
     track_time_ratio.unit = "x torch.sdpa time"
 

@@ -36,3 +36,11 @@ def test_ci_runs_the_readme_test_command():
     assert "bash .ci/run" in (REPO / ".github" / "workflows" / "ci.yml").read_text()
     assert "make test" in (REPO / ".ci" / "run").read_text()
     assert "make test" in (REPO / "README.md").read_text()
+
+
+def test_pr_workflow_runs_the_gate_command():
+    """The PR check is `make gate`, the command the README documents."""
+    workflow = (REPO / ".github" / "workflows" / "benchmarks.yml").read_text()
+    assert 'make gate BASE="$BASE_SHA"' in workflow
+    assert "tools/gate.py --base $(BASE)" in (REPO / "Makefile").read_text()
+    assert "make gate BASE=" in (REPO / "README.md").read_text()

@@ -48,10 +48,38 @@ def _parallel_lock():
     return contextlib.nullcontext() if layer in _THREAD_SAFE_LAYERS else _PARALLEL_LOCK
 
 
+# Numba's omp layer terminates a process forked after its OpenMP threads started
+# the moment it runs parallel code there ("fork() called from a process already
+# using GNU OpenMP"). Noted at fork time, so a call can raise instead.
+_FORKED_AFTER_OMP = False
+
+
+def _note_fork():
+    global _FORKED_AFTER_OMP
+    import sys
+
+    numba = sys.modules.get("numba")
+    if numba is not None:
+        try:
+            _FORKED_AFTER_OMP = _FORKED_AFTER_OMP or numba.threading_layer() == "omp"
+        except ValueError:  # no parallel code has run: nothing started
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_note_fork)
+
+
 def _numba_flash(q, k, v, causal, scale, block_q=128, block_k=256, num_threads=1):
     import numba
 
     from . import cpu_flash
+
+    if _FORKED_AFTER_OMP:
+        raise RuntimeError(
+            "numba.flash: this process was forked after Numba's OpenMP threads started, and Numba "
+            "terminates such a process when it runs parallel code; use multiprocessing's 'spawn' or "
+            "'forkserver' start method, NUMBA_THREADING_LAYER=workqueue, or native.flash (fork-safe)")
 
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
     before = numba.get_num_threads()  # per calling thread

@@ -10,6 +10,7 @@ cdef extern from "attn.h" nogil:
         ATTN_ENOMEM
         ATTN_EINVAL
         ATTN_EISA
+        ATTN_ETOOBIG
         ATTN_ISA_COUNT
         ATTN_MAX_BLOCK_Q
         ATTN_MAX_BLOCK_K
@@ -24,6 +25,8 @@ cdef extern from "attn.h" nogil:
     int attn_best_isa()
     const char *attn_isa_name(int isa)
     int attn_max_threads()
+    int attn_in_forked_child()
+    int attn_check_problem(int algo, int isa, const attn_problem *p)
     int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q,
                          const float *k, const float *v, float *out)
     int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q,
@@ -50,6 +53,28 @@ def best_isa():
 
 def max_threads():
     return attn_max_threads()
+
+
+def in_forked_child():
+    """True in a process forked after this module loaded: the kernels then run
+    on one thread (GNU OpenMP's thread pool does not survive fork)."""
+    return bool(attn_in_forked_child())
+
+
+STATUS = {ATTN_OK: "ok", ATTN_ENOMEM: "nomem", ATTN_EINVAL: "invalid", ATTN_EISA: "isa",
+          ATTN_ETOOBIG: "toobig"}
+
+
+def check_problem(str algo, str isa, int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+                  bint causal=False, double scale=1.0, int block_q=64, int block_k=64, int num_threads=1):
+    """The C entry points' own argument checks on a problem description alone
+    (no arrays): "ok", "invalid", "isa" or "toobig". For tests and fuzzing of
+    sizes no machine could hold."""
+    cdef attn_problem p
+    p.batch, p.nq, p.nk, p.d, p.dv = batch, nq, nk, d, dv
+    p.causal, p.scale = causal, scale
+    p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
+    return STATUS[attn_check_problem(ALGORITHMS[algo], ISAS.index(isa), &p)]
 
 
 ctypedef fused real:
@@ -81,7 +106,11 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
         else:
             err = attn_forward_f64(a, i, &p, qp, kp, vp, op)
     if err == ATTN_ENOMEM:
-        raise MemoryError(f"native.{algo}: out of memory for its work buffers")
+        hint = "" if algo == "flash" else "; native.flash needs no N x N buffer"
+        raise MemoryError(f"native.{algo}: out of memory for its work buffers{hint}")
+    if err == ATTN_ETOOBIG:
+        raise ValueError(f"native.{algo}: the arrays are too large for 64-bit index arithmetic "
+                         f"(batch {p.batch}, nq {p.nq}, nk {p.nk}, d {p.d}, dv {p.dv})")
     if err == ATTN_EISA:
         raise RuntimeError(f"native.{algo}: instruction set {isa!r} is not supported on this CPU")
     if err != ATTN_OK:

@@ -12,7 +12,8 @@
 
 enum attn_algo { ATTN_NAIVE = 0, ATTN_TILED = 1, ATTN_FLASH = 2 };
 enum attn_isa { ATTN_ISA_GENERIC = 0, ATTN_ISA_AVX2 = 1, ATTN_ISA_AVX512 = 2, ATTN_ISA_COUNT = 3 };
-enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3 };
+/* ATTN_ETOOBIG: an array or score-row size overflows 64-bit index arithmetic. */
+enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3, ATTN_ETOOBIG = 4 };
 
 /* Tunable limits, shared with the Python layer through the Cython module. */
 #define ATTN_MAX_BLOCK_Q 1024
@@ -35,6 +36,12 @@ int attn_isa_supported(int isa);  /* compiled in and the CPU has it */
 int attn_best_isa(void);
 const char *attn_isa_name(int isa);
 int attn_max_threads(void);
+/* 1 in a process forked from one that loaded the kernels: they then run on one
+ * thread (GNU OpenMP's pool does not survive fork). */
+int attn_in_forked_child(void);
+
+/* The argument checks of attn_forward_*, alone: ATTN_OK or the error code. */
+int attn_check_problem(int algo, int isa, const attn_problem *p);
 
 int attn_forward_f32(int algo, int isa, const attn_problem *p,
                      const float *q, const float *k, const float *v, float *out);

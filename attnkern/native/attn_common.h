@@ -30,11 +30,18 @@ static const double attn_exp2_f64[14] = {
     1.3691488853904124e-12,
 };
 
-/* Cache-line aligned buffers; size 0 still gives a valid pointer. */
-static inline void *attn_alloc(size_t size)
+/* Cache-line aligned buffer of rows x cols elements of elem bytes; size 0
+ * still gives a valid pointer. Every size product is checked: a request whose
+ * size does not fit size_t (or whose factors are negative) returns NULL, which
+ * the kernels report as ATTN_ENOMEM, never a short buffer. */
+static inline void *attn_alloc(int64_t rows, int64_t cols, size_t elem)
 {
-    size_t rounded = (size + ATTN_ALIGN - 1) / ATTN_ALIGN * ATTN_ALIGN;
-    return aligned_alloc(ATTN_ALIGN, rounded ? rounded : ATTN_ALIGN);
+    size_t n, size;
+    if (rows < 0 || cols < 0 || __builtin_mul_overflow((size_t)rows, (size_t)cols, &n) ||
+        __builtin_mul_overflow(n, elem, &size) || size > SIZE_MAX - ATTN_ALIGN)
+        return NULL;
+    size = (size + ATTN_ALIGN - 1) / ATTN_ALIGN * ATTN_ALIGN;
+    return aligned_alloc(ATTN_ALIGN, size ? size : ATTN_ALIGN);
 }
 
 static inline void attn_free(void *p) { free(p); }

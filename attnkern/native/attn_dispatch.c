@@ -2,9 +2,27 @@
  * map (algorithm, ISA) to a kernel. */
 #include "attn_common.h"
 
+#include <pthread.h>
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+/* GNU OpenMP's thread pool does not survive fork(): in a child forked after any
+ * parallel region ran (ours, PyTorch's, Numba's), the next parallel region with
+ * more than one thread waits forever for workers that do not exist. A child
+ * therefore runs the kernels on its calling thread alone; results do not depend
+ * on the thread count, so only the speed changes. */
+static volatile int in_forked_child = 0;
+
+static void mark_forked_child(void) { in_forked_child = 1; }
+
+__attribute__((constructor)) static void register_fork_handler(void)
+{
+    pthread_atfork(NULL, NULL, mark_forked_child);
+}
+
+int attn_in_forked_child(void) { return in_forked_child; }
 
 #define ATTN_TABLE(isa, dt)                                                        \
     { attn_naive_##dt##_##isa, attn_tiled_##dt##_##isa, attn_flash_##dt##_##isa }
@@ -83,7 +101,7 @@ int attn_max_threads(void)
 #endif
 }
 
-static int check_problem(int algo, int isa, const attn_problem *p)
+int attn_check_problem(int algo, int isa, const attn_problem *p)
 {
     if (algo < ATTN_NAIVE || algo > ATTN_FLASH)
         return ATTN_EINVAL;
@@ -96,27 +114,42 @@ static int check_problem(int algo, int isa, const attn_problem *p)
         return ATTN_EINVAL;
     if (!isfinite(p->scale))
         return ATTN_EINVAL;
+    /* Element offsets such as b * nq * d are int64 products in the kernels:
+     * every array's element count (and a padded row) must fit int64. */
+    int64_t n, width, nk_pad;
+    if (__builtin_add_overflow(p->d > p->dv ? p->d : p->dv, 64, &width) ||
+        __builtin_add_overflow(p->nk, 64, &nk_pad) ||
+        __builtin_mul_overflow(p->batch, p->nq, &n) || __builtin_mul_overflow(n, width, &n) ||
+        __builtin_mul_overflow(p->batch, p->nk, &n) || __builtin_mul_overflow(n, width, &n) ||
+        __builtin_mul_overflow(p->nq, nk_pad, &n) || n > INT64_MAX / 8)
+        return ATTN_ETOOBIG;
     return ATTN_OK;
 }
 
 int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q, const float *k,
                      const float *v, float *out)
 {
-    int err = check_problem(algo, isa, p);
+    int err = attn_check_problem(algo, isa, p);
     if (err)
         return err;
     if (p->batch == 0 || p->nq == 0 || p->dv == 0)
         return ATTN_OK;
-    return table_f32[isa][algo](p, q, k, v, out);
+    attn_problem run = *p;
+    if (in_forked_child)
+        run.num_threads = 1;
+    return table_f32[isa][algo](&run, q, k, v, out);
 }
 
 int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q, const double *k,
                      const double *v, double *out)
 {
-    int err = check_problem(algo, isa, p);
+    int err = attn_check_problem(algo, isa, p);
     if (err)
         return err;
     if (p->batch == 0 || p->nq == 0 || p->dv == 0)
         return ATTN_OK;
-    return table_f64[isa][algo](p, q, k, v, out);
+    attn_problem run = *p;
+    if (in_forked_child)
+        run.num_threads = 1;
+    return table_f64[isa][algo](&run, q, k, v, out);
 }

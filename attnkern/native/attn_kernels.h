@@ -227,7 +227,7 @@ int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
     const int64_t nq = p->nq, nk = p->nk, d = p->d, dv = p->dv;
     const int64_t lds = ST(round_up)(nk, VW);
     const T c = (T)(p->scale * ATTN_LOG2E);
-    T *s = attn_alloc((size_t)nq * (size_t)lds * sizeof(T));
+    T *s = attn_alloc(nq, lds, sizeof(T));
     if (!s)
         return ATTN_ENOMEM;
     for (int64_t b = 0; b < p->batch; b++) {
@@ -291,14 +291,14 @@ static int ST(ws_alloc)(ST(workspace) *w, int64_t bq, int64_t bk, int64_t lds,
                         int64_t d, int64_t dv_pad)
 {
     int64_t bk_pad = ST(round_up)(bk, NR);
-    w->a = attn_alloc(sizeof(T) * (size_t)(bq * d));
-    w->kt = attn_alloc(sizeof(T) * (size_t)(d * bk_pad));
-    w->vp = attn_alloc(sizeof(T) * (size_t)(bk * dv_pad));
-    w->s = attn_alloc(sizeof(T) * (size_t)(bq * lds));
-    w->o = attn_alloc(sizeof(T) * (size_t)(bq * dv_pad));
-    w->m = attn_alloc(sizeof(T) * (size_t)bq);
-    w->l = attn_alloc(sizeof(T) * (size_t)bq);
-    w->alpha = attn_alloc(sizeof(T) * (size_t)bq);
+    w->a = attn_alloc(bq, d, sizeof(T));
+    w->kt = attn_alloc(d, bk_pad, sizeof(T));
+    w->vp = attn_alloc(bk, dv_pad, sizeof(T));
+    w->s = attn_alloc(bq, lds, sizeof(T));
+    w->o = attn_alloc(bq, dv_pad, sizeof(T));
+    w->m = attn_alloc(bq, 1, sizeof(T));
+    w->l = attn_alloc(bq, 1, sizeof(T));
+    w->alpha = attn_alloc(bq, 1, sizeof(T));
     if (w->a && w->kt && w->vp && w->s && w->o && w->m && w->l && w->alpha)
         return 1;
     ST(ws_free)(w);
