@@ -9,9 +9,9 @@ injected into native.flash, for each method:
 
     .venv/bin/python tools/calibrate_gate.py --out docs/data/gate-calibration.json
 
-The slowdown: native.flash's flash_block recomputes the Q·Kᵀ scores of the first
-rows of every query block once more (a second `block_qk` over those rows; the
-result overwrites identical values, so outputs stay exact). The fraction of rows
+The slowdown: native.flash's flash_block computes the Q·Kᵀ tiles of the first
+rows of every query block a second time (the result overwrites identical values,
+so outputs stay exact). The fraction of rows
 sets its size; the counted ratio measures what each level really costs. Everything
 runs in a temporary clone; the main repository is not touched. Takes about an
 hour with the defaults; the raw data and a Markdown table are written.
@@ -36,22 +36,32 @@ REPO = gate.REPO
 INJECT_FILE = "attnkern/native/attn_kernels.h"
 # The score block of flash_block (the tiled kernel's call differs: it offsets s).
 INJECT_LINE = "        ST(block_qk)(w, kh + j0 * d, kb, bq, d, w->s, lds, p->causal, i0, j0);\n"
-# Percent of a query block's rows whose scores are computed twice, for each target
-# slowdown of the timed kernel (percent). On the AVX-512 path that is about one
-# percent of time per percent of rows; the AVX2 path's instruction count grows by
-# about 0.55% per percent (non-causal; less with the causal mask, whose first rows
-# see few keys). The calibration reports what each level really measured.
-ROWS_FOR_LEVEL = {2: 2, 5: 5, 10: 10}
+# Percent of a query block's rows whose Q·Kᵀ tiles are computed twice, for each
+# target slowdown (percent) of native.flash at 1x8x1024x64 non-causal on the
+# AVX-512 path: about 0.4% of time per percent of rows there (less with the
+# causal mask, whose first rows see few keys; the AVX2 instruction counts grow by
+# 0.2-0.45% per percent). The calibration reports what each level measured.
+ROWS_FOR_LEVEL = {2: 5, 5: 12, 10: 24}
 ASV_REGEX = r"(^|\.)Forward\.time_forward\('native\.flash', '(1x8x1024x64|1x4x1024x128)'"
 PAIRED_REGEX = r"^native\.flash:"
 FACTORS = ("1.1", "1.2", "1.3")
 
 
 def inject_slowdown(source: str, rows_percent: int) -> str:
-    """attn_kernels.h with flash_block recomputing `rows_percent`% of each block's score rows."""
+    """attn_kernels.h with flash_block computing the Q·Kᵀ tiles of the first
+    `rows_percent`% of each block's rows a second time, from the K panel the
+    block has just packed (so the extra work scales with the rows: no second
+    packing, whose fixed cost would swamp small levels)."""
     if source.count(INJECT_LINE) != 1:
         raise ValueError(f"the line the slowdown follows moved: {INJECT_LINE!r}")
-    extra = INJECT_LINE.replace("kb, bq, d,", f"kb, (bq * {rows_percent} + 99) / 100, d,")
+    rows = f"((bq * {rows_percent} + 99) / 100)"
+    extra = (
+        f"        for (int64_t xr = 0; xr < {rows}; xr += MR)  /* injected slowdown */\n"
+        "            for (int64_t xp = 0; xp < kb; xp += NR) {\n"
+        f"                int xm = (int)({rows} - xr < MR ? {rows} - xr : MR);\n"
+        "                if (!(p->causal && j0 + xp > i0 + xr + xm - 1))\n"
+        "                    ST(call_qk)(xm, d, w->a + xr * d, d, w->kt + xp * d, w->s + xr * lds + xp, lds);\n"
+        "            }\n")
     return source.replace(INJECT_LINE, INJECT_LINE + extra)
 
 
