@@ -53,6 +53,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
 import turns  # noqa: E402  (benchmarks/turns.py: paired timing in worker processes)
 
+class GateError(Exception):
+    """The gate could not compare (a bad revision, a failed build): exit status 2."""
+
+
 KERNELS = ["native.flash", "native.tiled", "native.naive", "numba.flash", "numpy.naive"]
 TIME_SHAPES = ["1x8x512x64", "1x8x1024x64"]
 COUNT_SHAPES = ["1x2x256x64", "1x2x333x64"]
@@ -63,7 +67,7 @@ def resolve(repo: Path, rev: str) -> str:
     proc = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=repo,
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"gate: {rev!r} is not a commit of {repo}")
+        raise GateError(f"{rev!r} is not a commit of {repo}")
     return proc.stdout.strip()
 
 
@@ -92,7 +96,7 @@ def build(repo: Path, sha: str, cache: Path, log) -> Path:
             proc = subprocess.run(step(), capture_output=True, text=True)
             if proc.returncode != 0:
                 shutil.rmtree(tmp_site, ignore_errors=True)
-                raise SystemExit(f"gate: building {sha[:10]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+                raise GateError(f"building {sha[:10]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     site.with_name("site.tmp").rename(site)
     log(f"built {sha[:10]} in {time.perf_counter() - t0:.0f} s")
     return site
@@ -141,7 +145,7 @@ def time_both(configs, sites, args, log) -> dict[str, dict]:
                 continue
             for side, r in replies.items():
                 if not os.path.realpath(r["file"]).startswith(os.path.realpath(sites[side])):
-                    raise SystemExit(f"gate: the {side} worker imported {r['file']}, not its build")
+                    raise GateError(f"the {side} worker imported {r['file']}, not its build")
             plan[key] = {"calls": args.calls, "rounds": [], "baseline": [], "candidate": []}
         keys = [k for k in configs if "skip" not in plan[k]]
         t0 = time.perf_counter()
@@ -268,9 +272,9 @@ def main(argv=None) -> int:
 
     count_cfg, time_cfg = configs(args.count_shapes), configs(args.time_shapes)
     if not count_cfg and not time_cfg:
-        raise SystemExit("gate: no configuration matches")
+        raise GateError("no configuration matches")
     if not args.no_count and (why := counting.valgrind_missing()):
-        raise SystemExit(f"gate: {why}")
+        raise GateError(f"{why}")
     cache = Path(args.cache)
     sites = {side: build(repo, sha, cache, log) for side, sha in shas.items()}
     counted = None if args.no_count or not count_cfg else count_both(count_cfg, sites, log)
@@ -299,4 +303,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except (GateError, RuntimeError, OSError) as exc:
+        print(f"gate: {exc}", file=sys.stderr)
+        raise SystemExit(2)
