@@ -134,10 +134,12 @@ int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q, c
         return err;
     if (p->batch == 0 || p->nq == 0 || p->dv == 0)
         return ATTN_OK;
-    attn_problem run = *p;
-    if (in_forked_child)
-        run.num_threads = 1;
-    return table_f32[isa][algo](&run, q, k, v, out);
+    if (in_forked_child) {
+        attn_problem one = *p;
+        one.num_threads = 1;
+        return table_f32[isa][algo](&one, q, k, v, out);
+    }
+    return table_f32[isa][algo](p, q, k, v, out);
 }
 
 int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q, const double *k,
@@ -148,8 +150,10 @@ int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q, 
         return err;
     if (p->batch == 0 || p->nq == 0 || p->dv == 0)
         return ATTN_OK;
-    attn_problem run = *p;
-    if (in_forked_child)
-        run.num_threads = 1;
-    return table_f64[isa][algo](&run, q, k, v, out);
+    if (in_forked_child) {
+        attn_problem one = *p;
+        one.num_threads = 1;
+        return table_f64[isa][algo](&one, q, k, v, out);
+    }
+    return table_f64[isa][algo](p, q, k, v, out);
 }
