@@ -224,11 +224,7 @@ static void ST(write_out)(const T *o, int64_t ldo, const T *l, int64_t rows, int
  * each row, then one vectorised axpy per key. Rows are spread over threads. */
 int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
 {
-    /* The problem's fields are read into locals once: the parallel loop must not
-     * read through p, whose cache line may sit next to the calling thread's
-     * busiest stack slots. */
     const int64_t nq = p->nq, nk = p->nk, d = p->d, dv = p->dv;
-    const int causal = p->causal, num_threads = p->num_threads;
     const int64_t lds = ST(round_up)(nk, VW);
     const T c = (T)(p->scale * ATTN_LOG2E);
     T *s = attn_alloc(nq, lds, sizeof(T));
@@ -237,11 +233,11 @@ int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
     for (int64_t b = 0; b < p->batch; b++) {
         const T *qb = q + b * nq * d, *kb = k + b * nk * d, *vb = v + b * nk * dv;
         T *ob = out + b * nq * dv;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(p->num_threads)
         for (int64_t i = 0; i < nq; i++) {
             T *si = s + i * lds;
             const T *qi = qb + i * d;
-            int64_t valid = ST(causal_valid)(causal, i, 0, nk);
+            int64_t valid = ST(causal_valid)(p->causal, i, 0, nk);
             for (int64_t j = 0; j < valid; j++) {
                 const T *kj = kb + j * d;
                 VT acc = V(zero)();
