@@ -104,11 +104,21 @@ def calls_per_turn(seconds_per_call: float, turn: float = 0.1, least: int = 3, m
 
 
 def bootstrap_median_ci(values, level=0.95, resamples=4000, seed=0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the median of `values` (seeded: the
-    same data give the same interval)."""
+    """Percentile bootstrap interval of the median of `values`: a flat list, or
+    a list of groups (one per worker process), in which case the groups are
+    resampled first and then the values within each, so that differences
+    between processes widen the interval as they should. Seeded: the same
+    data give the same interval."""
+    groups = values if values and isinstance(values[0], (list, tuple)) else [values]
+    groups = [g for g in groups if g]
     rng = random.Random(seed)
-    n = len(values)
-    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    meds = []
+    for _ in range(resamples):
+        sample = []
+        for g in rng.choices(groups, k=len(groups)):
+            sample += rng.choices(g, k=len(g))
+        meds.append(statistics.median(sample))
+    meds.sort()
     return meds[int((1 - level) / 2 * resamples)], meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
 
 

@@ -224,6 +224,12 @@ def main(argv=None) -> int:
     cache = REPO / ".gate" / "builds"
     data = {"cpu": gate.cpu_name(), "levels": args.levels, "time_threshold": 0.02, "started": time.ctime(),
             "rows_for_level": ROWS_FOR_LEVEL, "asv_regex": ASV_REGEX, "paired_regex": PAIRED_REGEX}
+    if Path(args.out).exists() and set(args.methods) != {"counted", "paired", "asv"}:
+        # re-measure some methods: the others' data stay
+        old = json.loads(Path(args.out).read_text())
+        data = {**old, **{k: v for k, v in data.items() if k not in ("levels",)},
+                "started_" + "_".join(args.methods): time.ctime()}
+        data["started"] = old.get("started")
     with tempfile.TemporaryDirectory(prefix="attnkern-calibrate-") as tmp:
         tmp = Path(tmp)
         clone = tmp / "attnkern"
@@ -232,6 +238,7 @@ def main(argv=None) -> int:
         data["shas"] = shas
         comparisons = [("noop", seed) for seed in range(args.aa)]
         comparisons += [(f"slow{lvl}", seed) for seed in range(args.trials) for lvl in args.levels]
+        data["shas_" + "_".join(args.methods)] = shas
         if "counted" in args.methods:
             data["counted"] = counted_runs(clone, shas, cache)
         asv = asv_setup(tmp, clone) if "asv" in args.methods else None
@@ -246,9 +253,9 @@ def main(argv=None) -> int:
                 data["asv"].setdefault(name, []).append(asv_trial(asv, shas["base"], shas[name]))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(data, indent=1))
-    data["finished"] = time.ctime()
+    data["finished_" + "_".join(args.methods)] = time.ctime()
     Path(args.out).write_text(json.dumps(data, indent=1))
-    if set(args.methods) == {"counted", "paired", "asv"}:
+    if all(m in data for m in ("counted", "paired", "asv")):
         print(summarize(data))
     return 0
 

@@ -17,9 +17,10 @@ time      Wall time of both builds in paired, alternating turns on this machine:
           one worker process per build (benchmarks/turns.py), each with its own
           wheel, the same inputs and thread counts, idle OpenMP threads sleeping;
           per round and configuration both take a turn in a random order, a turn
-          being an untimed call and one timed call. The paired ratio per round
-          (candidate / baseline) cancels the machine's drift; the estimate is
-          the median over rounds, its 95% interval a bootstrap over rounds.
+          being an untimed call and one timed call, with a fresh pair of workers
+          for each third of the rounds. The paired ratio per round (candidate /
+          baseline) cancels the machine's drift; the estimate is the median over
+          rounds, its 95% interval a bootstrap over worker pairs and rounds.
 
 A configuration is `slower` when its counted ratio exceeds 1 + --count-threshold,
 or when the whole time interval lies above 1 + --time-threshold; `faster`
@@ -127,46 +128,55 @@ def count_both(configs, sites, log) -> dict[str, dict[str, dict]]:
 
 # ---------------------------------------------------------------- paired timing
 def time_both(configs, sites, args, log) -> dict[str, dict]:
-    """Paired, alternating timing of every configuration on both builds, one
-    worker process per build (benchmarks/turns.py)."""
-    workers = {}
-    for side, site in sites.items():
-        python, env = interpreter(site)
-        workers[side] = turns.Worker(python, env, args.threads)
+    """Paired, alternating timing of every configuration on both builds: one
+    worker process per build at a time (benchmarks/turns.py), replaced by a
+    fresh pair --processes times over the rounds. A process's memory layout
+    (where its buffers land relative to each other) can make one kernel 30%
+    faster or slower for that process's whole life; fresh pairs sample it, and
+    the interval resamples processes as well as rounds."""
     rng = random.Random(args.seed)
-    try:
-        plan = {}
-        for key in configs:
-            kernel, shape, causal = key.split(":")
-            replies = {side: w.setup(kernel, shape, bool(int(causal)), key=key) for side, w in workers.items()}
-            skip = [r["skip"] for r in replies.values() if "skip" in r]
-            if skip:
-                plan[key] = {"skip": skip[0]}
-                continue
-            for side, r in replies.items():
-                if not os.path.realpath(r["file"]).startswith(os.path.realpath(sites[side])):
-                    raise GateError(f"the {side} worker imported {r['file']}, not its build")
-            plan[key] = {"calls": args.calls, "rounds": [], "baseline": [], "candidate": []}
-        keys = [k for k in configs if "skip" not in plan[k]]
-        t0 = time.perf_counter()
-        for r in range(args.rounds):
-            rng.shuffle(keys)
-            for key in keys:
-                med = turns.paired_turns(workers, 1, plan[key]["calls"], args.settle, rng, key)
-                plan[key]["baseline"] += med["baseline"]
-                plan[key]["candidate"] += med["candidate"]
-                plan[key]["rounds"].append(med["candidate"][0] / med["baseline"][0])
-            elapsed = time.perf_counter() - t0
-            if (r + 1) % max(1, args.rounds // 10) == 0 or r + 1 == args.rounds:
-                log(f"timing: round {r + 1}/{args.rounds} ({elapsed:.0f} s, "
-                    f"~{elapsed / (r + 1) * (args.rounds - r - 1):.0f} s left)")
-        for key in keys:
-            p = plan[key]
-            p["ratio"] = statistics.median(p["rounds"])
-            p["interval"] = turns.bootstrap_median_ci(p["rounds"], seed=args.seed)
-    finally:
-        for w in workers.values():
-            w.close()
+    plan, keys = {}, None
+    per_process = [args.rounds // args.processes + (i < args.rounds % args.processes) for i in range(args.processes)]
+    t0, done = time.perf_counter(), 0
+    for proc_index, rounds in enumerate(per_process):
+        workers = {}
+        try:
+            for side, site in sites.items():
+                python, env = interpreter(site)
+                workers[side] = turns.Worker(python, env, args.threads)
+            for key in (configs if keys is None else keys):
+                kernel, shape, causal = key.split(":")
+                replies = {side: w.setup(kernel, shape, bool(int(causal)), key=key) for side, w in workers.items()}
+                skip = [r["skip"] for r in replies.values() if "skip" in r]
+                if skip:
+                    plan[key] = {"skip": skip[0]}
+                    continue
+                for side, r in replies.items():
+                    if not os.path.realpath(r["file"]).startswith(os.path.realpath(sites[side])):
+                        raise GateError(f"the {side} worker imported {r['file']}, not its build")
+                plan.setdefault(key, {"calls": args.calls, "processes": [], "baseline": [], "candidate": []})
+                plan[key]["processes"].append([])
+            keys = [k for k in configs if "skip" not in plan[k]]
+            for _ in range(rounds):
+                rng.shuffle(keys)
+                for key in keys:
+                    med = turns.paired_turns(workers, 1, plan[key]["calls"], args.settle, rng, key)
+                    plan[key]["baseline"] += med["baseline"]
+                    plan[key]["candidate"] += med["candidate"]
+                    plan[key]["processes"][-1].append(med["candidate"][0] / med["baseline"][0])
+                done += 1
+                elapsed = time.perf_counter() - t0
+                if done % max(1, args.rounds // 10) == 0 or done == args.rounds:
+                    log(f"timing: round {done}/{args.rounds}, worker pair {proc_index + 1}/{args.processes} "
+                        f"({elapsed:.0f} s, ~{elapsed / done * (args.rounds - done):.0f} s left)")
+        finally:
+            for w in workers.values():
+                w.close()
+    for key in keys or []:
+        p = plan[key]
+        p["rounds"] = [r for group in p["processes"] for r in group]
+        p["ratio"] = statistics.median(p["rounds"])
+        p["interval"] = turns.bootstrap_median_ci(p["processes"], seed=args.seed)
     return plan
 
 
@@ -249,6 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time-threshold", type=float, default=0.02,
                         help="the time interval must lie beyond 1 +/- this (default 0.02)")
     parser.add_argument("--rounds", type=int, default=150, help="paired rounds per configuration (default 150)")
+    parser.add_argument("--processes", type=int, default=3,
+                        help="fresh worker pairs the rounds are spread over (default 3)")
     parser.add_argument("--calls", type=int, default=1, help="timed calls per turn (default 1); a turn's median counts")
     parser.add_argument("--settle", type=float, default=0.0, help="pause before each turn, seconds (default 0)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("ATTNKERN_BENCH_THREADS", "2")),
