@@ -14,10 +14,8 @@
  * therefore runs the kernels on its calling thread alone; results do not depend
  * on the thread count, so only the speed changes. */
 static volatile int in_forked_child = 0;
-/* (The child's single-thread copy of the problem is made only there: the
- * kernels' parallel loops read the problem through p, and a copy on this
- * frame's stack measured native.naive 1.4x slower, its cache line shared with
- * the calling thread's busy stack slots.) */
+/* (The single-thread copy of the problem is made only in a child: elsewhere
+ * the kernels read the caller's, as they always have.) */
 
 static void mark_forked_child(void) { in_forked_child = 1; }
 
