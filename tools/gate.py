@@ -233,6 +233,7 @@ def print_table(rows) -> None:
 
 
 def cpu_name() -> str:
+    # as attnkern.bench's: the gate imports no attnkern of its own (it compares two builds of it)
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
