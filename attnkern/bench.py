@@ -1,6 +1,6 @@
 """Side-by-side benchmark of attention kernels on this machine.
 
-    python -m attnkern.bench                 # the standard table (issue 2's targets)
+    python -m attnkern.bench                 # the standard table
     python -m attnkern.bench --sizes 1024 --kernels native.flash native.tiled torch.sdpa
     python -m attnkern.bench --memory        # peak extra memory of native.flash at N = 65536
 
