@@ -98,7 +98,7 @@ test-sanitize: sanitize
 FUZZ_SECONDS ?= 120
 fuzz: sanitize
 	mkdir -p $(SAN)/corpus
-	cd $(SAN) && ../tools/sanitized venv/bin/python ../tests/fuzz/fuzz_attention.py \
+	cd $(SAN) && ../tools/sanitized --fuzzer venv/bin/python ../tests/fuzz/fuzz_attention.py \
 		-max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1 corpus ../tests/fuzz/corpus
 
 clean:
