@@ -98,11 +98,6 @@ def paired_turns(workers: dict, rounds: int, calls: int = 1, settle: float = 0.0
     return meds
 
 
-def calls_per_turn(seconds_per_call: float, turn: float = 0.1, least: int = 3, most: int = 50) -> int:
-    """Timed calls that fill about `turn` seconds."""
-    return max(least, min(most, round(turn / max(seconds_per_call, 1e-6))))
-
-
 def bootstrap_median_ci(values, level=0.95, resamples=4000, seed=0) -> tuple[float, float]:
     """Percentile bootstrap interval of the median of `values`: a flat list, or
     a list of groups (one per worker process), in which case the groups are
