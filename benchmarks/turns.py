@@ -75,12 +75,6 @@ class Worker:
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.proc.kill()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 def paired_turns(workers: dict, rounds: int, calls: int = 1, settle: float = 0.0, rng=None,
                  key: str = "") -> dict[str, list[float]]:

@@ -132,6 +132,10 @@ def test_sizes_beyond_64_bit_arithmetic_are_refused_in_c(algo):
                 dict(scale=float("nan"))]:
         assert _attn.check_problem(algo, isa, 1, 8, 8, 4, 4, **bad) == "invalid", bad
     assert _attn.check_problem(algo, isa, 1, 8, 0, 4, 4) == "invalid"  # no keys
+    with pytest.raises(ValueError, match="algo must be one of"):
+        _attn.check_problem("fast", isa, 1, 8, 8, 4, 4)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        _attn.check_problem(algo, "sse9", 1, 8, 8, 4, 4)
 
 
 def test_score_buffer_beyond_memory_names_the_kernel_that_needs_none():

@@ -70,6 +70,10 @@ def check_problem(str algo, str isa, int64_t batch, int64_t nq, int64_t nk, int6
     """The C entry points' own argument checks on a problem description alone
     (no arrays): "ok", "invalid", "isa" or "toobig". For tests and fuzzing of
     sizes no machine could hold."""
+    if algo not in ALGORITHMS:
+        raise ValueError(f"check_problem: algo must be one of {', '.join(ALGORITHMS)}, got {algo!r}")
+    if isa not in ISAS:
+        raise ValueError(f"check_problem: isa must be one of {', '.join(ISAS)}, got {isa!r}")
     cdef attn_problem p
     p.batch, p.nq, p.nk, p.d, p.dv = batch, nq, nk, d, dv
     p.causal, p.scale = causal, scale
