@@ -54,10 +54,11 @@ site: setup
 	@echo
 	@echo "Site published to .asv/html. To view it: $(ASV) preview   (then open the address it prints)"
 
-# The side-by-side table of native.flash, torch.sdpa, numpy.naive and the sgemm ceiling.
+# The side-by-side table (attnkern bench): native.flash, torch.sdpa and numpy.naive checked
+# against the float64 reference, then timed, with the float32 matmul ceiling.
 compare: setup
 	mkdir -p bench-results
-	$(PY) -m attnkern.bench --memory --json bench-results/latest.json
+	$(PY) -m attnkern bench --memory --json bench-results/latest.json --csv bench-results/latest.csv
 
 # The regression gate: HEAD against BASE, counted instructions and paired timing
 # (docs/regression-gate.md). Exits non-zero if a kernel got slower.

@@ -6,11 +6,11 @@
     attnkern.kernel_info(name)    # available here? tunables?
 """
 
-from . import native, _numpy_kernels, _torch_kernels, jit  # noqa: F401, I001  (registers the kernels, in this order)
+from . import backends  # noqa: F401  (registers the kernels)
 from ._api import attention
 from ._reference import reference
 from ._registry import kernel_info, kernels
-from .native import active_isa, supported_isas
+from .backends.native import active_isa, supported_isas
 
 __all__ = ["attention", "reference", "kernels", "kernel_info", "active_isa", "supported_isas"]
 __version__ = "0.1.0"

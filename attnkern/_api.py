@@ -15,7 +15,7 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 @dataclass(frozen=True)
 class Call:
     """A validated call: q, k, v as C-contiguous (batch, n, d) arrays, NumPy
-    arrays on the host or jit.cuda_arrays.GpuArray on the GPU (device=True);
+    arrays on the host or backends.cuda.arrays.GpuArray on the GPU (device=True);
     like is the caller's q, whose kind of array the output takes."""
 
     q: np.ndarray
@@ -35,13 +35,13 @@ class Call:
 def _gpu():
     """attnkern's GPU array helpers; they need numba-cuda."""
     try:
-        from .jit import cuda_arrays
+        from .backends.cuda import arrays
     except ImportError as exc:
         raise TypeError(
             f"GPU arrays need numba-cuda, which failed to import ({exc}): pip install 'attnkern[cuda]', "
             "or copy the arrays to the host"
         ) from None
-    return cuda_arrays
+    return arrays
 
 
 def _as_array(x, name: str):
@@ -139,8 +139,8 @@ def _all_finite(device: bool, *arrays) -> bool:
 
 
 def _auto(device: bool = False) -> _registry.Kernel:
-    """The fastest available kernel for the call. native.flash beats every
-    other CPU kernel at every shape we measure (python -m attnkern.bench);
+    """The kernel for kernel="auto": on the CPU the first available of
+    native.flash, torch.sdpa, numpy.naive (fastest first; docs/results.md);
     GPU arrays go to cuda.flash. NumPy arrays stay on the CPU even where a GPU
     is present: ask for a cuda.* kernel to send them there."""
     if device:

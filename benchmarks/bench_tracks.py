@@ -22,7 +22,8 @@ SHAPES = ["1x8x1024x64", "1x8x2048x64"]
 
 
 def median_seconds(call, args, calls: int) -> float:
-    """Median of `calls` back-to-back timed calls after one untimed call."""
+    """Median of `calls` back-to-back timed calls after one untimed call (attnkern_bench.timing's
+    turn with one kernel; repeated here, see common.py's docstring)."""
     call(*args)
     times = []
     for _ in range(calls):

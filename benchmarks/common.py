@@ -2,7 +2,10 @@
 
 The suite talks to attnkern only through its public API (attention, reference,
 kernels, kernel_info), so the same benchmarks run against old commits too:
-a kernel a commit does not have is skipped, not an error.
+a kernel a commit does not have is skipped, not an error. For the same reason
+it keeps its own small copies of attnkern_bench's FLOP count, seeded inputs and
+timer (flops, random_qkv here; median_seconds in bench_tracks.py): asv installs
+the commit under test, and commits before attnkern_bench have none.
 """
 
 import os
@@ -43,7 +46,8 @@ def parse_shape(shape: str) -> tuple[int, int, int, int]:
 
 
 def flops(shape: str, causal: bool) -> float:
-    """Floating-point operations of one forward: 4*B*H*N*N*D, half with a causal mask."""
+    """Floating-point operations of one forward: 4*B*H*N*N*D, half with a causal mask
+    (attnkern_bench.counts.attention_flops; repeated, see the module docstring)."""
     b, h, n, d = parse_shape(shape)
     f = 4.0 * b * h * n * n * d
     return f / 2 if causal else f

@@ -19,22 +19,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-# Accuracy against the float64 reference: max |out - ref| <= TOL * max|v| * kappa.
-# Each output row is a convex combination of rows of v, so errors scale with
-# max|v|. A score computed in the input dtype carries a rounding error that
-# grows with |scale| * |q| * |k|; kappa = max(1, |scale| max|q_i| max|k_j| / sqrt(D))
-# is 1 for unit-variance inputs at the default scale 1/sqrt(D) and grows as a
-# larger scale or larger inputs make the softmax sharper and the problem worse
-# conditioned, for every kernel alike.
-TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
-
-
-def conditioning(q, k, scale=None):
-    d = q.shape[-1]
-    scale = 1 / np.sqrt(d) if scale is None else abs(scale)
-    qn = np.linalg.norm(q.astype(np.float64), axis=-1).max(initial=0.0)
-    kn = np.linalg.norm(k.astype(np.float64), axis=-1).max(initial=0.0)
-    return max(1.0, scale * qn * kn / np.sqrt(d))
+# Accuracy against the float64 reference: the bound of attnkern_bench.accuracy
+# (its docstring derives it), shared with the benchmark command.
+from attnkern_bench.accuracy import TOL, scaled_error  # noqa: E402
+from attnkern_bench.inputs import random_qkv  # noqa: E402, F401  (the tests' inputs)
 
 # CPU kernels; the CUDA ones (simulated on a machine without a GPU) are tested in test_cuda.py
 AVAILABLE = [k for k in attnkern.kernels() if not k.startswith("cuda.") and attnkern.kernel_info(k)["available"]]
@@ -67,18 +55,9 @@ def forced_isa(isa):
             os.environ["ATTNKERN_ISA"] = old
 
 
-def random_qkv(rng, lead, nq, nk, d, dv, dtype, magnitude=1.0):
-    q = rng.standard_normal((*lead, nq, d)) * magnitude
-    k = rng.standard_normal((*lead, nk, d)) * magnitude
-    v = rng.standard_normal((*lead, nk, dv))
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
-
-
 def assert_matches_reference(out, q, k, v, causal=False, scale=None):
-    ref = attnkern.reference(q, k, v, causal=causal, scale=scale)
-    assert out.shape == ref.shape
+    assert out.shape[:-2] == q.shape[:-2] and out.shape[-2:] == (q.shape[-2], v.shape[-1])
     assert out.dtype == q.dtype
     assert np.isfinite(out).all()
-    err = np.abs(out.astype(np.float64) - ref).max(initial=0.0)
-    bound = TOL[out.dtype] * max(1.0, np.abs(v).max(initial=0.0)) * conditioning(q, k, scale)
-    assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
+    err = scaled_error(out, q, k, v, causal=causal, scale=scale)
+    assert err <= TOL[out.dtype], f"max abs error {err:.3g} x (max(1, max|v|) kappa) > {TOL[out.dtype]:.0e}"

@@ -1,57 +1,151 @@
-"""The benchmark command runs end to end (tiny sizes: a smoke test, not a timing)."""
+"""The measuring side (attnkern_bench and the attnkern command): end to end on
+tiny sizes (a smoke test, not a timing), and its primitives."""
 
+import csv
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import attnkern
-from attnkern import bench
+from attnkern_bench import accuracy, cli, counts, timing
+from attnkern_bench.inputs import random_qkv, sample_rows
 
 
-def test_bench_table_and_memory(tmp_path, capsys):
+def test_bench_checks_times_and_writes_json_and_csv(tmp_path, capsys):
     pytest.importorskip("threadpoolctl")
-    out = tmp_path / "bench.json"
-    argv = ["--sizes", "64", "--heads", "2", "--repeat", "1", "--passes", "1", "--settle", "0", "--memory", "--memory-n", "4096", "--json", str(out)]
-    assert bench.main(argv) == 0
+    out, table = tmp_path / "bench.json", tmp_path / "bench.csv"
+    argv = ["bench", "--sizes", "64", "--heads", "2", "--repeat", "1", "--passes", "1", "--settle", "0",
+            "--kernels", "native.flash", "numpy.naive", "--memory", "--memory-n", "4096",
+            "--json", str(out), "--csv", str(table)]
+    assert cli.main(argv) == 0
     result = json.loads(out.read_text())
-    kernels = {row["kernel"] for row in result["rows"]}
-    assert "native.flash" in kernels and "numpy.naive" in kernels
-    assert all(row["median_s"] > 0 and row["gflops"] > 0 for row in result["rows"])
+    rows = result["rows"]
+    assert {(r["kernel"], r["causal"]) for r in rows} == {(k, c) for k in ("native.flash", "numpy.naive")
+                                                          for c in (False, True)}
+    assert all(r["median_s"] > 0 and r["gflops"] > 0 and r["ok"] and r["error"] <= 1e-5 for r in rows)
+    assert all(r["speedup_vs_numpy.naive"] > 0 for r in rows)
     flash = next(m for m in result["memory"] if m["kernel"] == "native.flash")
     assert "error" not in flash and flash["extra_bytes"] < 64 * 2**20
-    printed = capsys.readouterr().out
-    assert "sgemm ceiling" in printed and "native.flash" in printed
+    with open(table) as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    captured = capsys.readouterr()
+    assert "ceiling: NumPy float32 matmul" in captured.out and "native.flash" in captured.out
+    assert "[2/2] N=64 causal=True" in captured.err  # progress, on stderr
 
 
-def test_flops_count():
-    assert bench.attention_flops(1, 8, 1024, 1024, 64, False) == 4 * 8 * 1024 * 1024 * 64
-    assert bench.attention_flops(1, 8, 1024, 1024, 64, True) == 2 * 8 * 1024 * 1024 * 64
+def test_bench_fails_a_wrong_kernel(monkeypatch, capsys):
+    """The check is real: a kernel whose output is off makes the command exit 1."""
+    pytest.importorskip("threadpoolctl")
+    real = attnkern.attention
+
+    def off_by_a_little(q, k, v, **kw):
+        out = real(q, k, v, **kw)
+        return out + np.float32(1e-3) if kw.get("kernel") == "native.flash" else out
+
+    monkeypatch.setattr(attnkern, "attention", off_by_a_little)
+    argv = ["bench", "--sizes", "40", "--heads", "1", "--repeat", "1", "--passes", "1", "--settle", "0",
+            "--causal", "no", "--kernels", "native.flash", "numpy.naive"]
+    assert cli.main(argv) == 1
+    assert "FAIL: native.flash" in capsys.readouterr().err
+
+
+def test_kernels_command_lists_the_registry(capsys):
+    assert cli.main(["kernels", "--json"]) == 0
+    infos = json.loads(capsys.readouterr().out)
+    assert [i["name"] for i in infos] == list(attnkern.kernels())
+    assert cli.main(["kernels"]) == 0
+    assert "block_q=256" in capsys.readouterr().out
+
+
+def test_console_script_and_module_say_what_they_measure():
+    script = Path(sys.executable).with_name("attnkern")
+    if not script.exists():
+        pytest.skip("the attnkern console script is not installed beside this Python")
+    for argv in ([str(script), "bench", "--help"], [sys.executable, "-m", "attnkern", "bench", "--help"]):
+        out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120).stdout
+        assert "float64" in out and "median" in out and "--device" in out
+    with pytest.raises(SystemExit):
+        cli.main(["no-such-command"])
+
+
+def test_flop_and_byte_counts():
+    assert counts.attention_flops(1, 8, 1024, 1024, 64) == 4 * 8 * 1024 * 1024 * 64
+    assert counts.attention_flops(1, 8, 1024, 1024, 64, causal=True) == 2 * 8 * 1024 * 1024 * 64
+    assert counts.attention_flops(2, 1, 10, 20, 8, dv=4) == 2 * 2 * 10 * 20 * (8 + 4)
+    assert counts.io_bytes(1, 2, 10, 20, 8, 4) == 2 * (10 * 8 + 20 * 8 + 20 * 8 + 10 * 8) * 4
+
+
+def test_inputs_are_seeded_and_the_same_in_every_dtype():
+    a = random_qkv(7, (2,), 5, 6, 3, 4, np.float64)
+    b = random_qkv(7, (2,), 5, 6, 3, 4, np.float32)
+    assert [x.shape for x in a] == [(2, 5, 3), (2, 6, 3), (2, 6, 4)]
+    assert all(np.array_equal(x.astype(np.float32), y) for x, y in zip(a, b))
+    rows = sample_rows(np.random.default_rng(0), 100, 5)
+    assert rows[0] == 0 and rows[-1] == 99 and len(set(rows)) == len(rows) >= 5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_rows_are_the_full_references_rows(causal):
+    q, k, v = random_qkv(3, (2, 2), 30, 25, 8, 5, np.float64)
+    rows = [0, 3, 17, 29]
+    full = attnkern.reference(q, k, v, causal=causal)
+    part = attnkern.reference(q, k, v, causal=causal, rows=rows)
+    assert part.shape == (2, 2, 4, 5)
+    np.testing.assert_array_equal(part, full[..., rows, :])
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 30\)"):
+        attnkern.reference(q, k, v, rows=[30])
+    with pytest.raises(TypeError, match="integer query indices"):
+        attnkern.reference(q, k, v, rows=[0.5])
+
+
+def test_scaled_error_tells_right_from_wrong():
+    q, k, v = random_qkv(1, (3,), 20, 20, 8, dtype=np.float32)
+    out = attnkern.attention(q, k, v, kernel="numpy.naive")
+    assert accuracy.scaled_error(out, q, k, v) <= accuracy.TOL[out.dtype]
+    assert accuracy.scaled_error(out + np.float32(1e-4), q, k, v) > accuracy.TOL[out.dtype]
+    rows = np.array([2, 19])
+    assert accuracy.scaled_error(out[:, rows], q, k, v, rows=rows) <= accuracy.TOL[out.dtype]
+    wrong = out.copy()
+    wrong[:, 5] += 1  # a row the sample does not look at, and then one it does
+    assert accuracy.scaled_error(wrong, q, k, v, rows=rows) <= accuracy.TOL[out.dtype]
+    assert accuracy.scaled_error(wrong, q, k, v, rows=np.array([5])) > accuracy.TOL[out.dtype]
+
+
+def test_take_turns_round_robin_with_warmup():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    samples = timing.take_turns(fns, repeat=2, passes=2, warmup=1, calls_per_sample=3)
+    assert calls == (["a"] * 7 + ["b"] * 7) * 2
+    assert {name: len(s) for name, s in samples.items()} == {"a": 4, "b": 4}
+    assert all(t >= 0 for s in samples.values() for t in s)
 
 
 @pytest.mark.slow
 def test_asv_time_ratio_agrees_with_the_table(tmp_path):
-    """The asv track TimeVsTorch and `python -m attnkern.bench` measure the same
-    ratio, numba.flash time / torch.sdpa time, in different ways; they must tell
-    the same story. (In one process, a numba.flash call once left torch 4-7x
-    slower: the track read 0.2-0.5 while the table read 2.6.) The bound is
-    loose, a factor of 2 either way, because both are timings on a noisy machine;
-    the contradiction it guards against was a factor of 5-10."""
+    """The asv track TimeVsTorch and `attnkern bench` measure the same ratio,
+    numba.flash time / torch.sdpa time, in different ways; they must tell the
+    same story. (In one process, a numba.flash call once left torch 4-7x slower:
+    the track read 0.2-0.5 while the table read 2.6.) The bound is loose, a
+    factor of 2 either way, because both are timings on a noisy machine; the
+    contradiction it guards against was a factor of 5-10."""
     pytest.importorskip("torch")
     pytest.importorskip("threadpoolctl")
     if not attnkern.kernel_info("numba.flash")["available"]:
         pytest.skip("numba.flash is not available")
-    import subprocess
-    import sys
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(repo))
     from benchmarks.bench_tracks import TimeVsTorch
 
     shape, kernels = "1x4x512x64", ["numba.flash", "torch.sdpa"]
     out = tmp_path / "table.json"
-    subprocess.run([sys.executable, "-m", "attnkern.bench", "--sizes", "512", "--heads", "4", "--causal", "no",
-                    "--kernels", *kernels, "--json", str(out)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "attnkern", "bench", "--sizes", "512", "--heads", "4", "--causal", "no",
+                    "--kernels", *kernels, "--json", str(out)], check=True, capture_output=True,
+                   env={**os.environ})
     rows = {r["kernel"]: r["median_s"] for r in json.loads(out.read_text())["rows"]}
     table = rows["numba.flash"] / rows["torch.sdpa"]
 

@@ -2,7 +2,7 @@
 Numba's CUDA simulator (conftest sets NUMBA_ENABLE_CUDASIM=1 unless
 ATTNKERN_TEST_GPU=1), which runs a Python thread per GPU thread: shapes are
 small, tiles smaller, so several tiles, partial tiles and the causal diagonal
-are all crossed. The simulator has no warp shuffles; cuda_kernels.lane_reduce
+are all crossed. The simulator has no warp shuffles; attnkern.backends.cuda.kernels.lane_reduce
 emulates them there (the device script checks the real ones on a GPU)."""
 
 import os

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import attnkern
-from attnkern.native import _attn
+from attnkern.backends.native import _attn
 
 NATIVE = ["native.naive", "native.tiled", "native.flash"]
 

@@ -18,10 +18,10 @@ if not attnkern.kernel_info("numba.flash")["available"]:
 
 _FIRST_CALL = """
 import json, numpy as np, attnkern
-from attnkern.jit import cpu_flash
+from attnkern.backends.numba import flash
 q = np.ones((2, 5, 3), np.float32)
 attnkern.attention(q, q, q, kernel="numba.flash")
-stats = cpu_flash.flash_forward.stats
+stats = flash.flash_forward.stats
 print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
 """
 
@@ -59,3 +59,14 @@ def test_one_query_block_of_many_rows_and_a_long_key_stream():
     for causal in (False, True):
         out = attnkern.attention(q, k, v, causal=causal, kernel="numba.flash", block_q=1024, block_k=1)
         assert_matches_reference(out, q, k, v, causal)
+
+
+def test_exp2_constants_are_the_c_kernels():
+    """numba.flash repeats the C kernels' log2(e) and 2^f polynomials (Numba compiles
+    module constants into its code); they must stay the same numbers."""
+    from attnkern.backends.native import _attn
+    from attnkern.backends.numba import flash
+
+    assert flash.LOG2E == _attn.LOG2E
+    assert flash.EXP2_F32 == _attn.EXP2_F32
+    assert flash.EXP2_F64 == _attn.EXP2_F64

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gate  # noqa: E402
 
 REPO = gate.REPO
-INJECT_FILE = "attnkern/native/attn_kernels.h"
+INJECT_FILE = "attnkern/backends/native/attn_kernels.h"
 # The score block of flash_block (the tiled kernel's call differs: it offsets s).
 INJECT_LINE = "        ST(block_qk)(w, kh + j0 * d, kb, bq, d, w->s, lds, p->causal, i0, j0);\n"
 # Percent of a query block's rows whose Q·Kᵀ tiles are computed twice, for each

@@ -36,7 +36,6 @@ import argparse
 import io
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -53,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
 import turns  # noqa: E402  (benchmarks/turns.py: paired timing in worker processes)
+from attnkern_bench.machine import cpu_name  # noqa: E402  (imports no attnkern: the gate compares two builds of it)
 
 class GateError(Exception):
     """The gate could not compare (a bad revision, a failed build): exit status 2."""
@@ -230,18 +230,6 @@ def print_table(rows) -> None:
             iv = f"[{r['interval'][0]:.3f}, {r['interval'][1]:.3f}]"
         mark = {"slower": "SLOWER", "faster": "faster", "same": "same"}[r["verdict"]]
         print(f"{r['benchmark']:<34} {r['signal']:<8} {b:>12} {c:>12} {r['ratio']:>7.3f} {iv:>17}  {mark}")
-
-
-def cpu_name() -> str:
-    # as attnkern.bench's: the gate imports no attnkern of its own (it compares two builds of it)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None) -> int:

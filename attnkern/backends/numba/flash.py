@@ -17,9 +17,12 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+# The exp2-domain constants of the C kernels (native/attn_common.h), repeated here
+# because Numba compiles module constants into the code; tests/test_numba.py checks
+# they equal the C ones (attnkern.backends.native._attn.LOG2E, EXP2_F32, EXP2_F64).
 LOG2E = 1.4426950408889634
-# 2^f for |f| <= 1/2, lowest degree first: the polynomials of native/attn_common.h
-# (float32: Chebyshev degree 5, rel. err 1.0e-7; float64: Taylor degree 13, 2e-16).
+# 2^f for |f| <= 1/2, lowest degree first (float32: Chebyshev degree 5, rel. err 1.0e-7;
+# float64: Taylor degree 13, 2e-16).
 EXP2_F32 = (1.0000000754548972, 0.6931471880262294, 0.24022107485309188,
             0.055503571142190296, 0.009676031918298474, 0.0013390863364698205)
 EXP2_F64 = (1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
@@ -113,11 +116,9 @@ def _matmul_abt(a, b, c, m, n, k, accumulate, zero):
 
     A 4 x 4 tile of dot products per pass: each loaded element of a or b
     feeds four FMAs, and LLVM vectorises every dot product along k (the
-    contiguous axis) with fastmath. On this project's 2-core AVX-512 machine
-    (single thread, N = 128 x 256 x 64 and 128 x 64 x 256) it runs 56 and 89
-    GFLOP/s, against 44 and 76 for 2 x 4 tiles and 30-45 for outer-product
-    loops over rows of c, which LLVM cannot keep in registers (it must assume
-    c may alias a and b). zero: 0 in c's dtype, for the accumulators (a
+    contiguous axis) with fastmath. The tile lives in 16 scalar locals:
+    outer-product loops over rows of c would keep it in memory, as LLVM must
+    assume c may alias a and b. zero: 0 in c's dtype, for the accumulators (a
     literal 0 would make them float64 under Numba's typing)."""
     m4 = m - m % 4
     n4 = n - n % 4
@@ -241,8 +242,8 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k):
                 if alpha != 1:
                     for e in range(dv):
                         acc[i, e] *= alpha
-            # V^T of this block, so that P V reads both operands along the keys. (One V^T
-            # per head, shared by its query blocks, measured 2x slower over all.)
+            # V^T of this block, so that P V reads both operands along the keys; made per
+            # task and block in the task's own buffer (docs/results.md compares one V^T per head).
             for j in range(nkeys):
                 for e in range(dv):
                     vt[e, j] = v[b, j0 + j, e]

@@ -32,7 +32,16 @@ cdef extern from "attn.h" nogil:
     int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q,
                          const double *k, const double *v, double *out)
 
+cdef extern from "attn_common.h" nogil:
+    double ATTN_LOG2E
+    const double attn_exp2_f32[6]
+    const double attn_exp2_f64[14]
+
 ALGORITHMS = {"naive": 0, "tiled": 1, "flash": 2}
+# The constants of the exp2-domain softmax, for the Numba kernel to match (its tests compare)
+LOG2E = ATTN_LOG2E
+EXP2_F32 = tuple(attn_exp2_f32[i] for i in range(6))
+EXP2_F64 = tuple(attn_exp2_f64[i] for i in range(14))
 ISAS = tuple(attn_isa_name(i).decode() for i in range(ATTN_ISA_COUNT))
 MAX_BLOCK_Q = ATTN_MAX_BLOCK_Q
 MAX_BLOCK_K = ATTN_MAX_BLOCK_K

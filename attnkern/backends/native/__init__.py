@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from .._registry import Kernel, Param, num_threads_param, register
+from ..._registry import Kernel, Param, num_threads_param, register
 
 try:
     from . import _attn

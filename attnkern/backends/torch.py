@@ -1,6 +1,7 @@
-"""PyTorch peers, available when torch is installed. torch is imported on first
-use (it takes a second). num_threads sets torch's process-wide intra-op
-thread count for the call and restores it afterwards."""
+"""The torch backend: PyTorch's attention as peers (torch.sdpa, torch.naive),
+available when torch is installed. torch is imported on first use (importing
+it is slow). num_threads sets torch's process-wide intra-op thread count for the
+call and restores it afterwards."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import importlib.util
 
 import numpy as np
 
-from ._registry import Kernel, num_threads_param, register
+from .._registry import Kernel, num_threads_param, register
 
 
 def _unavailable():
@@ -45,17 +46,24 @@ def _sdpa(q, k, v, causal, scale, num_threads=1):
     return out[0].numpy()
 
 
+def naive_attention(q, k, v, causal: bool, scale: float):
+    """softmax(q k^T * scale) v with torch ops on torch tensors of any device,
+    the (..., nq, nk) scores materialised: torch.naive, and the GPU harness's peer."""
+    import torch
+
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        nq, nk = scores.shape[-2:]
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def _naive(q, k, v, causal, scale, num_threads=1):
     import torch
 
     with _threads(torch, num_threads), torch.no_grad():
-        qt, kt, vt = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
-        scores = (qt @ kt.transpose(-1, -2)) * scale
-        if causal:
-            nq, nk = scores.shape[-2:]
-            mask = torch.ones(nq, nk, dtype=torch.bool).triu(1)
-            scores = scores.masked_fill(mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ vt
+        out = naive_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), causal, scale)
     return out.numpy()
 
 

@@ -1,6 +1,6 @@
 /* Portable C: a "vector" is a small array of lanes that the compiler may map
- * onto whatever SIMD the baseline target has (SSE2 on x86-64). Same tiles as
- * AVX2, so it is also the check that the vector paths compute the same thing. */
+ * onto whatever SIMD the baseline target has (SSE2 on x86-64). Same vector width
+ * as AVX2, so it is also the check that the vector paths compute the same thing. */
 #include "attn_common.h"
 
 #define ISA generic
@@ -95,23 +95,10 @@ ATTN_GENERIC_OPS(double, f64, 4, uint64_t, 1023, 52)
 #define DT f32
 #define VT vec_f32
 #define VW 8
-#define EXP2_COEF attn_exp2_f32
-#define EXP2_DEGREE 5
-#define EXP2_LO -127
 #include "attn_kernels.h"
-#undef T
-#undef DT
-#undef VT
-#undef VW
-#undef EXP2_COEF
-#undef EXP2_DEGREE
-#undef EXP2_LO
 
 #define T double
 #define DT f64
 #define VT vec_f64
 #define VW 4
-#define EXP2_COEF attn_exp2_f64
-#define EXP2_DEGREE 13
-#define EXP2_LO -1023
 #include "attn_kernels.h"

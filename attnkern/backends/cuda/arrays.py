@@ -3,8 +3,8 @@ __cuda_array_interface__ (Numba device arrays, PyTorch CUDA tensors, CuPy
 arrays, ...) are viewed as Numba device arrays without a copy; the output is
 allocated as the kind of array q was: a torch tensor on q's device for torch,
 a CuPy array for CuPy, a Numba device array otherwise. Their caching
-allocators are also cheaper than Numba's cudaMalloc per call: torch.empty and
-a view of it took 18 us, cuda.device_array 110 us (H100, 4 MB)."""
+allocators are also cheaper per call than Numba's cuda.device_array, which
+allocates with cudaMalloc every time."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ _LEGACY_DEFAULT_STREAM = 1  # how __cuda_array_interface__ v3 names it
 class GpuArray:
     """A GPU array as attnkern's kernels take it: shape, dtype and strides read
     from its interface, and one flat Numba view of its memory (None when it is
-    not C-contiguous). Reshaping changes only the shape: Numba device arrays
-    cost 10-20 us of Python each to make, several times a launch."""
+    not C-contiguous). Reshaping changes only the shape: making a Numba
+    device array is Python work that would add to every launch's overhead."""
 
     shape: tuple
     dtype: np.dtype

@@ -58,23 +58,10 @@ static ATTN_INLINE double vhmax_f64(__m512d x) { return _mm512_reduce_max_pd(x);
 #define DT f32
 #define VT __m512
 #define VW 16
-#define EXP2_COEF attn_exp2_f32
-#define EXP2_DEGREE 5
-#define EXP2_LO -127
 #include "attn_kernels.h"
-#undef T
-#undef DT
-#undef VT
-#undef VW
-#undef EXP2_COEF
-#undef EXP2_DEGREE
-#undef EXP2_LO
 
 #define T double
 #define DT f64
 #define VT __m512d
 #define VW 8
-#define EXP2_COEF attn_exp2_f64
-#define EXP2_DEGREE 13
-#define EXP2_LO -1023
 #include "attn_kernels.h"

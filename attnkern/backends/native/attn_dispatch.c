@@ -12,10 +12,9 @@
  * parallel region ran (ours, PyTorch's, Numba's), the next parallel region with
  * more than one thread waits forever for workers that do not exist. A child
  * therefore runs the kernels on its calling thread alone; results do not depend
- * on the thread count, so only the speed changes. */
+ * on the thread count, so only the speed changes. The single-thread copy of
+ * the problem is made only in a child; elsewhere the kernels read the caller's. */
 static volatile int in_forked_child = 0;
-/* (The single-thread copy of the problem is made only in a child: elsewhere
- * the kernels read the caller's, as they always have.) */
 
 static void mark_forked_child(void) { in_forked_child = 1; }
 
@@ -128,34 +127,24 @@ int attn_check_problem(int algo, int isa, const attn_problem *p)
     return ATTN_OK;
 }
 
-int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q, const float *k,
-                     const float *v, float *out)
-{
-    int err = attn_check_problem(algo, isa, p);
-    if (err)
-        return err;
-    if (p->batch == 0 || p->nq == 0 || p->dv == 0)
-        return ATTN_OK;
-    if (in_forked_child) {
-        attn_problem one = *p;
-        one.num_threads = 1;
-        return table_f32[isa][algo](&one, q, k, v, out);
+/* attn_forward_f32 and attn_forward_f64: check the problem, skip empty work,
+ * and in a forked child run on one thread. */
+#define ATTN_DEFINE_FORWARD(DT, T)                                                                \
+    int attn_forward_##DT(int algo, int isa, const attn_problem *p, const T *q, const T *k,     \
+                          const T *v, T *out)                                                   \
+    {                                                                                           \
+        int err = attn_check_problem(algo, isa, p);                                             \
+        if (err)                                                                                \
+            return err;                                                                         \
+        if (p->batch == 0 || p->nq == 0 || p->dv == 0)                                          \
+            return ATTN_OK;                                                                     \
+        if (in_forked_child) {                                                                  \
+            attn_problem one = *p;                                                              \
+            one.num_threads = 1;                                                                \
+            return table_##DT[isa][algo](&one, q, k, v, out);                                   \
+        }                                                                                       \
+        return table_##DT[isa][algo](p, q, k, v, out);                                          \
     }
-    return table_f32[isa][algo](p, q, k, v, out);
-}
 
-int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q, const double *k,
-                     const double *v, double *out)
-{
-    int err = attn_check_problem(algo, isa, p);
-    if (err)
-        return err;
-    if (p->batch == 0 || p->nq == 0 || p->dv == 0)
-        return ATTN_OK;
-    if (in_forked_child) {
-        attn_problem one = *p;
-        one.num_threads = 1;
-        return table_f64[isa][algo](&one, q, k, v, out);
-    }
-    return table_f64[isa][algo](p, q, k, v, out);
-}
+ATTN_DEFINE_FORWARD(f32, float)
+ATTN_DEFINE_FORWARD(f64, double)

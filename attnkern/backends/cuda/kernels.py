@@ -2,7 +2,7 @@
 numba-cuda. Importing this module imports numba.cuda; kernels are compiled on
 first use for each (dtype, tile shape, padded head size) and kept per process.
 
-Versions side by side, each with what it changes:
+The two kernels:
 
 cuda.naive (three launches, the N x N scores in device memory)
     1. qk_scores: S = Q K^T * scale, a shared-memory tiled matmul; each block
@@ -24,11 +24,8 @@ cuda.flash (one launch, FlashAttention-2 forward; no N x N buffer)
     sum is reduced across the group only once, at the end. Causal blocks
     stream only the K/V tiles up to the diagonal.
     Every index is unsigned and the inner loops walk running offsets (see
-    flash_kernel): that alone took it from a third of torch's float32 SDPA to
-    about 0.5-0.65x on an H100 (python -m attnkern.bench_gpu). Variants that
-    were slower and are not kept: explicit register fragments with signed
-    indices, registers capped at 80-128 (spills), 8 x 4, 4 x 8, 8 x 8 and 2 x 4
-    micro-tiles, and unrolling the inner loops by 4-16.
+    flash_kernel). docs/kernels.md describes the design, docs/results.md the
+    measurements, including the variants that are not kept.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ import math
 import numpy as np
 from numba import config, cuda, float64, uint64
 
-LOG2E = 1.4426950408889634
+LOG2E = math.log2(math.e)  # scores in the log2 domain: exp(s) = 2^(s * LOG2E)
 SHARED_BYTES = 48 * 1024  # static shared memory per block (CUDA's limit without opt-in)
 MICRO = (4, 4)  # rows and keys per thread in cuda.flash's score tile
 FULL_MASK = 0xFFFFFFFF
@@ -92,7 +89,7 @@ def naive_kernels(dtype: str, tile: int):
     NEG_INF = ftype(-np.inf)
     ZERO = ftype(0)
     # two warps in the simulator, whose threads are Python threads: still a
-    # cross-warp reduction, at an eighth of the cost
+    # cross-warp reduction, with a quarter of the threads
     SOFTMAX_THREADS = 64 if config.ENABLE_CUDASIM else 256
     WARPS = SOFTMAX_THREADS // 32
 
@@ -245,13 +242,10 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
     """cuda.flash's kernel for one dtype, tile shape and padded head sizes;
     micro: the (rows, keys) of scores each thread holds.
 
-    Every index is an unsigned 64-bit integer, and the inner loops walk
-    running offsets: Numba computes a signed index with a negative-index
-    wraparound select, which left ~35 integer instructions beside the 16 FMAs
-    of each step of Q K^T (SASS, H100). Measured at (1, 16, 4096, 64) float32,
-    128 x 16 tiles: signed 2-D indexing 10.7 TFLOP/s; unsigned running offsets
-    in the inner loops 12.7; unsigned indices everywhere, global arrays flat,
-    17.3 (22.2 at N = 16384)."""
+    Every index is an unsigned 64-bit integer, the global arrays are flat and
+    the inner loops walk running offsets: for a signed index Numba emits a
+    negative-index wraparound select, integer work that would sit beside the
+    16 FMAs of each step of Q K^T."""
     ftype = np.dtype(dtype).type
     NEG_INF = ftype(-np.inf)
     ZERO = ftype(0)

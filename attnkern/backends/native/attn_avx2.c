@@ -80,23 +80,10 @@ static ATTN_INLINE double vhmax_f64(__m256d x)
 #define DT f32
 #define VT __m256
 #define VW 8
-#define EXP2_COEF attn_exp2_f32
-#define EXP2_DEGREE 5
-#define EXP2_LO -127
 #include "attn_kernels.h"
-#undef T
-#undef DT
-#undef VT
-#undef VW
-#undef EXP2_COEF
-#undef EXP2_DEGREE
-#undef EXP2_LO
 
 #define T double
 #define DT f64
 #define VT __m256d
 #define VW 4
-#define EXP2_COEF attn_exp2_f64
-#define EXP2_DEGREE 13
-#define EXP2_LO -1023
 #include "attn_kernels.h"

@@ -29,6 +29,12 @@ static const double attn_exp2_f64[14] = {
     7.054911620801121e-09, 4.44553827187081e-10, 2.5678435993488196e-11,
     1.3691488853904124e-12,
 };
+/* By dtype tag (attn_kernels.h picks them with DT): the degree of each polynomial,
+ * and the exponent whose 2^n has all exponent bits zero (2^x there is exactly 0). */
+#define ATTN_EXP2_DEGREE_f32 5
+#define ATTN_EXP2_DEGREE_f64 13
+#define ATTN_EXP2_LO_f32 (-127)
+#define ATTN_EXP2_LO_f64 (-1023)
 
 /* Cache-line aligned buffer of rows x cols elements of elem bytes; size 0
  * still gives a valid pointer. Every size product is checked: a request whose

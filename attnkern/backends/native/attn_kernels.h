@@ -6,10 +6,10 @@
  *   ISA     tag of the instruction set (generic, avx2, avx512)
  *   VT, VW  vector type and its width in elements
  *   MR      rows of the register tile in the matmul micro-kernels
- *   EXP2_COEF, EXP2_DEGREE  the 2^f polynomial (attn_common.h) and its degree
- *   EXP2_LO  the exponent whose 2^n has all exponent bits zero (-127, -1023)
  * and functions v<op>_<DT>: load/store (aligned), loadu/storeu, set1 zero fma
- * mul add sub max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>.
+ * mul add sub max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
+ * and undefines T, DT, VT and VW at its end, ready for the next dtype. The 2^f
+ * polynomial for DT comes from attn_common.h (EXP2_COEF, EXP2_DEGREE, EXP2_LO).
  *
  * All three work in the log2 domain: q is multiplied by scale * log2(e) once,
  * so probabilities are exp2(s - max) and the softmax needs one FMA-free
@@ -29,6 +29,9 @@
 #define FN(name) FN__(name, DT, ISA)
 /* Static helpers get a dtype suffix so both instantiations live in one file. */
 #define ST(name) ATTN_CAT(name##_, DT)
+#define EXP2_COEF ATTN_CAT(attn_exp2_, DT)
+#define EXP2_DEGREE ATTN_CAT(ATTN_EXP2_DEGREE_, DT)
+#define EXP2_LO ATTN_CAT(ATTN_EXP2_LO_, DT)
 
 #define NR (2 * VW) /* columns of the register tile: two vectors */
 
@@ -487,3 +490,10 @@ int FN(flash)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
 #undef V
 #undef V__
 #undef V_
+#undef EXP2_COEF
+#undef EXP2_DEGREE
+#undef EXP2_LO
+#undef T
+#undef DT
+#undef VT
+#undef VW

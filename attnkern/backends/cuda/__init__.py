@@ -1,0 +1,150 @@
+"""The cuda backend: cuda.naive and cuda.flash (kernels.py), written with
+numba-cuda, on GPU arrays (arrays.py) or NumPy arrays copied to the GPU and
+back. numba-cuda is optional and imported on first use. This module owns the
+kernels' registration, cuda.flash's tile choice and the memory checks.
+
+(No module here may have "numba.cuda" in its dotted name: numba-cuda's import
+redirector takes any such name for its own.)"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import numpy as np
+
+from ..._registry import Kernel, Param, register
+
+@functools.cache
+def _cuda_unavailable():
+    if importlib.util.find_spec("numba_cuda") is None:
+        return "numba-cuda is not installed (pip install 'attnkern[cuda]')"
+    from numba import cuda
+
+    if cuda.is_available():
+        return None
+    try:
+        cuda.current_context()
+    except Exception as exc:  # the driver's own words: no driver, no device, ...
+        detail = " ".join(str(exc).split())
+        return f"no usable CUDA GPU: {detail}"
+    return "no usable CUDA GPU"  # pragma: no cover - is_available() and a context disagree
+
+
+def _to_device(q, k, v, out):
+    """q, k, v as GpuArrays (copies of NumPy arrays), and an output there: `out`
+    when the caller gave one (attention() does for GPU inputs), else a new one."""
+    from . import arrays
+
+    if isinstance(q, np.ndarray):
+        q, k, v = (arrays.from_host(x) for x in (q, k, v))
+    if out is None:
+        out = arrays.device_empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
+    return q, k, v, out
+
+
+def _from_device(out, host: bool):
+    from . import arrays
+
+    return arrays.to_host(out) if host else out
+
+
+def _cuda_naive(q, k, v, causal, scale, tile=16, out=None):
+    from . import kernels
+
+    need = kernels.naive_workspace_bytes(q.shape[0], q.shape[1], k.shape[1], q.dtype.itemsize)
+    free = _device_free_memory()
+    if need > free:
+        raise MemoryError(
+            f"cuda.naive: out of GPU memory: its score matrix needs {need / 2**30:.1f} GiB and "
+            f"{free / 2**30:.1f} GiB are free; use cuda.flash (no N x N buffer)"
+        )
+    host = isinstance(q, np.ndarray)
+    dq, dk, dv, out = _to_device(q, k, v, out)
+    kernels.naive(dq, dk, dv, out, causal, scale, tile)
+    return _from_device(out, host)
+
+
+def _device_free_memory() -> int:
+    from numba import cuda
+
+    try:
+        return cuda.current_context().get_memory_info().free
+    except Exception:  # the simulator has no memory to report
+        return 1 << 62
+
+
+def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:
+    """The tile to run: as given, or for 0 ('auto') the first of the preferred
+    tiles that fits shared memory for this head size and dtype."""
+    from . import kernels
+
+    def fits(bq, bk):
+        return kernels.flash_shared_bytes(bq, bk, d, dv, itemsize) <= kernels.SHARED_BYTES
+
+    candidates = [(bq, bk) for bq, bk in _TILE_PREFERENCE if block_q in (0, bq) and block_k in (0, bk)]
+    for bq, bk in candidates:
+        if fits(bq, bk):
+            return bq, bk
+    bq, bk = candidates[0] if block_q and block_k else (block_q or 8, block_k or 8)
+    need = kernels.flash_shared_bytes(bq, bk, d, dv, itemsize)
+    raise ValueError(
+        f"cuda.flash: block_q={bq}, block_k={bk} with D={d}, Dv={dv} in {itemsize * 8}-bit floats needs "
+        f"{need} bytes of shared memory, over the {kernels.SHARED_BYTES}-byte limit; use smaller "
+        "blocks (0 picks the largest that fits), float32, or cuda.naive"
+    )
+
+
+def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, out=None):
+    from . import kernels
+
+    block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
+    host = isinstance(q, np.ndarray)
+    dq, dk, dv, out = _to_device(q, k, v, out)
+    kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k)
+    return _from_device(out, host)
+
+
+def flash_tiles(d: int, dv: int, itemsize: int) -> list[tuple[int, int]]:
+    """cuda.flash's (block_q, block_k) tiles that fit shared memory for this head
+    size and dtype, in the order block_q = block_k = 0 tries them."""
+    from . import kernels
+
+    return [(bq, bk) for bq, bk in _TILE_PREFERENCE
+            if kernels.flash_shared_bytes(bq, bk, d, dv, itemsize) <= kernels.SHARED_BYTES]
+
+
+_TILE_SIZES = (8, 16, 32, 64, 128)
+# cuda.flash's tiles in order of preference for block_q = block_k = 0: the first that
+# fits shared memory is used. block_k >= 16 first (a narrower tile leaves each thread
+# Dv/2 output columns, more than its registers hold), then larger tiles (fewer K/V
+# reloads), then taller ones. docs/gpu.md has the measured sweep behind this order.
+_TILE_PREFERENCE = tuple(
+    sorted(((bq, bk) for bq in _TILE_SIZES for bk in _TILE_SIZES), key=lambda t: (t[1] < 16, -t[0] * t[1], -t[0]))
+)
+
+register(
+    Kernel(
+        name="cuda.naive",
+        description="numba-cuda: tiled Q K^T into an N x N score matrix, a shuffle-reduced row softmax, tiled P V",
+        run=_cuda_naive,
+        params=(Param("tile", 16, 8, 32, "square tile of the two matmuls", choices=(8, 16, 32)),),
+        unavailable_reason=_cuda_unavailable,
+        device="cuda",
+    )
+)
+register(
+    Kernel(
+        name="cuda.flash",
+        description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory",
+        run=_cuda_flash,
+        params=(
+            Param("block_q", 0, 0, 128, "queries per thread block; 0: the largest tile that fits",
+                  choices=(0, *_TILE_SIZES)),
+            Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the largest tile that fits",
+                  choices=(0, *_TILE_SIZES)),
+        ),
+        unavailable_reason=_cuda_unavailable,
+        device="cuda",
+    )
+)

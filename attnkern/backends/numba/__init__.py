@@ -1,0 +1,108 @@
+"""The numba backend: numba.flash (flash.py), compiled by Numba on the CPU.
+Numba is optional and imported on first use; importing attnkern does not
+import it. This module owns the kernel's registration, its thread count and
+the two hazards of Numba's threading layers (concurrent calls, fork)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import threading
+
+import numpy as np
+
+from ..._registry import Kernel, Param, cpu_count, register
+
+
+def _numba_unavailable():
+    if importlib.util.find_spec("numba") is None:
+        return "Numba is not installed (pip install 'attnkern[numba]')"
+    return None
+
+
+def _numba_max_threads() -> int:
+    """Numba's thread pool size: NUMBA_NUM_THREADS, else the CPUs this process may use
+    (read without importing Numba; set_num_threads refuses more)."""
+    try:
+        return max(1, int(os.environ["NUMBA_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return cpu_count()
+
+
+# Numba's portable 'workqueue' threading layer aborts the process when two
+# Python threads enter parallel code at once; the omp and tbb layers do not.
+# Until the first parallel call Numba has not chosen its layer: lock then too.
+_THREAD_SAFE_LAYERS = ("omp", "tbb")
+_PARALLEL_LOCK = threading.Lock()
+
+
+def _parallel_lock():
+    import numba
+
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel code has run yet
+        layer = None
+    return contextlib.nullcontext() if layer in _THREAD_SAFE_LAYERS else _PARALLEL_LOCK
+
+
+# Numba's omp layer terminates a process forked after its OpenMP threads started
+# the moment it runs parallel code there ("fork() called from a process already
+# using GNU OpenMP"). Noted at fork time, so a call can raise instead.
+_FORKED_AFTER_OMP = False
+
+
+def _note_fork():
+    global _FORKED_AFTER_OMP
+    import sys
+
+    numba = sys.modules.get("numba")
+    if numba is not None:
+        try:
+            _FORKED_AFTER_OMP = _FORKED_AFTER_OMP or numba.threading_layer() == "omp"
+        except ValueError:  # no parallel code has run: nothing started
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_note_fork)
+
+
+def _numba_flash(q, k, v, causal, scale, block_q=128, block_k=256, num_threads=1):
+    import numba
+
+    from . import flash
+
+    if _FORKED_AFTER_OMP:
+        raise RuntimeError(
+            "numba.flash: this process was forked after Numba's OpenMP threads started, and Numba "
+            "terminates such a process when it runs parallel code; use multiprocessing's 'spawn' or "
+            "'forkserver' start method, NUMBA_THREADING_LAYER=workqueue, or native.flash (fork-safe)")
+
+    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
+    before = numba.get_num_threads()  # per calling thread
+    numba.set_num_threads(num_threads)
+    try:
+        # chunks of one task, handed out as threads free up: the causal blocks differ in cost
+        with numba.parallel_chunksize(1), _parallel_lock():
+            flash.flash_forward(q, k, v, out, causal, scale, block_q, block_k)
+    finally:
+        numba.set_num_threads(before)
+    return out
+
+
+register(
+    Kernel(
+        name="numba.flash",
+        description="Numba (prange, cached): online softmax over streamed K/V blocks, no N x N buffer",
+        run=_numba_flash,
+        params=(
+            Param("block_q", 128, 1, 1024, "query rows per task"),
+            Param("block_k", 256, 1, 4096, "keys per streamed K/V block"),
+            Param("num_threads", lambda: min(cpu_count(), _numba_max_threads()), 1, _numba_max_threads(),
+                  "threads; default: the CPUs this process may use (at most NUMBA_NUM_THREADS)"),
+        ),
+        unavailable_reason=_numba_unavailable,
+    )
+)

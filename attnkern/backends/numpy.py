@@ -1,0 +1,34 @@
+"""The numpy backend: numpy.naive, the baseline with materialised scores, in
+the input dtype. attnkern.reference runs the same code in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._registry import Kernel, register
+
+
+def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float,
+                      positions: np.ndarray | None = None) -> np.ndarray:
+    """softmax(q k^T * scale) v on (batch, n, d) arrays, in their dtype, with the
+    (batch, nq, nk) score matrix materialised; causal masks keys j > i, where i is
+    query row i's position: its index, or positions[i] when q holds selected rows."""
+    scores = np.matmul(q, k.swapaxes(-1, -2))
+    scores *= scores.dtype.type(scale)
+    if causal:
+        nq, nk = scores.shape[-2:]
+        where = np.arange(nq) if positions is None else positions
+        scores[..., np.arange(nk)[None, :] > where[:, None]] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return np.matmul(scores, v)
+
+
+register(
+    Kernel(
+        name="numpy.naive",
+        description="NumPy: materialise q k^T, softmax, matmul with v (threads: the BLAS's own)",
+        run=softmax_attention,
+    )
+)

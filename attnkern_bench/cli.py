@@ -1,0 +1,201 @@
+"""The attnkern command: measurements of attnkern's kernels on this machine.
+
+    attnkern bench                      CPU kernels side by side with torch and NumPy
+    attnkern bench --device cuda        GPU kernels side by side with torch and CuPy
+    attnkern kernels                    every kernel, whether it runs here, its tunables
+
+`attnkern <command> --help` says what each measures and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+
+import attnkern
+
+from . import harness
+from .memory import measure_memory
+
+CPU_KERNELS = ["native.flash", "torch.sdpa", "numpy.naive"]
+CUDA_KERNELS = ["torch.sdpa", "cuda.flash", "cuda.naive", "torch.naive", "cupy.naive"]
+
+BENCH_HELP = """\
+Checks every kernel against the float64 reference, then times it, side by side.
+
+For each sequence length N and mask, on (B, H, N, D) inputs drawn from a seeded
+normal distribution:
+  check   each kernel's output on --check-rows sampled query rows (all heads, all
+          keys, the first and last row included) against attnkern.reference in
+          float64: error = max|out - ref| / (max(1, max|v|) * kappa), where kappa
+          grows with |scale||q||k| (attnkern_bench.accuracy); ok when at most 1e-5
+          (float32) or 1e-12 (float64). The command exits 1 if any kernel fails.
+  time    CPU: every kernel with the same thread count (BLAS threads pinned with
+          threadpoolctl, torch's and ours through num_threads); kernels take
+          turns, round-robin over --passes passes, each turn a --settle pause,
+          an untimed call and --repeat timed calls (wall clock), so drift of a
+          shared machine hits all alike.
+          cuda: one kernel at a time on torch CUDA tensors (TF32 off: float32
+          FMAs everywhere), 3 untimed calls, then --repeat samples timed with
+          CUDA events, each around --back-to-back calls (1: isolated calls,
+          Python launch overhead in full; 5 or so: queued calls, as in a loop).
+          attnkern's cuda.* run through attnkern.attention with check_finite=False.
+Reported: median time per call; GFLOP/s counting 4*B*H*N^2*D per forward (half
+for causal); the fraction of a float32 matmul measured in the same run (NumPy's
+2048^3 on the CPU, torch's 8192^3 on the GPU); speed-up over torch.sdpa and
+numpy.naive where they ran. Progress goes to stderr, the table to stdout.
+"""
+
+
+def _causal(value: str) -> tuple[bool, ...]:
+    return {"both": (False, True), "yes": (True,), "no": (False,)}[value]
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="check, then time kernels side by side (CPU or GPU)", description=BENCH_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--sizes", type=int, nargs="+", help="sequence lengths N (cpu: 512 1024 2048 4096; "
+                                                          "cuda: 1024 4096 16384)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, help="heads H (cpu: 8, cuda: 16)")
+    p.add_argument("--dim", type=int, default=64, help="head size D")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--kernels", nargs="+", help=f"cpu: registry names (default {' '.join(CPU_KERNELS)}); "
+                                                f"cuda: cuda.* and the peers {' '.join(CUDA_KERNELS)}")
+    p.add_argument("--repeat", type=int, help="timed samples per kernel, configuration and pass (cpu 5, cuda 10)")
+    p.add_argument("--check-rows", type=int, default=64, help="query rows per head checked against float64")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and sampled rows")
+    cpu = p.add_argument_group("cpu")
+    cpu.add_argument("--threads", type=int, default=2, help="threads of every kernel")
+    cpu.add_argument("--passes", type=int, default=2, help="round-robin passes over the kernels")
+    cpu.add_argument("--settle", type=float, default=0.3, help="seconds of pause before each kernel's turn")
+    cpu.add_argument("--memory", action="store_true", help="also measure native.flash's and native.tiled's peak "
+                                                           "extra memory at (1, 1, --memory-n, D), in fresh processes")
+    cpu.add_argument("--memory-n", type=int, default=65536)
+    gpu = p.add_argument_group("cuda")
+    gpu.add_argument("--back-to-back", type=int, default=1, help="calls per timed sample")
+    gpu.add_argument("--sweep", action="store_true", help="also time every cuda.flash tile that fits")
+    p.add_argument("--json", help="write the rows (and memory) to this JSON file")
+    p.add_argument("--csv", help="write the rows to this CSV file")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    cuda = args.device == "cuda"
+    if args.dtype == "float64" and cuda:
+        raise SystemExit("--device cuda measures float32 only")
+    names = args.kernels or (CUDA_KERNELS if cuda else CPU_KERNELS)
+    target = harness.CudaTarget() if cuda else harness.CpuTarget(args.threads)
+    if not cuda:
+        for name in names:
+            attnkern.kernel_info(name)  # an unknown name fails here, before any timing
+        for name in [n for n in names if not attnkern.kernel_info(n)["available"]]:
+            print(f"# skipping {name}: {attnkern.kernel_info(name)['reason']}")
+            names = [n for n in names if n != name]
+    elif any(not attnkern.kernel_info(n)["available"] for n in names if n.startswith("cuda.")):
+        raise SystemExit(f"cuda.* kernels are not available: {attnkern.kernel_info('cuda.flash')['reason']}")
+    cfg = harness.Settings(
+        sizes=args.sizes or ([1024, 4096, 16384] if cuda else [512, 1024, 2048, 4096]),
+        batch=args.batch, heads=args.heads or (16 if cuda else 8), dim=args.dim, dtype=args.dtype,
+        causal=_causal(args.causal), repeat=args.repeat or (10 if cuda else 5),
+        passes=1 if cuda else args.passes, warmup=3 if cuda else 1, settle=0.0 if cuda else args.settle,
+        calls_per_sample=args.back_to_back if cuda else 1, check_rows=args.check_rows, seed=args.seed)
+    candidates = target.candidates(names, cfg.dim, args.sweep and cuda)
+    ceiling_name, ceiling = target.ceiling()
+    peers = [p for p in harness.PEERS if p in [c.name for c in candidates]]
+    print(f"# {target.describe()}")
+    print(f"# ({cfg.batch}, {cfg.heads}, N, {cfg.dim}) {cfg.dtype}; median of {cfg.passes} x {cfg.repeat} samples "
+          f"({target.clock.name}); error = max|out - ref| / (max(1, max|v|) kappa) on {cfg.check_rows} rows")
+    print(f"# ceiling: {ceiling_name}: {ceiling:.1f} GFLOP/s")
+    width = max(14, *(len(c.name) for c in candidates))
+    head = f"{'N':>6} {'causal':>6} {'kernel':<{width}} {'median ms':>10} {'GFLOP/s':>9} {'%matmul':>8}"
+    print(head + "".join(f" {'vs ' + p:>15}" for p in peers) + f" {'error':>9}")
+
+    def emit(row):
+        line = f"{row['n']:>6} {str(row['causal']):>6} {row['kernel']:<{width}}"
+        if "failed" in row:
+            print(f"{line} failed: {row['failed']}", flush=True)
+            return
+        line += (f" {row['median_s'] * 1e3:>10.3f} {row['gflops']:>9.1f} {row['gflops'] / ceiling:>8.1%}"
+                 + "".join(f" {row.get(f'speedup_vs_{p}', float('nan')):>14.2f}x" for p in peers)
+                 + f" {row['error']:>9.1e}" + ("" if row["ok"] else " FAIL"))
+        print(line, flush=True)
+
+    result = {"device": target.describe(), "ceiling": {"name": ceiling_name, "gflops": ceiling},
+              "rows": harness.run(target, candidates, cfg, ceiling, emit)}
+    if args.memory and not cuda:
+        result["memory"] = []
+        print(f"# peak memory beyond inputs and output, (1, 1, {args.memory_n}, {args.dim}) float32:")
+        for name in ("native.flash", "native.tiled"):
+            m = measure_memory(name, args.memory_n, args.dim, args.threads)
+            result["memory"].append(m)
+            if "error" in m:
+                print(f"#   {name}: failed: {m['error']}")
+            else:
+                print(f"#   {name}: {m['extra_bytes'] / 2**20:.1f} MiB extra "
+                      f"(inputs + output {m['io_bytes'] / 2**20:.0f} MiB)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.csv:
+        fields = sorted({key for row in result["rows"] for key in row})
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(result["rows"])
+    bad = [r for r in result["rows"] if r.get("ok") is False]
+    for r in bad:
+        print(f"# FAIL: {r['kernel']} at N={r['n']} causal={r['causal']}: error {r['error']:.2e}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _kernels_parser(sub) -> None:
+    p = sub.add_parser("kernels", help="list every kernel, whether it runs here and its tunables",
+                       description="Lists attnkern's kernels (attnkern.kernels()) with kernel_info(): whether each "
+                                   "runs on this machine (and why not), and its tunables with defaults and ranges. "
+                                   "Measures nothing.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_kernels)
+
+
+def cmd_kernels(args) -> int:
+    infos = [attnkern.kernel_info(name) for name in attnkern.kernels()]
+    if args.json:
+        print(json.dumps(infos, indent=2))
+        return 0
+    print(f"# native ISA: {attnkern.active_isa()} (this CPU and build: {', '.join(attnkern.supported_isas())})")
+    for info in infos:
+        state = "available" if info["available"] else f"unavailable: {info['reason']}"
+        print(f"{info['name']:<14} {info['device']:<5} {state}")
+        print(f"{'':<14} {info['description']}")
+        for pname, p in info["params"].items():
+            allowed = ", ".join(map(str, p["choices"])) if "choices" in p else f"{p['min']}..{p['max']}"
+            print(f"{'':<14}   {pname}={p['default']} ({allowed}): {p['doc']}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnkern", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"attnkern {attnkern.__version__}")
+    sub = p.add_subparsers(dest="command", metavar="command", required=True)
+    _bench_parser(sub)
+    _kernels_parser(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `attnkern ... | head`: the reader has gone; say nothing more
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

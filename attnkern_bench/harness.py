@@ -1,0 +1,235 @@
+"""Check every kernel against the float64 reference, then time them side by side.
+
+A target is where the kernels run: CpuTarget (NumPy arrays, the wall clock, the
+kernels of attnkern's registry and its torch.* peers through attnkern.attention)
+or CudaTarget (torch CUDA tensors, CUDA events, attnkern's cuda.* kernels beside
+torch's SDPA, torch ops and CuPy). Both give rows of the same form."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+import attnkern
+
+from .accuracy import TOL, scaled_error
+from .ceilings import cuda_sgemm_gflops, sgemm_gflops
+from .counts import attention_flops
+from .inputs import random_qkv, sample_rows
+from .machine import blas_threads, cpu_name, thread_params
+from .timing import CudaEventClock, WallClock, medians, take_turns
+
+PEERS = ("torch.sdpa", "numpy.naive")  # the kernels every row is compared with, where present
+
+
+@dataclass
+class Candidate:
+    name: str
+    run: Callable  # (q, k, v, causal, scale) -> out, on the target's arrays
+
+
+class CpuTarget:
+    device = "cpu"
+    round_robin = True  # every kernel of a configuration takes turns with the others
+    clock = WallClock()
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def describe(self) -> str:
+        return f"{cpu_name()} ({platform.machine()}), native ISA {attnkern.active_isa()}, {self.threads} threads"
+
+    def ceiling(self) -> tuple[str, float]:
+        with blas_threads(self.threads):
+            return "NumPy float32 matmul 2048^3", sgemm_gflops(self.threads)
+
+    def pinned(self):
+        return blas_threads(self.threads)
+
+    def candidates(self, names, d: int, sweep: bool) -> list[Candidate]:
+        out = []
+        for name in names:
+            params = thread_params(name, self.threads)
+            out.append(Candidate(name, lambda q, k, v, c, s, name=name, params=params:
+                                 attnkern.attention(q, k, v, causal=c, scale=s, kernel=name, **params)))
+        return out
+
+    def put(self, x: np.ndarray):
+        return x
+
+    def host(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    def release(self) -> None:
+        pass
+
+
+class CudaTarget:
+    device = "cuda"
+    round_robin = False  # one kernel at a time, memory released between: the naive ones take GBs
+
+    def __init__(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
+        # every kernel here then does float32 FMAs, torch's included
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        self.torch = torch
+        self.clock = CudaEventClock(torch)
+
+    def describe(self) -> str:
+        return f"{self.torch.cuda.get_device_name()}, torch {self.torch.__version__}, TF32 off"
+
+    def ceiling(self) -> tuple[str, float]:
+        return "torch float32 matmul 8192^3", cuda_sgemm_gflops(self.torch)
+
+    def pinned(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def candidates(self, names, d: int, sweep: bool) -> list[Candidate]:
+        from attnkern.backends.torch import naive_attention
+
+        torch = self.torch
+        peers = {
+            "torch.sdpa": lambda q, k, v, c, s: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=c, scale=s),
+            "torch.naive": naive_attention,
+        }
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        if cupy is not None:
+            def cupy_naive(q, k, v, c, s):  # the naive algorithm in CuPy, on the same memory
+                cq, ck, cv = (cupy.asarray(x) for x in (q, k, v))
+                sc = cq @ ck.swapaxes(-1, -2) * cq.dtype.type(s)
+                if c:
+                    n, m = sc.shape[-2:]
+                    sc = cupy.where(cupy.triu(cupy.ones((n, m), dtype=bool), 1), cq.dtype.type(-np.inf), sc)
+                sc = cupy.exp(sc - sc.max(axis=-1, keepdims=True))
+                sc /= sc.sum(axis=-1, keepdims=True)
+                return torch.as_tensor(sc @ cv, device=q.device)
+
+            peers["cupy.naive"] = cupy_naive
+
+        def ours(name, **params):
+            return lambda q, k, v, c, s: attnkern.attention(q, k, v, causal=c, scale=s, kernel=name,
+                                                           check_finite=False, **params)
+
+        out = []
+        for name in names:
+            if name in peers:
+                out.append(Candidate(name, peers[name]))
+            elif name.startswith("cuda."):
+                out.append(Candidate(name, ours(name)))
+            else:
+                print(f"# skipping {name}: not a GPU kernel or peer", file=sys.stderr)
+        if sweep:
+            from attnkern.backends.cuda import flash_tiles
+
+            out += [Candidate(f"cuda.flash[{bq}x{bk}]", ours("cuda.flash", block_q=bq, block_k=bk))
+                    for bq, bk in flash_tiles(d, d, 4)]
+        return out
+
+    def put(self, x: np.ndarray):
+        return self.torch.from_numpy(x).cuda()
+
+    def host(self, x) -> np.ndarray:
+        return x.cpu().numpy()
+
+    def release(self) -> None:
+        """Hands cached blocks back to the driver, so one library's cache does not
+        starve the next kernel of memory."""
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()
+        try:
+            from numba import cuda
+
+            cuda.current_context().deallocations.clear()
+        except Exception:
+            pass
+        try:
+            import cupy
+
+            cupy.get_default_memory_pool().free_all_blocks()
+        except ImportError:
+            pass
+
+
+@dataclass
+class Settings:
+    sizes: list[int]
+    batch: int = 1
+    heads: int = 8
+    dim: int = 64
+    dtype: str = "float32"
+    causal: tuple[bool, ...] = (False, True)
+    repeat: int = 5
+    passes: int = 2
+    warmup: int = 1
+    settle: float = 0.3
+    calls_per_sample: int = 1
+    check_rows: int = 64
+    seed: int = 0
+
+
+def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: float,
+        emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """For each size and mask: every candidate's output on sampled query rows against
+    the float64 reference, then its median time; emit(row) as each row is ready."""
+    rng = np.random.default_rng(cfg.seed)
+    rows_out = []
+    configs = [(n, c) for n in cfg.sizes for c in cfg.causal]
+    tol = TOL[np.dtype(cfg.dtype)]
+    for step, (n, causal) in enumerate(configs, 1):
+        print(f"[{step}/{len(configs)}] N={n} causal={causal}: checking and timing {len(candidates)} kernels",
+              file=sys.stderr, flush=True)
+        host = random_qkv(rng.integers(2**32), (cfg.batch, cfg.heads), n, n, cfg.dim, dtype=cfg.dtype)
+        rows = sample_rows(rng, n, cfg.check_rows)
+        scale = 1 / np.sqrt(cfg.dim)
+        q, k, v = (target.put(x) for x in host)
+        flops = attention_flops(cfg.batch, cfg.heads, n, n, cfg.dim, causal)
+        results, ready = {}, {}
+        for cand in candidates:
+            row = {"n": n, "causal": causal, "kernel": cand.name, "device": target.device, "dtype": cfg.dtype}
+            try:
+                out = cand.run(q, k, v, causal, scale)
+                row["error"] = scaled_error(target.host(out)[..., rows, :], *host, causal=causal, scale=scale,
+                                            rows=rows)
+                row["ok"] = row["error"] <= tol
+                del out
+                ready[cand.name] = lambda cand=cand: cand.run(q, k, v, causal, scale)
+                if not target.round_robin:
+                    row.update(_times(target, {cand.name: ready.pop(cand.name)}, cfg)[cand.name])
+            except Exception as exc:  # e.g. out of memory for a naive kernel at large N
+                row["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+            target.release()
+            results[cand.name] = row
+        if ready:
+            for name, t in _times(target, ready, cfg).items():
+                results[name].update(t)
+        for row in results.values():
+            if "median_s" in row:
+                row["gflops"] = flops / row["median_s"] / 1e9
+                row["ceiling_gflops"] = ceiling_gflops
+                for peer in PEERS:
+                    if "median_s" in results.get(peer, {}):
+                        row[f"speedup_vs_{peer}"] = results[peer]["median_s"] / row["median_s"]
+            rows_out.append(row)
+            emit(row)
+    return rows_out
+
+
+def _times(target, fns: dict, cfg: Settings) -> dict[str, dict]:
+    with target.pinned():
+        samples = take_turns(fns, repeat=cfg.repeat, passes=cfg.passes, warmup=cfg.warmup, settle=cfg.settle,
+                             calls_per_sample=cfg.calls_per_sample, clock=target.clock)
+    return {name: {"median_s": med, "samples": len(samples[name])} for name, med in medians(samples).items()}
