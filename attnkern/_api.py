@@ -152,7 +152,8 @@ def _auto(device: bool = False) -> _registry.Kernel:
     raise RuntimeError("no attention kernel is available")  # pragma: no cover - numpy.naive always is
 
 
-def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=True, **params) -> np.ndarray:
+def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=True, return_lse=False,
+              **params):
     """softmax(q k^T * scale) v.
 
     q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
@@ -165,12 +166,36 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     aligned, as torch's is_causal). kernel is a name from attnkern.kernels() or
     "auto"; params are the kernel's tunables (attnkern.kernel_info(name)).
 
-    Inputs that are not C-contiguous NumPy arrays (views, lists, CPU tensors) are
-    copied once; C-contiguous arrays are used in place. With check_finite, inputs
-    with NaN/inf raise ValueError and a non-finite result (scores overflowing the
-    dtype) raises FloatingPointError.
+    torch tensors in give a torch tensor out, on their device (CPU tensors without a
+    copy where they are C-contiguous); if any requires grad, the result is
+    differentiable through the kernel's backward (kernel_info(name)["backward"]).
+
+    return_lse=True returns (out, lse): lse (..., Nq), in out's dtype and kind of
+    array, is each query row's natural-log log-sum-exp of its scaled, masked scores
+    (kernel_info(name)["returns_lse"] says which kernels give it).
+
+    Inputs that are not C-contiguous NumPy arrays (views, lists) are copied once;
+    C-contiguous arrays are used in place. With check_finite, inputs with NaN/inf
+    raise ValueError and a non-finite result (scores overflowing the dtype) raises
+    FloatingPointError.
     """
+    if _is_torch(q) or _is_torch(k) or _is_torch(v):
+        from . import _torch_api
+
+        return _torch_api.attention(q, k, v, causal=causal, scale=scale, kernel=kernel, check_finite=check_finite,
+                                    return_lse=return_lse, **params)
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=check_finite)
+    chosen, resolved = choose(call, kernel, params, return_lse=return_lse)
+    return run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse)
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "requires_grad")
+
+
+def choose(call: Call, kernel, params: dict, *, return_lse: bool = False, backward: bool = False):
+    """The kernel for a validated call and its resolved tunables; raises if it cannot
+    run here, cannot take the call's arrays or lacks what is asked of it."""
     chosen = _auto(call.device) if kernel == "auto" else _registry.get(kernel)
     if call.device and chosen.device != "cuda":
         raise TypeError(
@@ -180,20 +205,51 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     reason = chosen.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"kernel {chosen.name} is not available here: {reason}")
-    resolved = chosen.resolve_params(params)
-    if call.device:  # the output is allocated here, as the caller's kind of GPU array
+    if return_lse and not chosen.returns_lse:
+        raise ValueError(f"{chosen.name} cannot return the log-sum-exp; kernels that can: "
+                         f"{', '.join(_registry.with_feature('returns_lse'))}")
+    if backward and chosen.backward is None:
+        raise ValueError(f"{chosen.name} has no backward pass, and an input requires grad; differentiable "
+                         f"kernels: {', '.join(_registry.with_feature('backward'))} (or call it under "
+                         "torch.no_grad(), or detach the inputs)")
+    return chosen, chosen.resolve_params(params)
+
+
+def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: bool, return_lse: bool):
+    """Runs the chosen kernel on a validated call: out, or (out, lse) with return_lse."""
+    batch, nq, dv = call.q.shape[0], call.q.shape[1], call.v.shape[2]
+    lse_shape = call.out_shape[:-1]
+    extra = {}
+    if call.device:  # outputs are allocated here, as the caller's kind of GPU array
         out, returned = _gpu().empty_like_kind(call.out_shape, call.q.dtype, call.like)
+        if return_lse:
+            lse, lse_returned = _gpu().empty_like_kind(lse_shape, call.q.dtype, call.like)
+            extra["lse"] = lse.reshape(batch, nq)
         if not call.empty:
-            chosen.run(call.q, call.k, call.v, call.causal, call.scale,
-                       out=out.reshape(call.q.shape[0], call.q.shape[1], call.v.shape[2]), **resolved)
-    elif call.empty:
-        out = returned = np.zeros(call.out_shape, call.q.dtype)
+            chosen.run(call.q, call.k, call.v, call.causal, call.scale, out=out.reshape(batch, nq, dv),
+                       **extra, **resolved)
     else:
-        out = returned = chosen.run(call.q, call.k, call.v, call.causal, call.scale, **resolved).reshape(call.out_shape)
+        if return_lse:
+            lse = lse_returned = np.empty(lse_shape, call.q.dtype)
+            extra["lse"] = lse.reshape(batch, nq)
+        if call.empty:
+            out = returned = np.zeros(call.out_shape, call.q.dtype)
+        else:
+            out = returned = chosen.run(call.q, call.k, call.v, call.causal, call.scale, **extra,
+                                        **resolved).reshape(call.out_shape)
+    if call.empty and return_lse and math.prod(lse_shape):  # Dv = 0: no output, but the scores exist
+        from .backends.numpy import softmax_attention
+
+        host = np.empty((batch, nq), call.q.dtype)
+        q, k = (_gpu().to_host(x) if call.device else x for x in (call.q, call.k))
+        softmax_attention(q, k, np.zeros((batch, k.shape[1], 0), q.dtype), call.causal, call.scale, lse=host)
+        if call.device:
+            extra["lse"].view().copy_to_device(host)
+        else:
+            extra["lse"][...] = host
     if check_finite and not call.empty and not _all_finite(call.device, out):
         raise FloatingPointError(
             f"{chosen.name} produced non-finite values: q k^T * scale overflows {call.q.dtype}; "
             "scale the inputs down or use float64"
         )
-    return returned
-
+    return (returned, lse_returned) if return_lse else returned

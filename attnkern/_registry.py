@@ -67,6 +67,14 @@ class Kernel:
     unavailable_reason: Callable[[], str | None] = field(default=lambda: None)
     # "cpu": takes NumPy arrays; "cuda": NumPy arrays (copied there and back) or GPU arrays
     device: str = "cpu"
+    # run() also takes lse=, a (batch, nq) array of the output's dtype (a GPU array for
+    # "cuda" kernels) that it fills with each query row's natural-log log-sum-exp of the
+    # scaled, masked scores
+    returns_lse: bool = False
+    # backward(q, k, v, out, dout, lse, causal, scale, **params) -> (dq, dk, dv) on
+    # (batch, n, d) arrays, lse from run(); "cuda" kernels take dq=, dk=, dv= GPU arrays
+    # to fill (allocated by the caller) and return them. None: no backward.
+    backward: Callable | None = None
 
     def resolve_params(self, given: dict) -> dict:
         known = {p.name: p for p in self.params}
@@ -96,6 +104,11 @@ def get(name) -> Kernel:
     return _KERNELS[name]
 
 
+def with_feature(feature: str) -> list[str]:
+    """Names of the kernels with returns_lse or backward, for error messages."""
+    return [name for name, k in _KERNELS.items() if (k.backward is not None if feature == "backward" else k.returns_lse)]
+
+
 def kernels() -> tuple[str, ...]:
     """Names of all kernels, available on this machine or not."""
     return tuple(_KERNELS)
@@ -103,7 +116,8 @@ def kernels() -> tuple[str, ...]:
 
 def kernel_info(name: str) -> dict:
     """Whether kernel `name` runs here (and why not), and its tunables:
-    {name, description, device, available, reason, params: {p: {default, min, max, doc}}};
+    {name, description, device, available, reason, params: {p: {default, min, max, doc}},
+    returns_lse (attention(..., return_lse=True) works), backward (it is differentiable)};
     a tunable restricted to a set of values also has "choices"."""
     kernel = get(name)
     reason = kernel.unavailable_reason()
@@ -114,6 +128,8 @@ def kernel_info(name: str) -> dict:
         "available": reason is None,
         "reason": reason,
         "params": {p.name: _param_info(p) for p in kernel.params},
+        "returns_lse": kernel.returns_lse,
+        "backward": kernel.backward is not None,
     }
 
 

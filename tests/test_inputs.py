@@ -119,14 +119,14 @@ def test_valid_but_unusual_inputs(kernel):
     np.testing.assert_array_equal(attnkern.attention(Q[:, :1], K[:, :1], V[:, :1], kernel=kernel), V[:, :1])
 
 
-def test_torch_cpu_tensors_are_accepted():
+def test_torch_cpu_tensors_give_torch_tensors():
     torch = pytest.importorskip("torch")
     q, k, v = (torch.from_numpy(x) for x in (Q, K, V))
     out = attnkern.attention(q, k, v, kernel="native.flash")
-    assert isinstance(out, np.ndarray)
-    assert_matches_reference(out, Q, K, V)
-    with pytest.raises(TypeError, match="cannot be converted to a NumPy array"):
-        attnkern.attention(q.clone().requires_grad_(), k, v)
+    assert isinstance(out, torch.Tensor)
+    assert_matches_reference(out.numpy(), Q, K, V)
+    out = attnkern.attention(q.clone().requires_grad_(), k, v)  # differentiable (tests/test_backward.py)
+    assert out.requires_grad
 
 
 def test_check_finite_off_skips_the_input_scan():

@@ -9,19 +9,24 @@ from .._registry import Kernel, register
 
 
 def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float,
-                      positions: np.ndarray | None = None) -> np.ndarray:
+                      positions: np.ndarray | None = None, lse: np.ndarray | None = None) -> np.ndarray:
     """softmax(q k^T * scale) v on (batch, n, d) arrays, in their dtype, with the
     (batch, nq, nk) score matrix materialised; causal masks keys j > i, where i is
-    query row i's position: its index, or positions[i] when q holds selected rows."""
+    query row i's position: its index, or positions[i] when q holds selected rows.
+    lse, a (batch, nq) array, if given gets each row's log-sum-exp of the scores."""
     scores = np.matmul(q, k.swapaxes(-1, -2))
     scores *= scores.dtype.type(scale)
     if causal:
         nq, nk = scores.shape[-2:]
         where = np.arange(nq) if positions is None else positions
         scores[..., np.arange(nk)[None, :] > where[:, None]] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)
+    scores -= top
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    total = scores.sum(axis=-1, keepdims=True)
+    if lse is not None:
+        lse[...] = (np.log(total) + top)[..., 0]
+    scores /= total
     return np.matmul(scores, v)
 
 
@@ -30,5 +35,6 @@ register(
         name="numpy.naive",
         description="NumPy: materialise q k^T, softmax, matmul with v (threads: the BLAS's own)",
         run=softmax_attention,
+        returns_lse=True,
     )
 )

@@ -64,14 +64,23 @@ def _check_workspace(algo, q, k, block_q, num_threads):
 
 
 def _runner(algo: str):
-    def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1):
+    def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1, lse=None):
         _check_workspace(algo, q, k, block_q, num_threads)
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
-        _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads)
+        _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads, lse)
         return out
 
     run.__name__ = f"native_{algo}"
     return run
+
+
+def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1, num_threads=1):
+    """The gradients (dq, dk, dv) of sum(out * dout), recomputing the scores block by
+    block from the forward's lse: memory O(threads * block_q * block_k), never N x N."""
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    _attn.backward(active_isa(), q, k, v, out, dout, lse, dq, dk, dv, causal, scale, block_q, block_k,
+                   num_threads)
+    return dq, dk, dv
 
 
 def _unavailable():
@@ -97,6 +106,7 @@ register(
         run=_runner("naive"),
         params=(_THREADS,),
         unavailable_reason=_unavailable,
+        returns_lse=True,
     )
 )
 register(
@@ -106,6 +116,7 @@ register(
         run=_runner("tiled"),
         params=(*_blocks(256, 256), _THREADS),
         unavailable_reason=_unavailable,
+        returns_lse=True,
     )
 )
 register(
@@ -115,5 +126,7 @@ register(
         run=_runner("flash"),
         params=(*_blocks(256, 256), _THREADS),
         unavailable_reason=_unavailable,
+        returns_lse=True,
+        backward=_flash_backward,
     )
 )

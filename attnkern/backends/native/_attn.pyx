@@ -28,9 +28,15 @@ cdef extern from "attn.h" nogil:
     int attn_in_forked_child()
     int attn_check_problem(int algo, int isa, const attn_problem *p)
     int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q,
-                         const float *k, const float *v, float *out)
+                         const float *k, const float *v, float *out, float *lse)
     int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q,
-                         const double *k, const double *v, double *out)
+                         const double *k, const double *v, double *out, double *lse)
+    int attn_backward_f32(int isa, const attn_problem *p, const float *q, const float *k,
+                          const float *v, const float *out, const float *dout, const float *lse,
+                          float *dq, float *dk, float *dv)
+    int attn_backward_f64(int isa, const attn_problem *p, const double *q, const double *k,
+                          const double *v, const double *out, const double *dout, const double *lse,
+                          double *dq, double *dk, double *dv)
 
 cdef extern from "attn_common.h" nogil:
     double ATTN_LOG2E
@@ -95,36 +101,81 @@ ctypedef fused real:
     double
 
 
-def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
-            const real[:, :, ::1] v, real[:, :, ::1] out, bint causal, double scale,
-            int block_q, int block_k, int num_threads):
-    """out[...] = softmax(q k^T * scale) v on (batch, n, d) arrays."""
+cdef attn_problem _problem(q, k, v, bint causal, double scale, int block_q, int block_k,
+                           int num_threads, str what) except *:
     cdef attn_problem p
-    cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa)
     p.batch, p.nq, p.nk = q.shape[0], q.shape[1], k.shape[1]
     p.d, p.dv = q.shape[2], v.shape[2]
     p.causal, p.scale = causal, scale
     p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
-    if (k.shape[0] != p.batch or v.shape[0] != p.batch or k.shape[2] != p.d
-            or v.shape[1] != p.nk or out.shape[0] != p.batch or out.shape[1] != p.nq
-            or out.shape[2] != p.dv):
+    if k.shape[0] != p.batch or v.shape[0] != p.batch or k.shape[2] != p.d or v.shape[1] != p.nk:
+        raise ValueError(f"native {what}: inconsistent shapes")
+    return p
+
+
+def _raise(int err, str what, attn_problem p, str isa, str hint=""):
+    if err == ATTN_ENOMEM:
+        raise MemoryError(f"{what}: out of memory for its work buffers{hint}")
+    if err == ATTN_ETOOBIG:
+        raise ValueError(f"{what}: the arrays are too large for 64-bit index arithmetic "
+                         f"(batch {p.batch}, nq {p.nq}, nk {p.nk}, d {p.d}, dv {p.dv})")
+    if err == ATTN_EISA:
+        raise RuntimeError(f"{what}: instruction set {isa!r} is not supported on this CPU")
+    raise ValueError(f"{what}: invalid arguments (error {err})")
+
+
+def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
+            const real[:, :, ::1] v, real[:, :, ::1] out, bint causal, double scale,
+            int block_q, int block_k, int num_threads, real[:, ::1] lse=None):
+    """out[...] = softmax(q k^T * scale) v on (batch, n, d) arrays; lse (batch, nq),
+    if given, gets each row's natural-log log-sum-exp."""
+    cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa)
+    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward")
+    if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
         raise ValueError("native forward: inconsistent shapes")
+    if lse is not None and (lse.shape[0] != p.batch or lse.shape[1] != p.nq):
+        raise ValueError("native forward: lse must have shape (batch, nq)")
     cdef const real *qp = &q[0, 0, 0] if q.size else NULL
     cdef const real *kp = &k[0, 0, 0] if k.size else NULL
     cdef const real *vp = &v[0, 0, 0] if v.size else NULL
     cdef real *op = &out[0, 0, 0] if out.size else NULL
+    cdef real *lp = &lse[0, 0] if lse is not None and lse.size else NULL
     with nogil:
         if real is float:
-            err = attn_forward_f32(a, i, &p, qp, kp, vp, op)
+            err = attn_forward_f32(a, i, &p, qp, kp, vp, op, lp)
         else:
-            err = attn_forward_f64(a, i, &p, qp, kp, vp, op)
-    if err == ATTN_ENOMEM:
-        hint = "" if algo == "flash" else "; native.flash needs no N x N buffer"
-        raise MemoryError(f"native.{algo}: out of memory for its work buffers{hint}")
-    if err == ATTN_ETOOBIG:
-        raise ValueError(f"native.{algo}: the arrays are too large for 64-bit index arithmetic "
-                         f"(batch {p.batch}, nq {p.nq}, nk {p.nk}, d {p.d}, dv {p.dv})")
-    if err == ATTN_EISA:
-        raise RuntimeError(f"native.{algo}: instruction set {isa!r} is not supported on this CPU")
+            err = attn_forward_f64(a, i, &p, qp, kp, vp, op, lp)
     if err != ATTN_OK:
-        raise ValueError(f"native.{algo}: invalid arguments (error {err})")
+        _raise(err, f"native.{algo}", p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+
+
+def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
+             const real[:, :, ::1] out, const real[:, :, ::1] dout, const real[:, ::1] lse,
+             real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] dv, bint causal, double scale,
+             int block_q, int block_k, int num_threads):
+    """dq, dk, dv[...] = the gradients of sum(out * dout), from the forward's out and lse."""
+    cdef int err, i = ISAS.index(isa)
+    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward")
+    if ((out.shape[0], out.shape[1], out.shape[2]) != (p.batch, p.nq, p.dv)
+            or (dout.shape[0], dout.shape[1], dout.shape[2]) != (p.batch, p.nq, p.dv)
+            or (lse.shape[0], lse.shape[1]) != (p.batch, p.nq)
+            or (dq.shape[0], dq.shape[1], dq.shape[2]) != (p.batch, p.nq, p.d)
+            or (dk.shape[0], dk.shape[1], dk.shape[2]) != (p.batch, p.nk, p.d)
+            or (dv.shape[0], dv.shape[1], dv.shape[2]) != (p.batch, p.nk, p.dv)):
+        raise ValueError("native backward: inconsistent shapes")
+    cdef const real *qp = &q[0, 0, 0] if q.size else NULL
+    cdef const real *kp = &k[0, 0, 0] if k.size else NULL
+    cdef const real *vp = &v[0, 0, 0] if v.size else NULL
+    cdef const real *op = &out[0, 0, 0] if out.size else NULL
+    cdef const real *dop = &dout[0, 0, 0] if dout.size else NULL
+    cdef const real *lp = &lse[0, 0] if lse.size else NULL
+    cdef real *dqp = &dq[0, 0, 0] if dq.size else NULL
+    cdef real *dkp = &dk[0, 0, 0] if dk.size else NULL
+    cdef real *dvp = &dv[0, 0, 0] if dv.size else NULL
+    with nogil:
+        if real is float:
+            err = attn_backward_f32(i, &p, qp, kp, vp, op, dop, lp, dqp, dkp, dvp)
+        else:
+            err = attn_backward_f64(i, &p, qp, kp, vp, op, dop, lp, dqp, dkp, dvp)
+    if err != ATTN_OK:
+        _raise(err, "native.flash backward", p, isa)

@@ -27,9 +27,17 @@ typedef struct {
     int block_q, block_k, num_threads;
 } attn_problem;
 
-/* Per-ISA entry points (generated from attn_kernels.h). */
-typedef int (*attn_fn_f32)(const attn_problem *, const float *, const float *, const float *, float *);
-typedef int (*attn_fn_f64)(const attn_problem *, const double *, const double *, const double *, double *);
+/* Per-ISA entry points (generated from attn_kernels.h): forward(p, q, k, v, out, lse)
+ * and backward(p, q, k, v, out, dout, lse, dq, dk, dv). */
+typedef int (*attn_fn_f32)(const attn_problem *, const float *, const float *, const float *, float *,
+                           float *);
+typedef int (*attn_fn_f64)(const attn_problem *, const double *, const double *, const double *,
+                           double *, double *);
+typedef int (*attn_bwd_f32)(const attn_problem *, const float *, const float *, const float *,
+                            const float *, const float *, const float *, float *, float *, float *);
+typedef int (*attn_bwd_f64)(const attn_problem *, const double *, const double *, const double *,
+                            const double *, const double *, const double *, double *, double *,
+                            double *);
 
 int attn_isa_compiled(int isa);
 int attn_isa_supported(int isa);  /* compiled in and the CPU has it */
@@ -43,9 +51,21 @@ int attn_in_forked_child(void);
 /* The argument checks of attn_forward_*, alone: ATTN_OK or the error code. */
 int attn_check_problem(int algo, int isa, const attn_problem *p);
 
+/* out = softmax(q k^T * scale) v; lse (batch, nq), when not NULL, gets each query
+ * row's natural-log log-sum-exp of its scaled, masked scores. */
 int attn_forward_f32(int algo, int isa, const attn_problem *p,
-                     const float *q, const float *k, const float *v, float *out);
+                     const float *q, const float *k, const float *v, float *out, float *lse);
 int attn_forward_f64(int algo, int isa, const attn_problem *p,
-                     const double *q, const double *k, const double *v, double *out);
+                     const double *q, const double *k, const double *v, double *out, double *lse);
+
+/* dq, dk, dv: the gradients of sum(out * dout) for the forward's q, k, v, out and
+ * lse (flash attention's recomputation: no N x N buffer; every algorithm computes
+ * the same function, so one backward serves). Bit-identical for every thread count. */
+int attn_backward_f32(int isa, const attn_problem *p, const float *q, const float *k,
+                      const float *v, const float *out, const float *dout, const float *lse,
+                      float *dq, float *dk, float *dv);
+int attn_backward_f64(int isa, const attn_problem *p, const double *q, const double *k,
+                      const double *v, const double *out, const double *dout, const double *lse,
+                      double *dq, double *dk, double *dv);
 
 #endif

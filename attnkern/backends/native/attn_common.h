@@ -12,6 +12,7 @@
 
 #define ATTN_INLINE inline __attribute__((always_inline))
 #define ATTN_LOG2E 1.4426950408889634
+#define ATTN_LN2 0.6931471805599453
 #define ATTN_ALIGN 64
 
 /* Polynomials for 2^f, |f| <= 1/2, lowest degree first.
@@ -52,19 +53,13 @@ static inline void *attn_alloc(int64_t rows, int64_t cols, size_t elem)
 
 static inline void attn_free(void *p) { free(p); }
 
-#define ATTN_DECLARE_ISA(isa)                                                                  \
-    int attn_naive_f32_##isa(const attn_problem *, const float *, const float *, const float *, \
-                             float *);                                                         \
-    int attn_tiled_f32_##isa(const attn_problem *, const float *, const float *, const float *, \
-                             float *);                                                         \
-    int attn_flash_f32_##isa(const attn_problem *, const float *, const float *, const float *, \
-                             float *);                                                         \
-    int attn_naive_f64_##isa(const attn_problem *, const double *, const double *,              \
-                             const double *, double *);                                        \
-    int attn_tiled_f64_##isa(const attn_problem *, const double *, const double *,              \
-                             const double *, double *);                                        \
-    int attn_flash_f64_##isa(const attn_problem *, const double *, const double *,              \
-                             const double *, double *);
+#define ATTN_DECLARE_DT(isa, dt, T)                                                             \
+    int attn_naive_##dt##_##isa(const attn_problem *, const T *, const T *, const T *, T *, T *); \
+    int attn_tiled_##dt##_##isa(const attn_problem *, const T *, const T *, const T *, T *, T *); \
+    int attn_flash_##dt##_##isa(const attn_problem *, const T *, const T *, const T *, T *, T *); \
+    int attn_flash_backward_##dt##_##isa(const attn_problem *, const T *, const T *, const T *,   \
+                                         const T *, const T *, const T *, T *, T *, T *);
+#define ATTN_DECLARE_ISA(isa) ATTN_DECLARE_DT(isa, f32, float) ATTN_DECLARE_DT(isa, f64, double)
 
 ATTN_DECLARE_ISA(generic)
 ATTN_DECLARE_ISA(avx2)

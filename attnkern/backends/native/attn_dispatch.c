@@ -42,6 +42,21 @@ static const attn_fn_f32 table_f32[ATTN_ISA_COUNT][3] = {
 #endif
 };
 
+#ifdef ATTN_HAVE_AVX2
+#define ATTN_BWD_AVX2(dt) attn_flash_backward_##dt##_avx2
+#else
+#define ATTN_BWD_AVX2(dt) 0
+#endif
+#ifdef ATTN_HAVE_AVX512
+#define ATTN_BWD_AVX512(dt) attn_flash_backward_##dt##_avx512
+#else
+#define ATTN_BWD_AVX512(dt) 0
+#endif
+static const attn_bwd_f32 backward_f32[ATTN_ISA_COUNT] = {
+    attn_flash_backward_f32_generic, ATTN_BWD_AVX2(f32), ATTN_BWD_AVX512(f32)};
+static const attn_bwd_f64 backward_f64[ATTN_ISA_COUNT] = {
+    attn_flash_backward_f64_generic, ATTN_BWD_AVX2(f64), ATTN_BWD_AVX512(f64)};
+
 static const attn_fn_f64 table_f64[ATTN_ISA_COUNT][3] = {
     ATTN_TABLE(generic, f64),
 #ifdef ATTN_HAVE_AVX2
@@ -131,20 +146,47 @@ int attn_check_problem(int algo, int isa, const attn_problem *p)
  * and in a forked child run on one thread. */
 #define ATTN_DEFINE_FORWARD(DT, T)                                                                \
     int attn_forward_##DT(int algo, int isa, const attn_problem *p, const T *q, const T *k,     \
-                          const T *v, T *out)                                                   \
+                          const T *v, T *out, T *lse)                                           \
     {                                                                                           \
         int err = attn_check_problem(algo, isa, p);                                             \
         if (err)                                                                                \
             return err;                                                                         \
-        if (p->batch == 0 || p->nq == 0 || p->dv == 0)                                          \
+        if (p->batch == 0 || p->nq == 0 || (p->dv == 0 && !lse))                                \
             return ATTN_OK;                                                                     \
         if (in_forked_child) {                                                                  \
             attn_problem one = *p;                                                              \
             one.num_threads = 1;                                                                \
-            return table_##DT[isa][algo](&one, q, k, v, out);                                   \
+            return table_##DT[isa][algo](&one, q, k, v, out, lse);                              \
         }                                                                                       \
-        return table_##DT[isa][algo](p, q, k, v, out);                                          \
+        return table_##DT[isa][algo](p, q, k, v, out, lse);                                     \
     }
 
 ATTN_DEFINE_FORWARD(f32, float)
 ATTN_DEFINE_FORWARD(f64, double)
+
+/* attn_backward_f32 and attn_backward_f64: the same checks; with no queries, dk and
+ * dv are zero (no query sees any key). */
+#define ATTN_DEFINE_BACKWARD(DT, T)                                                               \
+    int attn_backward_##DT(int isa, const attn_problem *p, const T *q, const T *k, const T *v,  \
+                           const T *out, const T *dout, const T *lse, T *dq, T *dk, T *dv)      \
+    {                                                                                           \
+        int err = attn_check_problem(ATTN_FLASH, isa, p);                                       \
+        if (err)                                                                                \
+            return err;                                                                         \
+        if (p->batch == 0)                                                                      \
+            return ATTN_OK;                                                                     \
+        if (p->nq == 0) {                                                                       \
+            if (dk)                                                                             \
+                memset(dk, 0, (size_t)(p->batch * p->nk * p->d) * sizeof(T));                   \
+            if (dv)                                                                             \
+                memset(dv, 0, (size_t)(p->batch * p->nk * p->dv) * sizeof(T));                  \
+            return ATTN_OK;                                                                     \
+        }                                                                                       \
+        attn_problem one = *p;                                                                  \
+        if (in_forked_child)                                                                    \
+            one.num_threads = 1;                                                                \
+        return backward_##DT[isa](&one, q, k, v, out, dout, lse, dq, dk, dv);                   \
+    }
+
+ATTN_DEFINE_BACKWARD(f32, float)
+ATTN_DEFINE_BACKWARD(f64, double)

@@ -87,6 +87,8 @@ static ATTN_INLINE void ST(tile_pv)(int mr, int64_t kb, const T *p, int64_t ldp,
             VT ar = V(set1)(alpha[r]);
             acc[r][0] = V(mul)(V(load)(o + r * ldo), ar);
             acc[r][1] = V(mul)(V(load)(o + r * ldo + VW), ar);
+        } else {  /* never read; set so the compiler can see that */
+            acc[r][0] = acc[r][1] = V(zero)();
         }
     }
     for (int64_t t = 0; t < kb; t++) {
@@ -214,6 +216,10 @@ static int64_t ST(causal_valid)(int causal, int64_t i, int64_t j0, int64_t kb)
     return n < 0 ? 0 : (n > kb ? kb : n);
 }
 
+/* Natural-log log-sum-exp of a row from its running max m (log2 domain: scores
+ * times scale * log2(e)) and sum l of 2^(s - m). */
+static T ST(lse_of)(T m, T l) { return (T)(((double)m + log2((double)l)) * ATTN_LN2); }
+
 /* Writes out[r][:] = o[r][:] / l[r] for r < rows. */
 static void ST(write_out)(const T *o, int64_t ldo, const T *l, int64_t rows, int64_t dv, T *out)
 {
@@ -225,7 +231,7 @@ static void ST(write_out)(const T *o, int64_t ldo, const T *l, int64_t rows, int
 /* ---------------------------------------------------------------- naive */
 /* The baseline: materialise the nq x nk score matrix of one head, softmax
  * each row, then one vectorised axpy per key. Rows are spread over threads. */
-int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
+int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out, T *lse)
 {
     const int64_t nq = p->nq, nk = p->nk, d = p->d, dv = p->dv;
     const int64_t lds = ST(round_up)(nk, VW);
@@ -268,6 +274,8 @@ int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
             }
             for (int64_t t = 0; t < dv; t++)
                 oi[t] /= l;
+            if (lse)
+                lse[b * nq + i] = ST(lse_of)(m, l);
         }
     }
     attn_free(s);
@@ -345,13 +353,13 @@ static void ST(block_pv)(const ST(workspace) *w, const T *vblk, int64_t kb, int6
 
 /* One query block: rows [i0, i0 + bq) of batch entry bh. */
 typedef void (*ST(block_fn))(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
-                             const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+                             T *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                              int64_t dv_pad, int64_t lds);
 
 /* Runs body over every (batch entry, query block), heaviest causal blocks
  * first, each block on one thread with that thread's own workspace. */
 static int ST(for_each_qblock)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
-                               int64_t lds, ST(block_fn) body)
+                               T *lse, int64_t lds, ST(block_fn) body)
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q;
     const int64_t ntasks = nqb * p->batch;
@@ -371,7 +379,7 @@ static int ST(for_each_qblock)(const attn_problem *p, const T *q, const T *k, co
                 continue;
             int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
             int64_t bq = p->nq - i0 < p->block_q ? p->nq - i0 : p->block_q;
-            body(p, q, k, v, out, &w, bh, i0, bq, dv_pad, lds);
+            body(p, q, k, v, out, lse, &w, bh, i0, bq, dv_pad, lds);
         }
         if (ok)
             ST(ws_free)(&w);
@@ -384,7 +392,7 @@ static int ST(for_each_qblock)(const attn_problem *p, const T *q, const T *k, co
  * block (bq x nk) is built from packed K blocks, softmaxed in two passes,
  * then multiplied with packed V blocks. O(bq * nk) memory per thread. */
 static void ST(tiled_block)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
-                            const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+                            T *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                             int64_t dv_pad, int64_t lds)
 {
     const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k;
@@ -414,6 +422,7 @@ static void ST(tiled_block)(const attn_problem *p, const T *q, const T *k, const
             l += ST(row_exp2_sum)(sr + (j0 / bk) * bk_pad, valid, ST(round_up)(kb, VW), m);
         }
         w->l[r] = l;
+        w->m[r] = m;
         w->alpha[r] = 1;
         for (int64_t c = 0; c < dv_pad; c++)
             w->o[r * dv_pad + c] = 0;
@@ -424,13 +433,16 @@ static void ST(tiled_block)(const attn_problem *p, const T *q, const T *k, const
                      w->alpha, p->causal, i0, j0);
     }
     ST(write_out)(w->o, dv_pad, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
+    if (lse)
+        for (int64_t r = 0; r < bq; r++)
+            lse[bh * p->nq + i0 + r] = ST(lse_of)(w->m[r], w->l[r]);
 }
 
-int FN(tiled)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
+int FN(tiled)(const attn_problem *p, const T *q, const T *k, const T *v, T *out, T *lse)
 {
     const int64_t nkb = (p->nk + p->block_k - 1) / p->block_k;
     const int64_t lds = nkb * ST(round_up)(p->block_k, NR);
-    return ST(for_each_qblock)(p, q, k, v, out, lds, ST(tiled_block));
+    return ST(for_each_qblock)(p, q, k, v, out, lse, lds, ST(tiled_block));
 }
 
 /* ---------------------------------------------------------------- flash */
@@ -439,7 +451,7 @@ int FN(tiled)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
  * accumulator; no buffer grows with nk. Causal blocks past the diagonal are
  * never touched. */
 static void ST(flash_block)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
-                            const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+                            T *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                             int64_t dv_pad, int64_t lds)
 {
     const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k;
@@ -475,11 +487,248 @@ static void ST(flash_block)(const attn_problem *p, const T *q, const T *k, const
         ST(block_pv)(w, vh + j0 * dv, kb, bq, dv, dv_pad, w->s, lds, w->alpha, p->causal, i0, j0);
     }
     ST(write_out)(w->o, dv_pad, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
+    if (lse)
+        for (int64_t r = 0; r < bq; r++)
+            lse[bh * p->nq + i0 + r] = ST(lse_of)(w->m[r], w->l[r]);
 }
 
-int FN(flash)(const attn_problem *p, const T *q, const T *k, const T *v, T *out)
+int FN(flash)(const attn_problem *p, const T *q, const T *k, const T *v, T *out, T *lse)
 {
-    return ST(for_each_qblock)(p, q, k, v, out, ST(round_up)(p->block_k, NR), ST(flash_block));
+    return ST(for_each_qblock)(p, q, k, v, out, lse, ST(round_up)(p->block_k, NR), ST(flash_block));
+}
+
+/* ------------------------------------------------------------- backward */
+/* The gradient of flash attention from the forward's lse (FlashAttention-2's
+ * recomputation: no N x N buffer), in two passes so that every element of dq,
+ * dk and dv is summed by one thread in a fixed order (bit-identical for every
+ * thread count):
+ *   pass 1, one task per (batch entry, key block): for each query block that
+ *     sees it, recompute S^T = K Q^T and P^T = 2^(S^T - lse2), then
+ *     dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q;
+ *   pass 2, one task per (batch entry, query block): for each key block it
+ *     sees, recompute S = Q K^T, P and dP = dO V^T, dS = P (dP - D), dQ += dS K;
+ * where D_i = dO_i . O_i and lse2 = lse * log2(e); dQ and dK take the scale last.
+ * The matmuls use the forward's packed panels and register tiles. */
+
+/* c[0:rows, 0:round_up(ncols, NR)) = a . b^T: a is rows x kdim (row stride lda),
+ * b is ncols x kdim (row stride kdim), packed into pack first; c has row stride ldc. */
+static void ST(gemm_abt)(T *pack, const T *a, int64_t rows, int64_t lda, const T *b,
+                         int64_t ncols, int64_t kdim, T *c, int64_t ldc)
+{
+    ST(pack_kt)(b, ncols, kdim, pack);
+    for (int64_t jp = 0; jp < ncols; jp += NR)
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
+            ST(call_qk)(mr, kdim, a + r0 * lda, lda, pack + jp * kdim, c + r0 * ldc + jp, ldc);
+        }
+}
+
+/* c[0:rows, 0:round_up(ncols, NR)) += a . b: a is rows x kdim (row stride lda),
+ * b is kdim x ncols (row stride ncols), packed into pack first; ones holds rows 1s. */
+static void ST(gemm_ab_acc)(T *pack, const T *a, int64_t rows, int64_t lda, const T *b,
+                            int64_t kdim, int64_t ncols, T *c, int64_t ldc, const T *ones)
+{
+    ST(pack_v)(b, kdim, ncols, pack);
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
+        for (int64_t c0 = 0; c0 < ncols; c0 += NR)
+            ST(call_pv)(mr, kdim, a + r0 * lda, lda, pack + c0 * kdim, c + r0 * ldc + c0, ldc, ones + r0);
+    }
+}
+
+/* x[0:n) = 2^(x - m[0:n)) elementwise (n a multiple of VW; m = +inf gives 0). */
+static void ST(exp2_sub)(T *x, const T *m, int64_t n)
+{
+    for (int64_t j = 0; j < n; j += VW)
+        V(store)(x + j, ST(vexp2)(V(sub)(V(load)(x + j), V(loadu)(m + j))));
+}
+
+/* ds[0:n) = p * (dp - dd) with dd a scalar (row form) or per column (dvec). */
+static void ST(ds_row)(const T *p, T *dp, T dd, int64_t n)
+{
+    VT vd = V(set1)(dd);
+    for (int64_t j = 0; j < n; j += VW)
+        V(store)(dp + j, V(mul)(V(load)(p + j), V(sub)(V(load)(dp + j), vd)));
+}
+static void ST(ds_cols)(const T *p, T *dp, const T *dvec, int64_t n)
+{
+    for (int64_t j = 0; j < n; j += VW)
+        V(store)(dp + j, V(mul)(V(load)(p + j), V(sub)(V(load)(dp + j), V(loadu)(dvec + j))));
+}
+
+typedef struct {
+    T *a;        /* scaled rows of the task's own block (K in pass 1, Q in pass 2) */
+    T *pack;     /* packed panels of the other operand of each matmul */
+    T *s, *dp;   /* scores/probabilities and dP/dS, rows x ldc */
+    T *acc1, *acc2; /* pass 1: dV and dK; pass 2: dQ */
+    T *m, *dd;   /* per column (pass 1) or per row (pass 2): lse2 and D, padded */
+    T *ones;
+} ST(bwd_ws);
+
+static void ST(bwd_free)(ST(bwd_ws) *w)
+{
+    attn_free(w->a); attn_free(w->pack); attn_free(w->s); attn_free(w->dp);
+    attn_free(w->acc1); attn_free(w->acc2); attn_free(w->m); attn_free(w->dd); attn_free(w->ones);
+}
+
+static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv)
+{
+    int64_t ldc = ST(round_up)(cols, NR), dmax = d > dv ? d : dv;
+    int64_t wide = ST(round_up)(dmax, NR), tall = ST(round_up)(rows > cols ? rows : cols, NR);
+    w->a = attn_alloc(rows, d, sizeof(T));
+    w->pack = attn_alloc(wide, tall, sizeof(T));
+    w->s = attn_alloc(rows, ldc, sizeof(T));
+    w->dp = attn_alloc(rows, ldc, sizeof(T));
+    w->acc1 = attn_alloc(rows, wide, sizeof(T));
+    w->acc2 = attn_alloc(rows, wide, sizeof(T));
+    w->m = attn_alloc(tall, 1, sizeof(T));
+    w->dd = attn_alloc(tall, 1, sizeof(T));
+    w->ones = attn_alloc(tall, 1, sizeof(T));
+    if (!(w->a && w->pack && w->s && w->dp && w->acc1 && w->acc2 && w->m && w->dd && w->ones)) {
+        ST(bwd_free)(w);
+        return 0;
+    }
+    for (int64_t i = 0; i < tall; i++)
+        w->ones[i] = 1;
+    return 1;
+}
+
+/* Pass 1: dK and dV of keys [j0, j0 + kb) of batch entry bh. */
+static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, const T *v,
+                             const T *dout, const T *lse2, const T *dvec, T *dk, T *dv_out,
+                             ST(bwd_ws) *w, int64_t bh, int64_t j0, int64_t kb)
+{
+    const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bq = p->block_q;
+    const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
+    const T *qh = q + bh * nq * d, *doh = dout + bh * nq * dv;
+    ST(scale_rows)(k + (bh * nk + j0) * d, kb, d, (T)(p->scale * ATTN_LOG2E), w->a);
+    for (int64_t i = 0; i < kb * dp_pad; i++)
+        w->acc1[i] = 0;
+    for (int64_t i = 0; i < kb * d_pad; i++)
+        w->acc2[i] = 0;
+    /* causal: query blocks before the first that can see key j0 are skipped */
+    int64_t first = p->causal ? j0 / bq * bq : 0;
+    for (int64_t i0 = first; i0 < nq; i0 += bq) {
+        int64_t qb = nq - i0 < bq ? nq - i0 : bq, qb_vw = ST(round_up)(qb, VW);
+        for (int64_t i = 0; i < ldc; i++) {  /* padding columns: P = 0, D = 0 */
+            w->m[i] = i < qb ? lse2[bh * nq + i0 + i] : (T)INFINITY;
+            w->dd[i] = i < qb ? dvec[bh * nq + i0 + i] : 0;
+        }
+        ST(gemm_abt)(w->pack, w->a, kb, d, qh + i0 * d, qb, d, w->s, ldc);        /* S^T */
+        for (int64_t j = 0; j < kb; j++) {
+            T *pj = w->s + j * ldc;
+            ST(exp2_sub)(pj, w->m, qb_vw);
+            if (p->causal)  /* query i sees key j0 + j only if i0 + i >= j0 + j */
+                for (int64_t i = 0; i < qb && i0 + i < j0 + j; i++)
+                    pj[i] = 0;
+        }
+        ST(gemm_ab_acc)(w->pack, w->s, kb, ldc, doh + i0 * dv, qb, dv, w->acc1, dp_pad, w->ones); /* dV */
+        ST(gemm_abt)(w->pack, v + (bh * nk + j0) * dv, kb, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* dP^T */
+        for (int64_t j = 0; j < kb; j++)
+            ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
+        ST(gemm_ab_acc)(w->pack, w->dp, kb, ldc, qh + i0 * d, qb, d, w->acc2, d_pad, w->ones); /* dK */
+    }
+    const T scale = (T)p->scale;
+    for (int64_t j = 0; j < kb; j++) {
+        for (int64_t c = 0; c < dv; c++)
+            dv_out[(bh * nk + j0 + j) * dv + c] = w->acc1[j * dp_pad + c];
+        for (int64_t c = 0; c < d; c++)
+            dk[(bh * nk + j0 + j) * d + c] = w->acc2[j * d_pad + c] * scale;
+    }
+}
+
+/* Pass 2: dQ of queries [i0, i0 + qb) of batch entry bh. */
+static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const T *v,
+                            const T *dout, const T *lse2, const T *dvec, T *dq,
+                            ST(bwd_ws) *w, int64_t bh, int64_t i0, int64_t qb)
+{
+    const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bk = p->block_k;
+    const int64_t ldc = ST(round_up)(bk, NR), d_pad = ST(round_up)(d, NR);
+    const int64_t kend = p->causal ? (i0 + qb < nk ? i0 + qb : nk) : nk;
+    const T *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
+    ST(scale_rows)(q + (bh * nq + i0) * d, qb, d, (T)(p->scale * ATTN_LOG2E), w->a);
+    for (int64_t i = 0; i < qb * d_pad; i++)
+        w->acc1[i] = 0;
+    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        int64_t kb = kend - j0 < bk ? kend - j0 : bk, kb_vw = ST(round_up)(kb, VW);
+        ST(gemm_abt)(w->pack, w->a, qb, d, kh + j0 * d, kb, d, w->s, ldc);          /* S */
+        ST(gemm_abt)(w->pack, dout + (bh * nq + i0) * dv, qb, dv, vh + j0 * dv, kb, dv, w->dp, ldc); /* dP */
+        for (int64_t r = 0; r < qb; r++) {
+            T *pr = w->s + r * ldc;
+            int64_t valid = ST(causal_valid)(p->causal, i0 + r, j0, kb);
+            ST(row_exp2_sum)(pr, valid, kb_vw, lse2[bh * nq + i0 + r]);
+            ST(ds_row)(pr, w->dp + r * ldc, dvec[bh * nq + i0 + r], kb_vw);
+        }
+        ST(gemm_ab_acc)(w->pack, w->dp, qb, ldc, kh + j0 * d, kb, d, w->acc1, d_pad, w->ones); /* dQ */
+    }
+    const T scale = (T)p->scale;
+    for (int64_t r = 0; r < qb; r++)
+        for (int64_t c = 0; c < d; c++)
+            dq[(bh * nq + i0 + r) * d + c] = w->acc1[r * d_pad + c] * scale;
+}
+
+int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v, const T *out,
+                       const T *dout, const T *lse, T *dq, T *dk, T *dv)
+{
+    const int64_t nq = p->nq, nk = p->nk, dvn = p->dv, rows = p->batch * nq;
+    const int64_t nqb = (nq + p->block_q - 1) / p->block_q, nkb = (nk + p->block_k - 1) / p->block_k;
+    T *lse2 = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
+    int failed = !(lse2 && dvec);
+    if (!failed) {
+#pragma omp parallel for schedule(static) num_threads(p->num_threads)
+        for (int64_t i = 0; i < rows; i++) {
+            T acc = 0;
+            for (int64_t c = 0; c < dvn; c++)
+                acc += dout[i * dvn + c] * out[i * dvn + c];
+            dvec[i] = acc;
+            lse2[i] = (T)((double)lse[i] * ATTN_LOG2E);
+        }
+    }
+    if (!failed) {
+#pragma omp parallel num_threads(p->num_threads)
+        {
+            ST(bwd_ws) w = {0};
+            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn);
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < p->batch * nkb; t++) {
+                if (!ok)
+                    continue;
+                int64_t bh = t % p->batch, j0 = (t / p->batch) * p->block_k;
+                int64_t kb = nk - j0 < p->block_k ? nk - j0 : p->block_k;
+                ST(bwd_kv_block)(p, q, k, v, dout, lse2, dvec, dk, dv, &w, bh, j0, kb);
+            }
+            if (ok)
+                ST(bwd_free)(&w);
+        }
+    }
+    if (!failed) {
+#pragma omp parallel num_threads(p->num_threads)
+        {
+            ST(bwd_ws) w = {0};
+            int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn);
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < p->batch * nqb; t++) {
+                if (!ok)
+                    continue;
+                int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
+                int64_t qb = nq - i0 < p->block_q ? nq - i0 : p->block_q;
+                ST(bwd_q_block)(p, q, k, v, dout, lse2, dvec, dq, &w, bh, i0, qb);
+            }
+            if (ok)
+                ST(bwd_free)(&w);
+        }
+    }
+    attn_free(lse2);
+    attn_free(dvec);
+    return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
 #undef NR

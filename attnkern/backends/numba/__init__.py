@@ -69,7 +69,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_note_fork)
 
 
-def _numba_flash(q, k, v, causal, scale, block_q=128, block_k=256, num_threads=1):
+def _numba_flash(q, k, v, causal, scale, block_q=128, block_k=256, num_threads=1, lse=None):
     import numba
 
     from . import flash
@@ -86,7 +86,8 @@ def _numba_flash(q, k, v, causal, scale, block_q=128, block_k=256, num_threads=1
     try:
         # chunks of one task, handed out as threads free up: the causal blocks differ in cost
         with numba.parallel_chunksize(1), _parallel_lock():
-            flash.flash_forward(q, k, v, out, causal, scale, block_q, block_k)
+            flash.flash_forward(q, k, v, out, causal, scale, block_q, block_k,
+                                lse if lse is not None else np.empty((0, 0), q.dtype), lse is not None)
     finally:
         numba.set_num_threads(before)
     return out
@@ -104,5 +105,6 @@ register(
                   "threads; default: the CPUs this process may use (at most NUMBA_NUM_THREADS)"),
         ),
         unavailable_reason=_numba_unavailable,
+        returns_lse=True,
     )
 )

@@ -21,6 +21,7 @@ from numba.extending import overload
 # because Numba compiles module constants into the code; tests/test_numba.py checks
 # they equal the C ones (attnkern.backends.native._attn.LOG2E, EXP2_F32, EXP2_F64).
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 # 2^f for |f| <= 1/2, lowest degree first (float32: Chebyshev degree 5, rel. err 1.0e-7;
 # float64: Taylor degree 13, 2e-16).
 EXP2_F32 = (1.0000000754548972, 0.6931471880262294, 0.24022107485309188,
@@ -190,8 +191,9 @@ def _matmul_abt(a, b, c, m, n, k, accumulate, zero):
 
 
 @njit(parallel=True, **_JIT)
-def flash_forward(q, k, v, out, causal, scale, block_q, block_k):
-    """out[b] = softmax(q[b] k[b]^T * scale) v[b] for (batch, n, d) C-contiguous arrays."""
+def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
+    """out[b] = softmax(q[b] k[b]^T * scale) v[b] for (batch, n, d) C-contiguous arrays;
+    with want_lse, lse[b, i] = the natural-log log-sum-exp of row i's scaled, masked scores."""
     batch, nq, d = q.shape
     nk = k.shape[1]
     dv = v.shape[2]
@@ -252,3 +254,5 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k):
             inv = 1 / lsum[i]
             for e in range(dv):
                 out[b, i0 + i, e] = acc[i, e] * inv
+            if want_lse:  # m is in the log2 domain
+                lse[b, i0 + i] = (m[i] + np.log2(lsum[i])) * LN2
