@@ -18,6 +18,7 @@ import attnkern
 
 from . import harness
 from .memory import measure_memory
+from .study import _study_parser
 
 CPU_KERNELS = ["native.flash", "torch.sdpa", "numpy.naive"]
 CUDA_KERNELS = ["torch.sdpa", "cuda.flash", "cuda.naive", "torch.naive", "cupy.naive"]
@@ -170,7 +171,8 @@ def cmd_kernels(args) -> int:
     print(f"# native ISA: {attnkern.active_isa()} (this CPU and build: {', '.join(attnkern.supported_isas())})")
     for info in infos:
         state = "available" if info["available"] else f"unavailable: {info['reason']}"
-        print(f"{info['name']:<14} {info['device']:<5} {state}")
+        extras = [x for x, on in (("lse", info["returns_lse"]), ("backward", info["backward"])) if on]
+        print(f"{info['name']:<14} {info['device']:<5} {state}" + (f" [{', '.join(extras)}]" if extras else ""))
         print(f"{'':<14} {info['description']}")
         for pname, p in info["params"].items():
             allowed = ", ".join(map(str, p["choices"])) if "choices" in p else f"{p['min']}..{p['max']}"
@@ -185,6 +187,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="command", required=True)
     _bench_parser(sub)
     _kernels_parser(sub)
+    _study_parser(sub)
     return p
 
 

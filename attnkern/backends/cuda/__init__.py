@@ -1,7 +1,8 @@
-"""The cuda backend: cuda.naive and cuda.flash (kernels.py), written with
-numba-cuda, on GPU arrays (arrays.py) or NumPy arrays copied to the GPU and
-back. numba-cuda is optional and imported on first use. This module owns the
-kernels' registration, cuda.flash's tile choice and the memory checks.
+"""The cuda backend: cuda.naive and cuda.flash (kernels.py; cuda.flash also
+returns the log-sum-exp and has a backward), written with numba-cuda, on GPU
+arrays (arrays.py) or NumPy arrays copied to the GPU and back. numba-cuda is
+optional and imported on first use. This module owns the kernels'
+registration, cuda.flash's tile choice and the memory checks.
 
 (No module here may have "numba.cuda" in its dotted name: numba-cuda's import
 redirector takes any such name for its own.)"""
@@ -95,14 +96,66 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
     )
 
 
-def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, out=None):
-    from . import kernels
+def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, out=None, lse=None):
+    """lse: None, or a (batch, nq) array of q's dtype to fill with each row's
+    log-sum-exp: a GpuArray, or a NumPy array (filled from a copy on the GPU)."""
+    from . import arrays, kernels
 
     block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
     host = isinstance(q, np.ndarray)
     dq, dk, dv, out = _to_device(q, k, v, out)
-    kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k)
+    lse_host = isinstance(lse, np.ndarray)
+    dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
+    kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse)
+    if lse_host:
+        lse[...] = arrays.to_host(dlse)
     return _from_device(out, host)
+
+
+def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:
+    """The backward's tiles: block_q and block_k as given (0: 64), each halved
+    until the backward's shared memory fits. Its results do not depend on them:
+    every gradient row is summed by one thread over the rows or keys in order."""
+    from . import kernels
+
+    bq, bk = block_q or 64, block_k or 64
+    while kernels.flash_backward_shared_bytes(bq, bk, d, dv, itemsize) > kernels.SHARED_BYTES:
+        if bq == bk == _TILE_SIZES[0]:
+            need = kernels.flash_backward_shared_bytes(bq, bk, d, dv, itemsize)
+            raise ValueError(
+                f"cuda.flash backward: D={d}, Dv={dv} in {itemsize * 8}-bit floats needs {need} bytes of shared "
+                f"memory with the smallest tiles, over the {kernels.SHARED_BYTES}-byte limit"
+            )
+        if bq >= bk and bq > _TILE_SIZES[0]:
+            bq //= 2
+        else:
+            bk //= 2
+    return bq, bk
+
+
+def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, dq=None, dk=None, dv=None):
+    """(dq, dk, dv) of cuda.flash, from the forward's out and lse and the
+    output's gradient dout. GpuArrays: dq, dk, dv are the caller's, filled and
+    returned; NumPy arrays: copied to the GPU, the gradients copied back."""
+    from . import arrays, kernels
+
+    block_q, block_k = _flash_backward_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
+    host = isinstance(q, np.ndarray)
+    if host:
+        q, k, v, out, dout, lse = (arrays.from_host(np.ascontiguousarray(x)) for x in (q, k, v, out, dout, lse))
+    grads = [g if g is not None and not host else arrays.device_empty(x.shape, q.dtype)
+             for g, x in ((dq, q), (dk, k), (dv, v))]
+    kernels.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k)
+    if not host:
+        return tuple(grads)
+    result = []
+    for given, g in zip((dq, dk, dv), grads):
+        g = arrays.to_host(g)
+        if given is not None:  # NumPy arrays to fill
+            given[...] = g
+            g = given
+        result.append(g)
+    return tuple(result)
 
 
 def flash_tiles(d: int, dv: int, itemsize: int) -> list[tuple[int, int]]:
@@ -133,10 +186,14 @@ register(
         device="cuda",
     )
 )
+# cuda.flash's block_q and block_k also set its backward's tiles (queries per dQ block
+# and per tile streamed by the dK/dV blocks; keys per dK/dV block and per tile streamed
+# by the dQ blocks): see _flash_backward_tiles.
 register(
     Kernel(
         name="cuda.flash",
-        description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory",
+        description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory; "
+                    "deterministic backward in two (dK/dV per key block, dQ per query block)",
         run=_cuda_flash,
         params=(
             Param("block_q", 0, 0, 128, "queries per thread block; 0: the largest tile that fits",
@@ -146,5 +203,7 @@ register(
         ),
         unavailable_reason=_cuda_unavailable,
         device="cuda",
+        returns_lse=True,
+        backward=_cuda_flash_backward,
     )
 )

@@ -59,11 +59,14 @@ def _c_strides(shape, itemsize):
 
 
 def as_device_array(x, name: str, desc) -> GpuArray:
-    """A GpuArray over x's memory (no copy); desc: x's __cuda_array_interface__."""
+    """A GpuArray over x's memory (no copy); desc: x's __cuda_array_interface__,
+    or None to read it here."""
     if config.ENABLE_CUDASIM:  # the simulator's device arrays are the only GPU arrays there
         contiguous = x.is_c_contiguous()
         return GpuArray(tuple(x.shape), np.dtype(x.dtype), tuple(x.strides), x.reshape(x.size) if contiguous else None)
     try:
+        if desc is None:
+            desc = x.__cuda_array_interface__
         shape, dtype, strides = tuple(desc["shape"]), np.dtype(desc["typestr"]), desc.get("strides")
         contiguous = strides is None or not math.prod(shape) or tuple(strides) == _c_strides(shape, dtype.itemsize)
         flat = None

@@ -1,0 +1,165 @@
+"""cuda.flash's log-sum-exp and backward against float64 gradients of naive
+attention derived from the math (checked against torch autograd where torch is
+importable). Without a GPU they run in Numba's CUDA simulator (see
+test_cuda.py): small, odd shapes and tiles of 8 and 16, so several tiles,
+partial tiles and the causal diagonal are all crossed.
+
+Tolerances, max |grad - ref| / max(1, max |ref|) over each of dq, dk, dv (and
+max |lse - ref| / max(1, max |ref|)):
+- float32, 1e-5: the reference is computed from the same float32-rounded
+  inputs, so the error is the kernel's rounding alone: the forward's out and lse
+  rounded to float32, dot products of D and Dv terms and sums of up to N terms
+  in float32, P = 2^(s - lse) with s and lse both rounded. It grows with N and
+  D; for these unit-normal inputs with N <= 20, D <= 17 it is a few 1e-7 (seen:
+  at most 1e-6 in the simulator, 3e-7 on an H100), so 1e-5 leaves a margin of
+  10 or more for FMA contraction and exp2f's ulps on any GPU while catching any
+  wrong term (an error of order 1e-2 or more).
+- float64, 1e-12: the same argument with float64's epsilon (seen: at most
+  2e-15).
+"""
+
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+from attnkern import _registry
+from conftest import random_qkv
+
+FLASH = _registry.get("cuda.flash")
+if FLASH.unavailable_reason() is not None:
+    pytest.skip(f"CUDA kernels unavailable: {FLASH.unavailable_reason()}", allow_module_level=True)
+
+from attnkern.backends import cuda as cuda_backend  # noqa: E402  (numba-cuda is there)
+from attnkern.backends.cuda import arrays  # noqa: E402
+
+TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+# (batch, nq, nk, d, dv): sizes that do not divide the tiles, nq > nk and nq < nk
+# (causal: keys no query sees get zero gradients), Dv != D, batch 2
+SHAPES = [(1, 13, 11, 5, 3), (2, 9, 20, 17, 8), (2, 16, 7, 4, 4)]
+TILES = {"block_q": 8, "block_k": 8}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_simulator_barriers():
+    """As in test_cuda.py: a 0.5 ms GIL switch interval makes the simulator's barriers cheaper."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    yield
+    sys.setswitchinterval(before)
+
+
+def reference(q, k, v, dout, causal, scale):
+    """out, lse, dq, dk, dv of naive attention in float64:
+    S = scale q k^T (masked: -inf), lse = log sum_j exp(S), P = exp(S - lse), O = P v;
+    D_i = dO_i . O_i, dV = P^T dO, dP = dO v^T, dS = P (dP - D), dQ = scale dS k, dK = scale dS^T q."""
+    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    s = scale * q @ k.swapaxes(-1, -2)
+    if causal:
+        nq, nk = s.shape[-2:]
+        s = np.where(np.arange(nk) > np.arange(nq)[:, None], -np.inf, s)
+    m = s.max(axis=-1, keepdims=True)
+    lse = m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True))
+    p = np.exp(s - lse)
+    out = p @ v
+    ds = p * (dout @ v.swapaxes(-1, -2) - (dout * out).sum(axis=-1, keepdims=True))
+    return out, lse[..., 0], scale * ds @ k, scale * ds.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ dout
+
+
+def scaled_error(x, ref):
+    assert x.shape == ref.shape and np.isfinite(x).all()
+    return float(np.abs(np.asarray(x, np.float64) - ref).max(initial=0.0) / max(1.0, np.abs(ref).max(initial=0.0)))
+
+
+def forward_backward(q, k, v, dout, causal, scale, **tiles):
+    """cuda.flash's out and lse, then its (dq, dk, dv), on NumPy arrays (copied there and back)."""
+    lse = np.full(q.shape[:2], np.nan, q.dtype)
+    out = FLASH.run(q, k, v, causal, scale, lse=lse, **tiles)
+    grads = FLASH.backward(q, k, v, out, dout, lse, causal, scale, **tiles)
+    return out, lse, grads
+
+
+def inputs(seed, batch, nq, nk, d, dv, dtype):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, (batch,), nq, nk, d, dv, dtype)
+    dout = rng.standard_normal((batch, nq, dv)).astype(dtype)
+    return q, k, v, dout, rng.uniform(-1, 1)
+
+
+def test_registered():
+    info = _registry.kernel_info("cuda.flash")
+    assert info["returns_lse"] and info["backward"]
+    assert FLASH.backward is cuda_backend._cuda_flash_backward
+
+
+def test_reference_gradients_match_torch_autograd():
+    """The float64 gradients above are the true ones (torch autograd, CPU, float64)."""
+    torch = pytest.importorskip("torch")
+    for causal in (False, True):
+        q, k, v, dout, scale = inputs(0, 2, 7, 5, 3, 4, np.float64)
+        tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+        s = scale * tq @ tk.transpose(-1, -2)
+        if causal:
+            s = s.masked_fill(torch.ones(7, 5, dtype=torch.bool).triu(1), -torch.inf)
+        out = torch.softmax(s, dim=-1) @ tv
+        out.backward(torch.tensor(dout))
+        ref = reference(q, k, v, dout, causal, scale)
+        for mine, theirs in zip(ref, (out, torch.logsumexp(s, dim=-1), tq.grad, tk.grad, tv.grad)):
+            np.testing.assert_allclose(mine, theirs.detach().numpy(), rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_and_gradients_match_reference(dtype, causal):
+    for shape in SHAPES:
+        q, k, v, dout, scale = inputs(zlib.crc32(repr((shape, dtype, causal)).encode()), *shape, dtype)
+        out, lse, grads = forward_backward(q, k, v, dout, causal, scale, **TILES)
+        ref_out, ref_lse, *ref_grads = reference(q, k, v, dout, causal, scale)
+        assert lse.dtype == dtype and lse.shape == ref_lse.shape
+        assert scaled_error(lse, ref_lse) <= TOL[lse.dtype], f"lse {shape}"
+        assert scaled_error(out, ref_out) <= TOL[out.dtype], f"out {shape}"
+        for name, g, x, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), ref_grads):
+            assert isinstance(g, np.ndarray) and g.dtype == dtype and g.shape == x.shape
+            err = scaled_error(g, ref)
+            assert err <= TOL[g.dtype], f"{name} {shape}: scaled error {err:.3g} > {TOL[g.dtype]:.0e}"
+        if causal and shape[1] < shape[2]:  # keys past the last query are seen by none
+            assert not grads[1][:, shape[1]:].any() and not grads[2][:, shape[1]:].any()
+
+
+def test_bitwise_deterministic_and_independent_of_tiles():
+    """No atomics: two runs give the same bits, and so do other tiles, since
+    every gradient row is summed by one thread in row or key order."""
+    q, k, v, dout, scale = inputs(6, 2, 17, 15, 6, 3, np.float32)
+    out, lse, first = forward_backward(q, k, v, dout, True, scale, **TILES)
+    again = FLASH.backward(q, k, v, out, dout, lse, True, scale, **TILES)
+    tiles = FLASH.backward(q, k, v, out, dout, lse, True, scale, block_q=16, block_k=8)
+    for a, b, c in zip(first, again, tiles):
+        assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+def test_gpu_arrays_in_caller_arrays_filled():
+    """On GPU arrays the caller allocates dq, dk, dv (and lse): they are filled and returned."""
+    q, k, v, dout, scale = inputs(7, 1, 10, 9, 4, 5, np.float32)
+    gq, gk, gv, gdout = (arrays.from_host(x) for x in (q, k, v, dout))
+    out, lse = arrays.device_empty((1, 10, 5), q.dtype), arrays.device_empty((1, 10), q.dtype)
+    assert FLASH.run(gq, gk, gv, False, scale, out=out, lse=lse, **TILES) is out
+    grads = tuple(arrays.device_empty(x.shape, x.dtype) for x in (q, k, v))
+    returned = FLASH.backward(gq, gk, gv, out, gdout, lse, False, scale, dq=grads[0], dk=grads[1], dv=grads[2],
+                              **TILES)
+    assert all(r is g for r, g in zip(returned, grads))
+    ref_out, ref_lse, *ref_grads = reference(q, k, v, dout, False, scale)
+    assert scaled_error(arrays.to_host(lse), ref_lse) <= TOL[q.dtype]
+    for g, ref in zip(grads, ref_grads):
+        assert scaled_error(arrays.to_host(g), ref) <= TOL[q.dtype]
+
+
+def test_backward_tiles():
+    """0 is 64; tiles too large for shared memory are halved (the results do not
+    depend on them); a head size too large even for 8 x 8 is refused."""
+    assert cuda_backend._flash_backward_tiles(0, 0, 64, 64, 4) == (64, 64)
+    assert cuda_backend._flash_backward_tiles(8, 16, 5, 3, 4) == (8, 16)
+    assert cuda_backend._flash_backward_tiles(128, 0, 128, 128, 4) == (32, 32)
+    assert cuda_backend._flash_backward_tiles(0, 0, 256, 256, 8) == (8, 8)
+    with pytest.raises(ValueError, match="needs .* bytes of shared memory with the smallest tiles"):
+        cuda_backend._flash_backward_tiles(0, 0, 1024, 1024, 8)
