@@ -196,10 +196,10 @@ register(
                     "deterministic backward in two (dK/dV per key block, dQ per query block)",
         run=_cuda_flash,
         params=(
-            Param("block_q", 0, 0, 128, "queries per thread block; 0: the largest tile that fits",
-                  choices=(0, *_TILE_SIZES)),
-            Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the largest tile that fits",
-                  choices=(0, *_TILE_SIZES)),
+            Param("block_q", 0, 0, 128, "queries per thread block; 0: the largest tile that fits "
+                  "(backward: 64, halved until it fits)", choices=(0, *_TILE_SIZES)),
+            Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the largest tile that fits "
+                  "(backward: 64, halved until it fits)", choices=(0, *_TILE_SIZES)),
         ),
         unavailable_reason=_cuda_unavailable,
         device="cuda",
