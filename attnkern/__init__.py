@@ -4,6 +4,7 @@
     attnkern.reference(q, k, v)   # float64 NumPy oracle
     attnkern.kernels()            # every kernel name
     attnkern.kernel_info(name)    # available here? tunables?
+    attnkern.tune(q_shape)        # search a kernel's tunables on this machine, cached for attention()
 """
 
 from . import backends  # noqa: F401  (registers the kernels)
@@ -12,5 +13,20 @@ from ._reference import reference
 from ._registry import kernel_info, kernels
 from .backends.native import active_isa, supported_isas
 
-__all__ = ["attention", "reference", "kernels", "kernel_info", "active_isa", "supported_isas"]
+
+
+def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causal=False, budget=None, seed=0,
+         **options):
+    """Searches `kernel`'s tunables (block sizes, threads; cuda.flash's tiles) for
+    q of shape q_shape (and k of k_shape) on this machine, and caches the result
+    for attention() to use. Returns a result with .params, .seconds, .trials,
+    .history, .default_seconds and .speedup. Options of the search: repeats,
+    cache (False: only report), measure (a custom measure(params, n)), progress
+    (a function taking a line of text). See attnkern_bench.tuner."""
+    from attnkern_bench.tuner import tune as search
+
+    return search(q_shape, k_shape, kernel=kernel, dtype=dtype, causal=causal, budget=budget, seed=seed, **options)
+
+
+__all__ = ["attention", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "tune"]
 __version__ = "0.1.0"

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import _registry
+from . import _registry, _tuned
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -212,7 +213,25 @@ def choose(call: Call, kernel, params: dict, *, return_lse: bool = False, backwa
         raise ValueError(f"{chosen.name} has no backward pass, and an input requires grad; differentiable "
                          f"kernels: {', '.join(_registry.with_feature('backward'))} (or call it under "
                          "torch.no_grad(), or detach the inputs)")
-    return chosen, chosen.resolve_params(params)
+    return chosen, _with_tuned(call, chosen, params)
+
+
+def _with_tuned(call: Call, chosen: _registry.Kernel, params: dict) -> dict:
+    """The kernel's tunables: those given, else a cached tuned result for this machine
+    and problem (attnkern.tune), else the built-in defaults."""
+    resolved = chosen.resolve_params(params)
+    if not chosen.params or call.empty or len(params) == len(chosen.params):
+        return resolved
+    hit = _tuned.lookup(chosen.name, chosen.device, call.q.dtype, call.causal, call.q.shape[1], call.k.shape[1],
+                        call.q.shape[2], call.v.shape[2])
+    if hit is None:
+        return resolved
+    tuned = {name: value for name, value in hit[0].items() if name not in params}
+    try:
+        return chosen.resolve_params({**tuned, **params})
+    except (TypeError, ValueError) as exc:  # a result for another build or machine: not ours to use
+        warnings.warn(f"ignoring the tuned parameters {hit[1]!r}: {exc}", RuntimeWarning, stacklevel=4)
+        return resolved
 
 
 def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: bool, return_lse: bool):

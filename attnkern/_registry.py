@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import _tuned
+
 
 def cpu_count() -> int:
     """CPUs this process may run on (respects affinity masks and cgroups' cpusets)."""
@@ -106,7 +108,8 @@ def get(name) -> Kernel:
 
 def with_feature(feature: str) -> list[str]:
     """Names of the kernels with returns_lse or backward, for error messages."""
-    return [name for name, k in _KERNELS.items() if (k.backward is not None if feature == "backward" else k.returns_lse)]
+    has = (lambda k: k.backward is not None) if feature == "backward" else (lambda k: k.returns_lse)
+    return [name for name, k in _KERNELS.items() if has(k)]
 
 
 def kernels() -> tuple[str, ...]:
@@ -117,7 +120,9 @@ def kernels() -> tuple[str, ...]:
 def kernel_info(name: str) -> dict:
     """Whether kernel `name` runs here (and why not), and its tunables:
     {name, description, device, available, reason, params: {p: {default, min, max, doc}},
-    returns_lse (attention(..., return_lse=True) works), backward (it is differentiable)};
+    returns_lse (attention(..., return_lse=True) works), backward (it is differentiable),
+    tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
+    replace the defaults for calls that match their key};
     a tunable restricted to a set of values also has "choices"."""
     kernel = get(name)
     reason = kernel.unavailable_reason()
@@ -130,6 +135,7 @@ def kernel_info(name: str) -> dict:
         "params": {p.name: _param_info(p) for p in kernel.params},
         "returns_lse": kernel.returns_lse,
         "backward": kernel.backward is not None,
+        "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
     }
 
 

@@ -850,7 +850,7 @@ def _matplotlib():
 # ---------------------------------------------------------------- the command
 
 
-def _study_parser(sub) -> None:
+def study_parser(sub) -> None:
     p = sub.add_parser("study", help="forward/backward time and memory of attention training over N and d, "
                                      "the smallest out-of-memory configuration, a memory account",
                        description=STUDY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -78,7 +78,7 @@ def count(configs, python=(sys.executable,), env: dict | None = None, cache_sim:
     keys = [config_key(*c) for c in configs]
     run_env = dict(os.environ if env is None else env)
     # one thread everywhere; a fixed hash seed so dict and set orders repeat
-    run_env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+    run_env.update(ATTNKERN_NO_TUNED="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                    NUMBA_NUM_THREADS="1", PYTHONHASHSEED="0", **NUMBA_TARGET)
     with tempfile.TemporaryDirectory(prefix="attnkern-count-") as tmp:
         out = os.path.join(tmp, "callgrind.out")

@@ -41,7 +41,7 @@ class Worker:
     def __init__(self, python=(sys.executable,), env=None, threads: int = 2):
         env = dict(os.environ if env is None else env)
         env.update(OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   NUMBA_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+                   NUMBA_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE", ATTNKERN_NO_TUNED="1")
         self.proc = subprocess.Popen([*python, os.path.abspath(__file__), str(threads)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 

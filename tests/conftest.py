@@ -1,5 +1,6 @@
 import contextlib
 import os
+import tempfile
 
 # Before attnkern (and with it Numba) is imported:
 # - CUDA kernels run in Numba's CUDA simulator unless ATTNKERN_TEST_GPU=1 asks for a real GPU;
@@ -8,6 +9,8 @@ import os
 if os.environ.get("ATTNKERN_TEST_GPU") != "1":
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 os.environ.setdefault("NUMBA_NUM_THREADS", "4")
+# The tests never read or write the user's cache of tuned parameters.
+os.environ["ATTNKERN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnkern-test-cache-")
 
 import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

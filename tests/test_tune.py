@@ -1,0 +1,119 @@
+"""The auto-tuner (attnkern_bench.tuner) on synthetic timings, where the right
+answer is known, and the per-machine cache that attention() reads."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import attnkern
+from attnkern import _api, _tuned
+from attnkern_bench import tuner
+
+pytest.importorskip("optuna")
+
+LATTICE = {"block_q": [16, 32, 64, 128, 256, 512], "block_k": [32, 64, 128, 256, 512, 1024], "num_threads": [1, 2]}
+DEFAULT = {"block_q": 256, "block_k": 256, "num_threads": 2}
+
+
+def landscape(params):
+    """A smooth bowl with its floor at (64, 512, 2 threads); one thread twice as slow."""
+    dq = math.log2(params["block_q"] / 64)
+    dk = math.log2(params["block_k"] / 512)
+    return 1e-3 * (1 + 0.04 * dq * dq + 0.03 * dk * dk) * (2 if params["num_threads"] == 1 else 1)
+
+
+def noisy(seed, noise=0.01):
+    rng = np.random.default_rng(seed)
+    calls = []
+
+    def measure(params, n):
+        calls.append((dict(params), n))
+        return list(landscape(params) * (1 + noise * rng.standard_normal(n)))
+
+    measure.calls = calls
+    return measure
+
+
+def test_search_finds_the_floor_in_a_fraction_of_the_grid_and_is_reproducible():
+    size = math.prod(len(v) for v in LATTICE.values())
+    runs = []
+    for _ in range(2):
+        chosen, default, history = tuner.search(LATTICE, noisy(0), default=DEFAULT, budget=12, seed=3)
+        runs.append((chosen.params, [t.params for t in history]))
+        assert len(history) == 12 < 0.2 * size
+        assert history[0].params == DEFAULT and default.params == DEFAULT  # the default is tried first
+        assert landscape(chosen.params) <= 1.03 * landscape({"block_q": 64, "block_k": 512, "num_threads": 2})
+    assert runs[0] == runs[1]  # same seed, same measurements: the same search
+
+
+def test_clearly_slower_configurations_are_stopped_early():
+    measure = noisy(1)
+    _, _, history = tuner.search(LATTICE, measure, default=DEFAULT, budget=14, seed=0, repeats=6, quick=2)
+    pruned = [t for t in history if t.pruned]
+    assert pruned and all(len(t.samples) == 2 for t in pruned)
+    assert all(t.params["num_threads"] == 1 or landscape(t.params) > 1.2e-3 for t in pruned)
+
+
+def test_ties_go_to_the_default():
+    """A flat landscape (every configuration within noise): the default is chosen."""
+    rng = np.random.default_rng(2)
+
+    def flat(params, n):
+        return list(1e-3 * (1 + 0.002 * rng.standard_normal(n)))
+
+    for seed in range(3):
+        chosen, _, _ = tuner.search(LATTICE, flat, default=DEFAULT, budget=10, seed=seed)
+        assert chosen.params == DEFAULT
+
+
+def test_replay_against_a_recorded_grid_beats_random_search():
+    rng = np.random.default_rng(4)
+    recorded = {"lattice": LATTICE, "default": DEFAULT,
+                "records": [{"params": c, "samples": list(landscape(c) * (1 + 0.01 * rng.standard_normal(9)))}
+                            for c in tuner.grid(LATTICE)]}
+    ev = tuner.evaluate(recorded, seeds=range(10))
+    assert ev["budget"] == math.ceil(0.15 * 72)
+    assert ev["tuner_within"] >= 0.9
+    assert ev["tuner_median_ratio"] <= ev["random_median_ratio"]
+    assert all(len(r["curve"]) == r["trials"] and r["curve"][-1] >= 1 for r in ev["rows"])
+
+
+def test_tune_live_caches_a_result_that_attention_uses(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNKERN_CACHE_DIR", str(tmp_path))
+    result = attnkern.tune((1, 2, 96, 16), budget=6, repeats=3, seed=1)
+    assert result.trials == 6 and len(result.history) == 6 and result.seconds > 0
+    assert set(result.params) == {"block_q", "block_k", "num_threads"}
+    assert result.machine["cpu"] and result.machine["version"] == attnkern.__version__
+    cached = attnkern.kernel_info("native.flash")["tuned"]
+    assert [c["params"] for c in cached] == [result.params]
+    q = np.zeros((1, 2, 90, 16), np.float32)  # the same shape bucket (Nq, Nk <= 128)
+    call = _api.validate(q, q, q, causal=False, scale=None, check_finite=False)
+    assert _api.choose(call, "auto", {})[1] == result.params
+    assert _api.choose(call, "native.flash", {"block_q": 7})[1]["block_q"] == 7  # given beats tuned
+    other = _api.validate(q, q, q, causal=True, scale=None, check_finite=False)  # another key: defaults
+    assert _api.choose(other, "native.flash", {})[1]["block_q"] == 256
+    monkeypatch.setenv("ATTNKERN_NO_TUNED", "1")
+    assert _api.choose(call, "native.flash", {})[1]["block_q"] == 256
+    assert attnkern.kernel_info("native.flash")["tuned"] == []
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"format": 99, "entries": {}})])
+def test_a_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("ATTNKERN_CACHE_DIR", str(tmp_path))
+    (tmp_path / "tuned.json").write_text(content)
+    q = np.ones((1, 8, 4), np.float32)
+    with pytest.warns(RuntimeWarning, match="ignoring the tuning cache"):
+        out = attnkern.attention(q, q, q)
+    assert out.shape == (1, 8, 4)
+
+
+def test_cached_values_out_of_range_fall_back_to_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNKERN_CACHE_DIR", str(tmp_path))
+    key = _tuned.key("native.flash", "cpu", "float32", False, _tuned.bucket(8, 8, 4, 4))
+    (tmp_path / "tuned.json").write_text(json.dumps({"format": 1, "entries": {key: {"params": {"block_q": 10**6}}}}))
+    q = np.ones((1, 8, 4), np.float32)
+    call = _api.validate(q, q, q, causal=False, scale=None, check_finite=False)
+    with pytest.warns(RuntimeWarning, match="ignoring the tuned parameters"):
+        assert _api.choose(call, "native.flash", {})[1]["block_q"] == 256
