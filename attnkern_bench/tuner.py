@@ -116,12 +116,23 @@ def default_params(kernel: str, lattice: dict, d: int, dv: int, itemsize: int) -
             for name, values in lattice.items()}
 
 
-def grid(lattice: dict) -> list[dict]:
-    """Every configuration of the lattice."""
+def validity(kernel: str, d: int, dv: int, itemsize: int):
+    """A predicate on configurations of the lattice that the kernel accepts for this
+    problem (cuda.flash: the tile fits shared memory), or None when all are."""
+    if kernel == "cuda.flash":
+        from attnkern.backends.cuda import flash_tiles
+
+        fits = set(flash_tiles(d, dv, itemsize))
+        return lambda p: (p["block_q"], p["block_k"]) in fits
+    return None
+
+
+def grid(lattice: dict, valid=None) -> list[dict]:
+    """Every configuration of the lattice (that valid accepts)."""
     configs = [{}]
     for name, values in lattice.items():
         configs = [{**c, name: v} for c in configs for v in values]
-    return configs
+    return [c for c in configs if valid is None or valid(c)]
 
 
 def _untried_neighbours(trial, lattice: dict, seen: dict, order, moves: dict) -> list[tuple[dict, tuple]]:
@@ -146,7 +157,8 @@ def _distance(params: dict, default: dict, lattice: dict) -> int:
 
 
 def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict, budget: int, seed: int = 0,
-           repeats: int = 5, quick: int = 2, prune: float = 1.25, progress: Callable[[str], None] | None = None):
+           repeats: int = 5, quick: int = 2, prune: float = 1.25, progress: Callable[[str], None] | None = None,
+           valid=None):
     """(chosen Trial, default Trial, history): the adaptive search described above."""
     import optuna
     from optuna.distributions import IntDistribution
@@ -159,7 +171,7 @@ def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict
     study.enqueue_trial({n: lattice[n].index(default[n]) for n in names})
     seen: dict[tuple, Trial] = {}
     history: list[Trial] = []
-    budget = min(budget, math.prod(len(v) for v in lattice.values()))
+    budget = min(budget, len(grid(lattice, valid)))
     order = np.random.default_rng(seed)
     moves: dict[tuple, tuple] = {}  # configuration -> (tunable, step) that reached it from the best
     asks = 0
@@ -167,6 +179,7 @@ def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict
         asks += 1
         best = min((h for h in history if not h.pruned), key=lambda h: h.median, default=None)
         local = _untried_neighbours(best, lattice, seen, order, moves) if best and len(history) % 3 else []
+        local = [pm for pm in local if valid is None or valid(pm[0])]
         if local:  # exploit: a lattice step from the best so far (the model learns of it too)
             (params, move), t = local[0], None
             moves[tuple(params[n] for n in names)] = move
@@ -176,6 +189,9 @@ def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict
         key = tuple(params[n] for n in names)
         if key in seen:  # the sampler proposed a configuration already timed: its value, no new trial
             study.tell(t, seen[key].median)
+            continue
+        if valid is not None and not valid(params):  # the kernel refuses it: a failed trial, not a timed one
+            study.tell(t, state=optuna.trial.TrialState.FAIL)
             continue
         samples = list(measure(params, quick))
         best_median = best.median if best else math.inf
@@ -289,13 +305,14 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     lattice = space(kernel, nq, nk, d, dv, itemsize)
     if not lattice:
         raise ValueError(f"{kernel} has no tunables to search")
-    size = math.prod(len(v) for v in lattice.values())
+    valid = validity(kernel, d, dv, itemsize)
+    size = len(grid(lattice, valid))
     budget = budget or max(6, math.ceil(0.15 * size))
     default = default_params(kernel, lattice, d, dv, itemsize)
     measure = measure or live_measure(kernel, q_shape, k_shape, dtype=dtype, causal=causal, seed=seed)
     start = time.perf_counter()
     chosen, default_trial, history = search(lattice, measure, default=default, budget=budget, seed=seed,
-                                            repeats=repeats, progress=progress)
+                                            repeats=repeats, progress=progress, valid=valid)
     result = TuneResult(kernel, chosen.params, chosen.median, len(history), history, default, default_trial.median,
                         size, budget, seed, {"q_shape": list(q_shape), "k_shape": list(k_shape or q_shape),
                                              "dtype": str(np.dtype(dtype)), "causal": bool(causal)},
@@ -314,7 +331,7 @@ def record_grid(kernel, q_shape, k_shape=None, *, dtype="float32", causal=False,
     order, `per_pass` samples each (after one untimed call), so drift spreads over all."""
     nq, nk, d, dv, itemsize = problem(kernel, q_shape, k_shape, dtype, causal)
     lattice = space(kernel, nq, nk, d, dv, itemsize)
-    configs = grid(lattice)
+    configs = grid(lattice, validity(kernel, d, dv, itemsize))
     measure = live_measure(kernel, q_shape, k_shape, dtype=dtype, causal=causal, seed=seed)
     samples = {_key(c): [] for c in configs}
     rng = np.random.default_rng(seed)
@@ -344,7 +361,7 @@ def evaluate(recorded: dict, seeds=range(20), budget=None, within=0.03, repeats=
     rows = []
     for seed in seeds:
         chosen, _, history = search(lattice, replay_measure(records, seed), default=default, budget=budget, seed=seed,
-                                    repeats=repeats)
+                                    repeats=repeats, valid=lambda p: _key(p) in truth)
         rng = np.random.default_rng(10_000 + seed)
         picks = [records[i]["params"] for i in rng.choice(size, size=min(budget, size), replace=False)]
         rand = replay_measure(records, seed)

@@ -117,3 +117,14 @@ def test_cached_values_out_of_range_fall_back_to_defaults(tmp_path, monkeypatch)
     call = _api.validate(q, q, q, causal=False, scale=None, check_finite=False)
     with pytest.warns(RuntimeWarning, match="ignoring the tuned parameters"):
         assert _api.choose(call, "native.flash", {})[1]["block_q"] == 256
+
+
+def test_configurations_the_kernel_refuses_are_never_timed():
+    """cuda.flash's tiles must fit shared memory: a lattice with a validity predicate."""
+    lattice = {"block_q": [8, 16, 32, 64, 128], "block_k": [8, 16, 32, 64, 128]}
+    fits = lambda p: p["block_q"] * p["block_k"] <= 2048  # noqa: E731
+    measure = noisy(5)
+    chosen, _, history = tuner.search(lattice, lambda p, n: measure({**p, "num_threads": 2}, n),
+                                      default={"block_q": 128, "block_k": 16}, budget=8, seed=1, valid=fits)
+    assert len(history) == 8 and all(fits(t.params) for t in history) and fits(chosen.params)
+    assert len(tuner.grid(lattice, fits)) == 19
