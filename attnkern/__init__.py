@@ -15,6 +15,15 @@ from .backends.native import active_isa, supported_isas
 
 
 
+def machine(device: str = "cpu") -> dict:
+    """What measurements on this machine depend on: {cpu (model name), isa (the native
+    kernels' instruction set), cpus (available to this process), version}, and for
+    device="cuda" also {gpu}. Tuned results are cached under it."""
+    from . import _tuned
+
+    return _tuned.machine(device)
+
+
 def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causal=False, budget=None, seed=0,
          **options):
     """Searches `kernel`'s tunables (block sizes, threads; cuda.flash's tiles) for
@@ -28,5 +37,5 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     return search(q_shape, k_shape, kernel=kernel, dtype=dtype, causal=causal, budget=budget, seed=seed, **options)
 
 
-__all__ = ["attention", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "tune"]
+__all__ = ["attention", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune"]
 __version__ = "0.1.0"

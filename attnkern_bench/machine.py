@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import platform
 
 
 def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    """The CPU's model name, as attnkern records it (attnkern.machine())."""
+    import attnkern
+
+    return attnkern.machine()["cpu"]
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
 import turns  # noqa: E402  (benchmarks/turns.py: paired timing in worker processes)
-from attnkern_bench.machine import cpu_name  # noqa: E402  (imports no attnkern: the gate compares two builds of it)
+from attnkern_bench.machine import cpu_name  # noqa: E402  (the builds compared run in workers)
 
 class GateError(Exception):
     """The gate could not compare (a bad revision, a failed build): exit status 2."""
