@@ -4,6 +4,8 @@
     attnkern bench --device cuda        GPU kernels side by side with torch and CuPy
     attnkern kernels                    every kernel, whether it runs here, its tunables
     attnkern tune                       search a kernel's block sizes and threads, cached for attention()
+    attnkern roofline                   this machine's compute and memory ceilings, each kernel against them
+    attnkern study                      forward and backward time and memory of attention training
 
 `attnkern <command> --help` says what each measures and how.
 """
@@ -261,6 +263,85 @@ def cmd_tune(args) -> int:
     return 0
 
 
+ROOFLINE_HELP = """\
+Measures this machine's ceilings and places every kernel against them.
+
+Ceilings, on the kernels' thread count: the peak FMA rate of the native kernels'
+instruction set (a register-only loop of 12 vector FMAs chains), NumPy's float32
+matmul at 2048^3, and STREAM copy and triad bandwidth over 512 MiB arrays (far
+beyond the last-level cache); on a GPU (--device cuda) torch's float32 matmul at
+8192^3 (TF32 off) and device-to-device copy bandwidth, beside the datasheet.
+The roof is min(peak FMA rate, intensity x triad bandwidth) (GPU: datasheet float32
+peak, measured copy bandwidth).
+
+Kernels are checked against float64 and timed as `attnkern bench` does (same
+options). Each point: FLOPs (4 B H N^2 D, half causal) over the bytes its
+algorithm moves by the model of attnkern_bench.counts.attention_bytes (q, k, v,
+out once; materialised scores: a pass over B H N^2 elements per operation;
+flash/tiled: K and V once per query block) gives its intensity; measured GFLOP/s
+over the roof at that intensity is the fraction of the attainable bound.
+"""
+
+
+def _roofline_parser(sub) -> None:
+    p = sub.add_parser("roofline", help="measure compute and memory ceilings; place each kernel on the roofline",
+                       description=ROOFLINE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--sizes", type=int, nargs="+", help="N (cpu: 512 1024 2048 4096; cuda: 1024 4096 16384)")
+    p.add_argument("--heads", type=int, help="H (cpu 8, cuda 16)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--kernels", nargs="+")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--plot", metavar="PNG", help="write the log-log roofline plot here")
+    p.add_argument("--json", help="write ceilings and points to this file")
+    p.set_defaults(func=cmd_roofline)
+
+
+def cmd_roofline(args) -> int:
+    from . import roofline
+
+    cuda = args.device == "cuda"
+    names = args.kernels or (["cuda.flash", "cuda.naive", "torch.sdpa", "torch.naive"] if cuda else
+                             ["native.flash", "native.tiled", "native.naive", "numba.flash", "torch.sdpa",
+                              "numpy.naive"])
+    target = harness.CudaTarget() if cuda else harness.CpuTarget(args.threads)
+    if not cuda:
+        names = [n for n in names if attnkern.kernel_info(n)["available"]]
+    print("# measuring ceilings ...", file=sys.stderr, flush=True)
+    ceilings = roofline.cuda_ceilings() if cuda else roofline.cpu_ceilings(args.threads)
+    print(f"# {target.describe()}")
+    for key in ("fma_peak_gflops", "sgemm_gflops", "copy_gbs", "triad_gbs"):
+        if key in ceilings:
+            unit = "GB/s" if key.endswith("gbs") else "GFLOP/s"
+            print(f"# {key.rsplit('_', 1)[0]:<10} {ceilings[key]:>10.1f} {unit}")
+    if ceilings.get("datasheet"):
+        print(f"# datasheet: {ceilings['datasheet']}")
+    ridge = ceilings["peak_gflops"] / ceilings["bandwidth_gbs"]
+    print(f"# roof: {ceilings['peak_gflops']:.0f} GFLOP/s, {ceilings['bandwidth_gbs']:.0f} GB/s; ridge at "
+          f"{ridge:.1f} FLOP/byte")
+    heads = args.heads or (16 if cuda else 8)
+    cfg = harness.Settings(sizes=args.sizes or ([1024, 4096, 16384] if cuda else [512, 1024, 2048, 4096]),
+                           heads=heads, dim=args.dim, causal=_causal(args.causal), repeat=args.repeat,
+                           passes=1 if cuda else 2, warmup=3 if cuda else 1, settle=0.0 if cuda else 0.3)
+    rows = harness.run(target, target.candidates(names, args.dim, False), cfg, ceilings.get("sgemm_gflops", 1.0))
+    points = roofline.place(rows, ceilings, cfg.batch, heads, args.dim)
+    print(f"{'N':>6} {'causal':>6} {'kernel':<14} {'GFLOP':>8} {'MB moved':>9} {'FLOP/B':>7} {'GFLOP/s':>9} "
+          f"{'roof':>9} {'of roof':>8} bound")
+    for p in points:
+        print(f"{p['n']:>6} {str(p['causal']):>6} {p['kernel']:<14} {p['gflops'] * p['median_s']:>8.2f} "
+              f"{p['bytes'] / 1e6:>9.1f} {p['intensity']:>7.1f} {p['gflops']:>9.1f} {p['attainable_gflops']:>9.1f} "
+              f"{p['fraction']:>8.1%} {p['bound']}")
+    if args.plot:
+        roofline.plot(points, ceilings, f"{target.describe()}; (1, {heads}, N, {args.dim}) float32", args.plot)
+        print(f"# plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceilings": ceilings, "points": points}, f, indent=1)
+    return 1 if any(r.get("ok") is False for r in rows) else 0
+
+
 def _kernels_parser(sub) -> None:
     p = sub.add_parser("kernels", help="list every kernel, whether it runs here and its tunables",
                        description="Lists attnkern's kernels (attnkern.kernels()) with kernel_info(): whether each "
@@ -295,6 +376,7 @@ def parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     _kernels_parser(sub)
     _tune_parser(sub)
+    _roofline_parser(sub)
     study_parser(sub)
     return p
 

@@ -16,3 +16,37 @@ def io_bytes(b: int, h: int, nq: int, nk: int, d: int, itemsize: int, dv: int | 
     """Bytes of q, k, v and the output: the least any kernel moves to and from memory."""
     dv = d if dv is None else dv
     return b * h * (nq * d + nk * d + nk * dv + nq * dv) * itemsize
+
+
+# Passes over the N x N scores by an algorithm that materialises them (each a full
+# read or write of B*H*Nq*Nk elements): native.naive's QK^T writes S, the row softmax
+# reads and writes it, P V reads it; NumPy's and torch's ops each make their own
+# passes (matmul write; scale, subtract, exp and divide read and write; max and sum
+# read; the second matmul reads).
+SCORE_PASSES = {"native.naive": 4, "numpy.naive": 12, "torch.naive": 12, "cuda.naive": 4}
+# Query rows per block of the algorithms that stream K and V once per query block
+# (their default block_q; torch's CPU flash kernel's is not public: 64 assumed).
+STREAM_BLOCK_Q = {"native.flash": 256, "native.tiled": 256, "numba.flash": 128, "torch.sdpa": 64,
+                  "cuda.flash": 128}
+
+
+def attention_bytes(kernel: str, b: int, h: int, nq: int, nk: int, d: int, itemsize: int, causal: bool = False,
+                    dv: int | None = None, block_q: int | None = None) -> float:
+    """Bytes one forward moves to and from memory, by a stated model of its algorithm:
+    q, k, v read and out written once (io_bytes), plus
+    - materialised scores (SCORE_PASSES): that many passes over B*H*Nq*Nk elements
+      (half of them with a causal mask);
+    - streaming (flash, tiled): K and V read once per query block of block_q rows
+      (about half as often with a causal mask); score strips stay in cache.
+    Caches are assumed to hold one block's working set and nothing across blocks."""
+    dv = d if dv is None else dv
+    base = io_bytes(b, h, nq, nk, d, itemsize, dv)
+    frac = 0.5 if causal else 1.0
+    if kernel in SCORE_PASSES:
+        return base + SCORE_PASSES[kernel] * frac * b * h * nq * nk * itemsize
+    bq = block_q or STREAM_BLOCK_Q.get(kernel)
+    if bq is None:
+        raise ValueError(f"no memory model for {kernel}")
+    blocks = -(-nq // bq)
+    rereads = (blocks - 1) * frac if blocks > 1 else 0
+    return base + rereads * b * h * nk * (d + dv) * itemsize

@@ -27,6 +27,8 @@ cdef extern from "attn.h" nogil:
     int attn_max_threads()
     int attn_in_forked_child()
     int attn_check_problem(int algo, int isa, const attn_problem *p)
+    int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
+    void attn_stream(int op, float *a, const float *b, const float *c, int64_t n, int num_threads)
     int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q,
                          const float *k, const float *v, float *out, float *lse)
     int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q,
@@ -179,3 +181,36 @@ def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const re
             err = attn_backward_f64(i, &p, qp, kp, vp, op, dop, lp, dqp, dkp, dvp)
     if err != ATTN_OK:
         _raise(err, "native.flash backward", p, isa)
+
+
+def fma_peak(str isa, int64_t iters, int num_threads):
+    """Seconds of attn_fma_peak and the flops it did: 2 * width * 12 * iters a thread."""
+    import time
+    if isa not in ISAS:
+        raise ValueError(f"fma_peak: isa must be one of {', '.join(ISAS)}, got {isa!r}")
+    if iters < 0 or not 1 <= num_threads <= ATTN_MAX_THREADS:
+        raise ValueError(f"fma_peak: iters >= 0 and 1 <= num_threads <= {ATTN_MAX_THREADS}")
+    cdef double checksum = 0
+    cdef int width, i = ISAS.index(isa)
+    t0 = time.perf_counter()
+    with nogil:
+        width = attn_fma_peak(i, iters, num_threads, &checksum)
+    seconds = time.perf_counter() - t0
+    if width == 0:
+        raise RuntimeError(f"fma_peak: instruction set {isa!r} is not supported on this CPU")
+    return seconds, 2.0 * width * 12 * iters * num_threads
+
+
+def stream(str op, float[::1] a, const float[::1] b, const float[::1] c, int num_threads):
+    """Seconds of one STREAM pass over len(a) floats: op "copy" (a = b) or "triad" (a = b + 3 c)."""
+    import time
+    if op not in ("copy", "triad"):
+        raise ValueError(f"stream: op is 'copy' or 'triad', got {op!r}")
+    if not (a.shape[0] == b.shape[0] == c.shape[0]) or not 1 <= num_threads <= ATTN_MAX_THREADS:
+        raise ValueError("stream: a, b, c must have one length, and 1 <= num_threads <= the maximum")
+    cdef int o = 0 if op == "copy" else 1
+    cdef int64_t n = a.shape[0]
+    t0 = time.perf_counter()
+    with nogil:
+        attn_stream(o, &a[0] if n else NULL, &b[0] if n else NULL, &c[0] if n else NULL, n, num_threads)
+    return time.perf_counter() - t0

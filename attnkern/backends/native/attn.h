@@ -68,4 +68,12 @@ int attn_backward_f64(int isa, const attn_problem *p, const double *q, const dou
                       const double *v, const double *out, const double *dout, const double *lse,
                       double *dq, double *dk, double *dv);
 
+/* Machine ceilings for the roofline (attnkern roofline). attn_fma_peak: iters
+ * register-only FMAs on 12 float32 vectors of the ISA, on each of num_threads
+ * threads; returns the vector width in floats (0: ISA not supported) and writes
+ * a checksum. attn_stream: op 0 copies b to a, op 1 is STREAM's triad
+ * a = b + 3 c, over n floats, on num_threads threads. */
+int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum);
+void attn_stream(int op, float *a, const float *b, const float *c, int64_t n, int num_threads);
+
 #endif

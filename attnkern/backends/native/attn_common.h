@@ -58,7 +58,8 @@ static inline void attn_free(void *p) { free(p); }
     int attn_tiled_##dt##_##isa(const attn_problem *, const T *, const T *, const T *, T *, T *); \
     int attn_flash_##dt##_##isa(const attn_problem *, const T *, const T *, const T *, T *, T *); \
     int attn_flash_backward_##dt##_##isa(const attn_problem *, const T *, const T *, const T *,   \
-                                         const T *, const T *, const T *, T *, T *, T *);
+                                         const T *, const T *, const T *, T *, T *, T *); \
+    double attn_fma_peak_##dt##_##isa(int64_t, int);
 #define ATTN_DECLARE_ISA(isa) ATTN_DECLARE_DT(isa, f32, float) ATTN_DECLARE_DT(isa, f64, double)
 
 ATTN_DECLARE_ISA(generic)

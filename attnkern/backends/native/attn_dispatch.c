@@ -190,3 +190,37 @@ ATTN_DEFINE_FORWARD(f64, double)
 
 ATTN_DEFINE_BACKWARD(f32, float)
 ATTN_DEFINE_BACKWARD(f64, double)
+
+int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
+{
+    if (!attn_isa_supported(isa) || iters < 0 || num_threads < 1 || num_threads > ATTN_MAX_THREADS)
+        return 0;
+    switch (isa) {
+#ifdef ATTN_HAVE_AVX512
+    case ATTN_ISA_AVX512:
+        *checksum = attn_fma_peak_f32_avx512(iters, num_threads);
+        return 16;
+#endif
+#ifdef ATTN_HAVE_AVX2
+    case ATTN_ISA_AVX2:
+        *checksum = attn_fma_peak_f32_avx2(iters, num_threads);
+        return 8;
+#endif
+    default:
+        *checksum = attn_fma_peak_f32_generic(iters, num_threads);
+        return 8;
+    }
+}
+
+void attn_stream(int op, float *a, const float *b, const float *c, int64_t n, int num_threads)
+{
+    if (op == 0) {
+#pragma omp parallel for simd schedule(static) num_threads(num_threads)
+        for (int64_t i = 0; i < n; i++)
+            a[i] = b[i];
+    } else {
+#pragma omp parallel for simd schedule(static) num_threads(num_threads)
+        for (int64_t i = 0; i < n; i++)
+            a[i] = b[i] + 3.0f * c[i];
+    }
+}

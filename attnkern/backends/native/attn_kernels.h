@@ -731,6 +731,33 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
+/* ------------------------------------------------------------ ceilings */
+/* The ISA's peak FMA throughput: on each of num_threads threads, 12 independent
+ * vector accumulators (enough to cover the FMA latency on every port), iters FMAs
+ * each, operands in registers. Returns the sum, so the loop is not optimised
+ * away; the caller times the call and counts 2 * VW * 12 * iters flops a thread. */
+double FN(fma_peak)(int64_t iters, int num_threads)
+{
+    double total = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        VT b = V(set1)((T)0.999999), c = V(set1)((T)1e-7);
+        VT a0 = V(set1)((T)1), a1 = V(set1)((T)2), a2 = V(set1)((T)3), a3 = V(set1)((T)4);
+        VT a4 = V(set1)((T)5), a5 = V(set1)((T)6), a6 = V(set1)((T)7), a7 = V(set1)((T)8);
+        VT a8 = V(set1)((T)9), a9 = V(set1)((T)10), a10 = V(set1)((T)11), a11 = V(set1)((T)12);
+        for (int64_t i = 0; i < iters; i++) {
+            a0 = V(fma)(a0, b, c); a1 = V(fma)(a1, b, c); a2 = V(fma)(a2, b, c);
+            a3 = V(fma)(a3, b, c); a4 = V(fma)(a4, b, c); a5 = V(fma)(a5, b, c);
+            a6 = V(fma)(a6, b, c); a7 = V(fma)(a7, b, c); a8 = V(fma)(a8, b, c);
+            a9 = V(fma)(a9, b, c); a10 = V(fma)(a10, b, c); a11 = V(fma)(a11, b, c);
+        }
+        VT s = V(add)(V(add)(V(add)(a0, a1), V(add)(a2, a3)), V(add)(V(add)(a4, a5), V(add)(a6, a7)));
+        s = V(add)(s, V(add)(V(add)(a8, a9), V(add)(a10, a11)));
+        total += (double)V(hsum)(s);
+    }
+    return total;
+}
+
 #undef NR
 #undef ST
 #undef FN

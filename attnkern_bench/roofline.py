@@ -1,0 +1,131 @@
+"""The roofline: this machine's compute and memory ceilings, measured, and every
+kernel placed against them.
+
+Ceilings (CPU): the ISA's peak FMA rate (a register-only loop of the native
+kernels' instruction set, attnkern.backends.native._attn.fma_peak), NumPy's
+float32 matmul (sgemm, the practical compute ceiling), and STREAM-style copy and
+triad bandwidth over arrays far beyond the last-level cache, all on the kernels'
+thread count. GPU: torch's float32 matmul (TF32 off) and device-to-device copy
+bandwidth, beside the datasheet figures.
+
+A kernel's point: FLOPs (counts.attention_flops) over bytes moved (the model of
+counts.attention_bytes) is its arithmetic intensity; its measured GFLOP/s (the
+harness: checked against float64, then timed) over the attainable bound
+min(compute peak, intensity x bandwidth) is the fraction it reaches. A kernel
+left of the ridge point (peak / bandwidth) is memory-bound by the model, right
+of it compute-bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from .ceilings import cuda_sgemm_gflops, sgemm_gflops
+from .counts import attention_bytes
+
+# H100 SXM5 80 GB (NVIDIA's datasheet): float32 without tensor cores, HBM3 bandwidth
+DATASHEET = {"NVIDIA H100 80GB HBM3": {"fp32_gflops": 67_000.0, "bandwidth_gbs": 3_350.0}}
+
+
+def cpu_ceilings(threads: int, stream_mib: int = 512, repeat: int = 5) -> dict:
+    """Measured ceilings of this CPU on `threads` threads."""
+    import attnkern
+    from attnkern.backends.native import _attn
+
+    isa = attnkern.active_isa()
+    _attn.fma_peak(isa, 1000, threads)  # start the thread pool
+    fma = max(f / s for s, f in (_attn.fma_peak(isa, 50_000_000, threads) for _ in range(repeat))) / 1e9
+    n = stream_mib * 2**20 // 4
+    a, b, c = np.empty(n, np.float32), np.ones(n, np.float32), np.full(n, 2.0, np.float32)
+    _attn.stream("triad", a, b, c, threads)
+    copy = 2 * 4 * n / min(_attn.stream("copy", a, b, c, threads) for _ in range(repeat)) / 1e9
+    triad = 3 * 4 * n / min(_attn.stream("triad", a, b, c, threads) for _ in range(repeat)) / 1e9
+    return {"device": "cpu", "isa": isa, "threads": threads, "fma_peak_gflops": fma,
+            "sgemm_gflops": sgemm_gflops(threads), "copy_gbs": copy, "triad_gbs": triad,
+            "peak_gflops": fma, "bandwidth_gbs": triad, "stream_mib": stream_mib}
+
+
+def cuda_ceilings(repeat: int = 10) -> dict:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n = 256 * 2**20  # 1 GiB of float32
+    src, dst = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    dst.copy_(src)
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    copy = 2 * 4 * n / statistics.median(times) / 1e9
+    del src, dst
+    name = torch.cuda.get_device_name()
+    sheet = DATASHEET.get(name, {})
+    sgemm = cuda_sgemm_gflops(torch)
+    return {"device": "cuda", "gpu": name, "sgemm_gflops": sgemm, "copy_gbs": copy, "datasheet": sheet,
+            "peak_gflops": sheet.get("fp32_gflops", sgemm), "bandwidth_gbs": copy}
+
+
+def place(rows: list[dict], ceilings: dict, b: int, h: int, d: int, itemsize: int = 4) -> list[dict]:
+    """Adds bytes, intensity, attainable and fraction to harness rows (they have n,
+    causal, kernel and gflops)."""
+    out = []
+    for r in rows:
+        if "gflops" not in r:
+            continue
+        name = r["kernel"].split("[")[0]
+        try:
+            moved = attention_bytes(name, b, h, r["n"], r["n"], d, itemsize, r["causal"])
+        except ValueError:
+            continue
+        flops = r["gflops"] * 1e9 * r["median_s"]
+        ai = flops / moved
+        attainable = min(ceilings["peak_gflops"], ai * ceilings["bandwidth_gbs"])
+        out.append({**r, "bytes": moved, "intensity": ai, "attainable_gflops": attainable,
+                    "fraction": r["gflops"] / attainable,
+                    "bound": "memory" if ai * ceilings["bandwidth_gbs"] < ceilings["peak_gflops"] else "compute"})
+    return out
+
+
+def plot(points: list[dict], ceilings: dict, title: str, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ai = np.logspace(-1, 3, 200)
+    bw, peak = ceilings["bandwidth_gbs"], ceilings["peak_gflops"]
+    ax.plot(ai, np.minimum(peak, ai * bw), "k-", lw=1.5,
+            label=f"roof: {peak:,.0f} GFLOP/s peak, {bw:,.0f} GB/s")
+    if "sgemm_gflops" in ceilings:
+        ax.axhline(ceilings["sgemm_gflops"], color="gray", ls="--", lw=1,
+                   label=f"float32 matmul {ceilings['sgemm_gflops']:,.0f} GFLOP/s")
+    kernels = sorted({p["kernel"] for p in points})
+    markers = "osD^v<>ph*"
+    for i, k in enumerate(kernels):
+        for causal, fill in ((False, "full"), (True, "none")):
+            sel = [p for p in points if p["kernel"] == k and p["causal"] == causal]
+            if not sel:
+                continue
+            ax.scatter([p["intensity"] for p in sel], [p["gflops"] for p in sel], marker=markers[i % len(markers)],
+                       s=40, color=f"C{i}", facecolors=f"C{i}" if not causal else "none",
+                       label=f"{k}{' causal' if causal else ''}")
+            for p in sel:
+                ax.annotate(f"{p['n']}", (p["intensity"], p["gflops"]), fontsize=6, xytext=(3, 2),
+                            textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte, model of counts.attention_bytes)")
+    ax.set_ylabel("throughput (GFLOP/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", lw=0.3)
+    ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

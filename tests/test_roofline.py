@@ -1,0 +1,54 @@
+"""attnkern roofline: the byte model by hand, the ceilings' C loops, the command end to end."""
+
+import json
+
+import numpy as np
+import pytest
+
+from attnkern.backends.native import _attn
+from attnkern_bench import cli, counts
+
+
+def test_byte_model_by_hand():
+    b, h, n, d, item = 1, 2, 1000, 64, 4
+    io = b * h * 4 * n * d * item
+    assert counts.io_bytes(b, h, n, n, d, item) == io
+    assert counts.attention_bytes("native.naive", b, h, n, n, d, item) == io + 4 * b * h * n * n * item
+    assert counts.attention_bytes("numpy.naive", b, h, n, n, d, item, causal=True) == io + 6 * b * h * n * n * item
+    # flash: K and V re-read by each query block after the first: ceil(1000 / 256) = 4 blocks
+    assert counts.attention_bytes("native.flash", b, h, n, n, d, item) == io + 3 * b * h * n * 2 * d * item
+    assert counts.attention_bytes("native.flash", b, h, n, n, d, item, block_q=1024) == io
+    with pytest.raises(ValueError, match="no memory model"):
+        counts.attention_bytes("no.such", b, h, n, n, d, item)
+
+
+def test_fma_peak_and_stream_loops():
+    seconds, flops = _attn.fma_peak("generic", 1000, 1)
+    assert seconds > 0 and flops == 2 * 8 * 12 * 1000
+    a, b, c = np.zeros(1000, np.float32), np.arange(1000, dtype=np.float32), np.ones(1000, np.float32)
+    assert _attn.stream("triad", a, b, c, 2) >= 0
+    np.testing.assert_array_equal(a, b + 3)
+    _attn.stream("copy", a, b, c, 1)
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="one length"):
+        _attn.stream("copy", a[:10], b, c, 1)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        _attn.fma_peak("sse", 10, 1)
+
+
+def test_roofline_command(tmp_path, capsys):
+    pytest.importorskip("threadpoolctl")
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "roof.json", tmp_path / "roof.png"
+    argv = ["roofline", "--sizes", "64", "--heads", "1", "--repeat", "1", "--causal", "no",
+            "--kernels", "native.flash", "numpy.naive", "--json", str(out), "--plot", str(png)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    c = data["ceilings"]
+    assert c["fma_peak_gflops"] > 0 and c["triad_gbs"] > 0 and c["sgemm_gflops"] > 0
+    assert {p["kernel"] for p in data["points"]} == {"native.flash", "numpy.naive"}
+    for p in data["points"]:
+        assert p["intensity"] == pytest.approx(p["gflops"] * 1e9 * p["median_s"] / p["bytes"])
+        assert p["attainable_gflops"] == pytest.approx(min(c["peak_gflops"], p["intensity"] * c["bandwidth_gbs"]))
+    assert png.stat().st_size > 10_000
+    assert "ridge at" in capsys.readouterr().out
