@@ -24,6 +24,14 @@ def machine(device: str = "cpu") -> dict:
     return _tuned.machine(device)
 
 
+def cache_dir():
+    """attnkern's directory in the user cache ($ATTNKERN_CACHE_DIR, else the platform's
+    convention): tuned parameters, captured inputs."""
+    from . import _tuned
+
+    return _tuned.cache_dir()
+
+
 def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causal=False, budget=None, seed=0,
          **options):
     """Searches `kernel`'s tunables (block sizes, threads; cuda.flash's tiles) for
@@ -37,5 +45,5 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     return search(q_shape, k_shape, kernel=kernel, dtype=dtype, causal=causal, budget=budget, seed=seed, **options)
 
 
-__all__ = ["attention", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune"]
+__all__ = ["attention", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune", "cache_dir"]
 __version__ = "0.1.0"

@@ -17,6 +17,8 @@ import csv
 import json
 import sys
 
+import numpy as np
+
 import attnkern
 
 from . import harness
@@ -73,6 +75,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--repeat", type=int, help="timed samples per kernel, configuration and pass (cpu 5, cuda 10)")
     p.add_argument("--check-rows", type=int, default=64, help="query rows per head checked against float64")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and sampled rows")
+    p.add_argument("--inputs", choices=["random", "minilm"], default="random",
+                   help="random normal q, k, v; or minilm: those of all-MiniLM-L6-v2's 6 layers x 12 heads "
+                        "(D = 32) on the Python docs' text, N tokens (at most 512; cached), which sets B, H, D")
     cpu = p.add_argument_group("cpu")
     cpu.add_argument("--threads", type=int, default=2, help="threads of every kernel")
     cpu.add_argument("--passes", type=int, default=2, help="round-robin passes over the kernels")
@@ -107,11 +112,23 @@ def cmd_bench(args) -> int:
         batch=args.batch, heads=args.heads or (16 if cuda else 8), dim=args.dim, dtype=args.dtype,
         causal=_causal(args.causal), repeat=args.repeat or (10 if cuda else 5),
         passes=1 if cuda else args.passes, warmup=3 if cuda else 1, settle=0.0 if cuda else args.settle,
-        calls_per_sample=args.back_to_back if cuda else 1, check_rows=args.check_rows, seed=args.seed)
+        calls_per_sample=args.back_to_back if cuda else 1, check_rows=args.check_rows, seed=args.seed,
+        inputs=args.inputs)
+    if args.inputs == "minilm":
+        if max(cfg.sizes) > 512:
+            raise SystemExit("--inputs minilm: N is at most 512 tokens (the model's positions)")
+        cfg.batch, cfg.heads, cfg.dim = 6, 12, 32
     candidates = target.candidates(names, cfg.dim, args.sweep and cuda)
     ceiling_name, ceiling = target.ceiling()
     peers = [p for p in harness.PEERS if p in [c.name for c in candidates]]
     print(f"# {target.describe()}")
+    if args.inputs == "minilm":
+        from .realistic import capture, softmax_entropy
+
+        c = capture(max(cfg.sizes))
+        print(f"# inputs: all-MiniLM-L6-v2 q, k, v (layers x heads = batch x heads) on Python's docs; softmax "
+              f"entropy {softmax_entropy(c['q'], c['k']):.2f} nats a row at N={max(cfg.sizes)} (uniform: "
+              f"{np.log(max(cfg.sizes)):.2f})")
     print(f"# ({cfg.batch}, {cfg.heads}, N, {cfg.dim}) {cfg.dtype}; median of {cfg.passes} x {cfg.repeat} samples "
           f"({target.clock.name}); error = max|out - ref| / (max(1, max|v|) kappa) on {cfg.check_rows} rows")
     print(f"# ceiling: {ceiling_name}: {ceiling:.1f} GFLOP/s")

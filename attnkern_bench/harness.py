@@ -179,6 +179,7 @@ class Settings:
     calls_per_sample: int = 1
     check_rows: int = 64
     seed: int = 0
+    inputs: str = "random"  # or "minilm": q, k, v of all-MiniLM-L6-v2's layers on real text (realistic.py)
 
 
 def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: float,
@@ -192,11 +193,11 @@ def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: floa
     for step, (n, causal) in enumerate(configs, 1):
         print(f"[{step}/{len(configs)}] N={n} causal={causal}: checking and timing {len(candidates)} kernels",
               file=sys.stderr, flush=True)
-        host = random_qkv(rng.integers(2**32), (cfg.batch, cfg.heads), n, n, cfg.dim, dtype=cfg.dtype)
+        host = inputs(cfg, n, rng)
         rows = sample_rows(rng, n, cfg.check_rows)
-        scale = 1 / np.sqrt(cfg.dim)
+        scale = 1 / np.sqrt(host[0].shape[-1])
         q, k, v = (target.put(x) for x in host)
-        flops = attention_flops(cfg.batch, cfg.heads, n, n, cfg.dim, causal)
+        flops = attention_flops(*host[0].shape[:2], n, n, host[0].shape[-1], causal)
         results, ready = {}, {}
         for cand in candidates:
             row = {"n": n, "causal": causal, "kernel": cand.name, "device": target.device, "dtype": cfg.dtype}
@@ -226,6 +227,17 @@ def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: floa
             rows_out.append(row)
             emit(row)
     return rows_out
+
+
+def inputs(cfg: Settings, n: int, rng) -> tuple:
+    """q, k, v on the host for sequence length n: seeded random (B, H, n, D), or with
+    cfg.inputs == "minilm" the (layers, heads, n, 32) tensors captured from all-MiniLM-L6-v2."""
+    if cfg.inputs == "minilm":
+        from .realistic import capture
+
+        captured = capture(n)
+        return tuple(np.ascontiguousarray(captured[x], dtype=cfg.dtype) for x in "qkv")
+    return random_qkv(rng.integers(2**32), (cfg.batch, cfg.heads), n, n, cfg.dim, dtype=cfg.dtype)
 
 
 def _times(target, fns: dict, cfg: Settings) -> dict[str, dict]:
