@@ -10,14 +10,16 @@ setup: system-packages $(VENV)/.installed
 
 # Debian packages the tests use: headless Chromium (the asv site test; a Chrome
 # already installed, as on GitHub's runners, does too), shellcheck (actionlint
-# checks the workflows' scripts with it) and Valgrind (the counted benchmarks and
-# the regression gate count instructions under callgrind).
+# checks the workflows' scripts with it), Valgrind (the counted benchmarks and
+# the regression gate count instructions under callgrind) and poppler-utils
+# (pdftoppm: the report's pages rendered to images).
 system-packages:
 	@missing=""; \
 	found() { command -v "$$1" > /dev/null; }; \
 	found chromium || found chromium-browser || found google-chrome || missing="$$missing chromium"; \
 	found shellcheck || missing="$$missing shellcheck"; \
 	found valgrind || missing="$$missing valgrind"; \
+	found pdftoppm || missing="$$missing poppler-utils"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing Debian packages:$$missing"; \
 		sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
@@ -41,11 +43,14 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
 # Set up from a fresh clone and run the main job: the asv suite on HEAD (its wheel
-# built in asv's own virtualenv), then the site with its history.
+# built in asv's own virtualenv), then the site with its history, and the report
+# (attnkern report --quick: bench, roofline, study and tune in short runs) beside it.
 bench: setup
 	$(ASV) machine --yes
 	$(ASV) run --show-stderr HEAD^!
 	$(MAKE) site
+	$(PY) -m attnkern report --quick --out .asv/html/report
+	@echo "Report: .asv/html/report/report.html (and .pdf), served with the site by $(ASV) preview"
 
 # Publish the site from all stored results, loading its JavaScript from local copies.
 site: setup

@@ -6,6 +6,7 @@
     attnkern tune                       search a kernel's block sizes and threads, cached for attention()
     attnkern roofline                   this machine's compute and memory ceilings, each kernel against them
     attnkern study                      forward and backward time and memory of attention training
+    attnkern report                     a two-page PDF and an HTML page of the results above
 
 `attnkern <command> --help` says what each measures and how.
 """
@@ -359,6 +360,45 @@ def cmd_roofline(args) -> int:
     return 1 if any(r.get("ok") is False for r in rows) else 0
 
 
+def report_doc() -> str:
+    from . import report
+
+    return report.__doc__
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="a two-page PDF, an HTML page and a text summary of the other commands' results",
+                       description=report_doc(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="make short runs of bench, roofline, study and tune first")
+    for name in ("bench", "bench-minilm", "roofline", "tune-grid", "tune-replay", "study"):
+        p.add_argument(f"--{name}", metavar="JSON", help=f"the JSON file of `attnkern {name.split('-')[0]}`")
+    p.add_argument("--out", default="bench-results/report", help="directory of report.pdf, .html and .txt")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from . import report
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in
+             ("bench", "bench-minilm", "roofline", "tune-grid", "tune-replay", "study")}
+    if args.quick:
+        files = {**report.quick_inputs(out, args.threads, args.seed), **{k: v for k, v in files.items() if v}}
+    if not any(files.values()):
+        raise SystemExit("attnkern report: give result files (--bench, --roofline, ...) or --quick")
+    written = report.write(report.load_all(files), report.header(args.seed, args.threads), out)
+    print(Path(written["txt"]).read_text())
+    for kind, path in written.items():
+        print(f"# {kind}: {path}")
+    return 0
+
+
 def _kernels_parser(sub) -> None:
     p = sub.add_parser("kernels", help="list every kernel, whether it runs here and its tunables",
                        description="Lists attnkern's kernels (attnkern.kernels()) with kernel_info(): whether each "
@@ -394,6 +434,7 @@ def parser() -> argparse.ArgumentParser:
     _kernels_parser(sub)
     _tune_parser(sub)
     _roofline_parser(sub)
+    _report_parser(sub)
     study_parser(sub)
     return p
 
