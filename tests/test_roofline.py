@@ -15,6 +15,7 @@ def test_byte_model_by_hand():
     assert counts.io_bytes(b, h, n, n, d, item) == io
     assert counts.attention_bytes("native.naive", b, h, n, n, d, item) == io + 4 * b * h * n * n * item
     assert counts.attention_bytes("numpy.naive", b, h, n, n, d, item, causal=True) == io + 6 * b * h * n * n * item
+    assert counts.attention_bytes("torch.naive", b, h, n, n, d, item) == io + 6 * b * h * n * n * item
     # flash: K and V re-read by each query block after the first: ceil(1000 / 256) = 4 blocks
     assert counts.attention_bytes("native.flash", b, h, n, n, d, item) == io + 3 * b * h * n * 2 * d * item
     assert counts.attention_bytes("native.flash", b, h, n, n, d, item, block_q=1024) == io
