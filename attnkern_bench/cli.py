@@ -312,6 +312,7 @@ def _roofline_parser(sub) -> None:
     p.add_argument("--kernels", nargs="+")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--stream-mib", type=int, default=512, help="size of each STREAM array (cpu), far beyond the LLC")
     p.add_argument("--plot", metavar="PNG", help="write the log-log roofline plot here")
     p.add_argument("--json", help="write ceilings and points to this file")
     p.set_defaults(func=cmd_roofline)
@@ -328,7 +329,7 @@ def cmd_roofline(args) -> int:
     if not cuda:
         names = [n for n in names if attnkern.kernel_info(n)["available"]]
     print("# measuring ceilings ...", file=sys.stderr, flush=True)
-    ceilings = roofline.cuda_ceilings() if cuda else roofline.cpu_ceilings(args.threads)
+    ceilings = roofline.cuda_ceilings() if cuda else roofline.cpu_ceilings(args.threads, args.stream_mib)
     print(f"# {target.describe()}")
     for key in ("fma_peak_gflops", "sgemm_gflops", "copy_gbs", "triad_gbs"):
         if key in ceilings:

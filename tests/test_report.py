@@ -20,7 +20,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     small = ["--sizes", "64", "128", "--heads", "1", "--repeat", "1", "--kernels", "native.flash", "numpy.naive"]
     assert cli.main(["bench", *small, "--passes", "1", "--settle", "0", "--json", str(out / "bench.json")]) == 0
-    assert cli.main(["roofline", *small, "--json", str(out / "roofline.json")]) == 0
+    assert cli.main(["roofline", *small, "--stream-mib", "64", "--json", str(out / "roofline.json")]) == 0
     grid = DATA / "tune-grid-native-flash-1x8x1024x64.json"
     assert cli.main(["report", "--out", str(out), "--bench", str(out / "bench.json"), "--roofline",
                      str(out / "roofline.json"), "--tune-grid", str(grid), "--tune-replay",

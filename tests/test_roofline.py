@@ -42,7 +42,7 @@ def test_roofline_command(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "roof.json", tmp_path / "roof.png"
     argv = ["roofline", "--sizes", "64", "--heads", "1", "--repeat", "1", "--causal", "no",
-            "--kernels", "native.flash", "numpy.naive", "--json", str(out), "--plot", str(png)]
+            "--kernels", "native.flash", "numpy.naive", "--json", str(out), "--plot", str(png), "--stream-mib", "64"]
     assert cli.main(argv) == 0
     data = json.loads(out.read_text())
     c = data["ceilings"]

@@ -13,6 +13,12 @@ from attnkern_bench import tuner
 
 pytest.importorskip("optuna")
 
+
+@pytest.fixture(autouse=True)
+def tuned_lookups_on(monkeypatch):
+    """Importing the asv suite (other tests do) turns lookups off for the process."""
+    monkeypatch.delenv("ATTNKERN_NO_TUNED", raising=False)
+
 LATTICE = {"block_q": [16, 32, 64, 128, 256, 512], "block_k": [32, 64, 128, 256, 512, 1024], "num_threads": [1, 2]}
 DEFAULT = {"block_q": 256, "block_k": 256, "num_threads": 2}
 
