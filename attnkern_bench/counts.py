@@ -19,13 +19,15 @@ def io_bytes(b: int, h: int, nq: int, nk: int, d: int, itemsize: int, dv: int | 
 
 
 # Passes over the N x N scores by an algorithm that materialises them (each a full
-# read or write of B*H*Nq*Nk elements): native.naive's QK^T writes S, the row softmax
-# reads and writes it, P V reads it; NumPy's ops each make their own passes (matmul
+# read or write of B*H*Nq*Nk elements): native.naive computes, softmaxes and uses one
+# row at a time, which stays in cache, so only its write-back reaches memory (one
+# pass; tools/check_byte_model.py measured it); cuda.naive's three kernels make four
+# (QK^T writes S, the softmax reads and writes it, P V reads it); NumPy's ops each make their own passes (matmul
 # write; scale, subtract, exp and divide read and write; max and sum read; the second
 # matmul reads); torch's are fewer, its softmax being one fused kernel (matmul write,
 # scale read and write, softmax read and write, matmul read; the causal mask's
 # masked_fill adds a read and a write, not counted).
-SCORE_PASSES = {"native.naive": 4, "numpy.naive": 12, "torch.naive": 6, "cuda.naive": 4}
+SCORE_PASSES = {"native.naive": 1, "numpy.naive": 12, "torch.naive": 6, "cuda.naive": 4}
 # Query rows per block of the algorithms that stream K and V once per query block
 # (their default block_q; torch's CPU flash kernel's is not public: 64 assumed).
 STREAM_BLOCK_Q = {"native.flash": 256, "native.tiled": 256, "numba.flash": 128, "torch.sdpa": 64,

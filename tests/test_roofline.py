@@ -13,7 +13,8 @@ def test_byte_model_by_hand():
     b, h, n, d, item = 1, 2, 1000, 64, 4
     io = b * h * 4 * n * d * item
     assert counts.io_bytes(b, h, n, n, d, item) == io
-    assert counts.attention_bytes("native.naive", b, h, n, n, d, item) == io + 4 * b * h * n * n * item
+    assert counts.attention_bytes("native.naive", b, h, n, n, d, item) == io + 1 * b * h * n * n * item
+    assert counts.attention_bytes("cuda.naive", b, h, n, n, d, item) == io + 4 * b * h * n * n * item
     assert counts.attention_bytes("numpy.naive", b, h, n, n, d, item, causal=True) == io + 6 * b * h * n * n * item
     assert counts.attention_bytes("torch.naive", b, h, n, n, d, item) == io + 6 * b * h * n * n * item
     # flash: K and V re-read by each query block after the first: ceil(1000 / 256) = 4 blocks
