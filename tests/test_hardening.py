@@ -144,6 +144,9 @@ def test_score_buffer_beyond_memory_names_the_kernel_that_needs_none():
         attnkern.attention(q, q, q, kernel="native.naive", check_finite=False)
 
 
+@pytest.mark.skipif("asan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="AddressSanitizer's quarantine holds freed blocks (up to 256 MiB), so the resident set "
+                           "grows without a leak; the normal build runs this check")
 def test_repeated_calls_do_not_grow_memory():
     """Every work buffer is freed on every path: 300 calls of each native kernel,
     the resident set grows by less than one call's buffers would leak."""
