@@ -322,6 +322,8 @@ def cmd_roofline(args) -> int:
     from . import roofline
 
     cuda = args.device == "cuda"
+    if args.stream_mib < 1 or args.repeat < 1 or args.threads < 1:
+        raise SystemExit("attnkern roofline: --stream-mib, --repeat and --threads must be at least 1")
     names = args.kernels or (["cuda.flash", "cuda.naive", "torch.sdpa", "torch.naive"] if cuda else
                              ["native.flash", "native.tiled", "native.naive", "numba.flash", "torch.sdpa",
                               "numpy.naive"])

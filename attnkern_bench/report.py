@@ -97,6 +97,7 @@ def figures(data: dict):
     import matplotlib.pyplot as plt
 
     from . import roofline as rl
+    from . import tuner
 
     page1, ax1 = plt.subplots(2, 2, figsize=(8.27, 11.69 * 0.72))
     bench = data.get("bench")
@@ -127,53 +128,19 @@ def figures(data: dict):
         ax.set_title("speed-up over torch (above 1: faster)", fontsize=9)
         ax.legend(fontsize=6)
     roof = data.get("roofline")
-    ax = ax1[1, 1]
     if roof:
-        c, pts = roof["ceilings"], roof["points"]
-        x = np.logspace(-1, 3, 100)
-        ax.plot(x, np.minimum(c["peak_gflops"], x * c["bandwidth_gbs"]), "k-", lw=1.2, label="roof")
-        if "sgemm_gflops" in c:
-            ax.axhline(c["sgemm_gflops"], color="gray", ls="--", lw=1, label="float32 matmul")
-        for i, k in enumerate(sorted({p["kernel"] for p in pts})):
-            sel = [p for p in pts if p["kernel"] == k]
-            ax.scatter([p["intensity"] for p in sel], [p["gflops"] for p in sel], s=18, color=f"C{i}", label=k)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("arithmetic intensity (FLOP/byte, modelled)")
-        ax.set_ylabel("GFLOP/s")
-        ax.set_title(f"roofline: {c['peak_gflops']:.0f} GFLOP/s, {c['bandwidth_gbs']:.0f} GB/s", fontsize=9)
-        ax.legend(fontsize=6)
+        c = roof["ceilings"]
+        rl.draw(ax1[1, 1], roof["points"], c, f"roofline: {c['peak_gflops']:.0f} GFLOP/s, "
+                f"{c['bandwidth_gbs']:.0f} GB/s", annotate=False)
+        ax1[1, 1].set_xlabel("arithmetic intensity (FLOP/byte, modelled)")
     page1.tight_layout()
 
     page2, ax2 = plt.subplots(2, 2, figsize=(8.27, 11.69 * 0.72))
-    grid = data.get("tune_grid")
-    if grid:
-        lat = grid["lattice"]
-        top = {n: max(v) for n, v in lat.items() if n not in ("block_q", "block_k")}
-        cell = {(r["params"]["block_q"], r["params"]["block_k"]): statistics.median(r["samples"])
-                for r in grid["records"] if all(r["params"][n] == v for n, v in top.items())}
-        best = min(cell.values())
-        z = np.array([[cell[(bq, bk)] / best for bk in lat["block_k"]] for bq in lat["block_q"]])
-        ax = ax2[0, 0]
-        im = ax.imshow(z, cmap="viridis_r", origin="lower")
-        ax.set_xticks(range(len(lat["block_k"])), lat["block_k"], fontsize=7)
-        ax.set_yticks(range(len(lat["block_q"])), lat["block_q"], fontsize=7)
-        ax.set_xlabel("block_k")
-        ax.set_ylabel("block_q")
-        ax.set_title(f"{grid['kernel']} time / best, {'x'.join(map(str, grid['problem']['q_shape']))}", fontsize=9)
-        page2.colorbar(im, ax=ax, fraction=0.046)
+    if data.get("tune_grid"):
+        page2.colorbar(tuner.draw_grid(ax2[0, 0], data["tune_grid"]), ax=ax2[0, 0], fraction=0.046)
     replay = data.get("tune_replay")
     if replay:
-        ax = ax2[0, 1]
-        for key, label in (("curve", "tuner"), ("random_curve", "random search")):
-            curves = [r[key] for r in replay["rows"]]
-            n = min(len(c) for c in curves)
-            ax.plot(range(1, n + 1), np.median([c[:n] for c in curves], axis=0), marker="o", label=label)
-        ax.axhline(1.0, color="k", lw=0.8, label="grid best")
-        ax.set_xlabel("configurations timed")
-        ax.set_ylabel("best so far / grid best")
-        ax.set_title(f"tuner's search, median of {replay['seeds']} seeds", fontsize=9)
-        ax.legend(fontsize=7)
+        tuner.draw_replay(ax2[0, 1], replay, f"tuner's search, median of {replay['seeds']} seeds")
     study = data.get("study")
     if study:
         ax = ax2[1, 0]

@@ -92,31 +92,24 @@ def place(rows: list[dict], ceilings: dict, b: int, h: int, d: int, itemsize: in
     return out
 
 
-def plot(points: list[dict], ceilings: dict, title: str, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+def draw(ax, points: list[dict], ceilings: dict, title: str, annotate: bool = True) -> None:
+    """The roof, the matmul ceiling and the kernels' points on a matplotlib axis."""
     ai = np.logspace(-1, 3, 200)
     bw, peak = ceilings["bandwidth_gbs"], ceilings["peak_gflops"]
-    ax.plot(ai, np.minimum(peak, ai * bw), "k-", lw=1.5,
-            label=f"roof: {peak:,.0f} GFLOP/s peak, {bw:,.0f} GB/s")
+    ax.plot(ai, np.minimum(peak, ai * bw), "k-", lw=1.5, label=f"roof: {peak:,.0f} GFLOP/s peak, {bw:,.0f} GB/s")
     if "sgemm_gflops" in ceilings:
         ax.axhline(ceilings["sgemm_gflops"], color="gray", ls="--", lw=1,
                    label=f"float32 matmul {ceilings['sgemm_gflops']:,.0f} GFLOP/s")
-    kernels = sorted({p["kernel"] for p in points})
     markers = "osD^v<>ph*"
-    for i, k in enumerate(kernels):
-        for causal, fill in ((False, "full"), (True, "none")):
+    for i, k in enumerate(sorted({p["kernel"] for p in points})):
+        for causal in (False, True):
             sel = [p for p in points if p["kernel"] == k and p["causal"] == causal]
             if not sel:
                 continue
             ax.scatter([p["intensity"] for p in sel], [p["gflops"] for p in sel], marker=markers[i % len(markers)],
-                       s=40, color=f"C{i}", facecolors=f"C{i}" if not causal else "none",
+                       s=40, color=f"C{i}", facecolors="none" if causal else f"C{i}",
                        label=f"{k}{' causal' if causal else ''}")
-            for p in sel:
+            for p in sel if annotate else ():
                 ax.annotate(f"{p['n']}", (p["intensity"], p["gflops"]), fontsize=6, xytext=(3, 2),
                             textcoords="offset points")
     ax.set_xscale("log")
@@ -126,6 +119,16 @@ def plot(points: list[dict], ceilings: dict, title: str, path) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", lw=0.3)
     ax.legend(fontsize=6, loc="lower right")
+
+
+def plot(points: list[dict], ceilings: dict, title: str, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    draw(ax, points, ceilings, title)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

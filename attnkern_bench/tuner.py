@@ -298,6 +298,10 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     info = attnkern.kernel_info(kernel)
     if not info["available"]:
         raise RuntimeError(f"cannot tune {kernel}: {info['reason']}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"budget must be a positive number of configurations (or None), got {budget!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
+        raise ValueError(f"repeats must be an integer >= 2 (two calls decide an early stop), got {repeats!r}")
     q_shape, k_shape = tuple(q_shape), tuple(k_shape) if k_shape else None
     if len(q_shape) < 2 or (k_shape and (len(k_shape) != len(q_shape) or k_shape[-1] != q_shape[-1])):
         raise ValueError(f"q_shape must be (..., N, D) and k_shape like it, got {q_shape} and {k_shape}")
@@ -386,59 +390,67 @@ def _best_so_far(values, best):
     return out
 
 
-def plot_grid(recorded: dict, path) -> None:
-    """Heatmap of median time over block_q x block_k (at the most threads), relative to the best."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw_grid(ax, recorded: dict):
+    """Heatmap of median time over block_q x block_k (at the most threads), relative to
+    the best, on a matplotlib axis; returns the image (for a colour bar)."""
     lat = recorded["lattice"]
     top = {n: max(v) for n, v in lat.items() if n not in ("block_q", "block_k")}
     cell = {(r["params"]["block_q"], r["params"]["block_k"]): statistics.median(r["samples"])
             for r in recorded["records"] if all(r["params"][n] == v for n, v in top.items())}
     best = min(cell.values())
-    z = np.array([[cell[(bq, bk)] / best for bk in lat["block_k"]] for bq in lat["block_q"]])
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    z = np.array([[cell.get((bq, bk), np.nan) / best for bk in lat["block_k"]] for bq in lat["block_q"]])
     im = ax.imshow(z, cmap="viridis_r", origin="lower")
-    ax.set_xticks(range(len(lat["block_k"])), lat["block_k"])
-    ax.set_yticks(range(len(lat["block_q"])), lat["block_q"])
+    ax.set_xticks(range(len(lat["block_k"])), lat["block_k"], fontsize=7)
+    ax.set_yticks(range(len(lat["block_q"])), lat["block_q"], fontsize=7)
     for i in range(z.shape[0]):
         for j in range(z.shape[1]):
-            ax.text(j, i, f"{z[i, j]:.2f}", ha="center", va="center", fontsize=7, color="w" if z[i, j] > 1.3 else "k")
+            if np.isfinite(z[i, j]):
+                ax.text(j, i, f"{z[i, j]:.2f}", ha="center", va="center", fontsize=6,
+                        color="w" if z[i, j] > 1.3 else "k")
     ax.set_xlabel("block_k")
     ax.set_ylabel("block_q")
     p = recorded["problem"]
-    ax.set_title(f"{recorded['kernel']} {'x'.join(map(str, p['q_shape']))} {'causal' if p['causal'] else ''}\n"
-                 f"time / best ({', '.join(f'{n}={v}' for n, v in top.items())})", fontsize=9)
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_title(f"{recorded['kernel']} {'x'.join(map(str, p['q_shape']))} {'causal' if p['causal'] else ''}: "
+                 f"time / best ({', '.join(f'{n}={v}' for n, v in top.items()) or 'all'})", fontsize=8)
+    return im
 
 
-def plot_replay(evaluation: dict, title: str, path) -> None:
+def draw_replay(ax, evaluation: dict, title: str) -> None:
     """Best-so-far (true time / grid best) against trials: the tuner's and a random
-    search's median over seeds, and the grid's best."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    search's median over seeds, and the grid's best, on a matplotlib axis."""
     for key, label in (("curve", "tuner"), ("random_curve", "random search")):
         curves = [r[key] for r in evaluation["rows"]]
         n = min(len(c) for c in curves)
         ax.plot(range(1, n + 1), np.median([c[:n] for c in curves], axis=0), marker="o", label=f"{label} (median)")
     ax.axhline(1.0, color="k", lw=0.8, label="grid best")
     ax.axhline(1.03, color="k", lw=0.8, ls=":", label="within 3%")
-    ax.set_xlabel("trials")
+    ax.set_xlabel("configurations timed")
     ax.set_ylabel("best so far / grid best")
     ax.set_title(title, fontsize=9)
-    ax.legend()
+    ax.legend(fontsize=7)
+
+
+def _save(draw, path, size) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    im = draw(ax)
+    if im is not None:
+        fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_grid(recorded: dict, path) -> None:
+    _save(lambda ax: draw_grid(ax, recorded), path, (6, 4.5))
+
+
+def plot_replay(evaluation: dict, title: str, path) -> None:
+    _save(lambda ax: draw_replay(ax, evaluation, title), path, (6, 4))
 
 
 def stderr(msg: str) -> None:

@@ -54,3 +54,8 @@ def test_roofline_command(tmp_path, capsys):
         assert p["attainable_gflops"] == pytest.approx(min(c["peak_gflops"], p["intensity"] * c["bandwidth_gbs"]))
     assert png.stat().st_size > 10_000
     assert "ridge at" in capsys.readouterr().out
+
+
+def test_roofline_refuses_absurd_sizes():
+    with pytest.raises(SystemExit, match="at least 1"):
+        cli.main(["roofline", "--stream-mib", "0"])

@@ -134,3 +134,9 @@ def test_configurations_the_kernel_refuses_are_never_timed():
                                       default={"block_q": 128, "block_k": 16}, budget=8, seed=1, valid=fits)
     assert len(history) == 8 and all(fits(t.params) for t in history) and fits(chosen.params)
     assert len(tuner.grid(lattice, fits)) == 19
+
+
+@pytest.mark.parametrize("bad", [{"budget": 0}, {"budget": -1}, {"budget": 2.5}, {"repeats": 1}])
+def test_absurd_search_settings_are_refused(bad):
+    with pytest.raises(ValueError, match="budget must be|repeats must be"):
+        attnkern.tune((1, 1, 64, 16), cache=False, **bad)
