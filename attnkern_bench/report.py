@@ -145,6 +145,8 @@ def figures(data: dict):
     if study:
         ax = ax2[1, 0]
         rows = [r for r in study["rows"] if r.get("status") == "ok"]
+        top = max((r["d_model"] for r in rows), default=0)
+        rows = [r for r in rows if r["d_model"] == top]  # one head size: lines over N only
         for i, k in enumerate(sorted({r["kernel"] for r in rows})):
             sel = sorted((r for r in rows if r["kernel"] == k), key=lambda r: r["seq_len"])
             ax.plot([r["seq_len"] for r in sel], [r["peak_memory_mib"] for r in sel], marker="o", color=f"C{i}",
@@ -153,7 +155,7 @@ def figures(data: dict):
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N")
         ax.set_ylabel("peak memory, forward + backward (MiB)")
-        ax.set_title("training-step memory", fontsize=9)
+        ax.set_title(f"training-step memory (d = {top})", fontsize=9)
         ax.legend(fontsize=7)
     ax = ax2[1, 1]
     acc = accuracy_pairs(data)
