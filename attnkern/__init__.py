@@ -1,6 +1,7 @@
 """attnkern: scaled-dot-product attention kernels, softmax(Q K^T * scale) V.
 
     out = attnkern.attention(q, k, v, causal=False, scale=None, kernel="auto", **params)
+    attnkern.attention_backward(q, k, v, out, dout, lse)  # (dq, dk, dv)
     attnkern.reference(q, k, v)   # float64 NumPy oracle
     attnkern.kernels()            # every kernel name
     attnkern.kernel_info(name)    # available here? tunables?
@@ -8,7 +9,7 @@
 """
 
 from . import backends  # noqa: F401  (registers the kernels)
-from ._api import attention
+from ._api import attention, attention_backward
 from ._reference import reference
 from ._registry import kernel_info, kernels
 from .backends.native import active_isa, supported_isas
@@ -45,5 +46,5 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     return search(q_shape, k_shape, kernel=kernel, dtype=dtype, causal=causal, budget=budget, seed=seed, **options)
 
 
-__all__ = ["attention", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune", "cache_dir"]
+__all__ = ["attention", "attention_backward", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune", "cache_dir"]
 __version__ = "0.1.0"

@@ -10,7 +10,19 @@ import numpy as np
 
 from . import _registry, _tuned
 
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _half_dtypes() -> tuple[np.dtype, ...]:
+    """float16, and bfloat16 where ml_dtypes (NumPy's bfloat16) is installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return (np.dtype(np.float16),)
+    return (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), *_half_dtypes())
+_DTYPE_NAMES = "float32, float64, float16 and bfloat16 (ml_dtypes.bfloat16 or torch.bfloat16)"
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
     device = all(on_gpu)
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
         if x.dtype not in _DTYPES:
-            raise TypeError(f"{n} has dtype {x.dtype}; attnkern supports float32 and float64 (convert with .astype)")
+            raise TypeError(f"{n} has dtype {x.dtype}; attnkern supports {_DTYPE_NAMES} (convert with .astype)")
         if not 2 <= x.ndim <= 4:
             raise ValueError(
                 f"{n} has {x.ndim} dimension(s), shape {x.shape}; expected 2 to 4: (N, D), (H, N, D) or (B, H, N, D)"
@@ -139,18 +151,19 @@ def _all_finite(device: bool, *arrays) -> bool:
     return all(np.isfinite(x).all() for x in arrays)
 
 
-def _auto(device: bool = False) -> _registry.Kernel:
+def _auto(device: bool = False, dtype: str = "float32") -> _registry.Kernel:
     """The kernel for kernel="auto": on the CPU the first available of
     native.flash, torch.sdpa, numpy.naive (fastest first; docs/results.md);
     GPU arrays go to cuda.flash. NumPy arrays stay on the CPU even where a GPU
-    is present: ask for a cuda.* kernel to send them there."""
+    is present: ask for a cuda.* kernel to send them there. The first that takes
+    the dtype wins; if none does, the first available (choose() then says why)."""
     if device:
         return _registry.get("cuda.flash")
-    for name in ("native.flash", "torch.sdpa", "numpy.naive"):
-        kernel = _registry.get(name)
-        if kernel.unavailable_reason() is None:
-            return kernel
-    raise RuntimeError("no attention kernel is available")  # pragma: no cover - numpy.naive always is
+    available = [k for k in map(_registry.get, ("native.flash", "torch.sdpa", "numpy.naive"))
+                 if k.unavailable_reason() is None]
+    if not available:  # pragma: no cover - numpy.naive always is
+        raise RuntimeError("no attention kernel is available")
+    return next((k for k in available if dtype in k.dtypes), available[0])
 
 
 def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=True, return_lse=False,
@@ -158,7 +171,9 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     """softmax(q k^T * scale) v.
 
     q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
-    dimensions, float32 or float64 (one dtype); returns (..., Nq, Dv) in that dtype.
+    dimensions, of one dtype the kernel takes (float32 and float64 everywhere;
+    float16/bfloat16 where kernel_info(name)["dtypes"] lists them); returns
+    (..., Nq, Dv) in that dtype.
     GPU arrays (anything with __cuda_array_interface__: torch CUDA tensors, CuPy
     arrays, Numba device arrays) run on the cuda.* kernels in place, and the
     output is a GPU array of q's kind; the cuda.* kernels also take NumPy
@@ -190,6 +205,49 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     return run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse)
 
 
+def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", **params):
+    """(dq, dk, dv) of attention(q, k, v, ...) given the output's gradient dout:
+    out and lse are what attention(..., return_lse=True) returned for the same
+    arguments. out and lse may also be those of whole rows of which k, v hold one
+    block of keys (ring attention): the result is then that block's share of the
+    gradients (dq a partial sum over blocks, dk and dv exact for this block).
+    NumPy arrays or torch tensors (CPU or CUDA), in the kernel's dtypes; the kernel
+    must have a backward (kernel_info(name)["backward"])."""
+    args = (q, k, v, out, dout, lse)
+    if any(_is_torch(x) for x in args):
+        from . import _torch_api
+
+        return _torch_api.attention_backward(*args, causal=causal, scale=scale, kernel=kernel, **params)
+    call = validate(q, k, v, causal=causal, scale=scale, check_finite=False)
+    if call.device:
+        raise TypeError("attention_backward takes NumPy arrays or torch tensors; pass GPU arrays as torch tensors")
+    chosen, resolved = choose(call, kernel, params, return_lse=True, backward=True)
+    (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
+    lead = call.out_shape[:-2]
+    out, dout, lse = (check_like(x, name, shape, call.q.dtype)
+                      for x, name, shape in ((out, "out", call.out_shape), (dout, "dout", call.out_shape),
+                                             (lse, "lse", call.out_shape[:-1])))
+    if batch * nq * nk == 0:
+        grads = tuple(np.zeros_like(x) for x in (call.q, call.k, call.v))
+    else:
+        grads = chosen.backward(call.q, call.k, call.v, out.reshape(batch, nq, dv), dout.reshape(batch, nq, dv),
+                                lse.reshape(batch, nq), call.causal, call.scale, **resolved)
+    return tuple(g.reshape(*lead, *x.shape[1:]) for g, x in zip(grads, (call.q, call.k, call.v)))
+
+
+def check_like(x, name: str, shape: tuple, dtype) -> np.ndarray:
+    """x as a C-contiguous NumPy array of the shape and dtype a call implies, or a
+    ValueError/TypeError naming it."""
+    x = _as_array(x, name)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} is a GPU array and the inputs are host arrays")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {tuple(shape)} for these q, k, v")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected {dtype}, the dtype of q, k, v")
+    return np.ascontiguousarray(x)
+
+
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "requires_grad")
 
@@ -197,7 +255,8 @@ def _is_torch(x) -> bool:
 def choose(call: Call, kernel, params: dict, *, return_lse: bool = False, backward: bool = False):
     """The kernel for a validated call and its resolved tunables; raises if it cannot
     run here, cannot take the call's arrays or lacks what is asked of it."""
-    chosen = _auto(call.device) if kernel == "auto" else _registry.get(kernel)
+    dtype = call.q.dtype.name
+    chosen = _auto(call.device, dtype) if kernel == "auto" else _registry.get(kernel)
     if call.device and chosen.device != "cuda":
         raise TypeError(
             f"{chosen.name} runs on the CPU and q, k, v are GPU arrays: use kernel='auto' or a cuda.* kernel, "
@@ -206,6 +265,10 @@ def choose(call: Call, kernel, params: dict, *, return_lse: bool = False, backwa
     reason = chosen.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"kernel {chosen.name} is not available here: {reason}")
+    if dtype not in chosen.dtypes:
+        takes = ", ".join(_registry.with_feature(dtype)) or "none"
+        raise TypeError(f"{chosen.name} does not take {dtype} inputs (it takes {', '.join(chosen.dtypes)}); "
+                        f"kernels that take {dtype}: {takes}; or convert the inputs with .astype")
     if return_lse and not chosen.returns_lse:
         raise ValueError(f"{chosen.name} cannot return the log-sum-exp; kernels that can: "
                          f"{', '.join(_registry.with_feature('returns_lse'))}")

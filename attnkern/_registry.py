@@ -77,6 +77,9 @@ class Kernel:
     # (batch, n, d) arrays, lse from run(); "cuda" kernels take dq=, dk=, dv= GPU arrays
     # to fill (allocated by the caller) and return them. None: no backward.
     backward: Callable | None = None
+    # the input dtypes it computes in (names as NumPy spells them; "bfloat16" is
+    # ml_dtypes.bfloat16 on the host, torch.bfloat16 for tensors)
+    dtypes: tuple[str, ...] = ("float32", "float64")
 
     def resolve_params(self, given: dict) -> dict:
         known = {p.name: p for p in self.params}
@@ -107,8 +110,14 @@ def get(name) -> Kernel:
 
 
 def with_feature(feature: str) -> list[str]:
-    """Names of the kernels with returns_lse or backward, for error messages."""
-    has = (lambda k: k.backward is not None) if feature == "backward" else (lambda k: k.returns_lse)
+    """Names of the kernels with returns_lse or backward, or that take dtype
+    feature ("float16", ...), for error messages."""
+    if feature == "backward":
+        has = lambda k: k.backward is not None  # noqa: E731
+    elif feature == "returns_lse":
+        has = lambda k: k.returns_lse  # noqa: E731
+    else:
+        has = lambda k: feature in k.dtypes  # noqa: E731
     return [name for name, k in _KERNELS.items() if has(k)]
 
 
@@ -121,6 +130,7 @@ def kernel_info(name: str) -> dict:
     """Whether kernel `name` runs here (and why not), and its tunables:
     {name, description, device, available, reason, params: {p: {default, min, max, doc}},
     returns_lse (attention(..., return_lse=True) works), backward (it is differentiable),
+    dtypes (the input dtypes it takes),
     tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
     replace the defaults for calls that match their key};
     a tunable restricted to a set of values also has "choices"."""
@@ -135,6 +145,7 @@ def kernel_info(name: str) -> dict:
         "params": {p.name: _param_info(p) for p in kernel.params},
         "returns_lse": kernel.returns_lse,
         "backward": kernel.backward is not None,
+        "dtypes": list(kernel.dtypes),
         "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
     }
 

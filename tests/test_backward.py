@@ -155,8 +155,10 @@ def test_torch_in_torch_out_without_copies():
     assert not torch.equal(before, attnkern.attention(q, k, v))
     with pytest.raises(TypeError, match="must all be torch tensors or none"):
         attnkern.attention(q, k.numpy(), v)
-    with pytest.raises(TypeError, match="dtype torch.float16; attnkern supports float32 and float64"):
-        attnkern.attention(q.half(), k.half(), v.half())
+    with pytest.raises(TypeError, match="dtype torch.int32; attnkern supports float32, float64, float16"):
+        attnkern.attention(q.int(), k.int(), v.int())
+    with pytest.raises(TypeError, match="numpy.naive does not take float16 inputs"):
+        attnkern.attention(q.half(), k.half(), v.half(), kernel="numpy.naive")
 
 
 def test_non_contiguous_tensors_and_grad_of_one_input():
@@ -208,3 +210,25 @@ def test_a_transformer_block_trains_as_with_torch_sdpa():
     theirs = _train(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), steps)
     assert np.abs(ours - theirs).max() <= 1e-5 * theirs[0]
     assert ours[-20:].mean() < 0.1 * ours[:20].mean()
+
+
+def test_attention_backward_equals_autograd_and_checks_its_arguments():
+    """attention_backward (NumPy and torch) gives what autograd through attention()
+    gives, bit for bit, and names a wrong out/dout/lse."""
+    q, k, v = random_qkv(7, (2, 3), 40, 40, 16)
+    out, lse = attnkern.attention(q, k, v, causal=True, return_lse=True)
+    dout = np.random.default_rng(8).standard_normal(out.shape).astype(np.float32)
+    grads = attnkern.attention_backward(q, k, v, out, dout, lse, causal=True)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    attnkern.attention(tq, tk, tv, causal=True).backward(torch.tensor(dout))
+    for g, t in zip(grads, (tq, tk, tv)):
+        assert g.shape == t.shape and np.array_equal(g, t.grad.numpy())
+    tgrads = attnkern.attention_backward(*(torch.tensor(x) for x in (q, k, v, out, dout, lse)), causal=True)
+    for g, t in zip(grads, tgrads):
+        assert np.array_equal(g, t.numpy())
+    with pytest.raises(ValueError, match=r"lse has shape \(2, 3, 39\); expected \(2, 3, 40\)"):
+        attnkern.attention_backward(q, k, v, out, dout, lse[..., 1:], causal=True)
+    with pytest.raises(TypeError, match="dout has dtype float64; expected float32"):
+        attnkern.attention_backward(q, k, v, out, dout.astype(np.float64), lse, causal=True)
+    with pytest.raises(ValueError, match="torch.sdpa cannot return the log-sum-exp"):
+        attnkern.attention_backward(q, k, v, out, dout, lse, kernel="torch.sdpa")
