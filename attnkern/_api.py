@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -63,6 +64,8 @@ def _as_array(x, name: str):
         return x
     if type(x).__module__.startswith("numba.cuda.simulator"):  # the tests' GPU: no interface
         return _gpu().as_device_array(x, name, None)
+    if type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False):  # read directly: cheaper
+        return _gpu().from_torch(x, name)
     try:  # read once: torch computes the interface on every access
         desc = x.__cuda_array_interface__
     except AttributeError:  # a host object (CPU torch tensors raise this too)
@@ -126,7 +129,8 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
                     f"{n} is a GPU array that is not C-contiguous (strides {x.strides}); GPU inputs are used in "
                     "place, never copied: pass a contiguous one (torch: .contiguous(), CuPy: cupy.ascontiguousarray)"
                 )
-    if check_finite and not _all_finite(device, q, k, v):  # one scan; then find the culprit
+    # GPU inputs are scanned after the kernel, with its output, in one pass (run)
+    if check_finite and not device and not _all_finite(device, q, k, v):  # one scan; then find the culprit
         for x, n in ((q, "q"), (k, "k"), (v, "v")):
             if not _all_finite(device, x):
                 raise ValueError(f"{n} contains NaN or infinity; pass finite values (or check_finite=False)")
@@ -157,8 +161,9 @@ def _auto(device: bool = False, dtype: str = "float32") -> _registry.Kernel:
     GPU arrays go to cuda.flash. NumPy arrays stay on the CPU even where a GPU
     is present: ask for a cuda.* kernel to send them there. The first that takes
     the dtype wins; if none does, the first available (choose() then says why)."""
-    if device:
-        return _registry.get("cuda.flash")
+    if device:  # cuda.flash, else triton.flash for a dtype cuda.flash does not take
+        gpu = [k for k in map(_registry.get, ("cuda.flash", "triton.flash"))]
+        return next((k for k in gpu if dtype in k.dtypes and k.unavailable_reason() is None), gpu[0])
     available = [k for k in map(_registry.get, ("native.flash", "torch.sdpa", "numpy.naive"))
                  if k.unavailable_reason() is None]
     if not available:  # pragma: no cover - numpy.naive always is
@@ -285,8 +290,8 @@ def _with_tuned(call: Call, chosen: _registry.Kernel, params: dict) -> dict:
     resolved = chosen.resolve_params(params)
     if not chosen.params or call.empty or len(params) == len(chosen.params):
         return resolved
-    hit = _tuned.lookup(chosen.name, chosen.device, call.q.dtype, call.causal, call.q.shape[1], call.k.shape[1],
-                        call.q.shape[2], call.v.shape[2])
+    hit = _tuned_lookup(chosen.name, chosen.device, call.q.dtype, call.causal, call.q.shape[1], call.k.shape[1],
+                        call.q.shape[2], call.v.shape[2], call.device)
     if hit is None:
         return resolved
     tuned = {name: value for name, value in hit[0].items() if name not in params}
@@ -295,6 +300,23 @@ def _with_tuned(call: Call, chosen: _registry.Kernel, params: dict) -> dict:
     except (TypeError, ValueError) as exc:  # a result for another build or machine: not ours to use
         warnings.warn(f"ignoring the tuned parameters {hit[1]!r}: {exc}", RuntimeWarning, stacklevel=4)
         return resolved
+
+
+_GPU_TUNED: dict = {}  # GPU calls: (lookup's arguments) -> (when looked up, its result)
+
+
+def _tuned_lookup(*args):
+    """_tuned.lookup(*args[:-1]); for GPU calls (args[-1]), whose whole launch costs tens of
+    microseconds, the answer is kept for a second rather than the cache file checked every call."""
+    if not args[-1]:
+        return _tuned.lookup(*args[:-1])
+    now = time.monotonic()
+    memo = _GPU_TUNED.get(args)
+    if memo is None or now - memo[0] > 1.0:
+        if len(_GPU_TUNED) > 1024:
+            _GPU_TUNED.clear()
+        memo = _GPU_TUNED[args] = (now, _tuned.lookup(*args[:-1]))
+    return memo[1]
 
 
 def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: bool, return_lse: bool):
@@ -329,7 +351,15 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
             extra["lse"].view().copy_to_device(host)
         else:
             extra["lse"][...] = host
-    if check_finite and not call.empty and not _all_finite(call.device, out):
+    if check_finite and call.device:  # inputs and output in one scan, one wait
+        bad = _gpu().nonfinite(call.q, call.k, call.v, *([] if call.empty else [out]))
+        for n, flag in zip("qkv", bad):
+            if flag:
+                raise ValueError(f"{n} contains NaN or infinity; pass finite values (or check_finite=False)")
+        overflow = bad[3:] == [True]
+    else:
+        overflow = check_finite and not call.empty and not _all_finite(call.device, out)
+    if overflow:
         raise FloatingPointError(
             f"{chosen.name} produced non-finite values: q k^T * scale overflows {call.q.dtype}; "
             "scale the inputs down or use float64"

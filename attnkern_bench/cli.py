@@ -27,7 +27,7 @@ from .memory import measure_memory
 from .study import study_parser
 
 CPU_KERNELS = ["native.flash", "torch.sdpa", "numpy.naive"]
-CUDA_KERNELS = ["torch.sdpa", "cuda.flash", "cuda.naive", "torch.naive", "cupy.naive"]
+CUDA_KERNELS = ["torch.sdpa", "cuda.flash", "triton.flash", "cuda.naive", "torch.naive", "cupy.naive"]
 
 BENCH_HELP = """\
 Checks every kernel against the float64 reference, then times it, side by side.
@@ -69,7 +69,10 @@ def _bench_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, help="heads H (cpu: 8, cuda: 16)")
     p.add_argument("--dim", type=int, default=64, help="head size D")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "float64", "float16", "bfloat16"], default="float32",
+                   help="cuda: float32, float16 or bfloat16 (inputs drawn in float32 and rounded to it); "
+                        "cpu: any (float16/bfloat16: the kernels that take them beside torch's SDPA in that "
+                        "dtype, %%matmul against torch's matmul in that dtype)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--kernels", nargs="+", help=f"cpu: registry names (default {' '.join(CPU_KERNELS)}); "
                                                 f"cuda: cuda.* and the peers {' '.join(CUDA_KERNELS)}")
@@ -97,17 +100,25 @@ def _bench_parser(sub) -> None:
 def cmd_bench(args) -> int:
     cuda = args.device == "cuda"
     if args.dtype == "float64" and cuda:
-        raise SystemExit("--device cuda measures float32 only")
+        raise SystemExit("--device cuda measures float32, float16 and bfloat16")
     names = args.kernels or (CUDA_KERNELS if cuda else CPU_KERNELS)
-    target = harness.CudaTarget() if cuda else harness.CpuTarget(args.threads)
+    target = harness.CudaTarget(args.dtype) if cuda else harness.CpuTarget(args.threads, args.dtype)
     if not cuda:
         for name in names:
             attnkern.kernel_info(name)  # an unknown name fails here, before any timing
         for name in [n for n in names if not attnkern.kernel_info(n)["available"]]:
             print(f"# skipping {name}: {attnkern.kernel_info(name)['reason']}")
             names = [n for n in names if n != name]
+        for name in [n for n in names if n != "torch.sdpa" and args.dtype not in attnkern.kernel_info(n)["dtypes"]]:
+            print(f"# skipping {name}: it does not take {args.dtype}")  # torch.sdpa: the harness runs it in any
+            names = [n for n in names if n != name]
     elif any(not attnkern.kernel_info(n)["available"] for n in names if n.startswith("cuda.")):
         raise SystemExit(f"cuda.* kernels are not available: {attnkern.kernel_info('cuda.flash')['reason']}")
+    else:
+        for name in ([n for n in names if n.startswith("cuda.") and args.dtype not in attnkern.kernel_info(n)["dtypes"]]
+                     + [n for n in names if n.startswith("triton.") and not attnkern.kernel_info(n)["available"]]):
+            print(f"# skipping {name}: {attnkern.kernel_info(name)['reason'] or 'not for ' + args.dtype}")
+            names = [n for n in names if n != name]
     cfg = harness.Settings(
         sizes=args.sizes or ([1024, 4096, 16384] if cuda else [512, 1024, 2048, 4096]),
         batch=args.batch, heads=args.heads or (16 if cuda else 8), dim=args.dim, dtype=args.dtype,

@@ -24,6 +24,9 @@ from .machine import blas_threads, cpu_name, thread_params
 from .timing import CudaEventClock, WallClock, medians, take_turns
 
 PEERS = ("torch.sdpa", "numpy.naive")  # the kernels every row is compared with, where present
+# GPU half precision (--device cuda --dtype float16/bfloat16): the scaled error's bound, from the
+# rounding of P and of the output to the dtype (relative 2^-11 and 2^-8), a few of which add up
+HALF_TOL = {"float16": 4e-3, "bfloat16": 3e-2}
 
 
 @dataclass
@@ -37,13 +40,24 @@ class CpuTarget:
     round_robin = True  # every kernel of a configuration takes turns with the others
     clock = WallClock()
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, dtype: str = "float32"):
         self.threads = threads
+        self.dtype = dtype  # float16/bfloat16: inputs() rounds them; put() gives the kernels that dtype
 
     def describe(self) -> str:
         return f"{cpu_name()} ({platform.machine()}), native ISA {attnkern.active_isa()}, {self.threads} threads"
 
     def ceiling(self) -> tuple[str, float]:
+        # bfloat16: torch's bfloat16 matmul (NumPy has none; it uses AVX512_BF16/AMX where present).
+        # float16: CPUs without AVX512_FP16 compute it in float32 (torch's float16 matmul is
+        # orders of magnitude slower than its float32 one), so the float32 matmul is the ceiling
+        if self.dtype == "bfloat16":
+            try:
+                import torch
+            except ImportError:
+                pass
+            else:
+                return f"torch {self.dtype} matmul 2048^3", torch_matmul_gflops(torch, self.dtype, self.threads)
         with blas_threads(self.threads):
             return "NumPy float32 matmul 2048^3", sgemm_gflops(self.threads)
 
@@ -53,13 +67,17 @@ class CpuTarget:
     def candidates(self, names, d: int, sweep: bool) -> list[Candidate]:
         out = []
         for name in names:
+            if name == "torch.sdpa" and self.dtype in HALF_TOL:  # the registry's torch.sdpa takes float32/64
+                out.append(Candidate(name, torch_sdpa_half(self.threads)))
+                continue
             params = thread_params(name, self.threads)
             out.append(Candidate(name, lambda q, k, v, c, s, name=name, params=params:
                                  attnkern.attention(q, k, v, causal=c, scale=s, kernel=name, **params)))
         return out
 
     def put(self, x: np.ndarray):
-        return x
+        # half precision: inputs() drew float32 values already rounded to it, so this is exact
+        return x.astype(host_dtype(self.dtype)) if self.dtype in HALF_TOL else x
 
     def host(self, x) -> np.ndarray:
         return np.asarray(x)
@@ -68,11 +86,56 @@ class CpuTarget:
         pass
 
 
+def host_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype name; bfloat16 is ml_dtypes.bfloat16."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise SystemExit("bfloat16 on the CPU needs ml_dtypes: pip install ml_dtypes") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def torch_sdpa_half(threads: int) -> Callable:
+    """torch's SDPA on float16/bfloat16 host arrays, in their dtype (the registry's
+    torch.sdpa takes float32 and float64): viewed, not copied, as (1, B*H, N, D) tensors
+    (torch's fused CPU kernels take 4-D inputs), the output back as a NumPy array."""
+    import torch
+
+    from attnkern.backends.torch import _threads
+
+    def as_torch(x):
+        x = np.ascontiguousarray(x)
+        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype.name == "bfloat16" \
+            else torch.from_numpy(x)
+        return t.reshape(1, -1, *x.shape[-2:])
+
+    def run(q, k, v, causal, scale):
+        with _threads(torch, threads), torch.no_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(as_torch(q), as_torch(k), as_torch(v),
+                                                                   is_causal=causal, scale=scale)
+        out = out.reshape(*q.shape[:-1], out.shape[-1])
+        return out.view(torch.int16).numpy().view(q.dtype) if q.dtype.name == "bfloat16" else out.numpy()
+
+    return run
+
+
+def torch_matmul_gflops(torch, dtype: str, threads: int, n: int = 2048, repeat: int = 5) -> float:
+    """Median GFLOP/s of torch's n^3 matmul in dtype on the CPU with `threads` threads."""
+    from attnkern.backends.torch import _threads
+
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    with _threads(torch, threads), torch.no_grad():
+        seconds = medians(take_turns({"matmul": lambda: a @ a}, repeat=repeat))["matmul"]
+    return 2.0 * n**3 / seconds / 1e9
+
+
 class CudaTarget:
     device = "cuda"
     round_robin = False  # one kernel at a time, memory released between: the naive ones take GBs
 
-    def __init__(self):
+    def __init__(self, dtype: str = "float32"):
         import torch
 
         if not torch.cuda.is_available():
@@ -82,6 +145,7 @@ class CudaTarget:
         torch.backends.cudnn.allow_tf32 = False
         self.torch = torch
         self.clock = CudaEventClock(torch)
+        self.dtype = getattr(torch, dtype)  # inputs are drawn in float32 and rounded to it (inputs())
 
     def describe(self) -> str:
         return f"{self.torch.cuda.get_device_name()}, torch {self.torch.__version__}, TF32 off"
@@ -128,22 +192,23 @@ class CudaTarget:
         for name in names:
             if name in peers:
                 out.append(Candidate(name, peers[name]))
-            elif name.startswith("cuda."):
+            elif name.startswith(("cuda.", "triton.")):
                 out.append(Candidate(name, ours(name)))
             else:
                 print(f"# skipping {name}: not a GPU kernel or peer", file=sys.stderr)
         if sweep:
             from attnkern.backends.cuda import flash_tiles
 
-            out += [Candidate(f"cuda.flash[{bq}x{bk}]", ours("cuda.flash", block_q=bq, block_k=bk))
-                    for bq, bk in flash_tiles(d, d, 4)]
+            if self.dtype == torch.float32:  # the half-precision kernel's tiles are fixed
+                out += [Candidate(f"cuda.flash[{bq}x{bk}]", ours("cuda.flash", block_q=bq, block_k=bk))
+                        for bq, bk in flash_tiles(d, d, 4)]
         return out
 
     def put(self, x: np.ndarray):
-        return self.torch.from_numpy(x).cuda()
+        return self.torch.from_numpy(np.ascontiguousarray(x, np.float32)).cuda().to(self.dtype)
 
     def host(self, x) -> np.ndarray:
-        return x.cpu().numpy()
+        return x.float().cpu().numpy()
 
     def release(self) -> None:
         """Hands cached blocks back to the driver, so one library's cache does not
@@ -189,7 +254,7 @@ def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: floa
     rng = np.random.default_rng(cfg.seed)
     rows_out = []
     configs = [(n, c) for n in cfg.sizes for c in cfg.causal]
-    tol = TOL[np.dtype(cfg.dtype)]
+    tol = TOL[np.dtype(cfg.dtype)] if cfg.dtype in ("float32", "float64") else HALF_TOL[cfg.dtype]
     for step, (n, causal) in enumerate(configs, 1):
         print(f"[{step}/{len(configs)}] N={n} causal={causal}: checking and timing {len(candidates)} kernels",
               file=sys.stderr, flush=True)
@@ -237,6 +302,11 @@ def inputs(cfg: Settings, n: int, rng) -> tuple:
 
         captured = capture(n)
         return tuple(np.ascontiguousarray(captured[x], dtype=cfg.dtype) for x in "qkv")
+    if cfg.dtype in HALF_TOL:  # float32 values already rounded to the dtype: the reference sees the same inputs
+        import torch
+
+        drawn = random_qkv(rng.integers(2**32), (cfg.batch, cfg.heads), n, n, cfg.dim, dtype=np.float32)
+        return tuple(torch.from_numpy(x).to(getattr(torch, cfg.dtype)).float().numpy() for x in drawn)
     return random_qkv(rng.integers(2**32), (cfg.batch, cfg.heads), n, n, cfg.dim, dtype=cfg.dtype)
 
 

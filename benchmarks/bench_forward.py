@@ -2,7 +2,9 @@
 
 import numpy as np
 
-from .common import CPU_KERNELS, CUDA_KERNELS, THREADS, kernel_call, random_qkv, setup_kernel
+import attnkern
+
+from .common import CPU_KERNELS, CUDA_KERNELS, THREADS, kernel_call, random_qkv, setup_kernel, torch
 
 
 class Forward:
@@ -61,6 +63,41 @@ class ForwardCuda:
     def time_forward(self, kernel, shape, causal):
         self.call(self.q, self.k, self.v, causal)
         self.sync()
+
+
+class ForwardGpu:
+    """cuda.flash, triton.flash and torch's SDPA side by side on torch CUDA tensors, float32 (TF32
+    off) and half precision, from a small batch of short sequences (launch overhead) to long ones;
+    attnkern's kernels with check_finite=False, as torch checks nothing. Skipped without a CUDA GPU,
+    and for a kernel a commit lacks or that does not take the dtype."""
+
+    params = [["cuda.flash", "triton.flash", "torch.sdpa"], ["4x8x256x64", "1x16x1024x64", "1x16x4096x64"],
+              ["float32", "bfloat16", "float16"], [False, True]]
+    param_names = ["kernel", "shape", "dtype", "causal"]
+    rounds = 2
+    repeat = (3, 20, 2.0)
+    warmup_time = 0.5  # the first call compiles (and for triton.flash autotunes) the kernel
+    timeout = 300
+
+    def setup(self, kernel, shape, dtype, causal):
+        if torch is None or not torch.cuda.is_available():
+            raise NotImplementedError("no CUDA GPU")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        if kernel == "torch.sdpa":
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            self.call = lambda q, k, v, c: sdpa(q, k, v, is_causal=c)
+        else:
+            kernel_call(kernel)  # NotImplementedError (skip) where missing or unavailable
+            if dtype not in attnkern.kernel_info(kernel).get("dtypes", ["float32", "float64"]):
+                raise NotImplementedError(f"{kernel} does not take {dtype} in this commit")
+            self.call = lambda q, k, v, c: attnkern.attention(q, k, v, causal=c, kernel=kernel, check_finite=False)
+        self.q, self.k, self.v = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in random_qkv(shape))
+        self.call(self.q, self.k, self.v, causal)  # compile outside the samples
+        torch.cuda.synchronize()
+
+    def time_forward(self, kernel, shape, dtype, causal):
+        self.call(self.q, self.k, self.v, causal)
+        torch.cuda.synchronize()
 
 
 class BlockSweep:

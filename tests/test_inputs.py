@@ -39,6 +39,10 @@ BAD_ARRAYS = [
 @pytest.mark.parametrize("kernel", AVAILABLE)
 @pytest.mark.parametrize("args,exc,message", BAD_ARRAYS)
 def test_bad_arrays(kernel, args, exc, message):
+    if message == "float16" and "float16" in attnkern.kernel_info(kernel)["dtypes"]:
+        message = None  # it computes in float16: no error (tests/test_half.py checks the result)
+        attnkern.attention(**args, kernel=kernel)
+        return
     with pytest.raises(exc, match=message):
         attnkern.attention(**args, kernel=kernel)
 

@@ -75,6 +75,7 @@ def _device_free_memory() -> int:
         return 1 << 62
 
 
+@functools.cache  # a pure function of its arguments, asked on every call
 def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:
     """The tile to run: as given, or for 0 ('auto') the first of the preferred
     tiles that fits shared memory for this head size and dtype."""
@@ -101,12 +102,38 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, out=None, lse=None
     log-sum-exp: a GpuArray, or a NumPy array (filled from a copy on the GPU)."""
     from . import arrays, kernels
 
+    if q.dtype.name in kernels.MMA_DTYPES:
+        return _cuda_flash_half(q, k, v, causal, scale, out, lse)
     block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
     host = isinstance(q, np.ndarray)
     dq, dk, dv, out = _to_device(q, k, v, out)
     lse_host = isinstance(lse, np.ndarray)
     dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
     kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse)
+    if lse_host:
+        lse[...] = arrays.to_host(dlse)
+    return _from_device(out, host)
+
+
+def _cuda_flash_half(q, k, v, causal, scale, out, lse):
+    """cuda.flash on float16/bfloat16: the tensor-core kernel (kernels.flash_mma),
+    whose tiles are fixed (64 x 64): block_q and block_k do not apply."""
+    from numba import config
+
+    from . import arrays, kernels
+
+    d, dv = q.shape[2], v.shape[2]
+    if config.ENABLE_CUDASIM:
+        raise RuntimeError("cuda.flash: float16/bfloat16 run CUDA C++ on tensor cores, which Numba's CUDA simulator "
+                           "cannot run; use float32 there")
+    if not kernels.mma_head_size_ok(d, dv):
+        raise ValueError(f"cuda.flash: float16/bfloat16 need D = Dv, a multiple of 16 up to 128 (got D={d}, Dv={dv}); "
+                         "use triton.flash, or float32")
+    host = isinstance(q, np.ndarray)
+    dq, dk, dv_, out = _to_device(q, k, v, out)
+    lse_host = isinstance(lse, np.ndarray)
+    dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
+    kernels.flash_mma(dq, dk, dv_, out, causal, scale, lse=dlse)
     if lse_host:
         lse[...] = arrays.to_host(dlse)
     return _from_device(out, host)
@@ -139,6 +166,9 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
     returned; NumPy arrays: copied to the GPU, the gradients copied back."""
     from . import arrays, kernels
 
+    if q.dtype.name in kernels.MMA_DTYPES:
+        raise TypeError(f"cuda.flash's backward takes float32 and float64, not {q.dtype.name}; "
+                        "convert with .float() for training")
     block_q, block_k = _flash_backward_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
     host = isinstance(q, np.ndarray)
     if host:
@@ -205,5 +235,7 @@ register(
         device="cuda",
         returns_lse=True,
         backward=_cuda_flash_backward,
+        # float16/bfloat16: the tensor-core forward (flash_mma.cu), D = Dv a multiple of 16 up to 128
+        dtypes=("float32", "float64", "float16", "bfloat16"),
     )
 )

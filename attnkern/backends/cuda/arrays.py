@@ -1,6 +1,8 @@
-"""GPU arrays in and out of attnkern.attention. Inputs with
-__cuda_array_interface__ (Numba device arrays, PyTorch CUDA tensors, CuPy
-arrays, ...) are viewed as Numba device arrays without a copy; the output is
+"""GPU arrays in and out of attnkern.attention. torch CUDA tensors are read
+directly (address, shape, dtype: from_torch); other inputs with
+__cuda_array_interface__ (Numba device arrays, CuPy arrays, ...) through the
+interface; neither is copied, and a Numba view is made only where a kernel
+launched through Numba's dispatcher needs one (GpuArray.flat). The output is
 allocated as the kind of array q was: a torch tensor on q's device for torch,
 a CuPy array for CuPy, a Numba device array otherwise. Their caching
 allocators are also cheaper per call than Numba's cuda.device_array, which
@@ -9,7 +11,6 @@ allocates with cudaMalloc every time."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from numba import config, cuda
@@ -18,17 +19,22 @@ _THREADS = 32 if config.ENABLE_CUDASIM else 256  # the simulator runs a Python t
 _LEGACY_DEFAULT_STREAM = 1  # how __cuda_array_interface__ v3 names it
 
 
-@dataclass(frozen=True)
 class GpuArray:
-    """A GPU array as attnkern's kernels take it: shape, dtype and strides read
-    from its interface, and one flat Numba view of its memory (None when it is
-    not C-contiguous). Reshaping changes only the shape: making a Numba
-    device array is Python work that would add to every launch's overhead."""
+    """A GPU array as attnkern's kernels take it: shape, dtype, strides (None when
+    C-contiguous), its device address and the object owning its memory. Kernels
+    launched below Numba's dispatcher need only the address; `flat`, one flat
+    Numba view of the memory, is made on first use (making a Numba device array
+    is Python work that would add to every launch's overhead). bfloat16, which
+    Numba lacks, is viewed as uint16. Reshaping changes only the shape."""
 
-    shape: tuple
-    dtype: np.dtype
-    strides: tuple | None
-    flat: object
+    __slots__ = ("shape", "dtype", "strides", "ptr", "owner", "contiguous", "_flat")
+
+    def __init__(self, shape, dtype, strides, flat=None, *, ptr=None, owner=None, contiguous=None):
+        self.shape, self.dtype, self.strides = tuple(shape), np.dtype(dtype), strides
+        self.ptr, self.owner, self._flat = ptr, owner, flat
+        self.contiguous = (flat is not None or ptr is not None) if contiguous is None else contiguous
+        if ptr is None and flat is not None and not config.ENABLE_CUDASIM:
+            self.ptr = flat.device_ctypes_pointer.value or 0
 
     @property
     def ndim(self) -> int:
@@ -38,16 +44,75 @@ class GpuArray:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def flat(self):
+        if self._flat is None and self.contiguous:
+            self._flat = _numba_view(self.ptr, self.size, self.dtype, self.owner)
+        return self._flat
+
     def is_c_contiguous(self) -> bool:
-        return self.flat is not None
+        return self.contiguous
 
     def reshape(self, *shape) -> "GpuArray":
-        assert math.prod(shape) == self.size and self.flat is not None
-        return GpuArray(tuple(shape), self.dtype, None, self.flat)
+        assert math.prod(shape) == self.size and self.contiguous
+        return GpuArray(shape, self.dtype, None, self._flat, ptr=self.ptr, owner=self.owner, contiguous=True)
 
     def view(self):
         """A Numba device array of this shape."""
         return self.flat.reshape(*self.shape)
+
+
+def _numba_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.uint16) if dtype.name == "bfloat16" else dtype
+
+
+def _numba_view(ptr: int, size: int, dtype: np.dtype, owner):
+    """A flat Numba device array over `size` elements at address ptr (no copy, no wait)."""
+    dtype = _numba_dtype(dtype)
+    if not size:
+        return cuda.device_array(0, dtype=dtype)  # nothing to view; numba refuses a null pointer
+    desc = {"shape": (size,), "strides": None, "typestr": dtype.str, "data": (ptr, False), "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
+
+
+_TORCH_DTYPES = {}  # torch dtype -> NumPy dtype (bfloat16: ml_dtypes.bfloat16), filled on first use
+
+
+def _torch_dtype_map(torch) -> dict:
+    if not _TORCH_DTYPES:
+        _TORCH_DTYPES.update({torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+                              torch.float16: np.dtype(np.float16)})
+        try:
+            import ml_dtypes
+
+            _TORCH_DTYPES[torch.bfloat16] = np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            pass
+    return _TORCH_DTYPES
+
+
+def from_torch(x, name: str) -> GpuArray:
+    """A GpuArray over a torch CUDA tensor's memory, read from the tensor itself
+    rather than through __cuda_array_interface__ (which torch builds on every access,
+    and which has no bfloat16). Like the interface path, it waits for torch's current
+    stream when that is not the legacy default stream our kernels run on."""
+    import torch
+
+    dtype = _torch_dtype_map(torch).get(x.dtype)
+    if dtype is None:
+        if x.dtype == torch.bfloat16:
+            raise TypeError(f"{name} is a bfloat16 tensor: attnkern names bfloat16 through ml_dtypes "
+                            "(pip install ml_dtypes), or convert with .float()")
+        raise TypeError(f"{name} has dtype {x.dtype}; attnkern supports float32, float64, float16 and bfloat16")
+    if x.requires_grad:
+        raise TypeError(f"{name} is a GPU array that Numba cannot view: it requires grad (detach it first)")
+    shape = tuple(x.shape)
+    contiguous = x.is_contiguous()
+    strides = None if contiguous else tuple(s * dtype.itemsize for s in x.stride())
+    stream = torch.cuda.current_stream(x.device)
+    if stream.cuda_stream:  # not the legacy default stream: its queued work must come first
+        stream.synchronize()
+    return GpuArray(shape, dtype, strides, ptr=x.data_ptr() if contiguous else None, owner=x, contiguous=contiguous)
 
 
 def _c_strides(shape, itemsize):
@@ -63,7 +128,8 @@ def as_device_array(x, name: str, desc) -> GpuArray:
     or None to read it here."""
     if config.ENABLE_CUDASIM:  # the simulator's device arrays are the only GPU arrays there
         contiguous = x.is_c_contiguous()
-        return GpuArray(tuple(x.shape), np.dtype(x.dtype), tuple(x.strides), x.reshape(x.size) if contiguous else None)
+        return GpuArray(x.shape, np.dtype(x.dtype), tuple(x.strides), x.reshape(x.size) if contiguous else None,
+                        contiguous=contiguous)
     try:
         if desc is None:
             desc = x.__cuda_array_interface__
@@ -80,45 +146,64 @@ def as_device_array(x, name: str, desc) -> GpuArray:
             flat_desc = {**desc, "shape": (math.prod(shape),), "strides": None}
             flat = cuda.from_cuda_array_interface(flat_desc, owner=x,
                                                   sync=stream not in (None, _LEGACY_DEFAULT_STREAM))
-        return GpuArray(shape, dtype, tuple(strides) if strides else None, flat)
+        return GpuArray(shape, dtype, tuple(strides) if strides else None, flat, owner=x, contiguous=flat is not None)
     except Exception as exc:  # e.g. a torch tensor that requires grad
         raise TypeError(f"{name} is a GPU array that Numba cannot view: {exc}") from None
 
 
 def from_host(x: np.ndarray) -> GpuArray:
     """A copy of a C-contiguous NumPy array on the GPU."""
-    return GpuArray(x.shape, x.dtype, None, cuda.to_device(x.reshape(x.size)))
+    flat = x.reshape(x.size)
+    return GpuArray(x.shape, x.dtype, None, cuda.to_device(flat.view(_numba_dtype(x.dtype))))
 
 
 def device_empty(shape, dtype) -> GpuArray:
-    return GpuArray(tuple(shape), np.dtype(dtype), None, cuda.device_array(math.prod(shape), dtype=dtype))
+    dtype = np.dtype(dtype)
+    return GpuArray(shape, dtype, None, cuda.device_array(math.prod(shape), dtype=_numba_dtype(dtype)))
 
 
 def to_host(x: GpuArray) -> np.ndarray:
-    return x.flat.copy_to_host().reshape(x.shape)
+    return x.flat.copy_to_host().view(x.dtype).reshape(x.shape)
 
 
 def empty_like_kind(shape, dtype, like):
     """An uninitialised output of the kind of array `like` is, on its device:
     (a GpuArray over it, the array itself)."""
     size = math.prod(shape)
+    dtype = np.dtype(dtype)
     package = type(like).__module__.partition(".")[0]
     if package == "torch" and not config.ENABLE_CUDASIM:
         import torch
 
-        out = torch.empty(size, dtype=getattr(torch, np.dtype(dtype).name), device=like.device)
-        returned = out.view(shape)
-    elif package == "cupy" and not config.ENABLE_CUDASIM:
+        out = torch.empty(shape, dtype=getattr(torch, dtype.name), device=like.device)
+        # new memory: nothing to wait for
+        return GpuArray(shape, dtype, None, ptr=out.data_ptr(), owner=out), out
+    if package == "cupy" and not config.ENABLE_CUDASIM:
         import cupy
 
         with like.device:
             out = cupy.empty(size, dtype=dtype)
-        returned = out.reshape(shape)
-    else:
-        out = cuda.device_array(size, dtype=dtype)
-        return GpuArray(tuple(shape), np.dtype(dtype), None, out), out.reshape(shape)
-    # new memory: nothing to wait for
-    return GpuArray(tuple(shape), np.dtype(dtype), None, cuda.as_cuda_array(out, sync=False)), returned
+        return GpuArray(shape, dtype, None, ptr=out.data.ptr, owner=out), out.reshape(shape)
+    out = cuda.device_array(size, dtype=_numba_dtype(dtype))
+    return GpuArray(shape, dtype, None, out), out.reshape(shape)
+
+
+def all_finite(*arrays: GpuArray) -> bool:
+    """Whether GPU arrays hold no NaN or infinity: one pass over each on the
+    GPU, one flag, one wait for the answer."""
+    return not any(nonfinite(*arrays))
+
+
+def nonfinite(*arrays: GpuArray) -> list[bool]:
+    """For each GPU array, whether it holds a NaN or an infinity: one launch of
+    the scan over all of them (up to four), flags in mapped host memory that
+    the scan writes and the host reads after one wait: no copies, no allocation."""
+    from . import kernels
+
+    arrays = list(arrays)
+    if config.ENABLE_CUDASIM or len(arrays) > 4:
+        return [_nonfinite_slow(x) for x in arrays]
+    return kernels.nonfinite(arrays)
 
 
 @cuda.jit
@@ -128,11 +213,9 @@ def _flag_nonfinite(x, flag):
         flag[0] = 1
 
 
-def all_finite(*arrays: GpuArray) -> bool:
-    """Whether GPU arrays hold no NaN or infinity: one pass over each on the
-    GPU, one flag, one wait for the answer."""
+def _nonfinite_slow(x: GpuArray) -> bool:
+    if not x.size:
+        return False
     flag = cuda.to_device(np.zeros(1, dtype=np.int32))
-    for x in arrays:
-        if x.size:
-            _flag_nonfinite[-(-x.size // _THREADS), _THREADS](x.flat, flag)
-    return not flag.copy_to_host()[0]
+    _flag_nonfinite[-(-x.size // _THREADS), _THREADS](x.flat, flag)
+    return bool(flag.copy_to_host()[0])

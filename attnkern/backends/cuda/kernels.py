@@ -47,11 +47,14 @@ cuda.flash backward (three launches, FlashAttention-2 order, deterministic)
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import os
+import threading
 
 import numpy as np
-from numba import config, cuda, float64, uint64
+from numba import config, cuda, float64, int32, uint64
 
 LOG2E = math.log2(math.e)  # scores in the log2 domain: exp(s) = 2^(s * LOG2E)
 LN2 = math.log(2.0)  # back from the log2 domain: ln(x) = log2(x) * LN2
@@ -94,6 +97,139 @@ else:
 
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+# ---------------------------------------------------------------- launches
+
+class RawKernel:
+    """A compiled Numba kernel launched below Numba's dispatcher: the driver's
+    kernel handle and a launch configuration per (grid, block) are kept, and
+    arguments go to the driver as Numba's calling convention lays them out
+    (see launch), with no typing of Python values and no array objects made per
+    call. That dispatch is most of a call's overhead at small sizes."""
+
+    def __init__(self, compiled):
+        from cuda.core import LaunchConfig
+        from cuda.core import launch as core_launch
+        from numba.cuda.cudadrv import driver
+
+        self._kernel = compiled._codelibrary.get_cufunc().kernel
+        self._launch, self._config = core_launch, LaunchConfig
+        self._stream = driver._to_core_stream(0)  # the legacy default stream, as Numba's own launches
+        self._configs = {}
+
+    def __call__(self, grid: tuple, block: tuple, args: list) -> None:
+        cfg = self._configs.get((grid, block))
+        if cfg is None:
+            cfg = self._configs[grid, block] = self._config(grid=grid, block=block, shmem_size=0)
+        self._launch(self._stream, cfg, self._kernel, *args)
+
+
+_RAW: dict = {}  # dispatcher -> RawKernel; each of our dispatchers is always called with one signature
+_RAW_LOCK = threading.Lock()
+
+
+def _dim3(x) -> tuple:
+    x = (x,) if isinstance(x, int) else tuple(x)
+    return x + (1,) * (3 - len(x))
+
+
+def launch(dispatcher, grid, block, *args) -> None:
+    """dispatcher[grid, block](*args) where each GpuArray argument is passed as its
+    flat 1-D Numba view. The first launch of a dispatcher goes through Numba (it
+    compiles there); later ones through RawKernel, with a GpuArray as the fields
+    of Numba's 1-D C-contiguous array (meminfo, parent, size, itemsize, data
+    pointer, shape, stride), a bool as is, NumPy scalars and Python ints and floats
+    as the C types Numba types them as (int64, float64, and the NumPy scalar's own)."""
+    from .arrays import GpuArray
+
+    raw = None if config.ENABLE_CUDASIM else _RAW.get(dispatcher)
+    if raw is None:
+        dispatcher[grid, block](*(a.flat if isinstance(a, GpuArray) else a for a in args))
+        if not config.ENABLE_CUDASIM:
+            with _RAW_LOCK:
+                if dispatcher not in _RAW and len(dispatcher.overloads) == 1:
+                    _RAW[dispatcher] = RawKernel(next(iter(dispatcher.overloads.values())))
+        return
+    flat = []
+    for a in args:
+        if isinstance(a, GpuArray):
+            n, itemsize = a.size, a.dtype.itemsize
+            flat += (0, 0, n, itemsize, a.ptr, n, itemsize)
+        elif isinstance(a, bool):
+            flat.append(a)
+        elif isinstance(a, int):
+            flat.append(ctypes.c_int64(a))
+        elif isinstance(a, float):
+            flat.append(ctypes.c_double(a))
+        else:
+            flat.append(_CTYPES[a.dtype.name](a))
+    raw(_dim3(grid), _dim3(block), flat)
+
+
+_CTYPES = {"float32": ctypes.c_float, "float64": ctypes.c_double, "int32": ctypes.c_int32,
+           "int64": ctypes.c_int64, "uint16": ctypes.c_uint16, "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64}
+
+
+# ---------------------------------------------------------------- finite checks
+
+SCAN_BLOCKS, SCAN_THREADS = (2, 32) if config.ENABLE_CUDASIM else (528, 256)
+# the exponent bits, all set for NaN and infinity, of each float dtype's bit pattern
+_EXPONENT = {"float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80),
+             "float32": (np.uint32, 0x7F800000), "float64": (np.uint64, 0x7FF0000000000000)}
+
+
+@functools.cache
+def nonfinite_kernel(itemsize: int):
+    """A scan of up to four flat arrays of one width, viewed as unsigned integers:
+    flags[i] = 1 where array i has an element whose exponent bits are all set."""
+
+    @cuda.jit(device=True)
+    def seen(a, n, mask, start, stride):
+        for i in range(start, n, stride):
+            if (a[i] & mask) == mask:
+                return True
+        return False
+
+    @cuda.jit
+    def scan(a0, a1, a2, a3, n0, n1, n2, n3, mask0, mask1, mask2, mask3, flags):
+        start = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        if seen(a0, n0, mask0, start, stride):
+            flags[0] = 1
+        if seen(a1, n1, mask1, start, stride):
+            flags[1] = 1
+        if seen(a2, n2, mask2, start, stride):
+            flags[2] = 1
+        if seen(a3, n3, mask3, start, stride):
+            flags[3] = 1
+
+    return scan
+
+
+_FLAGS = threading.local()  # per thread: mapped host memory the scan writes its four flags to
+
+
+def nonfinite(arrays) -> list[bool]:
+    """For each of up to four GpuArrays (all of one itemsize), whether it holds a
+    NaN or an infinity; one launch, flags in mapped host memory, one wait."""
+    from .arrays import GpuArray
+
+    flags = getattr(_FLAGS, "flags", None)
+    if flags is None:
+        flags = _FLAGS.flags = cuda.mapped_array(4, dtype=np.int32)
+        _FLAGS.view = GpuArray((4,), np.int32, None, ptr=flags.device_ctypes_pointer.value or 0, owner=flags)
+        _FLAGS.stream = cuda.default_stream()
+    flags[:] = 0
+    itype, mask = _EXPONENT[arrays[0].dtype.name]
+    ints = [GpuArray((a.size,), itype, None, ptr=a.ptr, owner=a.owner) for a in arrays]
+    while len(ints) < 4:
+        ints.append(ints[0])
+    sizes = [x.size for x in ints[:len(arrays)]] + [0] * (4 - len(arrays))
+    launch(nonfinite_kernel(np.dtype(itype).itemsize), SCAN_BLOCKS, SCAN_THREADS, *ints, *sizes,
+           *([itype(mask)] * 4), _FLAGS.view)
+    _FLAGS.stream.synchronize()
+    return [bool(f) for f in flags[:len(arrays)]]
 
 
 # ---------------------------------------------------------------- cuda.naive
@@ -388,9 +524,61 @@ def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, 
     dp, dvp = flash_padded_dims(block_k, d, v.shape[2], micro)
     kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro, lse is not None)
     # without lse the kernel never reads its lse argument: out stands in for it
-    lse_flat = out.flat if lse is None else lse.flat
-    kernel[(-(-nq // block_q), batch), threads](q.flat, k.flat, v.flat, out.flat, lse_flat, nq, k.shape[1], d,
-                                                 v.shape[2], q.dtype.type(scale * LOG2E), causal)
+    launch(kernel, (-(-nq // block_q), batch), threads, q, k, v, out, out if lse is None else lse, nq, k.shape[1], d,
+           v.shape[2], q.dtype.type(scale * LOG2E), bool(causal))
+
+
+# ---------------------------------------------------------------- cuda.flash, float16 and bfloat16
+
+MMA_DTYPES = ("float16", "bfloat16")
+MMA_BLOCK_Q, MMA_THREADS = 64, 128  # query rows and threads of a block (flash_mma.cu's BM, NTHREADS)
+
+
+def mma_head_size_ok(d: int, dv: int) -> bool:
+    """Whether the tensor-core kernel takes this head size: D = Dv, a multiple of 16 up to 128."""
+    return d == dv and d % 16 == 0 and 16 <= d <= 128
+
+
+@functools.cache
+def flash_mma_kernel(dtype: str, d: int):
+    """cuda.flash's tensor-core kernel for float16 or bfloat16 and head size d:
+    a numba-cuda kernel whose body calls the CUDA C++ device function of
+    flash_mma.cu, compiled by numba-cuda (NVRTC) with the constants for this
+    dtype and head size and linked into the kernel. The C++ holds the tensor-core
+    (mma.sync, ldmatrix) and asynchronous-copy instructions as inline PTX: Numba's
+    Python kernels reach neither, while numba-cuda still compiles, caches and
+    launches the kernel as it does the others (launch(), RawKernel)."""
+    from numba.cuda import types as nbtypes
+
+    name = f"attnkern_flash_mma_{dtype}_{d}"
+    with open(os.path.join(os.path.dirname(__file__), "flash_mma.cu")) as f:
+        body = f.read()
+    source = f"#define ATTNKERN_D {d}\n#define ATTNKERN_BF16 {int(dtype == 'bfloat16')}\n#define ATTNKERN_NAME {name}\n"
+    u64, i32 = nbtypes.uint64, nbtypes.int32
+    sig = nbtypes.void(u64, u64, u64, u64, u64, i32, i32, nbtypes.float32, i32, i32)
+    attend = cuda.declare_device(name, sig, link=[cuda.CUSource(source + body)], abi="c")
+
+    @cuda.jit
+    def flash_mma(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse):
+        attend(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse)
+
+    return flash_mma
+
+
+def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None) -> None:
+    """out = softmax(q k^T * scale) v on float16 or bfloat16 GpuArrays (batch, n, d)
+    on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill."""
+    batch, nq, d = q.shape
+    nk = k.shape[1]
+    arrays = (q, k, v, out) if lse is None else (q, k, v, out, lse)
+    if any(a.ptr % 16 for a in arrays[:3]) or any(a.ptr % 4 for a in arrays[3:]):
+        raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses "
+                         "(pass a fresh contiguous tensor: .contiguous() or .clone())")
+    kernel = flash_mma_kernel(q.dtype.name, d)
+    u = np.uint64
+    launch(kernel, (-(-nq // MMA_BLOCK_Q), batch), MMA_THREADS, u(q.ptr), u(k.ptr), u(v.ptr), u(out.ptr),
+           u(out.ptr if lse is None else lse.ptr), np.int32(nq), np.int32(nk), np.float32(scale * LOG2E),
+           np.int32(bool(causal)), np.int32(lse is not None))
 
 
 # ---------------------------------------------------------------- cuda.flash backward

@@ -1,7 +1,12 @@
 """The C kernels (attn_kernels.h) registered as native.naive, native.tiled and
 native.flash. The instruction set is chosen at run time: the best the CPU has,
 or the one named by the environment variable ATTNKERN_ISA (generic, avx2,
-avx512), read on every call so tests can force the portable fallback."""
+avx512, avx512bf16), read on every call so tests can force the portable fallback.
+
+native.tiled and native.flash also take float16 and bfloat16 (ml_dtypes.bfloat16
+on the host): float32 arithmetic inside, the output and lse in the input's dtype.
+On avx512bf16, bfloat16 flash runs both matmuls as vdpbf16ps dot products; every
+other combination widens blocks to float32 as it packs them (docs/half-precision.md)."""
 
 from __future__ import annotations
 
@@ -53,7 +58,8 @@ def _check_workspace(algo, q, k, block_q, num_threads):
     if algo == "naive":
         need = q.shape[1] * nk * q.itemsize
     elif algo == "tiled":
-        need = min(num_threads, q.shape[0] * -(-q.shape[1] // block_q)) * block_q * nk * q.itemsize
+        # half-precision inputs keep float32 scores
+        need = min(num_threads, q.shape[0] * -(-q.shape[1] // block_q)) * block_q * nk * max(q.itemsize, 4)
     else:
         return
     if need > _physical_memory():
@@ -63,11 +69,20 @@ def _check_workspace(algo, q, k, block_q, num_threads):
         )
 
 
+_HALF = ("float16", "bfloat16")  # computed in float32; passed to C as their uint16 bits
+_FLOAT = ("float32", "float64")
+
+
 def _runner(algo: str):
     def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1, lse=None):
         _check_workspace(algo, q, k, block_q, num_threads)
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
-        _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads, lse)
+        if q.dtype.name in _HALF:
+            bits = (x.view(np.uint16) for x in (q, k, v, out))
+            _attn.forward_half(algo, active_isa(), q.dtype.name, *bits, causal, scale, block_q, block_k,
+                               num_threads, None if lse is None else lse.view(np.uint16))
+        else:
+            _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads, lse)
         return out
 
     run.__name__ = f"native_{algo}"
@@ -76,7 +91,12 @@ def _runner(algo: str):
 
 def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1, num_threads=1):
     """The gradients (dq, dk, dv) of sum(out * dout), recomputing the scores block by
-    block from the forward's lse: memory O(threads * block_q * block_k), never N x N."""
+    block from the forward's lse: memory O(threads * block_q * block_k), never N x N.
+    float32 and float64 only."""
+    if q.dtype.name not in _FLOAT:
+        raise TypeError(f"native.flash's backward takes float32 and float64, not {q.dtype.name} (its forward "
+                        f"takes {q.dtype.name}); for gradients, run attention in float32: convert with .astype "
+                        "(torch: .float())")
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     _attn.backward(active_isa(), q, k, v, out, dout, lse, dq, dk, dv, causal, scale, block_q, block_k,
                    num_threads)
@@ -117,6 +137,7 @@ register(
         params=(*_blocks(256, 256), _THREADS),
         unavailable_reason=_unavailable,
         returns_lse=True,
+        dtypes=(*_FLOAT, *_HALF),
     )
 )
 register(
@@ -127,6 +148,7 @@ register(
         params=(*_blocks(256, 256), _THREADS),
         unavailable_reason=_unavailable,
         returns_lse=True,
-        backward=_flash_backward,
+        backward=_flash_backward,  # float32 and float64 only
+        dtypes=(*_FLOAT, *_HALF),
     )
 )

@@ -2,7 +2,7 @@
 """Thin wrapper over the C kernels: arguments arrive validated from
 attnkern._api; the GIL is released for the whole computation."""
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint16_t
 
 cdef extern from "attn.h" nogil:
     enum:
@@ -33,6 +33,9 @@ cdef extern from "attn.h" nogil:
                          const float *k, const float *v, float *out, float *lse)
     int attn_forward_f64(int algo, int isa, const attn_problem *p, const double *q,
                          const double *k, const double *v, double *out, double *lse)
+    int attn_forward_half(int algo, int isa, int kind, const attn_problem *p, const uint16_t *q,
+                          const uint16_t *k, const uint16_t *v, uint16_t *out, uint16_t *lse)
+    int attn_convert_half(int isa, int kind, const float *inp, int64_t n, uint16_t *out, float *back)
     int attn_backward_f32(int isa, const attn_problem *p, const float *q, const float *k,
                           const float *v, const float *out, const float *dout, const float *lse,
                           float *dq, float *dk, float *dv)
@@ -149,6 +152,51 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
             err = attn_forward_f64(a, i, &p, qp, kp, vp, op, lp)
     if err != ATTN_OK:
         _raise(err, f"native.{algo}", p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+
+
+HALF_KINDS = {"bfloat16": 0, "float16": 1}
+
+
+def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const uint16_t[:, :, ::1] k,
+                 const uint16_t[:, :, ::1] v, uint16_t[:, :, ::1] out, bint causal, double scale,
+                 int block_q, int block_k, int num_threads, uint16_t[:, ::1] lse=None):
+    """forward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views:
+    float32 arithmetic inside, out and lse rounded to kind."""
+    if algo not in ("tiled", "flash"):
+        raise ValueError(f"native.{algo} takes float32 and float64 only; native.tiled and native.flash take {kind}")
+    cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), h = HALF_KINDS[kind]
+    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward")
+    if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
+        raise ValueError("native forward: inconsistent shapes")
+    if lse is not None and (lse.shape[0] != p.batch or lse.shape[1] != p.nq):
+        raise ValueError("native forward: lse must have shape (batch, nq)")
+    cdef const uint16_t *qp = &q[0, 0, 0] if q.size else NULL
+    cdef const uint16_t *kp = &k[0, 0, 0] if k.size else NULL
+    cdef const uint16_t *vp = &v[0, 0, 0] if v.size else NULL
+    cdef uint16_t *op = &out[0, 0, 0] if out.size else NULL
+    cdef uint16_t *lp = &lse[0, 0] if lse is not None and lse.size else NULL
+    with nogil:
+        err = attn_forward_half(a, i, h, &p, qp, kp, vp, op, lp)
+    if err == ATTN_EISA:
+        raise RuntimeError(f"native.{algo}: instruction set {isa!r} cannot run {kind} on this CPU (F16C missing)")
+    if err != ATTN_OK:
+        _raise(err, f"native.{algo}", p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+
+
+def convert_half(str isa, str kind, const float[::1] x):
+    """(bits, back): x rounded to kind by the conversion the ISA's unit uses, as uint16
+    bits, and those widened back to float32. For the tests."""
+    import numpy as np
+    cdef int64_t n = x.shape[0]
+    bits = np.empty(n, np.uint16)
+    back = np.empty(n, np.float32)
+    cdef uint16_t[::1] b = bits
+    cdef float[::1] f = back
+    cdef int err = attn_convert_half(ISAS.index(isa), HALF_KINDS[kind], &x[0] if n else NULL, n,
+                                     &b[0] if n else NULL, &f[0] if n else NULL)
+    if err != ATTN_OK:
+        raise RuntimeError(f"convert_half: {isa!r} cannot convert {kind} here (error {err})")
+    return bits, back
 
 
 def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,

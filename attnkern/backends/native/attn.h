@@ -11,7 +11,12 @@
 #include <stdint.h>
 
 enum attn_algo { ATTN_NAIVE = 0, ATTN_TILED = 1, ATTN_FLASH = 2 };
-enum attn_isa { ATTN_ISA_GENERIC = 0, ATTN_ISA_AVX2 = 1, ATTN_ISA_AVX512 = 2, ATTN_ISA_COUNT = 3 };
+/* ATTN_ISA_AVX512BF16: AVX-512 plus AVX512_BF16 dot products (bfloat16 flash); float32
+ * and float64 run the AVX-512 code there. */
+enum attn_isa { ATTN_ISA_GENERIC = 0, ATTN_ISA_AVX2 = 1, ATTN_ISA_AVX512 = 2, ATTN_ISA_AVX512BF16 = 3,
+                ATTN_ISA_COUNT = 4 };
+/* Half-precision storage of attn_forward_half's arrays (uint16_t bits). */
+enum attn_half { ATTN_BF16 = 0, ATTN_F16 = 1 };
 /* ATTN_ETOOBIG: an array or score-row size overflows 64-bit index arithmetic. */
 enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3, ATTN_ETOOBIG = 4 };
 
@@ -57,6 +62,17 @@ int attn_forward_f32(int algo, int isa, const attn_problem *p,
                      const float *q, const float *k, const float *v, float *out, float *lse);
 int attn_forward_f64(int algo, int isa, const attn_problem *p,
                      const double *q, const double *k, const double *v, double *out, double *lse);
+
+/* The same for bfloat16 or float16 arrays (kind: enum attn_half), tiled and flash only
+ * (naive is ATTN_EINVAL): float32 products, softmax and accumulators, out and lse
+ * rounded to the input's dtype. ISA avx512bf16 runs bfloat16 flash on vdpbf16ps dot
+ * products; every other (ISA, kind) pair widens blocks to float32 as they are packed
+ * (float16 through F16C on the AVX2 and AVX-512 units, which then need it). */
+int attn_forward_half(int algo, int isa, int kind, const attn_problem *p, const uint16_t *q,
+                      const uint16_t *k, const uint16_t *v, uint16_t *out, uint16_t *lse);
+/* The conversions an ISA's unit uses, for the tests: out[i] = in[i] rounded to kind,
+ * back[i] = out[i] widened to float32. ATTN_EISA or ATTN_EINVAL on bad arguments. */
+int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *out, float *back);
 
 /* dq, dk, dv: the gradients of sum(out * dout) for the forward's q, k, v, out and
  * lse (flash attention's recomputation: no N x N buffer; every algorithm computes

@@ -87,3 +87,10 @@ static ATTN_INLINE double vhmax_f64(__m256d x)
 #define VT __m256d
 #define VW 4
 #include "attn_kernels.h"
+
+/* float16 through F16C (vcvtph2ps / vcvtps2ph, rounding to nearest even) */
+#define VT_F32 __m256
+#define VW_F32 8
+#define F16_LOAD(x) _cvtsh_ss(x)
+#define F16_STORE(x) ((uint16_t)_cvtss_sh((x), _MM_FROUND_TO_NEAREST_INT))
+#include "attn_half.h"

@@ -1,10 +1,13 @@
 /* AVX-512F: 512-bit vectors, 8 x 32 (float) register tiles: 16 accumulators
- * of the 32 zmm registers, twice the work per FMA of AVX2. */
+ * of the 32 zmm registers, twice the work per FMA of AVX2. attn_avx512bf16.c
+ * includes this file under its own ISA tag. */
 #include <immintrin.h>
 
 #include "attn_common.h"
 
+#ifndef ISA
 #define ISA avx512
+#endif
 #define MR 8
 
 static ATTN_INLINE __m512 vload_f32(const float *p) { return _mm512_load_ps(p); }
@@ -65,3 +68,10 @@ static ATTN_INLINE double vhmax_f64(__m512d x) { return _mm512_reduce_max_pd(x);
 #define VT __m512d
 #define VW 8
 #include "attn_kernels.h"
+
+/* float16 through F16C (vcvtph2ps / vcvtps2ph, rounding to nearest even) */
+#define VT_F32 __m512
+#define VW_F32 16
+#define F16_LOAD(x) _cvtsh_ss(x)
+#define F16_STORE(x) ((uint16_t)_cvtss_sh((x), _MM_FROUND_TO_NEAREST_INT))
+#include "attn_half.h"

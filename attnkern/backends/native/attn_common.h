@@ -53,6 +53,69 @@ static inline void *attn_alloc(int64_t rows, int64_t cols, size_t elem)
 
 static inline void attn_free(void *p) { free(p); }
 
+/* bfloat16 and float16 (IEEE binary16) bits to and from float32, portable C: widening is
+ * exact; narrowing rounds to nearest, ties to even (float16: overflow to infinity,
+ * subnormals kept), NaN stays a quiet NaN. The AVX2/AVX-512 units use F16C instead
+ * for float16, which rounds the same way. */
+static inline float attn_bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t attn_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)  /* NaN: keep it quiet, never round it to infinity */
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float attn_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {  /* zero or subnormal: mant * 2^-24, exact in float32 */
+        float f = (float)mant * 0x1p-24f;
+        return sign ? -f : f;
+    } else {
+        u = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t attn_f32_to_f16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t sign = (u >> 16) & 0x8000u, o;
+    u &= 0x7fffffffu;
+    if (u >= 0x47800000u) {  /* |f| >= 65536, infinity or NaN */
+        o = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    } else if (u < 0x38800000u) {  /* below 2^-14: a subnormal or zero float16 */
+        /* adding 0.5 aligns the float16 subnormal's bits at the bottom of the
+         * mantissa; the float32 addition rounds them to nearest even */
+        float a, magic = 0.5f;
+        uint32_t mu;
+        memcpy(&a, &u, sizeof a);
+        a += magic;
+        memcpy(&o, &a, sizeof o);
+        memcpy(&mu, &magic, sizeof mu);
+        o -= mu;
+    } else {  /* rebias the exponent, round the 13 dropped bits to nearest even */
+        u += ((uint32_t)(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u);
+        o = u >> 13;  /* a carry past 65504 gives 0x7c00, infinity */
+    }
+    return (uint16_t)(o | sign);
+}
+
 #define ATTN_DECLARE_DT(isa, dt, T)                                                             \
     int attn_naive_##dt##_##isa(const attn_problem *, const T *, const T *, const T *, T *, T *); \
     int attn_tiled_##dt##_##isa(const attn_problem *, const T *, const T *, const T *, T *, T *); \
@@ -60,10 +123,27 @@ static inline void attn_free(void *p) { free(p); }
     int attn_flash_backward_##dt##_##isa(const attn_problem *, const T *, const T *, const T *,   \
                                          const T *, const T *, const T *, T *, T *, T *); \
     double attn_fma_peak_##dt##_##isa(int64_t, int);
-#define ATTN_DECLARE_ISA(isa) ATTN_DECLARE_DT(isa, f32, float) ATTN_DECLARE_DT(isa, f64, double)
+#define ATTN_DECLARE_HALF(isa, dt)                                                                     \
+    int attn_tiled_##dt##_##isa(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *, \
+                                uint16_t *, uint16_t *);                                                 \
+    int attn_flash_##dt##_##isa(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *, \
+                                uint16_t *, uint16_t *);
+#define ATTN_DECLARE_ISA(isa) ATTN_DECLARE_DT(isa, f32, float) ATTN_DECLARE_DT(isa, f64, double) \
+    ATTN_DECLARE_HALF(isa, bf16) ATTN_DECLARE_HALF(isa, f16)
 
 ATTN_DECLARE_ISA(generic)
 ATTN_DECLARE_ISA(avx2)
 ATTN_DECLARE_ISA(avx512)
+ATTN_DECLARE_ISA(avx512bf16)
+/* flash on bfloat16 with vdpbf16ps dot products (attn_avx512bf16.c) */
+int attn_flash_bf16dot_avx512bf16(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *,
+                                  uint16_t *, uint16_t *);
+/* element conversions of each unit, for the tests: out[i] = narrow(in[i]), back[i] = widen(out[i]) */
+#define ATTN_DECLARE_CVT(isa) \
+    void attn_convert_##isa(int kind, const float *in, int64_t n, uint16_t *out, float *back);
+ATTN_DECLARE_CVT(generic)
+ATTN_DECLARE_CVT(avx2)
+ATTN_DECLARE_CVT(avx512)
+ATTN_DECLARE_CVT(avx512bf16)
 
 #endif

@@ -40,6 +40,57 @@ static const attn_fn_f32 table_f32[ATTN_ISA_COUNT][3] = {
 #else
     {0, 0, 0},
 #endif
+#ifdef ATTN_HAVE_AVX512BF16
+    ATTN_TABLE(avx512bf16, f32),
+#else
+    {0, 0, 0},
+#endif
+};
+
+/* Half precision, [isa][kind][algo]: tiled and flash (no naive). */
+typedef int (*attn_fn_half)(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *,
+                            uint16_t *, uint16_t *);
+#define ATTN_HALF_TABLE(isa)                                                          \
+    {{0, attn_tiled_bf16_##isa, attn_flash_bf16_##isa}, {0, attn_tiled_f16_##isa, attn_flash_f16_##isa}}
+static const attn_fn_half table_half[ATTN_ISA_COUNT][2][3] = {
+    ATTN_HALF_TABLE(generic),
+#ifdef ATTN_HAVE_AVX2
+    ATTN_HALF_TABLE(avx2),
+#else
+    {{0}},
+#endif
+#ifdef ATTN_HAVE_AVX512
+    ATTN_HALF_TABLE(avx512),
+#else
+    {{0}},
+#endif
+#ifdef ATTN_HAVE_AVX512BF16
+    /* bfloat16 flash on vdpbf16ps; tiled and float16 widen to float32 */
+    {{0, attn_tiled_bf16_avx512bf16, attn_flash_bf16dot_avx512bf16},
+     {0, attn_tiled_f16_avx512bf16, attn_flash_f16_avx512bf16}},
+#else
+    {{0}},
+#endif
+};
+
+typedef void (*attn_cvt_fn)(int, const float *, int64_t, uint16_t *, float *);
+static const attn_cvt_fn convert_half[ATTN_ISA_COUNT] = {
+    attn_convert_generic,
+#ifdef ATTN_HAVE_AVX2
+    attn_convert_avx2,
+#else
+    0,
+#endif
+#ifdef ATTN_HAVE_AVX512
+    attn_convert_avx512,
+#else
+    0,
+#endif
+#ifdef ATTN_HAVE_AVX512BF16
+    attn_convert_avx512bf16,
+#else
+    0,
+#endif
 };
 
 #ifdef ATTN_HAVE_AVX2
@@ -52,10 +103,15 @@ static const attn_fn_f32 table_f32[ATTN_ISA_COUNT][3] = {
 #else
 #define ATTN_BWD_AVX512(dt) 0
 #endif
+#ifdef ATTN_HAVE_AVX512BF16
+#define ATTN_BWD_AVX512BF16(dt) attn_flash_backward_##dt##_avx512bf16
+#else
+#define ATTN_BWD_AVX512BF16(dt) 0
+#endif
 static const attn_bwd_f32 backward_f32[ATTN_ISA_COUNT] = {
-    attn_flash_backward_f32_generic, ATTN_BWD_AVX2(f32), ATTN_BWD_AVX512(f32)};
+    attn_flash_backward_f32_generic, ATTN_BWD_AVX2(f32), ATTN_BWD_AVX512(f32), ATTN_BWD_AVX512BF16(f32)};
 static const attn_bwd_f64 backward_f64[ATTN_ISA_COUNT] = {
-    attn_flash_backward_f64_generic, ATTN_BWD_AVX2(f64), ATTN_BWD_AVX512(f64)};
+    attn_flash_backward_f64_generic, ATTN_BWD_AVX2(f64), ATTN_BWD_AVX512(f64), ATTN_BWD_AVX512BF16(f64)};
 
 static const attn_fn_f64 table_f64[ATTN_ISA_COUNT][3] = {
     ATTN_TABLE(generic, f64),
@@ -69,11 +125,16 @@ static const attn_fn_f64 table_f64[ATTN_ISA_COUNT][3] = {
 #else
     {0, 0, 0},
 #endif
+#ifdef ATTN_HAVE_AVX512BF16
+    ATTN_TABLE(avx512bf16, f64),
+#else
+    {0, 0, 0},
+#endif
 };
 
 const char *attn_isa_name(int isa)
 {
-    static const char *names[ATTN_ISA_COUNT] = {"generic", "avx2", "avx512"};
+    static const char *names[ATTN_ISA_COUNT] = {"generic", "avx2", "avx512", "avx512bf16"};
     return isa >= 0 && isa < ATTN_ISA_COUNT ? names[isa] : "unknown";
 }
 
@@ -94,6 +155,10 @@ int attn_isa_supported(int isa)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case ATTN_ISA_AVX512:
         return __builtin_cpu_supports("avx512f");
+    case ATTN_ISA_AVX512BF16:  /* its unit is built with these (and F16C, checked per call) */
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+               __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
     default:
         return 0;
@@ -164,6 +229,50 @@ int attn_check_problem(int algo, int isa, const attn_problem *p)
 ATTN_DEFINE_FORWARD(f32, float)
 ATTN_DEFINE_FORWARD(f64, double)
 
+/* F16C (float16 <-> float32) is used by the float16 code of every vector unit. */
+static int half_kind_supported(int isa, int kind)
+{
+    if (kind == ATTN_BF16 || isa == ATTN_ISA_GENERIC)
+        return 1;
+#if defined(__x86_64__) || defined(__i386__)
+    return __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+int attn_forward_half(int algo, int isa, int kind, const attn_problem *p, const uint16_t *q,
+                      const uint16_t *k, const uint16_t *v, uint16_t *out, uint16_t *lse)
+{
+    int err = attn_check_problem(algo, isa, p);
+    if (err)
+        return err;
+    if ((kind != ATTN_BF16 && kind != ATTN_F16) || !table_half[isa][kind][algo])
+        return ATTN_EINVAL;
+    if (!half_kind_supported(isa, kind))
+        return ATTN_EISA;
+    if (p->batch == 0 || p->nq == 0 || (p->dv == 0 && !lse))
+        return ATTN_OK;
+    if (in_forked_child) {
+        attn_problem one = *p;
+        one.num_threads = 1;
+        return table_half[isa][kind][algo](&one, q, k, v, out, lse);
+    }
+    return table_half[isa][kind][algo](p, q, k, v, out, lse);
+}
+
+int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *out, float *back)
+{
+    if (!attn_isa_supported(isa) || !convert_half[isa])
+        return ATTN_EISA;
+    if ((kind != ATTN_BF16 && kind != ATTN_F16) || n < 0)
+        return ATTN_EINVAL;
+    if (!half_kind_supported(isa, kind))
+        return ATTN_EISA;
+    convert_half[isa](kind, in, n, out, back);
+    return ATTN_OK;
+}
+
 /* attn_backward_f32 and attn_backward_f64: the same checks; with no queries, dk and
  * dv are zero (no query sees any key). */
 #define ATTN_DEFINE_BACKWARD(DT, T)                                                               \
@@ -196,6 +305,11 @@ int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
     if (!attn_isa_supported(isa) || iters < 0 || num_threads < 1 || num_threads > ATTN_MAX_THREADS)
         return 0;
     switch (isa) {
+#ifdef ATTN_HAVE_AVX512BF16
+    case ATTN_ISA_AVX512BF16:  /* the float32 FMAs are AVX-512's */
+        *checksum = attn_fma_peak_f32_avx512bf16(iters, num_threads);
+        return 16;
+#endif
 #ifdef ATTN_HAVE_AVX512
     case ATTN_ISA_AVX512:
         *checksum = attn_fma_peak_f32_avx512(iters, num_threads);

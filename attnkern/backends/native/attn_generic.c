@@ -102,3 +102,9 @@ ATTN_GENERIC_OPS(double, f64, 4, uint64_t, 1023, 52)
 #define VT vec_f64
 #define VW 4
 #include "attn_kernels.h"
+
+#define VT_F32 vec_f32
+#define VW_F32 8
+#define F16_LOAD(x) attn_f16_to_f32(x)
+#define F16_STORE(x) attn_f32_to_f16(x)
+#include "attn_half.h"

@@ -11,6 +11,17 @@
  * and undefines T, DT, VT and VW at its end, ready for the next dtype. The 2^f
  * polynomial for DT comes from attn_common.h (EXP2_COEF, EXP2_DEGREE, EXP2_LO).
  *
+ * Half-precision inputs (the converting path): an includer may also define
+ *   TIN         element type of the caller's q, k, v, out and lse (uint16_t bits)
+ *   LOAD_IN(x)  that element widened to T; STORE_OUT(x) a T rounded back to TIN
+ *   ADT         the tag of the vector API to compute with (f32), when DT names
+ *               the storage dtype (bf16, f16)
+ *   ATTN_HALF_IO  instantiate only tiled and flash (no naive, backward, ceilings)
+ * The caller's arrays are read only where blocks are packed or scaled (the
+ * widening happens there, once per element and block) and written only where
+ * rows are finished, so every product and the softmax run in T exactly as for
+ * T inputs. Without TIN, TIN is T and the conversions are the identity.
+ *
  * All three work in the log2 domain: q is multiplied by scale * log2(e) once,
  * so probabilities are exp2(s - max) and the softmax needs one FMA-free
  * subtraction per score.
@@ -19,19 +30,28 @@
  * depends only on the block sizes, never on the thread count.
  */
 
+#ifndef TIN
+#define TIN T
+#define LOAD_IN(x) (x)
+#define STORE_OUT(x) (x)
+#endif
+#ifndef ADT
+#define ADT DT
+#endif
+
 #define ATTN_CAT_(a, b) a##b
 #define ATTN_CAT(a, b) ATTN_CAT_(a, b)
 #define V_(op, dt) v##op##_##dt
 #define V__(op, dt) V_(op, dt)
-#define V(op) V__(op, DT)
+#define V(op) V__(op, ADT)
 #define FN_(name, dt, isa) attn_##name##_##dt##_##isa
 #define FN__(name, dt, isa) FN_(name, dt, isa)
 #define FN(name) FN__(name, DT, ISA)
 /* Static helpers get a dtype suffix so both instantiations live in one file. */
 #define ST(name) ATTN_CAT(name##_, DT)
-#define EXP2_COEF ATTN_CAT(attn_exp2_, DT)
-#define EXP2_DEGREE ATTN_CAT(ATTN_EXP2_DEGREE_, DT)
-#define EXP2_LO ATTN_CAT(ATTN_EXP2_LO_, DT)
+#define EXP2_COEF ATTN_CAT(attn_exp2_, ADT)
+#define EXP2_DEGREE ATTN_CAT(ATTN_EXP2_DEGREE_, ADT)
+#define EXP2_LO ATTN_CAT(ATTN_EXP2_LO_, ADT)
 
 #define NR (2 * VW) /* columns of the register tile: two vectors */
 
@@ -131,7 +151,7 @@ static inline void ST(call_pv)(int mr, int64_t kb, const T *p, int64_t ldp, cons
 
 /* Packs rows [0, kb) of k (row stride d) as Kt panels: panel j holds
  * d rows of NR columns, columns past kb are zero. */
-static void ST(pack_kt)(const T *k, int64_t kb, int64_t d, T *kt)
+static void ST(pack_kt)(const TIN *k, int64_t kb, int64_t d, T *kt)
 {
     for (int64_t j0 = 0; j0 < kb; j0 += NR) {
         T *panel = kt + j0 * d;
@@ -139,7 +159,7 @@ static void ST(pack_kt)(const T *k, int64_t kb, int64_t d, T *kt)
         for (int64_t t = 0; t < d; t++) {
             int64_t c = 0;
             for (; c < nc; c++)
-                panel[t * NR + c] = k[(j0 + c) * d + t];
+                panel[t * NR + c] = LOAD_IN(k[(j0 + c) * d + t]);
             for (; c < NR; c++)
                 panel[t * NR + c] = 0;
         }
@@ -148,7 +168,7 @@ static void ST(pack_kt)(const T *k, int64_t kb, int64_t d, T *kt)
 
 /* Packs rows [0, kb) of v (row stride dv) as panels of NR columns: panel c
  * starts at c * kb * NR and holds kb rows; columns past dv are zero. */
-static void ST(pack_v)(const T *v, int64_t kb, int64_t dv, T *vp)
+static void ST(pack_v)(const TIN *v, int64_t kb, int64_t dv, T *vp)
 {
     for (int64_t c0 = 0; c0 < dv; c0 += NR) {
         T *panel = vp + c0 * kb;
@@ -156,7 +176,7 @@ static void ST(pack_v)(const T *v, int64_t kb, int64_t dv, T *vp)
         for (int64_t t = 0; t < kb; t++) {
             int64_t c = 0;
             for (; c < nc; c++)
-                panel[t * NR + c] = v[t * dv + c0 + c];
+                panel[t * NR + c] = LOAD_IN(v[t * dv + c0 + c]);
             for (; c < NR; c++)
                 panel[t * NR + c] = 0;
         }
@@ -199,10 +219,10 @@ static T ST(row_exp2_sum)(T *x, int64_t valid, int64_t n, T m)
 }
 
 /* Scaled copy of q rows [0, rows): a[r][t] = q[r][t] * c, row stride d. */
-static void ST(scale_rows)(const T *q, int64_t rows, int64_t d, T c, T *a)
+static void ST(scale_rows)(const TIN *q, int64_t rows, int64_t d, T c, T *a)
 {
     for (int64_t i = 0; i < rows * d; i++)
-        a[i] = q[i] * c;
+        a[i] = LOAD_IN(q[i]) * c;
 }
 
 static int64_t ST(round_up)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -221,13 +241,14 @@ static int64_t ST(causal_valid)(int causal, int64_t i, int64_t j0, int64_t kb)
 static T ST(lse_of)(T m, T l) { return (T)(((double)m + log2((double)l)) * ATTN_LN2); }
 
 /* Writes out[r][:] = o[r][:] / l[r] for r < rows. */
-static void ST(write_out)(const T *o, int64_t ldo, const T *l, int64_t rows, int64_t dv, T *out)
+static void ST(write_out)(const T *o, int64_t ldo, const T *l, int64_t rows, int64_t dv, TIN *out)
 {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < dv; c++)
-            out[r * dv + c] = o[r * ldo + c] / l[r];
+            out[r * dv + c] = STORE_OUT(o[r * ldo + c] / l[r]);
 }
 
+#ifndef ATTN_HALF_IO
 /* ---------------------------------------------------------------- naive */
 /* The baseline: materialise the nq x nk score matrix of one head, softmax
  * each row, then one vectorised axpy per key. Rows are spread over threads. */
@@ -281,6 +302,7 @@ int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
     attn_free(s);
     return ATTN_OK;
 }
+#endif /* ATTN_HALF_IO */
 
 /* Per-thread workspace of the blocked algorithms. */
 typedef struct {
@@ -318,7 +340,7 @@ static int ST(ws_alloc)(ST(workspace) *w, int64_t bq, int64_t bk, int64_t lds,
 
 /* s[:, 0:kb_pad) = a . kt for rows [0, bq); in a causal block, tiles left of
  * nothing a row can see are skipped (row r sees keys < row_lim(r)). */
-static void ST(block_qk)(const ST(workspace) *w, const T *kblk, int64_t kb, int64_t bq,
+static void ST(block_qk)(const ST(workspace) *w, const TIN *kblk, int64_t kb, int64_t bq,
                          int64_t d, T *s, int64_t lds, int causal, int64_t i0, int64_t j0)
 {
     ST(pack_kt)(kblk, kb, d, w->kt);
@@ -335,7 +357,7 @@ static void ST(block_qk)(const ST(workspace) *w, const T *kblk, int64_t kb, int6
 
 /* o = o * alpha + p . V for a key block of kb rows (alpha NULL: no rescale);
  * in a causal block only the keys a row tile can see are visited. */
-static void ST(block_pv)(const ST(workspace) *w, const T *vblk, int64_t kb, int64_t bq,
+static void ST(block_pv)(const ST(workspace) *w, const TIN *vblk, int64_t kb, int64_t bq,
                          int64_t dv, int64_t dv_pad, const T *pr, int64_t ldp,
                          const T *alpha, int causal, int64_t i0, int64_t j0)
 {
@@ -352,14 +374,14 @@ static void ST(block_pv)(const ST(workspace) *w, const T *vblk, int64_t kb, int6
 }
 
 /* One query block: rows [i0, i0 + bq) of batch entry bh. */
-typedef void (*ST(block_fn))(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
-                             T *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+typedef void (*ST(block_fn))(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
+                             TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                              int64_t dv_pad, int64_t lds);
 
 /* Runs body over every (batch entry, query block), heaviest causal blocks
  * first, each block on one thread with that thread's own workspace. */
-static int ST(for_each_qblock)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
-                               T *lse, int64_t lds, ST(block_fn) body)
+static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
+                               TIN *lse, int64_t lds, ST(block_fn) body)
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q;
     const int64_t ntasks = nqb * p->batch;
@@ -391,14 +413,14 @@ static int ST(for_each_qblock)(const attn_problem *p, const T *q, const T *k, co
 /* Cache-blocked exact softmax: for a block of queries, the whole score row
  * block (bq x nk) is built from packed K blocks, softmaxed in two passes,
  * then multiplied with packed V blocks. O(bq * nk) memory per thread. */
-static void ST(tiled_block)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
-                            T *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+static void ST(tiled_block)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
+                            TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                             int64_t dv_pad, int64_t lds)
 {
     const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k;
     const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
     const int64_t bk_pad = ST(round_up)(bk, NR);
-    const T *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
+    const TIN *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
     ST(scale_rows)(q + (bh * p->nq + i0) * d, bq, d, (T)(p->scale * ATTN_LOG2E), w->a);
     /* key block j0 lives at columns [(j0 / bk) * bk_pad, + kb) of s */
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
@@ -435,10 +457,10 @@ static void ST(tiled_block)(const attn_problem *p, const T *q, const T *k, const
     ST(write_out)(w->o, dv_pad, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
     if (lse)
         for (int64_t r = 0; r < bq; r++)
-            lse[bh * p->nq + i0 + r] = ST(lse_of)(w->m[r], w->l[r]);
+            lse[bh * p->nq + i0 + r] = STORE_OUT(ST(lse_of)(w->m[r], w->l[r]));
 }
 
-int FN(tiled)(const attn_problem *p, const T *q, const T *k, const T *v, T *out, T *lse)
+int FN(tiled)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out, TIN *lse)
 {
     const int64_t nkb = (p->nk + p->block_k - 1) / p->block_k;
     const int64_t lds = nkb * ST(round_up)(p->block_k, NR);
@@ -450,13 +472,13 @@ int FN(tiled)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
  * K/V blocks, keep a running max and sum per row and rescale the output
  * accumulator; no buffer grows with nk. Causal blocks past the diagonal are
  * never touched. */
-static void ST(flash_block)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
-                            T *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
+                            TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                             int64_t dv_pad, int64_t lds)
 {
     const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k;
     const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
-    const T *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
+    const TIN *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
     ST(scale_rows)(q + (bh * p->nq + i0) * d, bq, d, (T)(p->scale * ATTN_LOG2E), w->a);
     for (int64_t r = 0; r < bq; r++) {
         w->m[r] = -INFINITY;
@@ -489,14 +511,15 @@ static void ST(flash_block)(const attn_problem *p, const T *q, const T *k, const
     ST(write_out)(w->o, dv_pad, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
     if (lse)
         for (int64_t r = 0; r < bq; r++)
-            lse[bh * p->nq + i0 + r] = ST(lse_of)(w->m[r], w->l[r]);
+            lse[bh * p->nq + i0 + r] = STORE_OUT(ST(lse_of)(w->m[r], w->l[r]));
 }
 
-int FN(flash)(const attn_problem *p, const T *q, const T *k, const T *v, T *out, T *lse)
+int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out, TIN *lse)
 {
     return ST(for_each_qblock)(p, q, k, v, out, lse, ST(round_up)(p->block_k, NR), ST(flash_block));
 }
 
+#ifndef ATTN_HALF_IO
 /* ------------------------------------------------------------- backward */
 /* The gradient of flash attention from the forward's lse (FlashAttention-2's
  * recomputation: no N x N buffer), in two passes so that every element of dq,
@@ -758,6 +781,8 @@ double FN(fma_peak)(int64_t iters, int num_threads)
     return total;
 }
 
+#endif /* ATTN_HALF_IO */
+
 #undef NR
 #undef ST
 #undef FN
@@ -773,3 +798,8 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef DT
 #undef VT
 #undef VW
+#undef TIN
+#undef LOAD_IN
+#undef STORE_OUT
+#undef ADT
+#undef ATTN_HALF_IO

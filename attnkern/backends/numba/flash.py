@@ -190,6 +190,11 @@ def _matmul_abt(a, b, c, m, n, k, accumulate, zero):
             _dot_into(a, b, c, i, j, k, accumulate, zero)
 
 
+# rows of a causal diagonal block computed together (a multiple of _matmul_abt's 4-row
+# tile): smaller chunks skip more of the masked triangle, larger ones run longer tiles
+_CHUNK = 16
+
+
 @njit(parallel=True, **_JIT)
 def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
     """out[b] = softmax(q[b] k[b]^T * scale) v[b] for (batch, n, d) C-contiguous arrays;
@@ -223,24 +228,35 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
         kend = min(nk, i0 + rows) if causal else nk
         for j0 in range(0, kend, block_k):
             nkeys = min(block_k, kend - j0)
-            _matmul_abt(qs, k[b, j0:j0 + nkeys], s, rows, nkeys, d, False, zero)
+            # a causal block that crosses the diagonal (some row sees fewer than nkeys keys)
+            # is computed in chunks of _CHUNK rows, each only up to the last key its last
+            # row sees: the masked triangle is not computed, in either product
+            diagonal = causal and j0 + nkeys > i0 + 1
+            if diagonal:
+                for r0 in range(0, rows, _CHUNK):
+                    r1 = min(rows, r0 + _CHUNK)
+                    ncols = min(nkeys, i0 + r1 - j0)
+                    if ncols > 0:
+                        _matmul_abt(qs[r0:r1], k[b, j0:j0 + ncols], s[r0:r1], r1 - r0, ncols, d, False, zero)
+            else:
+                _matmul_abt(qs, k[b, j0:j0 + nkeys], s, rows, nkeys, d, False, zero)
             for i in range(rows):
                 si = s[i]
-                if causal:
-                    for j in range(max(0, i0 + i + 1 - j0), nkeys):
-                        si[j] = -np.inf
+                # keys of this block row i sees: all, or up to the diagonal (top-left causal)
+                valid = max(0, min(nkeys, i0 + i + 1 - j0)) if causal else nkeys
                 mb = m[i]
-                for j in range(nkeys):
+                for j in range(valid):
                     mb = max(mb, si[j])
                 if mb == -np.inf:  # every key so far is masked for this row: p = 0
                     si[:nkeys] = 0
                     continue
-                for j in range(nkeys):
+                for j in range(valid):
                     si[j] -= mb
-                exp2_inplace(si, scratch, nkeys)
+                exp2_inplace(si, scratch, valid)
+                si[valid:nkeys] = 0  # masked: p = 0 where the chunk's product reads it
                 alpha = np.exp2(m[i] - mb)  # 0 on the row's first block (m = -inf)
                 m[i] = mb
-                lsum[i] = lsum[i] * alpha + np.sum(si[:nkeys])
+                lsum[i] = lsum[i] * alpha + np.sum(si[:valid])
                 if alpha != 1:
                     for e in range(dv):
                         acc[i, e] *= alpha
@@ -249,7 +265,14 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
             for j in range(nkeys):
                 for e in range(dv):
                     vt[e, j] = v[b, j0 + j, e]
-            _matmul_abt(s, vt, acc, rows, dv, nkeys, True, zero)
+            if diagonal:
+                for r0 in range(0, rows, _CHUNK):
+                    r1 = min(rows, r0 + _CHUNK)
+                    ncols = min(nkeys, i0 + r1 - j0)
+                    if ncols > 0:
+                        _matmul_abt(s[r0:r1], vt, acc[r0:r1], r1 - r0, dv, ncols, True, zero)
+            else:
+                _matmul_abt(s, vt, acc, rows, dv, nkeys, True, zero)
         for i in range(rows):
             inv = 1 / lsum[i]
             for e in range(dv):

@@ -1,0 +1,176 @@
+"""float16 and bfloat16 in native.flash and native.tiled, on every instruction set
+this machine has (ATTNKERN_ISA forces each path: the converting one on generic,
+avx2 and avx512, vdpbf16ps dot products for bfloat16 flash on avx512bf16).
+
+Accuracy. Inputs are drawn in float64 and rounded to the half dtype; the
+reference is computed in float64 on those rounded inputs, so the error measured
+is the kernel's own. Products, softmax and accumulators are float32 (errors of
+order 1e-6), so what remains is rounding to the half dtype, with unit roundoff
+u = 2^-8 (bfloat16) or 2^-11 (float16):
+  - the output, a convex combination of rows of v, is rounded once: at most
+    u * max|v|;
+  - the vdpbf16ps path also rounds each probability to bfloat16 before P V (and
+    sums the rounded values into the row sum), which moves each weight by at most
+    a relative u: at most about 2u * max|v| more.
+So max|out - ref| <= TOL * max(1, max|v|) * kappa with TOL = 4u for bfloat16 (3u
+needed) and 2u for float16 (u needed); kappa as in attnkern_bench.accuracy. The
+log-sum-exp is rounded once too (plus u from the rounded row sum on the bfloat16
+path): |lse - ref| <= LSE_TOL * max(1, |ref|) with 2u for both.
+"""
+
+import numpy as np
+import pytest
+
+import attnkern
+from attnkern.backends.native import _attn
+from attnkern_bench.accuracy import conditioning
+from conftest import ISAS, forced_isa, random_qkv
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+BF16, F16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
+UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11}
+TOL = {BF16: 4 * UNIT_ROUNDOFF[BF16], F16: 2 * UNIT_ROUNDOFF[F16]}
+LSE_TOL = {BF16: 2 * UNIT_ROUNDOFF[BF16], F16: 2 * UNIT_ROUNDOFF[F16]}
+HALF_KERNELS = ["native.flash", "native.tiled"]
+
+
+def reference_lse(q, k, causal, scale):
+    s = np.einsum("...id,...jd->...ij", q, k) * scale
+    if causal:
+        s = np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    return (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def check_half(out, lse, q, k, v, causal, scale=None):
+    dtype = q.dtype
+    assert out.dtype == dtype and lse.dtype == dtype
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    ref = attnkern.reference(q64, k64, v64, causal=causal, scale=scale)
+    err = np.abs(out.astype(np.float64) - ref).max() / (max(1.0, np.abs(v64).max()) * conditioning(q64, k64, scale))
+    assert err <= TOL[dtype], f"{dtype}: scaled error {err:.3g} > {TOL[dtype]:.3g}"
+    lref = reference_lse(q64, k64, causal, scale)
+    lerr = (np.abs(lse.astype(np.float64) - lref) / np.maximum(1.0, np.abs(lref))).max()
+    assert lerr <= LSE_TOL[dtype], f"{dtype}: lse error {lerr:.3g} > {LSE_TOL[dtype]:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel", HALF_KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_matches_float64_reference(dtype, isa, kernel, causal):
+    rng = np.random.default_rng(abs(hash((dtype.name, isa, kernel, causal))) % 2**32)
+    # odd sizes: a partial last key block of odd length, odd D (a zero-padded pair), Dv
+    # past one register tile, more query rows than one block
+    for nq, nk, d, dv, bq, bk in [(70, 45, 33, 40, 16, 40), (37, 37, 64, 64, 8, 16), (5, 200, 7, 3, 256, 64)]:
+        q, k, v = random_qkv(rng, (2,), nq, nk, d, dv, dtype=dtype)
+        with forced_isa(isa):
+            out, lse = attnkern.attention(q, k, v, causal=causal, kernel=kernel, block_q=bq, block_k=bk,
+                                          num_threads=2, return_lse=True)
+        check_half(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_half_scale_and_magnitude(dtype, isa):
+    """A sharper softmax (larger inputs, another scale) stays within the bound, kappa included."""
+    q, k, v = random_qkv(7, (3,), 50, 70, 16, dtype=dtype, magnitude=3.0)
+    with forced_isa(isa):
+        out, lse = attnkern.attention(q, k, v, scale=0.4, kernel="native.flash", block_q=32, block_k=32,
+                                      return_lse=True)
+    check_half(out, lse, q, k, v, False, scale=0.4)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel", HALF_KERNELS)
+def test_half_bit_identical_for_every_thread_count(dtype, isa, kernel):
+    q, k, v = random_qkv(11, (3,), 150, 150, 32, dtype=dtype)
+    with forced_isa(isa):
+        runs = [attnkern.attention(q, k, v, causal=causal, kernel=kernel, block_q=32, block_k=48, num_threads=t,
+                                   return_lse=True)
+                for causal in (False, True) for t in (1, 2, 3)]
+    for i in (0, 3):
+        for other in runs[i + 1:i + 3]:
+            assert np.array_equal(runs[i][0].view(np.uint16), other[0].view(np.uint16))
+            assert np.array_equal(runs[i][1].view(np.uint16), other[1].view(np.uint16))
+
+
+def test_four_dimensional_input_and_auto_kernel():
+    q, k, v = random_qkv(3, (2, 2), 40, 40, 16, dtype=BF16)
+    out = attnkern.attention(q, k, v)  # kernel="auto": native.flash takes bfloat16
+    assert out.shape == (2, 2, 40, 16) and out.dtype == BF16
+    assert np.array_equal(out.view(np.uint16), attnkern.attention(q, k, v, kernel="native.flash").view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_torch_half_tensors(dtype):
+    torch = pytest.importorskip("torch")
+    q, k, v = random_qkv(5, (2,), 33, 47, 24, dtype=BF16 if dtype == "bfloat16" else F16)
+    as_torch = (lambda x: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)) if dtype == "bfloat16" \
+        else torch.from_numpy
+    qt, kt, vt = map(as_torch, (q, k, v))
+    out, lse = attnkern.attention(qt, kt, vt, causal=True, kernel="native.flash", return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == getattr(torch, dtype) and lse.dtype == out.dtype
+    expected, expected_lse = attnkern.attention(q, k, v, causal=True, kernel="native.flash", return_lse=True)
+    assert np.array_equal(out.view(torch.int16).numpy(), expected.view(np.int16))
+    assert np.array_equal(lse.view(torch.int16).numpy(), expected_lse.view(np.int16))
+
+
+def test_backward_refuses_half_precision():
+    q, k, v = random_qkv(1, (), 16, 16, 8, dtype=BF16)
+    out, lse = attnkern.attention(q, k, v, kernel="native.flash", return_lse=True)
+    with pytest.raises(TypeError, match="backward takes float32 and float64, not bfloat16"):
+        attnkern.attention_backward(q, k, v, out, out, lse, kernel="native.flash")
+
+
+def test_torch_backward_refuses_half_precision():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with pytest.raises(TypeError, match="backward takes float32 and float64"):
+        attnkern.attention(q, k, v, kernel="native.flash").sum().backward()
+
+
+def test_naive_refuses_half_precision():
+    q, k, v = random_qkv(1, (1,), 8, 8, 4, dtype=F16)
+    with pytest.raises(TypeError, match="native.naive does not take float16"):
+        attnkern.attention(q, k, v, kernel="native.naive")
+    with pytest.raises(ValueError, match="native.naive takes float32 and float64 only"):
+        _attn.forward_half("naive", "generic", "float16", *(x.view(np.uint16) for x in (q, k, v, q)),
+                           False, 0.5, 8, 8, 1)
+
+
+def _edge_floats():
+    """Float32 values around every rounding boundary of both half formats, plus random ones."""
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([
+        np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32),  # a sweep of all exponents
+        rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32),
+    ])
+    x = bits.view(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, 65536, 6.1e-5, 5.96e-8, 2.98e-8,
+                        2.99e-8, 1e-10, 3.3895314e38, 3.4e38], np.float32)
+    x = np.concatenate([x[np.isfinite(x) | np.isinf(x)], special, -special])
+    return np.ascontiguousarray(x)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_conversions_round_like_numpy(isa):
+    """Each unit's conversions (portable C on generic, F16C for float16 elsewhere) round
+    to nearest even exactly as NumPy and ml_dtypes do, and widen every float16 exactly."""
+    x = _edge_floats()
+    for kind, dtype in (("bfloat16", BF16), ("float16", F16)):
+        bits, back = _attn.convert_half(isa, kind, x)
+        with np.errstate(over="ignore"):  # float32 beyond float16's range becomes infinity, as it should
+            expected = x.astype(dtype).view(np.uint16)
+        assert np.array_equal(bits, expected), kind
+        assert np.array_equal(back, bits.view(dtype).astype(np.float32)), kind
+    every = np.arange(2**16, dtype=np.uint16).view(F16)
+    every = every[np.isfinite(every)]
+    bits, back = _attn.convert_half(isa, "float16", every.astype(np.float32))
+    assert np.array_equal(bits, every.view(np.uint16)) and np.array_equal(back, every.astype(np.float32))
+    nan = np.array([np.nan], np.float32)
+    for kind, dtype in (("bfloat16", BF16), ("float16", F16)):
+        assert np.isnan(_attn.convert_half(isa, kind, nan)[1]).all()
