@@ -70,8 +70,8 @@ def check_length(n: int, layout: str, world_size: int) -> int:
         padded = -(-n // count) * count
         raise ValueError(
             f"the sequence length {n} does not split into {count} equal chunks (layout {layout!r} on "
-            f"{world_size} ranks cuts it into {count}); pad it to {padded}, a multiple of {count}, and mask "
-            "the padded keys out (or choose a length that divides)"
+            f"{world_size} ranks cuts it into {count}); use a length that is a multiple of {count}, such as "
+            f"{padded}"
         )
     return n // count
 

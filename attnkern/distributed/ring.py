@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,21 +153,29 @@ class _Ring:
 
         problem = _local_problem(q, k, v, causal, scale)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        # Every rank states its call, so that a mismatch is an error everywhere, not a hang.
+        # Every rank states its call, so that a mismatch is an error everywhere, not a hang:
+        # first a checksum of it (one small collective), and only when they differ the calls.
         mine = {"shapes": [tuple(x.shape) for x in (q, k, v)], "dtype": str(q.dtype), "device": q.device.type,
                 "causal": bool(causal), "layout": layout, "kernel": str(kernel), "params": sorted(params.items()),
-                "problem": problem}
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine, group=group)
-        for other_rank, other in enumerate(everyone):
-            if other["problem"] is not None:
-                raise ValueError(f"rank {other_rank}: {other['problem']}")
-            diff = [key for key in mine if key != "problem" and other[key] != mine[key]]
-            if diff:
-                raise ValueError(
-                    "every rank must call ring_attention with shards of one shape and dtype and the same settings; "
-                    f"rank {rank} has " + ", ".join(f"{key}={mine[key]!r}" for key in diff)
-                    + f", rank {other_rank} has " + ", ".join(f"{key}={other[key]!r}" for key in diff))
+                "scale": scale}
+        checksum = zlib.crc32(repr(mine).encode())
+        stated = torch.tensor([problem is not None, checksum], dtype=torch.int64,
+                              device=q.device if dist.get_backend(group) == "nccl" else "cpu")
+        gathered = [torch.empty_like(stated) for _ in range(world)]
+        dist.all_gather(gathered, stated, group=group)
+        if any(bool(g[0]) or int(g[1]) != checksum for g in gathered):
+            everyone = [None] * world
+            dist.all_gather_object(everyone, {**mine, "problem": problem}, group=group)
+            for other_rank, other in enumerate(everyone):
+                if other["problem"] is not None:
+                    raise ValueError(f"rank {other_rank}: {other['problem']}")
+            for other_rank, other in enumerate(everyone):
+                diff = [key for key in mine if other[key] != mine[key]]
+                if diff:
+                    raise ValueError(
+                        "every rank must call ring_attention with shards of one shape and dtype and the same "
+                        f"settings; rank {rank} has " + ", ".join(f"{key}={mine[key]!r}" for key in diff)
+                        + f", rank {other_rank} has " + ", ".join(f"{key}={other[key]!r}" for key in diff))
         n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
         per_rank = len(chunks_of(layout, rank, world))
         if n % per_rank:
@@ -174,7 +183,6 @@ class _Ring:
                              "cut the full sequence with attnkern.distributed.shard")
         if scale is None:
             scale = 1.0 / math.sqrt(d)
-        del torch
         return cls(group=group, rank=rank, world=world, layout=layout, causal=bool(causal), scale=float(scale),
                    kernel=kernel, params=dict(params), chunk=n // per_rank, lead=tuple(q.shape[:-2]), n=n, d=d,
                    dv=dv, stats=stats)
@@ -224,11 +232,12 @@ class _Ring:
         return time.perf_counter() - start
 
     def pack(self, k, v):
+        """k and v in one buffer, one message a step."""
         import torch
 
         return torch.cat([k.reshape(-1), v.reshape(-1)])
 
-    def unpack(self, buf, dtype=None):
+    def unpack(self, buf):
         size = math.prod(self.lead) * self.n
         k, v = buf[:size * self.d], buf[size * self.d:]
         return k.view(*self.lead, self.n, self.d), v.view(*self.lead, self.n, self.dv)
@@ -255,19 +264,26 @@ class _Ring:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(*self.lead, self.n, self.dv, dtype=acc, device=q.device)
         lse = torch.full((*self.lead, self.n), -math.inf, dtype=acc, device=q.device)
-        current = self.pack(k, v)
-        incoming = torch.empty_like(current)
+        alone = self.world == 1
+        current = None if alone else self.pack(k, v)
+        incoming = None if alone else torch.empty_like(current)
         pending: list = []
+        filled = set()  # query rows (slice starts) that hold a block's result already
         for step in range(self.world):
             owner = (self.rank - step) % self.world
             sent = self.exchange(current, incoming, pending) if step < self.world - 1 else 0
             start = time.perf_counter()
-            keys, values = self.unpack(current)
+            keys, values = (k, v) if alone else self.unpack(current)
             for qrows, krows, causal in self.pairs(owner):
                 block_out, block_lse = attention(
                     q[..., qrows, :], keys[..., krows, :], values[..., krows, :], causal=causal, scale=self.scale,
                     kernel=self.kernel, check_finite=False, return_lse=True, **self.params)
-                _merge(out[..., qrows, :], lse[..., qrows], block_out, block_lse)
+                if qrows.start in filled:
+                    _merge(out[..., qrows, :], lse[..., qrows], block_out, block_lse)
+                else:  # the first block of these rows: its result as it is
+                    out[..., qrows, :] = block_out
+                    lse[..., qrows] = block_lse
+                    filled.add(qrows.start)
                 if self.stats is not None:
                     self.stats.kernel_calls += 1
             self.sync(q)
@@ -285,7 +301,7 @@ class _Ring:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         current = self.pack(k, v)
-        incoming = torch.empty_like(current)
+        incoming = torch.empty_like(current) if self.world > 1 else None
         grads_in = None  # dk, dv of the block in hand, summed over the ranks it has visited
         kv_pending: list = []
         grad_pending: list = []
@@ -367,7 +383,8 @@ def _local_problem(q, k, v, causal, scale) -> str | None:
                               or not math.isfinite(scale)):
         return f"scale must be a finite real number or None, got {scale!r}"
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not bool(torch.isfinite(x).all()):
+        low, high = torch.aminmax(x.detach())  # NaN propagates, infinities show: one pass, no mask array
+        if not (math.isfinite(low) and math.isfinite(high)):
             return f"{name} contains NaN or infinity; pass finite values"
     return None
 
