@@ -25,7 +25,7 @@ def attention(q, k, v, *, causal, scale, kernel, check_finite, return_lse, **par
     return (out, lse) if return_lse else out
 
 
-def _to_numpy(x):
+def to_numpy(x):
     """A CPU tensor as a NumPy array sharing its memory; bfloat16, which NumPy lacks,
     as ml_dtypes.bfloat16 (the same bits)."""
     import torch
@@ -40,7 +40,7 @@ def _to_numpy(x):
     return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
 
-def _from_numpy(a):
+def from_numpy(a):
     """to_numpy's inverse: a tensor sharing a NumPy array's memory."""
     import torch
 
@@ -52,7 +52,7 @@ def _from_numpy(a):
 def _views(tensors):
     """Detached tensors as the arrays attnkern's kernels take: NumPy arrays sharing
     CPU tensors' memory, the CUDA tensors themselves (viewed through their interface)."""
-    return [x.detach() if x.is_cuda else _to_numpy(x.detach()) for x in tensors]
+    return [x.detach() if x.is_cuda else to_numpy(x.detach()) for x in tensors]
 
 
 def _forward(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward):
@@ -66,7 +66,7 @@ def _forward(q, k, v, causal, scale, kernel, check_finite, return_lse, params, b
     call = _api.validate(*_views((q, k, v)), causal=causal, scale=scale, check_finite=check_finite)
     chosen, resolved = _api.choose(call, kernel, params, return_lse=return_lse or backward, backward=backward)
     result = _api.run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse or backward)
-    as_torch = (lambda x: x) if call.device else _from_numpy
+    as_torch = (lambda x: x) if call.device else from_numpy
     result = tuple(as_torch(x) for x in result) if isinstance(result, tuple) else as_torch(result)
     return result, call, chosen, resolved
 
@@ -115,7 +115,7 @@ def backward(q, k, v, out, dout, lse, *, call, chosen, resolved):
         return tuple(grads)
     views = [np.ascontiguousarray(x).reshape(s) for x, s in zip(arrays, shapes)]
     dq, dk, dv_ = chosen.backward(*views, call.causal, call.scale, **resolved)
-    return tuple(_from_numpy(g).reshape(x.shape) for g, x in zip((dq, dk, dv_), (q, k, v)))
+    return tuple(from_numpy(g).reshape(x.shape) for g, x in zip((dq, dk, dv_), (q, k, v)))
 
 
 class _AttentionFunction:

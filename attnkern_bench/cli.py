@@ -7,6 +7,7 @@
     attnkern roofline                   this machine's compute and memory ceilings, each kernel against them
     attnkern study                      forward and backward time and memory of attention training
     attnkern report                     a two-page PDF and an HTML page of the results above
+    attnkern ring                       ring attention over W processes: memory, overlap, balance
 
 `attnkern <command> --help` says what each measures and how.
 """
@@ -24,6 +25,7 @@ import attnkern
 
 from . import harness
 from .memory import measure_memory
+from .ring import ring_parser
 from .study import study_parser
 
 CPU_KERNELS = ["native.flash", "torch.sdpa", "numpy.naive"]
@@ -450,6 +452,7 @@ def parser() -> argparse.ArgumentParser:
     _roofline_parser(sub)
     _report_parser(sub)
     study_parser(sub)
+    ring_parser(sub)
     return p
 
 

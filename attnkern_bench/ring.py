@@ -1,0 +1,370 @@
+"""attnkern ring: ring attention on W processes, checked and measured.
+
+For each world size W (local processes on gloo, pinned to equal shares of this
+machine's CPUs; or the ranks of a torchrun job), each layout and mask, every rank
+builds its shards of a (B, H, N, D) problem (the same values for every W: each
+chunk of the sequence is drawn from its own seed), then:
+
+  warm-up  one untimed call (forward, or forward and backward with --backward);
+  time     --repeat calls, each started together (a barrier): the wall time per
+           call on each rank, and inside it the time in the local kernels and
+           merges (compute) and the time left waiting for transfers after the
+           local work was done (exposed communication); overlap efficiency is
+           compute / (compute + exposed);
+  memory   the peak resident memory of the timed calls above the resident
+           memory before them (Linux VmHWM reset through /proc/self/clear_refs;
+           on a GPU torch's peak allocation), so beside the shards themselves;
+  bytes    payload sent per ring step, against the model 2 (N/W) B H D itemsize;
+  check    sampled rows of each rank's output against attnkern.reference on the
+           whole sequence in float64 (rows as the kernel's accuracy bound
+           scales them: attnkern_bench.accuracy).
+
+Reported per (W, layout, mask): the median step time (the slowest rank's),
+compute and exposed communication (the mean over ranks), overlap efficiency,
+each rank's busy (compute) time and the imbalance max/mean, bytes per step and
+the model, peak memory per rank (the largest), and the check's error.
+
+On a machine with fewer cores than ranks the ranks share cores: times then
+measure the sharing as much as the ring, while memory, bytes and the causal
+balance of the layouts do not depend on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+FIELDS = ["world_size", "layout", "causal", "backward", "time_s", "compute_s", "exposed_s", "overlap",
+          "busy_s", "imbalance", "bytes_per_step", "bytes_model", "peak_bytes", "shard_bytes", "max_error",
+          "ranks_per_core"]
+
+
+def chunk_inputs(seed: int, lead, chunk: int, d: int, dtype, chunks) -> list[np.ndarray]:
+    """q, k, v and dout rows of the given chunks of the sequence, concatenated; chunk c
+    is drawn from seed (seed, c) alone, so every layout and W sees the same problem."""
+    parts = []
+    for c in chunks:
+        rng = np.random.default_rng([seed, c])
+        parts.append([rng.standard_normal((*lead, chunk, d)).astype(dtype) for _ in range(4)])
+    return [np.ascontiguousarray(np.concatenate([p[i] for p in parts], axis=-2)) for i in range(4)]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+class _Peak:
+    """The peak memory of a block above the memory at its start: torch's allocator on a
+    GPU, the resident set (Linux) on the CPU."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.before = torch.cuda.memory_allocated(self.device)
+        else:
+            self.before = _status("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self.before
+        else:
+            self.bytes = _status("VmHWM") - self.before
+
+
+def measure_rank(config: dict) -> list[dict]:
+    """Runs on every rank of an initialized group: the measurements above for each
+    (layout, causal) of config, as this rank saw them."""
+    import torch
+    import torch.distributed as dist
+
+    import attnkern
+    from attnkern.distributed import RingStats, chunks_of, ring_attention
+    from attnkern.distributed.layout import check_length
+
+    from .accuracy import scaled_error
+    from .inputs import sample_rows
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = np.dtype(config["dtype"])
+    lead, n, d = (config["batch"], config["heads"]), config["seq"], config["dim"]
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if config["device"] == "cuda" else "cpu")
+    params = {"num_threads": config["threads"]} if config.get("threads") else {}
+    rows = []
+    for layout in config["layouts"]:
+        chunk = check_length(n, layout, world)
+        mine = chunks_of(layout, rank, world)
+        q, k, v, dout = (torch.from_numpy(x).to(device) for x in chunk_inputs(config["seed"], lead, chunk, d, dtype,
+                                                                                mine))
+        for causal in config["causal"]:
+            def call(stats=None):
+                if config["backward"]:
+                    tensors = [x.detach().requires_grad_() for x in (q, k, v)]
+                    out = ring_attention(*tensors, causal=causal, layout=layout, kernel=config["kernel"],
+                                         stats=stats, **params)
+                    out.backward(dout)
+                    return out.detach()
+                with torch.no_grad():
+                    return ring_attention(q, k, v, causal=causal, layout=layout, kernel=config["kernel"],
+                                          stats=stats, **params)
+
+            call()
+            times, stats_list = [], []
+            with _Peak(device) as peak:
+                for _ in range(config["repeat"]):
+                    stats = RingStats()
+                    dist.barrier()
+                    start = time.perf_counter()
+                    out = call(stats)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - start)
+                    stats_list.append(stats)
+            error = _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_error, sample_rows)
+            first = stats_list[0].per_step
+            rows.append({
+                "rank": rank, "layout": layout, "causal": causal,
+                "time_s": statistics.median(times),
+                "compute_s": statistics.median(s.compute_s for s in stats_list),
+                "exposed_s": statistics.median(s.wait_s for s in stats_list),
+                "bytes_per_step": first[0][2] if world > 1 else 0,
+                "bytes_sent": stats_list[0].bytes_sent,
+                "peak_bytes": peak.bytes,
+                "shard_bytes": sum(x.numel() * x.element_size() for x in (q, k, v)),
+                "max_error": error,
+            })
+    return rows
+
+
+def _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_error, sample_rows):
+    """The scaled error of sampled rows of this rank's output against the float64
+    reference on the whole sequence."""
+    from attnkern.distributed import chunk_count, chunks_of
+
+    lead, d, dtype = (config["batch"], config["heads"]), config["dim"], np.dtype(config["dtype"])
+    q, k, v, _ = chunk_inputs(config["seed"], lead, chunk, d, dtype, range(chunk_count(layout, world)))
+    local = sample_rows(np.random.default_rng(rank), out.shape[-2], config["check_rows"])
+    starts = [c * chunk for c in chunks_of(layout, rank, world)]
+    positions = np.array([starts[i // chunk] + i % chunk for i in local])
+    got = out.float().cpu().numpy()[..., local, :]
+    return scaled_error(got, q, k, v, causal=causal, rows=positions)
+
+
+def collect(world_size: int, per_rank: list[list[dict]], config: dict) -> list[dict]:
+    """The table's rows for one world size from every rank's measurements."""
+    itemsize = np.dtype(config["dtype"]).itemsize
+    model = 2 * (config["seq"] // world_size) * config["batch"] * config["heads"] * config["dim"] * itemsize
+    cores = len(os.sched_getaffinity(0))
+    table = []
+    for i, first in enumerate(per_rank[0]):
+        ranks = [r[i] for r in per_rank]
+        busy = [r["compute_s"] for r in ranks]
+        compute, exposed = statistics.fmean(busy), statistics.fmean(r["exposed_s"] for r in ranks)
+        table.append({
+            "world_size": world_size, "layout": first["layout"], "causal": first["causal"],
+            "backward": config["backward"],
+            "time_s": max(r["time_s"] for r in ranks),
+            "compute_s": compute, "exposed_s": exposed,
+            "overlap": compute / (compute + exposed) if compute + exposed > 0 else 1.0,
+            "busy_s": busy, "imbalance": max(busy) / compute if compute > 0 else 1.0,
+            "bytes_per_step": max(r["bytes_per_step"] for r in ranks), "bytes_model": model,
+            "peak_bytes": max(r["peak_bytes"] for r in ranks),
+            "shard_bytes": max(r["shard_bytes"] for r in ranks),
+            "max_error": max(r["max_error"] for r in ranks),
+            "ranks_per_core": world_size / cores if config["device"] == "cpu" else 1.0,
+        })
+    return table
+
+
+def run(config: dict, progress=None) -> list[dict]:
+    """Every world size of config in local processes; the rows of all."""
+    from attnkern.distributed import launch
+
+    backend = "nccl" if config["device"] == "cuda" else "gloo"
+    rows = []
+    for world in config["world_sizes"]:
+        if progress:
+            progress(f"# W={world}: {world} process(es) on {backend} ...")
+        per_rank = launch(measure_rank, world, config, backend=backend, timeout=config["timeout"],
+                          deadline=config["deadline"])
+        rows += collect(world, per_rank, config)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'W':>2} {'layout':<10} {'mask':<7} {'time ms':>9} {'compute':>9} {'exposed':>8} {'overlap':>8} "
+             f"{'imbal.':>6} {'busy per rank (ms)':<24} {'KiB/step':>9} {'model':>9} {'peak MiB':>9} {'error':>8}"]
+    for r in rows:
+        busy = " ".join(f"{b * 1e3:.0f}" for b in r["busy_s"])
+        lines.append(
+            f"{r['world_size']:>2} {r['layout']:<10} {'causal' if r['causal'] else 'full':<7} "
+            f"{r['time_s'] * 1e3:>9.1f} {r['compute_s'] * 1e3:>9.1f} {r['exposed_s'] * 1e3:>8.1f} "
+            f"{r['overlap']:>8.1%} {r['imbalance']:>6.2f} {busy:<24} {r['bytes_per_step'] / 1024:>9.0f} "
+            f"{(r['bytes_model'] if r['world_size'] > 1 else 0) / 1024:>9.0f} {r['peak_bytes'] / 2**20:>9.1f} "
+            f"{r['max_error']:>8.1e}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], title: str, path: str) -> None:
+    """Three panels: peak memory per rank against W (with the 1/W line), the step time
+    split into compute and exposed communication, and each rank's busy time for the
+    causal layouts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    worlds = sorted({r["world_size"] for r in rows})
+    ax = axes[0]
+    for layout in sorted({r["layout"] for r in rows}):
+        sel = [r for r in rows if r["layout"] == layout and r["causal"]] or [r for r in rows if r["layout"] == layout]
+        ws = [r["world_size"] for r in sel]
+        ax.plot(ws, [r["peak_bytes"] / 2**20 for r in sel], "o-", label=f"peak above shards ({layout})")
+        ax.plot(ws, [r["shard_bytes"] / 2**20 for r in sel], "s--", label=f"q, k, v shards ({layout})")
+    base = next((r for r in rows if r["world_size"] == worlds[0]), None)
+    if base:
+        ax.plot(worlds, [base["peak_bytes"] * worlds[0] / w / 2**20 for w in worlds], ":", color="gray",
+                label="1/W from the smallest W")
+    ax.set(xlabel="ranks W", ylabel="MiB per rank", title="memory per rank", xticks=worlds)
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    labels = [f"W{r['world_size']} {r['layout'][:3]} {'c' if r['causal'] else 'f'}" for r in rows]
+    x = np.arange(len(rows))
+    ax.bar(x, [r["compute_s"] * 1e3 for r in rows], label="compute")
+    ax.bar(x, [r["exposed_s"] * 1e3 for r in rows], bottom=[r["compute_s"] * 1e3 for r in rows],
+           label="exposed communication")
+    ax.set_xticks(x, labels, rotation=70, fontsize=7)
+    ax.set(ylabel="ms per call (mean over ranks)", title="compute and exposed communication")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    causal = [r for r in rows if r["causal"] and r["world_size"] > 1]
+    width = 0.8 / max(1, max((r["world_size"] for r in causal), default=1))
+    for i, r in enumerate(causal):
+        for rank, busy in enumerate(r["busy_s"]):
+            ax.bar(i + (rank - (r["world_size"] - 1) / 2) * width, busy * 1e3, width,
+                   color=f"C{rank}", label=f"rank {rank}" if i == 0 or rank >= causal[0]["world_size"] else None)
+    ax.set_xticks(range(len(causal)), [f"W{r['world_size']} {r['layout']}" for r in causal], rotation=30,
+                  fontsize=7)
+    ax.set(ylabel="busy ms per call", title="causal: busy time per rank")
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ring_parser(sub) -> None:
+    p = sub.add_parser("ring", help="ring attention on W local processes (or under torchrun): checked and measured",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4], metavar="W",
+                   help="numbers of local processes (ignored under torchrun, whose world is used)")
+    p.add_argument("--seq", type=int, default=3072,
+                   help="total sequence length N, split over the ranks: a multiple of W (contiguous) or 2W (zigzag)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--layout", choices=["both", "contiguous", "zigzag"], default="both")
+    p.add_argument("--backward", action="store_true", help="time forward and backward (torch autograd)")
+    p.add_argument("--kernel", default="auto", help="the local kernel (returns the lse; a backward for --backward)")
+    p.add_argument("--threads", type=int, help="the local kernel's num_threads (default: the rank's CPUs)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--check-rows", type=int, default=64, help="output rows per rank checked against float64")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300, help="seconds any one transfer may wait for a peer")
+    p.add_argument("--deadline", type=float, help="seconds the whole run of one W may take")
+    p.add_argument("--json", help="write the rows and settings to this file")
+    p.add_argument("--csv", help="write the rows to this CSV file")
+    p.add_argument("--plot", metavar="PNG", help="write the memory / overlap / balance plot here")
+    p.set_defaults(func=cmd_ring)
+
+
+def cmd_ring(args) -> int:
+    from attnkern.distributed.layout import check_length
+
+    from .machine import cpu_name
+
+    if args.repeat < 1 or args.seq < 1 or min(args.world_sizes) < 1 or args.check_rows < 1:
+        raise SystemExit("attnkern ring: --repeat, --seq, --check-rows and every W must be at least 1")
+    config = {
+        "seq": args.seq, "batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": args.dtype,
+        "causal": {"both": [False, True], "yes": [True], "no": [False]}[args.causal],
+        "layouts": ["contiguous", "zigzag"] if args.layout == "both" else [args.layout],
+        "backward": args.backward, "kernel": args.kernel, "threads": args.threads, "device": args.device,
+        "repeat": args.repeat, "check_rows": args.check_rows, "seed": args.seed, "timeout": args.timeout,
+        "deadline": args.deadline, "world_sizes": args.world_sizes,
+    }
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    worlds = [int(os.environ["WORLD_SIZE"])] if under_torchrun else args.world_sizes
+    for world in worlds:
+        for layout in config["layouts"]:
+            try:
+                check_length(args.seq, layout, world)
+            except ValueError as exc:
+                raise SystemExit(f"attnkern ring: W={world}: {exc}") from None
+    if under_torchrun:
+        rows = _under_torchrun(config, args.timeout)
+        if rows is None:  # not rank 0: rank 0 reports
+            return 0
+    else:
+        rows = run(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    where = "GPU per rank, NCCL" if args.device == "cuda" else \
+        f"{cpu_name()}, {len(os.sched_getaffinity(0))} CPUs shared by the ranks, gloo"
+    title = (f"ring attention, ({args.batch}, {args.heads}, N={args.seq}, {args.dim}) {args.dtype}, "
+             f"{'forward+backward' if args.backward else 'forward'}, {where}")
+    print(f"# {title}")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"title": title, "settings": config, "rows": rows}, f, indent=1)
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows({**r, "busy_s": " ".join(f"{b:.6f}" for b in r["busy_s"])} for r in rows)
+    if args.plot:
+        plot(rows, title, args.plot)
+        print(f"# plot: {args.plot}")
+    bad = [r for r in rows if not r["max_error"] <= (1e-5 if args.dtype == "float32" else 1e-12)]
+    if bad:
+        print(f"# {len(bad)} configuration(s) failed the check against float64", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _under_torchrun(config: dict, timeout: float):
+    """This process as one rank of a torchrun job: measures, and rank 0 gathers the rows."""
+    import torch.distributed as dist
+
+    from attnkern.distributed import init_from_env
+
+    rank, world = init_from_env("nccl" if config["device"] == "cuda" else "gloo", timeout)
+    mine = measure_rank(config)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    dist.destroy_process_group()
+    return collect(world, gathered, config) if rank == 0 else None

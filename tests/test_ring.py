@@ -1,0 +1,173 @@
+"""Ring attention on 1 to 4 local gloo processes against attention on the whole
+sequence in one process: every rank's out, lse and gradients, contiguous and
+zigzag, causal and not, float32 and float64. The workers below run in the
+spawned processes (attnkern.distributed.launch imports this module there)."""
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import attnkern  # noqa: E402
+from attnkern.distributed import LAYOUTS, RankFailed, launch, ring_attention, shard, unshard  # noqa: E402
+
+# max|error| / max|exact| of out, lse and every gradient, against float64 autograd on
+# the whole sequence: float32 keeps a few units of its 6e-8 rounding per merge and
+# per block summed; float64 holds to 1e-12 as the single-process kernels do
+TOL = {np.float32: 2e-5, np.float64: 1e-12}
+CASES = [(layout, causal, dtype) for layout in LAYOUTS for causal in (False, True) for dtype in (np.float32, np.float64)]
+LEAD, D, DV = (2, 3), 16, 8
+DEADLINE = 300  # seconds; a hang fails the test instead of stalling the suite
+
+
+def _inputs(world_size, seed):
+    """Full-sequence q, k, v and the output gradient; N = 6 rows a chunk, 2W chunks."""
+    rng = np.random.default_rng(seed)
+    n = 12 * world_size
+    q, k = (rng.standard_normal((*LEAD, n, D)) for _ in range(2))
+    v = rng.standard_normal((*LEAD, n, DV))
+    dout = rng.standard_normal((*LEAD, n, DV))
+    return q, k, v, dout
+
+
+def _ring_cases(q, k, v, dout):
+    """On each rank: ring attention of every case on this rank's shards, with gradients."""
+    results = []
+    for layout, causal, dtype in CASES:
+        tensors = [torch.tensor(shard(x.astype(dtype), layout), requires_grad=True) for x in (q, k, v)]
+        out, lse = ring_attention(*tensors, causal=causal, layout=layout, return_lse=True)
+        out.backward(torch.from_numpy(shard(dout.astype(dtype), layout)))
+        results.append((out.detach().numpy(), lse.numpy(), [t.grad.numpy() for t in tensors]))
+    return results
+
+
+def _exact(q, k, v, dout, causal):
+    """out, lse and the gradients of the whole sequence in float64, by torch autograd
+    through softmax(q k^T / sqrt(D)) v written out."""
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v))
+    scores = tq @ tk.transpose(-1, -2) / np.sqrt(D)
+    if causal:
+        n = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ tv
+    out.backward(torch.tensor(dout))
+    return out.detach().numpy(), lse.detach().numpy(), [t.grad.numpy() for t in (tq, tk, tv)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_rank_matches_attention_on_the_whole_sequence(world_size):
+    q, k, v, dout = _inputs(world_size, seed=world_size)
+    per_rank = launch(_ring_cases, world_size, q, k, v, dout, deadline=DEADLINE)
+    for i, (layout, causal, dtype) in enumerate(CASES):
+        exact_out, exact_lse, exact_grads = _exact(q, k, v, dout, causal)
+        shards = [r[i] for r in per_rank]
+        for rank, (out, lse, grads) in enumerate(shards):
+            assert out.dtype == lse.dtype == dtype and all(g.dtype == dtype for g in grads)
+            where = f"W={world_size} rank {rank} {layout} causal={causal} {dtype.__name__}"
+            ref = shard(exact_out, layout, rank=rank, world_size=world_size)
+            tol = TOL[dtype]
+            assert np.abs(out - ref).max() <= tol * np.abs(exact_out).max(), where
+            ref_lse = shard(exact_lse[..., None], layout, rank=rank, world_size=world_size)[..., 0]
+            assert np.abs(lse - ref_lse).max() <= tol * np.abs(exact_lse).max(), where
+            for g, exact, name in zip(grads, exact_grads, ("dq", "dk", "dv")):
+                ref_g = shard(exact, layout, rank=rank, world_size=world_size)
+                assert np.abs(g - ref_g).max() <= tol * np.abs(exact).max(), f"{name} {where}"
+        # unshard puts the ranks' shards back in sequence order
+        full = unshard([s[0] for s in shards], layout)
+        assert np.abs(full - exact_out).max() <= TOL[dtype] * np.abs(exact_out).max()
+
+
+def _plain_and_ring(q, k, v, dout):
+    """W = 1: the ring and plain attention(), forward and backward, bit for bit."""
+    results = []
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            ring_in = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+            plain_in = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+            ring_out, ring_lse = ring_attention(*ring_in, causal=causal, layout=layout, return_lse=True)
+            plain_out, plain_lse = attnkern.attention(*plain_in, causal=causal, return_lse=True)
+            ring_out.backward(torch.tensor(dout))
+            plain_out.backward(torch.tensor(dout))
+            same = [torch.equal(ring_out, plain_out), torch.equal(ring_lse, plain_lse)]
+            same += [torch.equal(a.grad, b.grad) for a, b in zip(ring_in, plain_in)]
+            # NumPy arrays in, NumPy arrays out
+            np_out = ring_attention(q, k, v, causal=causal, layout=layout)
+            same.append(isinstance(np_out, np.ndarray) and np.array_equal(np_out, plain_out.detach().numpy()))
+            results.append(same)
+    return results
+
+
+def test_one_rank_equals_plain_attention_exactly():
+    q, k, v, dout = (x.astype(np.float32) for x in _inputs(1, seed=5))
+    (results,) = launch(_plain_and_ring, 1, q, k, v, dout, deadline=DEADLINE)
+    assert all(all(same) for same in results), results
+
+
+def _bad_call(case):
+    """Rank 1 calls differently from rank 0, or fails outright; rank 0 is well behaved."""
+    rank = dist.get_rank()
+    q = np.ones((2, 8, 4), np.float32)
+    if rank == 1 and case == "shape":
+        q = np.ones((2, 6, 4), np.float32)
+    if rank == 1 and case == "nan":
+        q = q.copy()
+        q[0, 0, 0] = np.nan
+    if rank == 1 and case == "raise":
+        raise RuntimeError("rank 1 gave up")
+    return ring_attention(q, q, q, causal=True)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("shape", r"every rank must call ring_attention with shards of one shape.*rank [01] has shapes"),
+    ("nan", r"rank 1: q contains NaN"),
+    ("raise", r"rank 1 of 2 failed:\nRuntimeError: rank 1 gave up"),
+])
+def test_a_bad_rank_fails_every_rank_with_a_clear_error_and_no_stray_process(case, message):
+    """A mismatch or NaN on one rank is an error on all (they compare calls first);
+    a rank that raises ends the others, which would otherwise wait for it, within
+    seconds rather than the group's timeout."""
+    with pytest.raises(RankFailed, match=message):
+        launch(_bad_call, 2, case, deadline=DEADLINE, timeout=DEADLINE)
+    assert multiprocessing.active_children() == []
+
+
+def test_shard_and_bad_arguments():
+    x = np.arange(24.0).reshape(12, 2)
+    assert np.array_equal(shard(x, "zigzag", rank=0, world_size=3)[:, 0], [0, 2, 20, 22])
+    assert np.array_equal(shard(x, "contiguous", rank=2, world_size=3)[:, 0], [16, 18, 20, 22])
+    parts = [shard(x, "zigzag", rank=r, world_size=3) for r in range(3)]
+    assert np.array_equal(unshard(parts, "zigzag"), x)
+    with pytest.raises(ValueError, match="sequence length 12 does not split into 8 equal chunks.*multiple of 8, such as 16"):
+        shard(x, "zigzag", rank=0, world_size=4)
+    with pytest.raises(ValueError, match="layout must be one of 'contiguous', 'zigzag'"):
+        shard(x, "striped", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="world_size must be an integer"):
+        launch(_bad_call, 0, "shape")
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
+        ring_attention(x, x, x)
+
+
+def test_ring_command_measures_and_writes_json(tmp_path):
+    """attnkern ring runs W = 1 and 2 local processes, checks them against the
+    whole-sequence result and writes the measurements."""
+    out = tmp_path / "ring.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnkern", "ring", "--world-sizes", "1", "2", "--seq", "64", "--heads", "2",
+         "--dim", "16", "--repeat", "2", "--backward", "--json", str(out)],
+        capture_output=True, text=True, timeout=DEADLINE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["world_size"] for r in rows} == {1, 2}
+    for r in rows:
+        assert r["max_error"] <= 1e-5 and r["bytes_per_step"] == r["bytes_model"] * (r["world_size"] > 1)
+    assert "overlap" in proc.stdout
