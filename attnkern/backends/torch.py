@@ -31,7 +31,7 @@ def _threads(torch, n: int):
             torch.set_num_threads(before)
 
 
-def _sdpa(q, k, v, causal, scale, num_threads=1):
+def _sdpa(q, k, v, causal, scale, num_threads=1, lse=None):
     import torch
 
     if causal and not q.dtype.type(scale) > 0:
@@ -42,8 +42,34 @@ def _sdpa(q, k, v, causal, scale, num_threads=1):
     # (1, batch, n, d): torch's fused CPU kernels take 4-D inputs; 3-D ones fall back to plain math
     qt, kt, vt = (torch.from_numpy(x)[None] for x in (q, k, v))
     with _threads(torch, num_threads), torch.no_grad():
-        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+        if lse is not None:  # the fused kernel's own lse, through the op that returns it
+            out, row_lse = sdpa_with_lse(qt, kt, vt, causal, scale)
+            lse[...] = row_lse[0].numpy()
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
     return out[0].numpy()
+
+
+def sdpa_with_lse(q, k, v, causal: bool, scale: float):
+    """(out, lse) of torch's fused attention on torch tensors (..., n, d) of any device:
+    the CPU's flash kernel, on CUDA the memory-efficient kernel (it takes float32 and
+    returns the log-sum-exp). lse is float32 (float64 for float64 CPU inputs)."""
+    import torch
+
+    lead, dv = q.shape[:-2], v.shape[-1]
+    q4, k4, v4 = (x.reshape(-1, 1, *x.shape[-2:]) if x.dim() != 4 else x for x in (q, k, v))
+    width = max(q.shape[-1], dv)  # the fused kernels want one head size: zero columns change nothing
+    q4, k4, v4 = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
+                  for x in (q4, k4, v4))
+    with torch.no_grad():
+        if q.is_cuda:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q4, k4, v4, None, True, 0.0, causal, scale=scale)[:2]
+            lse = lse[..., :q.shape[-2]]  # padded to a multiple of the kernel's row block
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, causal,
+                                                                                 scale=scale)
+    return out[..., :dv].reshape(*lead, q.shape[-2], dv), lse.reshape(*lead, q.shape[-2])
 
 
 def naive_attention(q, k, v, causal: bool, scale: float):
@@ -76,6 +102,7 @@ register(
         run=_sdpa,
         params=(_THREADS,),
         unavailable_reason=_unavailable,
+        returns_lse=True,
     )
 )
 register(

@@ -242,6 +242,16 @@ class _Ring:
         k, v = buf[:size * self.d], buf[size * self.d:]
         return k.view(*self.lead, self.n, self.d), v.view(*self.lead, self.n, self.dv)
 
+    def local(self, q, k, v, causal):
+        """(out, lse) of one block on the local kernel. torch.sdpa on CUDA tensors is torch's
+        fused kernel called directly (attnkern's torch.sdpa is a CPU kernel)."""
+        if self.kernel == "torch.sdpa" and q.is_cuda:
+            from ..backends.torch import sdpa_with_lse
+
+            return sdpa_with_lse(q, k, v, causal, self.scale)
+        return attention(q, k, v, causal=causal, scale=self.scale, kernel=self.kernel, check_finite=False,
+                         return_lse=True, **self.params)
+
     def record(self, compute: float, waited: float, sent: int):
         if self.stats is not None:
             self.stats.compute_s += compute
@@ -275,9 +285,7 @@ class _Ring:
             start = time.perf_counter()
             keys, values = (k, v) if alone else self.unpack(current)
             for qrows, krows, causal in self.pairs(owner):
-                block_out, block_lse = attention(
-                    q[..., qrows, :], keys[..., krows, :], values[..., krows, :], causal=causal, scale=self.scale,
-                    kernel=self.kernel, check_finite=False, return_lse=True, **self.params)
+                block_out, block_lse = self.local(q[..., qrows, :], keys[..., krows, :], values[..., krows, :], causal)
                 if qrows.start in filled:
                     _merge(out[..., qrows, :], lse[..., qrows], block_out, block_lse)
                 else:  # the first block of these rows: its result as it is
