@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-FIELDS = ["world_size", "layout", "causal", "backward", "time_s", "compute_s", "exposed_s", "overlap",
+FIELDS = ["world_size", "kernel", "seq", "dim", "layout", "causal", "backward", "time_s", "compute_s", "exposed_s", "overlap",
           "busy_s", "imbalance", "bytes_per_step", "bytes_model", "peak_bytes", "shard_bytes", "max_error",
           "ranks_per_core"]
 
@@ -96,6 +96,24 @@ def measure_rank(config: dict) -> list[dict]:
     import torch
     import torch.distributed as dist
 
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = np.dtype(config["dtype"])
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if config["device"] == "cuda" else "cpu")
+    params = {"num_threads": config["threads"]} if config.get("threads") else {}
+    rows = []
+    for kernel in config["kernels"]:
+        for n in config["seqs"]:
+            for d in config["dims"]:
+                problem = {**config, "seq": n, "dim": d, "kernel": kernel}
+                for layout in config["layouts"]:
+                    rows += _measure_layout(problem, layout, rank, world, dtype, device, params)
+    return rows
+
+
+def _measure_layout(config, layout, rank, world, dtype, device, params) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
     import attnkern
     from attnkern.distributed import RingStats, chunks_of, ring_attention
     from attnkern.distributed.layout import check_length
@@ -103,54 +121,47 @@ def measure_rank(config: dict) -> list[dict]:
     from .accuracy import scaled_error
     from .inputs import sample_rows
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = np.dtype(config["dtype"])
-    lead, n, d = (config["batch"], config["heads"]), config["seq"], config["dim"]
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if config["device"] == "cuda" else "cpu")
-    params = {"num_threads": config["threads"]} if config.get("threads") else {}
+    lead, n, d, kernel = (config["batch"], config["heads"]), config["seq"], config["dim"], config["kernel"]
+    chunk = check_length(n, layout, world)
+    mine = chunks_of(layout, rank, world)
+    q, k, v, dout = (torch.from_numpy(x).to(device) for x in chunk_inputs(config["seed"], lead, chunk, d, dtype,
+                                                                            mine))
     rows = []
-    for layout in config["layouts"]:
-        chunk = check_length(n, layout, world)
-        mine = chunks_of(layout, rank, world)
-        q, k, v, dout = (torch.from_numpy(x).to(device) for x in chunk_inputs(config["seed"], lead, chunk, d, dtype,
-                                                                                mine))
-        for causal in config["causal"]:
-            def call(stats=None):
-                if config["backward"]:
-                    tensors = [x.detach().requires_grad_() for x in (q, k, v)]
-                    out = ring_attention(*tensors, causal=causal, layout=layout, kernel=config["kernel"],
-                                         stats=stats, **params)
-                    out.backward(dout)
-                    return out.detach()
-                with torch.no_grad():
-                    return ring_attention(q, k, v, causal=causal, layout=layout, kernel=config["kernel"],
-                                          stats=stats, **params)
+    for causal in config["causal"]:
+        def call(stats=None):
+            if config["backward"]:
+                tensors = [x.detach().requires_grad_() for x in (q, k, v)]
+                out = ring_attention(*tensors, causal=causal, layout=layout, kernel=kernel, stats=stats, **params)
+                out.backward(dout)
+                return out.detach()
+            with torch.no_grad():
+                return ring_attention(q, k, v, causal=causal, layout=layout, kernel=kernel, stats=stats, **params)
 
-            call()
-            times, stats_list = [], []
-            with _Peak(device) as peak:
-                for _ in range(config["repeat"]):
-                    stats = RingStats()
-                    dist.barrier()
-                    start = time.perf_counter()
-                    out = call(stats)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    times.append(time.perf_counter() - start)
-                    stats_list.append(stats)
-            error = _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_error, sample_rows)
-            first = stats_list[0].per_step
-            rows.append({
-                "rank": rank, "layout": layout, "causal": causal,
-                "time_s": statistics.median(times),
-                "compute_s": statistics.median(s.compute_s for s in stats_list),
-                "exposed_s": statistics.median(s.wait_s for s in stats_list),
-                "bytes_per_step": first[0][2] if world > 1 else 0,
-                "bytes_sent": stats_list[0].bytes_sent,
-                "peak_bytes": peak.bytes,
-                "shard_bytes": sum(x.numel() * x.element_size() for x in (q, k, v)),
-                "max_error": error,
-            })
+        call()
+        times, stats_list = [], []
+        with _Peak(device) as peak:
+            for _ in range(config["repeat"]):
+                stats = RingStats()
+                dist.barrier()
+                start = time.perf_counter()
+                out = call(stats)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+                stats_list.append(stats)
+        error = _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_error, sample_rows)
+        first = stats_list[0].per_step
+        rows.append({
+            "rank": rank, "kernel": kernel, "seq": n, "dim": d, "layout": layout, "causal": causal,
+            "time_s": statistics.median(times),
+            "compute_s": statistics.median(s.compute_s for s in stats_list),
+            "exposed_s": statistics.median(s.wait_s for s in stats_list),
+            "bytes_per_step": first[0][2] if world > 1 else 0,
+            "bytes_sent": stats_list[0].bytes_sent,
+            "peak_bytes": peak.bytes,
+            "shard_bytes": sum(x.numel() * x.element_size() for x in (q, k, v)),
+            "max_error": error,
+        })
     return rows
 
 
@@ -171,15 +182,16 @@ def _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_err
 def collect(world_size: int, per_rank: list[list[dict]], config: dict) -> list[dict]:
     """The table's rows for one world size from every rank's measurements."""
     itemsize = np.dtype(config["dtype"]).itemsize
-    model = 2 * (config["seq"] // world_size) * config["batch"] * config["heads"] * config["dim"] * itemsize
     cores = len(os.sched_getaffinity(0))
     table = []
     for i, first in enumerate(per_rank[0]):
         ranks = [r[i] for r in per_rank]
         busy = [r["compute_s"] for r in ranks]
         compute, exposed = statistics.fmean(busy), statistics.fmean(r["exposed_s"] for r in ranks)
+        model = 2 * (first["seq"] // world_size) * config["batch"] * config["heads"] * first["dim"] * itemsize
         table.append({
-            "world_size": world_size, "layout": first["layout"], "causal": first["causal"],
+            "world_size": world_size, "kernel": first["kernel"], "seq": first["seq"], "dim": first["dim"],
+            "layout": first["layout"], "causal": first["causal"],
             "backward": config["backward"],
             "time_s": max(r["time_s"] for r in ranks),
             "compute_s": compute, "exposed_s": exposed,
@@ -194,28 +206,35 @@ def collect(world_size: int, per_rank: list[list[dict]], config: dict) -> list[d
     return table
 
 
-def run(config: dict, progress=None) -> list[dict]:
-    """Every world size of config in local processes; the rows of all."""
-    from attnkern.distributed import launch
+def run(config: dict, progress=None) -> tuple[list[dict], list[str]]:
+    """Every world size of config in local processes: the rows of all, and a line for
+    each world size that failed (the others still run)."""
+    from attnkern.distributed import RankFailed, launch
 
     backend = "nccl" if config["device"] == "cuda" else "gloo"
-    rows = []
+    rows, failures = [], []
     for world in config["world_sizes"]:
         if progress:
             progress(f"# W={world}: {world} process(es) on {backend} ...")
-        per_rank = launch(measure_rank, world, config, backend=backend, timeout=config["timeout"],
-                          deadline=config["deadline"])
+        try:
+            per_rank = launch(measure_rank, world, config, backend=backend, timeout=config["timeout"],
+                              deadline=config["deadline"])
+        except (RankFailed, TimeoutError) as exc:
+            failures.append(f"W={world}: {exc}")
+            if progress:
+                progress(f"# W={world} failed: {exc}")
+            continue
         rows += collect(world, per_rank, config)
-    return rows
+    return rows, failures
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'W':>2} {'layout':<10} {'mask':<7} {'time ms':>9} {'compute':>9} {'exposed':>8} {'overlap':>8} "
+    lines = [f"{'W':>2} {'kernel':<12} {'N':>6} {'D':>4} {'layout':<10} {'mask':<7} {'time ms':>9} {'compute':>9} {'exposed':>8} {'overlap':>8} "
              f"{'imbal.':>6} {'busy per rank (ms)':<24} {'KiB/step':>9} {'model':>9} {'peak MiB':>9} {'error':>8}"]
     for r in rows:
         busy = " ".join(f"{b * 1e3:.0f}" for b in r["busy_s"])
         lines.append(
-            f"{r['world_size']:>2} {r['layout']:<10} {'causal' if r['causal'] else 'full':<7} "
+            f"{r['world_size']:>2} {r['kernel']:<12} {r['seq']:>6} {r['dim']:>4} {r['layout']:<10} {'causal' if r['causal'] else 'full':<7} "
             f"{r['time_s'] * 1e3:>9.1f} {r['compute_s'] * 1e3:>9.1f} {r['exposed_s'] * 1e3:>8.1f} "
             f"{r['overlap']:>8.1%} {r['imbalance']:>6.2f} {busy:<24} {r['bytes_per_step'] / 1024:>9.0f} "
             f"{(r['bytes_model'] if r['world_size'] > 1 else 0) / 1024:>9.0f} {r['peak_bytes'] / 2**20:>9.1f} "
@@ -232,6 +251,9 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    group = (rows[0]["kernel"], rows[0]["seq"], rows[0]["dim"])
+    rows = [r for r in rows if (r["kernel"], r["seq"], r["dim"]) == group]
+    title += f"; plotted: {group[0]}, N={group[1]}, D={group[2]}"
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     worlds = sorted({r["world_size"] for r in rows})
     ax = axes[0]
@@ -279,16 +301,18 @@ def ring_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4], metavar="W",
                    help="numbers of local processes (ignored under torchrun, whose world is used)")
-    p.add_argument("--seq", type=int, default=3072,
-                   help="total sequence length N, split over the ranks: a multiple of W (contiguous) or 2W (zigzag)")
+    p.add_argument("--seq", type=int, nargs="+", default=[3072],
+                   help="total sequence lengths N, split over the ranks: multiples of W (contiguous) or 2W (zigzag)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dim", type=int, nargs="+", default=[64])
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--layout", choices=["both", "contiguous", "zigzag"], default="both")
     p.add_argument("--backward", action="store_true", help="time forward and backward (torch autograd)")
-    p.add_argument("--kernel", default="auto", help="the local kernel (returns the lse; a backward for --backward)")
+    p.add_argument("--kernel", nargs="+", default=["auto"],
+                   help="local kernels (each must return the lse, and have a backward for --backward; torch.sdpa "
+                        "runs torch's fused kernel on CPU or CUDA tensors)")
     p.add_argument("--threads", type=int, help="the local kernel's num_threads (default: the rank's CPUs)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
     p.add_argument("--repeat", type=int, default=5)
@@ -307,39 +331,40 @@ def cmd_ring(args) -> int:
 
     from .machine import cpu_name
 
-    if args.repeat < 1 or args.seq < 1 or min(args.world_sizes) < 1 or args.check_rows < 1:
-        raise SystemExit("attnkern ring: --repeat, --seq, --check-rows and every W must be at least 1")
+    if args.repeat < 1 or min(args.seq) < 1 or min(args.dim) < 1 or min(args.world_sizes) < 1 \
+            or args.check_rows < 1:
+        raise SystemExit("attnkern ring: --repeat, --seq, --dim, --check-rows and every W must be at least 1")
     config = {
-        "seq": args.seq, "batch": args.batch, "heads": args.heads, "dim": args.dim, "dtype": args.dtype,
+        "seqs": args.seq, "batch": args.batch, "heads": args.heads, "dims": args.dim, "dtype": args.dtype,
         "causal": {"both": [False, True], "yes": [True], "no": [False]}[args.causal],
         "layouts": ["contiguous", "zigzag"] if args.layout == "both" else [args.layout],
-        "backward": args.backward, "kernel": args.kernel, "threads": args.threads, "device": args.device,
+        "backward": args.backward, "kernels": args.kernel, "threads": args.threads, "device": args.device,
         "repeat": args.repeat, "check_rows": args.check_rows, "seed": args.seed, "timeout": args.timeout,
         "deadline": args.deadline, "world_sizes": args.world_sizes,
     }
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     worlds = [int(os.environ["WORLD_SIZE"])] if under_torchrun else args.world_sizes
-    for world in worlds:
-        for layout in config["layouts"]:
-            try:
-                check_length(args.seq, layout, world)
-            except ValueError as exc:
-                raise SystemExit(f"attnkern ring: W={world}: {exc}") from None
+    for world, n, layout in [(w, n, lay) for w in worlds for n in args.seq for lay in config["layouts"]]:
+        try:
+            check_length(n, layout, world)
+        except ValueError as exc:
+            raise SystemExit(f"attnkern ring: W={world}: {exc}") from None
+    failures = []
     if under_torchrun:
         rows = _under_torchrun(config, args.timeout)
         if rows is None:  # not rank 0: rank 0 reports
             return 0
     else:
-        rows = run(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        rows, failures = run(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     where = "GPU per rank, NCCL" if args.device == "cuda" else \
         f"{cpu_name()}, {len(os.sched_getaffinity(0))} CPUs shared by the ranks, gloo"
-    title = (f"ring attention, ({args.batch}, {args.heads}, N={args.seq}, {args.dim}) {args.dtype}, "
+    title = (f"ring attention, ({args.batch}, {args.heads}, N, D) {args.dtype}, "
              f"{'forward+backward' if args.backward else 'forward'}, {where}")
     print(f"# {title}")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"title": title, "settings": config, "rows": rows}, f, indent=1)
+            json.dump({"title": title, "settings": config, "rows": rows, "failures": failures}, f, indent=1)
     if args.csv:
         import csv
 
@@ -347,13 +372,15 @@ def cmd_ring(args) -> int:
             writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows({**r, "busy_s": " ".join(f"{b:.6f}" for b in r["busy_s"])} for r in rows)
-    if args.plot:
+    if args.plot and rows:
         plot(rows, title, args.plot)
         print(f"# plot: {args.plot}")
     bad = [r for r in rows if not r["max_error"] <= (1e-5 if args.dtype == "float32" else 1e-12)]
     if bad:
         print(f"# {len(bad)} configuration(s) failed the check against float64", file=sys.stderr)
-    return 1 if bad else 0
+    for line in failures:
+        print(f"# failed: {line.splitlines()[0]}", file=sys.stderr)
+    return 1 if bad or failures else 0
 
 
 def _under_torchrun(config: dict, timeout: float):

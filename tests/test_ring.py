@@ -171,3 +171,45 @@ def test_ring_command_measures_and_writes_json(tmp_path):
     for r in rows:
         assert r["max_error"] <= 1e-5 and r["bytes_per_step"] == r["bytes_model"] * (r["world_size"] > 1)
     assert "overlap" in proc.stdout
+
+
+def _gpu_world() -> int:
+    """GPUs the NCCL tests may use: only with ATTNKERN_TEST_GPU=1 (else CUDA is simulated)."""
+    if os.environ.get("ATTNKERN_TEST_GPU") != "1" or not torch.cuda.is_available():
+        return 0
+    return min(torch.cuda.device_count(), 4)
+
+
+GPU_CASES = [case for case in CASES if case[2] == np.float32]  # float64 is no GPU's use case
+
+
+def _gpu_cases(q, k, v, dout, kernel):
+    """On each rank: the GPU_CASES on this rank's GPU with the local kernel; results to the host."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = []
+    for layout, causal, dtype in GPU_CASES:
+        tensors = [torch.tensor(shard(x.astype(dtype), layout), device=device, requires_grad=True) for x in (q, k, v)]
+        out, lse = ring_attention(*tensors, causal=causal, layout=layout, return_lse=True, kernel=kernel)
+        out.backward(torch.from_numpy(shard(dout.astype(dtype), layout)).to(device))
+        results.append((out.detach().cpu().numpy(), lse.cpu().numpy(), [t.grad.cpu().numpy() for t in tensors]))
+    return results
+
+
+@pytest.mark.skipif(_gpu_world() == 0, reason="needs a GPU (ATTNKERN_TEST_GPU=1)")
+@pytest.mark.parametrize("world_size", sorted({1, 2, _gpu_world()} - {0}))
+def test_nccl_ranks_on_gpus_match_attention_on_the_whole_sequence(world_size):
+    """The same checks on GPUs over NCCL, cuda.flash as the local kernel, one GPU per rank."""
+    if world_size > _gpu_world():
+        pytest.skip(f"needs {world_size} GPUs")
+    q, k, v, dout = _inputs(world_size, seed=10 + world_size)
+    per_rank = launch(_gpu_cases, world_size, q, k, v, dout, "cuda.flash", backend="nccl", pin=False,
+                      deadline=DEADLINE)
+    for i, (layout, causal, dtype) in enumerate(GPU_CASES):
+        exact_out, exact_lse, exact_grads = _exact(q, k, v, dout, causal)
+        for rank, (out, lse, grads) in enumerate(r[i] for r in per_rank):
+            where = f"W={world_size} rank {rank} {layout} causal={causal} {dtype.__name__}"
+            pick = lambda x: shard(x, layout, rank=rank, world_size=world_size)  # noqa: E731
+            assert np.abs(out - pick(exact_out)).max() <= TOL[dtype] * np.abs(exact_out).max(), where
+            assert np.abs(lse - pick(exact_lse[..., None])[..., 0]).max() <= TOL[dtype] * np.abs(exact_lse).max()
+            for g, exact in zip(grads, exact_grads):
+                assert np.abs(g - pick(exact)).max() <= TOL[dtype] * np.abs(exact).max(), where

@@ -49,10 +49,25 @@ def init_from_env(backend: str | None = None, timeout: float = 120.0):
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        bind_gpu(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
+
+
+def bind_gpu(index: int) -> None:
+    """Makes GPU index this process's device for torch and for Numba's CUDA kernels
+    (attnkern's cuda.* backend), which otherwise keep their own current device: a
+    kernel launched on GPU 0 with arrays on GPU 1 reads memory it cannot reach."""
+    import torch
+
+    torch.cuda.set_device(index)
+    try:
+        from numba import cuda
+    except ImportError:
+        return
+    if cuda.is_available():
+        cuda.select_device(index)
 
 
 def _child(rank, world_size, port, backend, timeout, cpus, fn, args, conn):
@@ -67,7 +82,7 @@ def _child(rank, world_size, port, backend, timeout, cpus, fn, args, conn):
         if cpus:
             torch.set_num_threads(len(cpus))
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            bind_gpu(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout),
                                 init_method=f"tcp://127.0.0.1:{port}")
