@@ -201,6 +201,11 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     FloatingPointError.
     """
     if _is_torch(q) or _is_torch(k) or _is_torch(v):
+        if getattr(q, "is_cuda", False):  # device-resident tensors: a prepared launch per call shape
+            fast = _torch_gpu_fast()
+            result = None if fast is None else fast(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+            if result is not None:
+                return result
         from . import _torch_api
 
         return _torch_api.attention(q, k, v, causal=causal, scale=scale, kernel=kernel, check_finite=check_finite,
@@ -208,6 +213,17 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=check_finite)
     chosen, resolved = choose(call, kernel, params, return_lse=return_lse)
     return run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse)
+
+
+_TORCH_GPU_FAST = []  # backends.cuda.torch_attention, or None without numba-cuda; found on first use
+
+
+def _torch_gpu_fast():
+    if not _TORCH_GPU_FAST:
+        from .backends import cuda
+
+        _TORCH_GPU_FAST.append(cuda.torch_attention if cuda._cuda_unavailable() is None else None)
+    return _TORCH_GPU_FAST[0]
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", **params):

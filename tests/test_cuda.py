@@ -5,6 +5,7 @@ small, tiles smaller, so several tiles, partial tiles and the causal diagonal
 are all crossed. The simulator has no warp shuffles; attnkern.backends.cuda.kernels.lane_reduce
 emulates them there (the device script checks the real ones on a GPU)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -213,3 +214,78 @@ def test_torch_and_cupy_arrays_stay_on_the_gpu(library):
     assert type(out).__module__.partition(".")[0] == library
     host = out.cpu().numpy() if library == "torch" else lib.asnumpy(out)
     assert_matches_reference(host, q, k, v, causal=True)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+def test_torch_fast_path_matches_the_general_path():
+    """Device-resident torch tensors: the first call of a shape takes the general
+    path and leaves a prepared launch; later calls (new tensors, aliased ones,
+    lse, the finite checks, tunables given) match the general path bit for bit,
+    and whatever the plan cannot take falls back to it with its errors."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from attnkern.backends import cuda as backend
+
+    rng = np.random.default_rng(9)
+
+    def tensors(dtype=np.float32, lead=(2, 3), nq=37, nk=45, d=16, dv=16):
+        return [torch.from_numpy(x).cuda() for x in random_qkv(rng, lead, nq, nk, d, dv, dtype)]
+
+    def general(*args, **kw):
+        backend.FAST_PATH = False
+        try:
+            return attnkern.attention(*args, **kw)
+        finally:
+            backend.FAST_PATH = True
+
+    for kw in ({}, {"causal": True, "scale": 0.3}, {"block_q": 16, "block_k": 32}, {"check_finite": False}):
+        for _ in range(3):  # the first call builds the plan; the later ones use it, on new tensors
+            q, k, v = tensors()
+            out = attnkern.attention(q, k, v, **kw)
+            assert torch.equal(out, general(q, k, v, **kw))
+        assert_matches_reference(out.cpu().numpy(), q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(),
+                                 kw.get("causal", False), kw.get("scale"))
+    plans = [p for p in backend._LOCAL.plans.values() if p.launch is not None]
+    assert plans, "no call took the prepared launch"
+    q, k, v = tensors(nq=45)
+    for _ in range(2):  # q, k and v one tensor
+        assert torch.equal(attnkern.attention(q, q, q), general(q, q, q))
+    for _ in range(2):
+        out, lse = attnkern.attention(q, k, v, causal=True, return_lse=True)
+        ref_out, ref_lse = general(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse) and lse.shape == (2, 3, 45)
+    bad = k.clone()
+    bad[1, 2, 3, 4] = float("inf")
+    with pytest.raises(ValueError, match="k contains NaN or infinity"):
+        attnkern.attention(q, bad, v)
+    huge = torch.full_like(q, 1e20)  # finite inputs, scores that overflow: q, q, q's plan meets a bad output
+    with pytest.raises(FloatingPointError, match="overflows float32"):
+        attnkern.attention(huge, huge, huge)
+    strided = torch.empty(2, 3, 16, 45, device=q.device).transpose(-1, -2)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        attnkern.attention(strided, k, v)
+    if importlib.util.find_spec("ml_dtypes") is not None:  # bfloat16 tensors: the tensor-core kernel
+        q, k, v = (x.to(torch.bfloat16) for x in tensors(lead=(2,), nq=70, nk=64, d=32, dv=32))
+        for _ in range(2):
+            assert torch.equal(attnkern.attention(q, k, v), general(q, k, v))
+        flat = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)
+        odd = flat[1:].view(q.shape)  # contiguous, 2-byte aligned
+        odd.copy_(q)
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            attnkern.attention(odd, k, v)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+def test_cuda_naive_on_torch_tensors():
+    """cuda.naive's score matrix from torch's allocator, its kernels on flat arrays."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng(10)
+    q, k, v = random_qkv(rng, (2, 2), 70, 33, 24, 40, np.float32)
+    for causal in (False, True):
+        for tile in (8, 16, 32):
+            out = attnkern.attention(*(torch.from_numpy(x).cuda() for x in (q, k, v)), causal=causal,
+                                     kernel="cuda.naive", tile=tile)
+            assert_matches_reference(out.cpu().numpy(), q, k, v, causal)

@@ -1,6 +1,15 @@
 """The measurements behind docs/gpu.md's half-precision, Triton and overhead tables.
 
     python3 docs/data/gpu_half_measure.py OUT.json [--parts overhead,small,large] [--quick]
+        [--kernels cuda.flash,triton.flash,torch.sdpa] [--dtypes float32,bfloat16,float16]
+        [--dims 64,128] [--batches 1,2,4,8] [--large-dtypes float32]
+
+--kernels, --dtypes: what each part times (torch.sdpa is every row's baseline); a kernel
+    named NAME/general runs NAME through attention()'s general path, with the fast path for
+    torch tensors (attnkern.backends.cuda.FAST_PATH) off, and NAME[BQxBK] runs it with
+    block_q=BQ, block_k=BK. --dims: large's head sizes;
+    --batches: small's (default 1, 2, 4, 8; --quick: 1 and 8); --large-dtypes: large's
+    dtypes (default --dtypes).
 
 overhead: per-call time through attnkern.attention at (1, 8, 16, 64) on device-resident
     torch tensors: wall clock over 300 back-to-back calls after 30 warm-up calls, then
@@ -38,6 +47,24 @@ def caller(kernel, causal, check_finite=False):
     if kernel == "torch.sdpa":
         sdpa = torch.nn.functional.scaled_dot_product_attention
         return lambda q, k, v: sdpa(q, k, v, is_causal=causal)
+    if kernel.endswith("/general"):  # the fast path for torch tensors off
+        from attnkern.backends import cuda as backend
+
+        name = kernel.partition("/")[0]
+
+        def general(q, k, v):
+            backend.FAST_PATH = False
+            try:
+                return attnkern.attention(q, k, v, causal=causal, kernel=name, check_finite=check_finite)
+            finally:
+                backend.FAST_PATH = True
+
+        return general
+    if kernel.endswith("]"):  # NAME[BQxBK]: cuda.flash with block_q=BQ, block_k=BK
+        name, _, tile = kernel[:-1].partition("[")
+        bq, bk = (int(x) for x in tile.split("x"))
+        return lambda q, k, v: attnkern.attention(q, k, v, causal=causal, kernel=name, check_finite=check_finite,
+                                                  block_q=bq, block_k=bk)
     return lambda q, k, v: attnkern.attention(q, k, v, causal=causal, kernel=kernel, check_finite=check_finite)
 
 
@@ -70,11 +97,11 @@ def event_times(fn, warmup, runs):
     return statistics.median(times)
 
 
-def overhead(result):
+def overhead(result, kernels, dtypes):
     rows = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         q, k, v = inputs(1, 8, 16, 64, dtype)
-        for kernel in KERNELS:
+        for kernel in kernels:
             for check in ((False, True) if kernel != "torch.sdpa" else (False,)):
                 f = caller(kernel, False, check)
                 try:
@@ -110,15 +137,15 @@ def overhead(result):
     print(text.getvalue()[-3000:], flush=True)
 
 
-def small(result, quick):
+def small(result, quick, kernels, dtypes, batches):
     rows = []
-    for dtype in DTYPES:
+    for dtype in dtypes:
         for causal in (False, True):
             for n in (64, 128, 256, 512):
-                for b in ((1, 8) if quick else (1, 2, 4, 8)):
+                for b in batches or ((1, 8) if quick else (1, 2, 4, 8)):
                     q, k, v = inputs(b, 8, n, 64, dtype, seed=n + b)
                     base = {}
-                    for kernel in KERNELS:
+                    for kernel in kernels:
                         f = caller(kernel, causal)
                         row = {"kernel": kernel, "dtype": dtype, "causal": causal, "b": b, "h": 8, "n": n, "d": 64}
                         try:
@@ -136,24 +163,24 @@ def small(result, quick):
                         except Exception as exc:
                             row["failed"] = repr(exc)[:300]
                         rows.append(row)
-                    for row in rows[-3:]:
+                    for row in rows[-len(kernels):]:
                         if "median_s" in row and "torch.sdpa" in base:
                             row["speedup_vs_torch"] = base["torch.sdpa"] / row["median_s"]
                     print([(r["kernel"], r.get("median_s"), r.get("speedup_vs_torch"), r.get("error"),
-                            r.get("failed")) for r in rows[-3:]], dtype, causal, n, b, flush=True)
+                            r.get("failed")) for r in rows[-len(kernels):]], dtype, causal, n, b, flush=True)
     result["small"] = rows
 
 
-def large(result, quick):
+def large(result, quick, kernels, dtypes, dims):
     rows = []
-    for dtype in DTYPES:
-        for d in (64, 128):
+    for dtype in dtypes:
+        for d in dims:
             for n in ((4096,) if quick else (4096, 8192)):
                 for causal in (False, True):
                     q, k, v = inputs(1, 16, n, d, dtype, seed=n + d)
                     flops = 4 * 16 * n * n * d / (2 if causal else 1)
                     base = {}
-                    for kernel in KERNELS:
+                    for kernel in kernels:
                         f = caller(kernel, causal)
                         row = {"kernel": kernel, "dtype": dtype, "causal": causal, "b": 1, "h": 16, "n": n, "d": d}
                         try:
@@ -166,11 +193,11 @@ def large(result, quick):
                         except Exception as exc:
                             row["failed"] = repr(exc)[:300]
                         rows.append(row)
-                    for row in rows[-3:]:
+                    for row in rows[-len(kernels):]:
                         if "median_s" in row and "torch.sdpa" in base:
                             row["speedup_vs_torch"] = base["torch.sdpa"] / row["median_s"]
                     print([(r["kernel"], round(r.get("tflops", 0), 1), r.get("speedup_vs_torch"), r.get("failed"))
-                           for r in rows[-3:]], dtype, d, n, causal, flush=True)
+                           for r in rows[-len(kernels):]], dtype, d, n, causal, flush=True)
                     torch.cuda.empty_cache()
     result["large"] = rows
 
@@ -180,15 +207,24 @@ def main():
     p.add_argument("out")
     p.add_argument("--parts", default="overhead,small,large")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--dims", default="64,128")
+    p.add_argument("--batches", default="")
+    p.add_argument("--large-dtypes", default="")
     args = p.parse_args()
+    kernels, dtypes = args.kernels.split(","), args.dtypes.split(",")
+    dims, batches = [int(x) for x in args.dims.split(",")], [int(x) for x in args.batches.split(",") if x]
+    large_dtypes = args.large_dtypes.split(",") if args.large_dtypes else dtypes
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     parts = args.parts.split(",")
     for part in parts:
         t0 = time.time()
-        {"overhead": lambda: overhead(result), "small": lambda: small(result, args.quick),
-         "large": lambda: large(result, args.quick)}[part]()
+        {"overhead": lambda: overhead(result, kernels, dtypes),
+         "small": lambda: small(result, args.quick, kernels, dtypes, batches),
+         "large": lambda: large(result, args.quick, kernels, large_dtypes, dims)}[part]()
         result[f"{part}_wall_s"] = time.time() - t0
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -2,7 +2,8 @@
 returns the log-sum-exp and has a backward), written with numba-cuda, on GPU
 arrays (arrays.py) or NumPy arrays copied to the GPU and back. numba-cuda is
 optional and imported on first use. This module owns the kernels'
-registration, cuda.flash's tile choice and the memory checks.
+registration, cuda.flash's tile choice, the memory checks and attention()'s
+fast path for torch CUDA tensors (torch_attention).
 
 (No module here may have "numba.cuda" in its dotted name: numba-cuda's import
 redirector takes any such name for its own.)"""
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
+import threading
+import time
 
 import numpy as np
 
@@ -139,6 +143,34 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse):
     return _from_device(out, host)
 
 
+def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
+                   block_q: int, block_k: int, with_lse: bool):
+    """cuda.flash's launch for (batch, n, d) GPU arrays of these sizes and dtype,
+    with everything but the addresses fixed: (kernels.Prepared taking the addresses
+    of q, k, v, out[, lse], whether the addresses must pass kernels.mma_aligned),
+    or None where the kernel is not compiled yet or the call is one _cuda_flash
+    refuses (its error is raised there)."""
+    from . import arrays, kernels
+
+    dtype = np.dtype(dtype)
+    shapes = [(batch, nq, d), (batch, nk, d), (batch, nk, dv), (batch, nq, dv)] + ([(batch, nq)] if with_lse else [])
+    roles = [arrays.GpuArray(shape, dtype, None, ptr=0) for shape in shapes]
+    lse = roles[4] if with_lse else None
+    mma = dtype.name in kernels.MMA_DTYPES
+    try:
+        if mma:
+            if not kernels.mma_head_size_ok(d, dv):
+                return None
+            kernel, grid, block, args = kernels.flash_mma_launch(*roles[:4], causal, scale, lse)
+        else:
+            block_q, block_k = _flash_tiles(block_q, block_k, d, dv, dtype.itemsize)
+            kernel, grid, block, args = kernels.flash_launch(*roles[:4], causal, scale, block_q, block_k, lse=lse)
+    except ValueError:
+        return None
+    raw = kernels.raw_kernel(kernel)
+    return None if raw is None else (kernels.Prepared(raw, grid, block, args, roles), mma)
+
+
 def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:
     """The backward's tiles: block_q and block_k as given (0: 64), each halved
     until the backward's shared memory fits. Its results do not depend on them:
@@ -201,9 +233,12 @@ _TILE_SIZES = (8, 16, 32, 64, 128)
 # cuda.flash's tiles in order of preference for block_q = block_k = 0: the first that
 # fits shared memory is used. block_k >= 16 first (a narrower tile leaves each thread
 # Dv/2 output columns, more than its registers hold), then larger tiles (fewer K/V
-# reloads), then taller ones. docs/gpu.md has the measured sweep behind this order.
+# reloads), then, among tiles of one area, block_q = 2 block_k (64 x 32 before 128 x 16:
+# twice the blocks over short sequences, each with as many threads), then taller ones.
+# docs/gpu.md has the measured sweeps behind this order.
 _TILE_PREFERENCE = tuple(
-    sorted(((bq, bk) for bq in _TILE_SIZES for bk in _TILE_SIZES), key=lambda t: (t[1] < 16, -t[0] * t[1], -t[0]))
+    sorted(((bq, bk) for bq in _TILE_SIZES for bk in _TILE_SIZES),
+           key=lambda t: (t[1] < 16, -t[0] * t[1], t[0] != 2 * t[1], -t[0]))
 )
 
 register(
@@ -239,3 +274,131 @@ register(
         dtypes=("float32", "float64", "float16", "bfloat16"),
     )
 )
+
+
+# ---------------------------------------------------------------- torch tensors' fast path
+#
+# attention() on device-resident torch tensors, for cuda.flash, with the Python
+# work per call cut to what changes between calls of one shape: the addresses.
+#
+# The first call of each (shapes, dtypes, device, causal, scale, kernel, tunables,
+# check_finite, return_lse) goes through attention()'s general path (validation,
+# kernel choice, tuned parameters, compilation) and leaves a plan: the kernel's
+# launch prepared (kernels.Prepared: parameters laid out once, the addresses
+# written in per call), the output shapes and, with check_finite, the scan of q, k,
+# v and the output prepared likewise. Later calls check what the plan cannot know
+# (tensor types, grad, devices, contiguity, torch's current stream, alignment),
+# allocate the outputs with torch and launch. Anything else, any other kernel and
+# any call with no work (an empty dimension) returns None: the general path runs.
+# A non-finite flag also returns None: the general path runs the call again and
+# raises its error, worded in one place. Plans are per thread (their parameter
+# memory is written per call); one whose tunables were not all given is rebuilt
+# after a second, as the general path looks up tuned parameters at most once a
+# second per call shape.
+
+FAST_PATH = True  # False: every call takes the general path (measurements compare the two)
+RECHECK_S = 1.0  # how long a plan with looked-up tunables is used before it is rebuilt
+_LOCAL = threading.local()  # per thread: key -> _Plan
+_TORCH = []  # the torch module, imported on first use
+
+
+def _torch():
+    if not _TORCH:
+        import torch
+
+        _TORCH.append(torch)
+    return _TORCH[0]
+
+
+class _Plan:
+    """A call shape's prepared work; launch None: the general path's."""
+
+    __slots__ = ("launch", "scan", "aligned", "stream", "out_shape", "lse_shape", "until")
+
+    def __init__(self, launch=None, scan=None, aligned=None, stream=None, out_shape=(), lse_shape=(),
+                 until=math.inf):
+        self.launch, self.scan, self.aligned, self.stream = launch, scan, aligned, stream
+        self.out_shape, self.lse_shape, self.until = out_shape, lse_shape, until
+
+
+def torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
+    """attention(q, k, v, ...) for torch CUDA tensors q (the caller knows that much),
+    or None where the general path must run."""
+    if not FAST_PATH:
+        return None
+    torch = _torch()
+    tensor = torch.Tensor
+    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
+        return None
+    if q.requires_grad or k.requires_grad or v.requires_grad:  # autograd: the general path
+        return None
+    # only argument types whose equality is their identity for the call (True is not 1 here)
+    if (causal is not True and causal is not False) or type(kernel) is not str:
+        return None
+    if scale is not None and type(scale) is not float and type(scale) is not int:
+        return None
+    if params and any(type(x) is not int for x in params.values()):
+        return None
+    device = q.get_device()
+    if k.get_device() != device or v.get_device() != device:
+        return None
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return None
+    check, with_lse = bool(check_finite), bool(return_lse)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, device, causal, scale, kernel, check, with_lse,
+           tuple(params.items()))
+    plans = getattr(_LOCAL, "plans", None)
+    if plans is None:
+        plans = _LOCAL.plans = {}
+    plan = plans.get(key)
+    if plan is None or plan.until < time.monotonic():
+        return _first_call(plans, key, q, k, v, causal, scale, kernel, check, with_lse, params)
+    if plan.launch is None:
+        return None
+    if plan.stream(device):  # not the legacy default stream: its queued work must come first
+        torch.cuda.current_stream(device).synchronize()
+    out = q.new_empty(plan.out_shape)
+    ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()]
+    if with_lse:
+        lse = q.new_empty(plan.lse_shape)
+        ptrs.append(lse.data_ptr())
+    if plan.aligned is not None and not plan.aligned(*ptrs):
+        return None
+    plan.launch(*ptrs)
+    if plan.scan is not None and plan.scan(*ptrs[:4]):
+        return None
+    return (out, lse) if with_lse else out
+
+
+def _first_call(plans, key, q, k, v, causal, scale, kernel, check, with_lse, params):
+    """The call through the general path's steps, and the plan for the next ones."""
+    from ... import _api
+
+    try:
+        call = _api.validate(q, k, v, causal=causal, scale=scale, check_finite=check)
+        chosen, resolved = _api.choose(call, kernel, params, return_lse=with_lse)
+    except (TypeError, ValueError, RuntimeError):
+        return None  # the general path raises it, as it words it
+    result = _api.run(call, chosen, resolved, check_finite=check, return_lse=with_lse)  # compiles on first use
+    if len(plans) >= 256:  # many shapes in turn: start over rather than keep them all
+        plans.clear()
+    plans[key] = _plan(call, chosen, resolved, params, with_lse, check)
+    return result
+
+
+def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
+    from . import arrays, kernels
+
+    if call.empty or chosen.name != "cuda.flash":
+        return _Plan()
+    (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
+    prepared = prepared_flash(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
+                              resolved["block_q"], resolved["block_k"], with_lse)
+    sizes = (call.q.size, call.k.size, call.v.size, math.prod(call.out_shape))
+    scan = kernels.FiniteScan.prepare(call.q.dtype, sizes) if check else None
+    if prepared is None or (check and scan is None):
+        return _Plan(until=time.monotonic() + RECHECK_S)
+    looked_up = len(params) < len(chosen.params)  # tunables from the tuning cache or defaults
+    return _Plan(prepared[0], scan, kernels.mma_aligned if prepared[1] else None, arrays.raw_stream, call.out_shape,
+                 call.out_shape[:-1],
+                 time.monotonic() + RECHECK_S if looked_up else math.inf)

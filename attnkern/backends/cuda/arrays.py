@@ -91,6 +91,21 @@ def _torch_dtype_map(torch) -> dict:
     return _TORCH_DTYPES
 
 
+_RAW_STREAM = []  # torch's lookup of a device's current stream handle, found on first use
+
+
+def raw_stream(device: int) -> int:
+    """The handle of torch's current stream on a device (0: the legacy default
+    stream), through torch's own cheap lookup where it has one (what its compiled
+    kernels use) rather than building a torch.cuda.Stream object per call."""
+    if not _RAW_STREAM:
+        import torch
+
+        lookup = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM.append(lookup or (lambda d: torch.cuda.current_stream(d).cuda_stream))
+    return _RAW_STREAM[0](device)
+
+
 def from_torch(x, name: str) -> GpuArray:
     """A GpuArray over a torch CUDA tensor's memory, read from the tensor itself
     rather than through __cuda_array_interface__ (which torch builds on every access,
@@ -109,9 +124,9 @@ def from_torch(x, name: str) -> GpuArray:
     shape = tuple(x.shape)
     contiguous = x.is_contiguous()
     strides = None if contiguous else tuple(s * dtype.itemsize for s in x.stride())
-    stream = torch.cuda.current_stream(x.device)
-    if stream.cuda_stream:  # not the legacy default stream: its queued work must come first
-        stream.synchronize()
+    device = x.get_device()
+    if raw_stream(device):  # not the legacy default stream: its queued work must come first
+        torch.cuda.current_stream(device).synchronize()
     return GpuArray(shape, dtype, strides, ptr=x.data_ptr() if contiguous else None, owner=x, contiguous=contiguous)
 
 
@@ -186,6 +201,22 @@ def empty_like_kind(shape, dtype, like):
         return GpuArray(shape, dtype, None, ptr=out.data.ptr, owner=out), out.reshape(shape)
     out = cuda.device_array(size, dtype=_numba_dtype(dtype))
     return GpuArray(shape, dtype, None, out), out.reshape(shape)
+
+
+def workspace(size: int, dtype, like) -> GpuArray:
+    """Scratch memory of `size` elements for kernels on the legacy default stream:
+    from torch's caching allocator where `like` is a torch tensor and torch's
+    current stream is that stream (torch orders a later reuse of the memory after
+    the work queued there), else from Numba (cudaMalloc)."""
+    dtype = np.dtype(dtype)
+    if type(like).__module__.partition(".")[0] == "torch" and not config.ENABLE_CUDASIM:
+        device = like.get_device()
+        if not raw_stream(device):
+            import torch
+
+            out = torch.empty(size, dtype=getattr(torch, dtype.name), device=like.device)
+            return GpuArray((size,), dtype, None, ptr=out.data_ptr(), owner=out)
+    return device_empty((size,), dtype)
 
 
 def all_finite(*arrays: GpuArray) -> bool:

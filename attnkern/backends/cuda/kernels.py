@@ -51,7 +51,9 @@ import ctypes
 import functools
 import math
 import os
+import struct
 import threading
+import time
 
 import numpy as np
 from numba import config, cuda, float64, int32, uint64
@@ -102,29 +104,34 @@ def round_up(x: int, m: int) -> int:
 # ---------------------------------------------------------------- launches
 
 class RawKernel:
-    """A compiled Numba kernel launched below Numba's dispatcher: the driver's
-    kernel handle and a launch configuration per (grid, block) are kept, and
-    arguments go to the driver as Numba's calling convention lays them out
-    (see launch), with no typing of Python values and no array objects made per
-    call. That dispatch is most of a call's overhead at small sizes."""
+    """A compiled Numba kernel launched below Numba's dispatcher, with the driver's
+    cuLaunchKernel (through cuda.bindings) on the legacy default stream, as Numba's
+    own launches: no typing of Python values, no array objects, no launch
+    configuration objects per call. That dispatch is most of a call's overhead
+    at small sizes. Parameters come as the address of an array of pointers to
+    their values (Prepared)."""
 
     def __init__(self, compiled):
-        from cuda.core import LaunchConfig
-        from cuda.core import launch as core_launch
-        from numba.cuda.cudadrv import driver
+        from cuda.bindings import driver as cu
 
-        self._kernel = compiled._codelibrary.get_cufunc().kernel
-        self._launch, self._config = core_launch, LaunchConfig
-        self._stream = driver._to_core_stream(0)  # the legacy default stream, as Numba's own launches
-        self._configs = {}
+        handle = compiled._codelibrary.get_cufunc().handle  # a CUkernel or CUfunction: both launch
+        self._function = cu.CUfunction(int(handle))
+        self._stream = cu.CUstream(_LEGACY_STREAM)
+        self._launch = cu.cuLaunchKernel
+        self._success = cu.CUresult.CUDA_SUCCESS
 
-    def __call__(self, grid: tuple, block: tuple, args: list) -> None:
-        cfg = self._configs.get((grid, block))
-        if cfg is None:
-            cfg = self._configs[grid, block] = self._config(grid=grid, block=block, shmem_size=0)
-        self._launch(self._stream, cfg, self._kernel, *args)
+    def __call__(self, grid: tuple, block: tuple, params: int) -> None:
+        if not getattr(_THREAD, "context", False):  # the context must be current on this thread
+            cuda.current_context()
+            _THREAD.context = True
+        (err,) = self._launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0,
+                              self._stream, params, 0)
+        if err != self._success:
+            raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
 
 
+_THREAD = threading.local()  # per thread: whether Numba made its context current there
+_LEGACY_STREAM = 0  # the stream handle our kernels run on, as Numba's own launches
 _RAW: dict = {}  # dispatcher -> RawKernel; each of our dispatchers is always called with one signature
 _RAW_LOCK = threading.Lock()
 
@@ -134,41 +141,100 @@ def _dim3(x) -> tuple:
     return x + (1,) * (3 - len(x))
 
 
-def launch(dispatcher, grid, block, *args) -> None:
-    """dispatcher[grid, block](*args) where each GpuArray argument is passed as its
-    flat 1-D Numba view. The first launch of a dispatcher goes through Numba (it
-    compiles there); later ones through RawKernel, with a GpuArray as the fields
-    of Numba's 1-D C-contiguous array (meminfo, parent, size, itemsize, data
-    pointer, shape, stride), a bool as is, NumPy scalars and Python ints and floats
-    as the C types Numba types them as (int64, float64, and the NumPy scalar's own)."""
+class Addr:
+    """A kernel argument that is a GpuArray's device address, as a uint64 (the
+    CUDA C++ kernels take their arrays so)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+
+_MASK64 = (1 << 64) - 1
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _words(args, roles=()):
+    """Kernel arguments as Numba's calling convention lays them out, one 64-bit
+    word per parameter (a narrower value in its low bytes, which is all the
+    driver copies): a GpuArray as the fields of Numba's 1-D C-contiguous array
+    (meminfo, parent, size, itemsize, data pointer, shape, stride), an Addr as
+    its array's address, a bool as is, Python ints and floats as the C types
+    Numba types them as (int64, float64), NumPy scalars as their own. Returns
+    (words, [(word index, role index)]) where a GpuArray's or an Addr's array
+    is `roles[role index]` (by identity)."""
     from .arrays import GpuArray
 
-    raw = None if config.ENABLE_CUDASIM else _RAW.get(dispatcher)
+    words, slots = [], []
+    for a in args:
+        array = a.array if isinstance(a, Addr) else a if isinstance(a, GpuArray) else None
+        if array is not None:
+            role = next((i for i, r in enumerate(roles) if r is array), None)
+            if isinstance(a, GpuArray):
+                n, itemsize = a.size, a.dtype.itemsize
+                words += (0, 0, n, itemsize)
+                at = len(words)
+                words += (a.ptr, n, itemsize)
+            else:
+                at = len(words)
+                words.append(array.ptr)
+            if role is not None:
+                slots.append((at, role))
+        elif isinstance(a, bool):
+            words.append(int(a))
+        elif isinstance(a, int):
+            words.append(a & _MASK64)
+        elif isinstance(a, float):
+            words.append(struct.unpack("<Q", struct.pack("<d", a))[0])
+        else:  # a NumPy scalar: its own bits
+            words.append(int(a.view(_UINT[a.dtype.itemsize])))
+    return words, slots
+
+
+class Prepared:
+    """One kernel's launch with everything fixed but some arrays' addresses:
+    calling it with the addresses of the roles (in order) writes them into its
+    parameter words and launches. Its parameter memory is its own: use one from
+    one thread at a time."""
+
+    def __init__(self, raw: RawKernel, grid, block, args, roles=()):
+        words, self._slots = _words(args, roles)
+        self._raw, self._grid, self._block = raw, _dim3(grid), _dim3(block)
+        self._words = (ctypes.c_uint64 * max(len(words), 1))(*words)
+        base = ctypes.addressof(self._words)
+        self._params = (ctypes.c_void_p * max(len(words), 1))(*range(base, base + 8 * len(words), 8))
+        self._params_at = ctypes.addressof(self._params)
+
+    def __call__(self, *ptrs) -> None:
+        words = self._words
+        for at, role in self._slots:
+            words[at] = ptrs[role]
+        self._raw(self._grid, self._block, self._params_at)
+
+
+def raw_kernel(dispatcher):
+    """The RawKernel of a dispatcher that has been launched once (compiled), else None."""
+    return None if config.ENABLE_CUDASIM else _RAW.get(dispatcher)
+
+
+def launch(dispatcher, grid, block, *args) -> None:
+    """dispatcher[grid, block](*args) where each GpuArray argument is passed as its
+    flat 1-D Numba view and an Addr as its array's address (a uint64). The first
+    launch of a dispatcher goes through Numba (it compiles there); later ones
+    through RawKernel, the arguments laid out as _words says."""
+    raw = raw_kernel(dispatcher)
     if raw is None:
-        dispatcher[grid, block](*(a.flat if isinstance(a, GpuArray) else a for a in args))
+        from .arrays import GpuArray
+
+        dispatcher[grid, block](*(a.flat if isinstance(a, GpuArray) else np.uint64(a.array.ptr)
+                                  if isinstance(a, Addr) else a for a in args))
         if not config.ENABLE_CUDASIM:
             with _RAW_LOCK:
                 if dispatcher not in _RAW and len(dispatcher.overloads) == 1:
                     _RAW[dispatcher] = RawKernel(next(iter(dispatcher.overloads.values())))
         return
-    flat = []
-    for a in args:
-        if isinstance(a, GpuArray):
-            n, itemsize = a.size, a.dtype.itemsize
-            flat += (0, 0, n, itemsize, a.ptr, n, itemsize)
-        elif isinstance(a, bool):
-            flat.append(a)
-        elif isinstance(a, int):
-            flat.append(ctypes.c_int64(a))
-        elif isinstance(a, float):
-            flat.append(ctypes.c_double(a))
-        else:
-            flat.append(_CTYPES[a.dtype.name](a))
-    raw(_dim3(grid), _dim3(block), flat)
-
-
-_CTYPES = {"float32": ctypes.c_float, "float64": ctypes.c_double, "int32": ctypes.c_int32,
-           "int64": ctypes.c_int64, "uint16": ctypes.c_uint16, "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64}
+    Prepared(raw, grid, block, args)()
 
 
 # ---------------------------------------------------------------- finite checks
@@ -208,37 +274,125 @@ def nonfinite_kernel(itemsize: int):
 
 
 _FLAGS = threading.local()  # per thread: mapped host memory the scan writes its four flags to
+_NO_FLAGS = bytes(16)
+
+
+def _flags():
+    """This thread's four flags: (a GpuArray over them, their host address, the mapped array)."""
+    from .arrays import GpuArray
+
+    f = getattr(_FLAGS, "f", None)
+    if f is None:
+        host = cuda.mapped_array(4, dtype=np.int32)
+        view = GpuArray((4,), np.int32, None, ptr=host.device_ctypes_pointer.value or 0, owner=host)
+        f = _FLAGS.f = (view, host.ctypes.data, host)
+    return f
+
+
+def _scan_launch(arrays, flags):
+    """(kernel, grid, block, args) of one scan over up to four GpuArrays of one
+    dtype: each viewed as unsigned integers of its width, a grid no larger than
+    the largest needs."""
+    from .arrays import GpuArray
+
+    itype, mask = _EXPONENT[arrays[0].dtype.name]
+    ints = [GpuArray((a.size,), itype, None, ptr=a.ptr, owner=a.owner) for a in arrays]
+    sizes = [x.size for x in ints] + [0] * (4 - len(ints))
+    while len(ints) < 4:
+        ints.append(ints[0])
+    blocks = max(1, min(SCAN_BLOCKS, -(-max(sizes) // SCAN_THREADS)))
+    return (nonfinite_kernel(np.dtype(itype).itemsize), blocks, SCAN_THREADS,
+            (*ints, *sizes, *([itype(mask)] * 4), flags)), ints
+
+
+SPIN_S = 1e-3  # how long _wait polls before it leaves the wait to the driver
+_DRIVER = []  # cuda.bindings.driver and the legacy default stream's handle object, found on first use
+
+
+def _driver():
+    if not _DRIVER:
+        from cuda.bindings import driver as cu
+
+        _DRIVER.extend((cu, cu.CUstream(_LEGACY_STREAM)))
+    return _DRIVER
+
+
+def _wait() -> None:
+    """Waits for the legacy default stream, which our kernels run on: records an
+    event there and polls it for up to SPIN_S, then waits in the driver. A wait
+    in the driver can put the thread to sleep, and waking it costs tens of
+    microseconds, more than the finite checks' whole wait at small sizes."""
+    cu, stream = _driver()
+    event = getattr(_FLAGS, "event", None)
+    if event is None:
+        err, event = cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        _check(err, "cuEventCreate")
+        _FLAGS.event = event  # one per thread, kept for the thread's life
+    _check(cu.cuEventRecord(event, stream)[0], "cuEventRecord")
+    query, not_ready, deadline = cu.cuEventQuery, cu.CUresult.CUDA_ERROR_NOT_READY, None
+    while True:
+        (err,) = query(event)
+        if err != not_ready:
+            return _check(err, "cuEventQuery")
+        if deadline is None:
+            deadline = time.perf_counter() + SPIN_S
+        elif time.perf_counter() > deadline:
+            return _check(cu.cuEventSynchronize(event)[0], "cuEventSynchronize")
+
+
+def _check(err, what: str) -> None:
+    if err != _driver()[0].CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err!r}")
 
 
 def nonfinite(arrays) -> list[bool]:
     """For each of up to four GpuArrays (all of one itemsize), whether it holds a
     NaN or an infinity; one launch, flags in mapped host memory, one wait."""
-    from .arrays import GpuArray
+    view, at, _ = _flags()
+    ctypes.memset(at, 0, 16)
+    kernel, grid, block, args = _scan_launch(arrays, view)[0]
+    launch(kernel, grid, block, *args)
+    _wait()
+    return [bool(f) for f in np.frombuffer(ctypes.string_at(at, 16), np.int32)[:len(arrays)]]
 
-    flags = getattr(_FLAGS, "flags", None)
-    if flags is None:
-        flags = _FLAGS.flags = cuda.mapped_array(4, dtype=np.int32)
-        _FLAGS.view = GpuArray((4,), np.int32, None, ptr=flags.device_ctypes_pointer.value or 0, owner=flags)
-        _FLAGS.stream = cuda.default_stream()
-    flags[:] = 0
-    itype, mask = _EXPONENT[arrays[0].dtype.name]
-    ints = [GpuArray((a.size,), itype, None, ptr=a.ptr, owner=a.owner) for a in arrays]
-    while len(ints) < 4:
-        ints.append(ints[0])
-    sizes = [x.size for x in ints[:len(arrays)]] + [0] * (4 - len(arrays))
-    launch(nonfinite_kernel(np.dtype(itype).itemsize), SCAN_BLOCKS, SCAN_THREADS, *ints, *sizes,
-           *([itype(mask)] * 4), _FLAGS.view)
-    _FLAGS.stream.synchronize()
-    return [bool(f) for f in flags[:len(arrays)]]
+
+class FiniteScan:
+    """nonfinite() prepared for arrays of fixed dtype and sizes at addresses given
+    per call: calling it with the arrays' addresses returns whether any of them
+    holds a NaN or an infinity. prepare() returns None until the scan has been
+    launched once (compiled). It writes this thread's flags: one thread's."""
+
+    def __init__(self, prepared, at):
+        self._prepared, self._at = prepared, at
+
+    @classmethod
+    def prepare(cls, dtype, sizes):
+        from .arrays import GpuArray
+
+        view, at, _ = _flags()
+        roles = [GpuArray((n,), dtype, None, ptr=0) for n in sizes]
+        (kernel, grid, block, args), ints = _scan_launch(roles, view)
+        raw = raw_kernel(kernel)
+        if raw is None:
+            return None
+        return cls(Prepared(raw, grid, block, args, ints[:len(sizes)]), at)
+
+    def __call__(self, *ptrs) -> bool:
+        ctypes.memset(self._at, 0, 16)
+        self._prepared(*ptrs)
+        _wait()
+        return ctypes.string_at(self._at, 16) != _NO_FLAGS
 
 
 # ---------------------------------------------------------------- cuda.naive
 
 @functools.cache
 def naive_kernels(dtype: str, tile: int):
-    """The three kernels of cuda.naive for one dtype and square tile size."""
+    """The three kernels of cuda.naive for one dtype and square tile size, on
+    flat arrays with unsigned indices and walking offsets, as flash_kernel."""
     T = tile
-    TILE, TILE_PADDED = (T, T), (T, T + 1)  # padded: a column of the tile spans every bank
+    TP = T + 1  # the padded row stride: a column of the tile spans every bank
+    TILE, TILE_PADDED = T * T, T * TP  # shared tile sizes: constants of the closure, as Numba needs
     ftype = np.dtype(dtype).type
     NEG_INF = ftype(-np.inf)
     ZERO = ftype(0)
@@ -246,41 +400,50 @@ def naive_kernels(dtype: str, tile: int):
     # cross-warp reduction, with a quarter of the threads
     SOFTMAX_THREADS = 64 if config.ENABLE_CUDASIM else 256
     WARPS = SOFTMAX_THREADS // 32
+    U = np.uint64
+    U_T, U_TP, U_ST, U_32 = U(T), U(TP), U(SOFTMAX_THREADS), U(32)
+    U_0, U_1 = U(0), U(1)
 
     @cuda.jit
-    def qk_scores(q, k, s, scale, causal):
-        b = cuda.blockIdx.z
-        row0 = cuda.blockIdx.y * T
-        col0 = cuda.blockIdx.x * T
-        ty = cuda.threadIdx.y
-        tx = cuda.threadIdx.x
+    def qk_scores(q, k, s, nq, nk, d, scale, causal):
+        # q, k: flat (batch, n, d) rows; s: flat (batch, nq, nk)
+        nq, nk, d = uint64(nq), uint64(nk), uint64(d)
+        b = uint64(cuda.blockIdx.z)
+        row0 = uint64(cuda.blockIdx.y) * U_T
+        col0 = uint64(cuda.blockIdx.x) * U_T
+        ty = uint64(cuda.threadIdx.y)
+        tx = uint64(cuda.threadIdx.x)
         row = row0 + ty
         col = col0 + tx
-        nq, d = q.shape[1], q.shape[2]
-        nk = k.shape[1]
-        if causal and col0 > row0 + T - 1:  # the whole tile is above the diagonal
+        at = (b * nq + row) * nk + col
+        if causal and col0 > row0 + U_T - U_1:  # the whole tile is above the diagonal
             if row < nq and col < nk:
-                s[b, row, col] = NEG_INF
+                s[at] = NEG_INF
             return
         tq = cuda.shared.array(TILE, ftype)
         tkt = cuda.shared.array(TILE_PADDED, ftype)  # K tile transposed: tkt[t, j] = k[col0 + j, t]
+        krow = col0 + ty
+        qa = (b * nq + row) * d + tx  # q[b, row, t0 + tx] at qa + t0
+        ka = (b * nk + krow) * d + tx  # k[b, krow, t0 + tx] at ka + t0
         acc = ZERO
-        for t0 in range(0, d, T):
-            tq[ty, tx] = q[b, row, t0 + tx] if row < nq and t0 + tx < d else ZERO
-            krow = col0 + ty
-            tkt[tx, ty] = k[b, krow, t0 + tx] if krow < nk and t0 + tx < d else ZERO
+        for t0 in range(U_0, d, U_T):
+            tq[ty * U_T + tx] = q[qa + t0] if row < nq and t0 + tx < d else ZERO
+            tkt[tx * U_TP + ty] = k[ka + t0] if krow < nk and t0 + tx < d else ZERO
             cuda.syncthreads()
-            for t in range(T):
-                acc += tq[ty, t] * tkt[t, tx]
+            a, c = ty * U_T, tx  # tq[ty, t] and tkt[t, tx] along t
+            for _ in range(T):
+                acc += tq[a] * tkt[c]
+                a += U_1
+                c += U_TP
             cuda.syncthreads()
         if row < nq and col < nk:
-            s[b, row, col] = NEG_INF if causal and col > row else acc * scale
+            s[at] = NEG_INF if causal and col > row else acc * scale
 
     @cuda.jit(device=True)
     def _block_reduce(value, partial, lane, warp, is_max):
         """The max or sum of value over the block, returned to every thread."""
         value = lane_reduce(value, 32, is_max)
-        if lane == 0:
+        if lane == U_0:
             partial[warp] = value
         cuda.syncthreads()
         value = partial[0]
@@ -290,68 +453,75 @@ def naive_kernels(dtype: str, tile: int):
         return value
 
     @cuda.jit
-    def softmax_rows(s):
-        b = cuda.blockIdx.y
-        row = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = tid // 32
-        nk = s.shape[2]
+    def softmax_rows(s, nq, nk):
+        # s: flat (batch, nq, nk); a block per row
+        nq, nk = uint64(nq), uint64(nk)
+        b = uint64(cuda.blockIdx.y)
+        row = uint64(cuda.blockIdx.x)
+        tid = uint64(cuda.threadIdx.x)
+        lane = tid % U_32
+        warp = tid // U_32
         partial = cuda.shared.array(WARPS, ftype)
-        x = s[b, row]
+        at = (b * nq + row) * nk
         m = NEG_INF
-        for j in range(tid, nk, SOFTMAX_THREADS):
-            m = max(m, x[j])
+        for j in range(tid, nk, U_ST):
+            m = max(m, s[at + j])
         m = _block_reduce(m, partial, lane, warp, True)
         total = ZERO
-        for j in range(tid, nk, SOFTMAX_THREADS):
-            e = math.exp(x[j] - m)  # the row max is finite: key 0 is always visible
-            x[j] = e
+        for j in range(tid, nk, U_ST):
+            e = math.exp(s[at + j] - m)  # the row max is finite: key 0 is always visible
+            s[at + j] = e
             total += e
         total = _block_reduce(total, partial, lane, warp, False)
         inv = ftype(1) / total
-        for j in range(tid, nk, SOFTMAX_THREADS):
-            x[j] *= inv
+        for j in range(tid, nk, U_ST):
+            s[at + j] *= inv
 
     @cuda.jit
-    def pv_matmul(p, v, out, causal):
-        b = cuda.blockIdx.z
-        row0 = cuda.blockIdx.y * T
-        col0 = cuda.blockIdx.x * T
-        ty = cuda.threadIdx.y
-        tx = cuda.threadIdx.x
+    def pv_matmul(p, v, out, nq, nk, dv, causal):
+        # p: flat (batch, nq, nk); v: flat (batch, nk, dv) rows; out: flat (batch, nq, dv)
+        nq, nk, dv = uint64(nq), uint64(nk), uint64(dv)
+        b = uint64(cuda.blockIdx.z)
+        row0 = uint64(cuda.blockIdx.y) * U_T
+        col0 = uint64(cuda.blockIdx.x) * U_T
+        ty = uint64(cuda.threadIdx.y)
+        tx = uint64(cuda.threadIdx.x)
         row = row0 + ty
         col = col0 + tx
-        nq, nk = p.shape[1], p.shape[2]
-        dv = v.shape[2]
         tp = cuda.shared.array(TILE, ftype)
         tv = cuda.shared.array(TILE_PADDED, ftype)
-        kend = min(nk, row0 + T) if causal else nk  # p is 0 right of the diagonal
+        kend = min(nk, row0 + U_T) if causal else nk  # p is 0 right of the diagonal
+        pa = (b * nq + row) * nk + tx  # p[b, row, j0 + tx] at pa + j0
+        va = (b * nk + ty) * dv + col  # v[b, j0 + ty, col] at va + j0 * dv
         acc = ZERO
-        for j0 in range(0, kend, T):
-            tp[ty, tx] = p[b, row, j0 + tx] if row < nq and j0 + tx < nk else ZERO
-            vrow = j0 + ty
-            tv[ty, tx] = v[b, vrow, col] if vrow < nk and col < dv else ZERO
+        for j0 in range(U_0, kend, U_T):
+            tp[ty * U_T + tx] = p[pa + j0] if row < nq and j0 + tx < nk else ZERO
+            tv[ty * U_TP + tx] = v[va + j0 * dv] if j0 + ty < nk and col < dv else ZERO
             cuda.syncthreads()
-            for t in range(T):
-                acc += tp[ty, t] * tv[t, tx]
+            a, c = ty * U_T, tx  # tp[ty, t] and tv[t, tx] along t
+            for _ in range(T):
+                acc += tp[a] * tv[c]
+                a += U_1
+                c += U_TP
             cuda.syncthreads()
         if row < nq and col < dv:
-            out[b, row, col] = acc
+            out[(b * nq + row) * dv + col] = acc
 
     return qk_scores, softmax_rows, pv_matmul, SOFTMAX_THREADS
 
 
 def naive(q, k, v, out, causal: bool, scale: float, tile: int) -> None:
     """out = softmax(q k^T * scale) v on GpuArrays (batch, n, d) (cuda_arrays)."""
-    batch, nq, _ = q.shape
+    from .arrays import workspace
+
+    batch, nq, d = q.shape
     nk, dv = k.shape[1], v.shape[2]
     qk_scores, softmax_rows, pv_matmul, threads = naive_kernels(q.dtype.name, tile)
-    q, k, v, out = (x.view() for x in (q, k, v, out))
-    scores = cuda.device_array((batch, nq, nk), dtype=q.dtype)
-    qk_scores[(-(-nk // tile), -(-nq // tile), batch), (tile, tile)](q, k, scores, q.dtype.type(scale), causal)
-    softmax_rows[(nq, batch), threads](scores)
-    pv_matmul[(-(-dv // tile), -(-nq // tile), batch), (tile, tile)](scores, v, out, causal)
+    scores = workspace(batch * nq * nk, q.dtype, q.owner)
+    launch(qk_scores, (-(-nk // tile), -(-nq // tile), batch), (tile, tile), q, k, scores, nq, nk, d,
+           q.dtype.type(scale), bool(causal))
+    launch(softmax_rows, (nq, batch), threads, scores, nq, nk)
+    launch(pv_matmul, (-(-dv // tile), -(-nq // tile), batch), (tile, tile), scores, v, out, nq, nk, dv, bool(causal))
 
 
 def naive_workspace_bytes(batch: int, nq: int, nk: int, itemsize: int) -> int:
@@ -516,16 +686,23 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
     return flash_forward, NT
 
 
-def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO, lse=None) -> None:
-    """out = softmax(q k^T * scale) v on GpuArrays (batch, n, d) (cuda_arrays);
-    lse: None, or a GpuArray (batch, nq) of out's dtype to fill with each row's
-    natural-log log-sum-exp of the scaled, masked scores."""
+def flash_launch(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO, lse=None):
+    """(kernel, grid, block, args) of flash(): launch() takes them, or Prepared."""
     batch, nq, d = q.shape
     dp, dvp = flash_padded_dims(block_k, d, v.shape[2], micro)
     kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro, lse is not None)
     # without lse the kernel never reads its lse argument: out stands in for it
-    launch(kernel, (-(-nq // block_q), batch), threads, q, k, v, out, out if lse is None else lse, nq, k.shape[1], d,
-           v.shape[2], q.dtype.type(scale * LOG2E), bool(causal))
+    return (kernel, (-(-nq // block_q), batch), threads,
+            (q, k, v, out, out if lse is None else lse, nq, k.shape[1], d, v.shape[2], q.dtype.type(scale * LOG2E),
+             bool(causal)))
+
+
+def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO, lse=None) -> None:
+    """out = softmax(q k^T * scale) v on GpuArrays (batch, n, d) (cuda_arrays);
+    lse: None, or a GpuArray (batch, nq) of out's dtype to fill with each row's
+    natural-log log-sum-exp of the scaled, masked scores."""
+    kernel, grid, block, args = flash_launch(q, k, v, out, causal, scale, block_q, block_k, micro, lse)
+    launch(kernel, grid, block, *args)
 
 
 # ---------------------------------------------------------------- cuda.flash, float16 and bfloat16
@@ -565,20 +742,28 @@ def flash_mma_kernel(dtype: str, d: int):
     return flash_mma
 
 
+def mma_aligned(*ptrs) -> bool:
+    """Whether the tensor-core kernel can take arrays at these addresses (q, k, v,
+    out[, lse]): 16-byte aligned inputs, 4-byte aligned outputs."""
+    return not any(p % 16 for p in ptrs[:3]) and not any(p % 4 for p in ptrs[3:])
+
+
+def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None):
+    """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared."""
+    batch, nq, d = q.shape
+    return (flash_mma_kernel(q.dtype.name, d), (-(-nq // MMA_BLOCK_Q), batch), MMA_THREADS,
+            (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
+             np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None)))
+
+
 def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None) -> None:
     """out = softmax(q k^T * scale) v on float16 or bfloat16 GpuArrays (batch, n, d)
     on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill."""
-    batch, nq, d = q.shape
-    nk = k.shape[1]
-    arrays = (q, k, v, out) if lse is None else (q, k, v, out, lse)
-    if any(a.ptr % 16 for a in arrays[:3]) or any(a.ptr % 4 for a in arrays[3:]):
+    if not mma_aligned(*(a.ptr for a in ((q, k, v, out) if lse is None else (q, k, v, out, lse)))):
         raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses "
                          "(pass a fresh contiguous tensor: .contiguous() or .clone())")
-    kernel = flash_mma_kernel(q.dtype.name, d)
-    u = np.uint64
-    launch(kernel, (-(-nq // MMA_BLOCK_Q), batch), MMA_THREADS, u(q.ptr), u(k.ptr), u(v.ptr), u(out.ptr),
-           u(out.ptr if lse is None else lse.ptr), np.int32(nq), np.int32(nk), np.float32(scale * LOG2E),
-           np.int32(bool(causal)), np.int32(lse is not None))
+    kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse)
+    launch(kernel, grid, block, *args)
 
 
 # ---------------------------------------------------------------- cuda.flash backward
