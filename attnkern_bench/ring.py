@@ -11,9 +11,12 @@ chunk of the sequence is drawn from its own seed), then:
            merges (compute) and the time left waiting for transfers after the
            local work was done (exposed communication); overlap efficiency is
            compute / (compute + exposed);
-  memory   the peak resident memory of the timed calls above the resident
-           memory before them (Linux VmHWM reset through /proc/self/clear_refs;
-           on a GPU torch's peak allocation), so beside the shards themselves;
+  memory   the rank's peak memory during the timed calls above what it held
+           before them (after the warm-up, heap trimmed), plus its shards of
+           q, k, v (and dout)
+           (Linux: VmHWM reset through /proc/self/clear_refs after malloc_trim; on
+           a GPU torch's peak allocation): the ring's buffers, outputs, the
+           kernel's work; reported with the shards' bytes added;
   bytes    payload sent per ring step, against the model 2 (N/W) B H D itemsize;
   check    sampled rows of each rank's output against attnkern.reference on the
            whole sequence in float64 (rows as the kernel's accuracy bound
@@ -62,19 +65,26 @@ def _status(key: str) -> int:
 
 class _Peak:
     """The peak memory of a block above the memory at its start: torch's allocator on a
-    GPU, the resident set (Linux) on the CPU."""
+    GPU (its cache emptied first), the resident set on the CPU (Linux; freed heap
+    returned to the system first, so that memory an earlier problem left cached in
+    the allocator cannot hide this one's)."""
 
     def __init__(self, device):
         self.device = device
 
     def __enter__(self):
+        import gc
+
+        gc.collect()
         if self.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             self.before = torch.cuda.memory_allocated(self.device)
         else:
+            _trim_heap()
             self.before = _status("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := VmRSS
@@ -88,6 +98,16 @@ class _Peak:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.before
         else:
             self.bytes = _status("VmHWM") - self.before
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0): gives freed heap pages back to the system."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak may then read low
+        pass
 
 
 def measure_rank(config: dict) -> list[dict]:
@@ -124,10 +144,10 @@ def _measure_layout(config, layout, rank, world, dtype, device, params) -> list[
     lead, n, d, kernel = (config["batch"], config["heads"]), config["seq"], config["dim"], config["kernel"]
     chunk = check_length(n, layout, world)
     mine = chunks_of(layout, rank, world)
-    q, k, v, dout = (torch.from_numpy(x).to(device) for x in chunk_inputs(config["seed"], lead, chunk, d, dtype,
-                                                                            mine))
     rows = []
     for causal in config["causal"]:
+        q, k, v, dout = (torch.from_numpy(x).to(device) for x in chunk_inputs(config["seed"], lead, chunk, d, dtype,
+                                                                                mine))
         def call(stats=None):
             if config["backward"]:
                 tensors = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -137,18 +157,19 @@ def _measure_layout(config, layout, rank, world, dtype, device, params) -> list[
             with torch.no_grad():
                 return ring_attention(q, k, v, causal=causal, layout=layout, kernel=kernel, stats=stats, **params)
 
-        call()
+        call()  # warm-up: code paged in, threads and connections made, outside the memory window
+        peak = _Peak(device).__enter__()  # the timed calls: what the ring needs beside the shards
         times, stats_list = [], []
-        with _Peak(device) as peak:
-            for _ in range(config["repeat"]):
-                stats = RingStats()
-                dist.barrier()
-                start = time.perf_counter()
-                out = call(stats)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - start)
-                stats_list.append(stats)
+        for _ in range(config["repeat"]):
+            stats = RingStats()
+            dist.barrier()
+            start = time.perf_counter()
+            out = call(stats)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            stats_list.append(stats)
+        peak.__exit__(None, None, None)
         error = _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_error, sample_rows)
         first = stats_list[0].per_step
         rows.append({
@@ -159,9 +180,10 @@ def _measure_layout(config, layout, rank, world, dtype, device, params) -> list[
             "bytes_per_step": first[0][2] if world > 1 else 0,
             "bytes_sent": stats_list[0].bytes_sent,
             "peak_bytes": peak.bytes,
-            "shard_bytes": sum(x.numel() * x.element_size() for x in (q, k, v)),
+            "shard_bytes": sum(x.numel() * x.element_size() for x in (q, k, v, dout)),
             "max_error": error,
         })
+        del q, k, v, dout, out
     return rows
 
 
@@ -198,7 +220,7 @@ def collect(world_size: int, per_rank: list[list[dict]], config: dict) -> list[d
             "overlap": compute / (compute + exposed) if compute + exposed > 0 else 1.0,
             "busy_s": busy, "imbalance": max(busy) / compute if compute > 0 else 1.0,
             "bytes_per_step": max(r["bytes_per_step"] for r in ranks), "bytes_model": model,
-            "peak_bytes": max(r["peak_bytes"] for r in ranks),
+            "peak_bytes": max(r["peak_bytes"] + r["shard_bytes"] for r in ranks),
             "shard_bytes": max(r["shard_bytes"] for r in ranks),
             "max_error": max(r["max_error"] for r in ranks),
             "ranks_per_core": world_size / cores if config["device"] == "cpu" else 1.0,
@@ -260,8 +282,8 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     for layout in sorted({r["layout"] for r in rows}):
         sel = [r for r in rows if r["layout"] == layout and r["causal"]] or [r for r in rows if r["layout"] == layout]
         ws = [r["world_size"] for r in sel]
-        ax.plot(ws, [r["peak_bytes"] / 2**20 for r in sel], "o-", label=f"peak above shards ({layout})")
-        ax.plot(ws, [r["shard_bytes"] / 2**20 for r in sel], "s--", label=f"q, k, v shards ({layout})")
+        ax.plot(ws, [r["peak_bytes"] / 2**20 for r in sel], "o-", label=f"peak, shards included ({layout})")
+        ax.plot(ws, [r["shard_bytes"] / 2**20 for r in sel], "s--", label=f"q, k, v, dout shards ({layout})")
     base = next((r for r in rows if r["world_size"] == worlds[0]), None)
     if base:
         ax.plot(worlds, [base["peak_bytes"] * worlds[0] / w / 2**20 for w in worlds], ":", color="gray",

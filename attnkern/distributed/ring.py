@@ -11,8 +11,8 @@ of attnkern's kernels on the local block (return_lse=True) and merges the block'
 
 in float32 (float64 for float64 inputs), which is exact for the first block and
 never overflows. The transfer of the next key/value shard (isend to rank r+1,
-irecv from r-1, into a second buffer) is started before the current block is
-computed, so the two overlap. Plain isend/irecv pairs are used rather than
+irecv from r-1, into one of two buffers) is started before the current block
+is computed, so the two overlap; the first step sends the shards themselves. Plain isend/irecv pairs are used rather than
 batch_isend_irecv, which is reported to hang on gloo.
 
 Backward (torch tensors that require grad) walks the same ring: the kernel's
@@ -214,15 +214,34 @@ class _Ring:
                     yield _rows(qs), _rows(ks), True
                 # keys wholly after the queries: masked out, nothing to compute
 
-    def exchange(self, send, recv, pending: list):
-        """Starts send -> next rank and recv <- previous rank; the requests join pending."""
+    def exchange(self, sends, recvs, pending: list) -> int:
+        """Starts sends -> next rank and recvs <- previous rank (tensors matched in order);
+        the requests join pending. Returns the bytes sent."""
         import torch.distributed as dist
 
-        pending.append(dist.isend(send, self.peer(1), group=self.group))
-        pending.append(dist.irecv(recv, self.peer(-1), group=self.group))
+        for tensor in sends:
+            pending.append(dist.isend(tensor, self.peer(1), group=self.group))
+        for tensor in recvs:
+            pending.append(dist.irecv(tensor, self.peer(-1), group=self.group))
+        sent = sum(t.numel() * t.element_size() for t in sends)
         if self.stats is not None:
-            self.stats.bytes_sent += send.numel() * send.element_size()
-        return send.numel() * send.element_size()
+            self.stats.bytes_sent += sent
+        return sent
+
+    def kv_exchange(self, step: int, block, buffers: list, pending: list):
+        """Starts sending the key/value block in hand on and receiving the next one into
+        buffers[step % 2] (made on first use; step 0 sends the shards themselves, so a
+        rank holds at most two blocks beside them). Returns (next block, bytes sent)."""
+        import torch
+
+        if step >= self.world - 1:
+            return None, 0
+        slot = step % 2
+        if buffers[slot] is None:
+            size = math.prod(self.lead) * self.n * (self.d + self.dv)
+            buffers[slot] = torch.empty(size, dtype=block[0].dtype, device=block[0].device)
+        incoming = self.unpack(buffers[slot])
+        return incoming, self.exchange(block, incoming, pending)
 
     def wait(self, pending: list) -> float:
         start = time.perf_counter()
@@ -231,13 +250,8 @@ class _Ring:
         pending.clear()
         return time.perf_counter() - start
 
-    def pack(self, k, v):
-        """k and v in one buffer, one message a step."""
-        import torch
-
-        return torch.cat([k.reshape(-1), v.reshape(-1)])
-
     def unpack(self, buf):
+        """Views of a flat buffer as a (keys, values) block."""
         size = math.prod(self.lead) * self.n
         k, v = buf[:size * self.d], buf[size * self.d:]
         return k.view(*self.lead, self.n, self.d), v.view(*self.lead, self.n, self.dv)
@@ -274,16 +288,14 @@ class _Ring:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(*self.lead, self.n, self.dv, dtype=acc, device=q.device)
         lse = torch.full((*self.lead, self.n), -math.inf, dtype=acc, device=q.device)
-        alone = self.world == 1
-        current = None if alone else self.pack(k, v)
-        incoming = None if alone else torch.empty_like(current)
+        block, buffers = (k, v), [None, None]
         pending: list = []
         filled = set()  # query rows (slice starts) that hold a block's result already
         for step in range(self.world):
             owner = (self.rank - step) % self.world
-            sent = self.exchange(current, incoming, pending) if step < self.world - 1 else 0
+            incoming, sent = self.kv_exchange(step, block, buffers, pending)
             start = time.perf_counter()
-            keys, values = (k, v) if alone else self.unpack(current)
+            keys, values = block
             for qrows, krows, causal in self.pairs(owner):
                 block_out, block_lse = self.local(q[..., qrows, :], keys[..., krows, :], values[..., krows, :], causal)
                 if qrows.start in filled:
@@ -298,7 +310,7 @@ class _Ring:
             compute = time.perf_counter() - start
             waited = self.wait(pending)
             self.record(compute, waited, sent)
-            current, incoming = incoming, current
+            block = incoming
         return out.to(q.dtype), lse.to(q.dtype)
 
     # -- backward -----------------------------------------------------------------------------
@@ -308,17 +320,17 @@ class _Ring:
 
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        current = self.pack(k, v)
-        incoming = torch.empty_like(current) if self.world > 1 else None
+        block, buffers = (k, v), [None, None]
+        size = math.prod(self.lead) * self.n * (self.d + self.dv)
         grads_in = None  # dk, dv of the block in hand, summed over the ranks it has visited
         kv_pending: list = []
         grad_pending: list = []
         for step in range(self.world):
             owner = (self.rank - step) % self.world
-            sent = self.exchange(current, incoming, kv_pending) if step < self.world - 1 else 0
+            incoming, sent = self.kv_exchange(step, block, buffers, kv_pending)
             start = time.perf_counter()
-            keys, values = self.unpack(current)
-            part = torch.zeros(current.numel(), dtype=acc, device=q.device)
+            keys, values = block
+            part = torch.zeros(size, dtype=acc, device=q.device)
             dkeys, dvalues = self.unpack(part)
             for qrows, krows, causal in self.pairs(owner):
                 bq, bk, bv = attention_backward(
@@ -340,10 +352,10 @@ class _Ring:
                 grads_in = part
             else:  # on to the next rank; the last hop takes them home to their owner
                 grads_in = torch.empty_like(part)
-                sent += self.exchange(part, grads_in, grad_pending)
+                sent += self.exchange([part], [grads_in], grad_pending)
             waited += self.wait(kv_pending)
             self.record(compute, waited, sent)
-            current, incoming = incoming, current
+            block = incoming
         waited = self.wait(grad_pending)  # our own block's dk, dv, back from their trip round the ring
         if self.stats is not None:
             self.stats.wait_s += waited
