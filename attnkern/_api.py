@@ -155,20 +155,26 @@ def _all_finite(device: bool, *arrays) -> bool:
     return all(np.isfinite(x).all() for x in arrays)
 
 
-def _auto(device: bool = False, dtype: str = "float32") -> _registry.Kernel:
+def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False,
+          backward: bool = False) -> _registry.Kernel:
     """The kernel for kernel="auto": on the CPU the first available of
     native.flash, torch.sdpa, numpy.naive (fastest first; docs/results.md);
     GPU arrays go to cuda.flash. NumPy arrays stay on the CPU even where a GPU
     is present: ask for a cuda.* kernel to send them there. The first that takes
-    the dtype wins; if none does, the first available (choose() then says why)."""
+    the dtype and has what the call needs (the lse, a backward) wins; if none
+    does, the first available (choose() then says why)."""
+    def fits(k):
+        return (dtype in k.dtypes and (k.returns_lse or not return_lse)
+                and (k.backward is not None or not backward))
+
     if device:  # cuda.flash, else triton.flash for a dtype cuda.flash does not take
         gpu = [k for k in map(_registry.get, ("cuda.flash", "triton.flash"))]
-        return next((k for k in gpu if dtype in k.dtypes and k.unavailable_reason() is None), gpu[0])
+        return next((k for k in gpu if fits(k) and k.unavailable_reason() is None), gpu[0])
     available = [k for k in map(_registry.get, ("native.flash", "torch.sdpa", "numpy.naive"))
                  if k.unavailable_reason() is None]
     if not available:  # pragma: no cover - numpy.naive always is
         raise RuntimeError("no attention kernel is available")
-    return next((k for k in available if dtype in k.dtypes), available[0])
+    return next((k for k in available if fits(k)), available[0])
 
 
 def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=True, return_lse=False,
@@ -277,7 +283,7 @@ def choose(call: Call, kernel, params: dict, *, return_lse: bool = False, backwa
     """The kernel for a validated call and its resolved tunables; raises if it cannot
     run here, cannot take the call's arrays or lacks what is asked of it."""
     dtype = call.q.dtype.name
-    chosen = _auto(call.device, dtype) if kernel == "auto" else _registry.get(kernel)
+    chosen = _auto(call.device, dtype, return_lse, backward) if kernel == "auto" else _registry.get(kernel)
     if call.device and chosen.device != "cuda":
         raise TypeError(
             f"{chosen.name} runs on the CPU and q, k, v are GPU arrays: use kernel='auto' or a cuda.* kernel, "

@@ -371,6 +371,9 @@ def cmd_ring(args) -> int:
             check_length(n, layout, world)
         except ValueError as exc:
             raise SystemExit(f"attnkern ring: W={world}: {exc}") from None
+    # glibc keeps freed blocks above its (growing) mmap threshold in the heap, where the
+    # resident set would count them as in use; a fixed threshold returns them at once
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     failures = []
     if under_torchrun:
         rows = _under_torchrun(config, args.timeout)
