@@ -60,11 +60,6 @@ class RingStats:
         total = self.compute_s + self.wait_s
         return self.compute_s / total if total > 0 else 1.0
 
-    def as_dict(self) -> dict:
-        return {"compute_s": self.compute_s, "wait_s": self.wait_s, "bytes_sent": self.bytes_sent,
-                "steps": self.steps, "kernel_calls": self.kernel_calls,
-                "overlap_efficiency": self.overlap_efficiency, "per_step": [list(s) for s in self.per_step]}
-
 
 def ring_attention(q, k, v, *, causal=False, scale=None, group=None, layout="contiguous", kernel="auto",
                    return_lse=False, stats: RingStats | None = None, **params):
