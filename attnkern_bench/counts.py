@@ -30,7 +30,7 @@ def io_bytes(b: int, h: int, nq: int, nk: int, d: int, itemsize: int, dv: int | 
 SCORE_PASSES = {"native.naive": 1, "numpy.naive": 12, "torch.naive": 6, "cuda.naive": 4}
 # Query rows per block of the algorithms that stream K and V once per query block
 # (their default block_q; torch's CPU flash kernel's is not public: 64 assumed).
-STREAM_BLOCK_Q = {"native.flash": 256, "native.tiled": 256, "numba.flash": 128, "torch.sdpa": 64,
+STREAM_BLOCK_Q = {"native.flash": 256, "native.tiled": 256, "numba.flash": 256, "torch.sdpa": 64,
                   "cuda.flash": 128}
 
 

@@ -350,7 +350,8 @@ def _native_work_elements(kernel: str, d: int, threads: int) -> tuple[int, int]:
 
     params = attnkern.kernel_info(kernel)["params"]
     bq, bk = params["block_q"]["default"], params["block_k"]["default"]
-    fwd = bq * d + d * bk + bk * d + bq * bk + bq * d + 3 * bq
+    strip = min(bq, 64)  # the forward's scores: one strip of 8 MR rows at a time (MR = 8 on AVX-512)
+    fwd = bq * d + d * bk + bk * d + strip * bk + bq * d + 3 * bq
     bwd = bk * d + d * max(bq, bk) + 2 * bq * bk + 2 * bk * d + 3 * max(bq, bk)
     return threads * fwd, threads * bwd
 

@@ -174,3 +174,17 @@ def test_conversions_round_like_numpy(isa):
     nan = np.array([np.nan], np.float32)
     for kind, dtype in (("bfloat16", BF16), ("float16", F16)):
         assert np.isnan(_attn.convert_half(isa, kind, nan)[1]).all()
+
+
+def test_amx_says_why_it_cannot_run_here():
+    # the amx ISA needs AMX-TILE, AMX-BF16 and the OS's tile data permission; without them
+    # it is listed but not supported, with a reason, and forcing it is a RuntimeError
+    assert "amx" in _attn.ISAS
+    if "amx" in attnkern.supported_isas():
+        assert _attn.isa_reason("amx") == ""
+        return
+    reason = _attn.isa_reason("amx")
+    assert reason and attnkern.active_isa() != "amx"
+    q = np.ones((1, 8, 4), BF16)
+    with forced_isa("amx"), pytest.raises(RuntimeError, match="ATTNKERN_ISA='amx'.*not supported"):
+        attnkern.attention(q, q, q, kernel="native.flash")

@@ -1,11 +1,12 @@
 """The C kernels (attn_kernels.h) registered as native.naive, native.tiled and
 native.flash. The instruction set is chosen at run time: the best the CPU has,
 or the one named by the environment variable ATTNKERN_ISA (generic, avx2,
-avx512, avx512bf16), read on every call so tests can force the portable fallback.
+avx512, avx512bf16, amx), read on every call so tests can force the portable fallback.
 
 native.tiled and native.flash also take float16 and bfloat16 (ml_dtypes.bfloat16
 on the host): float32 arithmetic inside, the output and lse in the input's dtype.
-On avx512bf16, bfloat16 flash runs both matmuls as vdpbf16ps dot products; every
+On avx512bf16, bfloat16 flash runs both matmuls as vdpbf16ps dot products, on amx
+(AMX-TILE and AMX-BF16, where the OS grants the tile data) on AMX tiles; every
 other combination widens blocks to float32 as it packs them (docs/half-precision.md)."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def active_isa() -> str:
     if forced not in _attn.ISAS:
         raise ValueError(f"ATTNKERN_ISA={forced!r} is not one of: {', '.join(_attn.ISAS)}")
     if not _attn.isa_supported(forced):
-        raise RuntimeError(f"ATTNKERN_ISA={forced!r}: not supported by this build or CPU")
+        raise RuntimeError(f"ATTNKERN_ISA={forced!r}: not supported by this build or CPU: {_attn.isa_reason(forced)}")
     return forced
 
 

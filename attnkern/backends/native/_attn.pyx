@@ -22,6 +22,7 @@ cdef extern from "attn.h" nogil:
         int block_q, block_k, num_threads
     int attn_isa_compiled(int isa)
     int attn_isa_supported(int isa)
+    const char *attn_isa_reason(int isa)
     int attn_best_isa()
     const char *attn_isa_name(int isa)
     int attn_max_threads()
@@ -65,6 +66,11 @@ def isa_compiled(str name):
 
 def isa_supported(str name):
     return bool(attn_isa_supported(ISAS.index(name)))
+
+
+def isa_reason(str name):
+    """Why the ISA cannot run here, in words; "" when it can."""
+    return attn_isa_reason(ISAS.index(name)).decode()
 
 
 def best_isa():

@@ -12,9 +12,10 @@
 
 enum attn_algo { ATTN_NAIVE = 0, ATTN_TILED = 1, ATTN_FLASH = 2 };
 /* ATTN_ISA_AVX512BF16: AVX-512 plus AVX512_BF16 dot products (bfloat16 flash); float32
- * and float64 run the AVX-512 code there. */
+ * and float64 run the AVX-512 code there. ATTN_ISA_AMX: those plus AMX-TILE and AMX-BF16
+ * (bfloat16 flash on tiles), where the OS grants the tile data state. */
 enum attn_isa { ATTN_ISA_GENERIC = 0, ATTN_ISA_AVX2 = 1, ATTN_ISA_AVX512 = 2, ATTN_ISA_AVX512BF16 = 3,
-                ATTN_ISA_COUNT = 4 };
+                ATTN_ISA_AMX = 4, ATTN_ISA_COUNT = 5 };
 /* Half-precision storage of attn_forward_half's arrays (uint16_t bits). */
 enum attn_half { ATTN_BF16 = 0, ATTN_F16 = 1 };
 /* ATTN_ETOOBIG: an array or score-row size overflows 64-bit index arithmetic. */
@@ -46,6 +47,8 @@ typedef int (*attn_bwd_f64)(const attn_problem *, const double *, const double *
 
 int attn_isa_compiled(int isa);
 int attn_isa_supported(int isa);  /* compiled in and the CPU has it */
+/* Why attn_isa_supported(isa) is 0, in words ("" when it is 1). */
+const char *attn_isa_reason(int isa);
 int attn_best_isa(void);
 const char *attn_isa_name(int isa);
 int attn_max_threads(void);
@@ -66,7 +69,7 @@ int attn_forward_f64(int algo, int isa, const attn_problem *p,
 /* The same for bfloat16 or float16 arrays (kind: enum attn_half), tiled and flash only
  * (naive is ATTN_EINVAL): float32 products, softmax and accumulators, out and lse
  * rounded to the input's dtype. ISA avx512bf16 runs bfloat16 flash on vdpbf16ps dot
- * products; every other (ISA, kind) pair widens blocks to float32 as they are packed
+ * products, ISA amx on AMX tiles; every other (ISA, kind) pair widens blocks to float32 as they are packed
  * (float16 through F16C on the AVX2 and AVX-512 units, which then need it). */
 int attn_forward_half(int algo, int isa, int kind, const attn_problem *p, const uint16_t *q,
                       const uint16_t *k, const uint16_t *v, uint16_t *out, uint16_t *lse);

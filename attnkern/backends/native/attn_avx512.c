@@ -31,6 +31,52 @@ static ATTN_INLINE __m512 vpow2i_f32(__m512 n)
     return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
 }
 static ATTN_INLINE float vhsum_f32(__m512 x) { return _mm512_reduce_add_ps(x); }
+
+/* dst[j * ldd + i] = src[i * lds + j] for i, j < 16: a 16 x 16 transpose in
+ * registers, for packing Kt panels (TRANSPOSE_T of attn_kernels.h). Four
+ * rounds; round h exchanges, in each pair of rows i and i + h (bit h of i
+ * clear), the elements whose column has bit h set with the partner's elements
+ * h columns to the left: the block swaps of a recursive transpose, one
+ * vpermt2ps per row and round. */
+#define ATTN_T_ROUND(h, lo, hi)                                            \
+    for (int i = 0; i < 16; i++) {                                         \
+        if (i & (h))                                                       \
+            continue;                                                      \
+        __m512 a = r[i], b = r[i + (h)];                                   \
+        r[i] = _mm512_permutex2var_ps(a, lo, b);                           \
+        r[i + (h)] = _mm512_permutex2var_ps(a, hi, b);                     \
+    }
+static ATTN_INLINE void vtranspose_f32(const float *src, int64_t lds, float *dst, int64_t ldd)
+{
+    /* per round h, lo: row i keeps columns without bit h, takes the partner's
+     * (16 + j - h) where j has it; hi: row i + h takes row i's j + h where j
+     * lacks bit h, keeps its own (16 + j) where j has it */
+    const __m512i lo8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i hi8 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const __m512i lo4 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i hi4 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i lo2 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    const __m512i hi2 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    const __m512i lo1 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    const __m512i hi1 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    __m512 r[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_loadu_ps(src + i * lds);
+#pragma GCC unroll 16
+    ATTN_T_ROUND(8, lo8, hi8)
+#pragma GCC unroll 16
+    ATTN_T_ROUND(4, lo4, hi4)
+#pragma GCC unroll 16
+    ATTN_T_ROUND(2, lo2, hi2)
+#pragma GCC unroll 16
+    ATTN_T_ROUND(1, lo1, hi1)
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++)
+        _mm512_storeu_ps(dst + j * ldd, r[j]);
+}
+#undef ATTN_T_ROUND
+
 static ATTN_INLINE float vhmax_f32(__m512 x) { return _mm512_reduce_max_ps(x); }
 
 static ATTN_INLINE __m512d vload_f64(const double *p) { return _mm512_load_pd(p); }
@@ -61,6 +107,7 @@ static ATTN_INLINE double vhmax_f64(__m512d x) { return _mm512_reduce_max_pd(x);
 #define DT f32
 #define VT __m512
 #define VW 16
+#define TRANSPOSE_T vtranspose_f32
 #include "attn_kernels.h"
 
 #define T double

@@ -135,9 +135,13 @@ ATTN_DECLARE_ISA(generic)
 ATTN_DECLARE_ISA(avx2)
 ATTN_DECLARE_ISA(avx512)
 ATTN_DECLARE_ISA(avx512bf16)
+ATTN_DECLARE_ISA(amx)
 /* flash on bfloat16 with vdpbf16ps dot products (attn_avx512bf16.c) */
 int attn_flash_bf16dot_avx512bf16(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *,
                                   uint16_t *, uint16_t *);
+/* flash on bfloat16 with AMX tiles (attn_amx.c) */
+int attn_flash_bf16amx_amx(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *,
+                           uint16_t *, uint16_t *);
 /* element conversions of each unit, for the tests: out[i] = narrow(in[i]), back[i] = widen(out[i]) */
 #define ATTN_DECLARE_CVT(isa) \
     void attn_convert_##isa(int kind, const float *in, int64_t n, uint16_t *out, float *back);
@@ -145,5 +149,6 @@ ATTN_DECLARE_CVT(generic)
 ATTN_DECLARE_CVT(avx2)
 ATTN_DECLARE_CVT(avx512)
 ATTN_DECLARE_CVT(avx512bf16)
+ATTN_DECLARE_CVT(amx)
 
 #endif

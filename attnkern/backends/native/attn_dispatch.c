@@ -1,8 +1,19 @@
 /* Run-time choice of instruction set, argument checks, and the tables that
  * map (algorithm, ISA) to a kernel. */
+#define _GNU_SOURCE /* syscall() under -std=c11: the AMX tile-data permission request */
 #include "attn_common.h"
 
+#include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -45,6 +56,11 @@ static const attn_fn_f32 table_f32[ATTN_ISA_COUNT][3] = {
 #else
     {0, 0, 0},
 #endif
+#ifdef ATTN_HAVE_AMX
+    ATTN_TABLE(amx, f32),
+#else
+    {0, 0, 0},
+#endif
 };
 
 /* Half precision, [isa][kind][algo]: tiled and flash (no naive). */
@@ -71,6 +87,12 @@ static const attn_fn_half table_half[ATTN_ISA_COUNT][2][3] = {
 #else
     {{0}},
 #endif
+#ifdef ATTN_HAVE_AMX
+    /* bfloat16 flash on AMX tiles; tiled and float16 widen to float32 */
+    {{0, attn_tiled_bf16_amx, attn_flash_bf16amx_amx}, {0, attn_tiled_f16_amx, attn_flash_f16_amx}},
+#else
+    {{0}},
+#endif
 };
 
 typedef void (*attn_cvt_fn)(int, const float *, int64_t, uint16_t *, float *);
@@ -91,6 +113,11 @@ static const attn_cvt_fn convert_half[ATTN_ISA_COUNT] = {
 #else
     0,
 #endif
+#ifdef ATTN_HAVE_AMX
+    attn_convert_amx,
+#else
+    0,
+#endif
 };
 
 #ifdef ATTN_HAVE_AVX2
@@ -108,10 +135,17 @@ static const attn_cvt_fn convert_half[ATTN_ISA_COUNT] = {
 #else
 #define ATTN_BWD_AVX512BF16(dt) 0
 #endif
+#ifdef ATTN_HAVE_AMX
+#define ATTN_BWD_AMX(dt) attn_flash_backward_##dt##_amx
+#else
+#define ATTN_BWD_AMX(dt) 0
+#endif
 static const attn_bwd_f32 backward_f32[ATTN_ISA_COUNT] = {
-    attn_flash_backward_f32_generic, ATTN_BWD_AVX2(f32), ATTN_BWD_AVX512(f32), ATTN_BWD_AVX512BF16(f32)};
+    attn_flash_backward_f32_generic, ATTN_BWD_AVX2(f32), ATTN_BWD_AVX512(f32), ATTN_BWD_AVX512BF16(f32),
+    ATTN_BWD_AMX(f32)};
 static const attn_bwd_f64 backward_f64[ATTN_ISA_COUNT] = {
-    attn_flash_backward_f64_generic, ATTN_BWD_AVX2(f64), ATTN_BWD_AVX512(f64), ATTN_BWD_AVX512BF16(f64)};
+    attn_flash_backward_f64_generic, ATTN_BWD_AVX2(f64), ATTN_BWD_AVX512(f64), ATTN_BWD_AVX512BF16(f64),
+    ATTN_BWD_AMX(f64)};
 
 static const attn_fn_f64 table_f64[ATTN_ISA_COUNT][3] = {
     ATTN_TABLE(generic, f64),
@@ -130,11 +164,16 @@ static const attn_fn_f64 table_f64[ATTN_ISA_COUNT][3] = {
 #else
     {0, 0, 0},
 #endif
+#ifdef ATTN_HAVE_AMX
+    ATTN_TABLE(amx, f64),
+#else
+    {0, 0, 0},
+#endif
 };
 
 const char *attn_isa_name(int isa)
 {
-    static const char *names[ATTN_ISA_COUNT] = {"generic", "avx2", "avx512", "avx512bf16"};
+    static const char *names[ATTN_ISA_COUNT] = {"generic", "avx2", "avx512", "avx512bf16", "amx"};
     return isa >= 0 && isa < ATTN_ISA_COUNT ? names[isa] : "unknown";
 }
 
@@ -143,10 +182,63 @@ int attn_isa_compiled(int isa)
     return isa >= 0 && isa < ATTN_ISA_COUNT && table_f32[isa][0] != 0;
 }
 
-int attn_isa_supported(int isa)
+/* AMX needs, besides the CPU's AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24
+ * and 22), the OS to enable the tile state (XCR0 bits 17 and 18, read with XGETBV
+ * where CPUID reports OSXSAVE) and, on Linux, a per-process permission for the
+ * tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), requested once;
+ * without it the first tile instruction kills the process. amx_state() is 0 when
+ * all hold, else why not in amx_why. */
+#define ATTN_ARCH_REQ_XCOMP_PERM 0x1023
+#define ATTN_XFEATURE_XTILEDATA 18
+static int amx_status = -1;
+static char amx_why[200];
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_probe(void)
 {
-    if (!attn_isa_compiled(isa))
-        return 0;
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 22 & 1)) {
+        snprintf(amx_why, sizeof amx_why, "this CPU has no AMX-TILE/AMX-BF16 (CPUID leaf 7 EDX bits 24 and 22)");
+        amx_status = 1;
+        return;
+    }
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) {
+        snprintf(amx_why, sizeof amx_why, "the OS has not enabled XSAVE (CPUID OSXSAVE), so no AMX tile state");
+        amx_status = 2;
+        return;
+    }
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) {
+        snprintf(amx_why, sizeof amx_why, "the OS does not enable the AMX tile state (XCR0 bits 17 and 18)");
+        amx_status = 3;
+        return;
+    }
+#if defined(__linux__)
+    if (syscall(SYS_arch_prctl, ATTN_ARCH_REQ_XCOMP_PERM, ATTN_XFEATURE_XTILEDATA) != 0) {
+        snprintf(amx_why, sizeof amx_why,
+                 "Linux refused the AMX tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM: %s)", strerror(errno));
+        amx_status = 4;
+        return;
+    }
+#endif
+    amx_status = 0;
+#else
+    snprintf(amx_why, sizeof amx_why, "AMX is x86-64 only");
+    amx_status = 1;
+#endif
+}
+
+static int amx_state(void)
+{
+    pthread_once(&amx_once, amx_probe);
+    return amx_status;
+}
+
+/* The CPU features each vector unit is built with (F16C is checked per call). */
+static int isa_cpu_ok(int isa)
+{
     switch (isa) {
     case ATTN_ISA_GENERIC:
         return 1;
@@ -155,7 +247,8 @@ int attn_isa_supported(int isa)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case ATTN_ISA_AVX512:
         return __builtin_cpu_supports("avx512f");
-    case ATTN_ISA_AVX512BF16:  /* its unit is built with these (and F16C, checked per call) */
+    case ATTN_ISA_AVX512BF16:
+    case ATTN_ISA_AMX:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
                __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -163,6 +256,31 @@ int attn_isa_supported(int isa)
     default:
         return 0;
     }
+}
+
+int attn_isa_supported(int isa)
+{
+    if (!attn_isa_compiled(isa) || !isa_cpu_ok(isa))
+        return 0;
+    return isa != ATTN_ISA_AMX || amx_state() == 0;
+}
+
+const char *attn_isa_reason(int isa)
+{
+    static const char *needs[ATTN_ISA_COUNT] = {
+        "", "this CPU lacks AVX2 or FMA", "this CPU lacks AVX-512F",
+        "this CPU lacks AVX-512 F/BW/VL with AVX512_BF16",
+        "this CPU lacks AVX-512 F/BW/VL with AVX512_BF16, which the AMX unit also uses"};
+    if (isa < 0 || isa >= ATTN_ISA_COUNT)
+        return "no such instruction set";
+    if (!attn_isa_compiled(isa))
+        return isa == ATTN_ISA_AMX ? "not compiled in: the compiler did not accept -mamx-tile -mamx-bf16"
+                                   : "not compiled in: the compiler did not accept its flags";
+    if (!isa_cpu_ok(isa))
+        return needs[isa];
+    if (isa == ATTN_ISA_AMX && amx_state() != 0)
+        return amx_why;
+    return "";
 }
 
 int attn_best_isa(void)
@@ -305,6 +423,11 @@ int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
     if (!attn_isa_supported(isa) || iters < 0 || num_threads < 1 || num_threads > ATTN_MAX_THREADS)
         return 0;
     switch (isa) {
+#ifdef ATTN_HAVE_AMX
+    case ATTN_ISA_AMX:  /* the float32 FMAs are AVX-512's */
+        *checksum = attn_fma_peak_f32_amx(iters, num_threads);
+        return 16;
+#endif
 #ifdef ATTN_HAVE_AVX512BF16
     case ATTN_ISA_AVX512BF16:  /* the float32 FMAs are AVX-512's */
         *checksum = attn_fma_peak_f32_avx512bf16(iters, num_threads);

@@ -8,7 +8,9 @@
  *   MR      rows of the register tile in the matmul micro-kernels
  * and functions v<op>_<DT>: load/store (aligned), loadu/storeu, set1 zero fma
  * mul add sub max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
- * and undefines T, DT, VT and VW at its end, ready for the next dtype. The 2^f
+ * and undefines T, DT, VT and VW at its end, ready for the next dtype.
+ * Optional: TRANSPOSE_T(src, lds, dst, ldd), a VW x VW transpose of T in
+ * registers (dst[j][i] = src[i][j]), used to pack Kt panels. The 2^f
  * polynomial for DT comes from attn_common.h (EXP2_COEF, EXP2_DEGREE, EXP2_LO).
  *
  * Half-precision inputs (the converting path): an includer may also define
@@ -150,13 +152,23 @@ static inline void ST(call_pv)(int mr, int64_t kb, const T *p, int64_t ldp, cons
 }
 
 /* Packs rows [0, kb) of k (row stride d) as Kt panels: panel j holds
- * d rows of NR columns, columns past kb are zero. */
+ * d rows of NR columns, columns past kb are zero. Where the includer names an
+ * in-register VW x VW transpose for T inputs (TRANSPOSE_T), whole squares of
+ * full panels go through it; the rest is copied element by element. */
 static void ST(pack_kt)(const TIN *k, int64_t kb, int64_t d, T *kt)
 {
     for (int64_t j0 = 0; j0 < kb; j0 += NR) {
         T *panel = kt + j0 * d;
         int64_t nc = kb - j0 < NR ? kb - j0 : NR;
-        for (int64_t t = 0; t < d; t++) {
+        int64_t t0 = 0;
+#ifdef TRANSPOSE_T
+        if (nc == NR) {
+            for (; t0 + VW <= d; t0 += VW)
+                for (int64_t c0 = 0; c0 < NR; c0 += VW)
+                    TRANSPOSE_T(k + (j0 + c0) * d + t0, d, panel + t0 * NR + c0, NR);
+        }
+#endif
+        for (int64_t t = t0; t < d; t++) {
             int64_t c = 0;
             for (; c < nc; c++)
                 panel[t * NR + c] = LOAD_IN(k[(j0 + c) * d + t]);
@@ -309,7 +321,7 @@ typedef struct {
     T *a;      /* scaled q block, bq x d */
     T *kt;     /* packed Kt, d x bk_pad */
     T *vp;     /* packed V, bk x dv_pad */
-    T *s;      /* scores / probabilities, bq x lds */
+    T *s;      /* scores / probabilities, srows x lds */
     T *o;      /* output accumulator, bq x dv_pad */
     T *m, *l, *alpha; /* per row: running max, running sum, rescale */
 } ST(workspace);
@@ -320,14 +332,14 @@ static void ST(ws_free)(ST(workspace) *w)
     attn_free(w->o); attn_free(w->m); attn_free(w->l); attn_free(w->alpha);
 }
 
-static int ST(ws_alloc)(ST(workspace) *w, int64_t bq, int64_t bk, int64_t lds,
+static int ST(ws_alloc)(ST(workspace) *w, int64_t bq, int64_t bk, int64_t srows, int64_t lds,
                         int64_t d, int64_t dv_pad)
 {
     int64_t bk_pad = ST(round_up)(bk, NR);
     w->a = attn_alloc(bq, d, sizeof(T));
     w->kt = attn_alloc(d, bk_pad, sizeof(T));
     w->vp = attn_alloc(bk, dv_pad, sizeof(T));
-    w->s = attn_alloc(bq, lds, sizeof(T));
+    w->s = attn_alloc(srows, lds, sizeof(T));
     w->o = attn_alloc(bq, dv_pad, sizeof(T));
     w->m = attn_alloc(bq, 1, sizeof(T));
     w->l = attn_alloc(bq, 1, sizeof(T));
@@ -338,39 +350,53 @@ static int ST(ws_alloc)(ST(workspace) *w, int64_t bq, int64_t bk, int64_t lds,
     return 0;
 }
 
-/* s[:, 0:kb_pad) = a . kt for rows [0, bq); in a causal block, tiles left of
- * nothing a row can see are skipped (row r sees keys < row_lim(r)). */
-static void ST(block_qk)(const ST(workspace) *w, const TIN *kblk, int64_t kb, int64_t bq,
-                         int64_t d, T *s, int64_t lds, int causal, int64_t i0, int64_t j0)
+/* s[:, 0:kb_pad) = a . kt for rows [0, rows) (their first is row i0 of the
+ * problem), kt the packed Kt panels of keys [j0, j0 + kb); in a causal block,
+ * tiles left of nothing a row can see are skipped (row r sees keys <= i0 + r). */
+static void ST(rows_qk)(const T *kt, int64_t kb, int64_t rows, int64_t d, const T *a, T *s,
+                        int64_t lds, int causal, int64_t i0, int64_t j0)
 {
-    ST(pack_kt)(kblk, kb, d, w->kt);
     for (int64_t jp = 0; jp < kb; jp += NR) {
-        const T *panel = w->kt + jp * d;
-        for (int64_t r0 = 0; r0 < bq; r0 += MR) {
-            int mr = (int)(bq - r0 < MR ? bq - r0 : MR);
+        const T *panel = kt + jp * d;
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
             if (causal && j0 + jp > i0 + r0 + mr - 1)
                 continue;
-            ST(call_qk)(mr, d, w->a + r0 * d, d, panel, s + r0 * lds + jp, lds);
+            ST(call_qk)(mr, d, a + r0 * d, d, panel, s + r0 * lds + jp, lds);
         }
     }
 }
 
-/* o = o * alpha + p . V for a key block of kb rows (alpha NULL: no rescale);
- * in a causal block only the keys a row tile can see are visited. */
+/* o = o * alpha + p . V for rows [0, rows) (the first is row i0) and the packed
+ * V panels vp of keys [j0, j0 + kb); in a causal block only the keys a row tile
+ * can see are visited. */
+static void ST(rows_pv)(const T *vp, int64_t kb, int64_t rows, int64_t dv_pad, const T *pr,
+                        int64_t ldp, const T *alpha, T *o, int causal, int64_t i0, int64_t j0)
+{
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
+        int64_t kv = ST(causal_valid)(causal, i0 + r0 + mr - 1, j0, kb);
+        if (kv == 0)
+            continue;  /* all p are zero and alpha is one */
+        for (int64_t c0 = 0; c0 < dv_pad; c0 += NR)
+            ST(call_pv)(mr, kv, pr + r0 * ldp, ldp, vp + c0 * kb, o + r0 * dv_pad + c0, dv_pad, alpha + r0);
+    }
+}
+
+/* Both products of tiled for a whole query block: pack the key block, then the rows. */
+static void ST(block_qk)(const ST(workspace) *w, const TIN *kblk, int64_t kb, int64_t bq,
+                         int64_t d, T *s, int64_t lds, int causal, int64_t i0, int64_t j0)
+{
+    ST(pack_kt)(kblk, kb, d, w->kt);
+    ST(rows_qk)(w->kt, kb, bq, d, w->a, s, lds, causal, i0, j0);
+}
+
 static void ST(block_pv)(const ST(workspace) *w, const TIN *vblk, int64_t kb, int64_t bq,
                          int64_t dv, int64_t dv_pad, const T *pr, int64_t ldp,
                          const T *alpha, int causal, int64_t i0, int64_t j0)
 {
     ST(pack_v)(vblk, kb, dv, w->vp);
-    for (int64_t r0 = 0; r0 < bq; r0 += MR) {
-        int mr = (int)(bq - r0 < MR ? bq - r0 : MR);
-        int64_t kv = ST(causal_valid)(causal, i0 + r0 + mr - 1, j0, kb);
-        if (kv == 0)
-            continue;  /* all p are zero and alpha is one */
-        for (int64_t c0 = 0; c0 < dv_pad; c0 += NR)
-            ST(call_pv)(mr, kv, pr + r0 * ldp, ldp, w->vp + c0 * kb, w->o + r0 * dv_pad + c0,
-                        dv_pad, alpha + r0);
-    }
+    ST(rows_pv)(w->vp, kb, bq, dv_pad, pr, ldp, alpha, w->o, causal, i0, j0);
 }
 
 /* One query block: rows [i0, i0 + bq) of batch entry bh. */
@@ -379,9 +405,10 @@ typedef void (*ST(block_fn))(const attn_problem *p, const TIN *q, const TIN *k, 
                              int64_t dv_pad, int64_t lds);
 
 /* Runs body over every (batch entry, query block), heaviest causal blocks
- * first, each block on one thread with that thread's own workspace. */
+ * first, each block on one thread with that thread's own workspace (a score
+ * buffer of srows x lds). */
 static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
-                               TIN *lse, int64_t lds, ST(block_fn) body)
+                               TIN *lse, int64_t srows, int64_t lds, ST(block_fn) body)
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q;
     const int64_t ntasks = nqb * p->batch;
@@ -390,7 +417,7 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
 #pragma omp parallel num_threads(p->num_threads)
     {
         ST(workspace) w = {0};
-        int ok = ST(ws_alloc)(&w, p->block_q, p->block_k, lds, p->d, dv_pad);
+        int ok = ST(ws_alloc)(&w, p->block_q, p->block_k, srows, lds, p->d, dv_pad);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -464,14 +491,48 @@ int FN(tiled)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
 {
     const int64_t nkb = (p->nk + p->block_k - 1) / p->block_k;
     const int64_t lds = nkb * ST(round_up)(p->block_k, NR);
-    return ST(for_each_qblock)(p, q, k, v, out, lse, lds, ST(tiled_block));
+    return ST(for_each_qblock)(p, q, k, v, out, lse, p->block_q, lds, ST(tiled_block));
 }
 
 /* ---------------------------------------------------------------- flash */
 /* Online softmax (FlashAttention-2 order): for a block of queries, stream
  * K/V blocks, keep a running max and sum per row and rescale the output
  * accumulator; no buffer grows with nk. Causal blocks past the diagonal are
- * never touched. */
+ * never touched.
+ *
+ * Each K/V block is packed once for the whole query block, then the query
+ * block is walked in strips of FLASH_ROWS rows: scores, softmax and P V of one
+ * strip before the next, so the strip's scores stay in the core's caches
+ * however tall the query block is. A tall block amortises the packing, the
+ * strip keeps the score traffic small; every row's arithmetic is the same as
+ * for a strip of one block. */
+#define FLASH_ROWS (8 * MR)
+
+/* Online-softmax step of rows [0, rows) of a strip (row r is row i0 + r of the
+ * problem, m, l and alpha its running state) over their scores s of the key
+ * block [j0, j0 + kb): s becomes the probabilities 2^(s - m_new). */
+static void ST(strip_softmax)(T *s, int64_t lds, int64_t rows, int64_t kb, T *m, T *l, T *alpha,
+                              int causal, int64_t i0, int64_t j0)
+{
+    int64_t kb_vw = ST(round_up)(kb, VW);
+    for (int64_t r = 0; r < rows; r++) {
+        T *sr = s + r * lds;
+        int64_t valid = ST(causal_valid)(causal, i0 + r, j0, kb);
+        if (valid == 0) {  /* row sees none of this block */
+            for (int64_t j = 0; j < kb_vw; j++)
+                sr[j] = 0;
+            alpha[r] = 1;
+            continue;
+        }
+        T mb = ST(row_max)(sr, valid);
+        T mnew = mb > m[r] ? mb : m[r];
+        /* first block: m = -inf and the accumulator is zero, alpha = 0 */
+        alpha[r] = m[r] == -INFINITY ? 0 : (T)exp2((double)(m[r] - mnew));
+        l[r] = l[r] * alpha[r] + ST(row_exp2_sum)(sr, valid, kb_vw, mnew);
+        m[r] = mnew;
+    }
+}
+
 static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
                             TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                             int64_t dv_pad, int64_t lds)
@@ -488,25 +549,17 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
         w->o[i] = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
         int64_t kb = kend - j0 < bk ? kend - j0 : bk;
-        int64_t kb_vw = ST(round_up)(kb, VW);
-        ST(block_qk)(w, kh + j0 * d, kb, bq, d, w->s, lds, p->causal, i0, j0);
-        for (int64_t r = 0; r < bq; r++) {
-            T *sr = w->s + r * lds;
-            int64_t valid = ST(causal_valid)(p->causal, i0 + r, j0, kb);
-            if (valid == 0) {  /* row sees none of this block */
-                for (int64_t j = 0; j < kb_vw; j++)
-                    sr[j] = 0;
-                w->alpha[r] = 1;
-                continue;
-            }
-            T mb = ST(row_max)(sr, valid);
-            T mnew = mb > w->m[r] ? mb : w->m[r];
-            /* first block: m = -inf and the accumulator is zero, alpha = 0 */
-            w->alpha[r] = w->m[r] == -INFINITY ? 0 : (T)exp2((double)(w->m[r] - mnew));
-            w->l[r] = w->l[r] * w->alpha[r] + ST(row_exp2_sum)(sr, valid, kb_vw, mnew);
-            w->m[r] = mnew;
+        ST(pack_kt)(kh + j0 * d, kb, d, w->kt);
+        ST(pack_v)(vh + j0 * dv, kb, dv, w->vp);
+        for (int64_t r0 = 0; r0 < bq; r0 += FLASH_ROWS) {
+            int64_t rows = bq - r0 < FLASH_ROWS ? bq - r0 : FLASH_ROWS;
+            if (p->causal && j0 > i0 + r0 + rows - 1)
+                continue;  /* no row of the strip sees this block: its state stays as it is */
+            ST(rows_qk)(w->kt, kb, rows, d, w->a + r0 * d, w->s, lds, p->causal, i0 + r0, j0);
+            ST(strip_softmax)(w->s, lds, rows, kb, w->m + r0, w->l + r0, w->alpha + r0, p->causal, i0 + r0, j0);
+            ST(rows_pv)(w->vp, kb, rows, dv_pad, w->s, lds, w->alpha + r0, w->o + r0 * dv_pad, p->causal,
+                        i0 + r0, j0);
         }
-        ST(block_pv)(w, vh + j0 * dv, kb, bq, dv, dv_pad, w->s, lds, w->alpha, p->causal, i0, j0);
     }
     ST(write_out)(w->o, dv_pad, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
     if (lse)
@@ -516,8 +569,10 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
 
 int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out, TIN *lse)
 {
-    return ST(for_each_qblock)(p, q, k, v, out, lse, ST(round_up)(p->block_k, NR), ST(flash_block));
+    int64_t srows = p->block_q < FLASH_ROWS ? p->block_q : FLASH_ROWS;
+    return ST(for_each_qblock)(p, q, k, v, out, lse, srows, ST(round_up)(p->block_k, NR), ST(flash_block));
 }
+#undef FLASH_ROWS
 
 #ifndef ATTN_HALF_IO
 /* ------------------------------------------------------------- backward */
@@ -803,3 +858,4 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef STORE_OUT
 #undef ADT
 #undef ATTN_HALF_IO
+#undef TRANSPOSE_T

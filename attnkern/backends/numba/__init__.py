@@ -69,7 +69,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_note_fork)
 
 
-def _numba_flash(q, k, v, causal, scale, block_q=128, block_k=256, num_threads=1, lse=None):
+def _numba_flash(q, k, v, causal, scale, block_q=256, block_k=512, num_threads=1, lse=None):
     import numba
 
     from . import flash
@@ -99,8 +99,8 @@ register(
         description="Numba (prange, cached): online softmax over streamed K/V blocks, no N x N buffer",
         run=_numba_flash,
         params=(
-            Param("block_q", 128, 1, 1024, "query rows per task"),
-            Param("block_k", 256, 1, 4096, "keys per streamed K/V block"),
+            Param("block_q", 256, 1, 1024, "query rows per task"),
+            Param("block_k", 512, 1, 4096, "keys per streamed K/V block"),
             Param("num_threads", lambda: min(cpu_count(), _numba_max_threads()), 1, _numba_max_threads(),
                   "threads; default: the CPUs this process may use (at most NUMBA_NUM_THREADS)"),
         ),

@@ -262,8 +262,10 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
                         acc[i, e] *= alpha
             # V^T of this block, so that P V reads both operands along the keys; made per
             # task and block in the task's own buffer (docs/results.md compares one V^T per head).
-            for j in range(nkeys):
-                for e in range(dv):
+            # Written row by row of V^T: contiguous stores, and the block of V read with a
+            # stride stays in L1 (the other order stores every element to another cache line).
+            for e in range(dv):
+                for j in range(nkeys):
                     vt[e, j] = v[b, j0 + j, e]
             if diagonal:
                 for r0 in range(0, rows, _CHUNK):

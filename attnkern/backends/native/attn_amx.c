@@ -1,0 +1,334 @@
+/* AMX (Advanced Matrix Extensions: AMX-TILE and AMX-BF16, Sapphire Rapids and later):
+ * everything attn_avx512.c has, under the ISA tag amx, plus a flash kernel for bfloat16
+ * inputs whose two matmuls run on tiles. tdpbf16ps adds to a 16 x 16 float32 tile the
+ * product of a 16 x 32 bfloat16 tile and a 32 x 16 one stored as 16 rows of 16 pairs:
+ * 8192 multiply-adds per instruction.
+ *
+ * The numerics are those of the vdpbf16ps kernel (attn_avx512bf16.c):
+ *   Q Kt: q and K as stored, in bfloat16 pairs along d; the float32 scores are
+ *         multiplied by scale * log2(e) afterwards;
+ *   softmax: float32 (running max, exp2 polynomial, running sum);
+ *   P V:  probabilities rounded to bfloat16, the row sum l adding the rounded values;
+ * float32 accumulation throughout, the output rounded to bfloat16 once.
+ *
+ * Tiles: 0-3 accumulate a 32 x 32 float32 block (2 x 2 tiles), 4-5 hold the two
+ * 16-row halves of the left operand, 6-7 the two 16-column halves of the right one;
+ * every tile is 16 rows of 64 bytes, so one configuration serves the whole kernel
+ * (each thread loads it). Operands are zero-padded so that every tile is full: the
+ * query block to a multiple of 32 rows, d to a multiple of 32 (16 pairs), K panels
+ * to that many pair rows, V panels to a multiple of 16 key pairs; the zeros add
+ * exact zeros. The query block is walked in strips of AROWS rows per key block, as
+ * in attn_kernels.h, so the score buffers stay small.
+ *
+ * attn_dispatch.c runs this only where CPUID reports AMX-TILE and AMX-BF16, the OS
+ * enables the tile state, and Linux grants the process the tile data permission.
+ *
+ * ATTN_AMX_EMULATE (never set by the build) replaces the tile instructions by
+ * portable C, so the layouts can be checked on a CPU without AMX. */
+#define ISA amx
+#include "attn_avx512.c"
+
+#define ANR 32   /* panel width: keys of a Kt panel, columns of a V panel */
+#define AROWS 64 /* rows of a strip: two 32-row tile blocks */
+
+static ATTN_INLINE int64_t amx_rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#ifdef ATTN_AMX_EMULATE
+static __thread uint8_t amx_tile[8][16][64];
+static float amx_bf(uint32_t pair, int hi) { return attn_bf16_to_f32((uint16_t)(hi ? pair >> 16 : pair)); }
+#define AMX_LOADCFG(cfg) ((void)(cfg))
+#define AMX_RELEASE() ((void)0)
+#define AMX_ZERO(t) memset(amx_tile[t], 0, sizeof amx_tile[t])
+#define AMX_LOAD(t, base, stride)                                                  \
+    for (int r_ = 0; r_ < 16; r_++)                                                \
+    memcpy(amx_tile[t][r_], (const char *)(base) + r_ * (int64_t)(stride), 64)
+#define AMX_STORE(t, base, stride)                                                 \
+    for (int r_ = 0; r_ < 16; r_++)                                                \
+    memcpy((char *)(base) + r_ * (int64_t)(stride), amx_tile[t][r_], 64)
+#define AMX_DP(c, a, b)                                                            \
+    for (int m_ = 0; m_ < 16; m_++)                                                \
+        for (int n_ = 0; n_ < 16; n_++) {                                          \
+            float *c_ = (float *)amx_tile[c][m_] + n_;                             \
+            for (int k_ = 0; k_ < 16; k_++) {                                      \
+                uint32_t a_ = ((uint32_t *)amx_tile[a][m_])[k_];                   \
+                uint32_t b_ = ((uint32_t *)amx_tile[b][k_])[n_];                   \
+                *c_ += amx_bf(a_, 0) * amx_bf(b_, 0) + amx_bf(a_, 1) * amx_bf(b_, 1); \
+            }                                                                      \
+        }
+#else
+#define AMX_LOADCFG(cfg) _tile_loadconfig(cfg)
+#define AMX_RELEASE() _tile_release()
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define AMX_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define AMX_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
+
+/* The 64-byte tile configuration of LDTILECFG, palette 1. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static void amx_configure(void)
+{
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    AMX_LOADCFG(&cfg);
+}
+
+/* The bfloat16 pair (row[2t], row[2t + 1]) as one 32-bit word, 0 past d. */
+static ATTN_INLINE uint32_t amx_pair(const uint16_t *row, int64_t t, int64_t d)
+{
+    uint32_t lo = 2 * t < d ? row[2 * t] : 0, hi = 2 * t + 1 < d ? row[2 * t + 1] : 0;
+    return lo | hi << 16;
+}
+
+/* Kt panels of ANR keys for keys [0, kb) of k (row stride d): panel j0 starts at
+ * j0 * d2p and holds d2p rows of ANR pairs (key c, features 2t and 2t + 1); pairs
+ * past d and keys past kb are zero. */
+static void amx_pack_kt(const uint16_t *k, int64_t kb, int64_t d, int64_t d2p, uint32_t *kt)
+{
+    for (int64_t j0 = 0; j0 < kb; j0 += ANR) {
+        uint32_t *panel = kt + j0 * d2p;
+        int64_t nc = kb - j0 < ANR ? kb - j0 : ANR;
+        for (int64_t c = 0; c < ANR; c++)
+            for (int64_t t = 0; t < d2p; t++)
+                panel[t * ANR + c] = c < nc ? amx_pair(k + (j0 + c) * d, t, d) : 0;
+    }
+}
+
+/* V panels of ANR columns for keys [0, kb) of v (row stride dv): panel c0 starts at
+ * c0 * kb2p and holds kb2p rows of ANR pairs (column c, keys 2t and 2t + 1); columns
+ * past dv and keys past kb are zero. */
+static void amx_pack_v(const uint16_t *v, int64_t kb, int64_t dv, int64_t kb2p, uint32_t *vp)
+{
+    for (int64_t c0 = 0; c0 < dv; c0 += ANR) {
+        uint32_t *panel = vp + c0 * kb2p;
+        int64_t nc = dv - c0 < ANR ? dv - c0 : ANR;
+        for (int64_t t = 0; t < kb2p; t++) {
+            int64_t c = 0;
+            if (2 * t < kb) {
+                const uint16_t *r0 = v + 2 * t * dv + c0, *r1 = r0 + dv;
+                int odd = 2 * t + 1 < kb;
+                for (; c < nc; c++)
+                    panel[t * ANR + c] = (uint32_t)r0[c] | (odd ? (uint32_t)r1[c] << 16 : 0);
+            }
+            for (; c < ANR; c++)
+                panel[t * ANR + c] = 0;
+        }
+    }
+}
+
+/* pb[j] = bfloat16(2^(x[j] - m)) for j < valid, 0 for valid <= j < n (n a multiple
+ * of 16); returns the sum of the rounded values. The tail of the last vector is set
+ * to -inf first, which vexp2 maps to exactly 0. */
+static float amx_row_exp2(float *x, int64_t valid, int64_t n, float m, uint16_t *pb)
+{
+    __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
+    int64_t lim = amx_rup(valid, 16);
+    for (int64_t j = valid; j < lim; j++)
+        x[j] = -INFINITY;
+    for (int64_t j = 0; j < lim; j += 16) {
+        __m512 e = vexp2_f32(_mm512_sub_ps(_mm512_load_ps(x + j), vm));
+        __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256((__m256i *)(pb + j), eb);
+        vs = _mm512_add_ps(vs, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+    }
+    for (int64_t j = lim; j < n; j++)
+        pb[j] = 0;
+    return _mm512_reduce_add_ps(vs);
+}
+
+typedef struct {
+    uint32_t *qa;   /* the query block as bfloat16 pairs, bqp x d2p */
+    uint32_t *kt;   /* packed Kt panels, bk_pad x d2p pairs */
+    uint32_t *vp;   /* packed V panels, dv_pad x bk2p pairs */
+    float *s;       /* a strip's scores, AROWS x lds */
+    uint16_t *pb;   /* a strip's probabilities in bfloat16, AROWS x lds */
+    float *o;       /* output accumulator, bqp x dv_pad */
+    float *m, *l;   /* per row: running max, running sum */
+} amx_ws;
+
+static void amx_ws_free(amx_ws *w)
+{
+    attn_free(w->qa); attn_free(w->kt); attn_free(w->vp); attn_free(w->s);
+    attn_free(w->pb); attn_free(w->o); attn_free(w->m); attn_free(w->l);
+}
+
+static int amx_ws_alloc(amx_ws *w, int64_t bq, int64_t bk, int64_t lds, int64_t d2p, int64_t dv_pad)
+{
+    int64_t bqp = amx_rup(bq, 32), bk2p = amx_rup((bk + 1) / 2, 16);
+    w->qa = attn_alloc(bqp, d2p, sizeof(uint32_t));
+    w->kt = attn_alloc(amx_rup(bk, ANR), d2p, sizeof(uint32_t));
+    w->vp = attn_alloc(dv_pad, bk2p, sizeof(uint32_t));
+    w->s = attn_alloc(AROWS, lds, sizeof(float));
+    w->pb = attn_alloc(AROWS, lds, sizeof(uint16_t));
+    w->o = attn_alloc(bqp, dv_pad, sizeof(float));
+    w->m = attn_alloc(bqp, 1, sizeof(float));
+    w->l = attn_alloc(bqp, 1, sizeof(float));
+    if (!(w->qa && w->kt && w->vp && w->s && w->pb && w->o && w->m && w->l)) {
+        amx_ws_free(w);
+        return 0;
+    }
+    /* padding rows of the strip buffers are read by full tiles: keep them finite */
+    memset(w->s, 0, (size_t)(AROWS * lds) * sizeof(float));
+    memset(w->pb, 0, (size_t)(AROWS * lds) * sizeof(uint16_t));
+    return 1;
+}
+
+/* One query block, rows [i0, i0 + bq) of batch entry bh. */
+static void flash_block_amx(const attn_problem *p, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                            uint16_t *out, uint16_t *lse, const amx_ws *w, int64_t bh, int64_t i0, int64_t bq,
+                            int64_t dv_pad, int64_t lds)
+{
+    const int64_t d = p->d, d2p = amx_rup((d + 1) / 2, 16), dv = p->dv, nk = p->nk, bk = p->block_k;
+    const int64_t bqp = amx_rup(bq, 32), ldp = lds / 2; /* a row of pb in pairs */
+    const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
+    const uint16_t *kh = k + bh * nk * d, *vh = v + bh * nk * dv, *qb = q + (bh * p->nq + i0) * d;
+    const __m512 c = _mm512_set1_ps((float)(p->scale * ATTN_LOG2E));
+    const uint32_t *pb32 = (const uint32_t *)w->pb;
+    for (int64_t r = 0; r < bqp; r++) {
+        for (int64_t t = 0; t < d2p; t++)
+            w->qa[r * d2p + t] = r < bq ? amx_pair(qb + r * d, t, d) : 0;
+        w->m[r] = -INFINITY;
+        w->l[r] = 0;
+    }
+    for (int64_t i = 0; i < bqp * dv_pad; i++)
+        w->o[i] = 0;
+    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        const int64_t kb = kend - j0 < bk ? kend - j0 : bk, kbp = amx_rup(kb, ANR);
+        const int64_t kb2p = amx_rup((kb + 1) / 2, 16);
+        amx_pack_kt(kh + j0 * d, kb, d, d2p, w->kt);
+        amx_pack_v(vh + j0 * dv, kb, dv, kb2p, w->vp);
+        for (int64_t r0 = 0; r0 < bq; r0 += AROWS) {
+            const int64_t rows = bq - r0 < AROWS ? bq - r0 : AROWS;
+            if (p->causal && j0 > i0 + r0 + rows - 1)
+                continue; /* no row of the strip sees this block */
+            /* S = Q Kt, 32 x 32 blocks; blocks right of everything their rows see are skipped */
+            for (int64_t jp = 0; jp < kb; jp += ANR) {
+                for (int64_t rb = 0; rb < rows; rb += 32) {
+                    if (p->causal && j0 + jp > i0 + r0 + rb + 31)
+                        continue;
+                    const uint32_t *a = w->qa + (r0 + rb) * d2p, *b = w->kt + jp * d2p;
+                    AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);
+                    for (int64_t t0 = 0; t0 < d2p; t0 += 16) {
+                        AMX_LOAD(4, a + t0, d2p * 4);
+                        AMX_LOAD(5, a + 16 * d2p + t0, d2p * 4);
+                        AMX_LOAD(6, b + t0 * ANR, ANR * 4);
+                        AMX_LOAD(7, b + t0 * ANR + 16, ANR * 4);
+                        AMX_DP(0, 4, 6); AMX_DP(1, 4, 7); AMX_DP(2, 5, 6); AMX_DP(3, 5, 7);
+                    }
+                    float *s = w->s + rb * lds + jp;
+                    AMX_STORE(0, s, lds * 4);
+                    AMX_STORE(1, s + 16, lds * 4);
+                    AMX_STORE(2, s + 16 * lds, lds * 4);
+                    AMX_STORE(3, s + 16 * lds + 16, lds * 4);
+                }
+            }
+            /* online softmax of the strip's rows; the rescale is applied to o here */
+            for (int64_t r = 0; r < rows; r++) {
+                float *sr = w->s + r * lds;
+                uint16_t *pr = w->pb + r * lds;
+                int64_t row = r0 + r, valid = causal_valid_f32(p->causal, i0 + row, j0, kb);
+                if (valid == 0) { /* row sees none of this block */
+                    memset(pr, 0, (size_t)kbp * sizeof *pr);
+                    continue;
+                }
+                for (int64_t j = 0; j < valid; j += 16)
+                    _mm512_store_ps(sr + j, _mm512_mul_ps(_mm512_load_ps(sr + j), c));
+                float mb = row_max_f32(sr, valid);
+                float mold = w->m[row], mnew = mb > mold ? mb : mold;
+                /* first block: m = -inf and the accumulator is zero, alpha = 0 */
+                float alpha = mold == -INFINITY ? 0 : (float)exp2((double)(mold - mnew));
+                w->l[row] = w->l[row] * alpha + amx_row_exp2(sr, valid, kbp, mnew, pr);
+                w->m[row] = mnew;
+                if (alpha != 1) {
+                    __m512 va = _mm512_set1_ps(alpha);
+                    float *orow = w->o + row * dv_pad;
+                    for (int64_t col = 0; col < dv_pad; col += 16)
+                        _mm512_store_ps(orow + col, _mm512_mul_ps(_mm512_load_ps(orow + col), va));
+                }
+            }
+            /* O += P V, 32 x 32 blocks, only up to the keys the block's last row sees */
+            for (int64_t rb = 0; rb < rows; rb += 32) {
+                int64_t last = rb + 31 < rows - 1 ? rb + 31 : rows - 1;
+                int64_t kv = causal_valid_f32(p->causal, i0 + r0 + last, j0, kb);
+                if (kv == 0)
+                    continue;
+                const int64_t kvp = amx_rup((kv + 1) / 2, 16);
+                const uint32_t *a = pb32 + rb * ldp;
+                for (int64_t c0 = 0; c0 < dv_pad; c0 += ANR) {
+                    float *o = w->o + (r0 + rb) * dv_pad + c0;
+                    const uint32_t *b = w->vp + c0 * kb2p;
+                    AMX_LOAD(0, o, dv_pad * 4);
+                    AMX_LOAD(1, o + 16, dv_pad * 4);
+                    AMX_LOAD(2, o + 16 * dv_pad, dv_pad * 4);
+                    AMX_LOAD(3, o + 16 * dv_pad + 16, dv_pad * 4);
+                    for (int64_t t0 = 0; t0 < kvp; t0 += 16) {
+                        AMX_LOAD(4, a + t0, ldp * 4);
+                        AMX_LOAD(5, a + 16 * ldp + t0, ldp * 4);
+                        AMX_LOAD(6, b + t0 * ANR, ANR * 4);
+                        AMX_LOAD(7, b + t0 * ANR + 16, ANR * 4);
+                        AMX_DP(0, 4, 6); AMX_DP(1, 4, 7); AMX_DP(2, 5, 6); AMX_DP(3, 5, 7);
+                    }
+                    AMX_STORE(0, o, dv_pad * 4);
+                    AMX_STORE(1, o + 16, dv_pad * 4);
+                    AMX_STORE(2, o + 16 * dv_pad, dv_pad * 4);
+                    AMX_STORE(3, o + 16 * dv_pad + 16, dv_pad * 4);
+                }
+            }
+        }
+    }
+    uint16_t *ob = out + (bh * p->nq + i0) * dv;
+    for (int64_t r = 0; r < bq; r++) {
+        for (int64_t col = 0; col < dv; col++)
+            ob[r * dv + col] = attn_f32_to_bf16(w->o[r * dv_pad + col] / w->l[r]);
+        if (lse)
+            lse[bh * p->nq + i0 + r] = attn_f32_to_bf16(lse_of_f32(w->m[r], w->l[r]));
+    }
+}
+
+int attn_flash_bf16amx_amx(const attn_problem *p, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                           uint16_t *out, uint16_t *lse)
+{
+    const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q, ntasks = nqb * p->batch;
+    const int64_t dv_pad = amx_rup(p->dv, ANR), lds = amx_rup(p->block_k, ANR);
+    const int64_t d2p = amx_rup((p->d + 1) / 2, 16);
+    int failed = 0;
+#pragma omp parallel num_threads(p->num_threads)
+    {
+        amx_ws w = {0};
+        int ok = amx_ws_alloc(&w, p->block_q, p->block_k, lds, d2p, dv_pad);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            amx_configure();
+        }
+        /* heaviest causal blocks first; each block on one thread: the result does not
+         * depend on the thread count */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < ntasks; t++) {
+            if (!ok)
+                continue;
+            int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
+            int64_t bq = p->nq - i0 < p->block_q ? p->nq - i0 : p->block_q;
+            flash_block_amx(p, q, k, v, out, lse, &w, bh, i0, bq, dv_pad, lds);
+        }
+        if (ok) {
+            AMX_RELEASE();
+            amx_ws_free(&w);
+        }
+    }
+    return failed ? ATTN_ENOMEM : ATTN_OK;
+}
+
+#undef ANR
+#undef AROWS
