@@ -34,8 +34,9 @@ import gate  # noqa: E402
 
 REPO = gate.REPO
 INJECT_FILE = "attnkern/backends/native/attn_kernels.h"
-# The score block of flash_block (the tiled kernel's call differs: it offsets s).
-INJECT_LINE = "        ST(block_qk)(w, kh + j0 * d, kb, bq, d, w->s, lds, p->causal, i0, j0);\n"
+# The scores of one strip of flash_block's rows (the tiled kernel's call differs).
+INJECT_LINE = ("            ST(rows_qk)(w->kt, kb, rows, d, w->a + r0 * d, w->s, lds, p->causal, i0 + r0, j0);"
+               "\n")
 # Percent of a query block's rows whose Q·Kᵀ tiles are computed twice, for each
 # target slowdown (percent) of native.flash at 1x8x1024x64 non-causal on the
 # AVX-512 path: about 0.4% of time per percent of rows there (less with the
@@ -49,19 +50,14 @@ FACTORS = ("1.1", "1.2", "1.3")
 
 def inject_slowdown(source: str, rows_percent: int) -> str:
     """attn_kernels.h with flash_block computing the Q·Kᵀ tiles of the first
-    `rows_percent`% of each block's rows a second time, from the K panel the
-    block has just packed (so the extra work scales with the rows: no second
-    packing, whose fixed cost would swamp small levels)."""
+    `rows_percent`% of each strip's rows a second time (the same values), from the
+    K panel the block has just packed (so the extra work scales with the rows: no
+    second packing, whose fixed cost would swamp small levels)."""
     if source.count(INJECT_LINE) != 1:
         raise ValueError(f"the line the slowdown follows moved: {INJECT_LINE!r}")
-    rows = f"((bq * {rows_percent} + 99) / 100)"
-    extra = (
-        f"        for (int64_t xr = 0; xr < {rows}; xr += MR)  /* injected slowdown */\n"
-        "            for (int64_t xp = 0; xp < kb; xp += NR) {\n"
-        f"                int xm = (int)({rows} - xr < MR ? {rows} - xr : MR);\n"
-        "                if (!(p->causal && j0 + xp > i0 + xr + xm - 1))\n"
-        "                    ST(call_qk)(xm, d, w->a + xr * d, d, w->kt + xp * d, w->s + xr * lds + xp, lds);\n"
-        "            }\n")
+    rows = f"((rows * {rows_percent} + 99) / 100)"
+    extra = (f"            ST(rows_qk)(w->kt, kb, {rows}, d, w->a + r0 * d, w->s, lds, p->causal, i0 + r0, j0);"
+             "  /* injected slowdown */\n")
     return source.replace(INJECT_LINE, INJECT_LINE + extra)
 
 
