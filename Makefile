@@ -92,15 +92,16 @@ sanitize: setup
 	$(PY) -m pip --python $(SAN_PY) install -q --no-deps $(SAN)/wheel/*.whl
 
 # The tests of the library (not the slow end-to-end ones, the workflow lint, the
-# CUDA simulator, or the study and report commands, which run no C code of their own
-# and start Chromium, pdftoppm and fresh interpreters that the preloaded runtime
-# would follow) against the sanitizer build, every ISA the CPU has; run from $(SAN)
+# CUDA simulator and Triton, or the study, report and ring commands, which run no C
+# code of their own and start Chromium, pdftoppm and fresh interpreters that the
+# preloaded runtime would follow) against the sanitizer build, every ISA the CPU has; run from $(SAN)
 # so the source tree does not shadow the installed build.
 test-sanitize: sanitize
 	cd $(SAN) && ../tools/sanitized venv/bin/python -m pytest -m "not slow" -p no:cacheprovider \
 		--rootdir=.. -c ../pyproject.toml ../tests --ignore=../tests/test_workflows.py \
 		--ignore=../tests/test_cuda.py --ignore=../tests/test_asv.py --ignore=../tests/test_cuda_backward.py \
-		--ignore=../tests/test_study.py --ignore=../tests/test_report.py
+		--ignore=../tests/test_study.py --ignore=../tests/test_report.py --ignore=../tests/test_ring.py \
+		--ignore=../tests/test_triton.py
 
 # Coverage-guided fuzzing (Atheris) of attention() and the Cython entry points on
 # the sanitizer build, time-boxed; new interesting inputs go to $(SAN)/corpus.
