@@ -149,6 +149,8 @@ def test_shard_and_bad_arguments():
     assert np.array_equal(unshard(parts, "zigzag"), x)
     with pytest.raises(ValueError, match="sequence length 12 does not split into 8 equal chunks.*multiple of 8, such as 16"):
         shard(x, "zigzag", rank=0, world_size=4)
+    with pytest.raises(ValueError, match=r"shard takes an array \(..., N, D\)"):
+        shard(np.arange(4.0), rank=0, world_size=2)
     with pytest.raises(ValueError, match="layout must be one of 'contiguous', 'zigzag'"):
         shard(x, "striped", rank=0, world_size=2)
     with pytest.raises(ValueError, match="world_size must be an integer"):

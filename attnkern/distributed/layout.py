@@ -91,6 +91,9 @@ def shard(x, layout: str = "contiguous", *, rank=None, world_size=None, group=No
     """rank's shard of a full sequence x (..., N, D): a NumPy array or torch tensor
     of the same kind, C-contiguous. rank and world_size default to this process's
     place in group (torch.distributed's default group)."""
+    if len(getattr(x, "shape", ())) < 2:
+        raise ValueError(f"shard takes an array (..., N, D) with the sequence second to last, got shape "
+                         f"{getattr(x, 'shape', None)}")
     rank, world_size = _rank_and_size(rank, world_size, group)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
