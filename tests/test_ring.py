@@ -27,6 +27,7 @@ TOL = {np.float32: 2e-5, np.float64: 1e-12}
 CASES = [(layout, causal, dtype) for layout in LAYOUTS for causal in (False, True) for dtype in (np.float32, np.float64)]
 LEAD, D, DV = (2, 3), 16, 8
 DEADLINE = 300  # seconds; a hang fails the test instead of stalling the suite
+START = "forkserver"  # ranks forked from one server that has imported torch: seconds less per launch
 
 
 def _inputs(world_size, seed):
@@ -67,7 +68,7 @@ def _exact(q, k, v, dout, causal):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_rank_matches_attention_on_the_whole_sequence(world_size):
     q, k, v, dout = _inputs(world_size, seed=world_size)
-    per_rank = launch(_ring_cases, world_size, q, k, v, dout, deadline=DEADLINE)
+    per_rank = launch(_ring_cases, world_size, q, k, v, dout, deadline=DEADLINE, start_method=START)
     for i, (layout, causal, dtype) in enumerate(CASES):
         exact_out, exact_lse, exact_grads = _exact(q, k, v, dout, causal)
         shards = [r[i] for r in per_rank]
@@ -109,7 +110,7 @@ def _plain_and_ring(q, k, v, dout):
 
 def test_one_rank_equals_plain_attention_exactly():
     q, k, v, dout = (x.astype(np.float32) for x in _inputs(1, seed=5))
-    (results,) = launch(_plain_and_ring, 1, q, k, v, dout, deadline=DEADLINE)
+    (results,) = launch(_plain_and_ring, 1, q, k, v, dout, deadline=DEADLINE, start_method=START)
     assert all(all(same) for same in results), results
 
 
@@ -137,7 +138,7 @@ def test_a_bad_rank_fails_every_rank_with_a_clear_error_and_no_stray_process(cas
     a rank that raises ends the others, which would otherwise wait for it, within
     seconds rather than the group's timeout."""
     with pytest.raises(RankFailed, match=message):
-        launch(_bad_call, 2, case, deadline=DEADLINE, timeout=DEADLINE)
+        launch(_bad_call, 2, case, deadline=DEADLINE, timeout=DEADLINE, start_method=START)
     assert multiprocessing.active_children() == []
 
 
@@ -160,16 +161,16 @@ def test_shard_and_bad_arguments():
 
 
 def test_ring_command_measures_and_writes_json(tmp_path):
-    """attnkern ring runs W = 1 and 2 local processes, checks them against the
+    """attnkern ring runs W = 2 local processes, checks them against the
     whole-sequence result and writes the measurements."""
     out = tmp_path / "ring.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "attnkern", "ring", "--world-sizes", "1", "2", "--seq", "64", "--heads", "2",
+        [sys.executable, "-m", "attnkern", "ring", "--world-sizes", "2", "--seq", "64", "--heads", "2",
          "--dim", "16", "--repeat", "2", "--backward", "--json", str(out)],
         capture_output=True, text=True, timeout=DEADLINE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert {r["world_size"] for r in rows} == {1, 2}
+    assert {r["world_size"] for r in rows} == {2}
     for r in rows:
         assert r["max_error"] <= 1e-5 and r["bytes_per_step"] == r["bytes_model"] * (r["world_size"] > 1)
     assert "overlap" in proc.stdout

@@ -113,7 +113,9 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
     and attnkern's threads matching. If a rank raises or dies, the others are ended
     and RankFailed says which rank and why; after deadline seconds (None: no limit
     beyond the group's own timeout) all are ended with a TimeoutError. No process
-    outlives the call."""
+    outlives the call. start_method "forkserver" starts ranks from one process that
+    has imported torch and attnkern already (much faster than "spawn" when many small
+    launches follow each other); fn's module must be importable there too."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 1024:
         raise ValueError(f"world_size must be an integer in [1, 1024], got {world_size!r}")
     if not timeout > 0:
@@ -121,6 +123,8 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":  # the server imports torch once; each rank is a fork of it
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "attnkern"])
     port = _free_port()
     sets = cpu_sets(world_size) if pin else [None] * world_size
     procs, conns = [], []
