@@ -211,13 +211,17 @@ class _Ring:
 
     def exchange(self, sends, recvs, pending: list) -> int:
         """Starts sends -> next rank and recvs <- previous rank (tensors matched in order);
-        the requests join pending. Returns the bytes sent."""
+        the requests join pending. Returns the bytes sent. The transfers go as one batch
+        (batch_isend_irecv: one NCCL group call on the group's own communicator). Separate
+        isend/irecv calls make NCCL open a communicator per pair of ranks, and on a
+        2-GPU H200 host (torch 2.11, NCCL 2.28.9) that path failed with an illegal memory
+        access even for plain torch tensors, while the batched one ran."""
         import torch.distributed as dist
 
-        for tensor in sends:
-            pending.append(dist.isend(tensor, self.peer(1), group=self.group))
-        for tensor in recvs:
-            pending.append(dist.irecv(tensor, self.peer(-1), group=self.group))
+        ops = [dist.P2POp(dist.isend, tensor, self.peer(1), group=self.group) for tensor in sends]
+        ops += [dist.P2POp(dist.irecv, tensor, self.peer(-1), group=self.group) for tensor in recvs]
+        if ops:
+            pending.extend(dist.batch_isend_irecv(ops))
         sent = sum(t.numel() * t.element_size() for t in sends)
         if self.stats is not None:
             self.stats.bytes_sent += sent
@@ -258,8 +262,8 @@ class _Ring:
             from ..backends.torch import sdpa_with_lse
 
             return sdpa_with_lse(q, k, v, causal, self.scale)
-        return attention(q, k, v, causal=causal, scale=self.scale, kernel=self.kernel, check_finite=False,
-                         return_lse=True, **self.params)
+        return attention(*_dense(q, k, v), causal=causal, scale=self.scale, kernel=self.kernel,
+                         check_finite=False, return_lse=True, **self.params)
 
     def record(self, compute: float, waited: float, sent: int):
         if self.stats is not None:
@@ -329,9 +333,9 @@ class _Ring:
             dkeys, dvalues = self.unpack(part)
             for qrows, krows, causal in self.pairs(owner):
                 bq, bk, bv = attention_backward(
-                    q[..., qrows, :], keys[..., krows, :], values[..., krows, :], out[..., qrows, :],
-                    dout[..., qrows, :], lse[..., qrows], causal=causal, scale=self.scale, kernel=self.kernel,
-                    **self.params)
+                    *_dense(q[..., qrows, :], keys[..., krows, :], values[..., krows, :], out[..., qrows, :],
+                            dout[..., qrows, :], lse[..., qrows]),
+                    causal=causal, scale=self.scale, kernel=self.kernel, **self.params)
                 dq[..., qrows, :] += bq
                 dkeys[..., krows, :] += bk
                 dvalues[..., krows, :] += bv
@@ -356,6 +360,14 @@ class _Ring:
             self.stats.wait_s += waited
         dk, dv = self.unpack(grads_in)
         return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+def _dense(*blocks):
+    """The blocks as the local kernel can take them. A block's rows of a shard are a
+    strided view wherever the shard holds more than one (batch, head) pair; the CPU
+    kernels read such views, the cuda.* kernels take GPU arrays in place and only
+    contiguous ones, so on the GPU a strided block is copied once here."""
+    return tuple(x.contiguous() if x.is_cuda and not x.is_contiguous() else x for x in blocks)
 
 
 def _rows(segment: Segment) -> slice:
