@@ -273,10 +273,11 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    everything = rows
     group = (rows[0]["kernel"], rows[0]["seq"], rows[0]["dim"])
     rows = [r for r in rows if (r["kernel"], r["seq"], r["dim"]) == group]
-    title += f"; plotted: {group[0]}, N={group[1]}, D={group[2]}"
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    title += f"; first three panels: {group[0]}, N={group[1]}, D={group[2]}"
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     worlds = sorted({r["world_size"] for r in rows})
     ax = axes[0]
     for layout in sorted({r["layout"] for r in rows}):
@@ -312,10 +313,51 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=7)
+    _scaling_panel(axes[3], everything)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _scaling_panel(ax, rows: list[dict]) -> None:
+    """Strong scaling: for each problem (kernel, N, D, layout, mask), its time at the
+    smallest W over its time at each W, against the ideal W / W_min."""
+    problems: dict = {}
+    for r in rows:
+        problems.setdefault((r["kernel"], r["seq"], r["dim"], r["layout"], r["causal"]), []).append(r)
+    worlds = sorted({r["world_size"] for r in rows})
+    for i, (key, sel) in enumerate(sorted(problems.items())):
+        sel = sorted(sel, key=lambda r: r["world_size"])
+        if len(sel) < 2:
+            continue
+        base = sel[0]
+        ax.plot([r["world_size"] for r in sel], [base["time_s"] / r["time_s"] for r in sel], marker="o",
+                color=f"C{i % 10}", linestyle="-" if key[4] else "--", alpha=0.8,
+                label=f"{key[0]} N={key[1]} D={key[2]} {'causal' if key[4] else 'full'}")
+    ax.plot(worlds, [w / worlds[0] for w in worlds], ":", color="gray", label="ideal")
+    ax.set(xlabel="ranks W", ylabel="speed-up over the smallest W", title="strong scaling (same N)",
+           xticks=worlds)
+    ax.legend(fontsize=6)
+
+
+def replot(paths: list[str], plot_path: str | None) -> int:
+    """The table (and the plot) of rows saved by earlier runs' --json, together:
+    runs of different W on one kind of machine, for instance."""
+    rows, titles = [], []
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        rows += saved["rows"]
+        titles.append(saved["title"])
+    rows.sort(key=lambda r: (r["kernel"], r["seq"], r["dim"], r["layout"], r["causal"], r["world_size"]))
+    title = titles[0] if len(set(titles)) == 1 else " | ".join(dict.fromkeys(titles))
+    print(f"# {title}")
+    print(table(rows))
+    if plot_path and rows:
+        plot(rows, title, plot_path)
+        print(f"# plot: {plot_path}")
+    return 0
 
 
 def ring_parser(sub) -> None:
@@ -344,7 +386,9 @@ def ring_parser(sub) -> None:
     p.add_argument("--deadline", type=float, help="seconds the whole run of one W may take")
     p.add_argument("--json", help="write the rows and settings to this file")
     p.add_argument("--csv", help="write the rows to this CSV file")
-    p.add_argument("--plot", metavar="PNG", help="write the memory / overlap / balance plot here")
+    p.add_argument("--plot", metavar="PNG", help="write the memory / overlap / balance / scaling plot here")
+    p.add_argument("--replot", nargs="+", metavar="JSON",
+                   help="measure nothing: print the table (and --plot) of the rows saved by earlier --json runs")
     p.set_defaults(func=cmd_ring)
 
 
@@ -353,6 +397,8 @@ def cmd_ring(args) -> int:
 
     from .machine import cpu_name
 
+    if args.replot:
+        return replot(args.replot, args.plot)
     if args.repeat < 1 or min(args.seq) < 1 or min(args.dim) < 1 or min(args.world_sizes) < 1 \
             or args.check_rows < 1:
         raise SystemExit("attnkern ring: --repeat, --seq, --dim, --check-rows and every W must be at least 1")

@@ -174,6 +174,13 @@ def test_ring_command_measures_and_writes_json(tmp_path):
     for r in rows:
         assert r["max_error"] <= 1e-5 and r["bytes_per_step"] == r["bytes_model"] * (r["world_size"] > 1)
     assert "overlap" in proc.stdout
+    # --replot measures nothing: the saved rows' table and the plot, from the JSON alone
+    plot = tmp_path / "ring.png"
+    replot = subprocess.run([sys.executable, "-m", "attnkern", "ring", "--replot", str(out), "--plot", str(plot)],
+                            capture_output=True, text=True, timeout=DEADLINE)
+    assert replot.returncode == 0, replot.stderr
+    assert len([line for line in replot.stdout.splitlines() if line.startswith(" 2 ")]) == len(rows)
+    assert plot.stat().st_size > 10_000
 
 
 def _gpu_world() -> int:
