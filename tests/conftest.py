@@ -15,6 +15,45 @@ os.environ["ATTNKERN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnkern-test-cache-
 import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+
+def _serialize_simulated_shared_arrays():
+    """Numba's CUDA simulator gives each GPU thread a Python thread, and a block's
+    threads share `cuda.shared.array` through one dict keyed by the calling line:
+    look up, and if absent make and store. Two threads that both find it absent
+    make two arrays and write to different ones (seen as a wrong cuda.flash result
+    about once in a full test run, and in a third of runs with the interpreter's
+    switch interval at 1 us). Here the look-up and the store are one step under a
+    lock, with the simulator's own key (the caller's file and line)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        return
+    try:
+        from numba.cuda.simulator import kernelapi
+    except ImportError:  # numba-cuda not installed: no CUDA tests
+        return
+    import sys
+    import threading
+
+    lock = threading.Lock()
+    unlocked = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory, or the simulator's own error
+            return unlocked(self, shape, dtype, alignment)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                if isinstance(dtype, kernelapi.types.Type):  # a Numba type, as the simulator converts it
+                    dtype = kernelapi.numpy_support.as_dtype(dtype)
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+_serialize_simulated_shared_arrays()
+
 import attnkern  # noqa: E402
 
 settings.register_profile(
