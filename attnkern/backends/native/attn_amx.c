@@ -148,8 +148,6 @@ static float amx_row_exp2(float *x, int64_t valid, int64_t n, float m, uint16_t 
 
 typedef struct {
     uint32_t *qa;   /* the query block as bfloat16 pairs, bqp x d2p */
-    uint32_t *kt;   /* packed Kt panels, bk_pad x d2p pairs */
-    uint32_t *vp;   /* packed V panels, dv_pad x bk2p pairs */
     float *s;       /* a strip's scores, AROWS x lds */
     uint16_t *pb;   /* a strip's probabilities in bfloat16, AROWS x lds */
     float *o;       /* output accumulator, bqp x dv_pad */
@@ -158,22 +156,20 @@ typedef struct {
 
 static void amx_ws_free(amx_ws *w)
 {
-    attn_free(w->qa); attn_free(w->kt); attn_free(w->vp); attn_free(w->s);
+    attn_free(w->qa); attn_free(w->s);
     attn_free(w->pb); attn_free(w->o); attn_free(w->m); attn_free(w->l);
 }
 
-static int amx_ws_alloc(amx_ws *w, int64_t bq, int64_t bk, int64_t lds, int64_t d2p, int64_t dv_pad)
+static int amx_ws_alloc(amx_ws *w, int64_t bq, int64_t lds, int64_t d2p, int64_t dv_pad)
 {
-    int64_t bqp = amx_rup(bq, 32), bk2p = amx_rup((bk + 1) / 2, 16);
+    int64_t bqp = amx_rup(bq, 32);
     w->qa = attn_alloc(bqp, d2p, sizeof(uint32_t));
-    w->kt = attn_alloc(amx_rup(bk, ANR), d2p, sizeof(uint32_t));
-    w->vp = attn_alloc(dv_pad, bk2p, sizeof(uint32_t));
     w->s = attn_alloc(AROWS, lds, sizeof(float));
     w->pb = attn_alloc(AROWS, lds, sizeof(uint16_t));
     w->o = attn_alloc(bqp, dv_pad, sizeof(float));
     w->m = attn_alloc(bqp, 1, sizeof(float));
     w->l = attn_alloc(bqp, 1, sizeof(float));
-    if (!(w->qa && w->kt && w->vp && w->s && w->pb && w->o && w->m && w->l)) {
+    if (!(w->qa && w->s && w->pb && w->o && w->m && w->l)) {
         amx_ws_free(w);
         return 0;
     }
@@ -183,16 +179,29 @@ static int amx_ws_alloc(amx_ws *w, int64_t bq, int64_t bk, int64_t lds, int64_t 
     return 1;
 }
 
+/* Where key block jb of batch entry bh has its packed panels: all of K and V are packed
+ * once per call (amx_pack_all), not once per query block that reads them. */
+typedef struct {
+    uint32_t *kt, *vp;       /* all key blocks' Kt and V panels */
+    int64_t nkb, kt_blk, vp_blk; /* key blocks per batch entry; uint32 words a block takes in kt, vp */
+} amx_packed;
+
+static ATTN_INLINE int64_t amx_block_keys(const attn_problem *p, int64_t j0)
+{
+    return p->nk - j0 < p->block_k ? p->nk - j0 : p->block_k;
+}
+
 /* One query block, rows [i0, i0 + bq) of batch entry bh. */
-static void flash_block_amx(const attn_problem *p, const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                            uint16_t *out, uint16_t *lse, const amx_ws *w, int64_t bh, int64_t i0, int64_t bq,
+static void flash_block_amx(const attn_problem *p, const uint16_t *q, uint16_t *out, uint16_t *lse,
+                            const amx_ws *w, const amx_packed *pk, int64_t bh, int64_t i0, int64_t bq,
                             int64_t dv_pad, int64_t lds)
 {
     const int64_t d = p->d, d2p = amx_rup((d + 1) / 2, 16), dv = p->dv, nk = p->nk, bk = p->block_k;
     const int64_t bqp = amx_rup(bq, 32), ldp = lds / 2; /* a row of pb in pairs */
     const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
-    const uint16_t *kh = k + bh * nk * d, *vh = v + bh * nk * dv, *qb = q + (bh * p->nq + i0) * d;
-    const __m512 c = _mm512_set1_ps((float)(p->scale * ATTN_LOG2E));
+    const uint16_t *qb = q + (bh * p->nq + i0) * d;
+    const float cs = (float)(p->scale * ATTN_LOG2E);
+    const __m512 c = _mm512_set1_ps(cs);
     const uint32_t *pb32 = (const uint32_t *)w->pb;
     for (int64_t r = 0; r < bqp; r++) {
         for (int64_t t = 0; t < d2p; t++)
@@ -203,10 +212,12 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, const uint
     for (int64_t i = 0; i < bqp * dv_pad; i++)
         w->o[i] = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        /* kb: the keys of this block the query block can see; the panels hold the whole
+         * block (its V panels are kb2p pairs apart); keys past kb get probability 0 */
         const int64_t kb = kend - j0 < bk ? kend - j0 : bk, kbp = amx_rup(kb, ANR);
-        const int64_t kb2p = amx_rup((kb + 1) / 2, 16);
-        amx_pack_kt(kh + j0 * d, kb, d, d2p, w->kt);
-        amx_pack_v(vh + j0 * dv, kb, dv, kb2p, w->vp);
+        const int64_t kb2p = amx_rup((amx_block_keys(p, j0) + 1) / 2, 16);
+        const uint32_t *kt = pk->kt + (bh * pk->nkb + j0 / bk) * pk->kt_blk;
+        const uint32_t *vp = pk->vp + (bh * pk->nkb + j0 / bk) * pk->vp_blk;
         for (int64_t r0 = 0; r0 < bq; r0 += AROWS) {
             const int64_t rows = bq - r0 < AROWS ? bq - r0 : AROWS;
             if (p->causal && j0 > i0 + r0 + rows - 1)
@@ -216,7 +227,7 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, const uint
                 for (int64_t rb = 0; rb < rows; rb += 32) {
                     if (p->causal && j0 + jp > i0 + r0 + rb + 31)
                         continue;
-                    const uint32_t *a = w->qa + (r0 + rb) * d2p, *b = w->kt + jp * d2p;
+                    const uint32_t *a = w->qa + (r0 + rb) * d2p, *b = kt + jp * d2p;
                     AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);
                     for (int64_t t0 = 0; t0 < d2p; t0 += 16) {
                         AMX_LOAD(4, a + t0, d2p * 4);
@@ -241,12 +252,24 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, const uint
                     memset(pr, 0, (size_t)kbp * sizeof *pr);
                     continue;
                 }
-                for (int64_t j = 0; j < valid; j += 16)
-                    _mm512_store_ps(sr + j, _mm512_mul_ps(_mm512_load_ps(sr + j), c));
-                float mb = row_max_f32(sr, valid);
+                /* scores to the log2 domain, and their max, in one pass */
+                __m512 vmax = _mm512_set1_ps(-INFINITY);
+                int64_t j = 0;
+                for (; j + 16 <= valid; j += 16) {
+                    __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + j), c);
+                    _mm512_store_ps(sr + j, x);
+                    vmax = _mm512_max_ps(vmax, x);
+                }
+                if (j < valid) {
+                    __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + j), c);
+                    _mm512_store_ps(sr + j, x);
+                    vmax = _mm512_mask_max_ps(vmax, (__mmask16)((1u << (valid - j)) - 1), vmax, x);
+                }
+                float mb = _mm512_reduce_max_ps(vmax);
                 float mold = w->m[row], mnew = mb > mold ? mb : mold;
                 /* first block: m = -inf and the accumulator is zero, alpha = 0 */
-                float alpha = mold == -INFINITY ? 0 : (float)exp2((double)(mold - mnew));
+                float alpha = mold == -INFINITY ? 0 /* the polynomial of the probabilities: no libm call per row */
+                                                : _mm512_cvtss_f32(vexp2_f32(_mm512_set1_ps(mold - mnew)));
                 w->l[row] = w->l[row] * alpha + amx_row_exp2(sr, valid, kbp, mnew, pr);
                 w->m[row] = mnew;
                 if (alpha != 1) {
@@ -266,7 +289,7 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, const uint
                 const uint32_t *a = pb32 + rb * ldp;
                 for (int64_t c0 = 0; c0 < dv_pad; c0 += ANR) {
                     float *o = w->o + (r0 + rb) * dv_pad + c0;
-                    const uint32_t *b = w->vp + c0 * kb2p;
+                    const uint32_t *b = vp + c0 * kb2p;
                     AMX_LOAD(0, o, dv_pad * 4);
                     AMX_LOAD(1, o + 16, dv_pad * 4);
                     AMX_LOAD(2, o + 16 * dv_pad, dv_pad * 4);
@@ -300,12 +323,30 @@ int attn_flash_bf16amx_amx(const attn_problem *p, const uint16_t *q, const uint1
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q, ntasks = nqb * p->batch;
     const int64_t dv_pad = amx_rup(p->dv, ANR), lds = amx_rup(p->block_k, ANR);
-    const int64_t d2p = amx_rup((p->d + 1) / 2, 16);
+    const int64_t d2p = amx_rup((p->d + 1) / 2, 16), bk = p->block_k;
+    amx_packed pk;
+    pk.nkb = (p->nk + bk - 1) / bk;
+    pk.kt_blk = amx_rup(bk, ANR) * d2p;
+    pk.vp_blk = dv_pad * amx_rup((bk + 1) / 2, 16);
+    pk.kt = attn_alloc(p->batch * pk.nkb, pk.kt_blk, sizeof(uint32_t));
+    pk.vp = attn_alloc(p->batch * pk.nkb, pk.vp_blk, sizeof(uint32_t));
+    if (!pk.kt || !pk.vp) {
+        attn_free(pk.kt);
+        attn_free(pk.vp);
+        return ATTN_ENOMEM;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(p->num_threads)
     {
+        /* every key block's panels, once: each query block of its batch entry reads them */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < p->batch * pk.nkb; t++) {
+            int64_t bh = t / pk.nkb, j0 = t % pk.nkb * bk, kb = amx_block_keys(p, j0);
+            amx_pack_kt(k + (bh * p->nk + j0) * p->d, kb, p->d, d2p, pk.kt + t * pk.kt_blk);
+            amx_pack_v(v + (bh * p->nk + j0) * p->dv, kb, p->dv, amx_rup((kb + 1) / 2, 16), pk.vp + t * pk.vp_blk);
+        }
         amx_ws w = {0};
-        int ok = amx_ws_alloc(&w, p->block_q, p->block_k, lds, d2p, dv_pad);
+        int ok = amx_ws_alloc(&w, p->block_q, lds, d2p, dv_pad);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -320,13 +361,15 @@ int attn_flash_bf16amx_amx(const attn_problem *p, const uint16_t *q, const uint1
                 continue;
             int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
             int64_t bq = p->nq - i0 < p->block_q ? p->nq - i0 : p->block_q;
-            flash_block_amx(p, q, k, v, out, lse, &w, bh, i0, bq, dv_pad, lds);
+            flash_block_amx(p, q, out, lse, &w, &pk, bh, i0, bq, dv_pad, lds);
         }
         if (ok) {
             AMX_RELEASE();
             amx_ws_free(&w);
         }
     }
+    attn_free(pk.kt);
+    attn_free(pk.vp);
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
