@@ -121,7 +121,7 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, out=None, lse=None
 
 def _cuda_flash_half(q, k, v, causal, scale, out, lse):
     """cuda.flash on float16/bfloat16: the tensor-core kernel (kernels.flash_mma),
-    whose tiles are fixed (64 x 64): block_q and block_k do not apply."""
+    whose tiles are fixed (128 query rows x 64 or 32 keys): block_q and block_k do not apply."""
     from numba import config
 
     from . import arrays, kernels

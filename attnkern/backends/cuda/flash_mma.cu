@@ -7,25 +7,32 @@
 //   ATTNKERN_D     the head size (D = Dv), a multiple of 16 up to 128
 //   ATTNKERN_BF16  1 for bfloat16, 0 for float16
 //   ATTNKERN_NAME  the function's name
+//   ATTNKERN_BN    keys per K/V tile (64 up to D = 88, 32 above: two K and two V
+//                  tiles, rows padded by 16 bytes, must fit 48 KB of static shared memory)
+// The grid is (query blocks of BM = 128 rows, batch), NTHREADS = 256 threads a block.
 // No header is included: the tensor-core, shared-memory and conversion
 // instructions are written as inline PTX.
 //
-// A block of 4 warps owns BM = 64 query rows (16 per warp) and streams K/V tiles
-// of BN = 64 keys through shared memory with cp.async (rows padded by 16 bytes, so
-// ldmatrix reads are free of bank conflicts). Per tile, each warp computes its
-// 16 x 64 scores with mma.sync m16n8k16 (float32 accumulation; Q's fragments are
-// loaded from global memory once and kept in registers), scales them into the
-// log2 domain, masks the causal diagonal and the keys past nk, updates the running
-// row max (reduced over the 4 lanes that share a row) and the lanes' partial row
-// sums, rescales its output accumulator, and multiplies P (rounded to the input
-// dtype, the score accumulators reused as the A operand) by the V tile
-// (ldmatrix.trans gives the B operand). The V tile streams in while the scores
-// are computed and the next K tile while P V is computed, one buffer each.
+// Each of the 8 warps owns 16 query rows and keeps their Q A-fragments in
+// registers (loaded once from global memory). K/V tiles stream through shared
+// memory with cp.async, double-buffered: tile j+1's K and V load while tile j is
+// computed, one barrier a tile (rows padded by 16 bytes, so ldmatrix reads are
+// free of bank conflicts). Per tile, each warp computes its 16 x BN raw scores
+// with mma.sync m16n8k16 (float32 accumulation), takes the running row max of the
+// raw scores (reduced over the 4 lanes that share a row), and forms
+// p = 2^(s c - m c) with one FFMA and ex2.approx per score, c = |scale| log2(e):
+// a negative scale is applied by negating Q's fragments. It rescales its output
+// accumulator (skipped when no row max of the warp changed, the factor then being
+// exactly 1) and multiplies P (rounded to the input dtype, the score accumulators
+// reused as the A operand) by the V tile (ldmatrix.trans gives the B operand).
+// Masks are applied only on tiles that cross nk or the warp's causal diagonal;
+// with causal masking a block stops at its last row, a warp skips tiles entirely
+// above its rows, and the blocks with the most tiles are issued first.
 
-#define BM 64
-#define BN 64
-#define NTHREADS 128
 #define D ATTNKERN_D
+#define BN ATTNKERN_BN
+#define BM 128
+#define NTHREADS 256
 #define LD (D + 8)  // shared row stride, in elements
 
 typedef unsigned int u32;
@@ -60,17 +67,18 @@ static __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-// c (16 x 8, float32) += a (16 x 16) b (16 x 8)
+// c (16 x 8, float32) += a (16 x 16) b (16 x 8); a pure computation, which the
+// compiler may schedule freely
 static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
 #if ATTNKERN_BF16
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
 #else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
 #endif
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // two floats rounded to the input dtype, lo in the low half
@@ -112,6 +120,14 @@ static __device__ __forceinline__ float neg_inf() {
     return y;
 }
 
+// whether pred holds on any lane of the (converged) warp
+static __device__ __forceinline__ bool warp_any(bool pred) {
+    u32 r;
+    asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 %0, 1, 0, q; }"
+                 : "=r"(r) : "r"((u32)pred));
+    return r != 0;
+}
+
 // one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled
 static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
     constexpr int CPR = D / 8;  // 16-byte chunks per row
@@ -122,7 +138,58 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
         const bool live = key < nk;
         cp_async16(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col, live ? 16 : 0);
     }
-    cp_async_commit();
+}
+
+// The online softmax of one tile's raw scores s (16 rows x BN keys, in mma
+// accumulator layout: lane rows r0 and r0 + 8, keys j0 + 8 n + 2t and + 1): masks
+// (MASK: keys past nk, and past the row with causal masking), updates the running
+// max m and the lane's partial sums l, returns the factors a that rescale the old
+// sums and output rows, and P in the input dtype (pf).
+template <bool MASK>
+static __device__ __forceinline__ void softmax_tile(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2], float (&a)[2],
+                                                    u32 (&pf)[BN / 8][2], float c, int j0, int nk, int causal, int r0) {
+    constexpr int NS = BN / 8;
+    const float NEG_INF = neg_inf();
+    const int t = threadIdx.x & 3;
+    float mx0 = m[0], mx1 = m[1];
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        if (MASK) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = j0 + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
+                if (key >= nk || (causal && key > row)) s[n][e] = NEG_INF;
+            }
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    // a row with no visible key yet keeps max -inf: its p, sums and factors stay 0
+    const float mc0 = mx0 == NEG_INF ? 0.f : mx0 * c, mc1 = mx1 == NEG_INF ? 0.f : mx1 * c;
+    a[0] = m[0] == NEG_INF ? 0.f : ex2(m[0] * c - mc0);
+    a[1] = m[1] == NEG_INF ? 0.f : ex2(m[1] * c - mc1);
+    m[0] = mx0;
+    m[1] = mx1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            p[e] = ex2(fmaf(s[n][e], c, -(e < 2 ? mc0 : mc1)));
+            if (MASK && s[n][e] == NEG_INF) p[e] = 0.f;  // also where c = 0
+        }
+        ps0 += p[0] + p[1];
+        ps1 += p[2] + p[3];
+        pf[n][0] = pack2(p[0], p[1]);
+        pf[n][1] = pack2(p[2], p[3]);
+    }
+    l[0] = l[0] * a[0] + ps0;  // this lane's keys only; summed over the row's lanes at the end
+    l[1] = l[1] * a[1] + ps1;
 }
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
@@ -130,129 +197,114 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     constexpr int KC = D / 16;  // 16-wide chunks of the head size: the k steps of Q K^T
     constexpr int NS = BN / 8;  // 8-key tiles of a score row block
     constexpr int NO = D / 8;   // 8-column tiles of the output
-    __shared__ __align__(128) u16 ks[BN * LD];
-    __shared__ __align__(128) u16 vs[BN * LD];
+    constexpr u32 TILE = BN * LD * 2;  // bytes of one K or V buffer
+    __shared__ __align__(128) u16 ks[2 * BN * LD];
+    __shared__ __align__(128) u16 vs[2 * BN * LD];
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const u64 b = blockIdx.y;
-    const int q0 = blockIdx.x * BM;
+    // with causal masking block x does (x + 1) * BM rows' worth of keys: the last first
+    const int q0 = (causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;
     const u16* q = (const u16*)qp + b * (u64)nq * D;
     const u16* k = (const u16*)kp + b * (u64)nk * D;
     const u16* v = (const u16*)vp + b * (u64)nk * D;
-    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;  // this lane's two rows
+    const int wr0 = q0 + warp * 16;    // this warp's first row
+    const int r0 = wr0 + g, r1 = r0 + 8;  // this lane's two rows
     const float NEG_INF = neg_inf();
+    const float c = fabsf(scale_log2);
+    const u32 sign = scale_log2 < 0.f ? 0x80008000u : 0u;  // negates both halves of a Q pair
 
     // Q's A fragments: (row g, cols 2t..) (row g+8, cols 2t..) (row g, cols 8+2t..) (row g+8, cols 8+2t..)
     u32 qf[KC][4];
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
-        const int c = kc * 16 + 2 * t;
-        qf[kc][0] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + c) : 0u;
-        qf[kc][1] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + c) : 0u;
-        qf[kc][2] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + c + 8) : 0u;
-        qf[kc][3] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + c + 8) : 0u;
+        const int col = kc * 16 + 2 * t;
+        qf[kc][0] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + col) ^ sign : 0u;
+        qf[kc][1] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + col) ^ sign : 0u;
+        qf[kc][2] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + col + 8) ^ sign : 0u;
+        qf[kc][3] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + col + 8) ^ sign : 0u;
     }
     float o[NO][4];
 #pragma unroll
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    float m[2] = {NEG_INF, NEG_INF};  // running max of the raw scores (after Q's sign)
+    float l[2] = {0.f, 0.f};          // the lane's partial row sums
 
     const int kend = causal ? min(nk, q0 + BM) : nk;
     const int ntiles = (kend + BN - 1) / BN;
     const u32 ks0 = smem_u32(ks), vs0 = smem_u32(vs);
-    const int warp_row0 = q0 + warp * 16;
 
     load_tile(k, ks0, 0, nk, tid);
+    load_tile(v, vs0, 0, nk, tid);
+    cp_async_commit();
     for (int jt = 0; jt < ntiles; ++jt) {
         const int j0 = jt * BN;
+        const u32 kb = ks0 + (jt & 1) * TILE, vb = vs0 + (jt & 1) * TILE;
         cp_async_wait_all();
-        __syncthreads();  // K(jt) is in; every warp is done with V(jt-1)
-        load_tile(v, vs0, j0, nk, tid);
+        __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
+        if (jt + 1 < ntiles) {
+            load_tile(k, ks0 + ((jt + 1) & 1) * TILE, j0 + BN, nk, tid);
+            load_tile(v, vs0 + ((jt + 1) & 1) * TILE, j0 + BN, nk, tid);
+            cp_async_commit();
+        }
+        // a warp whose rows all lie above the tile's first key has nothing to add
+        if (causal && j0 > wr0 + 15) continue;
 
         float s[NS][4];
 #pragma unroll
         for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-        for (int n = 0; n < NS; ++n) {
+        for (int kc = 0; kc + 1 < KC; kc += 2) {
 #pragma unroll
-            for (int kc = 0; kc + 1 < KC; kc += 2) {
+            for (int n = 0; n < NS; ++n) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4(ks0 + (u32)((n * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8) * 2u, b0, b1, b2, b3);
+                ldsm_x4(kb + (u32)((n * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8) * 2u, b0, b1, b2, b3);
                 mma(s[n], qf[kc], b0, b1);
                 mma(s[n], qf[kc + 1], b2, b3);
             }
-            if (KC % 2) {
+        }
+        if (KC % 2) {
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
                 u32 b0, b1;
-                ldsm_x2(ks0 + (u32)((n * 8 + (lane & 7)) * LD + (KC - 1) * 16 + ((lane >> 3) & 1) * 8) * 2u, b0, b1);
+                ldsm_x2(kb + (u32)((n * 8 + (lane & 7)) * LD + (KC - 1) * 16 + ((lane >> 3) & 1) * 8) * 2u, b0, b1);
                 mma(s[n], qf[KC - 1], b0, b1);
             }
         }
 
-        // log2 domain; masks only where the tile crosses nk or this warp's diagonal
-        const bool masked = j0 + BN > nk || (causal && j0 + BN - 1 > warp_row0);
-        float mx0 = m0, mx1 = m1;
+        // masks only where the tile crosses nk or this warp's diagonal
+        float a[2];      // rescale factors of the old output rows
+        u32 pf[NS][2];   // P in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8-key tile
+        if (j0 + BN > nk || (causal && j0 + BN - 1 > wr0))
+            softmax_tile<true>(s, m, l, a, pf, c, j0, nk, causal, r0);
+        else
+            softmax_tile<false>(s, m, l, a, pf, c, j0, nk, causal, r0);
+        if (warp_any(a[0] != 1.f || a[1] != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < NS; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[n][e] * scale_log2;
-                if (masked) {
-                    const int key = j0 + n * 8 + 2 * t + (e & 1), row = e < 2 ? r0 : r1;
-                    if (key >= nk || (causal && key > row)) x = NEG_INF;
-                }
-                s[n][e] = x;
+            for (int j = 0; j < NO; ++j) {
+                o[j][0] *= a[0];
+                o[j][1] *= a[0];
+                o[j][2] *= a[1];
+                o[j][3] *= a[1];
             }
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        // finite: key 0 is visible to every row and lies in the first tile
-        const float a0 = ex2(m0 - mx0), a1 = ex2(m1 - mx1);
-        m0 = mx0;
-        m1 = mx1;
-        u32 pf[NS][2];  // P in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) of each 8-key tile
-        float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-            const float p0 = ex2(s[n][0] - m0), p1 = ex2(s[n][1] - m0);
-            const float p2 = ex2(s[n][2] - m1), p3 = ex2(s[n][3] - m1);
-            ps0 += p0 + p1;
-            ps1 += p2 + p3;
-            pf[n][0] = pack2(p0, p1);
-            pf[n][1] = pack2(p2, p3);
-        }
-        l0 = l0 * a0 + ps0;  // this lane's keys only; summed over the row's lanes at the end
-        l1 = l1 * a1 + ps1;
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-            o[j][0] *= a0;
-            o[j][1] *= a0;
-            o[j][2] *= a1;
-            o[j][3] *= a1;
         }
 
-        cp_async_wait_all();
-        __syncthreads();  // V(jt) is in; every warp is done with K(jt)
-        if (jt + 1 < ntiles) load_tile(k, ks0, j0 + BN, nk, tid);
-
-        // O += P V: the A fragment of keys 16c.. is the P of 8-key tiles 2c and 2c+1
+        // O += P V: the A fragment of keys 16 cc.. is the P of 8-key tiles 2 cc and 2 cc + 1
 #pragma unroll
-        for (int c = 0; c < BN / 16; ++c) {
-            const u32 a[4] = {pf[2 * c][0], pf[2 * c][1], pf[2 * c + 1][0], pf[2 * c + 1][1]};
+        for (int cc = 0; cc < BN / 16; ++cc) {
 #pragma unroll
             for (int j = 0; j < NO; j += 2) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4_t(vs0 + (u32)((c * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j * 8 + (lane >> 4) * 8) * 2u,
+                ldsm_x4_t(vb + (u32)((cc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j * 8 + (lane >> 4) * 8) * 2u,
                           b0, b1, b2, b3);
-                mma(o[j], a, b0, b1);
-                mma(o[j + 1], a, b2, b3);
+                const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
+                mma(o[j], af, b0, b1);
+                mma(o[j + 1], af, b2, b3);
             }
         }
     }
 
+    float l0 = l[0], l1 = l[1];
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -261,14 +313,14 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     u16* out = (u16*)op + b * (u64)nq * D;
 #pragma unroll
     for (int j = 0; j < NO; ++j) {
-        const int c = j * 8 + 2 * t;
-        if (r0 < nq) *(u32*)(out + (u64)r0 * D + c) = pack2(o[j][0] * inv0, o[j][1] * inv0);
-        if (r1 < nq) *(u32*)(out + (u64)r1 * D + c) = pack2(o[j][2] * inv1, o[j][3] * inv1);
+        const int col = j * 8 + 2 * t;
+        if (r0 < nq) *(u32*)(out + (u64)r0 * D + col) = pack2(o[j][0] * inv0, o[j][1] * inv0);
+        if (r1 < nq) *(u32*)(out + (u64)r1 * D + col) = pack2(o[j][2] * inv1, o[j][3] * inv1);
     }
     if (with_lse && t == 0) {
-        // m and log2(l) are in the log2 domain: lse = (m + log2 l) ln 2
+        // lse = (m c + log2 l) ln 2, m c being the scaled max in the log2 domain
         u16* lse = (u16*)lsep + b * (u64)nq;
-        if (r0 < nq) lse[r0] = pack1((m0 + lg2(l0)) * 0.6931471805599453f);
-        if (r1 < nq) lse[r1] = pack1((m1 + lg2(l1)) * 0.6931471805599453f);
+        if (r0 < nq) lse[r0] = pack1((m[0] * c + lg2(l0)) * 0.6931471805599453f);
+        if (r1 < nq) lse[r1] = pack1((m[1] * c + lg2(l1)) * 0.6931471805599453f);
     }
 }

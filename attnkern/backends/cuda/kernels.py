@@ -708,7 +708,14 @@ def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, 
 # ---------------------------------------------------------------- cuda.flash, float16 and bfloat16
 
 MMA_DTYPES = ("float16", "bfloat16")
-MMA_BLOCK_Q, MMA_THREADS = 64, 128  # query rows and threads of a block (flash_mma.cu's BM, NTHREADS)
+MMA_BLOCK_Q, MMA_THREADS = 128, 256  # query rows and threads of a block (flash_mma.cu's BM, NTHREADS)
+
+
+def mma_block_k(d: int) -> int:
+    """Keys per K/V tile of the tensor-core kernel at head size d: 64 where its two
+    K and two V tiles (rows padded to d + 8 elements) fit static shared memory
+    (d <= 88), else 32."""
+    return 64 if 2 * 2 * 64 * (d + 8) * 2 <= SHARED_BYTES else 32
 
 
 def mma_head_size_ok(d: int, dv: int) -> bool:
@@ -721,21 +728,22 @@ def flash_mma_kernel(dtype: str, d: int):
     """cuda.flash's tensor-core kernel for float16 or bfloat16 and head size d:
     a numba-cuda kernel whose body calls the CUDA C++ device function of
     flash_mma.cu, compiled by numba-cuda (NVRTC) with the constants for this
-    dtype and head size and linked into the kernel. The C++ holds the tensor-core
-    (mma.sync, ldmatrix) and asynchronous-copy instructions as inline PTX: Numba's
-    Python kernels reach neither, while numba-cuda still compiles, caches and
-    launches the kernel as it does the others (launch(), RawKernel)."""
+    dtype, head size and key tile and linked into the kernel. The C++ holds the
+    tensor-core (mma.sync, ldmatrix) and asynchronous-copy instructions as inline
+    PTX: Numba's Python kernels reach neither, while numba-cuda still compiles,
+    caches and launches the kernel as it does the others (launch(), RawKernel)."""
     from numba.cuda import types as nbtypes
 
     name = f"attnkern_flash_mma_{dtype}_{d}"
     with open(os.path.join(os.path.dirname(__file__), "flash_mma.cu")) as f:
         body = f.read()
-    source = f"#define ATTNKERN_D {d}\n#define ATTNKERN_BF16 {int(dtype == 'bfloat16')}\n#define ATTNKERN_NAME {name}\n"
+    defines = {"D": d, "BF16": int(dtype == "bfloat16"), "NAME": name, "BN": mma_block_k(d)}
+    source = "".join(f"#define ATTNKERN_{key} {value}\n" for key, value in defines.items())
     u64, i32 = nbtypes.uint64, nbtypes.int32
     sig = nbtypes.void(u64, u64, u64, u64, u64, i32, i32, nbtypes.float32, i32, i32)
     attend = cuda.declare_device(name, sig, link=[cuda.CUSource(source + body)], abi="c")
 
-    @cuda.jit
+    @cuda.jit(launch_bounds=MMA_THREADS)
     def flash_mma(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse):
         attend(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse)
 
@@ -749,7 +757,8 @@ def mma_aligned(*ptrs) -> bool:
 
 
 def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None):
-    """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared."""
+    """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared.
+    The grid is (query blocks, batch)."""
     batch, nq, d = q.shape
     return (flash_mma_kernel(q.dtype.name, d), (-(-nq // MMA_BLOCK_Q), batch), MMA_THREADS,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
