@@ -12,8 +12,9 @@ of attnkern's kernels on the local block (return_lse=True) and merges the block'
 in float32 (float64 for float64 inputs), which is exact for the first block and
 never overflows. The transfer of the next key/value shard (isend to rank r+1,
 irecv from r-1, into one of two buffers) is started before the current block
-is computed, so the two overlap; the first step sends the shards themselves. Plain isend/irecv pairs are used rather than
-batch_isend_irecv, which is reported to hang on gloo.
+is computed, so the two overlap; the first step sends the shards themselves. On NCCL
+a step's transfers are one batch_isend_irecv, on gloo plain isend/irecv pairs (Ring.exchange
+says why).
 
 Backward (torch tensors that require grad) walks the same ring: the kernel's
 backward on each block, given the full rows' out and lse, gives that block's
@@ -211,17 +212,22 @@ class _Ring:
 
     def exchange(self, sends, recvs, pending: list) -> int:
         """Starts sends -> next rank and recvs <- previous rank (tensors matched in order);
-        the requests join pending. Returns the bytes sent. The transfers go as one batch
-        (batch_isend_irecv: one NCCL group call on the group's own communicator). Separate
-        isend/irecv calls make NCCL open a communicator per pair of ranks, and on a
-        2-GPU H200 host (torch 2.11, NCCL 2.28.9) that path failed with an illegal memory
-        access even for plain torch tensors, while the batched one ran."""
+        the requests join pending. Returns the bytes sent. On NCCL the transfers go as one
+        batch (batch_isend_irecv: one group call on the group's own communicator): separate
+        isend/irecv calls make NCCL open a communicator per pair of ranks, and on a 2-GPU
+        H200 host (torch 2.11, NCCL 2.28.9) that path failed with an illegal memory access
+        even for plain torch tensors, while the batched one ran. On gloo, where
+        batch_isend_irecv is reported to hang, they are separate calls."""
         import torch.distributed as dist
 
-        ops = [dist.P2POp(dist.isend, tensor, self.peer(1), group=self.group) for tensor in sends]
-        ops += [dist.P2POp(dist.irecv, tensor, self.peer(-1), group=self.group) for tensor in recvs]
-        if ops:
-            pending.extend(dist.batch_isend_irecv(ops))
+        if dist.get_backend(self.group) == "nccl":
+            ops = [dist.P2POp(dist.isend, tensor, self.peer(1), group=self.group) for tensor in sends]
+            ops += [dist.P2POp(dist.irecv, tensor, self.peer(-1), group=self.group) for tensor in recvs]
+            if ops:
+                pending.extend(dist.batch_isend_irecv(ops))
+        else:
+            pending.extend(dist.isend(tensor, self.peer(1), group=self.group) for tensor in sends)
+            pending.extend(dist.irecv(tensor, self.peer(-1), group=self.group) for tensor in recvs)
         sent = sum(t.numel() * t.element_size() for t in sends)
         if self.stats is not None:
             self.stats.bytes_sent += sent
