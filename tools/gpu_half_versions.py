@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from attnkern.backends.cuda import arrays, kernels
+from attnkern_bench.timing import CudaEventClock
 
 TOL = {"float16": 4e-3, "bfloat16": 3e-2}  # tests/test_triton.py's
 ODD = [(6, 77, 77), (1, 45, 130), (4, 200, 33), (2, 1030, 1030), (1, 1, 5), (2, 129, 129)]
@@ -150,19 +151,13 @@ def check_odd(kern, d, dtype):
 
 
 def event_time(fn, runs):
+    """Median seconds per call: 3 warm-up calls, then `runs` samples of BACK_TO_BACK calls
+    between CUDA events (attnkern_bench.timing.CudaEventClock)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(BACK_TO_BACK):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / BACK_TO_BACK)
-    return statistics.median(times)
+    clock = CudaEventClock(torch)
+    return statistics.median(clock.seconds(fn, BACK_TO_BACK) for _ in range(runs))
 
 
 def main():
