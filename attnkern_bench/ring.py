@@ -346,10 +346,14 @@ def replot(paths: list[str], plot_path: str | None) -> int:
     runs of different W on one kind of machine, for instance."""
     rows, titles = [], []
     for path in paths:
-        with open(path) as f:
-            saved = json.load(f)
-        rows += saved["rows"]
-        titles.append(saved["title"])
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            rows += saved["rows"]
+            titles.append(saved["title"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"attnkern ring --replot: {path} is not a file written by attnkern ring --json "
+                             f"({type(exc).__name__}: {exc})") from None
     rows.sort(key=lambda r: (r["kernel"], r["seq"], r["dim"], r["layout"], r["causal"], r["world_size"]))
     title = titles[0] if len(set(titles)) == 1 else " | ".join(dict.fromkeys(titles))
     print(f"# {title}")

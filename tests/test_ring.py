@@ -181,6 +181,9 @@ def test_ring_command_measures_and_writes_json(tmp_path):
     assert replot.returncode == 0, replot.stderr
     assert len([line for line in replot.stdout.splitlines() if line.startswith(" 2 ")]) == len(rows)
     assert plot.stat().st_size > 10_000
+    bad = subprocess.run([sys.executable, "-m", "attnkern", "ring", "--replot", str(tmp_path / "missing.json")],
+                         capture_output=True, text=True, timeout=DEADLINE)
+    assert bad.returncode != 0 and "not a file written by attnkern ring --json" in bad.stderr, bad.stderr
 
 
 def _gpu_world() -> int:
