@@ -1,16 +1,18 @@
-"""cuda.flash's float16/bfloat16 tensor-core kernel (flash_mma.cu) beside an
-older version of it, each checked against float64 and timed against torch's
+"""cuda.flash's float16/bfloat16 tensor-core kernel (flash_mma.cu) in several work
+divisions side by side, each checked against float64 and timed against torch's
 scaled_dot_product_attention on one GPU.
 
     python3 tools/gpu_half_versions.py OUT.json [--dims 64,128] [--sizes 4096,8192]
-        [--dtypes bfloat16,float16] [--old OLD.cu] [--runs 20] [--library]
+        [--dtypes bfloat16,float16] [--configs mt1w8k64,mt2w4k64qs,...] [--runs 20] [--library]
 
-Kernels: "cuda.flash", the library's kernel launched directly (kernels.flash_mma_launch,
-prepared once, below Numba's dispatcher); "old", with --old, a flash_mma.cu of the
-earlier design (4 warps, 64 query rows a block, constants D, BF16 and NAME only), e.g.
-`git show 1747707:attnkern/backends/cuda/flash_mma.cu > old.cu`; "attention", with
---library, attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
-library's whole call on torch tensors.
+Kernels: one per --configs entry, the library's kernel (kernels.flash_mma_kernel) with
+that work division (kernels.MmaConfig: "mt{mma tiles a warp}w{warps}k{keys a tile}",
+"qs" if Q is reloaded from shared memory), launched directly (kernels.flash_mma_launch,
+prepared once, below Numba's dispatcher); "default" is the division the library picks
+for the head size (kernels.mma_config), and a division that does not fit the head size or
+the GPU is reported and skipped; "attention", with --library,
+attnkern.attention(..., kernel="cuda.flash", check_finite=False), the library's whole
+call on torch tensors.
 
 Checks, per kernel, head size and dtype: odd shapes (partial blocks, nq != nk, a
 negative scale) causal and not, output and log-sum-exp against float64 with the
@@ -26,6 +28,7 @@ plays no part (half-precision inputs).
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 
@@ -45,51 +48,26 @@ def flat3(x):
     return arrays.from_torch(x, "x").reshape(math.prod(x.shape[:-2]), *x.shape[-2:])
 
 
-_OLD = {}
-
-
-def old_kernel(path, dtype, d):
-    """The numba-cuda kernel around an older flash_mma.cu (constants D, BF16, NAME)."""
-    key = (path, dtype, d)
-    if key not in _OLD:
-        from numba import cuda
-        from numba.cuda import types as nbtypes
-
-        name = f"attnkern_flash_mma_old_{dtype}_{d}"
-        with open(path) as f:
-            body = f.read()
-        source = "".join(f"#define ATTNKERN_{key} {value}\n"
-                         for key, value in {"D": d, "BF16": int(dtype == "bfloat16"), "NAME": name}.items())
-        u64, i32 = nbtypes.uint64, nbtypes.int32
-        sig = nbtypes.void(u64, u64, u64, u64, u64, i32, i32, nbtypes.float32, i32, i32)
-        attend = cuda.declare_device(name, sig, link=[cuda.CUSource(source + body)], abi="c")
-
-        @cuda.jit
-        def flash_mma_old(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse):
-            attend(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse)
-
-        _OLD[key] = flash_mma_old
-    return _OLD[key]
+def parse_config(text, d):
+    """A kernels.MmaConfig from its name ("mt2w4k64qs"), or "default" for kernels.mma_config(d)."""
+    if text == "default":
+        return kernels.mma_config(d)
+    m = re.fullmatch(r"mt(\d+)w(\d+)k(\d+)(qs)?", text)
+    if not m:
+        raise SystemExit(f"--configs: {text!r} is not a division like mt2w4k64 or mt2w4k32qs")
+    return kernels.MmaConfig(mt=int(m[1]), warps=int(m[2]), block_k=int(m[3]), q_smem=bool(m[4]))
 
 
 class Kernel:
-    """The library's tensor-core kernel ("cuda.flash") or an old one ("old")."""
+    """The library's tensor-core kernel in one work division."""
 
-    def __init__(self, name, d, dtype, old_path):
-        self.name = name
-        if name == "old":
-            self.kernel, self.block_q, self.threads = old_kernel(old_path, dtype, d), 64, 128
-        else:
-            self.kernel = kernels.flash_mma_kernel(dtype, d)
-            self.block_q, self.threads = kernels.MMA_BLOCK_Q, kernels.MMA_THREADS
+    def __init__(self, config, d, dtype):
+        self.config = config
+        self.name = str(config) + ("*" if config == kernels.mma_config(d) else "")
+        self.kernel = kernels.flash_mma_kernel(dtype, d, config)
 
-    def launch_args(self, q, k, v, out, lse, causal, scale):
-        batch, nq, _ = q.shape
-        grid = (-(-nq // self.block_q), batch)
-        args = (kernels.Addr(q), kernels.Addr(k), kernels.Addr(v), kernels.Addr(out),
-                kernels.Addr(out if lse is None else lse), np.int32(nq), np.int32(k.shape[1]),
-                np.float32(scale * kernels.LOG2E), np.int32(bool(causal)), np.int32(lse is not None))
-        return grid, args
+    def launch(self, q, k, v, out, lse, causal, scale):
+        return kernels.flash_mma_launch(q, k, v, out, causal, scale, lse, self.config)
 
     def __call__(self, q, k, v, causal, scale, with_lse=True):
         """out (and lse) for torch tensors (..., n, d), through kernels.launch."""
@@ -98,21 +76,19 @@ class Kernel:
         lse = torch.empty(*lead, q.shape[-2], dtype=q.dtype, device=q.device) if with_lse else None
         g = [flat3(x) for x in (q, k, v, out)]
         gl = arrays.from_torch(lse, "lse").reshape(g[0].shape[0], q.shape[-2]) if with_lse else None
-        grid, args = self.launch_args(*g, gl, causal, scale)
-        kernels.launch(self.kernel, grid, self.threads, *args)
+        kernel, grid, block, args = self.launch(*g, gl, causal, scale)
+        kernels.launch(kernel, grid, block, *args)
         return out, lse
 
     def prepared(self, q, k, v, out, causal, scale):
-        """A launch prepared once (after a first launch compiled the kernel)."""
-        self(q, k, v, causal, scale, with_lse=False)
-        g = [flat3(x) for x in (q, k, v, out)]
-        grid, args = self.launch_args(*g, None, causal, scale)
-        return kernels.Prepared(kernels.raw_kernel(self.kernel), grid, self.threads, args)
+        """A launch prepared once."""
+        kernel, grid, block, args = self.launch(*[flat3(x) for x in (q, k, v, out)], None, causal, scale)
+        return kernels.Prepared(kernels.raw_kernel(kernel), grid, block, args)
 
     def resources(self):
         k = self.kernel
         return {"registers": k.get_regs_per_thread(), "local_bytes": k.get_local_mem_per_thread(),
-                "shared_bytes": k.get_shared_mem_per_block()}
+                "static_shared_bytes": k.get_shared_mem_per_block()}
 
 
 def reference(q, k, v, causal, scale, rows=None):
@@ -166,7 +142,8 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--sizes", default="4096,8192")
     ap.add_argument("--dtypes", default="bfloat16,float16")
-    ap.add_argument("--old", default=None)
+    ap.add_argument("--configs", default="default",
+                    help="work divisions to compare, comma-separated (mt2w4k64, mt2w4k32qs, default, ...)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--library", action="store_true")
     a = ap.parse_args()
@@ -176,13 +153,15 @@ def main():
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": a.runs,
               "back_to_back": BACK_TO_BACK, "checks": [], "timings": []}
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    names = ["cuda.flash"] + (["old"] if a.old else [])
     for dtype in a.dtypes.split(","):
         for d in (int(x) for x in a.dims.split(",")):
             timed_kernels = []
-            for name in names:
+            configs = list(dict.fromkeys(parse_config(text, d) for text in a.configs.split(",")))
+            for config in configs:
+                name = str(config)
                 try:
-                    kern = Kernel(name, d, dtype, a.old)
+                    kern = Kernel(config, d, dtype)
+                    name = kern.name
                     row = {"kernel": name, "dtype": dtype, "d": d, **check_odd(kern, d, dtype), **kern.resources()}
                 except Exception as e:  # a kernel that fails to build or run is reported, not fatal
                     row = {"kernel": name, "dtype": dtype, "d": d, "failed": repr(e)[:500]}

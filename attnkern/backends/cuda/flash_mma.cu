@@ -3,41 +3,54 @@
 // A CUDA C++ device function that a numba-cuda kernel calls (kernels.py,
 // flash_mma_kernel): numba-cuda compiles this source with NVRTC and links it into
 // the kernel, which it launches like every other kernel of attnkern. Before
-// compilation kernels.py prepends the constants:
-//   ATTNKERN_D     the head size (D = Dv), a multiple of 16 up to 128
-//   ATTNKERN_BF16  1 for bfloat16, 0 for float16
-//   ATTNKERN_NAME  the function's name
-//   ATTNKERN_BN    keys per K/V tile (64 up to D = 88, 32 above: two K and two V
-//                  tiles, rows padded by 16 bytes, must fit 48 KB of static shared memory)
-// The grid is (query blocks of BM = 128 rows, batch), NTHREADS = 256 threads a block.
-// No header is included: the tensor-core, shared-memory and conversion
-// instructions are written as inline PTX.
+// compilation kernels.py prepends the constants (kernels.MmaConfig):
+//   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 128
+//   ATTNKERN_BF16     1 for bfloat16, 0 for float16
+//   ATTNKERN_NAME     the function's name
+//   ATTNKERN_BN       keys per K/V tile
+//   ATTNKERN_MT       16-row mma tiles per warp (1 or 2): a warp owns 16 MT query rows
+//   ATTNKERN_NW       warps per block: a block owns BM = 16 MT NW query rows
+//   ATTNKERN_QSMEM    1: Q stays in shared memory and its fragments are reloaded
+//                     every tile (frees registers for large D MT); 0: they are
+//                     held in registers for the whole call
+//   ATTNKERN_DYNAMIC  1: shared memory is the launch's dynamic shared memory (the
+//                     launch path sets the kernel's limit above 48 KB); 0: static
+// The grid is (query blocks, batch), NTHREADS = 32 NW threads a block. No header
+// is included: the tensor-core, shared-memory and conversion instructions are
+// written as inline PTX.
 //
-// Each of the 8 warps owns 16 query rows and keeps their Q A-fragments in
-// registers (loaded once from global memory). K/V tiles stream through shared
-// memory with cp.async, double-buffered: tile j+1's K and V load while tile j is
-// computed, one barrier a tile (rows padded by 16 bytes, so ldmatrix reads are
-// free of bank conflicts). Per tile, each warp computes its 16 x BN raw scores
-// with mma.sync m16n8k16 (float32 accumulation), takes the running row max of the
-// raw scores (reduced over the 4 lanes that share a row), and forms
-// p = 2^(s c - m c) with one FFMA and ex2.approx per score, c = |scale| log2(e):
-// a negative scale is applied by negating Q's fragments. It rescales its output
-// accumulator (skipped when no row max of the warp changed, the factor then being
-// exactly 1) and multiplies P (rounded to the input dtype, the score accumulators
-// reused as the A operand) by the V tile (ldmatrix.trans gives the B operand).
-// Masks are applied only on tiles that cross nk or the warp's causal diagonal;
-// with causal masking a block stops at its last row, a warp skips tiles entirely
-// above its rows, and the blocks with the most tiles are issued first.
+// K/V tiles stream through shared memory with cp.async, double-buffered: tile
+// j+1's K and V load while tile j is computed, one barrier a tile (rows padded by
+// 16 bytes, so ldmatrix reads are free of bank conflicts). Per tile, each warp
+// computes its 16 MT x BN raw scores with mma.sync m16n8k16 (float32
+// accumulation; every K fragment loaded by ldmatrix feeds MT mma tiles), takes the
+// running row max of the raw scores (reduced over the 4 lanes that share a row),
+// and forms p = 2^(s c - m c) with one FFMA and ex2.approx per score,
+// c = |scale| log2(e): a negative scale is applied by negating Q once. It rescales
+// its output accumulators (skipped when no row max of the warp changed, the factor
+// then being exactly 1) and multiplies P (rounded to the input dtype, the score
+// accumulators reused as the A operand) by the V tile (ldmatrix.trans gives the B
+// operand, again shared by the MT tiles). Masks are applied only on tiles that
+// cross nk or an mma tile's causal diagonal; with causal masking a block stops at
+// its last row, a warp skips tiles entirely above its rows, and the blocks with
+// the most tiles are issued first.
 
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
-#define BM 128
-#define NTHREADS 256
+#define MT ATTNKERN_MT
+#define NW ATTNKERN_NW
+#define QSMEM ATTNKERN_QSMEM
+#define BM (16 * MT * NW)
+#define NTHREADS (32 * NW)
 #define LD (D + 8)  // shared row stride, in elements
+// shared memory, in elements: [Q (BM rows) if QSMEM] [K: 2 tiles] [V: 2 tiles]
+#define Q_ELEMS (QSMEM ? BM * LD : 0)
+#define SMEM_ELEMS (Q_ELEMS + 4 * BN * LD)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
 
 static __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
@@ -198,8 +211,11 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     constexpr int NS = BN / 8;  // 8-key tiles of a score row block
     constexpr int NO = D / 8;   // 8-column tiles of the output
     constexpr u32 TILE = BN * LD * 2;  // bytes of one K or V buffer
-    __shared__ __align__(128) u16 ks[2 * BN * LD];
-    __shared__ __align__(128) u16 vs[2 * BN * LD];
+#if ATTNKERN_DYNAMIC
+    extern __shared__ __align__(128) u16 smem[];
+#else
+    __shared__ __align__(128) u16 smem[SMEM_ELEMS];
+#endif
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const u64 b = blockIdx.y;
@@ -208,31 +224,55 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u16* q = (const u16*)qp + b * (u64)nq * D;
     const u16* k = (const u16*)kp + b * (u64)nk * D;
     const u16* v = (const u16*)vp + b * (u64)nk * D;
-    const int wr0 = q0 + warp * 16;    // this warp's first row
-    const int r0 = wr0 + g, r1 = r0 + 8;  // this lane's two rows
+    const int wr0 = q0 + warp * 16 * MT;  // this warp's first row; its mma tile i has rows wr0 + 16 i...
     const float NEG_INF = neg_inf();
     const float c = fabsf(scale_log2);
     const u32 sign = scale_log2 < 0.f ? 0x80008000u : 0u;  // negates both halves of a Q pair
+    const u32 qs0 = smem_u32(smem), ks0 = qs0 + Q_ELEMS * 2, vs0 = ks0 + 2 * TILE;
 
-    // Q's A fragments: (row g, cols 2t..) (row g+8, cols 2t..) (row g, cols 8+2t..) (row g+8, cols 8+2t..)
-    u32 qf[KC][4];
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-        const int col = kc * 16 + 2 * t;
-        qf[kc][0] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + col) ^ sign : 0u;
-        qf[kc][1] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + col) ^ sign : 0u;
-        qf[kc][2] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + col + 8) ^ sign : 0u;
-        qf[kc][3] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + col + 8) ^ sign : 0u;
+#if QSMEM
+    // Q's BM rows into shared memory (rows past nq zero), the sign applied on the way;
+    // the first tile's barrier makes them visible
+    {
+        constexpr int CPR = D / 8;
+        for (int i = tid; i < BM * CPR; i += NTHREADS) {
+            const int row = i / CPR, col = (i % CPR) * 8;
+            u32x4 x = {0u, 0u, 0u, 0u};
+            if (q0 + row < nq) {
+                x = *(const u32x4*)(q + (u64)(q0 + row) * D + col);
+                x.x ^= sign; x.y ^= sign; x.z ^= sign; x.w ^= sign;
+            }
+            *(u32x4*)(smem + row * LD + col) = x;
+        }
     }
-    float o[NO][4];
+#else
+    // Q's A fragments, per mma tile: (row g, cols 2t..) (row g+8, cols 2t..) (row g, cols 8+2t..)
+    // (row g+8, cols 8+2t..)
+    u32 qf[MT][KC][4];
 #pragma unroll
-    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF};  // running max of the raw scores (after Q's sign)
-    float l[2] = {0.f, 0.f};          // the lane's partial row sums
+    for (int i = 0; i < MT; ++i) {
+        const int r0 = wr0 + 16 * i + g, r1 = r0 + 8;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+            const int col = kc * 16 + 2 * t;
+            qf[i][kc][0] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + col) ^ sign : 0u;
+            qf[i][kc][1] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + col) ^ sign : 0u;
+            qf[i][kc][2] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + col + 8) ^ sign : 0u;
+            qf[i][kc][3] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + col + 8) ^ sign : 0u;
+        }
+    }
+#endif
+    float o[MT][NO][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NO; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
+    float m[MT][2], l[MT][2];  // running max of the raw scores (after Q's sign); the lane's partial row sums
+#pragma unroll
+    for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = NEG_INF, l[i][0] = l[i][1] = 0.f;
 
     const int kend = causal ? min(nk, q0 + BM) : nk;
     const int ntiles = (kend + BN - 1) / BN;
-    const u32 ks0 = smem_u32(ks), vs0 = smem_u32(vs);
 
     load_tile(k, ks0, 0, nk, tid);
     load_tile(v, vs0, 0, nk, tid);
@@ -248,45 +288,75 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             cp_async_commit();
         }
         // a warp whose rows all lie above the tile's first key has nothing to add
-        if (causal && j0 > wr0 + 15) continue;
+        if (causal && j0 > wr0 + 16 * MT - 1) continue;
 
-        float s[NS][4];
+        float s[MT][NS][4];
 #pragma unroll
-        for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int kc = 0; kc + 1 < KC; kc += 2) {
+            for (int n = 0; n < NS; ++n) s[i][n][0] = s[i][n][1] = s[i][n][2] = s[i][n][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < KC; kc += 2) {
+            // this k step's (and the next one's) A fragments of each mma tile
+            u32 af[MT][2][4];
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (kc + h < KC) {
+#if QSMEM
+                        ldsm_x4(qs0 + (u32)((warp * 16 * MT + 16 * i + (lane & 15)) * LD + (kc + h) * 16 + (lane >> 4) * 8) * 2u,
+                                af[i][h][0], af[i][h][1], af[i][h][2], af[i][h][3]);
+#else
+                        af[i][h][0] = qf[i][kc + h][0];
+                        af[i][h][1] = qf[i][kc + h][1];
+                        af[i][h][2] = qf[i][kc + h][2];
+                        af[i][h][3] = qf[i][kc + h][3];
+#endif
+                    }
+                }
 #pragma unroll
             for (int n = 0; n < NS; ++n) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(kb + (u32)((n * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8) * 2u, b0, b1, b2, b3);
-                mma(s[n], qf[kc], b0, b1);
-                mma(s[n], qf[kc + 1], b2, b3);
-            }
-        }
-        if (KC % 2) {
+                if (kc + 1 < KC) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(kb + (u32)((n * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8) * 2u, b0, b1, b2, b3);
 #pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                u32 b0, b1;
-                ldsm_x2(kb + (u32)((n * 8 + (lane & 7)) * LD + (KC - 1) * 16 + ((lane >> 3) & 1) * 8) * 2u, b0, b1);
-                mma(s[n], qf[KC - 1], b0, b1);
+                    for (int i = 0; i < MT; ++i) {
+                        mma(s[i][n], af[i][0], b0, b1);
+                        mma(s[i][n], af[i][1], b2, b3);
+                    }
+                } else {
+                    u32 b0, b1;
+                    ldsm_x2(kb + (u32)((n * 8 + (lane & 7)) * LD + kc * 16 + ((lane >> 3) & 1) * 8) * 2u, b0, b1);
+#pragma unroll
+                    for (int i = 0; i < MT; ++i) mma(s[i][n], af[i][0], b0, b1);
+                }
             }
         }
 
-        // masks only where the tile crosses nk or this warp's diagonal
-        float a[2];      // rescale factors of the old output rows
-        u32 pf[NS][2];   // P in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8-key tile
-        if (j0 + BN > nk || (causal && j0 + BN - 1 > wr0))
-            softmax_tile<true>(s, m, l, a, pf, c, j0, nk, causal, r0);
-        else
-            softmax_tile<false>(s, m, l, a, pf, c, j0, nk, causal, r0);
-        if (warp_any(a[0] != 1.f || a[1] != 1.f)) {
+        // masks only where the tile crosses nk or an mma tile's diagonal
+        float a[MT][2];      // rescale factors of the old output rows
+        u32 pf[MT][NS][2];   // P in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8-key tile
+        bool rescale = false;
 #pragma unroll
-            for (int j = 0; j < NO; ++j) {
-                o[j][0] *= a[0];
-                o[j][1] *= a[0];
-                o[j][2] *= a[1];
-                o[j][3] *= a[1];
-            }
+        for (int i = 0; i < MT; ++i) {
+            const int r0 = wr0 + 16 * i + g;
+            if (j0 + BN > nk || (causal && j0 + BN - 1 > wr0 + 16 * i))
+                softmax_tile<true>(s[i], m[i], l[i], a[i], pf[i], c, j0, nk, causal, r0);
+            else
+                softmax_tile<false>(s[i], m[i], l[i], a[i], pf[i], c, j0, nk, causal, r0);
+            rescale |= a[i][0] != 1.f || a[i][1] != 1.f;
+        }
+        if (warp_any(rescale)) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NO; ++j) {
+                    o[i][j][0] *= a[i][0];
+                    o[i][j][1] *= a[i][0];
+                    o[i][j][2] *= a[i][1];
+                    o[i][j][3] *= a[i][1];
+                }
         }
 
         // O += P V: the A fragment of keys 16 cc.. is the P of 8-key tiles 2 cc and 2 cc + 1
@@ -297,30 +367,37 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(vb + (u32)((cc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j * 8 + (lane >> 4) * 8) * 2u,
                           b0, b1, b2, b3);
-                const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
-                mma(o[j], af, b0, b1);
-                mma(o[j + 1], af, b2, b3);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const u32 af[4] = {pf[i][2 * cc][0], pf[i][2 * cc][1], pf[i][2 * cc + 1][0], pf[i][2 * cc + 1][1]};
+                    mma(o[i][j], af, b0, b1);
+                    mma(o[i][j + 1], af, b2, b3);
+                }
             }
         }
     }
 
-    float l0 = l[0], l1 = l[1];
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
     u16* out = (u16*)op + b * (u64)nq * D;
 #pragma unroll
-    for (int j = 0; j < NO; ++j) {
-        const int col = j * 8 + 2 * t;
-        if (r0 < nq) *(u32*)(out + (u64)r0 * D + col) = pack2(o[j][0] * inv0, o[j][1] * inv0);
-        if (r1 < nq) *(u32*)(out + (u64)r1 * D + col) = pack2(o[j][2] * inv1, o[j][3] * inv1);
-    }
-    if (with_lse && t == 0) {
-        // lse = (m c + log2 l) ln 2, m c being the scaled max in the log2 domain
-        u16* lse = (u16*)lsep + b * (u64)nq;
-        if (r0 < nq) lse[r0] = pack1((m[0] * c + lg2(l0)) * 0.6931471805599453f);
-        if (r1 < nq) lse[r1] = pack1((m[1] * c + lg2(l1)) * 0.6931471805599453f);
+    for (int i = 0; i < MT; ++i) {
+        const int r0 = wr0 + 16 * i + g, r1 = r0 + 8;
+        float l0 = l[i][0], l1 = l[i][1];
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            const int col = j * 8 + 2 * t;
+            if (r0 < nq) *(u32*)(out + (u64)r0 * D + col) = pack2(o[i][j][0] * inv0, o[i][j][1] * inv0);
+            if (r1 < nq) *(u32*)(out + (u64)r1 * D + col) = pack2(o[i][j][2] * inv1, o[i][j][3] * inv1);
+        }
+        if (with_lse && t == 0) {
+            // lse = (m c + log2 l) ln 2, m c being the scaled max in the log2 domain
+            u16* lse = (u16*)lsep + b * (u64)nq;
+            if (r0 < nq) lse[r0] = pack1((m[i][0] * c + lg2(l0)) * 0.6931471805599453f);
+            if (r1 < nq) lse[r1] = pack1((m[i][1] * c + lg2(l1)) * 0.6931471805599453f);
+        }
     }
 }

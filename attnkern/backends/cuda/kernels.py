@@ -48,6 +48,7 @@ cuda.flash backward (three launches, FlashAttention-2 order, deterministic)
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import os
@@ -111,11 +112,12 @@ class RawKernel:
     at small sizes. Parameters come as the address of an array of pointers to
     their values (Prepared)."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, shared: int = 0):
         from cuda.bindings import driver as cu
 
         handle = compiled._codelibrary.get_cufunc().handle  # a CUkernel or CUfunction: both launch
         self._function = cu.CUfunction(int(handle))
+        self._shared = shared  # dynamic shared memory bytes of every launch
         self._stream = cu.CUstream(_LEGACY_STREAM)
         self._launch = cu.cuLaunchKernel
         self._success = cu.CUresult.CUDA_SUCCESS
@@ -124,8 +126,8 @@ class RawKernel:
         if not getattr(_THREAD, "context", False):  # the context must be current on this thread
             cuda.current_context()
             _THREAD.context = True
-        (err,) = self._launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0,
-                              self._stream, params, 0)
+        (err,) = self._launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                              self._shared, self._stream, params, 0)
         if err != self._success:
             raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
 
@@ -708,14 +710,44 @@ def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, 
 # ---------------------------------------------------------------- cuda.flash, float16 and bfloat16
 
 MMA_DTYPES = ("float16", "bfloat16")
-MMA_BLOCK_Q, MMA_THREADS = 128, 256  # query rows and threads of a block (flash_mma.cu's BM, NTHREADS)
 
 
-def mma_block_k(d: int) -> int:
-    """Keys per K/V tile of the tensor-core kernel at head size d: 64 where its two
-    K and two V tiles (rows padded to d + 8 elements) fit static shared memory
-    (d <= 88), else 32."""
-    return 64 if 2 * 2 * 64 * (d + 8) * 2 <= SHARED_BYTES else 32
+@dataclasses.dataclass(frozen=True)
+class MmaConfig:
+    """How the tensor-core kernel (flash_mma.cu) divides its work: `mt` 16-row mma
+    tiles a warp (each K and V fragment read from shared memory feeds mt of them),
+    `warps` warps a block, `block_k` keys a K/V tile, and whether Q's fragments are
+    reloaded from shared memory every tile (`q_smem`, which frees the registers
+    they would hold) or kept in registers."""
+
+    mt: int = 1
+    warps: int = 8
+    block_k: int = 64
+    q_smem: bool = False
+
+    @property
+    def block_q(self) -> int:
+        return 16 * self.mt * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def shared_bytes(self, d: int) -> int:
+        """Shared memory of one block at head size d: Q (if q_smem) and two K and two
+        V tiles, rows padded to d + 8 elements of 2 bytes."""
+        return ((self.block_q if self.q_smem else 0) + 4 * self.block_k) * (d + 8) * 2
+
+    def __str__(self) -> str:
+        return f"mt{self.mt}w{self.warps}k{self.block_k}{'qs' if self.q_smem else ''}"
+
+
+def mma_config(d: int) -> MmaConfig:
+    """The tensor-core kernel's default work division at head size d: FlashAttention-2's
+    (4 warps of 32 query rows, 64-key tiles), with Q's fragments in registers up to
+    d = 64 and reloaded from shared memory above, where the output accumulators of 32
+    rows leave no registers for them (tools/gpu_half_versions.py compares divisions)."""
+    return MmaConfig(mt=2, warps=4, block_k=64, q_smem=d > 64)
 
 
 def mma_head_size_ok(d: int, dv: int) -> bool:
@@ -723,30 +755,53 @@ def mma_head_size_ok(d: int, dv: int) -> bool:
     return d == dv and d % 16 == 0 and 16 <= d <= 128
 
 
+def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | None = None):
+    """cuda.flash's tensor-core kernel for float16 or bfloat16, head size d and a
+    work division (default mma_config(d)): a numba-cuda kernel whose body calls the
+    CUDA C++ device function of flash_mma.cu, compiled by numba-cuda (NVRTC) with
+    the constants for this dtype, head size and division and linked into the
+    kernel. The C++ holds the tensor-core (mma.sync, ldmatrix) and asynchronous-copy
+    instructions as inline PTX: Numba's Python kernels reach neither, while
+    numba-cuda still compiles and caches the kernel. It is compiled here, for its
+    one signature, and launched below the dispatcher (RawKernel, registered for
+    launch()); shared memory above the 48 KB a kernel gets without asking is
+    dynamic, the kernel's limit raised to it."""
+    return _flash_mma_kernel(dtype, d, config or mma_config(d))
+
+
 @functools.cache
-def flash_mma_kernel(dtype: str, d: int):
-    """cuda.flash's tensor-core kernel for float16 or bfloat16 and head size d:
-    a numba-cuda kernel whose body calls the CUDA C++ device function of
-    flash_mma.cu, compiled by numba-cuda (NVRTC) with the constants for this
-    dtype, head size and key tile and linked into the kernel. The C++ holds the
-    tensor-core (mma.sync, ldmatrix) and asynchronous-copy instructions as inline
-    PTX: Numba's Python kernels reach neither, while numba-cuda still compiles,
-    caches and launches the kernel as it does the others (launch(), RawKernel)."""
+def _flash_mma_kernel(dtype: str, d: int, config: MmaConfig):
     from numba.cuda import types as nbtypes
 
-    name = f"attnkern_flash_mma_{dtype}_{d}"
+    shared = config.shared_bytes(d)
+    dynamic = shared > SHARED_BYTES
+    name = f"attnkern_flash_mma_{dtype}_{d}_{config}"
     with open(os.path.join(os.path.dirname(__file__), "flash_mma.cu")) as f:
         body = f.read()
-    defines = {"D": d, "BF16": int(dtype == "bfloat16"), "NAME": name, "BN": mma_block_k(d)}
+    defines = {"D": d, "BF16": int(dtype == "bfloat16"), "NAME": name, "BN": config.block_k, "MT": config.mt,
+               "NW": config.warps, "QSMEM": int(config.q_smem), "DYNAMIC": int(dynamic)}
     source = "".join(f"#define ATTNKERN_{key} {value}\n" for key, value in defines.items())
     u64, i32 = nbtypes.uint64, nbtypes.int32
     sig = nbtypes.void(u64, u64, u64, u64, u64, i32, i32, nbtypes.float32, i32, i32)
     attend = cuda.declare_device(name, sig, link=[cuda.CUSource(source + body)], abi="c")
 
-    @cuda.jit(launch_bounds=MMA_THREADS)
+    @cuda.jit(sig, launch_bounds=config.threads)
     def flash_mma(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse):
         attend(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse)
 
+    compiled = next(iter(flash_mma.overloads.values()))
+    if dynamic:
+        from numba.cuda.cudadrv import driver as nbdriver
+
+        cufunc = compiled._codelibrary.get_cufunc()
+        limit = cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        if shared > limit:
+            raise ValueError(f"cuda.flash: the tensor-core kernel's division {config} needs {shared} bytes of "
+                             f"shared memory at head size {d}; this GPU allows {limit}")
+        attr = nbdriver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        nbdriver.driver.cuKernelSetAttribute(attr, shared, cufunc.handle, cufunc.device.id)
+    with _RAW_LOCK:
+        _RAW[flash_mma] = RawKernel(compiled, shared if dynamic else 0)
     return flash_mma
 
 
@@ -756,11 +811,12 @@ def mma_aligned(*ptrs) -> bool:
     return not any(p % 16 for p in ptrs[:3]) and not any(p % 4 for p in ptrs[3:])
 
 
-def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None):
+def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None, config: MmaConfig | None = None):
     """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared.
-    The grid is (query blocks, batch)."""
+    The grid is (query blocks, batch); config: the work division (default mma_config(d))."""
     batch, nq, d = q.shape
-    return (flash_mma_kernel(q.dtype.name, d), (-(-nq // MMA_BLOCK_Q), batch), MMA_THREADS,
+    config = config or mma_config(d)
+    return (flash_mma_kernel(q.dtype.name, d, config), (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None)))
 
