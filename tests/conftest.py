@@ -97,6 +97,15 @@ def forced_isa(isa):
             os.environ["ATTNKERN_ISA"] = old
 
 
+def reference_lse(q, k, causal, scale):
+    """Each row's log-sum-exp of the scaled (and causally masked) scores, in q's precision."""
+    s = np.einsum("...id,...jd->...ij", q, k) * scale
+    if causal:
+        s = np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    return (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
 def assert_matches_reference(out, q, k, v, causal=False, scale=None):
     assert out.shape[:-2] == q.shape[:-2] and out.shape[-2:] == (q.shape[-2], v.shape[-1])
     assert out.dtype == q.dtype

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import attnkern
-from conftest import assert_matches_reference, random_qkv
+from conftest import assert_matches_reference, random_qkv, reference_lse
 
 CUDA = [k for k in attnkern.kernels() if k.startswith("cuda.")]
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
@@ -159,11 +159,12 @@ def test_tunables_are_validated():
     with pytest.raises(TypeError, match="cuda.flash does not take 'num_threads'"):
         attnkern.attention(q, k, v, kernel="cuda.flash", num_threads=2)
     # a tile that does not fit in shared memory is refused before launch ...
-    big_d = np.ones((4, 256), np.float64)
-    with pytest.raises(ValueError, match="needs .* bytes of shared memory, over the 49152-byte limit"):
+    big_d = np.ones((4, 2048), np.float64)
+    with pytest.raises(ValueError, match="needs .* bytes of shared memory: cuda.flash takes up to 49152"):
         attnkern.attention(big_d, big_d, big_d, kernel="cuda.flash", block_q=128, block_k=128)
-    # ... and with 0 (the default) the largest that fits is picked; at D = 256 in
-    # float64 none does, and the error says what to do instead
+    # ... and with 0 (the default) the largest that fits is picked; at D = 2048 in
+    # float64 none does, even with a GPU's dynamic shared memory, and the error says
+    # what to do instead
     with pytest.raises(ValueError, match="use smaller blocks .*, float32, or cuda.naive"):
         attnkern.attention(big_d, big_d, big_d, kernel="cuda.flash")
     info = attnkern.kernel_info("cuda.flash")["params"]
@@ -214,6 +215,26 @@ def test_torch_and_cupy_arrays_stay_on_the_gpu(library):
     assert type(out).__module__.partition(".")[0] == library
     host = out.cpu().numpy() if library == "torch" else lib.asnumpy(out)
     assert_matches_reference(host, q, k, v, causal=True)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("d, block_q, block_k", [(128, 0, 0), (128, 64, 64), (64, 64, 64), (96, 32, 64)])
+def test_flash_tiles_in_dynamic_shared_memory(d, block_q, block_k):
+    """float32 tiles past the 48 KB of static shared memory (the auto tile at D = 128
+    is one) run in dynamic shared memory with the kernel's limit raised, and match
+    float64; with lse, causal and not, odd sizes."""
+    from attnkern.backends.cuda import kernels
+
+    rng = np.random.default_rng(d + block_q)
+    q, k, v = random_qkv(rng, (2,), 150, 131, d, d, np.float32)
+    tile = (block_q, block_k) if block_q else (64, 32)
+    assert kernels.flash_shared_bytes(*tile, d, d, 4) > kernels.SHARED_BYTES
+    for causal in (False, True):
+        out, lse = attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", block_q=block_q,
+                                      block_k=block_k, return_lse=True)
+        assert_matches_reference(out, q, k, v, causal=causal)
+        ref_lse = reference_lse(q.astype(np.float64), k.astype(np.float64), causal, 1 / np.sqrt(d))
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")

@@ -24,7 +24,7 @@ import pytest
 import attnkern
 from attnkern.backends.native import _attn
 from attnkern_bench.accuracy import conditioning
-from conftest import ISAS, forced_isa, random_qkv
+from conftest import ISAS, forced_isa, random_qkv, reference_lse
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -33,14 +33,6 @@ UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11}
 TOL = {BF16: 4 * UNIT_ROUNDOFF[BF16], F16: 2 * UNIT_ROUNDOFF[F16]}
 LSE_TOL = {BF16: 2 * UNIT_ROUNDOFF[BF16], F16: 2 * UNIT_ROUNDOFF[F16]}
 HALF_KERNELS = ["native.flash", "native.tiled"]
-
-
-def reference_lse(q, k, causal, scale):
-    s = np.einsum("...id,...jd->...ij", q, k) * scale
-    if causal:
-        s = np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    return (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
 
 
 def check_half(out, lse, q, k, v, causal, scale=None):

@@ -79,14 +79,26 @@ def _device_free_memory() -> int:
         return 1 << 62
 
 
+def _tile_fits(bq: int, bk: int, d: int, dv: int, itemsize: int, explicit: bool) -> bool:
+    """Whether cuda.flash runs this tile: its shared memory within the 48 KB a kernel
+    gets without asking, or else (dynamic shared memory, the kernel's limit raised)
+    within the GPU's limit for tiles of up to 64 x 32 (64 x 64 when asked for)."""
+    from . import kernels
+
+    need = kernels.flash_shared_bytes(bq, bk, d, dv, itemsize)
+    return need <= kernels.SHARED_BYTES or (need <= kernels.shared_limit() and bq * bk <= (4096 if explicit else 2048))
+
+
 @functools.cache  # a pure function of its arguments, asked on every call
 def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:
     """The tile to run: as given, or for 0 ('auto') the first of the preferred
     tiles that fits shared memory for this head size and dtype."""
     from . import kernels
 
+    explicit = bool(block_q and block_k)
+
     def fits(bq, bk):
-        return kernels.flash_shared_bytes(bq, bk, d, dv, itemsize) <= kernels.SHARED_BYTES
+        return _tile_fits(bq, bk, d, dv, itemsize, explicit)
 
     candidates = [(bq, bk) for bq, bk in _TILE_PREFERENCE if block_q in (0, bq) and block_k in (0, bk)]
     for bq, bk in candidates:
@@ -96,8 +108,9 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
     need = kernels.flash_shared_bytes(bq, bk, d, dv, itemsize)
     raise ValueError(
         f"cuda.flash: block_q={bq}, block_k={bk} with D={d}, Dv={dv} in {itemsize * 8}-bit floats needs "
-        f"{need} bytes of shared memory, over the {kernels.SHARED_BYTES}-byte limit; use smaller "
-        "blocks (0 picks the largest that fits), float32, or cuda.naive"
+        f"{need} bytes of shared memory: cuda.flash takes up to {kernels.SHARED_BYTES}, or up to this GPU's "
+        f"{kernels.shared_limit()} for tiles of at most 64 x 64; use smaller blocks (0 picks the largest that "
+        "fits), float32, or cuda.naive"
     )
 
 
@@ -225,8 +238,8 @@ def flash_tiles(d: int, dv: int, itemsize: int) -> list[tuple[int, int]]:
     size and dtype, in the order block_q = block_k = 0 tries them."""
     from . import kernels
 
-    return [(bq, bk) for bq, bk in _TILE_PREFERENCE
-            if kernels.flash_shared_bytes(bq, bk, d, dv, itemsize) <= kernels.SHARED_BYTES]
+    auto = [t for t in _TILE_PREFERENCE if _tile_fits(*t, d, dv, itemsize, False)]
+    return auto + [t for t in _TILE_PREFERENCE if t not in auto and _tile_fits(*t, d, dv, itemsize, True)]
 
 
 _TILE_SIZES = (8, 16, 32, 64, 128)
@@ -235,6 +248,8 @@ _TILE_SIZES = (8, 16, 32, 64, 128)
 # Dv/2 output columns, more than its registers hold), then larger tiles (fewer K/V
 # reloads), then, among tiles of one area, block_q = 2 block_k (64 x 32 before 128 x 16:
 # twice the blocks over short sequences, each with as many threads), then taller ones.
+# A tile whose shared memory exceeds the 48 KB a kernel gets without asking (D = 128
+# in float32) takes dynamic shared memory, up to the GPU's limit (_tile_fits).
 # docs/gpu.md has the measured sweeps behind this order.
 _TILE_PREFERENCE = tuple(
     sorted(((bq, bk) for bq in _TILE_SIZES for bk in _TILE_SIZES),

@@ -132,10 +132,33 @@ class RawKernel:
             raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
 
 
+def shared_limit() -> int:
+    """The most shared memory one block may have on this GPU (with the kernel's
+    limit raised), or the static limit where there is no GPU (the simulator)."""
+    if config.ENABLE_CUDASIM:
+        return SHARED_BYTES
+    return cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+
+
+def dynamic_raw_kernel(compiled, shared: int) -> RawKernel:
+    """The RawKernel of a compiled kernel that takes `shared` bytes of dynamic shared
+    memory, its limit raised to that (the driver refuses launches above 48 KB without)."""
+    from numba.cuda.cudadrv import driver as nbdriver
+
+    limit = shared_limit()
+    if shared > limit:
+        raise ValueError(f"a kernel needs {shared} bytes of shared memory; this GPU allows {limit}")
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = nbdriver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    nbdriver.driver.cuKernelSetAttribute(attr, shared, cufunc.handle, cufunc.device.id)
+    return RawKernel(compiled, shared)
+
+
 _THREAD = threading.local()  # per thread: whether Numba made its context current there
 _LEGACY_STREAM = 0  # the stream handle our kernels run on, as Numba's own launches
 _RAW: dict = {}  # dispatcher -> RawKernel; each of our dispatchers is always called with one signature
 _RAW_LOCK = threading.Lock()
+_DYNAMIC_SHARED: dict = {}  # dispatcher -> bytes of dynamic shared memory its launches take
 
 
 def _dim3(x) -> tuple:
@@ -229,8 +252,17 @@ def launch(dispatcher, grid, block, *args) -> None:
     if raw is None:
         from .arrays import GpuArray
 
-        dispatcher[grid, block](*(a.flat if isinstance(a, GpuArray) else np.uint64(a.array.ptr)
-                                  if isinstance(a, Addr) else a for a in args))
+        flat = [a.flat if isinstance(a, GpuArray) else np.uint64(a.array.ptr) if isinstance(a, Addr) else a
+                for a in args]
+        shared = _DYNAMIC_SHARED.get(dispatcher, 0)
+        if shared and not config.ENABLE_CUDASIM:
+            # the limit must be raised before the first launch: compile for these
+            # arguments' types, raise it, and launch below the dispatcher from now on
+            compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(a) for a in flat))
+            with _RAW_LOCK:
+                _RAW.setdefault(dispatcher, dynamic_raw_kernel(compiled, shared))
+            return launch(dispatcher, grid, block, *args)
+        dispatcher[grid, block, 0, shared](*flat)
         if not config.ENABLE_CUDASIM:
             with _RAW_LOCK:
                 if dispatcher not in _RAW and len(dispatcher.overloads) == 1:
@@ -593,6 +625,12 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
     U_0, U_1 = U(0), U(1)
     WITH_LSE = bool(with_lse)  # a constant of the closure: the variant without lse compiles no store
     F_LN2 = ftype(LN2)
+    # one shared array holds the three tiles; past the static limit it is the launch's
+    # dynamic shared memory (size 0 here; launch() passes the bytes and raises the limit)
+    SMEM_SIZE = SQ_SIZE + SKP_SIZE + SV_SIZE
+    SMEM_BYTES = SMEM_SIZE * np.dtype(dtype).itemsize
+    SMEM_STATIC = 0 if SMEM_BYTES > SHARED_BYTES else SMEM_SIZE
+    SKP_AT, SV_AT = SQ_SIZE, SQ_SIZE + SKP_SIZE
 
     @cuda.jit
     def flash_forward(q, k, v, out, lse, nq, nk, d, dv, qscale, causal):
@@ -606,9 +644,10 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
         ty = tid // U_KG
         q_rows, kv_rows = b * nq, b * nk  # this head's first row in q/out and in k/v
 
-        sq = cuda.shared.array(SQ_SIZE, ftype)
-        skp = cuda.shared.array(SKP_SIZE, ftype)  # K^T while scores are computed, then P
-        sv = cuda.shared.array(SV_SIZE, ftype)
+        smem = cuda.shared.array(SMEM_STATIC, ftype)
+        sq = smem[:SKP_AT]
+        skp = smem[SKP_AT:SV_AT]  # K^T while scores are computed, then P
+        sv = smem[SV_AT:SMEM_SIZE]
         s = cuda.local.array(S_SHAPE, ftype)
         o = cuda.local.array(O_SHAPE, ftype)
         m = cuda.local.array(TM, ftype)
@@ -685,6 +724,8 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
                 if tx == U_0 and row < nq:
                     lse[q_rows + row] = (m[r] + math.log2(total)) * F_LN2
 
+    if SMEM_STATIC == 0:
+        _DYNAMIC_SHARED[flash_forward] = SMEM_BYTES
     return flash_forward, NT
 
 
@@ -790,18 +831,9 @@ def _flash_mma_kernel(dtype: str, d: int, config: MmaConfig):
         attend(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse)
 
     compiled = next(iter(flash_mma.overloads.values()))
-    if dynamic:
-        from numba.cuda.cudadrv import driver as nbdriver
-
-        cufunc = compiled._codelibrary.get_cufunc()
-        limit = cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-        if shared > limit:
-            raise ValueError(f"cuda.flash: the tensor-core kernel's division {config} needs {shared} bytes of "
-                             f"shared memory at head size {d}; this GPU allows {limit}")
-        attr = nbdriver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        nbdriver.driver.cuKernelSetAttribute(attr, shared, cufunc.handle, cufunc.device.id)
+    raw = dynamic_raw_kernel(compiled, shared) if dynamic else RawKernel(compiled)
     with _RAW_LOCK:
-        _RAW[flash_mma] = RawKernel(compiled, shared if dynamic else 0)
+        _RAW[flash_mma] = raw
     return flash_mma
 
 
