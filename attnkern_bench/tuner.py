@@ -107,9 +107,9 @@ def default_params(kernel: str, lattice: dict, d: int, dv: int, itemsize: int) -
     """The kernel's built-in defaults, on the lattice (cuda.flash's 0 = the tile it picks)."""
     info = attnkern.kernel_info(kernel)["params"]
     if kernel == "cuda.flash":
-        from attnkern.backends.cuda import flash_tiles
+        from attnkern.backends.cuda import flash_default_tile
 
-        bq, bk = flash_tiles(d, dv, itemsize)[0]
+        bq, bk = flash_default_tile(d, dv, itemsize)
         return {"block_q": bq, "block_k": bk}
     return {name: info[name]["default"] if info[name]["default"] in values
             else min(values, key=lambda v: abs(math.log2(v) - math.log2(max(1, info[name]["default"]))))

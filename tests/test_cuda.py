@@ -5,6 +5,7 @@ small, tiles smaller, so several tiles, partial tiles and the causal diagonal
 are all crossed. The simulator has no warp shuffles; attnkern.backends.cuda.kernels.lane_reduce
 emulates them there (the device script checks the real ones on a GPU)."""
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -218,23 +219,67 @@ def test_torch_and_cupy_arrays_stay_on_the_gpu(library):
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
-@pytest.mark.parametrize("d, block_q, block_k", [(128, 0, 0), (128, 64, 64), (64, 64, 64), (96, 32, 64)])
+@pytest.mark.parametrize("d, block_q, block_k", [(126, 0, 0), (126, 64, 64), (62, 64, 64), (94, 32, 64)])
 def test_flash_tiles_in_dynamic_shared_memory(d, block_q, block_k):
-    """float32 tiles past the 48 KB of static shared memory (the auto tile at D = 128
-    is one) run in dynamic shared memory with the kernel's limit raised, and match
-    float64; with lse, causal and not, odd sizes."""
+    """The Numba kernel's float32 tiles past the 48 KB of static shared memory (its
+    auto tile at D = 126 is one; D not a multiple of 4, so the CUDA C++ kernel does
+    not take them) run in dynamic shared memory with the kernel's limit raised, and
+    match float64; with lse, causal and not, odd sizes."""
     from attnkern.backends.cuda import kernels
 
     rng = np.random.default_rng(d + block_q)
     q, k, v = random_qkv(rng, (2,), 150, 131, d, d, np.float32)
     tile = (block_q, block_k) if block_q else (64, 32)
     assert kernels.flash_shared_bytes(*tile, d, d, 4) > kernels.SHARED_BYTES
+    assert not kernels.simt_applies(d, d)
     for causal in (False, True):
         out, lse = attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", block_q=block_q,
                                       block_k=block_k, return_lse=True)
         assert_matches_reference(out, q, k, v, causal=causal)
         ref_lse = reference_lse(q.astype(np.float64), k.astype(np.float64), causal, 1 / np.sqrt(d))
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("d", [4, 36, 64, 100, 128])
+def test_float32_cuda_cpp_kernel(d, monkeypatch):
+    """float32 with D = Dv a multiple of 4 up to 128 runs the register-blocked CUDA C++
+    kernel (the Numba kernel is made to fail here) in its default and every other tile:
+    against float64 with lse, causal and not, partial blocks and nq != nk, a negative
+    scale, bit-identical run to run. Arrays at addresses it cannot take (not 16-byte
+    aligned) go to the Numba kernel, with the same results to float32 rounding."""
+    from attnkern.backends.cuda import kernels
+
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(d)
+    numba_flash = kernels.flash
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Numba kernel ran")
+
+    monkeypatch.setattr(kernels, "flash", refuse)
+    for nq, nk in ((150, 131), (1, 70), (200, 200)):
+        q, k, v = random_qkv(rng, (2,), nq, nk, d, d, np.float32)
+        for block_q, block_k in [(0, 0)] + [(bq, bk) for bq in kernels.SIMT_BLOCK_Q for bk in kernels.SIMT_BLOCK_K
+                                            if bq * bk <= 4096]:
+            for causal in (False, True):
+                scale = -0.6 / np.sqrt(d) if nq == 1 else None
+                run = functools.partial(attnkern.attention, q, k, v, causal=causal, scale=scale, kernel="cuda.flash",
+                                        block_q=block_q, block_k=block_k, return_lse=True)
+                out, lse = run()
+                assert_matches_reference(out, q, k, v, causal=causal, scale=scale)
+                ref_lse = reference_lse(q.astype(np.float64), k.astype(np.float64), causal,
+                                        1 / np.sqrt(d) if scale is None else scale)
+                np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+                again, lse_again = run()
+                assert np.array_equal(out, again) and np.array_equal(lse, lse_again)
+    # a torch view 4 bytes past an aligned address: the Numba kernel takes it
+    monkeypatch.setattr(kernels, "flash", numba_flash)
+    monkeypatch.setattr(kernels, "flash_simt", refuse)
+    base = torch.from_numpy(rng.standard_normal(3 * 64 * d + 1).astype(np.float32)).cuda()
+    q = base[1:].view(3, 64, d)
+    out = attnkern.attention(q, q, q, kernel="cuda.flash")
+    assert_matches_reference(out.cpu().numpy(), *(q.cpu().numpy(),) * 3)
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")

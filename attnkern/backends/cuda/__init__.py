@@ -121,15 +121,37 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, out=None, lse=None
 
     if q.dtype.name in kernels.MMA_DTYPES:
         return _cuda_flash_half(q, k, v, causal, scale, out, lse)
-    block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
+    simt = _simt(block_q, block_k, q.shape[2], v.shape[2], q.dtype)
+    if simt is None:
+        block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
     host = isinstance(q, np.ndarray)
     dq, dk, dv, out = _to_device(q, k, v, out)
     lse_host = isinstance(lse, np.ndarray)
     dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
-    kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse)
+    ptrs = [a.ptr for a in (dq, dk, dv, out)] + ([] if dlse is None else [dlse.ptr])
+    if simt is not None and kernels.simt_aligned(*ptrs):
+        kernels.flash_simt(dq, dk, dv, out, causal, scale, lse=dlse, config=simt)
+    else:  # the Numba kernel, also for float32 arrays the CUDA C++ kernel cannot take at their addresses
+        if simt is not None:
+            block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
+        kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse)
     if lse_host:
         lse[...] = arrays.to_host(dlse)
     return _from_device(out, host)
+
+
+def _simt(block_q: int, block_k: int, d: int, dv: int, dtype):
+    """The division of the register-blocked float32 kernel (flash_simt.cu) for this
+    call's tile, or None where the Numba kernel runs it: float64, head sizes that
+    kernel does not take (D = Dv a multiple of 4 up to 128), tiles it does not have
+    (kernels.simt_config), and the simulator, which runs no CUDA C++."""
+    from numba import config
+
+    from . import kernels
+
+    if np.dtype(dtype) != np.float32 or config.ENABLE_CUDASIM or not kernels.simt_applies(d, dv):
+        return None
+    return kernels.simt_config(d, block_q, block_k)
 
 
 def _cuda_flash_half(q, k, v, causal, scale, out, lse):
@@ -160,28 +182,32 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
                    block_q: int, block_k: int, with_lse: bool):
     """cuda.flash's launch for (batch, n, d) GPU arrays of these sizes and dtype,
     with everything but the addresses fixed: (kernels.Prepared taking the addresses
-    of q, k, v, out[, lse], whether the addresses must pass kernels.mma_aligned),
-    or None where the kernel is not compiled yet or the call is one _cuda_flash
-    refuses (its error is raised there)."""
+    of q, k, v, out[, lse], the test the addresses must pass or None), or None where
+    the kernel is not compiled yet or the call is one _cuda_flash refuses (its error
+    is raised there)."""
     from . import arrays, kernels
 
     dtype = np.dtype(dtype)
     shapes = [(batch, nq, d), (batch, nk, d), (batch, nk, dv), (batch, nq, dv)] + ([(batch, nq)] if with_lse else [])
     roles = [arrays.GpuArray(shape, dtype, None, ptr=0) for shape in shapes]
     lse = roles[4] if with_lse else None
-    mma = dtype.name in kernels.MMA_DTYPES
+    aligned = None
     try:
-        if mma:
+        if dtype.name in kernels.MMA_DTYPES:
             if not kernels.mma_head_size_ok(d, dv):
                 return None
             kernel, grid, block, args = kernels.flash_mma_launch(*roles[:4], causal, scale, lse)
+            aligned = kernels.mma_aligned
+        elif (simt := _simt(block_q, block_k, d, dv, dtype)) is not None:
+            kernel, grid, block, args = kernels.flash_simt_launch(*roles[:4], causal, scale, lse, simt)
+            aligned = kernels.simt_aligned
         else:
             block_q, block_k = _flash_tiles(block_q, block_k, d, dv, dtype.itemsize)
             kernel, grid, block, args = kernels.flash_launch(*roles[:4], causal, scale, block_q, block_k, lse=lse)
     except ValueError:
         return None
     raw = kernels.raw_kernel(kernel)
-    return None if raw is None else (kernels.Prepared(raw, grid, block, args, roles), mma)
+    return None if raw is None else (kernels.Prepared(raw, grid, block, args, roles), aligned)
 
 
 def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:
@@ -233,6 +259,14 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
     return tuple(result)
 
 
+def flash_default_tile(d: int, dv: int, itemsize: int) -> tuple[int, int]:
+    """The (block_q, block_k) that cuda.flash runs for block_q = block_k = 0: the
+    register-blocked float32 kernel's default tile where that kernel applies, else
+    the first of flash_tiles."""
+    simt = _simt(0, 0, d, dv, np.float32) if itemsize == 4 else None
+    return (simt.block_q, simt.block_k) if simt is not None else flash_tiles(d, dv, itemsize)[0]
+
+
 def flash_tiles(d: int, dv: int, itemsize: int) -> list[tuple[int, int]]:
     """cuda.flash's (block_q, block_k) tiles that fit shared memory for this head
     size and dtype, in the order block_q = block_k = 0 tries them."""
@@ -272,14 +306,17 @@ register(
 register(
     Kernel(
         name="cuda.flash",
-        description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory; "
+        description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory "
+                    "(float32: register-blocked CUDA C++; float16/bfloat16: tensor cores; float64: Numba); "
                     "deterministic backward in two (dK/dV per key block, dQ per query block)",
         run=_cuda_flash,
         params=(
-            Param("block_q", 0, 0, 128, "queries per thread block; 0: the largest tile that fits "
-                  "(backward: 64, halved until it fits)", choices=(0, *_TILE_SIZES)),
-            Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the largest tile that fits "
-                  "(backward: 64, halved until it fits)", choices=(0, *_TILE_SIZES)),
+            Param("block_q", 0, 0, 128, "queries per thread block; 0: the kernel's default (float32 CUDA C++ "
+                  "kernel: 64; Numba kernel: the largest tile that fits; backward: 64, halved until it fits)",
+                  choices=(0, *_TILE_SIZES)),
+            Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the kernel's default (float32 CUDA C++ "
+                  "kernel: 64 up to D = 64, else 32; Numba kernel: the largest tile that fits; backward: 64, "
+                  "halved until it fits)", choices=(0, *_TILE_SIZES)),
         ),
         unavailable_reason=_cuda_unavailable,
         device="cuda",
@@ -414,6 +451,6 @@ def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
     if prepared is None or (check and scan is None):
         return _Plan(until=time.monotonic() + RECHECK_S)
     looked_up = len(params) < len(chosen.params)  # tunables from the tuning cache or defaults
-    return _Plan(prepared[0], scan, kernels.mma_aligned if prepared[1] else None, arrays.raw_stream, call.out_shape,
+    return _Plan(prepared[0], scan, prepared[1], arrays.raw_stream, call.out_shape,
                  call.out_shape[:-1],
                  time.monotonic() + RECHECK_S if looked_up else math.inf)

@@ -748,6 +748,127 @@ def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, 
     launch(kernel, grid, block, *args)
 
 
+# ---------------------------------------------------------------- cuda.flash, float32 register-blocked
+
+@dataclasses.dataclass(frozen=True)
+class SimtConfig:
+    """How the float32 CUDA C++ kernel (flash_simt.cu) divides its work: block_q
+    query rows and block_k keys a tile per block; each thread holds rows x keys
+    scores (and rows x the head size / (block_k / keys) output columns)."""
+
+    block_q: int = 64
+    block_k: int = 64
+    rows: int = 4
+    keys: int = 8
+
+    @property
+    def key_groups(self) -> int:
+        return self.block_k // self.keys
+
+    @property
+    def threads(self) -> int:
+        return self.block_q // self.rows * self.key_groups
+
+    def padded_d(self, d: int) -> int:
+        """The head size the tiles hold: d rounded up so each key group's output
+        columns are whole float4 chunks."""
+        return round_up(d, 4 * self.key_groups)
+
+    def shared_bytes(self, d: int) -> int:
+        """Q, two K and two V tiles (rows padded by 4 floats) and P (rows padded by 8)."""
+        ld = self.padded_d(d) + 4
+        return (self.block_q * ld + 4 * self.block_k * ld + self.block_q * (self.block_k + 8)) * 4
+
+    def __str__(self) -> str:
+        return f"{self.block_q}x{self.block_k}t{self.rows}x{self.keys}"
+
+
+SIMT_BLOCK_Q, SIMT_BLOCK_K = (32, 64, 128), (32, 64)  # the float32 kernel's tiles (of up to 64 x 64 area)
+
+
+def simt_config(d: int, block_q: int = 0, block_k: int = 0) -> SimtConfig | None:
+    """The float32 kernel's division for tile block_q x block_k at head size d (0:
+    the default's, 64 x 64 up to d = 64, 64 x 32 above), or None where it has no
+    such tile or the tile's shared memory exceeds this GPU's limit. Each thread
+    holds 4 rows and 8 keys of scores (4 keys in 32-key tiles)."""
+    bq, bk = block_q or 64, block_k or (64 if d <= 64 else 32)
+    if bq not in SIMT_BLOCK_Q or bk not in SIMT_BLOCK_K or bq * bk > 4096:
+        return None
+    config = SimtConfig(bq, bk, 4, 8 if bk >= 64 else 4)
+    return config if config.shared_bytes(d) <= shared_limit() else None
+
+
+def simt_applies(d: int, dv: int) -> bool:
+    """Whether the float32 kernel takes this head size: D = Dv, a multiple of 4 up to 128."""
+    return d == dv and d % 4 == 0 and 4 <= d <= 128
+
+
+def simt_aligned(*ptrs) -> bool:
+    """Whether the float32 kernel can take arrays at these addresses (q, k, v, out[,
+    lse]): 16-byte aligned (its float4 reads and writes), lse 4-byte aligned."""
+    return not any(p % 16 for p in ptrs[:4]) and not any(p % 4 for p in ptrs[4:])
+
+
+def flash_simt_kernel(d: int, config: SimtConfig | None = None):
+    """cuda.flash's register-blocked float32 kernel for head size d: the CUDA C++
+    device function of flash_simt.cu in a numba-cuda kernel, built and launched as
+    the tensor-core kernel is (flash_mma_kernel)."""
+    config = config or simt_config(d)
+    return _linked_kernel("flash_simt.cu", f"attnkern_flash_simt_{config.padded_d(d)}_{config}",
+                          (("DP", config.padded_d(d)), ("BM", config.block_q), ("BN", config.block_k),
+                           ("TM", config.rows), ("TN", config.keys)),
+                          ("u64",) * 5 + ("i32", "i32", "i32", "f32", "i32", "i32"), config.threads,
+                          config.shared_bytes(d))
+
+
+def flash_simt_launch(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None):
+    """(kernel, grid, block, args) of the float32 kernel: launch() takes them, or Prepared."""
+    batch, nq, d = q.shape
+    config = config or simt_config(d)
+    return (flash_simt_kernel(d, config), (-(-nq // config.block_q), batch), config.threads,
+            (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
+             np.int32(k.shape[1]), np.int32(d), np.float32(scale * LOG2E), np.int32(bool(causal)),
+             np.int32(lse is not None)))
+
+
+def flash_simt(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None) -> None:
+    """out = softmax(q k^T * scale) v on float32 GpuArrays (batch, n, d), d = dv a
+    multiple of 4 up to 128, at simt_aligned addresses; lse: None, or a GpuArray
+    (batch, nq) to fill."""
+    kernel, grid, block, args = flash_simt_launch(q, k, v, out, causal, scale, lse, config)
+    launch(kernel, grid, block, *args)
+
+
+@functools.cache
+def _linked_kernel(source: str, name: str, defines: tuple, params: tuple, threads: int, shared: int):
+    """A numba-cuda kernel whose body calls the CUDA C++ device function `name` of
+    `source` (a file beside this one), compiled by numba-cuda (NVRTC) with the
+    constants ATTNKERN_<key> of `defines` ((key, value) pairs; and NAME, DYNAMIC) prepended, linked into
+    the kernel and compiled here for its one signature (params: "u64", "i32",
+    "f32"); registered for launch() below the dispatcher, with `shared` bytes of
+    dynamic shared memory where they exceed the static limit."""
+    from numba.cuda import types as nbtypes
+
+    dynamic = shared > SHARED_BYTES
+    with open(os.path.join(os.path.dirname(__file__), source)) as f:
+        body = f.read()
+    defines = {**dict(defines), "NAME": name, "DYNAMIC": int(dynamic)}
+    text = "".join(f"#define ATTNKERN_{key} {value}\n" for key, value in defines.items())
+    types = {"u64": nbtypes.uint64, "i32": nbtypes.int32, "f32": nbtypes.float32}
+    sig = nbtypes.void(*(types[p] for p in params))
+    attend = cuda.declare_device(name, sig, link=[cuda.CUSource(text + body)], abi="c")
+    args = ", ".join(f"a{i}" for i in range(len(params)))
+    # a kernel of len(params) parameters that passes them on (Numba needs the names)
+    scope = {"attend": attend}
+    exec(f"def kernel({args}):\n    attend({args})\n", scope)
+    kernel = cuda.jit(sig, launch_bounds=threads)(scope["kernel"])
+    compiled = next(iter(kernel.overloads.values()))
+    raw = dynamic_raw_kernel(compiled, shared) if dynamic else RawKernel(compiled)
+    with _RAW_LOCK:
+        _RAW[kernel] = raw
+    return kernel
+
+
 # ---------------------------------------------------------------- cuda.flash, float16 and bfloat16
 
 MMA_DTYPES = ("float16", "bfloat16")
@@ -807,34 +928,11 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | None = None):
     one signature, and launched below the dispatcher (RawKernel, registered for
     launch()); shared memory above the 48 KB a kernel gets without asking is
     dynamic, the kernel's limit raised to it."""
-    return _flash_mma_kernel(dtype, d, config or mma_config(d))
-
-
-@functools.cache
-def _flash_mma_kernel(dtype: str, d: int, config: MmaConfig):
-    from numba.cuda import types as nbtypes
-
-    shared = config.shared_bytes(d)
-    dynamic = shared > SHARED_BYTES
-    name = f"attnkern_flash_mma_{dtype}_{d}_{config}"
-    with open(os.path.join(os.path.dirname(__file__), "flash_mma.cu")) as f:
-        body = f.read()
-    defines = {"D": d, "BF16": int(dtype == "bfloat16"), "NAME": name, "BN": config.block_k, "MT": config.mt,
-               "NW": config.warps, "QSMEM": int(config.q_smem), "DYNAMIC": int(dynamic)}
-    source = "".join(f"#define ATTNKERN_{key} {value}\n" for key, value in defines.items())
-    u64, i32 = nbtypes.uint64, nbtypes.int32
-    sig = nbtypes.void(u64, u64, u64, u64, u64, i32, i32, nbtypes.float32, i32, i32)
-    attend = cuda.declare_device(name, sig, link=[cuda.CUSource(source + body)], abi="c")
-
-    @cuda.jit(sig, launch_bounds=config.threads)
-    def flash_mma(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse):
-        attend(q, k, v, out, lse, nq, nk, scale_log2, causal, with_lse)
-
-    compiled = next(iter(flash_mma.overloads.values()))
-    raw = dynamic_raw_kernel(compiled, shared) if dynamic else RawKernel(compiled)
-    with _RAW_LOCK:
-        _RAW[flash_mma] = raw
-    return flash_mma
+    config = config or mma_config(d)
+    return _linked_kernel("flash_mma.cu", f"attnkern_flash_mma_{dtype}_{d}_{config}",
+                          (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k), ("MT", config.mt),
+                           ("NW", config.warps), ("QSMEM", int(config.q_smem))),
+                          ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32"), config.threads, config.shared_bytes(d))
 
 
 def mma_aligned(*ptrs) -> bool:

@@ -1,18 +1,21 @@
-"""cuda.flash's float16/bfloat16 tensor-core kernel (flash_mma.cu) in several work
-divisions side by side, each checked against float64 and timed against torch's
-scaled_dot_product_attention on one GPU.
+"""cuda.flash's CUDA C++ kernels in several work divisions side by side, each checked
+against float64 and timed against torch's scaled_dot_product_attention on one GPU:
+the tensor-core kernel (flash_mma.cu) for float16/bfloat16, the register-blocked
+kernel (flash_simt.cu) for float32.
 
-    python3 tools/gpu_half_versions.py OUT.json [--dims 64,128] [--sizes 4096,8192]
-        [--dtypes bfloat16,float16] [--configs mt1w8k64,mt2w4k64qs,...] [--runs 20] [--library]
+    python3 tools/gpu_flash_versions.py OUT.json [--dims 64,128] [--sizes 4096,8192]
+        [--dtypes bfloat16,float16,float32] [--configs default,mt2w4k64,64x64t4x8,...]
+        [--runs 20] [--library]
 
-Kernels: one per --configs entry, the library's kernel (kernels.flash_mma_kernel) with
-that work division (kernels.MmaConfig: "mt{mma tiles a warp}w{warps}k{keys a tile}",
-"qs" if Q is reloaded from shared memory), launched directly (kernels.flash_mma_launch,
-prepared once, below Numba's dispatcher); "default" is the division the library picks
-for the head size (kernels.mma_config), and a division that does not fit the head size or
-the GPU is reported and skipped; "attention", with --library,
-attnkern.attention(..., kernel="cuda.flash", check_finite=False), the library's whole
-call on torch tensors.
+Kernels: one per --configs entry that names a division of the dtype's kernel,
+launched directly (prepared once, below Numba's dispatcher): for float16/bfloat16 a
+kernels.MmaConfig, "mt{mma tiles a warp}w{warps}k{keys a tile}" with "qs" if Q is
+reloaded from shared memory; for float32 a kernels.SimtConfig,
+"{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a thread's). "default" is
+the division the library picks for the head size (marked *); a division that does
+not fit the head size or the GPU is reported and skipped. "attention", with
+--library: attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
+library's whole call on torch tensors.
 
 Checks, per kernel, head size and dtype: odd shapes (partial blocks, nq != nk, a
 negative scale) causal and not, output and log-sum-exp against float64 with the
@@ -21,8 +24,8 @@ about 256 sampled query rows of every head against float64.
 
 Timing: (1, 16, N, D), causal and not; each sample is a pair of CUDA events around
 5 back-to-back calls, 3 warm-up samples, the median of --runs samples; torch's SDPA
-on the same tensors. TFLOP/s count 4 B H N^2 D, half that with causal masking. TF32
-plays no part (half-precision inputs).
+on the same tensors, TF32 off (float32 FMAs on both sides). TFLOP/s count
+4 B H N^2 D, half that with causal masking.
 """
 
 import argparse
@@ -38,7 +41,7 @@ import torch
 from attnkern.backends.cuda import arrays, kernels
 from attnkern_bench.timing import CudaEventClock
 
-TOL = {"float16": 4e-3, "bfloat16": 3e-2}  # tests/test_triton.py's
+TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}  # tests/test_triton.py's
 ODD = [(6, 77, 77), (1, 45, 130), (4, 200, 33), (2, 1030, 1030), (1, 1, 5), (2, 129, 129)]
 BACK_TO_BACK = 5
 
@@ -48,26 +51,34 @@ def flat3(x):
     return arrays.from_torch(x, "x").reshape(math.prod(x.shape[:-2]), *x.shape[-2:])
 
 
-def parse_config(text, d):
-    """A kernels.MmaConfig from its name ("mt2w4k64qs"), or "default" for kernels.mma_config(d)."""
+SIMT_NAME, MMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?"
+
+
+def parse_config(text, d, dtype):
+    """A division of the dtype's kernel from its name, or "default"; None where the
+    name is one of the other kernel's divisions."""
+    simt, mma = re.fullmatch(SIMT_NAME, text), re.fullmatch(MMA_NAME, text)
+    if text != "default" and not simt and not mma:
+        raise SystemExit(f"--configs: {text!r} is not 'default' nor a division like mt2w4k64qs or 64x64t4x8")
+    if dtype == "float32":
+        return kernels.simt_config(d) if text == "default" else simt and kernels.SimtConfig(*map(int, simt.groups()))
     if text == "default":
         return kernels.mma_config(d)
-    m = re.fullmatch(r"mt(\d+)w(\d+)k(\d+)(qs)?", text)
-    if not m:
-        raise SystemExit(f"--configs: {text!r} is not a division like mt2w4k64 or mt2w4k32qs")
-    return kernels.MmaConfig(mt=int(m[1]), warps=int(m[2]), block_k=int(m[3]), q_smem=bool(m[4]))
+    return mma and kernels.MmaConfig(mt=int(mma[1]), warps=int(mma[2]), block_k=int(mma[3]), q_smem=bool(mma[4]))
 
 
 class Kernel:
-    """The library's tensor-core kernel in one work division."""
+    """One of the library's CUDA C++ kernels in one work division."""
 
     def __init__(self, config, d, dtype):
-        self.config = config
-        self.name = str(config) + ("*" if config == kernels.mma_config(d) else "")
-        self.kernel = kernels.flash_mma_kernel(dtype, d, config)
+        self.config, self.simt = config, dtype == "float32"
+        default = kernels.simt_config(d) if self.simt else kernels.mma_config(d)
+        self.name = str(config) + ("*" if config == default else "")
+        self.kernel = kernels.flash_simt_kernel(d, config) if self.simt else kernels.flash_mma_kernel(dtype, d, config)
 
     def launch(self, q, k, v, out, lse, causal, scale):
-        return kernels.flash_mma_launch(q, k, v, out, causal, scale, lse, self.config)
+        launch = kernels.flash_simt_launch if self.simt else kernels.flash_mma_launch
+        return launch(q, k, v, out, causal, scale, lse, self.config)
 
     def __call__(self, q, k, v, causal, scale, with_lse=True):
         """out (and lse) for torch tensors (..., n, d), through kernels.launch."""
@@ -143,7 +154,7 @@ def main():
     ap.add_argument("--sizes", default="4096,8192")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--configs", default="default",
-                    help="work divisions to compare, comma-separated (mt2w4k64, mt2w4k32qs, default, ...)")
+                    help="work divisions to compare, comma-separated (default, mt2w4k64, mt2w4k32qs, 64x64t4x8, ...)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--library", action="store_true")
     a = ap.parse_args()
@@ -156,7 +167,7 @@ def main():
     for dtype in a.dtypes.split(","):
         for d in (int(x) for x in a.dims.split(",")):
             timed_kernels = []
-            configs = list(dict.fromkeys(parse_config(text, d) for text in a.configs.split(",")))
+            configs = [c for c in dict.fromkeys(parse_config(text, d, dtype) for text in a.configs.split(",")) if c]
             for config in configs:
                 name = str(config)
                 try:
