@@ -10,7 +10,9 @@ site's regressions page for the counted benchmark (threshold 1%), and the site
 must render in headless Chromium.
 
 Slow (several minutes: wheel builds, Valgrind, a virtualenv on first use); run
-with `pytest -m slow`, and by `make test`.
+with `pytest -m slow`, and by `make test`. The site tests come first in this file:
+the gate tests after them take A's and B's wheels from that `asv run` instead of
+building them again (reuse_asv_builds), and build C themselves.
 """
 
 import contextlib
@@ -32,6 +34,8 @@ sys.path.insert(0, str(REPO / "tools"))
 from calibrate_gate import INJECT_FILE, ROWS_FOR_LEVEL, inject_slowdown  # noqa: E402
 
 ASV = [sys.executable, "-m", "asv"]
+# Virtualenvs are a cache (torch alone is ~200 MB): the test's asv config shares the repository's.
+ASV_ENV_DIR = REPO / ".asv" / "env"
 MACHINE = "attnkern-selftest"  # its own entry in ~/.asv-machine.json; other entries are left alone
 # where the site test leaves its screenshot
 SCREENSHOTS = Path(os.environ.get("ATTNKERN_SCREENSHOTS", REPO / "bench-results"))
@@ -75,7 +79,7 @@ def history(tmp_path_factory):
     git(clone, "commit", "-q", "-am", "flash: recompute some score rows, ~5% slower (test regression)")
     b = git(clone, "rev-parse", "HEAD")
 
-    with (clone / "README.md").open("a") as f:  # C: nothing measurable (B's build is reused by the gate)
+    with (clone / "README.md").open("a") as f:  # C: nothing measurable
         f.write("\nA line of nothing measurable.\n")
     git(clone, "commit", "-q", "-am", "README: no-op change")
     c = git(clone, "rev-parse", "HEAD")
@@ -86,8 +90,7 @@ def history(tmp_path_factory):
     config.update(
         repo=str(clone),
         benchmark_dir=str(clone / "benchmarks"),
-        # Virtualenvs are a cache (torch alone is ~200 MB): share the repository's.
-        env_dir=str(REPO / ".asv" / "env"),
+        env_dir=str(ASV_ENV_DIR),
         results_dir=str(tmp / "results"),
         html_dir=str(tmp / "html"),
     )
@@ -98,41 +101,12 @@ def history(tmp_path_factory):
         return run([*ASV, *args, "--config", str(conf)], cwd=clone, check=check)
 
     def gate(base, head):
+        reuse_asv_builds(tmp / "gate-builds", (base, head))
         return run([sys.executable, str(REPO / "tools" / "gate.py"), "--repo", str(clone), "--base", base,
                     "--head", head, "--cache", str(tmp / "gate-builds"), "--json", str(tmp / f"gate-{head}.json"),
                     *GATE_ARGS], cwd=REPO, check=False)
 
     return dict(tmp=tmp, clone=clone, asv=asv, gate=gate, commits=(a, b, c))
-
-
-def gate_rows(history, head):
-    return json.loads((history["tmp"] / f"gate-{head}.json").read_text())["rows"]
-
-
-def test_gate_fails_on_a_five_percent_slowdown(history):
-    a, b, _ = history["commits"]
-    proc = history["gate"](a, b)
-    out = proc.stdout + proc.stderr
-    print(proc.stdout)
-    assert proc.returncode == 1, out
-    assert "PERFORMANCE DECREASED" in out, out
-    rows = {(r["benchmark"], r["signal"]): r for r in gate_rows(history, b)}
-    counted = rows[("native.flash:1x2x256x64:0", "counted")]
-    # deterministic: about +5% of instructions, far beyond the 1% threshold
-    assert counted["verdict"] == "slower" and counted["ratio"] > 1.01, counted
-    timed = rows[("native.flash:1x8x512x64:0", "time")]
-    assert timed["verdict"] in ("slower", "same"), timed
-
-
-def test_gate_passes_a_no_op_commit(history):
-    _, b, c = history["commits"]
-    proc = history["gate"](b, c)
-    out = proc.stdout + proc.stderr
-    print(proc.stdout)
-    assert proc.returncode == 0, out
-    rows = gate_rows(history, c)
-    assert rows and all(r["verdict"] == "same" for r in rows), rows
-    assert all(r["ratio"] == 1.0 for r in rows if r["signal"] == "counted"), rows
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +189,72 @@ def test_site_renders_in_chromium(site):
     assert '<td class="legendLabel">causal-False; kernel-native.flash; shape-1x8x1024x64<' in page.stdout, \
         page.stdout[-3000:]
     assert shot.returncode == 0 and (SCREENSHOTS / "asv-site.png").stat().st_size > 10_000, shot.stderr
+
+
+# The build tools whose versions decide a wheel's machine code (with the C
+# compiler, the same for both): the gate compares instruction counts exactly.
+BUILD_TOOLS = ["numpy", "Cython", "meson", "meson-python", "ninja"]
+
+
+def build_tools(python):
+    code = "import importlib.metadata as m, sys; print([m.version(p) for p in sys.argv[1:]])"
+    return run([str(python), "-c", code, *BUILD_TOOLS], cwd=REPO).stdout
+
+
+def reuse_asv_builds(cache, shas):
+    """Commits that the site fixture's `asv run` built (it runs before the gate
+    tests) installed into the gate's build cache (`cache/<sha>/site`) the way the
+    gate installs its own builds, so that the gate does not build them again: asv
+    builds them with the same command (`pip wheel --no-deps --no-build-isolation`),
+    in a virtualenv with the build tools of this interpreter, which the gate builds
+    with (checked: a wheel from other versions is not reused, as its instruction
+    counts could differ from the gate's own build of the next commit). A commit
+    asv did not build (C, or every commit when the gate tests run alone) is built
+    by the gate itself, which keeps its build step under test."""
+    for sha in shas:
+        site = cache / sha / "site"
+        if site.is_dir():
+            continue
+        # asv's build cache: <env>/asv-build-cache/<sha>/<wheel>, complete once <sha>.timestamp exists
+        for wheel in sorted(ASV_ENV_DIR.glob(f"*/asv-build-cache/{sha}/*.whl")):
+            env = wheel.parents[2]
+            if not (wheel.parent.with_name(f"{sha}.timestamp")).is_file():
+                continue
+            if build_tools(env / "bin" / "python") != build_tools(sys.executable):
+                continue
+            tmp_site = site.with_name("site.tmp")
+            shutil.rmtree(tmp_site, ignore_errors=True)
+            run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_site), str(wheel)],
+                cwd=REPO)
+            tmp_site.rename(site)
+            break
+
+
+def gate_rows(history, head):
+    return json.loads((history["tmp"] / f"gate-{head}.json").read_text())["rows"]
+
+
+def test_gate_fails_on_a_five_percent_slowdown(history):
+    a, b, _ = history["commits"]
+    proc = history["gate"](a, b)
+    out = proc.stdout + proc.stderr
+    print(proc.stdout)
+    assert proc.returncode == 1, out
+    assert "PERFORMANCE DECREASED" in out, out
+    rows = {(r["benchmark"], r["signal"]): r for r in gate_rows(history, b)}
+    counted = rows[("native.flash:1x2x256x64:0", "counted")]
+    # deterministic: about +5% of instructions, far beyond the 1% threshold
+    assert counted["verdict"] == "slower" and counted["ratio"] > 1.01, counted
+    timed = rows[("native.flash:1x8x512x64:0", "time")]
+    assert timed["verdict"] in ("slower", "same"), timed
+
+
+def test_gate_passes_a_no_op_commit(history):
+    _, b, c = history["commits"]
+    proc = history["gate"](b, c)
+    out = proc.stdout + proc.stderr
+    print(proc.stdout)
+    assert proc.returncode == 0, out
+    rows = gate_rows(history, c)
+    assert rows and all(r["verdict"] == "same" for r in rows), rows
+    assert all(r["ratio"] == 1.0 for r in rows if r["signal"] == "counted"), rows
