@@ -282,8 +282,9 @@ _TILE_SIZES = (8, 16, 32, 64, 128)
 # Dv/2 output columns, more than its registers hold), then larger tiles (fewer K/V
 # reloads), then, among tiles of one area, block_q = 2 block_k (64 x 32 before 128 x 16:
 # twice the blocks over short sequences, each with as many threads), then taller ones.
-# A tile whose shared memory exceeds the 48 KB a kernel gets without asking (D = 128
-# in float32) takes dynamic shared memory, up to the GPU's limit (_tile_fits).
+# This order is the Numba kernel's (float64, and float32 where the CUDA C++ kernel
+# does not run: _simt); a tile whose shared memory exceeds the 48 KB a kernel gets
+# without asking takes dynamic shared memory, up to the GPU's limit (_tile_fits).
 # docs/gpu.md has the measured sweeps behind this order.
 _TILE_PREFERENCE = tuple(
     sorted(((bq, bk) for bq in _TILE_SIZES for bk in _TILE_SIZES),

@@ -908,7 +908,7 @@ def mma_config(d: int) -> MmaConfig:
     """The tensor-core kernel's default work division at head size d: FlashAttention-2's
     (4 warps of 32 query rows, 64-key tiles), with Q's fragments in registers up to
     d = 64 and reloaded from shared memory above, where the output accumulators of 32
-    rows leave no registers for them (tools/gpu_half_versions.py compares divisions)."""
+    rows leave no registers for them (tools/gpu_flash_versions.py compares divisions)."""
     return MmaConfig(mt=2, warps=4, block_k=64, q_smem=d > 64)
 
 
