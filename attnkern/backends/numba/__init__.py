@@ -16,9 +16,46 @@ from ..._registry import Kernel, Param, cpu_count, register
 
 
 def _numba_unavailable():
-    if importlib.util.find_spec("numba") is None:
-        return "Numba is not installed (pip install 'attnkern[numba]')"
+    for module, what in (("numba", "Numba"), ("scipy", "SciPy (Numba's np.dot calls its BLAS)"),
+                         ("threadpoolctl", "threadpoolctl")):
+        if importlib.util.find_spec(module) is None:
+            return f"{what} is not installed (pip install 'attnkern[numba]')"
     return None
+
+
+class _OneBlasThread:
+    """A context in which the BLAS libraries run one thread: numba.flash calls gemm
+    from each of its own threads, and a BLAS that started threads of its own there
+    would oversubscribe the CPUs. Calls that overlap (Numba's omp and tbb layers let
+    two Python threads in at once) share one limit: the first in sets it, the last
+    out restores what was there."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._controller = self._limit = None
+
+    def __enter__(self):
+        with self._lock:
+            if self._inside == 0:
+                if self._controller is None:
+                    # the BLAS Numba's np.dot calls, loaded before the controller looks for libraries
+                    import scipy.linalg.cython_blas  # noqa: F401
+                    from threadpoolctl import ThreadpoolController
+
+                    self._controller = ThreadpoolController()
+                self._limit = self._controller.limit(limits=1, user_api="blas")
+            self._inside += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                self._limit.restore_original_limits()
+                self._limit = None
+
+
+_ONE_BLAS_THREAD = _OneBlasThread()
 
 
 def _numba_max_threads() -> int:
@@ -85,7 +122,7 @@ def _numba_flash(q, k, v, causal, scale, block_q=256, block_k=512, num_threads=1
     numba.set_num_threads(num_threads)
     try:
         # chunks of one task, handed out as threads free up: the causal blocks differ in cost
-        with numba.parallel_chunksize(1), _parallel_lock():
+        with numba.parallel_chunksize(1), _parallel_lock(), _ONE_BLAS_THREAD:
             flash.flash_forward(q, k, v, out, causal, scale, block_q, block_k,
                                 lse if lse is not None else np.empty((0, 0), q.dtype), lse is not None)
     finally:
@@ -96,7 +133,8 @@ def _numba_flash(q, k, v, causal, scale, block_q=256, block_k=512, num_threads=1
 register(
     Kernel(
         name="numba.flash",
-        description="Numba (prange, cached): online softmax over streamed K/V blocks, no N x N buffer",
+        description="Numba (prange, cached): online softmax over streamed K/V blocks, no N x N buffer; "
+                    "the two products per block are BLAS gemm calls (np.dot)",
         run=_numba_flash,
         params=(
             Param("block_q", 256, 1, 1024, "query rows per task"),

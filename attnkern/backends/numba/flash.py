@@ -3,7 +3,12 @@
 One prange task per (batch*head, query block); each task streams K/V blocks
 and keeps a running max, sum and output accumulator per query row, so no
 N x N buffer exists and every output row is computed by one thread in a fixed
-order (bit-identical results for any thread count). Scores live in the log2
+order (bit-identical results for any thread count). The two products of a
+block, S = Q K^T and P V, are np.dot calls, which Numba compiles to the BLAS
+gemm of SciPy's cython_blas; the caller keeps that BLAS to one thread (each
+task's gemm runs on the task's thread, so its sums do not depend on the thread
+count). Numba's own loops, 4 x 4 tiles of dot products along the head size,
+spent as many instructions on the horizontal sums as on the FMAs at D = 64. Scores live in the log2
 domain (q is pre-scaled by scale*log2(e)) and 2^x is a polynomial plus
 exponent bits written through an integer view, which LLVM vectorises; a libm
 exp call per score would cost more than the two matmuls (Numba has no vector
@@ -102,97 +107,9 @@ def _exp2_inplace_typed(x, scratch, n):
     return _exp2_f32 if x.dtype == types.float32 else _exp2_f64
 
 
-@njit(**_JIT)
-def _dot_into(a, b, c, i, j, k, accumulate, zero):
-    """c[i, j] (+)= a[i, :k] . b[j, :k]"""
-    acc = c[i, j] if accumulate else zero
-    for t in range(k):
-        acc += a[i, t] * b[j, t]
-    c[i, j] = acc
-
-
-@njit(**_JIT)
-def _matmul_abt(a, b, c, m, n, k, accumulate, zero):
-    """c[:m, :n] (+)= a[:m, :k] @ b[:n, :k]^T: both operands read along rows.
-
-    A 4 x 4 tile of dot products per pass: each loaded element of a or b
-    feeds four FMAs, and LLVM vectorises every dot product along k (the
-    contiguous axis) with fastmath. The tile lives in 16 scalar locals:
-    outer-product loops over rows of c would keep it in memory, as LLVM must
-    assume c may alias a and b. zero: 0 in c's dtype, for the accumulators (a
-    literal 0 would make them float64 under Numba's typing)."""
-    m4 = m - m % 4
-    n4 = n - n % 4
-    for i in range(0, m4, 4):
-        for j in range(0, n4, 4):
-            c00 = c[i, j] if accumulate else zero
-            c01 = c[i, j + 1] if accumulate else zero
-            c02 = c[i, j + 2] if accumulate else zero
-            c03 = c[i, j + 3] if accumulate else zero
-            c10 = c[i + 1, j] if accumulate else zero
-            c11 = c[i + 1, j + 1] if accumulate else zero
-            c12 = c[i + 1, j + 2] if accumulate else zero
-            c13 = c[i + 1, j + 3] if accumulate else zero
-            c20 = c[i + 2, j] if accumulate else zero
-            c21 = c[i + 2, j + 1] if accumulate else zero
-            c22 = c[i + 2, j + 2] if accumulate else zero
-            c23 = c[i + 2, j + 3] if accumulate else zero
-            c30 = c[i + 3, j] if accumulate else zero
-            c31 = c[i + 3, j + 1] if accumulate else zero
-            c32 = c[i + 3, j + 2] if accumulate else zero
-            c33 = c[i + 3, j + 3] if accumulate else zero
-            for t in range(k):
-                x0 = a[i, t]
-                x1 = a[i + 1, t]
-                x2 = a[i + 2, t]
-                x3 = a[i + 3, t]
-                y0 = b[j, t]
-                y1 = b[j + 1, t]
-                y2 = b[j + 2, t]
-                y3 = b[j + 3, t]
-                c00 += x0 * y0
-                c01 += x0 * y1
-                c02 += x0 * y2
-                c03 += x0 * y3
-                c10 += x1 * y0
-                c11 += x1 * y1
-                c12 += x1 * y2
-                c13 += x1 * y3
-                c20 += x2 * y0
-                c21 += x2 * y1
-                c22 += x2 * y2
-                c23 += x2 * y3
-                c30 += x3 * y0
-                c31 += x3 * y1
-                c32 += x3 * y2
-                c33 += x3 * y3
-            c[i, j] = c00
-            c[i, j + 1] = c01
-            c[i, j + 2] = c02
-            c[i, j + 3] = c03
-            c[i + 1, j] = c10
-            c[i + 1, j + 1] = c11
-            c[i + 1, j + 2] = c12
-            c[i + 1, j + 3] = c13
-            c[i + 2, j] = c20
-            c[i + 2, j + 1] = c21
-            c[i + 2, j + 2] = c22
-            c[i + 2, j + 3] = c23
-            c[i + 3, j] = c30
-            c[i + 3, j + 1] = c31
-            c[i + 3, j + 2] = c32
-            c[i + 3, j + 3] = c33
-        for j in range(n4, n):  # the last n % 4 columns
-            for r in range(i, i + 4):
-                _dot_into(a, b, c, r, j, k, accumulate, zero)
-    for i in range(m4, m):  # the last m % 4 rows
-        for j in range(n):
-            _dot_into(a, b, c, i, j, k, accumulate, zero)
-
-
-# rows of a causal diagonal block computed together (a multiple of _matmul_abt's 4-row
-# tile): smaller chunks skip more of the masked triangle, larger ones run longer tiles
-_CHUNK = 16
+# rows of a causal diagonal block multiplied together: smaller chunks skip more of the
+# masked triangle, larger ones make larger (faster) gemm calls
+_CHUNK = 64
 
 
 @njit(parallel=True, **_JIT)
@@ -214,13 +131,12 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
         rows = min(block_q, nq - i0)
         # per-task workspace, allocated once and reused over the K/V blocks
         qs = np.empty((rows, d), dtype)
-        s = np.empty((rows, block_k), dtype)
+        sbuf = np.empty(rows * block_k, dtype)  # the scores of a block, then P, (rows, nkeys) C-contiguous
+        pv = np.empty((rows, dv), dtype)
         scratch = np.empty(block_k, dtype)
-        vt = np.empty((dv, block_k), dtype)
         acc = np.zeros((rows, dv), dtype)
         m = np.full(rows, -np.inf, dtype)
         lsum = np.zeros(rows, dtype)
-        zero = np.zeros(1, dtype)[0]
         for i in range(rows):
             for t in range(d):
                 qs[i, t] = q[b, i0 + i, t] * qscale
@@ -229,52 +145,43 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
         for j0 in range(0, kend, block_k):
             nkeys = min(block_k, kend - j0)
             # a causal block that crosses the diagonal (some row sees fewer than nkeys keys)
-            # is computed in chunks of _CHUNK rows, each only up to the last key its last
-            # row sees: the masked triangle is not computed, in either product
-            diagonal = causal and j0 + nkeys > i0 + 1
-            if diagonal:
-                for r0 in range(0, rows, _CHUNK):
-                    r1 = min(rows, r0 + _CHUNK)
-                    ncols = min(nkeys, i0 + r1 - j0)
-                    if ncols > 0:
-                        _matmul_abt(qs[r0:r1], k[b, j0:j0 + ncols], s[r0:r1], r1 - r0, ncols, d, False, zero)
-            else:
-                _matmul_abt(qs, k[b, j0:j0 + nkeys], s, rows, nkeys, d, False, zero)
-            for i in range(rows):
-                si = s[i]
-                # keys of this block row i sees: all, or up to the diagonal (top-left causal)
-                valid = max(0, min(nkeys, i0 + i + 1 - j0)) if causal else nkeys
-                mb = m[i]
-                for j in range(valid):
-                    mb = max(mb, si[j])
-                if mb == -np.inf:  # every key so far is masked for this row: p = 0
-                    si[:nkeys] = 0
+            # goes in chunks of _CHUNK rows, each only up to the last key its last row sees:
+            # the masked triangle is not multiplied, in either product
+            chunk = _CHUNK if causal and j0 + nkeys > i0 + 1 else rows
+            for r0 in range(0, rows, chunk):
+                r1 = min(rows, r0 + chunk)
+                ncols = min(nkeys, i0 + r1 - j0) if causal else nkeys
+                if ncols <= 0:  # rows above the block's first key: nothing to add
                     continue
-                for j in range(valid):
-                    si[j] -= mb
-                exp2_inplace(si, scratch, valid)
-                si[valid:nkeys] = 0  # masked: p = 0 where the chunk's product reads it
-                alpha = np.exp2(m[i] - mb)  # 0 on the row's first block (m = -inf)
-                m[i] = mb
-                lsum[i] = lsum[i] * alpha + np.sum(si[:valid])
-                if alpha != 1:
+                # this chunk's scores, then P: (r1 - r0, ncols) C-contiguous, inside rows r0..r1 of
+                # the block's (rows, nkeys) area of sbuf
+                s = sbuf[r0 * nkeys:r0 * nkeys + (r1 - r0) * ncols].reshape((r1 - r0, ncols))
+                # S = Q K^T and, below, P V: BLAS gemm calls (single-threaded: see the caller)
+                np.dot(qs[r0:r1], k[b, j0:j0 + ncols].T, s)
+                for i in range(r0, r1):
+                    si = s[i - r0]
+                    # keys of this block row i sees: all, or up to the diagonal (top-left causal)
+                    valid = max(0, min(ncols, i0 + i + 1 - j0)) if causal else ncols
+                    mb = m[i]
+                    for j in range(valid):
+                        mb = max(mb, si[j])
+                    if mb == -np.inf:  # every key so far is masked for this row: p = 0
+                        si[:ncols] = 0
+                        continue
+                    for j in range(valid):
+                        si[j] -= mb
+                    exp2_inplace(si, scratch, valid)
+                    si[valid:ncols] = 0  # masked: p = 0, so P V adds nothing for them
+                    alpha = np.exp2(m[i] - mb)  # 0 on the row's first block (m = -inf)
+                    m[i] = mb
+                    lsum[i] = lsum[i] * alpha + np.sum(si[:valid])
+                    if alpha != 1:
+                        for e in range(dv):
+                            acc[i, e] *= alpha
+                np.dot(s, v[b, j0:j0 + ncols], pv[r0:r1])
+                for i in range(r0, r1):
                     for e in range(dv):
-                        acc[i, e] *= alpha
-            # V^T of this block, so that P V reads both operands along the keys; made per
-            # task and block in the task's own buffer (docs/results.md compares one V^T per head).
-            # Written row by row of V^T: contiguous stores, and the block of V read with a
-            # stride stays in L1 (the other order stores every element to another cache line).
-            for e in range(dv):
-                for j in range(nkeys):
-                    vt[e, j] = v[b, j0 + j, e]
-            if diagonal:
-                for r0 in range(0, rows, _CHUNK):
-                    r1 = min(rows, r0 + _CHUNK)
-                    ncols = min(nkeys, i0 + r1 - j0)
-                    if ncols > 0:
-                        _matmul_abt(s[r0:r1], vt, acc[r0:r1], r1 - r0, dv, ncols, True, zero)
-            else:
-                _matmul_abt(s, vt, acc, rows, dv, nkeys, True, zero)
+                        acc[i, e] += pv[i, e]
         for i in range(rows):
             inv = 1 / lsum[i]
             for e in range(dv):
