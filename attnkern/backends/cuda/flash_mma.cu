@@ -15,9 +15,9 @@
 //                     held in registers for the whole call
 //   ATTNKERN_DYNAMIC  1: shared memory is the launch's dynamic shared memory (the
 //                     launch path sets the kernel's limit above 48 KB); 0: static
-// The grid is (query blocks, batch), NTHREADS = 32 NW threads a block. No header
-// is included: the tensor-core, shared-memory and conversion instructions are
-// written as inline PTX.
+// and then flash_common.cuh (types, cp.async, ex2). The grid is (query blocks,
+// batch), NTHREADS = 32 NW threads a block. No header is included: the
+// tensor-core, shared-memory and conversion instructions are written as inline PTX.
 //
 // K/V tiles stream through shared memory with cp.async, double-buffered: tile
 // j+1's K and V load while tile j is computed, one barrier a tile (rows padded by
@@ -47,24 +47,7 @@
 #define Q_ELEMS (QSMEM ? BM * LD : 0)
 #define SMEM_ELEMS (Q_ELEMS + 4 * BN * LD)
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
 struct __align__(16) u32x4 { u32 x, y, z, w; };
-
-static __device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
-static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 static __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -113,24 +96,6 @@ static __device__ __forceinline__ u16 pack1(float x) {
     asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
 #endif
     return r;
-}
-
-static __device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-static __device__ __forceinline__ float lg2(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-static __device__ __forceinline__ float neg_inf() {
-    float y;
-    asm("mov.b32 %0, 0xff800000;\n" : "=f"(y));
-    return y;
 }
 
 // whether pred holds on any lane of the (converged) warp

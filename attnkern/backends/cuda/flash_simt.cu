@@ -3,7 +3,7 @@
 //
 // A CUDA C++ device function that a numba-cuda kernel calls (kernels.py,
 // flash_simt_kernel), hosted like flash_mma.cu. Before compilation kernels.py
-// prepends the constants (kernels.SimtConfig):
+// prepends flash_common.cuh and, before that, the constants (kernels.SimtConfig):
 //   ATTNKERN_NAME  the function's name
 //   ATTNKERN_DP    the head size the tiles hold: d rounded up to a multiple of 4 KG
 //                  (columns past d are zero)
@@ -39,41 +39,6 @@
 #define LDP (BN + 8)
 #define CH (DP / (4 * KG))  // float4 output chunks a thread
 #define SMEM_FLOATS (BM * LDQ + 4 * BN * LDQ + BM * LDP)
-
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-static __device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
-static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
-static __device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-static __device__ __forceinline__ float lg2(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-static __device__ __forceinline__ float neg_inf() {
-    float y;
-    asm("mov.b32 %0, 0xff800000;\n" : "=f"(y));
-    return y;
-}
 
 // rows r0... of a (n, d) float32 array into a shared tile of `rows` rows (stride
 // LDQ), rows past n and columns past d zero-filled

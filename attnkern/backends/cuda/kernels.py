@@ -842,7 +842,7 @@ def flash_simt(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtC
 @functools.cache
 def _linked_kernel(source: str, name: str, defines: tuple, params: tuple, threads: int, shared: int):
     """A numba-cuda kernel whose body calls the CUDA C++ device function `name` of
-    `source` (a file beside this one), compiled by numba-cuda (NVRTC) with the
+    `source` (a file beside this one, after flash_common.cuh), compiled by numba-cuda (NVRTC) with the
     constants ATTNKERN_<key> of `defines` ((key, value) pairs; and NAME, DYNAMIC) prepended, linked into
     the kernel and compiled here for its one signature (params: "u64", "i32",
     "f32"); registered for launch() below the dispatcher, with `shared` bytes of
@@ -850,8 +850,11 @@ def _linked_kernel(source: str, name: str, defines: tuple, params: tuple, thread
     from numba.cuda import types as nbtypes
 
     dynamic = shared > SHARED_BYTES
-    with open(os.path.join(os.path.dirname(__file__), source)) as f:
-        body = f.read()
+    here = os.path.dirname(__file__)
+    body = ""
+    for part in ("flash_common.cuh", source):  # the shared definitions first: NVRTC has no include path here
+        with open(os.path.join(here, part)) as f:
+            body += f.read() + "\n"
     defines = {**dict(defines), "NAME": name, "DYNAMIC": int(dynamic)}
     text = "".join(f"#define ATTNKERN_{key} {value}\n" for key, value in defines.items())
     types = {"u64": nbtypes.uint64, "i32": nbtypes.int32, "f32": nbtypes.float32}
