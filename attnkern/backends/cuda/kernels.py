@@ -133,10 +133,15 @@ class RawKernel:
 
 
 def shared_limit() -> int:
-    """The most shared memory one block may have on this GPU (with the kernel's
-    limit raised), or the static limit where there is no GPU (the simulator)."""
+    """The most shared memory one block may have on the current GPU (with the
+    kernel's limit raised), or the static limit where there is no GPU (the simulator)."""
     if config.ENABLE_CUDASIM:
         return SHARED_BYTES
+    return _optin_limit(cuda.get_current_device().id)
+
+
+@functools.cache  # asked on every call that picks a tile; a device's limit does not change
+def _optin_limit(device_id: int) -> int:
     return cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
 
