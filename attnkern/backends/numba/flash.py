@@ -42,13 +42,14 @@ EXP2_F64 = (1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
 _JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
 
 
-def _exp2_f32(x, scratch, n):
-    """x[:n] = 2^x[:n] in place for x <= 0; x < -126 (and -inf) gives exactly 0.
-    scratch: a float32 buffer of at least n, reused as the exponent bits."""
+def _exp2_f32(x, scratch, n, shift):
+    """x[:n] = 2^(x[:n] - shift) in place, for x <= shift; an exponent below -126
+    (and -inf) gives exactly 0. scratch: a float32 buffer of at least n, reused as the
+    exponent bits. The shift is subtracted here, not in a pass of its own."""
     bits = scratch.view(np.int32)
     c0, c1, c2, c3, c4, c5 = EXP2_F32
     for j in range(n):
-        t = max(x[j], np.float32(-126.0))
+        t = max(x[j] - shift, np.float32(-126.0))
         r = np.floor(t + np.float32(0.5))
         f = t - r
         p = np.float32(c5)
@@ -67,12 +68,12 @@ def _exp2_f32(x, scratch, n):
         xi[j] = xi[j] + e - np.int32(127 << 23) if e > np.int32(1 << 23) else np.int32(0)
 
 
-def _exp2_f64(x, scratch, n):
-    """The float64 twin of _exp2_f32: x < -1022 (and -inf) gives exactly 0."""
+def _exp2_f64(x, scratch, n, shift):
+    """The float64 twin of _exp2_f32: an exponent below -1022 (and -inf) gives exactly 0."""
     bits = scratch.view(np.int64)
     c = EXP2_F64
     for j in range(n):
-        t = max(x[j], -1022.0)
+        t = max(x[j] - shift, -1022.0)
         r = np.floor(t + 0.5)
         f = t - r
         p = c[13]
@@ -97,12 +98,12 @@ def _exp2_f64(x, scratch, n):
         xi[j] = xi[j] + e - np.int64(1023 << 52) if e > np.int64(1 << 52) else np.int64(0)
 
 
-def exp2_inplace(x, scratch, n):
-    """2^x in place for the first n entries of x (x <= 0), in x's dtype."""
+def exp2_inplace(x, scratch, n, shift):
+    """2^(x - shift) in place for the first n entries of x (x <= shift), in x's dtype."""
 
 
 @overload(exp2_inplace, jit_options=dict(fastmath=True, error_model="numpy"))
-def _exp2_inplace_typed(x, scratch, n):
+def _exp2_inplace_typed(x, scratch, n, shift):
     # chosen when Numba types the call, so each dtype compiles only its own version
     return _exp2_f32 if x.dtype == types.float32 else _exp2_f64
 
@@ -168,9 +169,7 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
                     if mb == -np.inf:  # every key so far is masked for this row: p = 0
                         si[:ncols] = 0
                         continue
-                    for j in range(valid):
-                        si[j] -= mb
-                    exp2_inplace(si, scratch, valid)
+                    exp2_inplace(si, scratch, valid, mb)
                     si[valid:ncols] = 0  # masked: p = 0, so P V adds nothing for them
                     alpha = np.exp2(m[i] - mb)  # 0 on the row's first block (m = -inf)
                     m[i] = mb
