@@ -2,8 +2,9 @@
 fraction of the grid, robust to timing noise.
 
 Search: over each tunable's lattice of values (powers of two for blocks and
-threads; the tiles that fit shared memory for cuda.flash), the kernel's default
-first, then trials alternate between exploring, Optuna's TPE sampler (seeded,
+threads; the tiles that run for cuda.flash, with and without tensor cores in
+float32), the kernel's default first, then trials alternate between exploring,
+Optuna's TPE sampler (seeded,
 multivariate: a model of where fast configurations lie), one trial in three,
 and exploiting, an untried one-step neighbour of the best so far, the step
 that led there continued first (timings are smooth in the blocks); the model is
@@ -88,7 +89,10 @@ def space(kernel: str, nq: int, nk: int, d: int, dv: int, itemsize: int) -> dict
         from attnkern.backends.cuda import flash_tiles
 
         tiles = flash_tiles(d, dv, itemsize)
-        return {"block_q": sorted({bq for bq, _ in tiles}), "block_k": sorted({bk for _, bk in tiles})}
+        lattice = {"block_q": sorted({bq for bq, _ in tiles}), "block_k": sorted({bk for _, bk in tiles})}
+        if tiles != flash_tiles(d, dv, itemsize, tensor_cores=0):  # float32 with a tensor-core kernel
+            lattice["tensor_cores"] = [0, 1]
+        return lattice
     lattice = {}
     for name, p in info.items():
         if name == "num_threads":
@@ -110,7 +114,7 @@ def default_params(kernel: str, lattice: dict, d: int, dv: int, itemsize: int) -
         from attnkern.backends.cuda import flash_default_tile
 
         bq, bk = flash_default_tile(d, dv, itemsize)
-        return {"block_q": bq, "block_k": bk}
+        return {"block_q": bq, "block_k": bk, **({"tensor_cores": 1} if "tensor_cores" in lattice else {})}
     return {name: info[name]["default"] if info[name]["default"] in values
             else min(values, key=lambda v: abs(math.log2(v) - math.log2(max(1, info[name]["default"]))))
             for name, values in lattice.items()}
@@ -118,12 +122,12 @@ def default_params(kernel: str, lattice: dict, d: int, dv: int, itemsize: int) -
 
 def validity(kernel: str, d: int, dv: int, itemsize: int):
     """A predicate on configurations of the lattice that the kernel accepts for this
-    problem (cuda.flash: the tile fits shared memory), or None when all are."""
+    problem (cuda.flash: the tile runs, with tensor cores or without), or None when all are."""
     if kernel == "cuda.flash":
         from attnkern.backends.cuda import flash_tiles
 
-        fits = set(flash_tiles(d, dv, itemsize))
-        return lambda p: (p["block_q"], p["block_k"]) in fits
+        fits = [set(flash_tiles(d, dv, itemsize, tensor_cores=tc)) for tc in (0, 1)]
+        return lambda p: (p["block_q"], p["block_k"]) in fits[p.get("tensor_cores", 1)]
     return None
 
 

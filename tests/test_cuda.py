@@ -241,44 +241,66 @@ def test_flash_tiles_in_dynamic_shared_memory(d, block_q, block_k):
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
-@pytest.mark.parametrize("d", [4, 36, 64, 100, 128])
-def test_float32_cuda_cpp_kernel(d, monkeypatch):
-    """float32 with D = Dv a multiple of 4 up to 128 runs the register-blocked CUDA C++
-    kernel (the Numba kernel is made to fail here) in its default and every other tile:
-    against float64 with lse, causal and not, partial blocks and nq != nk, a negative
-    scale, bit-identical run to run. Arrays at addresses it cannot take (not 16-byte
-    aligned) go to the Numba kernel, with the same results to float32 rounding."""
+@pytest.mark.parametrize("d", [4, 16, 36, 64, 80, 100, 128])
+def test_float32_cuda_cpp_kernels(d, monkeypatch):
+    """float32 with D = Dv a multiple of 4 up to 128 runs a CUDA C++ kernel (the Numba
+    kernel is made to fail here) in every tile one has: the 3xTF32 tensor-core kernel
+    where D is a multiple of 16 and the tile is its default or 64 or 128 x 32 or 64
+    (with tensor_cores=1, the default), else the register-blocked FMA kernel in its
+    default and every other tile. Each against float64 with lse, causal and not,
+    partial blocks and nq != nk, a negative scale, bit-identical run to run. Arrays
+    at addresses neither can take (not 16-byte aligned) go to the Numba kernel, with
+    the same results to float32 rounding."""
     from attnkern.backends.cuda import kernels
 
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(d)
     numba_flash = kernels.flash
+    ran = []
 
     def refuse(*args, **kwargs):
         raise AssertionError("the Numba kernel ran")
 
+    def noting(name):
+        real = getattr(kernels, name)
+        return lambda *args, **kwargs: ran.append(name) or real(*args, **kwargs)
+
     monkeypatch.setattr(kernels, "flash", refuse)
+    for name in ("flash_mma_launch", "flash_simt_launch"):
+        monkeypatch.setattr(kernels, name, noting(name))
+    tc_tiles = {(0, 0), (64, 32), (64, 64), (128, 32), (128, 64)}
+    simt_tiles = {(0, 0)} | {(bq, bk) for bq in kernels.SIMT_BLOCK_Q for bk in kernels.SIMT_BLOCK_K if bq * bk <= 4096}
     for nq, nk in ((150, 131), (1, 70), (200, 200)):
         q, k, v = random_qkv(rng, (2,), nq, nk, d, d, np.float32)
-        for block_q, block_k in [(0, 0)] + [(bq, bk) for bq in kernels.SIMT_BLOCK_Q for bk in kernels.SIMT_BLOCK_K
-                                            if bq * bk <= 4096]:
-            for causal in (False, True):
-                scale = -0.6 / np.sqrt(d) if nq == 1 else None
-                run = functools.partial(attnkern.attention, q, k, v, causal=causal, scale=scale, kernel="cuda.flash",
-                                        block_q=block_q, block_k=block_k, return_lse=True)
-                out, lse = run()
-                assert_matches_reference(out, q, k, v, causal=causal, scale=scale)
-                ref_lse = reference_lse(q.astype(np.float64), k.astype(np.float64), causal,
-                                        1 / np.sqrt(d) if scale is None else scale)
-                np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
-                again, lse_again = run()
-                assert np.array_equal(out, again) and np.array_equal(lse, lse_again)
+        for tensor_cores in (1, 0):
+            for block_q, block_k in sorted(tc_tiles | simt_tiles):
+                if tensor_cores and d % 16 == 0 and (block_q, block_k) in tc_tiles:
+                    expected = "flash_mma_launch"
+                elif (block_q, block_k) in simt_tiles:
+                    expected = "flash_simt_launch"
+                else:
+                    continue  # a tile neither CUDA C++ kernel has: the Numba kernel's (other tests)
+                for causal in (False, True):
+                    scale = -0.6 / np.sqrt(d) if nq == 1 else None
+                    run = functools.partial(attnkern.attention, q, k, v, causal=causal, scale=scale,
+                                            kernel="cuda.flash", block_q=block_q, block_k=block_k,
+                                            tensor_cores=tensor_cores, return_lse=True)
+                    out, lse = run()
+                    assert ran[-1] == expected, (block_q, block_k, tensor_cores)
+                    assert_matches_reference(out, q, k, v, causal=causal, scale=scale)
+                    ref_lse = reference_lse(q.astype(np.float64), k.astype(np.float64), causal,
+                                            1 / np.sqrt(d) if scale is None else scale)
+                    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+                    again, lse_again = run()
+                    assert np.array_equal(out, again) and np.array_equal(lse, lse_again)
     # a torch view 4 bytes past an aligned address: the Numba kernel takes it
     monkeypatch.setattr(kernels, "flash", numba_flash)
-    monkeypatch.setattr(kernels, "flash_simt", refuse)
+    monkeypatch.setattr(kernels, "flash", noting("flash"))
     base = torch.from_numpy(rng.standard_normal(3 * 64 * d + 1).astype(np.float32)).cuda()
     q = base[1:].view(3, 64, d)
+    ran.clear()
     out = attnkern.attention(q, q, q, kernel="cuda.flash")
+    assert ran[0] == "flash"  # (then the fast path prepares a launch for aligned tensors of this shape)
     assert_matches_reference(out.cpu().numpy(), *(q.cpu().numpy(),) * 3)
 
 

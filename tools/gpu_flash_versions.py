@@ -1,30 +1,31 @@
 """cuda.flash's CUDA C++ kernels in several work divisions side by side, each checked
 against float64 and timed against torch's scaled_dot_product_attention on one GPU:
-the tensor-core kernel (flash_mma.cu) for float16/bfloat16, the register-blocked
-kernel (flash_simt.cu) for float32.
+the tensor-core kernels (flash_mma.cu for float16/bfloat16, flash_tf32.cu for
+float32 in 3xTF32) and the register-blocked float32 kernel (flash_simt.cu).
 
     python3 tools/gpu_flash_versions.py OUT.json [--dims 64,128] [--sizes 4096,8192]
         [--dtypes bfloat16,float16,float32] [--configs default,mt2w4k64,64x64t4x8,...]
         [--runs 20] [--library]
 
 Kernels: one per --configs entry that names a division of the dtype's kernel,
-launched directly (prepared once, below Numba's dispatcher): for float16/bfloat16 a
+launched directly (prepared once, below Numba's dispatcher): a tensor-core kernel's
 kernels.MmaConfig, "mt{mma tiles a warp}w{warps}k{keys a tile}" with "qs" if Q is
-reloaded from shared memory; for float32 a kernels.SimtConfig,
-"{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a thread's). "default" is
-the division the library picks for the head size (marked *); a division that does
-not fit the head size or the GPU is reported and skipped. "attention", with
+reloaded from shared memory; for float32 also a kernels.SimtConfig of the
+register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
+thread's). "default" is the division the library picks for the head size (marked
+*); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
 --library: attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
 library's whole call on torch tensors.
 
 Checks, per kernel, head size and dtype: odd shapes (partial blocks, nq != nk, a
 negative scale) causal and not, output and log-sum-exp against float64 with the
 tolerances of tests/test_triton.py, and two runs bit-identical; at each timed size,
-about 256 sampled query rows of every head against float64.
+about 256 sampled query rows of every head against float64 (torch's SDPA's too).
 
 Timing: (1, 16, N, D), causal and not; each sample is a pair of CUDA events around
 5 back-to-back calls, 3 warm-up samples, the median of --runs samples; torch's SDPA
-on the same tensors, TF32 off (float32 FMAs on both sides). TFLOP/s count
+on the same tensors, TF32 off (torch's float32 kernel then runs 3xTF32 on tensor
+cores, as flash_tf32.cu does; flash_simt.cu runs float32 FMAs). TFLOP/s count
 4 B H N^2 D, half that with causal masking.
 """
 
@@ -55,25 +56,26 @@ SIMT_NAME, MMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?"
 
 
 def parse_config(text, d, dtype):
-    """A division of the dtype's kernel from its name, or "default"; None where the
-    name is one of the other kernel's divisions."""
+    """A division of one of the dtype's kernels from its name, or "default" (the
+    library's choice); None where the name is a division the dtype has no kernel for."""
     simt, mma = re.fullmatch(SIMT_NAME, text), re.fullmatch(MMA_NAME, text)
     if text != "default" and not simt and not mma:
         raise SystemExit(f"--configs: {text!r} is not 'default' nor a division like mt2w4k64qs or 64x64t4x8")
-    if dtype == "float32":
-        return kernels.simt_config(d) if text == "default" else simt and kernels.SimtConfig(*map(int, simt.groups()))
     if text == "default":
-        return kernels.mma_config(d)
-    return mma and kernels.MmaConfig(mt=int(mma[1]), warps=int(mma[2]), block_k=int(mma[3]), q_smem=bool(mma[4]))
+        return kernels.mma_config(d, dtype) if kernels.mma_head_size_ok(d, d) else kernels.simt_config(d)
+    if simt:
+        return kernels.SimtConfig(*map(int, simt.groups())) if dtype == "float32" else None
+    return kernels.MmaConfig(mt=int(mma[1]), warps=int(mma[2]), block_k=int(mma[3]), q_smem=bool(mma[4]))
 
 
 class Kernel:
-    """One of the library's CUDA C++ kernels in one work division."""
+    """One of the library's CUDA C++ kernels in one work division: a SimtConfig
+    names flash_simt.cu's, an MmaConfig the tensor-core kernel of the dtype
+    (flash_mma.cu, or flash_tf32.cu for float32)."""
 
     def __init__(self, config, d, dtype):
-        self.config, self.simt = config, dtype == "float32"
-        default = kernels.simt_config(d) if self.simt else kernels.mma_config(d)
-        self.name = str(config) + ("*" if config == default else "")
+        self.config, self.simt = config, isinstance(config, kernels.SimtConfig)
+        self.name = str(config) + ("*" if config == parse_config("default", d, dtype) else "")
         self.kernel = kernels.flash_simt_kernel(d, config) if self.simt else kernels.flash_mma_kernel(dtype, d, config)
 
     def launch(self, q, k, v, out, lse, causal, scale):
@@ -190,8 +192,9 @@ def main():
                     flops = 4 * 16 * n * n * d / (2 if causal else 1)
                     ref, _ = reference(q, k, v, causal, 1 / d**0.5, rows)
                     t = event_time(lambda: sdpa(q, k, v, is_causal=causal), a.runs)
+                    e = err(sdpa(q, k, v, is_causal=causal)[..., rows, :], ref, v.abs().max())
                     base = {"dtype": dtype, "d": d, "n": n, "causal": causal}
-                    rows_out = [{**base, "kernel": "torch.sdpa", "seconds": t, "tflops": flops / t / 1e12}]
+                    rows_out = [{**base, "kernel": "torch.sdpa", "seconds": t, "tflops": flops / t / 1e12, "error": e}]
                     timed = [(kern.name, kern.prepared(q, k, v, out, causal, 1 / d**0.5)) for kern in timed_kernels]
                     if a.library:
                         timed.append(("attention", lambda: attnkern.attention(q, k, v, causal=causal,

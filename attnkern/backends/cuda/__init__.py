@@ -114,44 +114,61 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
     )
 
 
-def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, out=None, lse=None):
+def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, out=None, lse=None):
     """lse: None, or a (batch, nq) array of q's dtype to fill with each row's
     log-sum-exp: a GpuArray, or a NumPy array (filled from a copy on the GPU)."""
     from . import arrays, kernels
 
     if q.dtype.name in kernels.MMA_DTYPES:
         return _cuda_flash_half(q, k, v, causal, scale, out, lse)
-    simt = _simt(block_q, block_k, q.shape[2], v.shape[2], q.dtype)
-    if simt is None:
-        block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
+    cpp = _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
     host = isinstance(q, np.ndarray)
     dq, dk, dv, out = _to_device(q, k, v, out)
     lse_host = isinstance(lse, np.ndarray)
     dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
     ptrs = [a.ptr for a in (dq, dk, dv, out)] + ([] if dlse is None else [dlse.ptr])
-    if simt is not None and kernels.simt_aligned(*ptrs):
-        kernels.flash_simt(dq, dk, dv, out, causal, scale, lse=dlse, config=simt)
-    else:  # the Numba kernel, also for float32 arrays the CUDA C++ kernel cannot take at their addresses
-        if simt is not None:
-            block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
+    if cpp is not None and _cpp_aligned(cpp)(*ptrs):
+        kernel, grid, block, args = _cpp_launch(cpp)(dq, dk, dv, out, causal, scale, dlse, cpp)
+        kernels.launch(kernel, grid, block, *args)
+    else:  # the Numba kernel, also for float32 arrays the CUDA C++ kernels cannot take at their addresses
+        block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
         kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse)
     if lse_host:
         lse[...] = arrays.to_host(dlse)
     return _from_device(out, host)
 
 
-def _simt(block_q: int, block_k: int, d: int, dv: int, dtype):
-    """The division of the register-blocked float32 kernel (flash_simt.cu) for this
-    call's tile, or None where the Numba kernel runs it: float64, head sizes that
-    kernel does not take (D = Dv a multiple of 4 up to 128), tiles it does not have
-    (kernels.simt_config), and the simulator, which runs no CUDA C++."""
+def _cpp_kernel(block_q: int, block_k: int, d: int, dv: int, dtype, tensor_cores: int):
+    """The CUDA C++ kernel that runs a float32 call with this tile, as its division:
+    a kernels.MmaConfig for the tensor-core kernel (flash_tf32.cu, 3xTF32; with
+    tensor_cores, where it has the tile and head size: kernels.tf32_config), else a
+    kernels.SimtConfig for the register-blocked kernel (flash_simt.cu, float32 FMAs;
+    where it has them: kernels.simt_config), else None: the Numba kernel runs it, as
+    it runs float64 and everything under the simulator, which runs no CUDA C++."""
     from numba import config
 
     from . import kernels
 
-    if np.dtype(dtype) != np.float32 or config.ENABLE_CUDASIM or not kernels.simt_applies(d, dv):
+    d, dv = int(d), int(dv)
+    if np.dtype(dtype) != np.float32 or config.ENABLE_CUDASIM:
         return None
-    return kernels.simt_config(d, block_q, block_k)
+    if tensor_cores and (tc := kernels.tf32_config(d, dv, block_q, block_k)) is not None:
+        return tc
+    return kernels.simt_config(d, block_q, block_k) if kernels.simt_applies(d, dv) else None
+
+
+def _cpp_launch(cpp):
+    """The launch function (kernels.flash_mma_launch or flash_simt_launch) of the kernel _cpp_kernel chose."""
+    from . import kernels
+
+    return kernels.flash_mma_launch if isinstance(cpp, kernels.MmaConfig) else kernels.flash_simt_launch
+
+
+def _cpp_aligned(cpp):
+    """The address test of the kernel _cpp_kernel chose."""
+    from . import kernels
+
+    return kernels.tf32_aligned if isinstance(cpp, kernels.MmaConfig) else kernels.simt_aligned
 
 
 def _cuda_flash_half(q, k, v, causal, scale, out, lse):
@@ -179,7 +196,7 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse):
 
 
 def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
-                   block_q: int, block_k: int, with_lse: bool):
+                   block_q: int, block_k: int, tensor_cores: int, with_lse: bool):
     """cuda.flash's launch for (batch, n, d) GPU arrays of these sizes and dtype,
     with everything but the addresses fixed: (kernels.Prepared taking the addresses
     of q, k, v, out[, lse], the test the addresses must pass or None), or None where
@@ -198,9 +215,9 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
                 return None
             kernel, grid, block, args = kernels.flash_mma_launch(*roles[:4], causal, scale, lse)
             aligned = kernels.mma_aligned
-        elif (simt := _simt(block_q, block_k, d, dv, dtype)) is not None:
-            kernel, grid, block, args = kernels.flash_simt_launch(*roles[:4], causal, scale, lse, simt)
-            aligned = kernels.simt_aligned
+        elif (cpp := _cpp_kernel(block_q, block_k, d, dv, dtype, tensor_cores)) is not None:
+            kernel, grid, block, args = _cpp_launch(cpp)(*roles[:4], causal, scale, lse, cpp)
+            aligned = _cpp_aligned(cpp)
         else:
             block_q, block_k = _flash_tiles(block_q, block_k, d, dv, dtype.itemsize)
             kernel, grid, block, args = kernels.flash_launch(*roles[:4], causal, scale, block_q, block_k, lse=lse)
@@ -231,10 +248,12 @@ def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize:
     return bq, bk
 
 
-def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, dq=None, dk=None, dv=None):
+def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, tensor_cores=1, dq=None,
+                         dk=None, dv=None):
     """(dq, dk, dv) of cuda.flash, from the forward's out and lse and the
     output's gradient dout. GpuArrays: dq, dk, dv are the caller's, filled and
-    returned; NumPy arrays: copied to the GPU, the gradients copied back."""
+    returned; NumPy arrays: copied to the GPU, the gradients copied back. The
+    backward runs float32 FMAs: tensor_cores applies to the forward only."""
     from . import arrays, kernels
 
     if q.dtype.name in kernels.MMA_DTYPES:
@@ -260,20 +279,28 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
 
 
 def flash_default_tile(d: int, dv: int, itemsize: int) -> tuple[int, int]:
-    """The (block_q, block_k) that cuda.flash runs for block_q = block_k = 0: the
-    register-blocked float32 kernel's default tile where that kernel applies, else
-    the first of flash_tiles."""
-    simt = _simt(0, 0, d, dv, np.float32) if itemsize == 4 else None
-    return (simt.block_q, simt.block_k) if simt is not None else flash_tiles(d, dv, itemsize)[0]
+    """The (block_q, block_k) that cuda.flash runs for block_q = block_k = 0 (and
+    tensor_cores = 1): the default tile of the float32 CUDA C++ kernel that runs
+    (_cpp_kernel), else the first of flash_tiles."""
+    cpp = _cpp_kernel(0, 0, d, dv, np.float32, 1) if itemsize == 4 else None
+    return (cpp.block_q, cpp.block_k) if cpp is not None else flash_tiles(d, dv, itemsize)[0]
 
 
-def flash_tiles(d: int, dv: int, itemsize: int) -> list[tuple[int, int]]:
-    """cuda.flash's (block_q, block_k) tiles that fit shared memory for this head
-    size and dtype, in the order block_q = block_k = 0 tries them."""
+def flash_tiles(d: int, dv: int, itemsize: int, tensor_cores: int = 1) -> list[tuple[int, int]]:
+    """cuda.flash's (block_q, block_k) tiles that run for this head size and dtype:
+    those of the Numba kernel whose shared memory fits, in the order block_q =
+    block_k = 0 tries them, and in float32 with tensor_cores those of the
+    tensor-core kernel (flash_tf32.cu) too, its default first."""
     from . import kernels
 
     auto = [t for t in _TILE_PREFERENCE if _tile_fits(*t, d, dv, itemsize, False)]
-    return auto + [t for t in _TILE_PREFERENCE if t not in auto and _tile_fits(*t, d, dv, itemsize, True)]
+    tiles = auto + [t for t in _TILE_PREFERENCE if t not in auto and _tile_fits(*t, d, dv, itemsize, True)]
+    if itemsize != 4 or not tensor_cores:
+        return tiles
+    tc = [(bq, bk) for bq in kernels.TF32_BLOCK_Q for bk in kernels.TF32_BLOCK_K
+          if isinstance(_cpp_kernel(bq, bk, d, dv, np.float32, 1), kernels.MmaConfig)]
+    tc.sort(key=lambda t: t != flash_default_tile(d, dv, itemsize))
+    return tc + [t for t in tiles if t not in tc]
 
 
 _TILE_SIZES = (8, 16, 32, 64, 128)
@@ -283,7 +310,7 @@ _TILE_SIZES = (8, 16, 32, 64, 128)
 # reloads), then, among tiles of one area, block_q = 2 block_k (64 x 32 before 128 x 16:
 # twice the blocks over short sequences, each with as many threads), then taller ones.
 # This order is the Numba kernel's (float64, and float32 where the CUDA C++ kernel
-# does not run: _simt); a tile whose shared memory exceeds the 48 KB a kernel gets
+# does not run: _cpp_kernel); a tile whose shared memory exceeds the 48 KB a kernel gets
 # without asking takes dynamic shared memory, up to the GPU's limit (_tile_fits).
 # docs/gpu.md has the measured sweeps behind this order.
 _TILE_PREFERENCE = tuple(
@@ -308,16 +335,21 @@ register(
     Kernel(
         name="cuda.flash",
         description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory "
-                    "(float32: register-blocked CUDA C++; float16/bfloat16: tensor cores; float64: Numba); "
+                    "(float32: tensor cores in 3xTF32, or register-blocked float32 FMAs, CUDA C++; "
+                    "float16/bfloat16: tensor cores; float64: Numba); "
                     "deterministic backward in two (dK/dV per key block, dQ per query block)",
         run=_cuda_flash,
         params=(
             Param("block_q", 0, 0, 128, "queries per thread block; 0: the kernel's default (float32 CUDA C++ "
-                  "kernel: 64; Numba kernel: the largest tile that fits; backward: 64, halved until it fits)",
-                  choices=(0, *_TILE_SIZES)),
+                  "kernels: 128 on tensor cores, else 64; Numba kernel: the largest tile that fits; backward: "
+                  "64, halved until it fits)", choices=(0, *_TILE_SIZES)),
             Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the kernel's default (float32 CUDA C++ "
-                  "kernel: 64 up to D = 64, else 32; Numba kernel: the largest tile that fits; backward: 64, "
-                  "halved until it fits)", choices=(0, *_TILE_SIZES)),
+                  "kernels: 64, but 32 without tensor cores above D = 64; Numba kernel: the largest tile that "
+                  "fits; backward: 64, halved until it fits)", choices=(0, *_TILE_SIZES)),
+            Param("tensor_cores", 1, 0, 1, "float32 forward: 1 computes Q K^T and P V on tensor cores in 3xTF32 "
+                  "(each operand split into two TF32 parts, three products: about float32 FMAs' accuracy) where "
+                  "that kernel has the tile (64 or 128 x 32 or 64) and head size (D = Dv a multiple of 16 up to "
+                  "128); 0 runs float32 FMAs", choices=(0, 1)),
         ),
         unavailable_reason=_cuda_unavailable,
         device="cuda",
@@ -446,7 +478,7 @@ def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
         return _Plan()
     (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
     prepared = prepared_flash(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
-                              resolved["block_q"], resolved["block_k"], with_lse)
+                              resolved["block_q"], resolved["block_k"], resolved["tensor_cores"], with_lse)
     sizes = (call.q.size, call.k.size, call.v.size, math.prod(call.out_shape))
     scan = kernels.FiniteScan.prepare(call.q.dtype, sizes) if check else None
     if prepared is None or (check and scan is None):

@@ -1,4 +1,4 @@
-// Definitions shared by the CUDA C++ kernels of cuda.flash (flash_mma.cu, flash_simt.cu):
+// Definitions shared by the CUDA C++ kernels of cuda.flash (flash_mma.cu, flash_tf32.cu, flash_simt.cu):
 // kernels.py compiles each kernel's source with this file prepended (NVRTC gets one
 // source string, no include path). Inline PTX: no header is needed.
 
@@ -36,4 +36,109 @@ static __device__ __forceinline__ float neg_inf() {
     float y;
     asm("mov.b32 %0, 0xff800000;\n" : "=f"(y));
     return y;
+}
+
+// whether pred holds on any lane of the (converged) warp
+static __device__ __forceinline__ bool warp_any(bool pred) {
+    u32 r;
+    asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 %0, 1, 0, q; }"
+                 : "=r"(r) : "r"((u32)pred));
+    return r != 0;
+}
+
+// The online softmax of one tile's raw scores s (16 rows x 8 NS keys, in the layout
+// of an mma.sync m16n8 accumulator: lane rows r0 and r0 + 8, keys j0 + 8 n + 2t
+// and + 1, t = lane % 4), for the tensor-core kernels (flash_mma.cu, flash_tf32.cu):
+// masks (MASK: keys past nk, and past the row with causal masking), updates the
+// running max m of the raw scores and the lane's partial sums l, returns the
+// factors a that rescale the old sums and output rows, and hands each 8-key tile's
+// probabilities p = 2^(s c - m c) (one FFMA and ex2.approx a score; c = the
+// scale's magnitude times log2(e)) to emit(n, p), which stores them as its kernel
+// multiplies them (so they need not outlive the call in float32).
+template <int NS, bool MASK, class Emit>
+static __device__ __forceinline__ void softmax_tile(float (&s)[NS][4], float (&m)[2], float (&l)[2], float (&a)[2],
+                                                    float c, int j0, int nk, int causal, int r0, Emit emit) {
+    const float NEG_INF = neg_inf();
+    const int t = threadIdx.x & 3;
+    float mx0 = m[0], mx1 = m[1];
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        if (MASK) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = j0 + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
+                if (key >= nk || (causal && key > row)) s[n][e] = NEG_INF;
+            }
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    // a row with no visible key yet keeps max -inf: its p, sums and factors stay 0
+    const float mc0 = mx0 == NEG_INF ? 0.f : mx0 * c, mc1 = mx1 == NEG_INF ? 0.f : mx1 * c;
+    a[0] = m[0] == NEG_INF ? 0.f : ex2(m[0] * c - mc0);
+    a[1] = m[1] == NEG_INF ? 0.f : ex2(m[1] * c - mc1);
+    m[0] = mx0;
+    m[1] = mx1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            p[e] = ex2(fmaf(s[n][e], c, -(e < 2 ? mc0 : mc1)));
+            if (MASK && s[n][e] == NEG_INF) p[e] = 0.f;  // also where c = 0
+        }
+        ps0 += p[0] + p[1];
+        ps1 += p[2] + p[3];
+        emit(n, p);
+    }
+    l[0] = l[0] * a[0] + ps0;  // this lane's keys only; summed over the row's lanes at the end
+    l[1] = l[1] * a[1] + ps1;
+}
+
+// softmax_tile with its masks only where the tile needs them (mask: it crosses nk
+// or the mma tile's causal diagonal)
+template <int NS, class Emit>
+static __device__ __forceinline__ void softmax_tile_masked_if(bool mask, float (&s)[NS][4], float (&m)[2], float (&l)[2],
+                                                              float (&a)[2], float c, int j0, int nk, int causal, int r0,
+                                                              Emit emit) {
+    if (mask)
+        softmax_tile<NS, true>(s, m, l, a, c, j0, nk, causal, r0, emit);
+    else
+        softmax_tile<NS, false>(s, m, l, a, c, j0, nk, causal, r0, emit);
+}
+
+// o's rows g (elements 0, 1 of each 8-column tile) and g + 8 (2, 3) times a[0] and a[1]
+template <int NO>
+static __device__ __forceinline__ void scale_rows(float (&o)[NO][4], const float (&a)[2]) {
+#pragma unroll
+    for (int j = 0; j < NO; ++j) {
+        o[j][0] *= a[0];
+        o[j][1] *= a[0];
+        o[j][2] *= a[1];
+        o[j][3] *= a[1];
+    }
+}
+
+// the sum of x over the 4 lanes that share an accumulator row
+static __device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// a row's log-sum-exp from its max m of the raw scores and its sum l of 2^(s c - m c):
+// (m c + log2 l) ln 2, m c being the scaled max in the log2 domain
+static __device__ __forceinline__ float row_lse(float m, float c, float l) {
+    return (m * c + lg2(l)) * 0.6931471805599453f;
+}
+
+// the first query row of this block of bm rows: with causal masking block x does
+// (x + 1) bm rows' worth of keys, so the grid is walked from its last block (the
+// blocks with the most tiles are issued first)
+static __device__ __forceinline__ int block_first_row(int causal, int bm) {
+    return (causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * bm;
 }

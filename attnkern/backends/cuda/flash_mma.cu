@@ -98,14 +98,6 @@ static __device__ __forceinline__ u16 pack1(float x) {
     return r;
 }
 
-// whether pred holds on any lane of the (converged) warp
-static __device__ __forceinline__ bool warp_any(bool pred) {
-    u32 r;
-    asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 %0, 1, 0, q; }"
-                 : "=r"(r) : "r"((u32)pred));
-    return r != 0;
-}
-
 // one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled
 static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
     constexpr int CPR = D / 8;  // 16-byte chunks per row
@@ -116,58 +108,6 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
         const bool live = key < nk;
         cp_async16(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col, live ? 16 : 0);
     }
-}
-
-// The online softmax of one tile's raw scores s (16 rows x BN keys, in mma
-// accumulator layout: lane rows r0 and r0 + 8, keys j0 + 8 n + 2t and + 1): masks
-// (MASK: keys past nk, and past the row with causal masking), updates the running
-// max m and the lane's partial sums l, returns the factors a that rescale the old
-// sums and output rows, and P in the input dtype (pf).
-template <bool MASK>
-static __device__ __forceinline__ void softmax_tile(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2], float (&a)[2],
-                                                    u32 (&pf)[BN / 8][2], float c, int j0, int nk, int causal, int r0) {
-    constexpr int NS = BN / 8;
-    const float NEG_INF = neg_inf();
-    const int t = threadIdx.x & 3;
-    float mx0 = m[0], mx1 = m[1];
-#pragma unroll
-    for (int n = 0; n < NS; ++n) {
-        if (MASK) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = j0 + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
-                if (key >= nk || (causal && key > row)) s[n][e] = NEG_INF;
-            }
-        }
-        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    // a row with no visible key yet keeps max -inf: its p, sums and factors stay 0
-    const float mc0 = mx0 == NEG_INF ? 0.f : mx0 * c, mc1 = mx1 == NEG_INF ? 0.f : mx1 * c;
-    a[0] = m[0] == NEG_INF ? 0.f : ex2(m[0] * c - mc0);
-    a[1] = m[1] == NEG_INF ? 0.f : ex2(m[1] * c - mc1);
-    m[0] = mx0;
-    m[1] = mx1;
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int n = 0; n < NS; ++n) {
-        float p[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            p[e] = ex2(fmaf(s[n][e], c, -(e < 2 ? mc0 : mc1)));
-            if (MASK && s[n][e] == NEG_INF) p[e] = 0.f;  // also where c = 0
-        }
-        ps0 += p[0] + p[1];
-        ps1 += p[2] + p[3];
-        pf[n][0] = pack2(p[0], p[1]);
-        pf[n][1] = pack2(p[2], p[3]);
-    }
-    l[0] = l[0] * a[0] + ps0;  // this lane's keys only; summed over the row's lanes at the end
-    l[1] = l[1] * a[1] + ps1;
 }
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
@@ -184,8 +124,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const u64 b = blockIdx.y;
-    // with causal masking block x does (x + 1) * BM rows' worth of keys: the last first
-    const int q0 = (causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;
+    const int q0 = block_first_row(causal, BM);
     const u16* q = (const u16*)qp + b * (u64)nq * D;
     const u16* k = (const u16*)kp + b * (u64)nk * D;
     const u16* v = (const u16*)vp + b * (u64)nk * D;
@@ -306,22 +245,17 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
             const int r0 = wr0 + 16 * i + g;
-            if (j0 + BN > nk || (causal && j0 + BN - 1 > wr0 + 16 * i))
-                softmax_tile<true>(s[i], m[i], l[i], a[i], pf[i], c, j0, nk, causal, r0);
-            else
-                softmax_tile<false>(s[i], m[i], l[i], a[i], pf[i], c, j0, nk, causal, r0);
+            const auto emit = [&](int n, const float (&p)[4]) {
+                pf[i][n][0] = pack2(p[0], p[1]);
+                pf[i][n][1] = pack2(p[2], p[3]);
+            };
+            softmax_tile_masked_if(j0 + BN > nk || (causal && j0 + BN - 1 > wr0 + 16 * i), s[i], m[i], l[i], a[i], c,
+                                   j0, nk, causal, r0, emit);
             rescale |= a[i][0] != 1.f || a[i][1] != 1.f;
         }
         if (warp_any(rescale)) {
 #pragma unroll
-            for (int i = 0; i < MT; ++i)
-#pragma unroll
-                for (int j = 0; j < NO; ++j) {
-                    o[i][j][0] *= a[i][0];
-                    o[i][j][1] *= a[i][0];
-                    o[i][j][2] *= a[i][1];
-                    o[i][j][3] *= a[i][1];
-                }
+            for (int i = 0; i < MT; ++i) scale_rows(o[i], a[i]);
         }
 
         // O += P V: the A fragment of keys 16 cc.. is the P of 8-key tiles 2 cc and 2 cc + 1
@@ -346,11 +280,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const int r0 = wr0 + 16 * i + g, r1 = r0 + 8;
-        float l0 = l[i][0], l1 = l[i][1];
-        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const float l0 = quad_sum(l[i][0]), l1 = quad_sum(l[i][1]);
         const float inv0 = 1.f / l0, inv1 = 1.f / l1;
 #pragma unroll
         for (int j = 0; j < NO; ++j) {
@@ -359,10 +289,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             if (r1 < nq) *(u32*)(out + (u64)r1 * D + col) = pack2(o[i][j][2] * inv1, o[i][j][3] * inv1);
         }
         if (with_lse && t == 0) {
-            // lse = (m c + log2 l) ln 2, m c being the scaled max in the log2 domain
             u16* lse = (u16*)lsep + b * (u64)nq;
-            if (r0 < nq) lse[r0] = pack1((m[i][0] * c + lg2(l0)) * 0.6931471805599453f);
-            if (r1 < nq) lse[r1] = pack1((m[i][1] * c + lg2(l1)) * 0.6931471805599453f);
+            if (r0 < nq) lse[r0] = pack1(row_lse(m[i][0], c, l0));
+            if (r1 < nq) lse[r1] = pack1(row_lse(m[i][1], c, l1));
         }
     }
 }

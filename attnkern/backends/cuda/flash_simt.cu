@@ -78,7 +78,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
     const int tid = threadIdx.x, rg = tid / KG, kg = tid % KG;
     const u64 b = blockIdx.y;
-    const int q0 = (causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;
+    const int q0 = block_first_row(causal, BM);
     const float* q = (const float*)qp + b * (u64)nq * d;
     const float* k = (const float*)kp + b * (u64)nk * d;
     const float* v = (const float*)vp + b * (u64)nk * d;

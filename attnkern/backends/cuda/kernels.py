@@ -877,18 +877,19 @@ def _linked_kernel(source: str, name: str, defines: tuple, params: tuple, thread
     return kernel
 
 
-# ---------------------------------------------------------------- cuda.flash, float16 and bfloat16
+# ---------------------------------------------------------------- cuda.flash on tensor cores
 
-MMA_DTYPES = ("float16", "bfloat16")
+MMA_DTYPES = ("float16", "bfloat16")  # the input dtypes of flash_mma.cu; float32 runs flash_tf32.cu
 
 
 @dataclasses.dataclass(frozen=True)
 class MmaConfig:
-    """How the tensor-core kernel (flash_mma.cu) divides its work: `mt` 16-row mma
-    tiles a warp (each K and V fragment read from shared memory feeds mt of them),
-    `warps` warps a block, `block_k` keys a K/V tile, and whether Q's fragments are
-    reloaded from shared memory every tile (`q_smem`, which frees the registers
-    they would hold) or kept in registers."""
+    """How a tensor-core kernel (flash_mma.cu for float16/bfloat16, flash_tf32.cu
+    for float32) divides its work: `mt` 16-row mma tiles a warp (each K and V
+    fragment read from shared memory feeds mt of them), `warps` warps a block,
+    `block_k` keys a K/V tile, and whether Q's fragments are reloaded from shared
+    memory every tile (`q_smem`, which frees the registers they would hold) or kept
+    in registers."""
 
     mt: int = 1
     warps: int = 8
@@ -903,44 +904,93 @@ class MmaConfig:
     def threads(self) -> int:
         return 32 * self.warps
 
-    def shared_bytes(self, d: int) -> int:
+    def shared_bytes(self, d: int, itemsize: int = 2) -> int:
         """Shared memory of one block at head size d: Q (if q_smem) and two K and two
-        V tiles, rows padded to d + 8 elements of 2 bytes."""
-        return ((self.block_q if self.q_smem else 0) + 4 * self.block_k) * (d + 8) * 2
+        V tiles; 2-byte rows padded to d + 8 elements, float32 Q and K rows to d + 8
+        and V rows to d + 4 (flash_tf32.cu)."""
+        q_rows = self.block_q if self.q_smem else 0
+        if itemsize == 2:
+            return (q_rows + 4 * self.block_k) * (d + 8) * 2
+        return ((q_rows + 2 * self.block_k) * (d + 8) + 2 * self.block_k * (d + 4)) * 4
 
     def __str__(self) -> str:
         return f"mt{self.mt}w{self.warps}k{self.block_k}{'qs' if self.q_smem else ''}"
 
 
-def mma_config(d: int) -> MmaConfig:
-    """The tensor-core kernel's default work division at head size d: FlashAttention-2's
-    (4 warps of 32 query rows, 64-key tiles), with Q's fragments in registers up to
-    d = 64 and reloaded from shared memory above, where the output accumulators of 32
-    rows leave no registers for them (tools/gpu_flash_versions.py compares divisions)."""
+def mma_config(d: int, dtype: str = "bfloat16") -> MmaConfig:
+    """A tensor-core kernel's default work division at head size d. float16/bfloat16:
+    FlashAttention-2's (4 warps of 32 query rows, 64-key tiles), with Q's fragments
+    in registers up to d = 64 and reloaded from shared memory above, where the output
+    accumulators of 32 rows leave no registers for them. float32 (3xTF32): 128 query
+    rows and 64-key tiles, Q in shared memory, up to d = 64 in the same 4 warps,
+    above it in 8 warps of 16 rows, as its registers allow (tf32_division).
+    tools/gpu_flash_versions.py compares divisions."""
+    if dtype == "float32":
+        return tf32_division(d, *TF32_DEFAULT_TILE)
     return MmaConfig(mt=2, warps=4, block_k=64, q_smem=d > 64)
 
 
+# flash_tf32.cu's tiles (block_q, block_k), and its default tile
+TF32_BLOCK_Q, TF32_BLOCK_K = (64, 128), (32, 64)
+TF32_DEFAULT_TILE = (128, 64)
+
+
+def tf32_division(d: int, block_q: int, block_k: int) -> MmaConfig:
+    """flash_tf32.cu's division for a tile: Q reloaded from shared memory (its split
+    fragments and the output's two accumulators leave no registers for it), 4 warps
+    of 16 rows for 64 query rows; for 128, up to d = 64 FlashAttention-2's 4 warps of
+    2 mma tiles (each K and V fragment feeds two), above that 8 warps of one (two
+    would spill). tools/gpu_flash_versions.py compares divisions."""
+    mt = 2 if block_q == 128 and d <= 64 else 1
+    return MmaConfig(mt=mt, warps=block_q // (16 * mt), block_k=block_k, q_smem=True)
+
+
+def tf32_config(d: int, dv: int, block_q: int = 0, block_k: int = 0) -> MmaConfig | None:
+    """The float32 tensor-core kernel's division for tile block_q x block_k (0: the
+    default's) at head sizes d, dv, or None where it does not take them (D = Dv a
+    multiple of 16 up to 128; tiles 64 or 128 x 32 or 64) or the tile's shared
+    memory exceeds this GPU's limit."""
+    if not mma_head_size_ok(d, dv):
+        return None
+    bq, bk = block_q or TF32_DEFAULT_TILE[0], block_k or TF32_DEFAULT_TILE[1]
+    if bq not in TF32_BLOCK_Q or bk not in TF32_BLOCK_K:
+        return None
+    config = tf32_division(d, bq, bk)
+    return config if config.shared_bytes(d, 4) <= shared_limit() else None
+
+
+def tf32_aligned(*ptrs) -> bool:
+    """Whether the float32 tensor-core kernel can take arrays at these addresses (q,
+    k, v, out[, lse]): 16-byte aligned inputs, 8-byte aligned out (float2 writes)."""
+    return not any(p % 16 for p in ptrs[:3]) and not ptrs[3] % 8 and not any(p % 4 for p in ptrs[4:])
+
+
 def mma_head_size_ok(d: int, dv: int) -> bool:
-    """Whether the tensor-core kernel takes this head size: D = Dv, a multiple of 16 up to 128."""
+    """Whether the tensor-core kernels take this head size: D = Dv, a multiple of 16 up to 128."""
     return d == dv and d % 16 == 0 and 16 <= d <= 128
 
 
 def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | None = None):
-    """cuda.flash's tensor-core kernel for float16 or bfloat16, head size d and a
-    work division (default mma_config(d)): a numba-cuda kernel whose body calls the
-    CUDA C++ device function of flash_mma.cu, compiled by numba-cuda (NVRTC) with
-    the constants for this dtype, head size and division and linked into the
-    kernel. The C++ holds the tensor-core (mma.sync, ldmatrix) and asynchronous-copy
-    instructions as inline PTX: Numba's Python kernels reach neither, while
-    numba-cuda still compiles and caches the kernel. It is compiled here, for its
-    one signature, and launched below the dispatcher (RawKernel, registered for
-    launch()); shared memory above the 48 KB a kernel gets without asking is
-    dynamic, the kernel's limit raised to it."""
-    config = config or mma_config(d)
-    return _linked_kernel("flash_mma.cu", f"attnkern_flash_mma_{dtype}_{d}_{config}",
-                          (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k), ("MT", config.mt),
-                           ("NW", config.warps), ("QSMEM", int(config.q_smem))),
-                          ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32"), config.threads, config.shared_bytes(d))
+    """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_mma.cu) or float32
+    (flash_tf32.cu, 3xTF32), head size d and a work division (default
+    mma_config(d, dtype)): a numba-cuda kernel whose body calls the CUDA C++ device
+    function of the source, compiled by numba-cuda (NVRTC) with the constants for
+    this dtype, head size and division and linked into the kernel. The C++ holds
+    the tensor-core (mma.sync, ldmatrix) and asynchronous-copy instructions as
+    inline PTX: Numba's Python kernels reach neither, while numba-cuda still
+    compiles and caches the kernel. It is compiled here, for its one signature, and
+    launched below the dispatcher (RawKernel, registered for launch()); shared
+    memory above the 48 KB a kernel gets without asking is dynamic, the kernel's
+    limit raised to it."""
+    config = config or mma_config(d, dtype)
+    division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)))
+    if dtype == "float32":
+        source, defines, itemsize = "flash_tf32.cu", (("D", d), *division), 4
+    else:
+        source, defines, itemsize = "flash_mma.cu", (("D", d), ("BF16", int(dtype == "bfloat16")), *division), 2
+    return _linked_kernel(source, f"attnkern_flash_mma_{dtype}_{d}_{config}", defines,
+                          ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32"), config.threads,
+                          config.shared_bytes(d, itemsize))
 
 
 def mma_aligned(*ptrs) -> bool:
@@ -953,7 +1003,7 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None, config:
     """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared.
     The grid is (query blocks, batch); config: the work division (default mma_config(d))."""
     batch, nq, d = q.shape
-    config = config or mma_config(d)
+    config = config or mma_config(d, q.dtype.name)
     return (flash_mma_kernel(q.dtype.name, d, config), (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None)))
