@@ -102,8 +102,8 @@ def space(kernel: str, nq: int, nk: int, d: int, dv: int, itemsize: int) -> dict
             lattice[name] = [v for v in (16, 32, 64, 128, 256, 512) if p["min"] <= v <= p["max"]]
         elif name == "block_k":
             lattice[name] = [v for v in (32, 64, 128, 256, 512, 1024) if p["min"] <= v <= p["max"]]
-        elif "choices" in p:
-            lattice[name] = [v for v in p["choices"] if v]
+        elif "choices" in p:  # 0 is "auto" among tile sizes, but a value of an on/off switch
+            lattice[name] = [v for v in p["choices"] if v or set(p["choices"]) == {0, 1}]
     return lattice
 
 

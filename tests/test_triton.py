@@ -8,8 +8,10 @@ is computed in float64 from those rounded values, so the error is the
 kernel's alone. Tolerances, max |out - ref| / max(1, max |v|) (and the same for
 the log-sum-exp, divided by max(1, max |lse|)), for unit-normal inputs at
 scale 1/sqrt(D) and N up to a few hundred:
-- float32, 2e-5: triton.flash multiplies in exact float32 (no TF32); the
-  error is a few float32 roundings of sums over N and D terms (1e-6 typical);
+- float32, 2e-5: triton.flash multiplies in 3xTF32 (each operand split into
+  two TF32 parts: products good to about 2^-22) or, with tensor_cores=0, in
+  exact float32; the error is a few float32 roundings of sums over N and D
+  terms (1e-6 typical; plain TF32 would be about 1e-3);
 - float16, 4e-3: P is rounded to float16 (relative 2^-11) before P V and the
   output rounded once more; the float32 accumulation adds little;
 - bfloat16, 3e-2: the same with bfloat16's 8-bit mantissa (relative 2^-8,
@@ -87,15 +89,16 @@ MMA_SHAPES = [((2, 3), 77, 77, 64, 64), ((1,), 45, 130, 32, 32), ((4,), 200, 33,
 
 
 @gpu
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype, tensor_cores", [("float32", 1), ("float32", 0), ("float16", 1), ("bfloat16", 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_matches_reference(dtype, causal):
+def test_triton_matches_reference(dtype, tensor_cores, causal):
     import torch
 
     for i, (lead, nq, nk, d, dv) in enumerate(TRITON_SHAPES):
         q, k, v = _inputs(torch, dtype, lead, nq, nk, d, dv, i)
         scale = 0.8 / d ** 0.5
-        out, lse = attnkern.attention(q, k, v, causal=causal, scale=scale, kernel="triton.flash", return_lse=True)
+        out, lse = attnkern.attention(q, k, v, causal=causal, scale=scale, kernel="triton.flash", return_lse=True,
+                                      tensor_cores=tensor_cores)
         assert out.dtype == q.dtype and out.is_cuda and out.shape == (*lead, nq, dv)
         ref, ref_lse = _reference(torch, q, k, v, causal, scale)
         assert _error(out, ref, v.abs().max()) <= TOL[dtype], (lead, nq, nk, d, dv)

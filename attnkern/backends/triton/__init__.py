@@ -16,7 +16,7 @@ import importlib.util
 
 import numpy as np
 
-from ..._registry import Kernel, register
+from ..._registry import Kernel, Param, register
 
 
 @functools.cache
@@ -59,10 +59,11 @@ def _torch_dtype(torch, dtype):
     return getattr(torch, np.dtype(dtype).name)
 
 
-def _run(q, k, v, causal, scale, out=None, lse=None):
+def _run(q, k, v, causal, scale, tensor_cores=1, out=None, lse=None):
     """out (batch, nq, dv) = attention of (batch, n, d) arrays: GpuArrays (out, and
     lse (batch, nq) when given, are GpuArrays to fill) or NumPy arrays (copied
-    to the GPU; the result is returned as a NumPy array, lse filled in place)."""
+    to the GPU; the result is returned as a NumPy array, lse filled in place).
+    float32 products: 3xTF32 on tensor cores with tensor_cores, else exact float32."""
     from . import flash
 
     batch, nq, d = q.shape
@@ -73,12 +74,12 @@ def _run(q, k, v, causal, scale, out=None, lse=None):
         tq, tk, tv = (_host_to_torch(torch, x) for x in (q, k, v))
         tout = torch.empty((batch, nq, dv), dtype=tq.dtype, device=tq.device)
         tlse = torch.empty((batch, nq), dtype=tq.dtype, device=tq.device) if lse is not None else None
-        flash.launch(tq, tk, tv, tout, tlse, batch, nq, nk, d, dv, causal, scale, q.dtype.name)
+        flash.launch(tq, tk, tv, tout, tlse, batch, nq, nk, d, dv, causal, scale, q.dtype.name, tensor_cores)
         if tlse is not None:
             lse[...] = _torch_to_host(tlse, lse.dtype)
         return _torch_to_host(tout, q.dtype)
     flash.launch(_arg(q), _arg(k), _arg(v), _arg(out), None if lse is None else _arg(lse), batch, nq, nk, d, dv,
-                 causal, scale, q.dtype.name)
+                 causal, scale, q.dtype.name, tensor_cores)
     return out
 
 
@@ -99,9 +100,12 @@ def _torch_to_host(t, dtype) -> np.ndarray:
 register(
     Kernel(
         name="triton.flash",
-        description="Triton: FlashAttention-2 forward, Q K^T and P V on tensor cores (float32: exact float32 "
-                    "products), online softmax in float32, autotuned block sizes",
+        description="Triton: FlashAttention-2 forward, Q K^T and P V on tensor cores (float32: 3xTF32, or exact "
+                    "float32 products), online softmax in float32, autotuned block sizes",
         run=_run,
+        params=(Param("tensor_cores", 1, 0, 1, "float32: 1 computes the products on tensor cores in 3xTF32 "
+                      "(Triton's input_precision 'tf32x3': about float32 FMAs' accuracy); 0 in exact float32 "
+                      "('ieee')", choices=(0, 1)),),
         unavailable_reason=_unavailable,
         device="cuda",
         returns_lse=True,

@@ -2,8 +2,10 @@
 
 One program per (block of BLOCK_M queries, head). It loads its Q block once,
 then streams K/V blocks of BLOCK_N keys: S = Q K^T on tensor cores (float16 and
-bfloat16 inputs; float32 inputs use exact float32 products, input_precision
-"ieee", so TF32 never enters), an online softmax in float32 in the log2 domain
+bfloat16 inputs; float32 inputs by default in 3xTF32, input_precision "tf32x3":
+each operand split into two TF32 parts and three products summed, about as
+accurate as float32 FMAs, or in exact float32 products, "ieee"; plain TF32 never
+enters), an online softmax in float32 in the log2 domain
 (Q K^T is scaled by scale * log2(e) and exp2 is used), the row maximum and sum
 kept per query row, and O += P V with P cast to the input dtype for the second
 matmul, accumulated in float32. The output is divided by the row sum once at the
@@ -148,11 +150,13 @@ def _bucket(n: int) -> int:
 
 
 def launch(q, k, v, out, lse, batch: int, nq: int, nk: int, d: int, dv: int, causal: bool, scale: float,
-           dtype_name: str) -> None:
+           dtype_name: str, tensor_cores: int = 1) -> None:
     """out (and lse, unless None) = the attention of (batch, n, d) arrays; q, k, v,
-    out, lse: torch tensors or objects with data_ptr() and a dtype Triton knows."""
+    out, lse: torch tensors or objects with data_ptr() and a dtype Triton knows;
+    float32 products in 3xTF32 with tensor_cores, else exact."""
     hd, hdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
-    precision = "ieee" if dtype_name == "float32" else "tf32"  # tf32 is ignored for 16-bit inputs
+    # 16-bit inputs ignore the precision; float32 never runs plain (one-pass) TF32
+    precision = ("tf32x3" if tensor_cores else "ieee") if dtype_name == "float32" else "tf32"
 
     def grid(meta):
         return (triton.cdiv(nq, meta["BLOCK_M"]), batch)
