@@ -46,8 +46,10 @@ normal distribution:
           turns, round-robin over --passes passes, each turn a --settle pause,
           an untimed call and --repeat timed calls (wall clock), so drift of a
           shared machine hits all alike.
-          cuda: one kernel at a time on torch CUDA tensors (TF32 off: float32
-          FMAs everywhere), 3 untimed calls, then --repeat samples timed with
+          cuda: one kernel at a time on torch CUDA tensors (TF32 off: no
+          one-pass TF32 anywhere; float32 products are exact or 3xTF32, which
+          torch's SDPA and attnkern's default float32 kernels use on tensor
+          cores), 3 untimed calls, then --repeat samples timed with
           CUDA events, each around --back-to-back calls (1: isolated calls,
           Python launch overhead in full; 5 or so: queued calls, as in a loop).
           attnkern's cuda.* run through attnkern.attention with check_finite=False.

@@ -140,7 +140,8 @@ class CudaTarget:
 
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
-        # every kernel here then does float32 FMAs, torch's included
+        # no kernel here then rounds float32 operands to one-pass TF32 (torch's float32
+        # SDPA and cuda.flash's default still use tensor cores, in 3xTF32)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         self.torch = torch

@@ -72,7 +72,7 @@ the H heads has size d.
           out.backward(dout) timed separately (the gradients set to None between,
           outside the timings); the median of each.
           cuda: CUDA events around each region, which wait for its kernels; TF32
-          off (float32 FMAs everywhere).
+          off (no one-pass TF32; float32 forwards on tensor cores run 3xTF32).
           cpu: the wall clock, --threads threads for torch and attnkern alike;
           malloc's threshold set to 32 MiB first, where glibc's own goes once
           large blocks have been freed (as in a long training loop).
