@@ -43,9 +43,10 @@ _JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
 
 
 def _exp2_f32(x, scratch, n, shift):
-    """x[:n] = 2^(x[:n] - shift) in place, for x <= shift; an exponent below -126
-    (and -inf) gives exactly 0. scratch: a float32 buffer of at least n, reused as the
-    exponent bits. The shift is subtracted here, not in a pass of its own."""
+    """x[:n] = 2^(x[:n] - shift) in place, for x <= shift, and returns their sum; an
+    exponent below -126 (and -inf) gives exactly 0. scratch: a float32 buffer of at
+    least n, reused as the exponent bits. The shift is subtracted here and the sum
+    taken here, not in passes of their own."""
     bits = scratch.view(np.int32)
     c0, c1, c2, c3, c4, c5 = EXP2_F32
     for j in range(n):
@@ -62,10 +63,13 @@ def _exp2_f32(x, scratch, n, shift):
         # 2^r in the exponent field; r = -126 marks an underflow, flushed to 0 below
         bits[j] = (np.int32(r) + np.int32(127)) << np.int32(23)
     xi = x.view(np.int32)
+    total = np.float32(0.0)
     for j in range(n):
         e = bits[j]
         # multiply p (in [0.7, 1.42]) by 2^r by adding r to its exponent
         xi[j] = xi[j] + e - np.int32(127 << 23) if e > np.int32(1 << 23) else np.int32(0)
+        total += x[j]
+    return total
 
 
 def _exp2_f64(x, scratch, n, shift):
@@ -93,13 +97,17 @@ def _exp2_f64(x, scratch, n, shift):
         x[j] = p
         bits[j] = (np.int64(r) + np.int64(1023)) << np.int64(52)
     xi = x.view(np.int64)
+    total = 0.0
     for j in range(n):
         e = bits[j]
         xi[j] = xi[j] + e - np.int64(1023 << 52) if e > np.int64(1 << 52) else np.int64(0)
+        total += x[j]
+    return total
 
 
 def exp2_inplace(x, scratch, n, shift):
-    """2^(x - shift) in place for the first n entries of x (x <= shift), in x's dtype."""
+    """2^(x - shift) in place for the first n entries of x (x <= shift), in x's dtype;
+    returns their sum."""
 
 
 @overload(exp2_inplace, jit_options=dict(fastmath=True, error_model="numpy"))
@@ -169,11 +177,11 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
                     if mb == -np.inf:  # every key so far is masked for this row: p = 0
                         si[:ncols] = 0
                         continue
-                    exp2_inplace(si, scratch, valid, mb)
+                    psum = exp2_inplace(si, scratch, valid, mb)
                     si[valid:ncols] = 0  # masked: p = 0, so P V adds nothing for them
                     alpha = np.exp2(m[i] - mb)  # 0 on the row's first block (m = -inf)
                     m[i] = mb
-                    lsum[i] = lsum[i] * alpha + np.sum(si[:valid])
+                    lsum[i] = lsum[i] * alpha + psum
                     if alpha != 1:
                         for e in range(dv):
                             acc[i, e] *= alpha
