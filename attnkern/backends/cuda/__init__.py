@@ -299,7 +299,9 @@ def flash_tiles(d: int, dv: int, itemsize: int, tensor_cores: int = 1) -> list[t
         return tiles
     tc = [(bq, bk) for bq in kernels.TF32_BLOCK_Q for bk in kernels.TF32_BLOCK_K
           if isinstance(_cpp_kernel(bq, bk, d, dv, np.float32, 1), kernels.MmaConfig)]
-    tc.sort(key=lambda t: t != flash_default_tile(d, dv, itemsize))
+    if tc:
+        default = flash_default_tile(d, dv, itemsize)  # the tensor-core kernel's: tc is not empty
+        tc.sort(key=lambda t: t != default)
     return tc + [t for t in tiles if t not in tc]
 
 
