@@ -100,6 +100,42 @@ class ForwardGpu:
         torch.cuda.synchronize()
 
 
+class Float32GpuPaths:
+    """float32 on the GPU with and without tensor cores: cuda.flash's 3xTF32 kernel
+    (tensor_cores=1) against its float32 FMA kernel (0), triton.flash's 3xTF32 against its
+    exact float32 products, torch's SDPA beside them (TF32 off). Skipped without a CUDA GPU
+    and where a commit lacks the kernel or the tunable."""
+
+    params = [["cuda.flash", "triton.flash", "torch.sdpa"], [1, 0], ["1x16x4096x64", "1x16x4096x128"],
+              [False, True]]
+    param_names = ["kernel", "tensor_cores", "shape", "causal"]
+    rounds = 2
+    repeat = (3, 10, 2.0)
+    warmup_time = 0.5
+    timeout = 300
+
+    def setup(self, kernel, tensor_cores, shape, causal):
+        if torch is None or not torch.cuda.is_available():
+            raise NotImplementedError("no CUDA GPU")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        if kernel == "torch.sdpa":
+            if not tensor_cores:
+                raise NotImplementedError("torch's float32 SDPA has one path (3xTF32 on these GPUs)")
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            self.call = lambda q, k, v, c: sdpa(q, k, v, is_causal=c)
+        else:
+            kernel_call(kernel, tensor_cores=tensor_cores)  # NotImplementedError (skip) where missing
+            self.call = lambda q, k, v, c: attnkern.attention(q, k, v, causal=c, kernel=kernel, check_finite=False,
+                                                              tensor_cores=tensor_cores)
+        self.q, self.k, self.v = (torch.from_numpy(x).cuda() for x in random_qkv(shape))
+        self.call(self.q, self.k, self.v, causal)  # compile (and autotune) outside the samples
+        torch.cuda.synchronize()
+
+    def time_forward(self, kernel, tensor_cores, shape, causal):
+        self.call(self.q, self.k, self.v, causal)
+        torch.cuda.synchronize()
+
+
 class BlockSweep:
     """Tunables of the blocked kernels: block_q x block_k x num_threads."""
 
