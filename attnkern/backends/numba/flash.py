@@ -9,8 +9,8 @@ gemm of SciPy's cython_blas; the caller keeps that BLAS to one thread (each
 task's gemm runs on the task's thread, so its sums do not depend on the thread
 count). Numba's own loops, 4 x 4 tiles of dot products along the head size,
 spent as many instructions on the horizontal sums as on the FMAs at D = 64. Scores live in the log2
-domain (q is pre-scaled by scale*log2(e)) and 2^x is a polynomial plus
-exponent bits written through an integer view, which LLVM vectorises; a libm
+domain (q is pre-scaled by scale*log2(e)) and 2^x is a polynomial whose
+exponent field gets the integer part added (LLVM bitcasts, which it vectorises); a libm
 exp call per score would cost more than the two matmuls (Numba has no vector
 exp without Intel's SVML). Importing this module imports Numba; functions are
 compiled on first use per dtype and cached on disk (cache=True).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 # The exp2-domain constants of the C kernels (native/attn_common.h), repeated here
 # because Numba compiles module constants into the code; tests/test_numba.py checks
@@ -42,13 +42,37 @@ EXP2_F64 = (1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
 _JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
 
 
-def _exp2_f32(x, scratch, n, shift):
+@intrinsic
+def _bits(typingctx, x):
+    """The bit pattern of a float32 (float64) as an int32 (int64): an LLVM bitcast,
+    which Numba has no scalar spelling for."""
+    if x not in (types.float32, types.float64):
+        return None
+    to = types.int32 if x == types.float32 else types.int64
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(to))
+    return to(x), codegen
+
+
+@intrinsic
+def _from_bits(typingctx, i):
+    """The float32 (float64) whose bit pattern is the int32 (int64) i."""
+    if i not in (types.int32, types.int64):
+        return None
+    to = types.float32 if i == types.int32 else types.float64
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(to))
+    return to(i), codegen
+
+
+def _exp2_f32(x, n, shift):
     """x[:n] = 2^(x[:n] - shift) in place, for x <= shift, and returns their sum; an
-    exponent below -126 (and -inf) gives exactly 0. scratch: a float32 buffer of at
-    least n, reused as the exponent bits. The shift is subtracted here and the sum
-    taken here, not in passes of their own."""
-    bits = scratch.view(np.int32)
+    exponent below -126 (and -inf) gives exactly 0. One pass: the shift is subtracted,
+    2^r put into the exponent and the sum taken in the loop that evaluates the polynomial."""
     c0, c1, c2, c3, c4, c5 = EXP2_F32
+    total = np.float32(0.0)
     for j in range(n):
         t = max(x[j] - shift, np.float32(-126.0))
         r = np.floor(t + np.float32(0.5))
@@ -59,22 +83,18 @@ def _exp2_f32(x, scratch, n, shift):
         p = p * f + np.float32(c2)
         p = p * f + np.float32(c1)
         p = p * f + np.float32(c0)
-        x[j] = p
-        # 2^r in the exponent field; r = -126 marks an underflow, flushed to 0 below
-        bits[j] = (np.int32(r) + np.int32(127)) << np.int32(23)
-    xi = x.view(np.int32)
-    total = np.float32(0.0)
-    for j in range(n):
-        e = bits[j]
-        # multiply p (in [0.7, 1.42]) by 2^r by adding r to its exponent
-        xi[j] = xi[j] + e - np.int32(127 << 23) if e > np.int32(1 << 23) else np.int32(0)
-        total += x[j]
+        # multiply p (in [0.7, 1.42]) by 2^r by adding r to its exponent; r = -126 marks an
+        # underflow, flushed to 0
+        ri = np.int32(r)
+        y = _from_bits(np.int32(_bits(p) + (ri << np.int32(23)))) if ri > np.int32(-126) else np.float32(0.0)
+        x[j] = y
+        total += y
     return total
 
 
-def _exp2_f64(x, scratch, n, shift):
+def _exp2_f64(x, n, shift):
     """The float64 twin of _exp2_f32: an exponent below -1022 (and -inf) gives exactly 0."""
-    bits = scratch.view(np.int64)
+    total = 0.0
     c = EXP2_F64
     for j in range(n):
         t = max(x[j] - shift, -1022.0)
@@ -94,24 +114,20 @@ def _exp2_f64(x, scratch, n, shift):
         p = p * f + c[2]
         p = p * f + c[1]
         p = p * f + c[0]
-        x[j] = p
-        bits[j] = (np.int64(r) + np.int64(1023)) << np.int64(52)
-    xi = x.view(np.int64)
-    total = 0.0
-    for j in range(n):
-        e = bits[j]
-        xi[j] = xi[j] + e - np.int64(1023 << 52) if e > np.int64(1 << 52) else np.int64(0)
-        total += x[j]
+        ri = np.int64(r)
+        y = _from_bits(np.int64(_bits(p) + (ri << np.int64(52)))) if ri > np.int64(-1022) else 0.0
+        x[j] = y
+        total += y
     return total
 
 
-def exp2_inplace(x, scratch, n, shift):
+def exp2_inplace(x, n, shift):
     """2^(x - shift) in place for the first n entries of x (x <= shift), in x's dtype;
     returns their sum."""
 
 
 @overload(exp2_inplace, jit_options=dict(fastmath=True, error_model="numpy"))
-def _exp2_inplace_typed(x, scratch, n, shift):
+def _exp2_inplace_typed(x, n, shift):
     # chosen when Numba types the call, so each dtype compiles only its own version
     return _exp2_f32 if x.dtype == types.float32 else _exp2_f64
 
@@ -142,7 +158,6 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
         qs = np.empty((rows, d), dtype)
         sbuf = np.empty(rows * block_k, dtype)  # the scores of a block, then P, (rows, nkeys) C-contiguous
         pv = np.empty((rows, dv), dtype)
-        scratch = np.empty(block_k, dtype)
         acc = np.zeros((rows, dv), dtype)
         m = np.full(rows, -np.inf, dtype)
         lsum = np.zeros(rows, dtype)
@@ -177,7 +192,7 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
                     if mb == -np.inf:  # every key so far is masked for this row: p = 0
                         si[:ncols] = 0
                         continue
-                    psum = exp2_inplace(si, scratch, valid, mb)
+                    psum = exp2_inplace(si, valid, mb)
                     si[valid:ncols] = 0  # masked: p = 0, so P V adds nothing for them
                     alpha = np.exp2(m[i] - mb)  # 0 on the row's first block (m = -inf)
                     m[i] = mb
