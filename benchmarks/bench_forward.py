@@ -80,24 +80,33 @@ class ForwardGpu:
     timeout = 300
 
     def setup(self, kernel, shape, dtype, causal):
-        if torch is None or not torch.cuda.is_available():
-            raise NotImplementedError("no CUDA GPU")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        if kernel == "torch.sdpa":
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            self.call = lambda q, k, v, c: sdpa(q, k, v, is_causal=c)
-        else:
-            kernel_call(kernel)  # NotImplementedError (skip) where missing or unavailable
-            if dtype not in attnkern.kernel_info(kernel).get("dtypes", ["float32", "float64"]):
-                raise NotImplementedError(f"{kernel} does not take {dtype} in this commit")
-            self.call = lambda q, k, v, c: attnkern.attention(q, k, v, causal=c, kernel=kernel, check_finite=False)
-        self.q, self.k, self.v = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in random_qkv(shape))
-        self.call(self.q, self.k, self.v, causal)  # compile outside the samples
-        torch.cuda.synchronize()
+        gpu_setup(self, kernel, shape, dtype, causal)
 
     def time_forward(self, kernel, shape, dtype, causal):
         self.call(self.q, self.k, self.v, causal)
         torch.cuda.synchronize()
+
+
+def gpu_setup(bench, kernel, shape, dtype, causal, **params):
+    """bench.call(q, k, v, causal) for `kernel` (attnkern's with check_finite=False, as
+    torch checks nothing; params its tunables) and bench.q, k, v, torch CUDA tensors of
+    `shape` in `dtype`, the kernel compiled by one call; NotImplementedError (asv's skip)
+    without a CUDA GPU or where a commit lacks the kernel, the dtype or a tunable."""
+    if torch is None or not torch.cuda.is_available():
+        raise NotImplementedError("no CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if kernel == "torch.sdpa":
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        bench.call = lambda q, k, v, c: sdpa(q, k, v, is_causal=c)
+    else:
+        kernel_call(kernel, **params)  # NotImplementedError (skip) where missing or unavailable
+        if dtype not in attnkern.kernel_info(kernel).get("dtypes", ["float32", "float64"]):
+            raise NotImplementedError(f"{kernel} does not take {dtype} in this commit")
+        bench.call = lambda q, k, v, c: attnkern.attention(q, k, v, causal=c, kernel=kernel, check_finite=False,
+                                                           **params)
+    bench.q, bench.k, bench.v = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in random_qkv(shape))
+    bench.call(bench.q, bench.k, bench.v, causal)  # compile (and autotune) outside the samples
+    torch.cuda.synchronize()
 
 
 class Float32GpuPaths:
@@ -115,21 +124,10 @@ class Float32GpuPaths:
     timeout = 300
 
     def setup(self, kernel, tensor_cores, shape, causal):
-        if torch is None or not torch.cuda.is_available():
-            raise NotImplementedError("no CUDA GPU")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        if kernel == "torch.sdpa":
-            if not tensor_cores:
-                raise NotImplementedError("torch's float32 SDPA has one path (3xTF32 on these GPUs)")
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            self.call = lambda q, k, v, c: sdpa(q, k, v, is_causal=c)
-        else:
-            kernel_call(kernel, tensor_cores=tensor_cores)  # NotImplementedError (skip) where missing
-            self.call = lambda q, k, v, c: attnkern.attention(q, k, v, causal=c, kernel=kernel, check_finite=False,
-                                                              tensor_cores=tensor_cores)
-        self.q, self.k, self.v = (torch.from_numpy(x).cuda() for x in random_qkv(shape))
-        self.call(self.q, self.k, self.v, causal)  # compile (and autotune) outside the samples
-        torch.cuda.synchronize()
+        if kernel == "torch.sdpa" and not tensor_cores:
+            raise NotImplementedError("torch's float32 SDPA has one path (3xTF32 on these GPUs)")
+        gpu_setup(self, kernel, shape, "float32", causal,
+                  **({} if kernel == "torch.sdpa" else {"tensor_cores": tensor_cores}))
 
     def time_forward(self, kernel, tensor_cores, shape, causal):
         self.call(self.q, self.k, self.v, causal)

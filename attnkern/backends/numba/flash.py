@@ -42,29 +42,22 @@ EXP2_F64 = (1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
 _JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
 
 
+# a float type's integer type of the same width, and back
+_REINTERPRET = {types.float32: types.int32, types.int32: types.float32, types.float64: types.int64,
+                types.int64: types.float64}
+
+
 @intrinsic
-def _bits(typingctx, x):
-    """The bit pattern of a float32 (float64) as an int32 (int64): an LLVM bitcast,
+def _reinterpret(typingctx, x):
+    """x's bit pattern as the integer (float) type of its width: an LLVM bitcast,
     which Numba has no scalar spelling for."""
-    if x not in (types.float32, types.float64):
+    to = _REINTERPRET.get(x)
+    if to is None:
         return None
-    to = types.int32 if x == types.float32 else types.int64
 
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], context.get_value_type(to))
     return to(x), codegen
-
-
-@intrinsic
-def _from_bits(typingctx, i):
-    """The float32 (float64) whose bit pattern is the int32 (int64) i."""
-    if i not in (types.int32, types.int64):
-        return None
-    to = types.float32 if i == types.int32 else types.float64
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(to))
-    return to(i), codegen
 
 
 def _exp2_f32(x, n, shift):
@@ -86,7 +79,7 @@ def _exp2_f32(x, n, shift):
         # multiply p (in [0.7, 1.42]) by 2^r by adding r to its exponent; r = -126 marks an
         # underflow, flushed to 0
         ri = np.int32(r)
-        y = _from_bits(np.int32(_bits(p) + (ri << np.int32(23)))) if ri > np.int32(-126) else np.float32(0.0)
+        y = _reinterpret(np.int32(_reinterpret(p) + (ri << np.int32(23)))) if ri > np.int32(-126) else np.float32(0.0)
         x[j] = y
         total += y
     return total
@@ -115,7 +108,7 @@ def _exp2_f64(x, n, shift):
         p = p * f + c[1]
         p = p * f + c[0]
         ri = np.int64(r)
-        y = _from_bits(np.int64(_bits(p) + (ri << np.int64(52)))) if ri > np.int64(-1022) else 0.0
+        y = _reinterpret(np.int64(_reinterpret(p) + (ri << np.int64(52)))) if ri > np.int64(-1022) else 0.0
         x[j] = y
         total += y
     return total
