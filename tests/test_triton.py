@@ -124,6 +124,47 @@ def test_cuda_flash_half_matches_reference(dtype, causal):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_flash_half_every_division(dtype):
+    """Both half-precision kernels launched directly in each of their divisions:
+    flash_wgmma.cu (Hopper only: 1-3 warpgroups x 64 or 128 keys, D = 64 and 128)
+    and flash_mma.cu's default division; causal and not, with lse, partial blocks,
+    nq != nk, a negative scale, against float64 and bit-identical run to run. On
+    Hopper the library's default is the wgmma kernel."""
+    import torch
+
+    from attnkern.backends.cuda import arrays, kernels
+
+    def flat(x):
+        return arrays.from_torch(x, "x")
+
+    for d in (64, 128):
+        divisions = [kernels.mma_config(d, dtype)]
+        if kernels.wgmma_applies(d, d):
+            assert isinstance(kernels.half_config(d, dtype), kernels.WgmmaConfig)
+            divisions += [kernels.WgmmaConfig(w, bk) for w in (1, 2, 3) for bk in (64, 128)]
+        for i, (batch, nq, nk) in enumerate([(2, 77, 77), (1, 45, 300), (3, 200, 33), (1, 1, 5), (1, 257, 257)]):
+            q, k, v = _inputs(torch, dtype, (batch,), nq, nk, d, d, 200 + i)
+            scale = -0.6 / d ** 0.5 if i == 1 else 1 / d ** 0.5
+            for causal in (False, True):
+                ref, ref_lse = _reference(torch, q, k, v, causal, scale)
+                for config in divisions:
+                    outs = []
+                    for _ in range(2):
+                        out = torch.full_like(q, float("nan"))
+                        lse = torch.full((batch, nq), float("nan"), dtype=q.dtype, device=q.device)
+                        kernel, grid, block, args = kernels.flash_mma_launch(
+                            flat(q), flat(k), flat(v), flat(out), causal, scale, flat(lse), config)
+                        kernels.launch(kernel, grid, block, *args)
+                        outs.append((out, lse))
+                    (out, lse), (again, lse_again) = outs
+                    where = (str(config), d, batch, nq, nk, causal)
+                    assert _error(out, ref, v.abs().max()) <= TOL[dtype], where
+                    assert _error(lse, ref_lse, ref_lse.abs().max()) <= TOL[dtype], where
+                    assert torch.equal(out, again) and torch.equal(lse, lse_again), where
+
+
+@gpu
 def test_half_precision_errors_and_checks():
     import torch
 

@@ -1,7 +1,8 @@
 """cuda.flash's CUDA C++ kernels in several work divisions side by side, each checked
 against float64 and timed against torch's scaled_dot_product_attention on one GPU:
-the tensor-core kernels (flash_mma.cu for float16/bfloat16, flash_tf32.cu for
-float32 in 3xTF32) and the register-blocked float32 kernel (flash_simt.cu).
+the tensor-core kernels (flash_wgmma.cu on Hopper and flash_mma.cu for
+float16/bfloat16, flash_tf32.cu for float32 in 3xTF32) and the register-blocked
+float32 kernel (flash_simt.cu).
 
     python3 tools/gpu_flash_versions.py OUT.json [--dims 64,128] [--sizes 4096,8192]
         [--dtypes bfloat16,float16,float32] [--configs default,mt2w4k64,64x64t4x8,...]
@@ -10,7 +11,8 @@ float32 in 3xTF32) and the register-blocked float32 kernel (flash_simt.cu).
 Kernels: one per --configs entry that names a division of the dtype's kernel,
 launched directly (prepared once, below Numba's dispatcher): a tensor-core kernel's
 kernels.MmaConfig, "mt{mma tiles a warp}w{warps}k{keys a tile}" with "qs" if Q is
-reloaded from shared memory; for float32 also a kernels.SimtConfig of the
+reloaded from shared memory; for float16/bfloat16 on Hopper at D = 64 and 128 also
+flash_wgmma.cu's kernels.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 also a kernels.SimtConfig of the
 register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
 thread's). "default" is the division the library picks for the head size (marked
 *); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
@@ -52,26 +54,31 @@ def flat3(x):
     return arrays.from_torch(x, "x").reshape(math.prod(x.shape[:-2]), *x.shape[-2:])
 
 
-SIMT_NAME, MMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?"
+SIMT_NAME, MMA_NAME, WGMMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?", r"wg(\d+)k(\d+)"
 
 
 def parse_config(text, d, dtype):
     """A division of one of the dtype's kernels from its name, or "default" (the
     library's choice); None where the name is a division the dtype has no kernel for."""
-    simt, mma = re.fullmatch(SIMT_NAME, text), re.fullmatch(MMA_NAME, text)
-    if text != "default" and not simt and not mma:
-        raise SystemExit(f"--configs: {text!r} is not 'default' nor a division like mt2w4k64qs or 64x64t4x8")
+    simt, mma, wg = (re.fullmatch(name, text) for name in (SIMT_NAME, MMA_NAME, WGMMA_NAME))
+    if text != "default" and not simt and not mma and not wg:
+        raise SystemExit(f"--configs: {text!r} is not 'default' nor a division like mt2w4k64qs, wg2k128 or 64x64t4x8")
     if text == "default":
-        return kernels.mma_config(d, dtype) if kernels.mma_head_size_ok(d, d) else kernels.simt_config(d)
+        if not kernels.mma_head_size_ok(d, d):
+            return kernels.simt_config(d)
+        return kernels.tensor_core_config(d, dtype)
     if simt:
         return kernels.SimtConfig(*map(int, simt.groups())) if dtype == "float32" else None
+    if wg:
+        ok = dtype != "float32" and kernels.wgmma_applies(d, d)
+        return kernels.WgmmaConfig(warpgroups=int(wg[1]), block_k=int(wg[2])) if ok else None
     return kernels.MmaConfig(mt=int(mma[1]), warps=int(mma[2]), block_k=int(mma[3]), q_smem=bool(mma[4]))
 
 
 class Kernel:
     """One of the library's CUDA C++ kernels in one work division: a SimtConfig
-    names flash_simt.cu's, an MmaConfig the tensor-core kernel of the dtype
-    (flash_mma.cu, or flash_tf32.cu for float32)."""
+    names flash_simt.cu's, a WgmmaConfig flash_wgmma.cu's, an MmaConfig the
+    tensor-core kernel of the dtype (flash_mma.cu, or flash_tf32.cu for float32)."""
 
     def __init__(self, config, d, dtype):
         self.config, self.simt = config, isinstance(config, kernels.SimtConfig)
@@ -156,7 +163,7 @@ def main():
     ap.add_argument("--sizes", default="4096,8192")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--configs", default="default",
-                    help="work divisions to compare, comma-separated (default, mt2w4k64, mt2w4k32qs, 64x64t4x8, ...)")
+                    help="work divisions to compare, comma-separated (default, wg3k128, mt2w4k64, mt2w4k32qs, 64x64t4x8, ...)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--library", action="store_true")
     a = ap.parse_args()

@@ -970,19 +970,87 @@ def mma_head_size_ok(d: int, dv: int) -> bool:
     return d == dv and d % 16 == 0 and 16 <= d <= 128
 
 
-def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | None = None):
-    """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_mma.cu) or float32
-    (flash_tf32.cu, 3xTF32), head size d and a work division (default
-    mma_config(d, dtype)): a numba-cuda kernel whose body calls the CUDA C++ device
-    function of the source, compiled by numba-cuda (NVRTC) with the constants for
-    this dtype, head size and division and linked into the kernel. The C++ holds
-    the tensor-core (mma.sync, ldmatrix) and asynchronous-copy instructions as
-    inline PTX: Numba's Python kernels reach neither, while numba-cuda still
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """How flash_wgmma.cu (float16/bfloat16 on Hopper's warpgroup MMAs) divides its
+    work: `warpgroups` of 4 warps and 64 query rows a block, `block_k` keys a K/V tile."""
+
+    warpgroups: int = 3
+    block_k: int = 128
+
+    def check(self, d: int) -> None:
+        """ValueError unless flash_wgmma.cu has this division and head size."""
+        if self.warpgroups not in (1, 2, 3) or self.block_k not in (64, 128) or d not in WGMMA_HEAD_SIZES:
+            raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups, 64- or 128-key tiles and D = 64 or 128, not "
+                             f"{self} at D = {d}")
+
+    @property
+    def block_q(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    def shared_bytes(self, d: int, itemsize: int = 2) -> int:
+        """Shared memory of one block at head size d: Q, two K and two V tiles, unpadded,
+        and 1 KB to align them to the 1024 bytes of the swizzle pattern."""
+        return (self.block_q + 4 * self.block_k) * d * itemsize + 1024
+
+    def __str__(self) -> str:
+        return f"wg{self.warpgroups}k{self.block_k}"
+
+
+WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
+WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
+
+
+def wgmma_applies(d: int, dv: int) -> bool:
+    """Whether float16/bfloat16 at these head sizes run flash_wgmma.cu on this GPU."""
+    if config.ENABLE_CUDASIM or d != dv or d not in WGMMA_HEAD_SIZES:
+        return False
+    return _capability(cuda.get_current_device().id) == WGMMA_CAPABILITY
+
+
+@functools.cache
+def _capability(device_id: int) -> tuple:
+    return tuple(cuda.get_current_device().compute_capability)
+
+
+def tensor_core_config(d: int, dtype: str) -> "MmaConfig | WgmmaConfig":
+    """The default division of the dtype's tensor-core kernel at head size d."""
+    return mma_config(d, dtype) if dtype == "float32" else half_config(d, dtype)
+
+
+def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
+    """The float16/bfloat16 kernel's default division at head size d: flash_wgmma.cu's
+    three warpgroups of 64 rows and 128-key tiles where it applies (Hopper, D = 64 or
+    128), else flash_mma.cu's (mma_config). tools/gpu_flash_versions.py compares them."""
+    return WgmmaConfig() if wgmma_applies(d, d) else mma_config(d, dtype)
+
+
+def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None):
+    """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_wgmma.cu for a
+    WgmmaConfig, flash_mma.cu for an MmaConfig) or float32 (flash_tf32.cu, 3xTF32),
+    head size d and a work division (default half_config(d, dtype), or mma_config(d,
+    dtype) for float32): a numba-cuda kernel whose body calls the CUDA C++ device
+    function of the source, compiled by numba-cuda (NVRTC, for the GPU's
+    arch-specific target: sm_90a on Hopper) with the constants for this dtype, head
+    size and division and linked into the kernel. The C++ holds the tensor-core
+    (wgmma, mma.sync, ldmatrix) and asynchronous-copy instructions as inline PTX:
+    Numba's Python kernels reach neither, while numba-cuda still
     compiles and caches the kernel. It is compiled here, for its one signature, and
     launched below the dispatcher (RawKernel, registered for launch()); shared
     memory above the 48 KB a kernel gets without asking is dynamic, the kernel's
     limit raised to it."""
-    config = config or mma_config(d, dtype)
+    config = config or tensor_core_config(d, dtype)
+    if isinstance(config, WgmmaConfig):
+        config.check(d)
+        return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}",
+                              (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
+                               ("NWG", config.warpgroups)),
+                              ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32"), config.threads,
+                              config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)))
     if dtype == "float32":
         source, defines, itemsize = "flash_tf32.cu", (("D", d), *division), 4
@@ -999,12 +1067,15 @@ def mma_aligned(*ptrs) -> bool:
     return not any(p % 16 for p in ptrs[:3]) and not any(p % 4 for p in ptrs[3:])
 
 
-def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None, config: MmaConfig | None = None):
+def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
+                     config: MmaConfig | WgmmaConfig | None = None):
     """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared.
-    The grid is (query blocks, batch); config: the work division (default mma_config(d))."""
+    The grid is (query blocks, batch); config: the work division (default
+    half_config(d), or mma_config(d) for float32)."""
     batch, nq, d = q.shape
-    config = config or mma_config(d, q.dtype.name)
-    return (flash_mma_kernel(q.dtype.name, d, config), (-(-nq // config.block_q), batch), config.threads,
+    dtype = q.dtype.name
+    config = config or tensor_core_config(d, dtype)
+    return (flash_mma_kernel(dtype, d, config), (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None)))
 

@@ -1,0 +1,318 @@
+// cuda.flash for float16 and bfloat16 on Hopper (sm_90a): the FlashAttention-2 forward
+// on warpgroup MMAs (wgmma), which read Q and K (and V) straight from shared memory,
+// so no K or V fragment passes through the registers, and run asynchronously, so a
+// warpgroup's softmax overlaps its own products.
+//
+// A CUDA C++ device function that a numba-cuda kernel calls, like flash_mma.cu
+// (kernels.py, flash_mma_kernel): numba-cuda compiles it with NVRTC for the device's
+// arch-specific target (sm_90a on an H100), where the wgmma instructions exist.
+// kernels.py prepends the constants (kernels.WgmmaConfig):
+//   ATTNKERN_D        the head size (D = Dv): 64 or 128
+//   ATTNKERN_BF16     1 for bfloat16, 0 for float16
+//   ATTNKERN_NAME     the function's name
+//   ATTNKERN_BN       keys per K/V tile: 64 or 128
+//   ATTNKERN_NWG      warpgroups (4 warps each) per block: a block owns BM = 64 NWG query rows
+//   ATTNKERN_DYNAMIC  1: shared memory is the launch's dynamic shared memory
+// and then flash_common.cuh. The grid is (query blocks, batch).
+//
+// Shared memory holds Q (BM rows, loaded once, Q's sign flipped on the way for a
+// negative scale) and two K and two V tiles, each in wgmma's 128-byte-swizzled
+// layout: D / 64 blocks of 64 columns, each its rows of 128 bytes, the 16-byte chunk
+// c of row r stored at chunk c ^ (r % 8), so that wgmma's reads of 8 rows hit distinct
+// banks (its unswizzled layout of 8 x 16-byte core matrices conflicts). Eight lanes copy one row's 128 contiguous bytes (cp.async) into one 128-byte row.
+// Q and K are K-major operands (the head size contiguous; a 16-column k step is 32
+// bytes along the row, the next 64 columns the next block); V is P V's B operand in
+// MN-major order (its columns contiguous) read transposed (imm-trans-b), 16 keys a k
+// step; 8-row groups lie 1024 bytes apart in every operand.
+//
+// Per K/V tile a warpgroup (64 query rows) issues, per 64-key sub-tile, D/16 wgmma
+// m64n64k16 for its scores (float32 accumulators, laid out as mma.sync's m16n8
+// accumulators: a warp owns 16 rows), one commit group a sub-tile. Then sub-tile by
+// sub-tile it waits for those scores, runs the same online softmax as flash_mma.cu
+// (flash_common.cuh; masks only on sub-tiles that cross nk or a warp's causal
+// diagonal), rescales the output (after the previous sub-tile's P V is in), and issues
+// BN/64 x 4 wgmma m64nDk16 that add P V to the output, P rounded to the input dtype and
+// held in registers as their A operand: the softmax of one sub-tile runs while the
+// tensor cores finish the next one's scores and the previous one's P V. K/V tiles
+// stream through shared memory with cp.async, double-buffered (tile j+1 loads while
+// tile j is computed, one barrier a tile). With causal masking a block stops at its
+// last row, a warpgroup skips tiles entirely above its rows, and the blocks with the
+// most tiles go first.
+
+#define D ATTNKERN_D
+#define BN ATTNKERN_BN
+#define NWG ATTNKERN_NWG
+#define BM (64 * NWG)
+#define NTHREADS (128 * NWG)
+#define Q_BYTES (BM * D * 2)
+#define TILE_BYTES (BN * D * 2)
+#define SMEM_BYTES (Q_BYTES + 4 * TILE_BYTES + 1024)  // + room to align to 1024 bytes
+
+#if ATTNKERN_BF16
+#define WG_TYPES "bf16.bf16"
+#else
+#define WG_TYPES "f16.f16"
+#endif
+
+#define NSUB (BN / 64)  // 64-key sub-tiles of a K/V tile
+
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+
+// ---------------------------------------------------------------- wgmma wrappers
+// Accumulators d[n][e]: element e of 8-column tile n, in mma.sync's m16n8 layout
+// for the 16 rows of the calling warp. accumulate = 0 overwrites d (scale-d false).
+
+#define ACC8(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
+#define ACC64 ACC8(0), ACC8(1), ACC8(2), ACC8(3), ACC8(4), ACC8(5), ACC8(6), ACC8(7)
+#define ACC128 ACC64, ACC8(8), ACC8(9), ACC8(10), ACC8(11), ACC8(12), ACC8(13), ACC8(14), ACC8(15)
+#define REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "   \
+               "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "   \
+               "%56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (64 x 8 NT) (+)= a (64 x 16, shared memory) b (16 x 8 NT, shared memory, K-major)
+template <int NT>
+static __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], u64 a, u64 b, int accumulate) {
+    static_assert(NT == 8 || NT == 16, "wgmma_ss: N = 64 or 128");
+    if constexpr (NT == 8)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPES " " REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : ACC64 : "l"(a), "l"(b), "r"(accumulate));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPES " " REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : ACC128 : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (64 x 8 NT) += a (64 x 16, registers: mma.sync's A fragment of the warp's 16 rows)
+// b (16 x 8 NT, shared memory, MN-major: read transposed)
+template <int NT>
+static __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const u32 (&a)[4], u64 b) {
+    static_assert(NT == 8 || NT == 16, "wgmma_rs: N = 64 or 128");
+    if constexpr (NT == 8)
+        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPES " " REGS32
+                     ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                     : ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPES " " REGS64
+                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     : ACC128 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// before the first wgmma that touches registers written since the last ones
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// until at most N of this warpgroup's committed groups are pending
+template <int N>
+static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// The compiler sees a wgmma's accumulators as written when the instruction is
+// issued; these empty statements, ordered with the volatile wgmma ones, pin every
+// read after the wait and every write before the fence.
+template <int N>
+static __device__ __forceinline__ void pin(float (&d)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
+}
+
+template <int N>
+static __device__ __forceinline__ void pin(u32 (&d)[N][2]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) asm volatile("" : "+r"(d[n][0]), "+r"(d[n][1])::"memory");
+}
+
+// writes of the generic proxy (st.shared, cp.async) made visible to wgmma's reads
+static __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// a shared-memory matrix descriptor: start address, leading-dimension and stride
+// offsets in bytes, 128-byte swizzle
+static __device__ __forceinline__ u64 descriptor(u32 addr, u32 lead, u32 stride) {
+    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(stride >> 4) << 32) | (1ull << 62);
+}
+
+// two floats rounded to the input dtype, lo in the low half
+static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if ATTNKERN_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+static __device__ __forceinline__ u16 pack1(float x) {
+    u16 r;
+#if ATTNKERN_BF16
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
+#endif
+    return r;
+}
+
+// Chunk index i of a buffer of ROWS rows (a thread's copy) is (column block, row,
+// chunk): its row, its first column, and its byte offset in the swizzled layout.
+template <int ROWS>
+static __device__ __forceinline__ int chunk_row(int i) { return i % (ROWS * 8) >> 3; }
+template <int ROWS>
+static __device__ __forceinline__ int chunk_col(int i) { return i / (ROWS * 8) * 64 + (i & 7) * 8; }
+template <int ROWS>
+static __device__ __forceinline__ u32 chunk_at(int i) {
+    const int r = chunk_row<ROWS>(i);
+    return (u32)((i / (ROWS * 8)) * ROWS * 128 + r * 128 + (((i & 7) ^ (r & 7)) << 4));
+}
+
+// the descriptor of a K-major operand (rows from row0 of a ROWS-row buffer: Q or a K
+// tile) at k step kc (columns 16 kc...): the leading offset is unused with this swizzle
+template <int ROWS>
+static __device__ __forceinline__ u64 kmajor(u32 base, int row0, int kc) {
+    return descriptor(base + (u32)((kc >> 2) * ROWS * 128 + row0 * 128 + (kc & 3) * 32), 16u, 1024u);
+}
+
+// the descriptor of V's keys 16 cc... (MN-major): the leading offset steps along its
+// columns (the next block of 64), the stride offset along its keys (8 rows)
+static __device__ __forceinline__ u64 vdesc(u32 base, int cc) {
+    return descriptor(base + (u32)(cc * 2048), BN * 128, 1024u);
+}
+
+// one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled
+static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
+#pragma unroll
+    for (int i = tid; i < BN * D / 8; i += NTHREADS) {
+        const int key = j0 + chunk_row<BN>(i);
+        const bool live = key < nk;
+        cp_async16(dst + chunk_at<BN>(i), src + (u64)(live ? key : 0) * D + chunk_col<BN>(i), live ? 16 : 0);
+    }
+}
+
+extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
+                                         float scale_log2, int causal, int with_lse) {
+    constexpr int NO = D / 8;  // 8-column tiles of the output
+#if ATTNKERN_DYNAMIC
+    extern __shared__ __align__(1024) u16 smem[];
+#else
+    __shared__ __align__(1024) u16 smem[SMEM_BYTES / 2];
+#endif
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wg = warp >> 2;  // this thread's warpgroup
+    const u64 b = blockIdx.y;
+    const int q0 = block_first_row(causal, BM);
+    const u16* q = (const u16*)qp + b * (u64)nq * D;
+    const u16* k = (const u16*)kp + b * (u64)nk * D;
+    const u16* v = (const u16*)vp + b * (u64)nk * D;
+    const int g0 = q0 + 64 * wg;          // the warpgroup's first row
+    const int wr0 = g0 + 16 * (warp & 3);  // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
+    const float c = fabsf(scale_log2);
+    const u32 sign = scale_log2 < 0.f ? 0x80008000u : 0u;  // negates both halves of a Q pair
+    const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + 2 * TILE_BYTES;
+
+    // Q's BM rows (rows past nq zero), the sign applied on the way; the first tile's
+    // proxy fence and barrier make them visible to wgmma
+    for (int i = tid; i < BM * D / 8; i += NTHREADS) {
+        const int row = q0 + chunk_row<BM>(i);
+        u32x4 x = {0u, 0u, 0u, 0u};
+        if (row < nq) {
+            x = *(const u32x4*)(q + (u64)row * D + chunk_col<BM>(i));
+            x.x ^= sign; x.y ^= sign; x.z ^= sign; x.w ^= sign;
+        }
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(qs0 + chunk_at<BM>(i)), "r"(x.x), "r"(x.y),
+                     "r"(x.z), "r"(x.w));
+    }
+
+    float o[NO][4];
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // running max of the raw scores; this lane's partial row sums
+
+    const int kend = causal ? min(nk, q0 + BM) : nk;
+    const int ntiles = (kend + BN - 1) / BN;
+
+    load_tile(k, ks0, 0, nk, tid);
+    load_tile(v, vs0, 0, nk, tid);
+    cp_async_commit();
+    for (int jt = 0; jt < ntiles; ++jt) {
+        const int j0 = jt * BN;
+        const u32 kb = ks0 + (jt & 1) * TILE_BYTES, vb = vs0 + (jt & 1) * TILE_BYTES;
+        cp_async_wait_all();
+        fence_async_shared();
+        __syncthreads();  // tile jt is in; every warpgroup is done with tile jt - 1, whose buffers refill now
+        if (jt + 1 < ntiles) {
+            load_tile(k, ks0 + ((jt + 1) & 1) * TILE_BYTES, j0 + BN, nk, tid);
+            load_tile(v, vs0 + ((jt + 1) & 1) * TILE_BYTES, j0 + BN, nk, tid);
+            cp_async_commit();
+        }
+        // a warpgroup whose rows all lie above the tile's first key has nothing to add
+        if (causal && j0 > g0 + 63) continue;
+
+        // S = Q K^T, one commit group per 64-key sub-tile: D/16 steps of 16 along the head size
+        float s[NSUB][8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int u = 0; u < NSUB; ++u) {
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc)
+                wgmma_ss(s[u], kmajor<BM>(qs0, 64 * wg, kc), kmajor<BN>(kb, 64 * u, kc), kc);
+            wgmma_commit();
+        }
+        // sub-tile by sub-tile: its softmax runs while the tensor cores still compute the
+        // next sub-tile's scores and the previous one's P V
+        u32 pf[NSUB][8][2];  // P in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8-key tile
+#pragma unroll
+        for (int u = 0; u < NSUB; ++u) {
+            // pending behind sub-tile u's scores: the later sub-tiles' scores and sub-tile u - 1's
+            // P V, NSUB - 1 groups for either sub-tile of a 128-key tile
+            static_assert(NSUB == 1 || NSUB == 2, "BN = 64 or 128");
+            wgmma_wait<NSUB - 1>();
+            pin(s[u]);
+            const int ju = j0 + 64 * u;
+            float a[2];  // rescale factors of the old output rows
+            const auto emit = [&](int n, const float (&p)[4]) {
+                pf[u][n][0] = pack2(p[0], p[1]);
+                pf[u][n][1] = pack2(p[2], p[3]);
+            };
+            softmax_tile_masked_if(ju + 64 > nk || (causal && ju + 63 > wr0), s[u], m, l, a, c, ju, nk, causal,
+                                   wr0 + g, emit);
+            if (u > 0) wgmma_wait<0>();  // sub-tile u - 1's P V is in o
+            pin(o);
+            if (warp_any(a[0] != 1.f || a[1] != 1.f)) scale_rows(o, a);
+            // O += P V: the A fragment of keys 16 cc.. is the P of 8-key tiles 2 cc and 2 cc + 1
+            pin(o);
+            pin(pf[u]);
+            wgmma_fence();
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+                const u32 af[4] = {pf[u][2 * cc][0], pf[u][2 * cc][1], pf[u][2 * cc + 1][0], pf[u][2 * cc + 1][1]};
+                wgmma_rs(o, af, vdesc(vb, 4 * u + cc));
+            }
+            wgmma_commit();
+        }
+        wgmma_wait<0>();  // every warpgroup is done with this tile's V before the next barrier
+        pin(o);
+    }
+
+    u16* out = (u16*)op + b * (u64)nq * D;
+    const int r0 = wr0 + g, r1 = r0 + 8;
+    const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+#pragma unroll
+    for (int j = 0; j < NO; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (r0 < nq) *(u32*)(out + (u64)r0 * D + col) = pack2(o[j][0] * inv0, o[j][1] * inv0);
+        if (r1 < nq) *(u32*)(out + (u64)r1 * D + col) = pack2(o[j][2] * inv1, o[j][3] * inv1);
+    }
+    if (with_lse && t == 0) {
+        u16* lse = (u16*)lsep + b * (u64)nq;
+        if (r0 < nq) lse[r0] = pack1(row_lse(m[0], c, l0));
+        if (r1 < nq) lse[r1] = pack1(row_lse(m[1], c, l1));
+    }
+}
