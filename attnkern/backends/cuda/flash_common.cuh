@@ -142,3 +142,52 @@ static __device__ __forceinline__ float row_lse(float m, float c, float l) {
 static __device__ __forceinline__ int block_first_row(int causal, int bm) {
     return (causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * bm;
 }
+
+#ifdef ATTNKERN_BF16
+// The half-precision kernels' (flash_mma.cu, flash_wgmma.cu: ATTNKERN_BF16 is 1 for
+// bfloat16, 0 for float16) roundings to the input dtype and their last step.
+
+// two floats rounded to the input dtype, lo in the low half
+static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if ATTNKERN_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+static __device__ __forceinline__ u16 pack1(float x) {
+    u16 r;
+#if ATTNKERN_BF16
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
+#endif
+    return r;
+}
+
+// A lane's two output rows r0 and r0 + 8 (an m16n8 accumulator's layout, 8 DH
+// columns), divided by their row sums (the lanes' partial sums l, summed over the
+// quad), stored rounded to the input dtype where they are below nq; and their
+// log-sum-exp into lse (rows of the batch entry; null: none) from the lane with t = 0.
+template <int DH>
+static __device__ __forceinline__ void store_half_rows(u16* out, u16* lse, const float (&o)[DH / 8][4],
+                                                       const float (&l)[2], const float (&m)[2], float c, int r0,
+                                                       int nq) {
+    const int t = threadIdx.x & 3, r1 = r0 + 8;
+    const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+#pragma unroll
+    for (int j = 0; j < DH / 8; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (r0 < nq) *(u32*)(out + (u64)r0 * DH + col) = pack2(o[j][0] * inv0, o[j][1] * inv0);
+        if (r1 < nq) *(u32*)(out + (u64)r1 * DH + col) = pack2(o[j][2] * inv1, o[j][3] * inv1);
+    }
+    if (lse && t == 0) {
+        if (r0 < nq) lse[r0] = pack1(row_lse(m[0], c, l0));
+        if (r1 < nq) lse[r1] = pack1(row_lse(m[1], c, l1));
+    }
+}
+#endif

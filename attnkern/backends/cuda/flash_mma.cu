@@ -77,27 +77,6 @@ static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// two floats rounded to the input dtype, lo in the low half
-static __device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if ATTNKERN_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-static __device__ __forceinline__ u16 pack1(float x) {
-    u16 r;
-#if ATTNKERN_BF16
-    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-#endif
-    return r;
-}
-
 // one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled
 static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
     constexpr int CPR = D / 8;  // 16-byte chunks per row
@@ -122,7 +101,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     __shared__ __align__(128) u16 smem[SMEM_ELEMS];
 #endif
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u64 b = blockIdx.y;
     const int q0 = block_first_row(causal, BM);
     const u16* q = (const u16*)qp + b * (u64)nq * D;
@@ -158,7 +137,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         const int r0 = wr0 + 16 * i + g, r1 = r0 + 8;
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
-            const int col = kc * 16 + 2 * t;
+            const int col = kc * 16 + 2 * (lane & 3);
             qf[i][kc][0] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + col) ^ sign : 0u;
             qf[i][kc][1] = r1 < nq ? *(const u32*)(q + (u64)r1 * D + col) ^ sign : 0u;
             qf[i][kc][2] = r0 < nq ? *(const u32*)(q + (u64)r0 * D + col + 8) ^ sign : 0u;
@@ -279,19 +258,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     u16* out = (u16*)op + b * (u64)nq * D;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-        const int r0 = wr0 + 16 * i + g, r1 = r0 + 8;
-        const float l0 = quad_sum(l[i][0]), l1 = quad_sum(l[i][1]);
-        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-            const int col = j * 8 + 2 * t;
-            if (r0 < nq) *(u32*)(out + (u64)r0 * D + col) = pack2(o[i][j][0] * inv0, o[i][j][1] * inv0);
-            if (r1 < nq) *(u32*)(out + (u64)r1 * D + col) = pack2(o[i][j][2] * inv1, o[i][j][3] * inv1);
-        }
-        if (with_lse && t == 0) {
-            u16* lse = (u16*)lsep + b * (u64)nq;
-            if (r0 < nq) lse[r0] = pack1(row_lse(m[i][0], c, l0));
-            if (r1 < nq) lse[r1] = pack1(row_lse(m[i][1], c, l1));
-        }
+        store_half_rows<D>(out, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o[i], l[i], m[i], c, wr0 + 16 * i + g,
+                           nq);
     }
 }

@@ -138,27 +138,6 @@ static __device__ __forceinline__ u64 descriptor(u32 addr, u32 lead, u32 stride)
     return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(stride >> 4) << 32) | (1ull << 62);
 }
 
-// two floats rounded to the input dtype, lo in the low half
-static __device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if ATTNKERN_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-static __device__ __forceinline__ u16 pack1(float x) {
-    u16 r;
-#if ATTNKERN_BF16
-    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-#endif
-    return r;
-}
-
 // Chunk index i of a buffer of ROWS rows (a thread's copy) is (column block, row,
 // chunk): its row, its first column, and its byte offset in the swizzled layout.
 template <int ROWS>
@@ -203,7 +182,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     __shared__ __align__(1024) u16 smem[SMEM_BYTES / 2];
 #endif
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const int wg = warp >> 2;  // this thread's warpgroup
     const u64 b = blockIdx.y;
     const int q0 = block_first_row(causal, BM);
@@ -301,18 +280,5 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     }
 
     u16* out = (u16*)op + b * (u64)nq * D;
-    const int r0 = wr0 + g, r1 = r0 + 8;
-    const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-#pragma unroll
-    for (int j = 0; j < NO; ++j) {
-        const int col = j * 8 + 2 * t;
-        if (r0 < nq) *(u32*)(out + (u64)r0 * D + col) = pack2(o[j][0] * inv0, o[j][1] * inv0);
-        if (r1 < nq) *(u32*)(out + (u64)r1 * D + col) = pack2(o[j][2] * inv1, o[j][3] * inv1);
-    }
-    if (with_lse && t == 0) {
-        u16* lse = (u16*)lsep + b * (u64)nq;
-        if (r0 < nq) lse[r0] = pack1(row_lse(m[0], c, l0));
-        if (r1 < nq) lse[r1] = pack1(row_lse(m[1], c, l1));
-    }
+    store_half_rows<D>(out, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o, l, m, c, wr0 + g, nq);
 }
