@@ -19,8 +19,8 @@
 --isa avx512bf16 runs the same checks on another ISA (to try the script on a machine without AMX).
 --emulate, on any CPU with AVX-512 BF16 and a C compiler: compiles attn_amx.c with
 -DATTN_AMX_EMULATE (the tile instructions replaced by portable C) and checks the AMX
-kernel's layouts on odd shapes against the float64 reference, the bound above, and the
-vdpbf16ps kernel.
+kernel's layouts on odd shapes (some with a negative scale) against the float64
+reference, the bound above, and the vdpbf16ps kernel.
 
 Exit status: 0 all checks passed, 1 an output outside the bound, 2 AMX not usable here.
 """
@@ -83,7 +83,7 @@ def emulate() -> int:
         q, k = (rng.standard_normal((2, n, d)).astype(np.float32).astype(bf16) for n in (nq, nk))
         v = rng.standard_normal((2, nk, dv)).astype(np.float32).astype(bf16)
         out, lse = np.zeros((2, nq, dv), bf16), np.zeros((2, nq), bf16)
-        scale = 1 / np.sqrt(d)
+        scale = (-0.7 if nq % 2 else 1) / np.sqrt(d)  # a negative scale on the odd nq
         p = Problem(2, nq, nk, d, dv, int(causal), scale, bq, bk, 2)
         ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
         if lib.attn_flash_bf16amx_amx(ctypes.byref(p), ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)) != 0:
@@ -96,7 +96,8 @@ def emulate() -> int:
         if "avx512bf16" in attnkern.supported_isas():
             os.environ["ATTNKERN_ISA"] = "avx512bf16"
             try:
-                dot = attnkern.attention(q, k, v, causal=causal, kernel="native.flash", block_q=bq, block_k=bk)
+                dot = attnkern.attention(q, k, v, causal=causal, scale=scale, kernel="native.flash", block_q=bq,
+                                         block_k=bk)
             finally:
                 os.environ.pop("ATTNKERN_ISA", None)
             versus = f"{np.abs(out.astype(np.float64) - dot.astype(np.float64)).max():.1e}"

@@ -4,9 +4,11 @@
  * product of a 16 x 32 bfloat16 tile and a 32 x 16 one stored as 16 rows of 16 pairs:
  * 8192 multiply-adds per instruction.
  *
- * The numerics are those of the vdpbf16ps kernel (attn_avx512bf16.c):
+ * The numerics are those of the vdpbf16ps kernel (attn_avx512bf16.c) but for where
+ * the scale is applied:
  *   Q Kt: q and K as stored, in bfloat16 pairs along d; the float32 scores are
- *         multiplied by scale * log2(e) afterwards;
+ *         scaled by scale * log2(e) inside the exp2 (one FMA with the row max, which
+ *         is taken over the raw scores), not in a pass of their own;
  *   softmax: float32 (running max, exp2 polynomial, running sum);
  *   P V:  probabilities rounded to bfloat16, the row sum l adding the rounded values;
  * float32 accumulation throughout, the output rounded to bfloat16 once.
@@ -126,17 +128,17 @@ static void amx_pack_v(const uint16_t *v, int64_t kb, int64_t dv, int64_t kb2p, 
     }
 }
 
-/* pb[j] = bfloat16(2^(x[j] - m)) for j < valid, 0 for valid <= j < n (n a multiple
- * of 16); returns the sum of the rounded values. The tail of the last vector is set
- * to -inf first, which vexp2 maps to exactly 0. */
-static float amx_row_exp2(float *x, int64_t valid, int64_t n, float m, uint16_t *pb)
+/* pb[j] = bfloat16(2^(x[j] c - m)) for j < valid, 0 for valid <= j < n (n a multiple
+ * of 16): x holds raw scores, c = scale * log2(e), m the row's max of x c; returns the
+ * sum of the rounded values. Lanes of the last vector past valid are set to 0. */
+static float amx_row_exp2(const float *x, int64_t valid, int64_t n, float c, float m, uint16_t *pb)
 {
-    __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
+    __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(-m), vs = _mm512_setzero_ps();
     int64_t lim = amx_rup(valid, 16);
-    for (int64_t j = valid; j < lim; j++)
-        x[j] = -INFINITY;
     for (int64_t j = 0; j < lim; j += 16) {
-        __m512 e = vexp2_f32(_mm512_sub_ps(_mm512_load_ps(x + j), vm));
+        __m512 e = vexp2_f32(_mm512_fmadd_ps(_mm512_load_ps(x + j), vc, vm));
+        if (j + 16 > valid)
+            e = _mm512_maskz_mov_ps((__mmask16)((1u << (valid - j)) - 1), e);
         __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
         _mm256_storeu_si256((__m256i *)(pb + j), eb);
         vs = _mm512_add_ps(vs, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
@@ -144,6 +146,23 @@ static float amx_row_exp2(float *x, int64_t valid, int64_t n, float m, uint16_t 
     for (int64_t j = lim; j < n; j++)
         pb[j] = 0;
     return _mm512_reduce_add_ps(vs);
+}
+
+/* The max over the first valid raw scores of x of x c (c = scale * log2(e)): c times
+ * their max, or their min where c < 0 (rounding is monotonic, so this is the max of
+ * the rounded products exactly). */
+static float amx_row_max(const float *x, int64_t valid, float c)
+{
+    const int neg = c < 0;
+    __m512 v = _mm512_set1_ps(neg ? INFINITY : -INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= valid; j += 16)
+        v = neg ? _mm512_min_ps(v, _mm512_load_ps(x + j)) : _mm512_max_ps(v, _mm512_load_ps(x + j));
+    if (j < valid) {
+        __mmask16 k = (__mmask16)((1u << (valid - j)) - 1);
+        v = neg ? _mm512_mask_min_ps(v, k, v, _mm512_load_ps(x + j)) : _mm512_mask_max_ps(v, k, v, _mm512_load_ps(x + j));
+    }
+    return (neg ? _mm512_reduce_min_ps(v) : _mm512_reduce_max_ps(v)) * c;
 }
 
 typedef struct {
@@ -201,7 +220,6 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, uint16_t *
     const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
     const uint16_t *qb = q + (bh * p->nq + i0) * d;
     const float cs = (float)(p->scale * ATTN_LOG2E);
-    const __m512 c = _mm512_set1_ps(cs);
     const uint32_t *pb32 = (const uint32_t *)w->pb;
     for (int64_t r = 0; r < bqp; r++) {
         for (int64_t t = 0; t < d2p; t++)
@@ -245,32 +263,20 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, uint16_t *
             }
             /* online softmax of the strip's rows; the rescale is applied to o here */
             for (int64_t r = 0; r < rows; r++) {
-                float *sr = w->s + r * lds;
+                const float *sr = w->s + r * lds;
                 uint16_t *pr = w->pb + r * lds;
                 int64_t row = r0 + r, valid = causal_valid_f32(p->causal, i0 + row, j0, kb);
                 if (valid == 0) { /* row sees none of this block */
                     memset(pr, 0, (size_t)kbp * sizeof *pr);
                     continue;
                 }
-                /* scores to the log2 domain, and their max, in one pass */
-                __m512 vmax = _mm512_set1_ps(-INFINITY);
-                int64_t j = 0;
-                for (; j + 16 <= valid; j += 16) {
-                    __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + j), c);
-                    _mm512_store_ps(sr + j, x);
-                    vmax = _mm512_max_ps(vmax, x);
-                }
-                if (j < valid) {
-                    __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + j), c);
-                    _mm512_store_ps(sr + j, x);
-                    vmax = _mm512_mask_max_ps(vmax, (__mmask16)((1u << (valid - j)) - 1), vmax, x);
-                }
-                float mb = _mm512_reduce_max_ps(vmax);
+                /* the max of the scores in the log2 domain; the exp2 pass scales them */
+                float mb = amx_row_max(sr, valid, cs);
                 float mold = w->m[row], mnew = mb > mold ? mb : mold;
                 /* first block: m = -inf and the accumulator is zero, alpha = 0 */
                 float alpha = mold == -INFINITY ? 0 /* the polynomial of the probabilities: no libm call per row */
                                                 : _mm512_cvtss_f32(vexp2_f32(_mm512_set1_ps(mold - mnew)));
-                w->l[row] = w->l[row] * alpha + amx_row_exp2(sr, valid, kbp, mnew, pr);
+                w->l[row] = w->l[row] * alpha + amx_row_exp2(sr, valid, kbp, cs, mnew, pr);
                 w->m[row] = mnew;
                 if (alpha != 1) {
                     __m512 va = _mm512_set1_ps(alpha);
