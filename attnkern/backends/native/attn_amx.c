@@ -128,24 +128,44 @@ static void amx_pack_v(const uint16_t *v, int64_t kb, int64_t dv, int64_t kb2p, 
     }
 }
 
+/* 2^x for probabilities that are rounded to bfloat16 next (relative rounding error up
+ * to 2^-9): x = n + f with |f| <= 1/2, a degree-4 Chebyshev interpolant of 2^f
+ * (relative error 3.5e-6; the float32 kernels' degree 5 gives 1e-7), times 2^n by
+ * vscalefps, which gives 0 for x far below the smallest float32 (no clamp needed:
+ * x - n is exact). */
+static ATTN_INLINE __m512 amx_exp2(__m512 x)
+{
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(0.009666368515338686f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05592197584225338f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022349038021354f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931210452034274f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* pb[j] = bfloat16(2^(x[j] c - m)) for j < valid, 0 for valid <= j < n (n a multiple
  * of 16): x holds raw scores, c = scale * log2(e), m the row's max of x c; returns the
- * sum of the rounded values. Lanes of the last vector past valid are set to 0. */
+ * sum of the rounded values (vdpbf16ps against ones: pairs of them in each float32
+ * lane). Lanes of the last vector past valid are set to 0. */
 static float amx_row_exp2(const float *x, int64_t valid, int64_t n, float c, float m, uint16_t *pb)
 {
-    __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(-m), vs = _mm512_setzero_ps();
+    const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(-m);
+    const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3f80);
+    __m256 vs = _mm256_setzero_ps();
     int64_t lim = amx_rup(valid, 16);
     for (int64_t j = 0; j < lim; j += 16) {
-        __m512 e = vexp2_f32(_mm512_fmadd_ps(_mm512_load_ps(x + j), vc, vm));
+        __m512 e = amx_exp2(_mm512_fmadd_ps(_mm512_load_ps(x + j), vc, vm));
         if (j + 16 > valid)
             e = _mm512_maskz_mov_ps((__mmask16)((1u << (valid - j)) - 1), e);
-        __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
-        _mm256_storeu_si256((__m256i *)(pb + j), eb);
-        vs = _mm512_add_ps(vs, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+        __m256bh eb = _mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256((__m256i *)(pb + j), (__m256i)eb);
+        vs = _mm256_dpbf16_ps(vs, eb, ones);
     }
     for (int64_t j = lim; j < n; j++)
         pb[j] = 0;
-    return _mm512_reduce_add_ps(vs);
+    return _mm512_reduce_add_ps(_mm512_zextps256_ps512(vs));
 }
 
 /* The max over the first valid raw scores of x of x c (c = scale * log2(e)): c times
