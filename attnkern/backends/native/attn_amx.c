@@ -170,19 +170,27 @@ static float amx_row_exp2(const float *x, int64_t valid, int64_t n, float c, flo
 
 /* The max over the first valid raw scores of x of x c (c = scale * log2(e)): c times
  * their max, or their min where c < 0 (rounding is monotonic, so this is the max of
- * the rounded products exactly). */
+ * the rounded products exactly), the min taken as minus the max of -x. Four
+ * independent chains, as in row_max: one would wait a max's latency per vector. */
 static float amx_row_max(const float *x, int64_t valid, float c)
 {
-    const int neg = c < 0;
-    __m512 v = _mm512_set1_ps(neg ? INFINITY : -INFINITY);
+    const __m512i flip = _mm512_set1_epi32(c < 0 ? (int32_t)0x80000000u : 0);
+#define AMX_LOADX(j) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_load_ps(x + (j))), flip))
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     int64_t j = 0;
-    for (; j + 16 <= valid; j += 16)
-        v = neg ? _mm512_min_ps(v, _mm512_load_ps(x + j)) : _mm512_max_ps(v, _mm512_load_ps(x + j));
-    if (j < valid) {
-        __mmask16 k = (__mmask16)((1u << (valid - j)) - 1);
-        v = neg ? _mm512_mask_min_ps(v, k, v, _mm512_load_ps(x + j)) : _mm512_mask_max_ps(v, k, v, _mm512_load_ps(x + j));
+    for (; j + 64 <= valid; j += 64) {
+        m0 = _mm512_max_ps(m0, AMX_LOADX(j));
+        m1 = _mm512_max_ps(m1, AMX_LOADX(j + 16));
+        m2 = _mm512_max_ps(m2, AMX_LOADX(j + 32));
+        m3 = _mm512_max_ps(m3, AMX_LOADX(j + 48));
     }
-    return (neg ? _mm512_reduce_min_ps(v) : _mm512_reduce_max_ps(v)) * c;
+    for (; j + 16 <= valid; j += 16)
+        m0 = _mm512_max_ps(m0, AMX_LOADX(j));
+    if (j < valid)
+        m0 = _mm512_mask_max_ps(m0, (__mmask16)((1u << (valid - j)) - 1), m0, AMX_LOADX(j));
+#undef AMX_LOADX
+    float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+    return (c < 0 ? -mx : mx) * c;
 }
 
 typedef struct {
