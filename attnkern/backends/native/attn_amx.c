@@ -97,12 +97,20 @@ static ATTN_INLINE uint32_t amx_pair(const uint16_t *row, int64_t t, int64_t d)
  * past d and keys past kb are zero. */
 static void amx_pack_kt(const uint16_t *k, int64_t kb, int64_t d, int64_t d2p, uint32_t *kt)
 {
+    /* an even d: a key's pairs are its row read as 32-bit words (little-endian) */
+    const int64_t whole = d % 2 ? 0 : d / 2;
     for (int64_t j0 = 0; j0 < kb; j0 += ANR) {
         uint32_t *panel = kt + j0 * d2p;
         int64_t nc = kb - j0 < ANR ? kb - j0 : ANR;
-        for (int64_t c = 0; c < ANR; c++)
-            for (int64_t t = 0; t < d2p; t++)
-                panel[t * ANR + c] = c < nc ? amx_pair(k + (j0 + c) * d, t, d) : 0;
+        for (int64_t c = 0; c < ANR; c++) {
+            const uint16_t *row = k + (j0 + c) * d;
+            int64_t t = 0;
+            if (c < nc)
+                for (; t < whole; t++)
+                    memcpy(panel + t * ANR + c, row + 2 * t, sizeof(uint32_t));
+            for (; t < d2p; t++)
+                panel[t * ANR + c] = c < nc ? amx_pair(row, t, d) : 0;
+        }
     }
 }
 
@@ -116,11 +124,14 @@ static void amx_pack_v(const uint16_t *v, int64_t kb, int64_t dv, int64_t kb2p, 
         int64_t nc = dv - c0 < ANR ? dv - c0 : ANR;
         for (int64_t t = 0; t < kb2p; t++) {
             int64_t c = 0;
-            if (2 * t < kb) {
+            if (2 * t + 1 < kb) {
                 const uint16_t *r0 = v + 2 * t * dv + c0, *r1 = r0 + dv;
-                int odd = 2 * t + 1 < kb;
                 for (; c < nc; c++)
-                    panel[t * ANR + c] = (uint32_t)r0[c] | (odd ? (uint32_t)r1[c] << 16 : 0);
+                    panel[t * ANR + c] = (uint32_t)r0[c] | (uint32_t)r1[c] << 16;
+            } else if (2 * t < kb) { /* the last key of an odd count: paired with a zero */
+                const uint16_t *r0 = v + 2 * t * dv + c0;
+                for (; c < nc; c++)
+                    panel[t * ANR + c] = r0[c];
             }
             for (; c < ANR; c++)
                 panel[t * ANR + c] = 0;
@@ -146,26 +157,31 @@ static ATTN_INLINE __m512 amx_exp2(__m512 x)
 }
 
 /* pb[j] = bfloat16(2^(x[j] c - m)) for j < valid, 0 for valid <= j < n (n a multiple
- * of 16): x holds raw scores, c = scale * log2(e), m the row's max of x c; returns the
- * sum of the rounded values (vdpbf16ps against ones: pairs of them in each float32
- * lane). Lanes of the last vector past valid are set to 0. */
+ * of 32, x readable up to n): x holds raw scores, c = scale * log2(e), m the row's max
+ * of x c; returns the sum of the rounded values. 32 scores a step: two exp2 vectors,
+ * one vcvtne2ps2bf16 for both, and their sum by one vdpbf16ps against ones (pairs of
+ * them in each float32 lane). Lanes past valid are set to 0. */
 static float amx_row_exp2(const float *x, int64_t valid, int64_t n, float c, float m, uint16_t *pb)
 {
     const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(-m);
-    const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3f80);
-    __m256 vs = _mm256_setzero_ps();
-    int64_t lim = amx_rup(valid, 16);
-    for (int64_t j = 0; j < lim; j += 16) {
-        __m512 e = amx_exp2(_mm512_fmadd_ps(_mm512_load_ps(x + j), vc, vm));
-        if (j + 16 > valid)
-            e = _mm512_maskz_mov_ps((__mmask16)((1u << (valid - j)) - 1), e);
-        __m256bh eb = _mm512_cvtneps_pbh(e);
-        _mm256_storeu_si256((__m256i *)(pb + j), (__m256i)eb);
-        vs = _mm256_dpbf16_ps(vs, eb, ones);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    __m512 vs = _mm512_setzero_ps();
+    int64_t lim = amx_rup(valid, 32);
+    for (int64_t j = 0; j < lim; j += 32) {
+        __m512 e0 = amx_exp2(_mm512_fmadd_ps(_mm512_load_ps(x + j), vc, vm));
+        __m512 e1 = amx_exp2(_mm512_fmadd_ps(_mm512_load_ps(x + j + 16), vc, vm));
+        if (j + 32 > valid) {
+            int64_t r = valid - j; /* 1 to 31 */
+            e0 = _mm512_maskz_mov_ps((__mmask16)(r >= 16 ? 0xffffu : (1u << r) - 1), e0);
+            e1 = _mm512_maskz_mov_ps((__mmask16)(r <= 16 ? 0u : (1u << (r - 16)) - 1), e1);
+        }
+        __m512bh eb = _mm512_cvtne2ps_pbh(e1, e0); /* e0's 16 in the low half */
+        _mm512_storeu_si512((void *)(pb + j), (__m512i)eb);
+        vs = _mm512_dpbf16_ps(vs, eb, ones);
     }
     for (int64_t j = lim; j < n; j++)
         pb[j] = 0;
-    return _mm512_reduce_add_ps(_mm512_zextps256_ps512(vs));
+    return _mm512_reduce_add_ps(vs);
 }
 
 /* The max over the first valid raw scores of x of x c (c = scale * log2(e)): c times
@@ -191,6 +207,18 @@ static float amx_row_max(const float *x, int64_t valid, float c)
 #undef AMX_LOADX
     float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
     return (c < 0 ? -mx : mx) * c;
+}
+
+/* attn_f32_to_bf16 of 16 floats, in the low 16 bits of each lane: round to nearest
+ * even, a NaN kept quiet (its top bits with the quiet bit set, never rounded to infinity). */
+static ATTN_INLINE __m512i amx_bf16_bits(__m512 x)
+{
+    const __m512i u = _mm512_castps_si512(x), one = _mm512_set1_epi32(1);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_srli_epi32(r, 16);
 }
 
 typedef struct {
@@ -250,8 +278,14 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, uint16_t *
     const float cs = (float)(p->scale * ATTN_LOG2E);
     const uint32_t *pb32 = (const uint32_t *)w->pb;
     for (int64_t r = 0; r < bqp; r++) {
-        for (int64_t t = 0; t < d2p; t++)
-            w->qa[r * d2p + t] = r < bq ? amx_pair(qb + r * d, t, d) : 0;
+        uint32_t *qr = w->qa + r * d2p;
+        int64_t t = 0;
+        if (r < bq && d % 2 == 0) { /* the row's pairs are its 32-bit words (little-endian) */
+            memcpy(qr, qb + r * d, (size_t)d * sizeof(uint16_t));
+            t = d / 2;
+        }
+        for (; t < d2p; t++)
+            qr[t] = r < bq ? amx_pair(qb + r * d, t, d) : 0;
         w->m[r] = -INFINITY;
         w->l[r] = 0;
     }
@@ -289,25 +323,38 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, uint16_t *
                     AMX_STORE(3, s + 16 * lds + 16, lds * 4);
                 }
             }
-            /* online softmax of the strip's rows; the rescale is applied to o here */
+            /* online softmax of the strip's rows, in three passes over them so that the
+             * rows' dependency chains (a max's reduction, the exp2 of the rescale factor)
+             * overlap: the maxes; the rescale factors of 16 rows a vector; the exp2 and
+             * sums, the rescale applied to o */
+            float mnew[AROWS], alpha[AROWS];
+            int64_t nvalid[AROWS];
             for (int64_t r = 0; r < rows; r++) {
-                const float *sr = w->s + r * lds;
+                int64_t row = r0 + r;
+                nvalid[r] = causal_valid_f32(p->causal, i0 + row, j0, kb);
+                /* the max of the scores in the log2 domain; the exp2 pass scales them */
+                float mb = nvalid[r] ? amx_row_max(w->s + r * lds, nvalid[r], cs) : -INFINITY;
+                mnew[r] = mb > w->m[row] ? mb : w->m[row];
+            }
+            for (int64_t r = 0; r < rows; r += 16) {
+                __mmask16 k = (__mmask16)(rows - r >= 16 ? 0xffffu : (1u << (rows - r)) - 1);
+                __m512 mold = _mm512_maskz_loadu_ps(k, w->m + r0 + r), mn = _mm512_maskz_loadu_ps(k, mnew + r);
+                /* a row with no key seen yet (m = -inf) has a zero accumulator: alpha = 0 */
+                __mmask16 none = _mm512_cmp_ps_mask(mold, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+                __m512 a = _mm512_mask_blend_ps(none, vexp2_f32(_mm512_sub_ps(mold, mn)), _mm512_setzero_ps());
+                _mm512_mask_storeu_ps(alpha + r, k, a);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t row = r0 + r;
                 uint16_t *pr = w->pb + r * lds;
-                int64_t row = r0 + r, valid = causal_valid_f32(p->causal, i0 + row, j0, kb);
-                if (valid == 0) { /* row sees none of this block */
+                if (nvalid[r] == 0) { /* row sees none of this block */
                     memset(pr, 0, (size_t)kbp * sizeof *pr);
                     continue;
                 }
-                /* the max of the scores in the log2 domain; the exp2 pass scales them */
-                float mb = amx_row_max(sr, valid, cs);
-                float mold = w->m[row], mnew = mb > mold ? mb : mold;
-                /* first block: m = -inf and the accumulator is zero, alpha = 0 */
-                float alpha = mold == -INFINITY ? 0 /* the polynomial of the probabilities: no libm call per row */
-                                                : _mm512_cvtss_f32(vexp2_f32(_mm512_set1_ps(mold - mnew)));
-                w->l[row] = w->l[row] * alpha + amx_row_exp2(sr, valid, kbp, cs, mnew, pr);
-                w->m[row] = mnew;
-                if (alpha != 1) {
-                    __m512 va = _mm512_set1_ps(alpha);
+                w->l[row] = w->l[row] * alpha[r] + amx_row_exp2(w->s + r * lds, nvalid[r], kbp, cs, mnew[r], pr);
+                w->m[row] = mnew[r];
+                if (alpha[r] != 1) {
+                    __m512 va = _mm512_set1_ps(alpha[r]);
                     float *orow = w->o + row * dv_pad;
                     for (int64_t col = 0; col < dv_pad; col += 16)
                         _mm512_store_ps(orow + col, _mm512_mul_ps(_mm512_load_ps(orow + col), va));
@@ -345,8 +392,12 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, uint16_t *
     }
     uint16_t *ob = out + (bh * p->nq + i0) * dv;
     for (int64_t r = 0; r < bq; r++) {
-        for (int64_t col = 0; col < dv; col++)
-            ob[r * dv + col] = attn_f32_to_bf16(w->o[r * dv_pad + col] / w->l[r]);
+        const __m512 vl = _mm512_set1_ps(w->l[r]);
+        for (int64_t col = 0; col < dv; col += 16) {
+            __mmask16 k = (__mmask16)(dv - col >= 16 ? 0xffffu : (1u << (dv - col)) - 1);
+            __m512 x = _mm512_div_ps(_mm512_maskz_loadu_ps(k, w->o + r * dv_pad + col), vl);
+            _mm256_mask_storeu_epi16(ob + r * dv + col, k, _mm512_cvtepi32_epi16(amx_bf16_bits(x)));
+        }
         if (lse)
             lse[bh * p->nq + i0 + r] = attn_f32_to_bf16(lse_of_f32(w->m[r], w->l[r]));
     }
