@@ -339,9 +339,12 @@ static void flash_block_amx(const attn_problem *p, const uint16_t *q, uint16_t *
             for (int64_t r = 0; r < rows; r += 16) {
                 __mmask16 k = (__mmask16)(rows - r >= 16 ? 0xffffu : (1u << (rows - r)) - 1);
                 __m512 mold = _mm512_maskz_loadu_ps(k, w->m + r0 + r), mn = _mm512_maskz_loadu_ps(k, mnew + r);
-                /* a row with no key seen yet (m = -inf) has a zero accumulator: alpha = 0 */
+                /* exactly 1 where the max stays (the polynomial's 2^0 is 1 + 2^-23); 0 for a
+                 * row with no key seen yet (m = -inf), whose accumulator is zero */
                 __mmask16 none = _mm512_cmp_ps_mask(mold, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-                __m512 a = _mm512_mask_blend_ps(none, vexp2_f32(_mm512_sub_ps(mold, mn)), _mm512_setzero_ps());
+                __mmask16 same = _mm512_cmp_ps_mask(mold, mn, _CMP_EQ_OQ);
+                __m512 a = _mm512_mask_blend_ps(same, vexp2_f32(_mm512_sub_ps(mold, mn)), _mm512_set1_ps(1));
+                a = _mm512_mask_blend_ps(none, a, _mm512_setzero_ps());
                 _mm512_mask_storeu_ps(alpha + r, k, a);
             }
             for (int64_t r = 0; r < rows; r++) {

@@ -516,28 +516,38 @@ int FN(tiled)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
  * for a strip of one block. */
 #define FLASH_ROWS (8 * MR)
 
-/* Online-softmax step of rows [0, rows) of a strip (row r is row i0 + r of the
- * problem, m, l and alpha its running state) over their scores s of the key
- * block [j0, j0 + kb): s becomes the probabilities 2^(s - m_new). */
+/* Online-softmax step of rows [0, rows) of a strip (rows <= FLASH_ROWS; row r is row
+ * i0 + r of the problem, m, l and alpha its running state) over their scores s of the
+ * key block [j0, j0 + kb): s becomes the probabilities 2^(s - m_new). Three passes
+ * over the rows, so that their dependency chains (a max's reduction, the rescale
+ * factor's exp2) overlap instead of following one another: the maxes; the rescale
+ * factors 2^(m_old - m_new), VW rows a vector (exactly 1 where the max stays, 0 for a
+ * row with no key seen yet, whose accumulator is zero); the exp2 and sums. */
 static void ST(strip_softmax)(T *s, int64_t lds, int64_t rows, int64_t kb, T *m, T *l, T *alpha,
                               int causal, int64_t i0, int64_t j0)
 {
-    int64_t kb_vw = ST(round_up)(kb, VW);
+    int64_t kb_vw = ST(round_up)(kb, VW), rows_vw = ST(round_up)(rows, VW), valid[FLASH_ROWS];
+    T mnew[FLASH_ROWS + VW], mold[FLASH_ROWS + VW], e[FLASH_ROWS + VW];
+    for (int64_t r = 0; r < rows; r++) {
+        valid[r] = ST(causal_valid)(causal, i0 + r, j0, kb);
+        T mb = valid[r] ? ST(row_max)(s + r * lds, valid[r]) : -INFINITY;
+        mold[r] = m[r];
+        mnew[r] = mb > m[r] ? mb : m[r];
+    }
+    for (int64_t r = rows; r < rows_vw; r++)
+        mold[r] = mnew[r] = 0;
+    for (int64_t r = 0; r < rows_vw; r += VW)
+        V(storeu)(e + r, ST(vexp2)(V(sub)(V(loadu)(mold + r), V(loadu)(mnew + r))));
     for (int64_t r = 0; r < rows; r++) {
         T *sr = s + r * lds;
-        int64_t valid = ST(causal_valid)(causal, i0 + r, j0, kb);
-        if (valid == 0) {  /* row sees none of this block */
+        alpha[r] = mold[r] == -INFINITY ? 0 : (mold[r] == mnew[r] ? 1 : e[r]);
+        if (valid[r] == 0) { /* row sees none of this block: its state stays */
             for (int64_t j = 0; j < kb_vw; j++)
                 sr[j] = 0;
-            alpha[r] = 1;
             continue;
         }
-        T mb = ST(row_max)(sr, valid);
-        T mnew = mb > m[r] ? mb : m[r];
-        /* first block: m = -inf and the accumulator is zero, alpha = 0 */
-        alpha[r] = m[r] == -INFINITY ? 0 : (T)exp2((double)(m[r] - mnew));
-        l[r] = l[r] * alpha[r] + ST(row_exp2_sum)(sr, valid, kb_vw, mnew);
-        m[r] = mnew;
+        l[r] = l[r] * alpha[r] + ST(row_exp2_sum)(sr, valid[r], kb_vw, mnew[r]);
+        m[r] = mnew[r];
     }
 }
 
