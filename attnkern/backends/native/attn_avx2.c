@@ -17,6 +17,7 @@ static ATTN_INLINE __m256 vfma_f32(__m256 a, __m256 b, __m256 c) { return _mm256
 static ATTN_INLINE __m256 vmul_f32(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
 static ATTN_INLINE __m256 vadd_f32(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 static ATTN_INLINE __m256 vsub_f32(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
+static ATTN_INLINE __m256 vdiv_f32(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
 static ATTN_INLINE __m256 vmax_f32(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
 static ATTN_INLINE __m256 vround_f32(__m256 x)
 {
@@ -53,6 +54,7 @@ static ATTN_INLINE __m256d vfma_f64(__m256d a, __m256d b, __m256d c) { return _m
 static ATTN_INLINE __m256d vmul_f64(__m256d a, __m256d b) { return _mm256_mul_pd(a, b); }
 static ATTN_INLINE __m256d vadd_f64(__m256d a, __m256d b) { return _mm256_add_pd(a, b); }
 static ATTN_INLINE __m256d vsub_f64(__m256d a, __m256d b) { return _mm256_sub_pd(a, b); }
+static ATTN_INLINE __m256d vdiv_f64(__m256d a, __m256d b) { return _mm256_div_pd(a, b); }
 static ATTN_INLINE __m256d vmax_f64(__m256d a, __m256d b) { return _mm256_max_pd(a, b); }
 static ATTN_INLINE __m256d vround_f64(__m256d x)
 {

@@ -20,6 +20,7 @@ static ATTN_INLINE __m512 vfma_f32(__m512 a, __m512 b, __m512 c) { return _mm512
 static ATTN_INLINE __m512 vmul_f32(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
 static ATTN_INLINE __m512 vadd_f32(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 static ATTN_INLINE __m512 vsub_f32(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
+static ATTN_INLINE __m512 vdiv_f32(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
 static ATTN_INLINE __m512 vmax_f32(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
 static ATTN_INLINE __m512 vround_f32(__m512 x)
 {
@@ -89,6 +90,7 @@ static ATTN_INLINE __m512d vfma_f64(__m512d a, __m512d b, __m512d c) { return _m
 static ATTN_INLINE __m512d vmul_f64(__m512d a, __m512d b) { return _mm512_mul_pd(a, b); }
 static ATTN_INLINE __m512d vadd_f64(__m512d a, __m512d b) { return _mm512_add_pd(a, b); }
 static ATTN_INLINE __m512d vsub_f64(__m512d a, __m512d b) { return _mm512_sub_pd(a, b); }
+static ATTN_INLINE __m512d vdiv_f64(__m512d a, __m512d b) { return _mm512_div_pd(a, b); }
 static ATTN_INLINE __m512d vmax_f64(__m512d a, __m512d b) { return _mm512_max_pd(a, b); }
 static ATTN_INLINE __m512d vround_f64(__m512d x)
 {

@@ -49,6 +49,12 @@
             a.x[i] -= b.x[i];                                                               \
         return a;                                                                           \
     }                                                                                       \
+    static ATTN_INLINE vec_##DT vdiv_##DT(vec_##DT a, vec_##DT b)                           \
+    {                                                                                       \
+        for (int i = 0; i < W; i++)                                                         \
+            a.x[i] /= b.x[i];                                                               \
+        return a;                                                                           \
+    }                                                                                       \
     static ATTN_INLINE vec_##DT vmax_##DT(vec_##DT a, vec_##DT b)                           \
     {                                                                                       \
         for (int i = 0; i < W; i++)                                                         \

@@ -7,7 +7,7 @@
  *   VT, VW  vector type and its width in elements
  *   MR      rows of the register tile in the matmul micro-kernels
  * and functions v<op>_<DT>: load/store (aligned), loadu/storeu, set1 zero fma
- * mul add sub max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
+ * mul add sub div max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
  * and undefines T, DT, VT and VW at its end, ready for the next dtype.
  * Optional: TRANSPOSE_T(src, lds, dst, ldd), a VW x VW transpose of T in
  * registers (dst[j][i] = src[i][j]), used to pack Kt panels. The 2^f
@@ -36,6 +36,7 @@
 #define TIN T
 #define LOAD_IN(x) (x)
 #define STORE_OUT(x) (x)
+#define ATTN_SAME_IO /* the caller's arrays are T: K and V blocks are read in place */
 #endif
 #ifndef ADT
 #define ADT DT
@@ -72,9 +73,10 @@ static ATTN_INLINE VT ST(vexp2)(VT x)
 }
 
 /* s[r][0:NR) = sum_d a[r][d] * b[d][0:NR) for r < mr: one register tile of
- * Q Kt, with b a packed panel of Kt (d rows of NR contiguous columns). */
+ * Q Kt, with b a packed panel of Kt (d rows of NR contiguous columns). With mx,
+ * mx[0:NR) also becomes its maximum with every row of the tile (a column max). */
 static ATTN_INLINE void ST(tile_qk)(int mr, int64_t d, const T *a, int64_t lda,
-                                    const T *b, T *s, int64_t lds)
+                                    const T *b, T *s, int64_t lds, T *mx)
 {
     VT acc[MR][2];
     for (int r = 0; r < MR; r++)
@@ -94,6 +96,17 @@ static ATTN_INLINE void ST(tile_qk)(int mr, int64_t d, const T *a, int64_t lda,
             V(store)(s + r * lds, acc[r][0]);
             V(store)(s + r * lds + VW, acc[r][1]);
         }
+    }
+    if (mx) {
+        VT m0 = V(loadu)(mx), m1 = V(loadu)(mx + VW);
+        for (int r = 0; r < MR; r++) {
+            if (r < mr) {
+                m0 = V(max)(m0, acc[r][0]);
+                m1 = V(max)(m1, acc[r][1]);
+            }
+        }
+        V(storeu)(mx, m0);
+        V(storeu)(mx + VW, m1);
     }
 }
 
@@ -134,12 +147,12 @@ static ATTN_INLINE void ST(tile_pv)(int mr, int64_t kb, const T *p, int64_t ldp,
 /* Full tiles take the constant-MR path so the compiler keeps the tile in
  * registers; only the last, partial row tile pays for a runtime row count. */
 static inline void ST(call_qk)(int mr, int64_t d, const T *a, int64_t lda, const T *b,
-                               T *s, int64_t lds)
+                               T *s, int64_t lds, T *mx)
 {
     if (mr == MR)
-        ST(tile_qk)(MR, d, a, lda, b, s, lds);
+        ST(tile_qk)(MR, d, a, lda, b, s, lds, mx);
     else
-        ST(tile_qk)(mr, d, a, lda, b, s, lds);
+        ST(tile_qk)(mr, d, a, lda, b, s, lds, mx);
 }
 
 static inline void ST(call_pv)(int mr, int64_t kb, const T *p, int64_t ldp, const T *b,
@@ -370,7 +383,7 @@ static void ST(rows_qk)(const T *kt, int64_t kb, int64_t rows, int64_t d, const 
             int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
             if (causal && j0 + jp > i0 + r0 + mr - 1)
                 continue;
-            ST(call_qk)(mr, d, a + r0 * d, d, panel, s + r0 * lds + jp, lds);
+            ST(call_qk)(mr, d, a + r0 * d, d, panel, s + r0 * lds + jp, lds, NULL);
         }
     }
 }
@@ -416,7 +429,7 @@ typedef void (*ST(block_fn))(const attn_problem *p, const TIN *q, const TIN *k, 
  * first, each block on one thread with that thread's own workspace (a score
  * buffer of srows x lds). */
 static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
-                               TIN *lse, int64_t srows, int64_t lds, ST(block_fn) body)
+                               TIN *lse, int64_t bq_alloc, int64_t srows, int64_t lds, ST(block_fn) body)
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q;
     const int64_t ntasks = nqb * p->batch;
@@ -425,7 +438,7 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
 #pragma omp parallel num_threads(p->num_threads)
     {
         ST(workspace) w = {0};
-        int ok = ST(ws_alloc)(&w, p->block_q, p->block_k, srows, lds, p->d, dv_pad);
+        int ok = ST(ws_alloc)(&w, bq_alloc, p->block_k, srows, lds, p->d, dv_pad);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -499,55 +512,159 @@ int FN(tiled)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
 {
     const int64_t nkb = (p->nk + p->block_k - 1) / p->block_k;
     const int64_t lds = nkb * ST(round_up)(p->block_k, NR);
-    return ST(for_each_qblock)(p, q, k, v, out, lse, p->block_q, lds, ST(tiled_block));
+    return ST(for_each_qblock)(p, q, k, v, out, lse, p->block_q, p->block_q, lds, ST(tiled_block));
 }
 
 /* ---------------------------------------------------------------- flash */
-/* Online softmax (FlashAttention-2 order): for a block of queries, stream
- * K/V blocks, keep a running max and sum per row and rescale the output
- * accumulator; no buffer grows with nk. Causal blocks past the diagonal are
- * never touched.
+/* Online softmax (FlashAttention-2 order) computed transposed: for a block of
+ * queries, stream K/V blocks, keep a running max and sum per query and rescale
+ * the output accumulator; no buffer grows with nk. Causal blocks past the
+ * diagonal are never touched.
  *
- * Each K/V block is packed once for the whole query block, then the query
- * block is walked in strips of FLASH_ROWS rows: scores, softmax and P V of one
- * strip before the next, so the strip's scores stay in the core's caches
- * however tall the query block is. A tall block amortises the packing, the
- * strip keeps the score traffic small; every row's arithmetic is the same as
- * for a strip of one block. */
-#define FLASH_ROWS (8 * MR)
+ * The query block is packed once, as Qt panels of NR queries (scaled), and each
+ * panel's scores are computed key-major, S^T = K Q^T: K and V are read where they
+ * lie (the broadcast operand of the register tiles), so no K/V block is packed,
+ * and a query's scores form a column of the panel, so its max, sum and rescale
+ * factor are vector lanes: the column max is taken from the tiles' registers as
+ * they are stored, the sums are vector adds, and the output is accumulated as
+ * O^T = V^T P^T, transposed when written. Per (panel, key block): scores and their
+ * column max, the rescale factors, exp2 and sums, P V. Every query's arithmetic
+ * is the same whatever the query block (its column of the panel sees the same key
+ * blocks in the same order). */
 
-/* Online-softmax step of rows [0, rows) of a strip (rows <= FLASH_ROWS; row r is row
- * i0 + r of the problem, m, l and alpha its running state) over their scores s of the
- * key block [j0, j0 + kb): s becomes the probabilities 2^(s - m_new). Three passes
- * over the rows, so that their dependency chains (a max's reduction, the rescale
- * factor's exp2) overlap instead of following one another: the maxes; the rescale
- * factors 2^(m_old - m_new), VW rows a vector (exactly 1 where the max stays, 0 for a
- * row with no key seen yet, whose accumulator is zero); the exp2 and sums. */
-static void ST(strip_softmax)(T *s, int64_t lds, int64_t rows, int64_t kb, T *m, T *l, T *alpha,
-                              int causal, int64_t i0, int64_t j0)
+/* ot[r][0:NR) = ot[r][0:NR) * alpha[0:NR) + sum_t v[t * ldv + r] * pt[t][0:NR) for
+ * r < mr: one register tile of O^T = V^T P^T with the rescale fused in; v is read in
+ * place (row t of V at v + t * ldv, r the output column), pt is a panel's
+ * probabilities, kv rows of NR (queries) contiguous. */
+static ATTN_INLINE void ST(tile_pvt)(int mr, int64_t kv, const T *v, int64_t ldv, const T *pt, T *ot,
+                                     const T *alpha)
 {
-    int64_t kb_vw = ST(round_up)(kb, VW), rows_vw = ST(round_up)(rows, VW), valid[FLASH_ROWS];
-    T mnew[FLASH_ROWS + VW], mold[FLASH_ROWS + VW], e[FLASH_ROWS + VW];
-    for (int64_t r = 0; r < rows; r++) {
-        valid[r] = ST(causal_valid)(causal, i0 + r, j0, kb);
-        T mb = valid[r] ? ST(row_max)(s + r * lds, valid[r]) : -INFINITY;
-        mold[r] = m[r];
-        mnew[r] = mb > m[r] ? mb : m[r];
-    }
-    for (int64_t r = rows; r < rows_vw; r++)
-        mold[r] = mnew[r] = 0;
-    for (int64_t r = 0; r < rows_vw; r += VW)
-        V(storeu)(e + r, ST(vexp2)(V(sub)(V(loadu)(mold + r), V(loadu)(mnew + r))));
-    for (int64_t r = 0; r < rows; r++) {
-        T *sr = s + r * lds;
-        alpha[r] = mold[r] == -INFINITY ? 0 : (mold[r] == mnew[r] ? 1 : e[r]);
-        if (valid[r] == 0) { /* row sees none of this block: its state stays */
-            for (int64_t j = 0; j < kb_vw; j++)
-                sr[j] = 0;
-            continue;
+    VT acc[MR][2];
+    VT a0 = V(loadu)(alpha), a1 = V(loadu)(alpha + VW);
+    for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+            acc[r][0] = V(mul)(V(load)(ot + r * NR), a0);
+            acc[r][1] = V(mul)(V(load)(ot + r * NR + VW), a1);
+        } else {  /* never read; set so the compiler can see that */
+            acc[r][0] = acc[r][1] = V(zero)();
         }
-        l[r] = l[r] * alpha[r] + ST(row_exp2_sum)(sr, valid[r], kb_vw, mnew[r]);
-        m[r] = mnew[r];
+    }
+    for (int64_t t = 0; t < kv; t++) {
+        VT b0 = V(load)(pt + t * NR), b1 = V(load)(pt + t * NR + VW);
+        for (int r = 0; r < MR; r++) {
+            if (r < mr) {
+                VT vr = V(set1)(v[t * ldv + r]);
+                acc[r][0] = V(fma)(vr, b0, acc[r][0]);
+                acc[r][1] = V(fma)(vr, b1, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+            V(store)(ot + r * NR, acc[r][0]);
+            V(store)(ot + r * NR + VW, acc[r][1]);
+        }
+    }
+}
+
+static inline void ST(call_pvt)(int mr, int64_t kv, const T *v, int64_t ldv, const T *pt, T *ot,
+                                const T *alpha)
+{
+    if (mr == MR)
+        ST(tile_pvt)(MR, kv, v, ldv, pt, ot, alpha);
+    else
+        ST(tile_pvt)(mr, kv, v, ldv, pt, ot, alpha);
+}
+
+/* Rows [0, kb) of a K or V block (row stride d) as T: in place for T inputs,
+ * else widened into buf. */
+static const T *ST(block_rows)(const TIN *x, int64_t kb, int64_t d, T *buf)
+{
+#ifdef ATTN_SAME_IO
+    (void)kb; (void)d; (void)buf;
+    return x;
+#else
+    for (int64_t i = 0; i < kb * d; i++)
+        buf[i] = LOAD_IN(x[i]);
+    return buf;
+#endif
+}
+
+/* One query panel (queries q0 + [0, NR), the panel's last real query qlast) over
+ * the key block [j0, j0 + kv) (kv: the keys some query of the panel sees), K and V
+ * rows kr, vr: its state m, l (NR each), Qt panel qt, O^T panel ot (dv rows of NR),
+ * probabilities st (kv rows of NR). */
+static void ST(flash_panel)(const T *kr, const T *vr, int64_t kv, int64_t d, int64_t dv, const T *qt,
+                            T *st, T *ot, T *m, T *l, T *alpha, int causal, int64_t q0, int64_t j0)
+{
+    T mx[NR], mnew[NR], e[NR];
+    for (int c = 0; c < NR; c++)
+        mx[c] = -INFINITY;
+    /* S^T = K Q^T with the column max; a tile that crosses the causal diagonal (key
+     * j0 + k is seen by the queries q0 + c >= j0 + k) is masked before its max */
+    for (int64_t k0 = 0; k0 < kv; k0 += MR) {
+        int mr = (int)(kv - k0 < MR ? kv - k0 : MR);
+        int diag = causal && j0 + k0 + mr - 1 > q0;
+        ST(call_qk)(mr, d, kr + k0 * d, d, qt, st + k0 * NR, NR, diag ? NULL : mx);
+        for (int r = 0; diag && r < mr; r++) {
+            T *sr = st + (k0 + r) * NR;
+            for (int64_t c = j0 + k0 + r - q0; c > 0; c--)
+                sr[c - 1] = -INFINITY;
+            for (int c = 0; c < NR; c += VW)
+                V(storeu)(mx + c, V(max)(V(loadu)(mx + c), V(load)(sr + c)));
+        }
+    }
+    /* rescale factors 2^(m_old - m_new): exactly 1 where the max stays, 0 for a query
+     * with no key seen yet (its accumulator is zero) */
+    for (int c = 0; c < NR; c += VW) {
+        VT vnew = V(max)(V(loadu)(m + c), V(loadu)(mx + c));
+        V(storeu)(mnew + c, vnew);
+        V(storeu)(e + c, ST(vexp2)(V(sub)(V(loadu)(m + c), vnew)));
+    }
+    for (int c = 0; c < NR; c++) {
+        alpha[c] = m[c] == -INFINITY ? 0 : (m[c] == mnew[c] ? 1 : e[c]);
+        m[c] = mnew[c];
+    }
+    /* probabilities 2^(s - m_new) and their column sums */
+    VT m0 = V(loadu)(mnew), m1 = V(loadu)(mnew + VW), s0 = V(zero)(), s1 = V(zero)();
+    for (int64_t k = 0; k < kv; k++) {
+        T *sr = st + k * NR;
+        VT p0 = ST(vexp2)(V(sub)(V(load)(sr), m0)), p1 = ST(vexp2)(V(sub)(V(load)(sr + VW), m1));
+        V(store)(sr, p0);
+        V(store)(sr + VW, p1);
+        s0 = V(add)(s0, p0);
+        s1 = V(add)(s1, p1);
+    }
+    V(storeu)(l, V(fma)(V(loadu)(l), V(loadu)(alpha), s0));
+    V(storeu)(l + VW, V(fma)(V(loadu)(l + VW), V(loadu)(alpha + VW), s1));
+    /* O^T = O^T * alpha + V^T P^T */
+    for (int64_t c0 = 0; c0 < dv; c0 += MR) {
+        int mr = (int)(dv - c0 < MR ? dv - c0 : MR);
+        ST(call_pvt)(mr, kv, vr + c0, dv, st, ot + c0 * NR, alpha);
+    }
+}
+
+/* out[r][:] = O^T[:][r] / l[r] for the block's rows r < bq: each panel's O^T is
+ * divided in place (column-wise, vectors), then transposed into out. */
+static void ST(write_out_t)(T *o, const T *l, int64_t bq, int64_t dv, TIN *out)
+{
+    for (int64_t q0 = 0; q0 < bq; q0 += NR) {
+        T *ot = o + q0 * dv;
+        TIN *ob = out + q0 * dv;
+        int64_t rows = bq - q0 < NR ? bq - q0 : NR;
+        for (int64_t c = 0; c < dv; c++)
+            for (int j = 0; j < NR; j += VW)
+                V(store)(ot + c * NR + j, V(div)(V(load)(ot + c * NR + j), V(loadu)(l + q0 + j)));
+        int64_t r0 = 0;
+#if defined(TRANSPOSE_T) && defined(ATTN_SAME_IO)
+        if (dv % VW == 0)  /* VW x VW squares of whole rows through registers */
+            for (; r0 + VW <= rows; r0 += VW)
+                for (int64_t c0 = 0; c0 < dv; c0 += VW)
+                    TRANSPOSE_T(ot + c0 * NR + r0, NR, ob + r0 * dv + c0, dv);
+#endif
+        for (int64_t r = r0; r < rows; r++)
+            for (int64_t c = 0; c < dv; c++)
+                ob[r * dv + c] = STORE_OUT(ot[c * NR + r]);
     }
 }
 
@@ -555,31 +672,36 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
                             TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                             int64_t dv_pad, int64_t lds)
 {
+    (void)dv_pad; (void)lds;
     const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k;
     const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
+    const int64_t bq_pad = ST(round_up)(bq, NR);
     const TIN *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
-    ST(scale_rows)(q + (bh * p->nq + i0) * d, bq, d, (T)(p->scale * ATTN_LOG2E), w->a);
-    for (int64_t r = 0; r < bq; r++) {
+    /* Qt panels, scaled: panel q0 / NR at w->a + q0 * d, d rows of NR */
+    ST(pack_kt)(q + (bh * p->nq + i0) * d, bq, d, w->a);
+    const T c = (T)(p->scale * ATTN_LOG2E);
+    for (int64_t i = 0; i < bq_pad * d; i++)
+        w->a[i] *= c;
+    for (int64_t r = 0; r < bq_pad; r++) {
         w->m[r] = -INFINITY;
         w->l[r] = 0;
     }
-    for (int64_t i = 0; i < bq * dv_pad; i++)
+    for (int64_t i = 0; i < bq_pad * dv; i++)
         w->o[i] = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
         int64_t kb = kend - j0 < bk ? kend - j0 : bk;
-        ST(pack_kt)(kh + j0 * d, kb, d, w->kt);
-        ST(pack_v)(vh + j0 * dv, kb, dv, w->vp);
-        for (int64_t r0 = 0; r0 < bq; r0 += FLASH_ROWS) {
-            int64_t rows = bq - r0 < FLASH_ROWS ? bq - r0 : FLASH_ROWS;
-            if (p->causal && j0 > i0 + r0 + rows - 1)
-                continue;  /* no row of the strip sees this block: its state stays as it is */
-            ST(rows_qk)(w->kt, kb, rows, d, w->a + r0 * d, w->s, lds, p->causal, i0 + r0, j0);
-            ST(strip_softmax)(w->s, lds, rows, kb, w->m + r0, w->l + r0, w->alpha + r0, p->causal, i0 + r0, j0);
-            ST(rows_pv)(w->vp, kb, rows, dv_pad, w->s, lds, w->alpha + r0, w->o + r0 * dv_pad, p->causal,
-                        i0 + r0, j0);
+        const T *kr = ST(block_rows)(kh + j0 * d, kb, d, w->kt);
+        const T *vr = ST(block_rows)(vh + j0 * dv, kb, dv, w->vp);
+        for (int64_t q0 = 0; q0 < bq; q0 += NR) {
+            int64_t qlast = i0 + (bq - q0 < NR ? bq : q0 + NR) - 1;
+            int64_t kv = p->causal ? ST(causal_valid)(1, qlast, j0, kb) : kb;
+            if (kv == 0)
+                continue;  /* no query of the panel sees this block: its state stays as it is */
+            ST(flash_panel)(kr, vr, kv, d, dv, w->a + q0 * d, w->s, w->o + q0 * dv, w->m + q0, w->l + q0,
+                            w->alpha + q0, p->causal, i0 + q0, j0);
         }
     }
-    ST(write_out)(w->o, dv_pad, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
+    ST(write_out_t)(w->o, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
     if (lse)
         for (int64_t r = 0; r < bq; r++)
             lse[bh * p->nq + i0 + r] = STORE_OUT(ST(lse_of)(w->m[r], w->l[r]));
@@ -587,10 +709,10 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
 
 int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out, TIN *lse)
 {
-    int64_t srows = p->block_q < FLASH_ROWS ? p->block_q : FLASH_ROWS;
-    return ST(for_each_qblock)(p, q, k, v, out, lse, srows, ST(round_up)(p->block_k, NR), ST(flash_block));
+    /* the workspace's q-block buffers hold whole panels; s holds one panel's probabilities */
+    return ST(for_each_qblock)(p, q, k, v, out, lse, ST(round_up)(p->block_q, NR),
+                               ST(round_up)(p->block_k, MR), NR, ST(flash_block));
 }
-#undef FLASH_ROWS
 
 #ifndef ATTN_HALF_IO
 /* ------------------------------------------------------------- backward */
@@ -615,7 +737,7 @@ static void ST(gemm_abt)(T *pack, const T *a, int64_t rows, int64_t lda, const T
     for (int64_t jp = 0; jp < ncols; jp += NR)
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-            ST(call_qk)(mr, kdim, a + r0 * lda, lda, pack + jp * kdim, c + r0 * ldc + jp, ldc);
+            ST(call_qk)(mr, kdim, a + r0 * lda, lda, pack + jp * kdim, c + r0 * ldc + jp, ldc, NULL);
         }
 }
 
@@ -877,3 +999,4 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef ADT
 #undef ATTN_HALF_IO
 #undef TRANSPOSE_T
+#undef ATTN_SAME_IO
