@@ -125,6 +125,28 @@ def _exp2_inplace_typed(x, n, shift):
     return _exp2_f32 if x.dtype == types.float32 else _exp2_f64
 
 
+@njit(inline="always", **_JIT)
+def _row_max(x, n, init):
+    """max(init, x[0:n]) in eight independent chains: one chain waits a max's latency
+    for every score (LLVM does not vectorise a max reduction here); the max is exact,
+    so the result does not depend on the order."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = init
+    j = 0
+    while j + 8 <= n:
+        a0 = max(a0, x[j])
+        a1 = max(a1, x[j + 1])
+        a2 = max(a2, x[j + 2])
+        a3 = max(a3, x[j + 3])
+        a4 = max(a4, x[j + 4])
+        a5 = max(a5, x[j + 5])
+        a6 = max(a6, x[j + 6])
+        a7 = max(a7, x[j + 7])
+        j += 8
+    for jj in range(j, n):
+        a0 = max(a0, x[jj])
+    return max(max(max(a0, a1), max(a2, a3)), max(max(a4, a5), max(a6, a7)))
+
+
 # rows of a causal diagonal block multiplied together: smaller chunks skip more of the
 # masked triangle, larger ones make larger (faster) gemm calls
 _CHUNK = 64
@@ -179,9 +201,7 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
                     si = s[i - r0]
                     # keys of this block row i sees: all, or up to the diagonal (top-left causal)
                     valid = max(0, min(ncols, i0 + i + 1 - j0)) if causal else ncols
-                    mb = m[i]
-                    for j in range(valid):
-                        mb = max(mb, si[j])
+                    mb = _row_max(si, valid, m[i])
                     if mb == -np.inf:  # every key so far is masked for this row: p = 0
                         si[:ncols] = 0
                         continue
