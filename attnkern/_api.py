@@ -130,10 +130,8 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
                     "place, never copied: pass a contiguous one (torch: .contiguous(), CuPy: cupy.ascontiguousarray)"
                 )
     # GPU inputs are scanned after the kernel, with its output, in one pass (run)
-    if check_finite and not device and not _all_finite(device, q, k, v):  # one scan; then find the culprit
-        for x, n in ((q, "q"), (k, "k"), (v, "v")):
-            if not _all_finite(device, x):
-                raise ValueError(f"{n} contains NaN or infinity; pass finite values (or check_finite=False)")
+    if check_finite and not device:
+        _check_host_inputs(q, k, v)
     lead = q.shape[:-2]
     batch = math.prod(lead)
     contiguous = (lambda x: x) if device else np.ascontiguousarray
@@ -147,6 +145,13 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
         device=device,
         like=like,
     )
+
+
+def _check_host_inputs(q, k, v):
+    if not _all_finite(False, q, k, v):  # one scan; then find the culprit
+        for x, n in ((q, "q"), (k, "k"), (v, "v")):
+            if not _all_finite(False, x):
+                raise _registry.nonfinite_input(n)
 
 
 def _all_finite(device: bool, *arrays) -> bool:
@@ -216,7 +221,7 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
 
         return _torch_api.attention(q, k, v, causal=causal, scale=scale, kernel=kernel, check_finite=check_finite,
                                     return_lse=return_lse, **params)
-    call = validate(q, k, v, causal=causal, scale=scale, check_finite=check_finite)
+    call = validate(q, k, v, causal=causal, scale=scale, check_finite=False)  # run checks, as the kernel lets it
     chosen, resolved = choose(call, kernel, params, return_lse=return_lse)
     return run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse)
 
@@ -342,10 +347,18 @@ def _tuned_lookup(*args):
 
 
 def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: bool, return_lse: bool):
-    """Runs the chosen kernel on a validated call: out, or (out, lse) with return_lse."""
+    """Runs the chosen kernel on a validated call: out, or (out, lse) with return_lse.
+    With check_finite, non-finite inputs raise ValueError and a non-finite output
+    FloatingPointError: host arrays are scanned here unless the kernel checks them
+    itself (chosen.checks_finite), GPU arrays after the kernel."""
     batch, nq, dv = call.q.shape[0], call.q.shape[1], call.v.shape[2]
     lse_shape = call.out_shape[:-1]
     extra = {}
+    in_kernel = check_finite and chosen.checks_finite and not call.device and not call.empty
+    if check_finite and not call.device and not in_kernel:
+        _check_host_inputs(call.q, call.k, call.v)
+    if in_kernel:
+        extra["check_finite"] = True
     if call.device:  # outputs are allocated here, as the caller's kind of GPU array
         out, returned = _gpu().empty_like_kind(call.out_shape, call.q.dtype, call.like)
         if return_lse:
@@ -377,13 +390,10 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
         bad = _gpu().nonfinite(call.q, call.k, call.v, *([] if call.empty else [out]))
         for n, flag in zip("qkv", bad):
             if flag:
-                raise ValueError(f"{n} contains NaN or infinity; pass finite values (or check_finite=False)")
+                raise _registry.nonfinite_input(n)
         overflow = bad[3:] == [True]
     else:
-        overflow = check_finite and not call.empty and not _all_finite(call.device, out)
+        overflow = check_finite and not in_kernel and not call.empty and not _all_finite(call.device, out)
     if overflow:
-        raise FloatingPointError(
-            f"{chosen.name} produced non-finite values: q k^T * scale overflows {call.q.dtype}; "
-            "scale the inputs down or use float64"
-        )
+        raise _registry.nonfinite_output(chosen.name, call.q.dtype)
     return (returned, lse_returned) if return_lse else returned

@@ -80,6 +80,10 @@ class Kernel:
     # the input dtypes it computes in (names as NumPy spells them; "bfloat16" is
     # ml_dtypes.bfloat16 on the host, torch.bfloat16 for tensors)
     dtypes: tuple[str, ...] = ("float32", "float64")
+    # run() also takes check_finite=; with it the kernel checks q, k, v and its output
+    # itself (as it reads and writes them) and raises nonfinite_input/nonfinite_output,
+    # so attention(check_finite=True) does not scan the arrays again
+    checks_finite: bool = False
 
     def resolve_params(self, given: dict) -> dict:
         known = {p.name: p for p in self.params}
@@ -148,6 +152,19 @@ def kernel_info(name: str) -> dict:
         "dtypes": list(kernel.dtypes),
         "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
     }
+
+
+def nonfinite_input(name: str) -> ValueError:
+    """attention(check_finite=True)'s error for an input holding NaN or infinity."""
+    return ValueError(f"{name} contains NaN or infinity; pass finite values (or check_finite=False)")
+
+
+def nonfinite_output(kernel: str, dtype) -> FloatingPointError:
+    """attention(check_finite=True)'s error for finite inputs whose output is not finite."""
+    return FloatingPointError(
+        f"{kernel} produced non-finite values: q k^T * scale overflows {dtype}; scale the inputs down or use "
+        "float64"
+    )
 
 
 def _param_info(p: Param) -> dict:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import attnkern
-from conftest import AVAILABLE, NATIVE, assert_matches_reference, forced_isa, random_qkv
+from conftest import AVAILABLE, ISAS, NATIVE, assert_matches_reference, forced_isa, random_qkv
 
 rng = np.random.default_rng(5)
 Q, K, V = random_qkv(rng, (2,), 9, 11, 8, 4, np.float32)
@@ -85,6 +85,57 @@ def test_overflowing_scores_raise(kernel):
     q = np.full((4, 8), 1e20, dtype=np.float32)
     with pytest.raises(FloatingPointError, match="overflows float32"):
         attnkern.attention(q, q, q, kernel=kernel)
+
+
+def _native_dtypes(kernel):
+    dtypes = [np.dtype(np.float32), np.dtype(np.float64)]
+    if "float16" in attnkern.kernel_info(kernel)["dtypes"]:
+        dtypes.append(np.dtype(np.float16))
+        try:
+            import ml_dtypes
+        except ImportError:  # bfloat16 arrays need it
+            pass
+        else:
+            dtypes.append(np.dtype(ml_dtypes.bfloat16))
+    return dtypes
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_every_non_finite_input_is_named(kernel, isa):
+    # The native kernels check their own arrays (the flash kernels as they read them, the
+    # dispatch for the others): one NaN or infinity anywhere, including keys that no causal
+    # query reads (nk > nq) and the last query block's, must name its array. Several query
+    # and key blocks, so that each block's checks are reached.
+    b, nq, nk, d, dv = 2, 37, 53, 16, 8
+    q0, k0, v0 = random_qkv(np.random.default_rng(9), (b,), nq, nk, d, dv, np.float32)
+    where = {"q": [(0, 0, 0), (1, nq - 1, d - 1), (1, 20, 5)],
+             "k": [(0, 0, 3), (1, nq - 1, 0), (1, nq + 3, 2), (0, nk - 1, d - 1)],
+             "v": [(1, 0, 0), (0, 30, dv - 1), (1, nq, 4), (1, nk - 1, dv - 1)]}
+    tunables = {} if kernel == "native.naive" else {"block_q": 16, "block_k": 16}
+    params = dict(kernel=kernel, num_threads=2, **tunables)
+    with forced_isa(isa):
+        for dtype in _native_dtypes(kernel):
+            arrays = {n: x.astype(dtype) for n, x in zip("qkv", (q0, k0, v0))}
+            for causal in (False, True):
+                attnkern.attention(**arrays, causal=causal, **params)  # finite: no error
+                for name, spots in where.items():
+                    for spot, bad in zip(spots, (np.nan, np.inf, -np.inf, np.nan)):
+                        changed = dict(arrays)
+                        changed[name] = arrays[name].copy()
+                        changed[name][spot] = bad
+                        with pytest.raises(ValueError, match=f"^{name} contains NaN or infinity"):
+                            attnkern.attention(**changed, causal=causal, **params)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_overflowing_scores_raise_on_every_isa(kernel, isa):
+    # finite inputs whose scores overflow: the output check names the kernel, not an input
+    q = np.full((2, 40, 8), 1e20, dtype=np.float32)
+    tunables = {} if kernel == "native.naive" else {"block_q": 16, "block_k": 16}
+    with forced_isa(isa), pytest.raises(FloatingPointError, match=f"{kernel} produced non-finite values"):
+        attnkern.attention(q, q, q, kernel=kernel, num_threads=2, **tunables)
 
 
 def test_out_of_memory_is_a_python_error():

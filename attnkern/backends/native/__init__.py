@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ..._registry import Kernel, Param, num_threads_param, register
+from ..._registry import Kernel, Param, nonfinite_input, nonfinite_output, num_threads_param, register
 
 try:
     from . import _attn
@@ -75,15 +75,19 @@ _FLOAT = ("float32", "float64")
 
 
 def _runner(algo: str):
-    def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1, lse=None):
+    def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1, lse=None, check_finite=False):
         _check_workspace(algo, q, k, block_q, num_threads)
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
         if q.dtype.name in _HALF:
             bits = (x.view(np.uint16) for x in (q, k, v, out))
-            _attn.forward_half(algo, active_isa(), q.dtype.name, *bits, causal, scale, block_q, block_k,
-                               num_threads, None if lse is None else lse.view(np.uint16))
+            bad = _attn.forward_half(algo, active_isa(), q.dtype.name, *bits, causal, scale, block_q, block_k,
+                                     num_threads, None if lse is None else lse.view(np.uint16),
+                                     check_finite=check_finite)
         else:
-            _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads, lse)
+            bad = _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads,
+                                lse, check_finite=check_finite)
+        if bad:  # the inputs first: a non-finite input makes the output so
+            raise nonfinite_input(bad[0]) if bad[0] != "out" else nonfinite_output(f"native.{algo}", q.dtype)
         return out
 
     run.__name__ = f"native_{algo}"
@@ -128,6 +132,7 @@ register(
         params=(_THREADS,),
         unavailable_reason=_unavailable,
         returns_lse=True,
+        checks_finite=True,
     )
 )
 register(
@@ -138,6 +143,7 @@ register(
         params=(*_blocks(256, 256), _THREADS),
         unavailable_reason=_unavailable,
         returns_lse=True,
+        checks_finite=True,
         dtypes=(*_FLOAT, *_HALF),
     )
 )
@@ -149,6 +155,7 @@ register(
         params=(*_blocks(256, 256), _THREADS),
         unavailable_reason=_unavailable,
         returns_lse=True,
+        checks_finite=True,
         backward=_flash_backward,  # float32 and float64 only
         dtypes=(*_FLOAT, *_HALF),
     )

@@ -20,6 +20,12 @@ cdef extern from "attn.h" nogil:
         int causal
         double scale
         int block_q, block_k, num_threads
+        int *nonfinite
+    enum:
+        ATTN_NONFINITE_Q
+        ATTN_NONFINITE_K
+        ATTN_NONFINITE_V
+        ATTN_NONFINITE_OUT
     int attn_isa_compiled(int isa)
     int attn_isa_supported(int isa)
     const char *attn_isa_reason(int isa)
@@ -104,6 +110,7 @@ def check_problem(str algo, str isa, int64_t batch, int64_t nq, int64_t nk, int6
     p.batch, p.nq, p.nk, p.d, p.dv = batch, nq, nk, d, dv
     p.causal, p.scale = causal, scale
     p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
+    p.nonfinite = NULL
     return STATUS[attn_check_problem(ALGORITHMS[algo], ISAS.index(isa), &p)]
 
 
@@ -119,12 +126,13 @@ cdef attn_problem _problem(q, k, v, bint causal, double scale, int block_q, int 
     p.d, p.dv = q.shape[2], v.shape[2]
     p.causal, p.scale = causal, scale
     p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
+    p.nonfinite = NULL
     if k.shape[0] != p.batch or v.shape[0] != p.batch or k.shape[2] != p.d or v.shape[1] != p.nk:
         raise ValueError(f"native {what}: inconsistent shapes")
     return p
 
 
-def _raise(int err, str what, attn_problem p, str isa, str hint=""):
+cdef _raise(int err, str what, const attn_problem *p, str isa, str hint=""):
     if err == ATTN_ENOMEM:
         raise MemoryError(f"{what}: out of memory for its work buffers{hint}")
     if err == ATTN_ETOOBIG:
@@ -137,11 +145,14 @@ def _raise(int err, str what, attn_problem p, str isa, str hint=""):
 
 def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
             const real[:, :, ::1] v, real[:, :, ::1] out, bint causal, double scale,
-            int block_q, int block_k, int num_threads, real[:, ::1] lse=None):
+            int block_q, int block_k, int num_threads, real[:, ::1] lse=None, bint check_finite=False):
     """out[...] = softmax(q k^T * scale) v on (batch, n, d) arrays; lse (batch, nq),
-    if given, gets each row's natural-log log-sum-exp."""
-    cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa)
+    if given, gets each row's natural-log log-sum-exp. Returns, with check_finite, the
+    names of the arrays that are not finite (of "q", "k", "v", "out"), else ()."""
+    cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), bad = 0
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward")
+    if check_finite:
+        p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
         raise ValueError("native forward: inconsistent shapes")
     if lse is not None and (lse.shape[0] != p.batch or lse.shape[1] != p.nq):
@@ -157,7 +168,13 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
         else:
             err = attn_forward_f64(a, i, &p, qp, kp, vp, op, lp)
     if err != ATTN_OK:
-        _raise(err, f"native.{algo}", p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+        _raise(err, f"native.{algo}", &p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+    return _nonfinite_names(bad)
+
+
+def _nonfinite_names(int bits):
+    return tuple(n for n, b in (("q", ATTN_NONFINITE_Q), ("k", ATTN_NONFINITE_K), ("v", ATTN_NONFINITE_V),
+                                ("out", ATTN_NONFINITE_OUT)) if bits & b)
 
 
 HALF_KINDS = {"bfloat16": 0, "float16": 1}
@@ -165,13 +182,16 @@ HALF_KINDS = {"bfloat16": 0, "float16": 1}
 
 def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const uint16_t[:, :, ::1] k,
                  const uint16_t[:, :, ::1] v, uint16_t[:, :, ::1] out, bint causal, double scale,
-                 int block_q, int block_k, int num_threads, uint16_t[:, ::1] lse=None):
+                 int block_q, int block_k, int num_threads, uint16_t[:, ::1] lse=None,
+                 bint check_finite=False):
     """forward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views:
-    float32 arithmetic inside, out and lse rounded to kind."""
+    float32 arithmetic inside, out and lse rounded to kind; returns what forward does."""
     if algo not in ("tiled", "flash"):
         raise ValueError(f"native.{algo} takes float32 and float64 only; native.tiled and native.flash take {kind}")
-    cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), h = HALF_KINDS[kind]
+    cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), h = HALF_KINDS[kind], bad = 0
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward")
+    if check_finite:
+        p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
         raise ValueError("native forward: inconsistent shapes")
     if lse is not None and (lse.shape[0] != p.batch or lse.shape[1] != p.nq):
@@ -186,7 +206,8 @@ def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const
     if err == ATTN_EISA:
         raise RuntimeError(f"native.{algo}: instruction set {isa!r} cannot run {kind} on this CPU (F16C missing)")
     if err != ATTN_OK:
-        _raise(err, f"native.{algo}", p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+        _raise(err, f"native.{algo}", &p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+    return _nonfinite_names(bad)
 
 
 def convert_half(str isa, str kind, const float[::1] x):
@@ -234,7 +255,7 @@ def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const re
         else:
             err = attn_backward_f64(i, &p, qp, kp, vp, op, dop, lp, dqp, dkp, dvp)
     if err != ATTN_OK:
-        _raise(err, "native.flash backward", p, isa)
+        _raise(err, "native.flash backward", &p, isa)
 
 
 def fma_peak(str isa, int64_t iters, int num_threads):

@@ -31,7 +31,14 @@ typedef struct {
     int causal;        /* top-left aligned: query i sees keys j <= i */
     double scale;      /* multiplies q . k before the softmax */
     int block_q, block_k, num_threads;
+    /* Not NULL: a forward ORs into it the attn_nonfinite bits of each of q, k, v that
+     * holds NaN or infinity, and of an output that is not finite (scores overflowing).
+     * The flash kernels check the arrays as they read and write them; the dispatch
+     * scans them for the others (and then runs no kernel on non-finite inputs). */
+    int *nonfinite;
 } attn_problem;
+
+enum attn_nonfinite { ATTN_NONFINITE_Q = 1, ATTN_NONFINITE_K = 2, ATTN_NONFINITE_V = 4, ATTN_NONFINITE_OUT = 8 };
 
 /* Per-ISA entry points (generated from attn_kernels.h): forward(p, q, k, v, out, lse)
  * and backward(p, q, k, v, out, dout, lse, dq, dk, dv). */

@@ -23,8 +23,8 @@
  * parallel region ran (ours, PyTorch's, Numba's), the next parallel region with
  * more than one thread waits forever for workers that do not exist. A child
  * therefore runs the kernels on its calling thread alone; results do not depend
- * on the thread count, so only the speed changes. The single-thread copy of
- * the problem is made only in a child; elsewhere the kernels read the caller's. */
+ * on the thread count, so only the speed changes (the kernels run on a copy of
+ * the problem whose thread count is 1 there). */
 static volatile int in_forked_child = 0;
 
 static void mark_forked_child(void) { in_forked_child = 1; }
@@ -325,8 +325,53 @@ int attn_check_problem(int algo, int isa, const attn_problem *p)
     return ATTN_OK;
 }
 
-/* attn_forward_f32 and attn_forward_f64: check the problem, skip empty work,
- * and in a forked child run on one thread. */
+/* 1 if one of the n elements at x (bits of width U) has every exponent bit set: NaN or
+ * infinity. The scans of p->nonfinite for the kernels that do not check their own arrays. */
+#define ATTN_DEFINE_SCAN(name, U, EXP)                                                            \
+    static int name(const void *x, int64_t n, int num_threads)                                  \
+    {                                                                                           \
+        const U *u = x;                                                                         \
+        int bad = 0;                                                                            \
+        _Pragma("omp parallel for simd schedule(static) reduction(| : bad) num_threads(num_threads) if (n > 65536)") \
+        for (int64_t i = 0; i < n; i++)                                                         \
+            bad |= (u[i] & (EXP)) == (EXP);                                                     \
+        return bad;                                                                             \
+    }
+ATTN_DEFINE_SCAN(scan_f32, uint32_t, 0x7f800000u)
+ATTN_DEFINE_SCAN(scan_f64, uint64_t, 0x7ff0000000000000u)
+ATTN_DEFINE_SCAN(scan_bf16, uint16_t, 0x7f80u)
+ATTN_DEFINE_SCAN(scan_f16, uint16_t, 0x7c00u)
+typedef int (*attn_scan_fn)(const void *, int64_t, int);
+
+/* The nonfinite bits of q, k, v, ORed into *p->nonfinite. */
+static int scan_inputs(const attn_problem *p, attn_scan_fn scan, const void *q, const void *k, const void *v)
+{
+    int bits = (scan(q, p->batch * p->nq * p->d, p->num_threads) ? ATTN_NONFINITE_Q : 0) |
+               (scan(k, p->batch * p->nk * p->d, p->num_threads) ? ATTN_NONFINITE_K : 0) |
+               (scan(v, p->batch * p->nk * p->dv, p->num_threads) ? ATTN_NONFINITE_V : 0);
+    *p->nonfinite |= bits;
+    return bits;
+}
+
+/* Runs a forward: in a forked child on one thread; with p->nonfinite and a kernel that
+ * does not check its own arrays (self_checks 0), the inputs are scanned first (no kernel
+ * runs on non-finite ones) and the output after. */
+#define ATTN_RUN_FORWARD(fn, scan, self_checks, p, q, k, v, out, lse)                            \
+    do {                                                                                        \
+        attn_problem one_ = *(p);                                                               \
+        if (in_forked_child)                                                                    \
+            one_.num_threads = 1;                                                               \
+        int scanned_ = one_.nonfinite && !(self_checks);                                        \
+        if (scanned_ && scan_inputs(&one_, (scan), q, k, v))                                      \
+            return ATTN_OK;                                                                     \
+        int err_ = (fn)(&one_, q, k, v, out, lse);                                              \
+        if (!err_ && scanned_ && (scan)(out, one_.batch * one_.nq * one_.dv, one_.num_threads))   \
+            *one_.nonfinite |= ATTN_NONFINITE_OUT;                                              \
+        return err_;                                                                            \
+    } while (0)
+
+/* attn_forward_f32 and attn_forward_f64: check the problem, skip empty work, run
+ * (the flash kernels check their own arrays). */
 #define ATTN_DEFINE_FORWARD(DT, T)                                                                \
     int attn_forward_##DT(int algo, int isa, const attn_problem *p, const T *q, const T *k,     \
                           const T *v, T *out, T *lse)                                           \
@@ -336,12 +381,7 @@ int attn_check_problem(int algo, int isa, const attn_problem *p)
             return err;                                                                         \
         if (p->batch == 0 || p->nq == 0 || (p->dv == 0 && !lse))                                \
             return ATTN_OK;                                                                     \
-        if (in_forked_child) {                                                                  \
-            attn_problem one = *p;                                                              \
-            one.num_threads = 1;                                                                \
-            return table_##DT[isa][algo](&one, q, k, v, out, lse);                              \
-        }                                                                                       \
-        return table_##DT[isa][algo](p, q, k, v, out, lse);                                     \
+        ATTN_RUN_FORWARD(table_##DT[isa][algo], scan_##DT, algo == ATTN_FLASH, p, q, k, v, out, lse); \
     }
 
 ATTN_DEFINE_FORWARD(f32, float)
@@ -371,12 +411,12 @@ int attn_forward_half(int algo, int isa, int kind, const attn_problem *p, const 
         return ATTN_EISA;
     if (p->batch == 0 || p->nq == 0 || (p->dv == 0 && !lse))
         return ATTN_OK;
-    if (in_forked_child) {
-        attn_problem one = *p;
-        one.num_threads = 1;
-        return table_half[isa][kind][algo](&one, q, k, v, out, lse);
-    }
-    return table_half[isa][kind][algo](p, q, k, v, out, lse);
+    /* the flash kernels of attn_kernels.h check their own arrays; bfloat16 flash on
+     * avx512bf16 and amx has kernels of its own, which do not */
+    int self_checks = algo == ATTN_FLASH &&
+                      !(kind == ATTN_BF16 && (isa == ATTN_ISA_AVX512BF16 || isa == ATTN_ISA_AMX));
+    ATTN_RUN_FORWARD(table_half[isa][kind][algo], kind == ATTN_BF16 ? scan_bf16 : scan_f16, self_checks, p, q,
+                     k, v, out, lse);
 }
 
 int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *out, float *back)

@@ -590,6 +590,41 @@ static const T *ST(block_rows)(const TIN *x, int64_t kb, int64_t d, T *buf)
 #endif
 }
 
+/* 1 if x[0:n) holds NaN or infinity: x * 0 is 0 for every finite x and NaN
+ * otherwise, and a NaN survives the sums. */
+static int ST(nonfinite)(const T *x, int64_t n)
+{
+    VT acc = V(zero)(), zero = V(zero)();
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW)
+        acc = V(fma)(V(loadu)(x + i), zero, acc);
+    T tail = 0;
+    for (; i < n; i++)
+        tail += x[i] * 0;
+    return !(V(hsum)(acc) + tail == 0);
+}
+
+/* The same for the caller's arrays. */
+static int ST(nonfinite_in)(const TIN *x, int64_t n)
+{
+#ifdef ATTN_SAME_IO
+    return ST(nonfinite)(x, n);
+#else
+    T acc = 0;
+    for (int64_t i = 0; i < n; i++)
+        acc += LOAD_IN(x[i]) * 0;
+    return !(acc == 0);
+#endif
+}
+
+static void ST(report)(const attn_problem *p, int bits)
+{
+    if (bits) {
+#pragma omp atomic update
+        *p->nonfinite |= bits;
+    }
+}
+
 /* One query panel (queries q0 + [0, NR), the panel's last real query qlast) over
  * the key block [j0, j0 + kv) (kv: the keys some query of the panel sees), K and V
  * rows kr, vr: its state m, l (NR each), Qt panel qt, O^T panel ot (dv rows of NR),
@@ -646,7 +681,7 @@ static void ST(flash_panel)(const T *kr, const T *vr, int64_t kv, int64_t d, int
 
 /* out[r][:] = O^T[:][r] / l[r] for the block's rows r < bq: each panel's O^T is
  * divided in place (column-wise, vectors), then transposed into out. */
-static void ST(write_out_t)(T *o, const T *l, int64_t bq, int64_t dv, TIN *out)
+static void ST(write_out_t)(T *o, const T *l, int64_t bq, int64_t dv, TIN *out, int check, int *bad)
 {
     for (int64_t q0 = 0; q0 < bq; q0 += NR) {
         T *ot = o + q0 * dv;
@@ -655,6 +690,11 @@ static void ST(write_out_t)(T *o, const T *l, int64_t bq, int64_t dv, TIN *out)
         for (int64_t c = 0; c < dv; c++)
             for (int j = 0; j < NR; j += VW)
                 V(store)(ot + c * NR + j, V(div)(V(load)(ot + c * NR + j), V(loadu)(l + q0 + j)));
+        if (check && rows == NR)
+            *bad |= ST(nonfinite)(ot, dv * NR);
+        else if (check)  /* only the columns of real queries */
+            for (int64_t c = 0; c < dv; c++)
+                *bad |= ST(nonfinite)(ot + c * NR, rows);
         int64_t r0 = 0;
 #if defined(TRANSPOSE_T) && defined(ATTN_SAME_IO)
         if (dv % VW == 0)  /* VW x VW squares of whole rows through registers */
@@ -677,8 +717,15 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
     const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
     const int64_t bq_pad = ST(round_up)(bq, NR);
     const TIN *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
+    /* With p->nonfinite: this block's q, its output and, in the head's last query block
+     * (which reads every key a causal block reads), k and v, each checked where it is
+     * read or written anyway; keys no block reads are scanned at the end. */
+    const int check = p->nonfinite != NULL, check_kv = check && i0 + bq == p->nq;
+    int bad = 0;
     /* Qt panels, scaled: panel q0 / NR at w->a + q0 * d, d rows of NR */
     ST(pack_kt)(q + (bh * p->nq + i0) * d, bq, d, w->a);
+    if (check && ST(nonfinite)(w->a, bq_pad * d))  /* before scaling, which may overflow */
+        bad |= ATTN_NONFINITE_Q;
     const T c = (T)(p->scale * ATTN_LOG2E);
     for (int64_t i = 0; i < bq_pad * d; i++)
         w->a[i] *= c;
@@ -692,6 +739,10 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
         int64_t kb = kend - j0 < bk ? kend - j0 : bk;
         const T *kr = ST(block_rows)(kh + j0 * d, kb, d, w->kt);
         const T *vr = ST(block_rows)(vh + j0 * dv, kb, dv, w->vp);
+        if (check_kv) {  /* read just before the products use them: they come into the caches once */
+            bad |= ST(nonfinite)(kr, kb * d) ? ATTN_NONFINITE_K : 0;
+            bad |= ST(nonfinite)(vr, kb * dv) ? ATTN_NONFINITE_V : 0;
+        }
         for (int64_t q0 = 0; q0 < bq; q0 += NR) {
             int64_t qlast = i0 + (bq - q0 < NR ? bq : q0 + NR) - 1;
             int64_t kv = p->causal ? ST(causal_valid)(1, qlast, j0, kb) : kb;
@@ -701,7 +752,14 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
                             w->alpha + q0, p->causal, i0 + q0, j0);
         }
     }
-    ST(write_out_t)(w->o, w->l, bq, dv, out + (bh * p->nq + i0) * dv);
+    if (check_kv && kend < nk) {
+        bad |= ST(nonfinite_in)(kh + kend * d, (nk - kend) * d) ? ATTN_NONFINITE_K : 0;
+        bad |= ST(nonfinite_in)(vh + kend * dv, (nk - kend) * dv) ? ATTN_NONFINITE_V : 0;
+    }
+    int bad_out = 0;
+    ST(write_out_t)(w->o, w->l, bq, dv, out + (bh * p->nq + i0) * dv, check, &bad_out);
+    if (check)
+        ST(report)(p, bad | (bad_out ? ATTN_NONFINITE_OUT : 0));
     if (lse)
         for (int64_t r = 0; r < bq; r++)
             lse[bh * p->nq + i0 + r] = STORE_OUT(ST(lse_of)(w->m[r], w->l[r]));
