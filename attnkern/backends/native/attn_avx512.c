@@ -105,11 +105,28 @@ static ATTN_INLINE __m512d vpow2i_f64(__m512d n)
 static ATTN_INLINE double vhsum_f64(__m512d x) { return _mm512_reduce_add_pd(x); }
 static ATTN_INLINE double vhmax_f64(__m512d x) { return _mm512_reduce_max_pd(x); }
 
+/* 2^x for x <= 0: the polynomial of attn_common.h for 2^f, f = x - round(x), times
+ * 2^round(x) by vscalefps instead of exponent bits built and multiplied (four
+ * instructions fewer); x <= -126 (masked scores are -inf; the results would be
+ * subnormal, which the FMAs after would slow on) gives exactly 0. */
+static ATTN_INLINE __m512 vexp2_avx512_f32(__m512 x)
+{
+    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps((float)attn_exp2_f32[ATTN_EXP2_DEGREE_f32]);
+    for (int i = ATTN_EXP2_DEGREE_f32 - 1; i >= 0; i--)
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps((float)attn_exp2_f32[i]));
+    return _mm512_maskz_scalef_ps(live, p, n);
+}
+#define VEXP2_F32 vexp2_avx512_f32
+
 #define T float
 #define DT f32
 #define VT __m512
 #define VW 16
 #define TRANSPOSE_T vtranspose_f32
+#define VEXP2_T VEXP2_F32
 #include "attn_kernels.h"
 
 #define T double

@@ -5,6 +5,7 @@
  * its float32 vector API, with
  *   VT_F32, VW_F32         the float32 vector type and width
  *   F16_LOAD(x), F16_STORE(x)  float16 bits to float32 and back (F16C or portable)
+ *   VEXP2_F32              optional: the unit's float32 2^x (attn_kernels.h's VEXP2_T)
  * It also defines attn_convert_<isa>, the unit's conversions, for the tests. */
 
 #define ATTN_HALF_IO
@@ -15,6 +16,9 @@
 #define VW VW_F32
 #define TIN uint16_t
 #define LOAD_IN(x) attn_bf16_to_f32(x)
+#ifdef VEXP2_F32
+#define VEXP2_T VEXP2_F32
+#endif
 #define STORE_OUT(x) attn_f32_to_bf16(x)
 #include "attn_kernels.h"
 
@@ -26,6 +30,9 @@
 #define VW VW_F32
 #define TIN uint16_t
 #define LOAD_IN(x) F16_LOAD(x)
+#ifdef VEXP2_F32
+#define VEXP2_T VEXP2_F32
+#endif
 #define STORE_OUT(x) F16_STORE(x)
 #include "attn_kernels.h"
 

@@ -10,7 +10,8 @@
  * mul add sub div max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
  * and undefines T, DT, VT and VW at its end, ready for the next dtype.
  * Optional: TRANSPOSE_T(src, lds, dst, ldd), a VW x VW transpose of T in
- * registers (dst[j][i] = src[i][j]), used to pack Kt panels. The 2^f
+ * registers (dst[j][i] = src[i][j]), used to pack Kt panels; VEXP2_T(x), the
+ * unit's own 2^x for x <= 0 (0 at and below EXP2_LO), instead of vexp2's. The 2^f
  * polynomial for DT comes from attn_common.h (EXP2_COEF, EXP2_DEGREE, EXP2_LO).
  *
  * Half-precision inputs (the converting path): an includer may also define
@@ -63,6 +64,9 @@
  * -inf) gives n = EXP2_LO, whose exponent bits are all zero: exactly 0. */
 static ATTN_INLINE VT ST(vexp2)(VT x)
 {
+#ifdef VEXP2_T
+    return VEXP2_T(x);
+#else
     x = V(max)(x, V(set1)((T)EXP2_LO));
     VT n = V(round)(x);
     VT f = V(sub)(x, n);
@@ -70,6 +74,7 @@ static ATTN_INLINE VT ST(vexp2)(VT x)
     for (int i = EXP2_DEGREE - 1; i >= 0; i--)
         p = V(fma)(p, f, V(set1)((T)EXP2_COEF[i]));
     return V(mul)(p, V(pow2i)(n));
+#endif
 }
 
 /* s[r][0:NR) = sum_d a[r][d] * b[d][0:NR) for r < mr: one register tile of
@@ -1057,4 +1062,5 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef ADT
 #undef ATTN_HALF_IO
 #undef TRANSPOSE_T
+#undef VEXP2_T
 #undef ATTN_SAME_IO
