@@ -17,7 +17,7 @@ import numpy as np
 import attnkern
 
 from .accuracy import TOL, scaled_error
-from .ceilings import cuda_sgemm_gflops, sgemm_gflops
+from .ceilings import cuda_sgemm_gflops, sgemm_turn
 from .counts import attention_flops
 from .inputs import random_qkv, sample_rows
 from .machine import blas_threads, cpu_name, thread_params
@@ -47,7 +47,7 @@ class CpuTarget:
     def describe(self) -> str:
         return f"{cpu_name()} ({platform.machine()}), native ISA {attnkern.active_isa()}, {self.threads} threads"
 
-    def ceiling(self) -> tuple[str, float]:
+    def _ceiling_op(self) -> tuple[str, float, Callable[[], object]]:
         # bfloat16: torch's bfloat16 matmul (NumPy has none; it uses AVX512_BF16/AMX where present).
         # float16: CPUs without AVX512_FP16 compute it in float32 (torch's float16 matmul is
         # orders of magnitude slower than its float32 one), so the float32 matmul is the ceiling
@@ -57,9 +57,19 @@ class CpuTarget:
             except ImportError:
                 pass
             else:
-                return f"torch {self.dtype} matmul 2048^3", torch_matmul_gflops(torch, self.dtype, self.threads)
-        with blas_threads(self.threads):
-            return "NumPy float32 matmul 2048^3", sgemm_gflops(self.threads)
+                return (f"torch {self.dtype} matmul 2048^3", *torch_matmul_turn(torch, self.dtype, self.threads))
+        return ("NumPy float32 matmul 2048^3", *sgemm_turn())
+
+    def ceiling(self) -> tuple[str, float]:
+        name, flops, call = self._ceiling_op()
+        with self.pinned():
+            seconds = medians(take_turns({"ceiling": call}, repeat=5))["ceiling"]
+        return name, flops / seconds / 1e9
+
+    def ceiling_turn(self) -> tuple[float, Callable[[], object]]:
+        """(flops, call) of the ceiling's operation: run() times it in turns with each
+        row's kernels, so that a kernel's share of it is a ratio measured side by side."""
+        return self._ceiling_op()[1:]
 
     def pinned(self):
         return blas_threads(self.threads)
@@ -121,14 +131,24 @@ def torch_sdpa_half(threads: int) -> Callable:
     return run
 
 
-def torch_matmul_gflops(torch, dtype: str, threads: int, n: int = 2048, repeat: int = 5) -> float:
-    """Median GFLOP/s of torch's n^3 matmul in dtype on the CPU with `threads` threads."""
+def torch_matmul_turn(torch, dtype: str, threads: int, n: int = 2048) -> tuple[float, Callable[[], object]]:
+    """(flops, call): one torch n^3 matmul in dtype on the CPU with `threads` threads."""
     from attnkern.backends.torch import _threads
 
     a = torch.randn(n, n, dtype=getattr(torch, dtype))
-    with _threads(torch, threads), torch.no_grad():
-        seconds = medians(take_turns({"matmul": lambda: a @ a}, repeat=repeat))["matmul"]
-    return 2.0 * n**3 / seconds / 1e9
+
+    def call():
+        with _threads(torch, threads), torch.no_grad():
+            return a @ a
+
+    return 2.0 * n**3, call
+
+
+def torch_matmul_gflops(torch, dtype: str, threads: int, n: int = 2048, repeat: int = 5) -> float:
+    """Median GFLOP/s of torch's n^3 matmul in dtype on the CPU with `threads` threads."""
+    flops, call = torch_matmul_turn(torch, dtype, threads, n)
+    seconds = medians(take_turns({"matmul": call}, repeat=repeat))["matmul"]
+    return flops / seconds / 1e9
 
 
 class CudaTarget:
@@ -248,11 +268,17 @@ class Settings:
     inputs: str = "random"  # or "minilm": q, k, v of all-MiniLM-L6-v2's layers on real text (realistic.py)
 
 
+_CEILING = " ceiling"  # the ceiling's turn among the kernels' (no kernel name starts with a space)
+
+
 def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: float,
         emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """For each size and mask: every candidate's output on sampled query rows against
-    the float64 reference, then its median time; emit(row) as each row is ready."""
+    the float64 reference, then its median time; emit(row) as each row is ready. A
+    target with ceiling_turn() has its ceiling operation timed in the same turns as
+    each row's kernels (row["ceiling_gflops"]); otherwise it is ceiling_gflops."""
     rng = np.random.default_rng(cfg.seed)
+    turn = target.ceiling_turn() if hasattr(target, "ceiling_turn") else None
     rows_out = []
     configs = [(n, c) for n in cfg.sizes for c in cfg.causal]
     tol = TOL[np.dtype(cfg.dtype)] if cfg.dtype in ("float32", "float64") else HALF_TOL[cfg.dtype]
@@ -280,13 +306,19 @@ def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: floa
                 row["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             target.release()
             results[cand.name] = row
+        ceiling_now = ceiling_gflops
         if ready:
-            for name, t in _times(target, ready, cfg).items():
+            if turn is not None:
+                ready[_CEILING] = turn[1]
+            times = _times(target, ready, cfg)
+            if turn is not None:
+                ceiling_now = turn[0] / times.pop(_CEILING)["median_s"] / 1e9
+            for name, t in times.items():
                 results[name].update(t)
         for row in results.values():
             if "median_s" in row:
                 row["gflops"] = flops / row["median_s"] / 1e9
-                row["ceiling_gflops"] = ceiling_gflops
+                row["ceiling_gflops"] = ceiling_now
                 for peer in PEERS:
                     if "median_s" in results.get(peer, {}):
                         row[f"speedup_vs_{peer}"] = results[peer]["median_s"] / row["median_s"]

@@ -126,6 +126,30 @@ def test_take_turns_round_robin_with_warmup():
 
 
 @pytest.mark.slow
+def test_the_ceiling_takes_turns_with_each_rows_kernels():
+    # The %matmul of a row divides by the ceiling operation timed in the same turns as
+    # that row's kernels: a clock that counts calls shows it ran between them.
+    from attnkern_bench import harness
+
+    calls = []
+
+    class Target(harness.CpuTarget):
+        def ceiling_turn(self):
+            return 1e9, lambda: calls.append("ceiling")
+
+    def kernel(q, k, v, causal, scale):
+        calls.append("kernel")
+        return attnkern.attention(q, k, v, causal=causal, scale=scale, kernel="numpy.naive")
+
+    cfg = harness.Settings(sizes=[16, 32], causal=(False,), repeat=2, passes=2, settle=0.0)
+    rows = harness.run(Target(1), [harness.Candidate("k", kernel)], cfg, ceiling_gflops=-1.0)
+    assert [r["n"] for r in rows] == [16, 32]
+    assert all(r["ceiling_gflops"] > 0 for r in rows)  # measured per row, not the -1 passed in
+    # per row: the accuracy check's call, then 2 passes of turns of 1 warmup + 2 timed calls each
+    row = ["kernel"] + (["kernel"] * 3 + ["ceiling"] * 3) * 2
+    assert calls == row * 2
+
+
 def test_asv_time_ratio_agrees_with_the_table(tmp_path):
     """The asv track TimeVsTorch and `attnkern bench` measure the same ratio,
     numba.flash time / torch.sdpa time, in different ways; they must tell the
