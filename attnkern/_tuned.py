@@ -26,13 +26,27 @@ FILE = "tuned.json"
 
 
 def cache_dir() -> Path:
-    if os.environ.get("ATTNKERN_CACHE_DIR"):
-        return Path(os.environ["ATTNKERN_CACHE_DIR"])
+    env = os.environ
+    return _cache_dir(env.get("ATTNKERN_CACHE_DIR"), env.get("XDG_CACHE_HOME"), env.get("LOCALAPPDATA"),
+                      env.get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _cache_dir(override, xdg, localappdata, home) -> Path:
+    # keyed by the variables it reads: attention() looks the cache up on every call, and
+    # building the path costs more than the stat that follows
+    if override:
+        return Path(override)
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "attnkern"
     if sys.platform == "win32":
-        return Path(os.environ.get("LOCALAPPDATA", Path.home())) / "attnkern" / "Cache"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnkern"
+        return Path(localappdata or Path.home()) / "attnkern" / "Cache"
+    return Path(xdg or Path.home() / ".cache") / "attnkern"
+
+
+@functools.lru_cache(maxsize=8)
+def _cache_file(directory: Path) -> str:
+    return str(directory / FILE)
 
 
 def enabled() -> bool:
@@ -95,9 +109,9 @@ class _Cache:
 
 
 def _load() -> dict:
-    path = cache_dir() / FILE
+    path = _cache_file(cache_dir())
     try:
-        mtime = path.stat().st_mtime
+        mtime = os.stat(path).st_mtime
     except OSError:
         _Cache.path, _Cache.mtime, _Cache.entries = path, None, {}
         return {}
@@ -105,7 +119,8 @@ def _load() -> dict:
         return _Cache.entries
     entries = {}
     try:
-        data = json.loads(path.read_text())
+        with open(path) as f:
+            data = json.loads(f.read())
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
             raise ValueError("not an attnkern tuning cache of this format")
         entries = {k: e for k, e in data["entries"].items()
