@@ -596,17 +596,24 @@ static const T *ST(block_rows)(const TIN *x, int64_t kb, int64_t d, T *buf)
 }
 
 /* 1 if x[0:n) holds NaN or infinity: x * 0 is 0 for every finite x and NaN
- * otherwise, and a NaN survives the sums. */
+ * otherwise, and a NaN survives the sums. Four independent chains: one would wait
+ * an FMA's latency for every vector. */
 static int ST(nonfinite)(const T *x, int64_t n)
 {
-    VT acc = V(zero)(), zero = V(zero)();
+    VT a0 = V(zero)(), a1 = a0, a2 = a0, a3 = a0, zero = a0;
     int64_t i = 0;
+    for (; i + 4 * VW <= n; i += 4 * VW) {
+        a0 = V(fma)(V(loadu)(x + i), zero, a0);
+        a1 = V(fma)(V(loadu)(x + i + VW), zero, a1);
+        a2 = V(fma)(V(loadu)(x + i + 2 * VW), zero, a2);
+        a3 = V(fma)(V(loadu)(x + i + 3 * VW), zero, a3);
+    }
     for (; i + VW <= n; i += VW)
-        acc = V(fma)(V(loadu)(x + i), zero, acc);
+        a0 = V(fma)(V(loadu)(x + i), zero, a0);
     T tail = 0;
     for (; i < n; i++)
         tail += x[i] * 0;
-    return !(V(hsum)(acc) + tail == 0);
+    return !(V(hsum)(V(add)(V(add)(a0, a1), V(add)(a2, a3))) + tail == 0);
 }
 
 /* The same for the caller's arrays. */
@@ -724,7 +731,8 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
     const TIN *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
     /* With p->nonfinite: this block's q, its output and, in the head's last query block
      * (which reads every key a causal block reads), k and v, each checked where it is
-     * read or written anyway; keys no block reads are scanned at the end. */
+     * read or written anyway (K/V blocks right after their products, from the caches);
+     * keys no block reads are scanned at the end. */
     const int check = p->nonfinite != NULL, check_kv = check && i0 + bq == p->nq;
     int bad = 0;
     /* Qt panels, scaled: panel q0 / NR at w->a + q0 * d, d rows of NR */
@@ -744,10 +752,6 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
         int64_t kb = kend - j0 < bk ? kend - j0 : bk;
         const T *kr = ST(block_rows)(kh + j0 * d, kb, d, w->kt);
         const T *vr = ST(block_rows)(vh + j0 * dv, kb, dv, w->vp);
-        if (check_kv) {  /* read just before the products use them: they come into the caches once */
-            bad |= ST(nonfinite)(kr, kb * d) ? ATTN_NONFINITE_K : 0;
-            bad |= ST(nonfinite)(vr, kb * dv) ? ATTN_NONFINITE_V : 0;
-        }
         for (int64_t q0 = 0; q0 < bq; q0 += NR) {
             int64_t qlast = i0 + (bq - q0 < NR ? bq : q0 + NR) - 1;
             int64_t kv = p->causal ? ST(causal_valid)(1, qlast, j0, kb) : kb;
@@ -755,6 +759,10 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
                 continue;  /* no query of the panel sees this block: its state stays as it is */
             ST(flash_panel)(kr, vr, kv, d, dv, w->a + q0 * d, w->s, w->o + q0 * dv, w->m + q0, w->l + q0,
                             w->alpha + q0, p->causal, i0 + q0, j0);
+        }
+        if (check_kv) {  /* right after the products read them, while they are in the caches */
+            bad |= ST(nonfinite)(kr, kb * d) ? ATTN_NONFINITE_K : 0;
+            bad |= ST(nonfinite)(vr, kb * dv) ? ATTN_NONFINITE_V : 0;
         }
     }
     if (check_kv && kend < nk) {
