@@ -86,6 +86,7 @@ static ATTN_INLINE void ST(tile_qk)(int mr, int64_t d, const T *a, int64_t lda,
     VT acc[MR][2];
     for (int r = 0; r < MR; r++)
         acc[r][0] = acc[r][1] = V(zero)();
+#pragma GCC unroll 4 /* fewer loop branches and address updates per tile */
     for (int64_t t = 0; t < d; t++) {
         VT b0 = V(load)(b + t * NR), b1 = V(load)(b + t * NR + VW);
         for (int r = 0; r < MR; r++) {
@@ -554,6 +555,7 @@ static ATTN_INLINE void ST(tile_pvt)(int mr, int64_t kv, const T *v, int64_t ldv
             acc[r][0] = acc[r][1] = V(zero)();
         }
     }
+#pragma GCC unroll 4
     for (int64_t t = 0; t < kv; t++) {
         VT b0 = V(load)(pt + t * NR), b1 = V(load)(pt + t * NR + VW);
         for (int r = 0; r < MR; r++) {
