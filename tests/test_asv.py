@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-from calibrate_gate import INJECT_FILE, ROWS_FOR_LEVEL, inject_slowdown  # noqa: E402
+from calibrate_gate import INJECT_FILE, KEYS_FOR_LEVEL, inject_slowdown  # noqa: E402
 
 ASV = [sys.executable, "-m", "asv"]
 # Virtualenvs are a cache (torch alone is ~200 MB): the test's asv config shares the repository's.
@@ -75,8 +75,8 @@ def history(tmp_path_factory):
     a = git(clone, "rev-parse", "HEAD")
 
     path = clone / INJECT_FILE
-    path.write_text(inject_slowdown(path.read_text(), ROWS_FOR_LEVEL[5]))
-    git(clone, "commit", "-q", "-am", "flash: recompute some score rows, ~5% slower (test regression)")
+    path.write_text(inject_slowdown(path.read_text(), KEYS_FOR_LEVEL[5]))
+    git(clone, "commit", "-q", "-am", "flash: recompute some score tiles, ~5% slower (test regression)")
     b = git(clone, "rev-parse", "HEAD")
 
     with (clone / "README.md").open("a") as f:  # C: nothing measurable

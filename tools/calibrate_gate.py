@@ -9,10 +9,11 @@ injected into native.flash, for each method:
 
     .venv/bin/python tools/calibrate_gate.py --out docs/data/gate-calibration.json
 
-The slowdown: native.flash's flash_block computes the Q·Kᵀ tiles of the first
-rows of every query block a second time (the result overwrites identical values,
-so outputs stay exact). The fraction of rows
-sets its size; the counted ratio measures what each level really costs. Everything
+The slowdown: native.flash's flash_panel computes the Sᵀ = K·Qᵀ tiles of the
+first keys of every panel and K/V block a second time (the result overwrites
+identical values, so outputs stay exact; tiles that cross the causal diagonal,
+masked after their product, are left alone). The fraction of keys sets its size;
+the counted ratio measures what each level really costs. Everything
 runs in a temporary clone; the main repository is not touched. Takes about an
 hour with the defaults; the raw data and a Markdown table are written.
 """
@@ -34,31 +35,30 @@ import gate  # noqa: E402
 
 REPO = gate.REPO
 INJECT_FILE = "attnkern/backends/native/attn_kernels.h"
-# The scores of one strip of flash_block's rows (the tiled kernel's call differs).
-INJECT_LINE = ("            ST(rows_qk)(w->kt, kb, rows, d, w->a + r0 * d, w->s, lds, p->causal, i0 + r0, j0);"
-               "\n")
-# Percent of a query block's rows whose Q·Kᵀ tiles are computed twice, for each
-# target slowdown (percent) of native.flash at 1x8x1024x64 non-causal on the
-# AVX-512 path: about 0.4% of time per percent of rows there (less with the
-# causal mask, whose first rows see few keys; the AVX2 instruction counts grow by
-# 0.2-0.45% per percent). The calibration reports what each level measured.
-ROWS_FOR_LEVEL = {2: 5, 5: 12, 10: 24}
+# The comment that follows flash_panel's score tiles; the slowdown goes before it.
+INJECT_LINE = "    /* rescale factors 2^(m_old - m_new): exactly 1 where the max stays, 0 for a query\n"
+# Percent of each panel's keys (per K/V block) whose score tiles are computed twice,
+# for each target slowdown (percent) of native.flash at 1x8x1024x64 non-causal on
+# the AVX-512 path, where the score tiles take about 45% of the time (less with the
+# causal mask, whose diagonal tiles are not repeated). The calibration reports what
+# each level measured.
+KEYS_FOR_LEVEL = {2: 5, 5: 12, 10: 24}
 ASV_REGEX = r"(^|\.)Forward\.time_forward\('native\.flash', '(1x8x1024x64|1x4x1024x128)'"
 PAIRED_REGEX = r"^native\.flash:"
 FACTORS = ("1.1", "1.2", "1.3")
 
 
-def inject_slowdown(source: str, rows_percent: int) -> str:
-    """attn_kernels.h with flash_block computing the Q·Kᵀ tiles of the first
-    `rows_percent`% of each strip's rows a second time (the same values), from the
-    K panel the block has just packed (so the extra work scales with the rows: no
-    second packing, whose fixed cost would swamp small levels)."""
+def inject_slowdown(source: str, keys_percent: int) -> str:
+    """attn_kernels.h with flash_panel computing the score tiles of the first
+    `keys_percent`% of each panel's keys a second time (the same values, before the
+    softmax reads them), so the extra work scales with the keys."""
     if source.count(INJECT_LINE) != 1:
-        raise ValueError(f"the line the slowdown follows moved: {INJECT_LINE!r}")
-    rows = f"((rows * {rows_percent} + 99) / 100)"
-    extra = (f"            ST(rows_qk)(w->kt, kb, {rows}, d, w->a + r0 * d, w->s, lds, p->causal, i0 + r0, j0);"
+        raise ValueError(f"the line the slowdown precedes moved: {INJECT_LINE!r}")
+    extra = (f"    for (int64_t k0 = 0; k0 < (kv * {keys_percent} + 99) / 100; k0 += MR)"
+             " if (!causal || j0 + k0 + MR - 1 <= q0)"
+             " ST(call_qk)((int)(kv - k0 < MR ? kv - k0 : MR), d, kr + k0 * d, d, qt, st + k0 * NR, NR, NULL);"
              "  /* injected slowdown */\n")
-    return source.replace(INJECT_LINE, INJECT_LINE + extra)
+    return source.replace(INJECT_LINE, extra + INJECT_LINE)
 
 
 def git(repo, *args) -> str:
@@ -81,8 +81,8 @@ def make_history(clone: Path, levels) -> dict[str, str]:
     for level in levels:
         git(clone, "checkout", "-q", "-b", f"slow{level}", base)
         path = clone / INJECT_FILE
-        path.write_text(inject_slowdown(path.read_text(), ROWS_FOR_LEVEL[level]))
-        git(clone, "commit", "-q", "-am", f"flash: {ROWS_FOR_LEVEL[level]}% of score rows twice (~{level}% slower)")
+        path.write_text(inject_slowdown(path.read_text(), KEYS_FOR_LEVEL[level]))
+        git(clone, "commit", "-q", "-am", f"flash: {KEYS_FOR_LEVEL[level]}% of score tiles twice (~{level}% slower)")
         shas[f"slow{level}"] = git(clone, "rev-parse", "HEAD")
     git(clone, "checkout", "-q", base)
     return shas
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(REPO / "docs" / "data" / "gate-calibration.json"))
     parser.add_argument("--aa", type=int, default=5, help="A/A comparisons per method (default 5)")
     parser.add_argument("--trials", type=int, default=3, help="comparisons per injected level (default 3)")
-    parser.add_argument("--levels", type=int, nargs="+", default=sorted(ROWS_FOR_LEVEL), choices=sorted(ROWS_FOR_LEVEL))
+    parser.add_argument("--levels", type=int, nargs="+", default=sorted(KEYS_FOR_LEVEL), choices=sorted(KEYS_FOR_LEVEL))
     parser.add_argument("--methods", nargs="+", default=["counted", "paired", "asv"], choices=["counted", "paired", "asv"])
     parser.add_argument("--summarize", metavar="JSON", help="only print the table of an earlier run's data")
     args = parser.parse_args(argv)
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         return 0
     cache = REPO / ".gate" / "builds"
     data = {"cpu": gate.cpu_name(), "levels": args.levels, "time_threshold": 0.02, "started": time.ctime(),
-            "rows_for_level": ROWS_FOR_LEVEL, "asv_regex": ASV_REGEX, "paired_regex": PAIRED_REGEX}
+            "keys_for_level": KEYS_FOR_LEVEL, "asv_regex": ASV_REGEX, "paired_regex": PAIRED_REGEX}
     if Path(args.out).exists() and set(args.methods) != {"counted", "paired", "asv"}:
         # re-measure some methods: the others' data stay
         old = json.loads(Path(args.out).read_text())
