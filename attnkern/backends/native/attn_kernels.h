@@ -345,11 +345,11 @@ int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
 
 /* Per-thread workspace of the blocked algorithms. */
 typedef struct {
-    T *a;      /* scaled q block, bq x d */
-    T *kt;     /* packed Kt, d x bk_pad */
-    T *vp;     /* packed V, bk x dv_pad */
+    T *a;      /* scaled q block, bq x d (flash: its Qt panels) */
+    T *kt;     /* packed Kt, d x bk_pad (flash: a K block widened to T, for half inputs) */
+    T *vp;     /* packed V, bk x dv_pad (flash: a V block widened to T, for half inputs) */
     T *s;      /* scores / probabilities, srows x lds */
-    T *o;      /* output accumulator, bq x dv_pad */
+    T *o;      /* output accumulator, bq x dv_pad (flash: its O^T panels) */
     T *m, *l, *alpha; /* per row: running max, running sum, rescale */
 } ST(workspace);
 
