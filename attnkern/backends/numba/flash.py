@@ -179,10 +179,14 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
         for i in range(rows):
             for t in range(d):
                 qs[i, t] = q[b, i0 + i, t] * qscale
-        # top-left causal mask: row i sees keys j <= i
+        # top-left causal mask: row i sees keys j <= i. With it, the key blocks end at the
+        # block's first row (split): the keys before it, which every row sees, go in whole
+        # blocks, and only the blocks from there on cross the diagonal
         kend = min(nk, i0 + rows) if causal else nk
-        for j0 in range(0, kend, block_k):
-            nkeys = min(block_k, kend - j0)
+        split = min(i0, kend) if causal else kend
+        j0 = 0
+        while j0 < kend:
+            nkeys = min(block_k, (split if j0 < split else kend) - j0)
             # a causal block that crosses the diagonal (some row sees fewer than nkeys keys)
             # goes in chunks of _CHUNK rows, each only up to the last key its last row sees:
             # the masked triangle is not multiplied, in either product
@@ -217,6 +221,7 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
                 for i in range(r0, r1):
                     for e in range(dv):
                         acc[i, e] += pv[i, e]
+            j0 += nkeys
         for i in range(rows):
             inv = 1 / lsum[i]
             for e in range(dv):
