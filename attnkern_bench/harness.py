@@ -144,13 +144,6 @@ def torch_matmul_turn(torch, dtype: str, threads: int, n: int = 2048) -> tuple[f
     return 2.0 * n**3, call
 
 
-def torch_matmul_gflops(torch, dtype: str, threads: int, n: int = 2048, repeat: int = 5) -> float:
-    """Median GFLOP/s of torch's n^3 matmul in dtype on the CPU with `threads` threads."""
-    flops, call = torch_matmul_turn(torch, dtype, threads, n)
-    seconds = medians(take_turns({"matmul": call}, repeat=repeat))["matmul"]
-    return flops / seconds / 1e9
-
-
 class CudaTarget:
     device = "cuda"
     round_robin = False  # one kernel at a time, memory released between: the naive ones take GBs
