@@ -5,13 +5,14 @@
     attnkern.reference(q, k, v)   # float64 NumPy oracle
     attnkern.kernels()            # every kernel name
     attnkern.kernel_info(name)    # available here? tunables?
+    attnkern.threads_used(name)   # threads its last call ran on, read back from it
     attnkern.tune(q_shape)        # search a kernel's tunables on this machine, cached for attention()
 """
 
 from . import backends  # noqa: F401  (registers the kernels)
 from ._api import attention, attention_backward
 from ._reference import reference
-from ._registry import kernel_info, kernels
+from ._registry import kernel_info, kernels, threads_used
 from .backends.native import active_isa, supported_isas
 
 
@@ -46,5 +47,6 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     return search(q_shape, k_shape, kernel=kernel, dtype=dtype, causal=causal, budget=budget, seed=seed, **options)
 
 
-__all__ = ["attention", "attention_backward", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune", "cache_dir"]
+__all__ = ["attention", "attention_backward", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune", "cache_dir",
+           "threads_used"]
 __version__ = "0.1.0"
