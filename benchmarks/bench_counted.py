@@ -12,12 +12,13 @@ and each class reads its own. One run, not one per kernel, because importing
 NumPy and Numba under Valgrind takes most of a minute and a kernel call seconds.
 Counted on Valgrind's view of the CPU: AVX2, not AVX-512 (counting.py says why)."""
 
+from .common import axis
 from .counting import config_key, count, estimated_cycles, valgrind_missing
 
 # torch's kernels are PyTorch's code, not ours: timed elsewhere, not counted.
 # Small shapes (Valgrind runs 50-100x slower than the CPU); 333 is odd on purpose:
 # no block or vector width divides it, so the remainder paths are counted too.
-SHAPES = ["1x2x256x64", "1x2x333x64", "1x4x512x64"]
+SHAPES = axis(["1x2x256x64", "1x2x333x64", "1x4x512x64"])
 KERNELS = ["native.flash", "native.tiled", "native.naive", "numba.flash", "numpy.naive"]
 
 

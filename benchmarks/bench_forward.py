@@ -4,7 +4,7 @@ import numpy as np
 
 import attnkern
 
-from .common import CPU_KERNELS, CUDA_KERNELS, THREADS, kernel_call, random_qkv, setup_kernel, torch
+from .common import CPU_KERNELS, CUDA_KERNELS, THREADS, axis, kernel_call, random_qkv, setup_kernel, torch
 
 
 class Forward:
@@ -12,7 +12,7 @@ class Forward:
 
     params = [
         CPU_KERNELS,
-        ["1x1x128x64", "1x8x1024x64", "1x4x1024x128", "1x8x4096x64"],
+        axis(["1x1x128x64", "1x8x1024x64", "1x4x1024x128", "1x8x4096x64"]),
         [False, True],
     ]
     param_names = ["kernel", "shape", "causal"]
@@ -46,7 +46,7 @@ class ForwardCuda:
     """GPU kernels on arrays already on the device (no host copies), float32.
     Kernel launches are asynchronous: each sample waits for the GPU to finish."""
 
-    params = [CUDA_KERNELS, ["1x16x1024x64", "1x16x4096x64"], [False, True]]
+    params = [CUDA_KERNELS, axis(["1x16x1024x64", "1x16x4096x64"]), [False, True]]
     param_names = ["kernel", "shape", "causal"]
     rounds = 2
     repeat = (3, 20, 2.0)
@@ -71,7 +71,7 @@ class ForwardGpu:
     attnkern's kernels with check_finite=False, as torch checks nothing. Skipped without a CUDA GPU,
     and for a kernel a commit lacks or that does not take the dtype."""
 
-    params = [["cuda.flash", "triton.flash", "torch.sdpa"], ["4x8x256x64", "1x16x1024x64", "1x16x4096x64"],
+    params = [["cuda.flash", "triton.flash", "torch.sdpa"], axis(["4x8x256x64", "1x16x1024x64", "1x16x4096x64"]),
               ["float32", "bfloat16", "float16"], [False, True]]
     param_names = ["kernel", "shape", "dtype", "causal"]
     rounds = 2
@@ -115,7 +115,7 @@ class Float32GpuPaths:
     exact float32 products, torch's SDPA beside them (TF32 off). Skipped without a CUDA GPU
     and where a commit lacks the kernel or the tunable."""
 
-    params = [["cuda.flash", "triton.flash", "torch.sdpa"], [1, 0], ["1x16x4096x64", "1x16x4096x128"],
+    params = [["cuda.flash", "triton.flash", "torch.sdpa"], [1, 0], axis(["1x16x4096x64", "1x16x4096x128"]),
               [False, True]]
     param_names = ["kernel", "tensor_cores", "shape", "causal"]
     rounds = 2
@@ -139,10 +139,10 @@ class BlockSweep:
 
     params = [
         ["native.flash", "native.tiled"],
-        ["1x8x1024x64", "1x2x2048x64"],
-        [32, 128, 256],
-        [64, 256, 1024],
-        sorted({1, THREADS}),
+        axis(["1x8x1024x64", "1x2x2048x64"]),
+        axis([32, 128, 256]),
+        axis([64, 256, 1024]),
+        axis(sorted({1, THREADS})),
     ]
     param_names = ["kernel", "shape", "block_q", "block_k", "num_threads"]
     # 72 combinations of 20-80 ms calls: ~1 s of samples per round each.

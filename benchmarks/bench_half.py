@@ -11,7 +11,7 @@ import numpy as np
 
 import attnkern
 
-from .common import THREADS, random_qkv, setup_kernel, torch
+from .common import THREADS, axis, random_qkv, setup_kernel, torch
 
 
 def _host_dtype(dtype: str):
@@ -29,7 +29,7 @@ class ForwardHalf:
 
     params = [
         ["native.flash", "native.tiled", "torch.sdpa"],
-        ["1x8x1024x64", "1x8x4096x64"],
+        axis(["1x8x1024x64", "1x8x4096x64"]),
         ["bfloat16", "float16"],
         [False, True],
     ]

@@ -5,11 +5,11 @@ asv's peakmem is the benchmark process's maximum resident set, inputs included:
 (1, 1, N, 64) float32 inputs and output take 1 MiB at N=1024, 16 MiB at 16384,
 while a float32 N x N score matrix takes 4 MiB and 1 GiB."""
 
-from .common import CPU_KERNELS, random_qkv, setup_kernel
+from .common import CPU_KERNELS, axis, random_qkv, setup_kernel
 
 
 class PeakMemory:
-    params = [CPU_KERNELS, [1024, 4096, 16384]]
+    params = [CPU_KERNELS, axis([1024, 4096, 16384])]
     param_names = ["kernel", "n"]
     timeout = 180
 

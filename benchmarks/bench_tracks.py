@@ -15,10 +15,10 @@ import numpy as np
 
 import attnkern
 
-from .common import CPU_KERNELS, CUDA_KERNELS, THREADS, flops, kernel_call, random_qkv, setup_kernel
+from .common import CPU_KERNELS, CUDA_KERNELS, SMOKE, THREADS, axis, flops, kernel_call, random_qkv, setup_kernel
 from .turns import Worker, paired_turns
 
-SHAPES = ["1x8x1024x64", "1x8x2048x64"]
+SHAPES = axis(["1x8x1024x64", "1x8x2048x64"])
 
 
 def median_seconds(call, args, calls: int) -> float:
@@ -65,7 +65,7 @@ class TimeVsTorch:
     param_names = ["kernel", "shape", "causal"]
     rounds = 1
     timeout = 300
-    turns = 25
+    turns = 3 if SMOKE else 25
 
     def setup(self, kernel, shape, causal):
         kernel_call(kernel)  # NotImplementedError (skip) where missing or unavailable

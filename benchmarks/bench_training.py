@@ -5,7 +5,7 @@ without one, are skipped."""
 
 import attnkern
 
-from .common import THREADS, pin_threads, random_qkv, torch
+from .common import THREADS, axis, pin_threads, random_qkv, torch
 
 TORCH_PEERS = ("torch.sdpa", "torch.naive")
 
@@ -43,7 +43,7 @@ def _step(kernel: str, causal: bool, device: str):
 class TrainingStep:
     """float32 forward + backward on the CPU, inputs requiring grad."""
 
-    params = [["native.flash", "torch.sdpa", "torch.naive"], ["1x8x512x64", "1x8x1024x64"], [False, True]]
+    params = [["native.flash", "torch.sdpa", "torch.naive"], axis(["1x8x512x64", "1x8x1024x64"]), [False, True]]
     param_names = ["kernel", "shape", "causal"]
     rounds = 2
     repeat = (2, 10, 2.0)
@@ -65,7 +65,7 @@ class TrainingStep:
 class TrainingStepCuda:
     """The same on the GPU (skipped without one), float32, TF32 off."""
 
-    params = [["cuda.flash", "torch.sdpa", "torch.naive"], ["1x16x1024x64", "1x16x4096x64"], [False, True]]
+    params = [["cuda.flash", "torch.sdpa", "torch.naive"], axis(["1x16x1024x64", "1x16x4096x64"]), [False, True]]
     param_names = ["kernel", "shape", "causal"]
     rounds = 2
     repeat = (3, 20, 2.0)

@@ -4,9 +4,9 @@ search runs once per benchmark run, in setup_cache, with a small budget."""
 
 import attnkern
 
-from .common import THREADS, parse_shape, random_qkv, setup_kernel
+from .common import THREADS, axis, parse_shape, random_qkv, setup_kernel
 
-SHAPES = ["1x8x1024x64", "1x8x2048x64"]
+SHAPES = axis(["1x8x1024x64", "1x8x2048x64"])
 
 
 class Tuned:

@@ -36,6 +36,17 @@ except ImportError:  # asv.conf.json installs it
 # different settings should then go under a different asv machine name.
 THREADS = int(os.environ.get("ATTNKERN_BENCH_THREADS", "2"))
 
+# ATTNKERN_BENCH_SMOKE=1: every benchmark and setup_cache of the suite, run as asv runs them,
+# on the first value of each size axis (shapes, N, block sizes, turns), every kernel and
+# mask kept: tests/test_suite.py runs the whole suite this way in minutes, not the half hour
+# of the full parameter grid. The numbers mean nothing; that no benchmark fails does.
+SMOKE = os.environ.get("ATTNKERN_BENCH_SMOKE") == "1"
+
+
+def axis(values: list) -> list:
+    """A size axis of a benchmark's params: all of it, or its first value in a smoke run."""
+    return values[:1] if SMOKE else values
+
 # Kernels that run on the CPU, in the order the site lists them; numba.flash is
 # skipped on commits before it existed.
 CPU_KERNELS = ["numpy.naive", "native.naive", "native.tiled", "native.flash", "torch.sdpa", "torch.naive",

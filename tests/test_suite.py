@@ -1,0 +1,190 @@
+"""The asv suite as `make bench` runs it, and its numbers against `attnkern bench`'s.
+
+1. Every benchmark of the suite runs once (`asv run --quick`: one sample each, setup
+   caches included, each benchmark in a process forked from asv's server, as in
+   `make bench`) and none fails. Two differences from `make bench`, for time: the
+   suite's smoke setting (ATTNKERN_BENCH_SMOKE=1, benchmarks/common.py) keeps the first
+   value of each size axis (every kernel, mask and dtype stays), and `--python=same`
+   runs against this checkout's installed attnkern instead of a wheel built in asv's
+   own virtualenv (tests/test_asv.py covers that build).
+2. asv's timings agree with `attnkern bench`'s for the same kernel, shape and threads:
+   within 15% for each kernel timed in `Forward`, `Throughput`, `BlockSweep`, `Tuned` and
+   `ForwardHalf`, the kernels in the same order, and every kernel ran on the suite's
+   thread count (`ThreadsUsed`). Two of our own tools that disagree is a defect: a
+   forked benchmark process on fewer threads than it claims, another runtime's threads
+   slowing a kernel in one of them, or a setting one of them forgets.
+
+Slow (minutes: Valgrind counts every CPU kernel, the suite times several hundred
+configurations once, then a few dozen properly); run with `pytest -m slow`, and by
+`make test`.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+ASV = [sys.executable, "-m", "asv"]
+MACHINE = "attnkern-selftest"
+THREADS = 2
+SHAPE = "1x8x1024x64"
+KERNELS = ["native.flash", "native.tiled", "torch.sdpa", "numba.flash", "numpy.naive"]
+HALF_KERNELS = ["native.flash", "native.tiled", "torch.sdpa"]
+# asv's number and attnkern bench's for the same kernel, shape and threads: at most this far apart
+AGREE = 0.15
+
+
+def _env():
+    # what asv.conf.json's env_nobuild gives the benchmarked environment
+    return dict(os.environ, OMP_NUM_THREADS=str(THREADS), OPENBLAS_NUM_THREADS=str(THREADS),
+                MKL_NUM_THREADS=str(THREADS), ATTNKERN_BENCH_THREADS=str(THREADS))
+
+
+@pytest.fixture(scope="module")
+def asv_run(tmp_path_factory):
+    """run(*args) -> the results of `asv run --python=same ... args` of this checkout,
+    with results in a temporary directory; the asv process's output on failure."""
+    from asv.util import load_json
+
+    tmp = tmp_path_factory.mktemp("suite")
+    config = load_json(str(REPO / "asv.conf.json"), js_comments=True)
+    config.update(repo=str(REPO), benchmark_dir=str(REPO / "benchmarks"), results_dir=str(tmp / "results"),
+                  html_dir=str(tmp / "html"), env_dir=str(tmp / "env"))
+    conf = tmp / "asv.conf.json"
+    conf.write_text(json.dumps(config, indent=2))
+    subprocess.run([*ASV, "machine", "--yes", "--machine", MACHINE, "--config", str(conf)], cwd=REPO, check=True,
+                   capture_output=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+    def run(*args, env=None):
+        for old in (tmp / "results" / MACHINE).glob("*.json"):
+            if old.name != "machine.json":
+                old.unlink()
+        proc = subprocess.run([*ASV, "run", "--python=same", "--machine", MACHINE, "--set-commit-hash", head,
+                               "--show-stderr", "--config", str(conf), *args], cwd=REPO, env=env or _env(),
+                              capture_output=True, text=True)
+        results = [p for p in (tmp / "results" / MACHINE).glob("*.json") if p.name != "machine.json"]
+        return proc, (_load(results[0]) if results else {})
+
+    return run
+
+
+def _load(path) -> dict:
+    """{benchmark name: {params tuple: value}} from an asv 0.6 results file; a failed
+    benchmark's value is None, a skipped one's NaN."""
+    import itertools
+
+    data = json.loads(Path(path).read_text())
+    columns = data["result_columns"]
+    out = {}
+    for name, row in data["results"].items():
+        fields = dict(zip(columns, row))
+        values, params = fields["result"], fields.get("params") or []
+        combos = list(itertools.product(*params)) if params else [()]
+        if values is None:
+            values = [None] * len(combos)
+        out[name] = dict(zip(combos, values))
+    return out
+
+
+def _p(value) -> str:
+    """A parameter value as asv stores it (the repr)."""
+    return repr(value)
+
+
+def test_every_benchmark_of_the_suite_runs(asv_run):
+    proc, results = asv_run("--quick", env=dict(_env(), ATTNKERN_BENCH_SMOKE="1"))
+    failed = sorted(f"{name}{list(params)}" for name, values in results.items()
+                    for params, value in values.items() if value is None)
+    assert proc.returncode == 0 and not failed, (
+        f"asv run exited {proc.returncode}; failed: {failed}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    # each counted class reads its own kernel's counts from the shared setup_cache
+    counted = {name.split(".")[1]: values for name, values in results.items()
+               if name.startswith("bench_counted.") and name.endswith(".track_instructions")}
+    assert len(counted) == 5, sorted(counted)
+    key = (_p("1x2x256x64"), _p(False))
+    firsts = {cls: values[key] for cls, values in counted.items()}
+    assert all(isinstance(v, (int, float)) and v > 0 for v in firsts.values()), firsts
+    assert len(set(firsts.values())) == len(firsts), f"two kernels with the same counts: {firsts}"
+    threads = results["bench_tracks.ThreadsUsed.track_threads"]
+    assert all(v == THREADS for v in threads.values()), threads
+
+
+def _bench(tmp_path, *args) -> dict:
+    """{(kernel, causal): median seconds} from `attnkern bench` at SHAPE."""
+    out = tmp_path / "bench.json"
+    b, h, n, d = (int(x) for x in SHAPE.split("x"))
+    proc = subprocess.run([sys.executable, "-m", "attnkern", "bench", "--sizes", str(n), "--batch", str(b),
+                           "--heads", str(h), "--dim", str(d), "--threads", str(THREADS), "--json", str(out),
+                           *args], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    return {(r["kernel"], r["causal"]): r["median_s"] for r in rows if "median_s" in r}
+
+
+def _agree(asv_times: dict, bench_times: dict, what: str) -> list[str]:
+    """Disagreements between asv's {(kernel, causal): seconds} and attnkern bench's: a
+    time more than AGREE apart, or two kernels in the other order where bench puts them
+    more than AGREE apart (closer pairs have no order to keep)."""
+    problems = []
+    for key, a in asv_times.items():
+        b = bench_times[key]
+        if abs(a / b - 1) > AGREE:
+            problems.append(f"{what} {key}: asv {a * 1e3:.2f} ms, attnkern bench {b * 1e3:.2f} ms ({a / b:.2f}x)")
+    for (k1, c1), a1 in asv_times.items():
+        for (k2, c2), a2 in asv_times.items():
+            b1, b2 = bench_times[(k1, c1)], bench_times[(k2, c2)]
+            if c1 == c2 and b1 * (1 + AGREE) < b2 and not a1 < a2:
+                problems.append(f"{what} causal={c1}: attnkern bench has {k1} faster than {k2}, asv the opposite")
+    return problems
+
+
+def test_asv_agrees_with_attnkern_bench(asv_run, tmp_path):
+    kernels = "|".join(k.replace(".", r"\.") for k in KERNELS)
+    half = "|".join(k.replace(".", r"\.") for k in HALF_KERNELS)
+    shape = SHAPE
+    regex = "|".join([
+        rf"^bench_forward\.Forward\.time_forward\('({kernels})', '{shape}', (False|True)\)$",
+        rf"^bench_tracks\.Throughput\.track_ps_per_flop\('({kernels})', '{shape}', (False|True)\)$",
+        rf"^bench_forward\.BlockSweep\.time_forward\('native\.flash', '{shape}', 256, 256, {THREADS}\)$",
+        rf"^bench_tuned\.Tuned\.time_forward\('default', '{shape}', (False|True)\)$",
+        rf"^bench_half\.ForwardHalf\.time_forward\('({half})', '{shape}', 'bfloat16', (False|True)\)$",
+        r"^bench_tracks\.ThreadsUsed\.",
+    ])
+    proc, results = asv_run("-b", regex)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    bench = _bench(tmp_path, "--kernels", *KERNELS)
+    bench_half = _bench(tmp_path, "--kernels", *HALF_KERNELS, "--dtype", "bfloat16")
+
+    def picked(name, fmt, kernels, to_seconds=lambda v, causal: v):
+        values = results[name]
+        return {(k, c): to_seconds(values[fmt(k, c)], c) for k in kernels for c in (False, True)}
+
+    b, h, n, d = (int(x) for x in SHAPE.split("x"))
+    flops = lambda causal: 4.0 * b * h * n * n * d / (2 if causal else 1)  # noqa: E731
+    forward = picked("bench_forward.Forward.time_forward", lambda k, c: (_p(k), _p(SHAPE), _p(c)), KERNELS)
+    throughput = picked("bench_tracks.Throughput.track_ps_per_flop", lambda k, c: (_p(k), _p(SHAPE), _p(c)),
+                        KERNELS, lambda v, c: v * flops(c) * 1e-12)
+    half = picked("bench_half.ForwardHalf.time_forward", lambda k, c: (_p(k), _p(SHAPE), _p("bfloat16"), _p(c)),
+                  HALF_KERNELS)
+    sweep = {("native.flash", False): results["bench_forward.BlockSweep.time_forward"][
+        (_p("native.flash"), _p(SHAPE), _p(256), _p(256), _p(THREADS))]}
+    tuned = {("native.flash", c): results["bench_tuned.Tuned.time_forward"][(_p("default"), _p(SHAPE), _p(c))]
+             for c in (False, True)}
+    problems = (_agree(forward, bench, "Forward") + _agree(throughput, bench, "Throughput")
+                + _agree(sweep, bench, "BlockSweep") + _agree(tuned, bench, "Tuned")
+                + _agree(half, bench_half, "ForwardHalf"))
+    threads = results["bench_tracks.ThreadsUsed.track_threads"]
+    problems += [f"ThreadsUsed {k}: {v} threads, not {THREADS}" for k, v in threads.items()
+                 if v == v and v != THREADS]  # NaN: a kernel not available here
+    ratios = {key: forward[key] / bench[key] for key in forward}
+    assert not problems, "\n".join(problems) + f"\nForward/bench ratios: {ratios}; median " \
+                                               f"{statistics.median(ratios.values()):.2f}"
