@@ -2,7 +2,7 @@
 kernel placed against them.
 
 Ceilings (CPU): the ISA's peak FMA rate (a register-only loop of the native
-kernels' instruction set, attnkern.backends.native._attn.fma_peak), NumPy's
+kernels' instruction set, attnkern.hardware.fma_peak), NumPy's
 float32 matmul (sgemm, the practical compute ceiling), and STREAM-style copy and
 triad bandwidth over arrays far beyond the last-level cache, all on the kernels'
 thread count. GPU: torch's float32 matmul (TF32 off) and device-to-device copy
@@ -32,16 +32,16 @@ DATASHEET = {"NVIDIA H100 80GB HBM3": {"fp32_gflops": 67_000.0, "bandwidth_gbs":
 def cpu_ceilings(threads: int, stream_mib: int = 512, repeat: int = 5) -> dict:
     """Measured ceilings of this CPU on `threads` threads."""
     import attnkern
-    from attnkern.backends.native import _attn
+    from attnkern import hardware
 
     isa = attnkern.active_isa()
-    _attn.fma_peak(isa, 1000, threads)  # start the thread pool
-    fma = max(f / s for s, f in (_attn.fma_peak(isa, 50_000_000, threads) for _ in range(repeat))) / 1e9
+    hardware.fma_peak(isa, 1000, threads)  # start the thread pool
+    fma = max(f / s for s, f in (hardware.fma_peak(isa, 50_000_000, threads) for _ in range(repeat))) / 1e9
     n = stream_mib * 2**20 // 4
     a, b, c = np.empty(n, np.float32), np.ones(n, np.float32), np.full(n, 2.0, np.float32)
-    _attn.stream("triad", a, b, c, threads)
-    copy = 2 * 4 * n / min(_attn.stream("copy", a, b, c, threads) for _ in range(repeat)) / 1e9
-    triad = 3 * 4 * n / min(_attn.stream("triad", a, b, c, threads) for _ in range(repeat)) / 1e9
+    hardware.stream("triad", a, b, c, threads)
+    copy = 2 * 4 * n / min(hardware.stream("copy", a, b, c, threads) for _ in range(repeat)) / 1e9
+    triad = 3 * 4 * n / min(hardware.stream("triad", a, b, c, threads) for _ in range(repeat)) / 1e9
     return {"device": "cpu", "isa": isa, "threads": threads, "fma_peak_gflops": fma,
             "sgemm_gflops": sgemm_gflops(threads), "copy_gbs": copy, "triad_gbs": triad,
             "peak_gflops": fma, "bandwidth_gbs": triad, "stream_mib": stream_mib}

@@ -902,7 +902,7 @@ def cmd_study(args) -> int:
         raise SystemExit("attnkern study --device cpu measures memory through /proc/self (Linux)")
     if min(args.seqs + args.dims + [args.batch, args.heads]) < 1 or args.iters < 0 or args.warmup < 0:
         raise SystemExit("--seqs, --dims, --batch and --heads must be positive, --iters and --warmup not negative")
-    from attnkern._registry import cpu_count
+    from attnkern.hardware import cpu_count
 
     names = args.kernels or default_kernels(args.device)
     kernels = []
