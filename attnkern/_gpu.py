@@ -72,7 +72,7 @@ def from_torch(x, name: str) -> GpuArray:
     if dtype is None:
         if x.dtype == torch.bfloat16:
             raise TypeError(f"{name} is a bfloat16 tensor: attnkern names bfloat16 through ml_dtypes "
-                            "(pip install ml_dtypes), or convert with .float()")
+                            "(pip install 'attnkern[bfloat16]'), or convert with .float()")
         raise TypeError(f"{name} has dtype {x.dtype}; attnkern supports float32, float64, float16 and bfloat16")
     if x.requires_grad:
         raise TypeError(f"{name} is a GPU array that Numba cannot view: it requires grad (detach it first)")

@@ -52,8 +52,8 @@ def to_numpy(x):
     try:
         import ml_dtypes
     except ImportError:
-        raise TypeError("bfloat16 CPU tensors need ml_dtypes (pip install ml_dtypes) to reach attnkern's kernels; "
-                        "or convert with .float()") from None
+        raise TypeError("bfloat16 CPU tensors need ml_dtypes (pip install 'attnkern[bfloat16]') to reach attnkern's "
+                        "kernels; or convert with .float()") from None
     return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
 

@@ -102,7 +102,7 @@ def host_dtype(name: str) -> np.dtype:
         try:
             import ml_dtypes
         except ImportError:
-            raise SystemExit("bfloat16 on the CPU needs ml_dtypes: pip install ml_dtypes") from None
+            raise SystemExit("bfloat16 on the CPU needs ml_dtypes: pip install 'attnkern[bfloat16]'") from None
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 

@@ -91,12 +91,10 @@ def _load(path):
 
 def figures(data: dict):
     """(page-1 figure, page-2 figure) with matplotlib, from the loaded results."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from . import roofline as rl
+    from .plotting import pyplot
+
+    plt = pyplot()
     from . import tuner
 
     page1, ax1 = plt.subplots(2, 2, figsize=(8.27, 11.69 * 0.72))
@@ -238,9 +236,9 @@ def findings(data: dict) -> list[str]:
 
 def write(data: dict, info: dict, out: Path) -> dict:
     """report.pdf (two pages), report.html and report.txt in out."""
-    import matplotlib
+    from .plotting import pyplot
 
-    matplotlib.use("Agg")
+    plt = pyplot()
     from matplotlib.backends.backend_pdf import PdfPages
 
     out.mkdir(parents=True, exist_ok=True)
@@ -264,8 +262,6 @@ def write(data: dict, info: dict, out: Path) -> dict:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110)
         images.append(base64.b64encode(buf.getvalue()).decode())
-    import matplotlib.pyplot as plt
-
     plt.close(page1)
     plt.close(page2)
     body = "".join(f"<p>{html.escape(p)}</p>" for p in paragraphs)

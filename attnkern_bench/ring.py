@@ -268,10 +268,9 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     """Three panels: peak memory per rank against W (with the 1/W line), the step time
     split into compute and exposed communication, and each rank's busy time for the
     causal layouts."""
-    import matplotlib
+    from .plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     everything = rows
     group = (rows[0]["kernel"], rows[0]["seq"], rows[0]["dim"])

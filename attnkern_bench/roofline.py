@@ -122,10 +122,9 @@ def draw(ax, points: list[dict], ceilings: dict, title: str, annotate: bool = Tr
 
 
 def plot(points: list[dict], ceilings: dict, title: str, path) -> None:
-    import matplotlib
+    from .plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     draw(ax, points, ceilings, title)

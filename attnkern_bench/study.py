@@ -844,7 +844,7 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise SystemExit("--plots needs matplotlib: pip install matplotlib (or 'attnkern[bench]')") from None
+        raise SystemExit("--plots needs matplotlib: pip install 'attnkern[bench]'") from None
     return Figure, FigureCanvasAgg
 
 

@@ -136,13 +136,9 @@ def draw_replay(ax, evaluation: dict, title: str) -> None:
 
 
 def _save(draw, path, size) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("plots need matplotlib: pip install 'attnkern[bench]'") from None
+    from .plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=size)
     im = draw(ax)
