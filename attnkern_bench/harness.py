@@ -243,6 +243,11 @@ class CudaTarget:
             pass
 
 
+def causal_modes(value: str) -> tuple[bool, ...]:
+    """The causal settings a --causal choice (both, yes, no) measures."""
+    return {"both": (False, True), "yes": (True,), "no": (False,)}[value]
+
+
 @dataclass
 class Settings:
     sizes: list[int]

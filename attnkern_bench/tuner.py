@@ -6,6 +6,8 @@ budget (replay_measure, evaluate), and their plots.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
 import sys
@@ -16,7 +18,7 @@ import attnkern
 from attnkern.tuning import default_params, fmt, grid, live_measure, problem, search, space, tune, validity
 
 __all__ = ["record_grid", "evaluate", "replay_measure", "draw_grid", "draw_replay", "plot_grid", "plot_replay",
-           "stderr", "tune", "fmt"]
+           "stderr", "tune", "fmt", "configure", "command"]
 
 
 def replay_measure(records: dict, seed: int):
@@ -159,3 +161,111 @@ def plot_replay(evaluation: dict, title: str, path) -> None:
 
 def stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the command
+
+TUNE_HELP = """\
+Searches a kernel's tunables for one problem on this machine and caches the result,
+which attnkern.attention then uses for calls of that kernel, dtype, mask and shape
+bucket (attnkern.kernel_info(kernel)["tuned"] lists them; ATTNKERN_NO_TUNED=1 ignores them).
+
+The search (attnkern_bench.tuner) starts from the kernel's defaults and alternates
+Optuna's TPE sampler with one-step moves from the best so far over a lattice of
+powers of two (block_q, block_k, num_threads; cuda.flash: the tiles that fit).
+Each configuration is timed with --repeats calls after an untimed one (wall clock;
+CUDA events on the GPU) on seeded random inputs; one clearly slower after two calls
+is stopped early. Configurations within the noise of the best are timed again in
+turns, and a tie goes to the default (else the one nearest it). The budget counts
+configurations (default: 15% of the lattice).
+
+--record-grid FILE times every configuration instead (5 passes in a seeded random
+order, 2 calls each); --replay FILE replays the tuner and a random search of the
+same budget against such a file over --seeds seeds, without running the kernel.
+"""
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is like 1x8x1024x64 (B x H x N x D), got {text!r}") from None
+    if not 2 <= len(dims) <= 4 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"a shape has 2 to 4 positive sizes, ..., N, D; got {text!r}")
+    return dims
+
+
+HELP = "search a kernel's block sizes and threads; cache the best for attention()"
+DESCRIPTION = TUNE_HELP
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """The arguments of `attnkern tune`."""
+    p.add_argument("--shape", type=_shape, default=(1, 8, 1024, 64), help="q's shape, B x H x N x D (1x8x1024x64)")
+    p.add_argument("--k-shape", type=_shape, help="k's shape if not q's")
+    p.add_argument("--kernel", default="native.flash")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--budget", type=int, help="configurations to time (default: 15%% of the lattice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per configuration")
+    p.add_argument("--no-cache", action="store_true", help="report only; do not store the result")
+    p.add_argument("--record-grid", metavar="FILE", help="time the whole lattice into FILE (JSON)")
+    p.add_argument("--replay", metavar="FILE", help="replay searches against a recorded grid")
+    p.add_argument("--seeds", type=int, default=20, help="seeds of --replay")
+    p.add_argument("--plots", metavar="DIR", help="write plots here (a heatmap of a grid, best so far of a replay)")
+    p.add_argument("--json", help="write the result to this file")
+
+
+def command(args) -> int:
+    import os
+
+    if args.plots:
+        os.makedirs(args.plots, exist_ok=True)
+    if args.replay:
+        with open(args.replay) as f:
+            recorded = json.load(f)
+        ev = evaluate(recorded, seeds=range(args.seeds), budget=args.budget, repeats=args.repeats)
+        p = recorded["problem"]
+        name = f"{recorded['kernel']} {'x'.join(map(str, p['q_shape']))}{' causal' if p['causal'] else ''}"
+        print(f"# {name} on {recorded['machine']['cpu']}: grid of {ev['grid_size']}, budget {ev['budget']} "
+              f"({ev['budget'] / ev['grid_size']:.0%}), {ev['seeds']} seeds; the default is {ev['default_ratio']:.3f}x "
+              "the grid's best")
+        print(f"{'search':<14} {'within 3%':>10} {'median time / best':>19}")
+        for label, key in (("tuner", "tuner"), ("random search", "random")):
+            print(f"{label:<14} {ev[f'{key}_within']:>10.0%} {ev[f'{key}_median_ratio']:>19.3f}")
+        if args.plots:
+            path = os.path.join(args.plots, f"replay-{os.path.splitext(os.path.basename(args.replay))[0]}.png")
+            plot_replay(ev, f"{name}: {ev['seeds']} seeds", path)
+            print(f"# plot: {path}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(ev, f, indent=1)
+        return 0
+    if args.record_grid:
+        recorded = record_grid(args.kernel, args.shape, args.k_shape, dtype=args.dtype, causal=args.causal,
+                                     seed=args.seed, progress=stderr)
+        with open(args.record_grid, "w") as f:
+            json.dump(recorded, f, indent=1)
+        best = min(recorded["records"], key=lambda r: sorted(r["samples"])[len(r["samples"]) // 2])
+        print(f"# {len(recorded['records'])} configurations into {args.record_grid}; fastest {best['params']}")
+        if args.plots:
+            path = os.path.join(args.plots, f"grid-{os.path.splitext(os.path.basename(args.record_grid))[0]}.png")
+            plot_grid(recorded, path)
+            print(f"# heatmap: {path}")
+        return 0
+    result = tune(args.shape, args.k_shape, kernel=args.kernel, dtype=args.dtype, causal=args.causal,
+                        budget=args.budget, seed=args.seed, repeats=args.repeats, cache=not args.no_cache,
+                        progress=stderr)
+    print(f"# {args.kernel} q {'x'.join(map(str, args.shape))} {args.dtype}{' causal' if args.causal else ''} on "
+          f"{result.machine['cpu']} ({result.machine['isa']}, {result.machine['cpus']} CPUs)")
+    print(f"# {result.trials} of {result.grid_size} configurations timed in {result.wall_seconds:.1f} s")
+    print(f"{'':<9} {'params':<40} {'median ms':>10}")
+    print(f"{'default':<9} {fmt(result.default):<40} {result.default_seconds * 1e3:>10.3f}")
+    print(f"{'tuned':<9} {fmt(result.params):<40} {result.seconds * 1e3:>10.3f}   "
+          f"({result.speedup:.2f}x the default)")
+    print(f"# cached as {result.cache_key}" if result.cache_key else "# not cached (--no-cache)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+    return 0
