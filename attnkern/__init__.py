@@ -5,14 +5,15 @@
     attnkern.reference(q, k, v)   # float64 NumPy oracle
     attnkern.kernels()            # every kernel name
     attnkern.kernel_info(name)    # available here? tunables?
+    attnkern.threads_used(name)   # threads its last call ran on, read back from it
     attnkern.tune(q_shape)        # search a kernel's tunables on this machine, cached for attention()
 """
 
 from . import backends  # noqa: F401  (registers the kernels)
 from ._api import attention, attention_backward, kernel_info
 from ._reference import reference
-from ._registry import kernels
-from ._version import __version__
+from ._registry import kernels, threads_used
+from ._version import __version__  # noqa: F401  (re-exported)
 from .backends.native import active_isa, supported_isas
 
 
@@ -48,4 +49,4 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
 
 
 __all__ = ["attention", "attention_backward", "reference", "kernels", "kernel_info", "active_isa", "supported_isas",
-           "machine", "tune", "cache_dir"]
+           "machine", "tune", "cache_dir", "threads_used"]

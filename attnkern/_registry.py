@@ -98,6 +98,10 @@ class Kernel:
     # itself (as it reads and writes them) and raises nonfinite_input/nonfinite_output,
     # so attention(check_finite=True) does not scan the arrays again
     checks_finite: bool = False
+    # () -> the number of threads the last call of this kernel from the calling Python
+    # thread ran on, read back from the kernel or its runtime (not the number asked
+    # for), or None where it cannot be read
+    threads_used: Callable[[], int | None] = field(default=lambda: None)
     # the input dtypes its backward takes (a subset of dtypes)
     backward_dtypes: tuple[str, ...] = ("float32", "float64")
     # head_sizes(d, dv, dtype) -> None where it takes q/k of feature size d and v of dv in
@@ -181,6 +185,16 @@ def kernels() -> tuple[str, ...]:
 def all_kernels() -> tuple[Kernel, ...]:
     """Every registered kernel, in registration order."""
     return tuple(_KERNELS.values())
+
+
+def threads_used(name: str) -> int | None:
+    """The number of threads the last call of kernel `name` from this Python thread
+    ran on, as the kernel or its runtime reports it: the native kernels' OpenMP team
+    size, torch's intra-op thread count during the call, Numba's thread count during
+    the call, the BLAS pool size for numpy.naive. None where it cannot be read (a GPU
+    kernel, or no call yet). A measurement that asked for N threads and reads back
+    fewer ran slower than it claims."""
+    return get(name).threads_used()
 
 
 def nonfinite_input(name: str) -> ValueError:

@@ -21,7 +21,7 @@ def io_bytes(b: int, h: int, nq: int, nk: int, d: int, itemsize: int, dv: int | 
 # Passes over the N x N scores by an algorithm that materialises them (each a full
 # read or write of B*H*Nq*Nk elements): native.naive computes, softmaxes and uses one
 # row at a time, which stays in cache, so only its write-back reaches memory (one
-# pass; tools/check_byte_model.py measured it); cuda.naive's three kernels make four
+# pass; dev/check_byte_model.py measured it); cuda.naive's three kernels make four
 # (QK^T writes S, the softmax reads and writes it, P V reads it); NumPy's ops each make their own passes (matmul
 # write; scale, subtract, exp and divide read and write; max and sum read; the second
 # matmul reads); torch's are fewer, its softmax being one fused kernel (matmul write,

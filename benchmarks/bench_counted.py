@@ -4,11 +4,13 @@ callgrind (see counting.py). Identical code gives identical counts run after
 run, so the site's regressions page can flag 1% steps here, where the timings'
 drift on a shared 2-core machine hides 10-30% ones.
 
-A kernel's configurations are counted in one Valgrind run in `setup_cache` (asv
-runs it once per class and environment and hands its result to every benchmark
-of the class): importing NumPy and Numba under Valgrind takes most of a minute,
-a kernel call seconds. Counted
-on Valgrind's view of the CPU: AVX2, not AVX-512 (counting.py says why)."""
+Every configuration of every kernel is counted in one Valgrind run, in the one
+`setup_cache` the classes share: asv keys a setup_cache by its source location,
+so the five classes, which inherit `_Counted.setup_cache`, get one cache between
+them, computed once per environment. It therefore holds every kernel's counts,
+and each class reads its own. One run, not one per kernel, because importing
+NumPy and Numba under Valgrind takes most of a minute and a kernel call seconds.
+Counted on Valgrind's view of the CPU: AVX2, not AVX-512 (counting.py says why)."""
 
 from .counting import config_key, count, estimated_cycles, valgrind_missing
 
@@ -16,12 +18,13 @@ from .counting import config_key, count, estimated_cycles, valgrind_missing
 # Small shapes (Valgrind runs 50-100x slower than the CPU); 333 is odd on purpose:
 # no block or vector width divides it, so the remainder paths are counted too.
 SHAPES = ["1x2x256x64", "1x2x333x64", "1x4x512x64"]
+KERNELS = ["native.flash", "native.tiled", "native.naive", "numba.flash", "numpy.naive"]
 
 
 class _Counted:
-    """One kernel's counts; subclasses name the kernel. A class per kernel, so
-    `asv run -b NativeFlash` counts that kernel alone (setup_cache counts every
-    configuration of its class in one Valgrind run)."""
+    """One kernel's counts; subclasses name the kernel (one class per kernel, so the
+    site groups a kernel's graphs and `asv run -b NativeFlash` shows one kernel's;
+    the shared setup_cache counts all of them either way)."""
 
     kernel = None
     params = [SHAPES, [False, True]]
@@ -31,15 +34,18 @@ class _Counted:
     def setup_cache(self):
         if valgrind_missing():
             return {}
-        return count([(self.kernel, s, c) for s in SHAPES for c in (False, True)])
+        return count([(k, s, c) for k in KERNELS for s in SHAPES for c in (False, True)])
 
-    setup_cache.timeout = 900
+    setup_cache.timeout = 1800
 
     def setup(self, counts, shape, causal):
         why = valgrind_missing()
         if why:
             raise NotImplementedError(why)
-        self.counts = counts[config_key(self.kernel, shape, causal)]
+        key = config_key(self.kernel, shape, causal)
+        if key not in counts:  # a setup_cache that counted other kernels: a defect, not a skip
+            raise KeyError(f"{key} was not counted; the shared setup_cache counted {sorted(counts)}")
+        self.counts = counts[key]
         if "error" in self.counts:
             raise NotImplementedError(self.counts["error"])
 

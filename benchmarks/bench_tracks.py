@@ -88,6 +88,39 @@ class TimeVsTorch:
     track_time_ratio.unit = "x torch.sdpa time"
 
 
+class ThreadsUsed:
+    """The threads each CPU kernel's call ran on, read back from the kernel or its
+    runtime (attnkern.threads_used: the native kernels' OpenMP teams, torch's and
+    Numba's thread counts, the BLAS pool), in a benchmark process made as every
+    other's (asv forks it from its server): the suite's thread count on every line,
+    or the timings beside it were not measured on the threads they claim. asv flags
+    increases, so the shortfall (asked for minus ran on) is tracked too."""
+
+    params = [CPU_KERNELS]
+    param_names = ["kernel"]
+    rounds = 1
+    timeout = 120
+
+    def setup(self, kernel):
+        if not hasattr(attnkern, "threads_used"):
+            raise NotImplementedError("this commit cannot report the threads its kernels ran on")
+        self.call = setup_kernel(kernel)
+        self.call(*random_qkv("1x8x256x64"))
+        self.used = attnkern.threads_used(kernel)
+        if self.used is None:
+            raise NotImplementedError(f"{kernel} cannot report the threads it ran on")
+
+    def track_threads(self, kernel):
+        return self.used
+
+    track_threads.unit = "threads"
+
+    def track_threads_short(self, kernel):
+        return THREADS - self.used
+
+    track_threads_short.unit = "threads asked for but not used"
+
+
 class Accuracy:
     """max |out - ref| / max |ref| against attnkern.reference (float64), on fixed
     random inputs with an odd N that no block size divides."""

@@ -49,18 +49,139 @@ def run_in_fork(child, timeout=60.0) -> int:
 
 
 @pytest.mark.parametrize("kernel", NATIVE)
-def test_forked_child_can_call_the_kernels(kernel):
+def test_forked_child_runs_the_kernels_on_the_requested_threads(kernel):
+    """A child forked after the parent's pool ran gets a fresh pool: its calls run on the
+    threads asked for (read back from the kernel's OpenMP teams), bit-identical to the
+    parent's, and the parent keeps its threads after the fork."""
     q, k, v = inputs()
     before = attnkern.attention(q, k, v, kernel=kernel, num_threads=2)  # the pool runs now
+    assert attnkern.threads_used(kernel) == 2
 
     def child():
-        if not _attn.in_forked_child():
+        if _attn.fork_state() != "fresh_pool":
             return 2
         out = attnkern.attention(q, k, v, kernel=kernel, num_threads=2)
+        if attnkern.threads_used(kernel) != 2:
+            return 4
         return 0 if np.array_equal(out, before) else 3
 
     assert run_in_fork(child) == 0
-    assert not _attn.in_forked_child()
+    assert _attn.fork_state() == "none"
+    assert np.array_equal(attnkern.attention(q, k, v, kernel=kernel, num_threads=2), before)
+    assert attnkern.threads_used(kernel) == 2
+
+
+FORK_SCRIPT = textwrap.dedent("""
+    import os, sys, numpy as np, attnkern
+    kernel, warm = sys.argv[1], sys.argv[2] == "warm"
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, 97, 32)).astype(np.float32) for _ in range(3))
+    call = lambda: attnkern.attention(q, k, v, kernel=kernel, num_threads=2, causal=True)
+    if warm:
+        call()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        out = call()
+        os.write(w, out.tobytes() + bytes([attnkern.threads_used(kernel)]))
+        os._exit(0)
+    os.close(w)
+    got = b""
+    while chunk := os.read(r, 1 << 16):
+        got += chunk
+    os.waitpid(pid, 0)
+    out = call()
+    assert got[:-1] == out.tobytes(), "the child's result differs from the parent's"
+    assert got[-1] == 2, f"the child ran on {got[-1]} threads, not 2"
+    assert attnkern.threads_used(kernel) == 2, "the parent lost its threads"
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("warm", ["cold", "warm"])
+def test_fork_before_and_after_the_first_call(warm):
+    """In a fresh interpreter: fork before any kernel ran (cold) and after (warm); the
+    child runs native.flash on 2 threads, bit-identical to the parent's call after it."""
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, "native.flash", warm], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def _pool_task(args):
+    kernel, seed = args
+    q, k, v = inputs(seed=seed)
+    out = attnkern.attention(q, k, v, kernel=kernel, num_threads=2)
+    return out, attnkern.threads_used(kernel)
+
+
+def test_multiprocessing_pool_with_fork():
+    """multiprocessing.Pool with the fork start method, the parent warm: every worker
+    runs on 2 threads and returns the parent's bits."""
+    import multiprocessing
+
+    jobs = [(kernel, seed) for kernel in NATIVE for seed in (0, 1)]
+    expected = [_pool_task(job)[0] for job in jobs]
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        results = pool.map_async(_pool_task, jobs).get(timeout=120)
+    for job, want, (out, threads) in zip(jobs, expected, results):
+        assert threads == 2, job
+        assert np.array_equal(out, want), job
+
+
+def test_fork_while_another_thread_is_inside_a_kernel():
+    """One Python thread calls native.flash in a loop (the GIL released inside) while
+    the main thread forks five times: each fork waits for the running kernel to finish,
+    each child computes on 2 threads, and the looping thread's results never change."""
+    import threading
+
+    big = inputs((1, 4, 1024, 64), seed=3)
+    want_big = attnkern.attention(*big, kernel="native.flash", num_threads=2)
+    q, k, v = inputs()
+    want = attnkern.attention(q, k, v, kernel="native.flash", num_threads=2)
+    stop, wrong = threading.Event(), []
+
+    def loop():
+        while not stop.is_set():
+            if not np.array_equal(attnkern.attention(*big, kernel="native.flash", num_threads=2), want_big):
+                wrong.append(1)
+
+    def child():
+        out = attnkern.attention(q, k, v, kernel="native.flash", num_threads=2)
+        return 0 if np.array_equal(out, want) and attnkern.threads_used("native.flash") == 2 else 3
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    try:
+        for _ in range(5):
+            time.sleep(0.01)
+            assert run_in_fork(child) == 0
+    finally:
+        stop.set()
+        worker.join()
+    assert not wrong
+
+
+def test_a_child_of_a_child_keeps_its_threads():
+    q, k, v = inputs()
+    want = attnkern.attention(q, k, v, kernel="native.tiled", num_threads=2)
+
+    def grandchild():
+        out = attnkern.attention(q, k, v, kernel="native.tiled", num_threads=2)
+        return 0 if np.array_equal(out, want) and attnkern.threads_used("native.tiled") == 2 else 3
+
+    def child():
+        attnkern.attention(q, k, v, kernel="native.tiled", num_threads=2)  # the child's own pool runs
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the grandchild
+            code = 99
+            try:
+                code = grandchild()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 5
+
+    assert run_in_fork(child) == 0
 
 
 def test_forked_child_numba_raises_instead_of_dying():

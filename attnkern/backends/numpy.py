@@ -30,11 +30,23 @@ def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool,
     return np.matmul(scores, v)
 
 
+def _blas_threads() -> int | None:
+    """The thread count of NumPy's BLAS pool now (threadpoolctl reads it from the
+    library), or None without threadpoolctl."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    blas = [lib for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    return blas[0]["num_threads"] if blas else None
+
+
 register(
     Kernel(
         name="numpy.naive",
         description="NumPy: materialise q k^T, softmax, matmul with v (threads: the BLAS's own)",
         run=softmax_attention,
         returns_lse=True,
+        threads_used=_blas_threads,
     )
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import threading
 
 import numpy as np
 
@@ -19,11 +20,16 @@ def _unavailable():
     return None
 
 
+# torch's intra-op thread count during each thread's last call (threads_used)
+_USED = threading.local()
+
+
 @contextlib.contextmanager
 def _threads(torch, n: int):
     before = torch.get_num_threads()
     if n != before:
         torch.set_num_threads(n)
+    _USED.n = torch.get_num_threads()  # what torch's runtime took, not what was asked
     try:
         yield
     finally:
@@ -103,6 +109,7 @@ register(
         params=(_THREADS,),
         unavailable_reason=_unavailable,
         returns_lse=True,
+        threads_used=lambda: getattr(_USED, "n", None),
     )
 )
 register(
@@ -112,5 +119,6 @@ register(
         run=_naive,
         params=(_THREADS,),
         unavailable_reason=_unavailable,
+        threads_used=lambda: getattr(_USED, "n", None),
     )
 )

@@ -341,7 +341,7 @@ _TILE_SIZES = (8, 16, 32, 64, 128)
 # This order is the Numba kernel's (float64, and float32 where the CUDA C++ kernel
 # does not run: _cpp_kernel); a tile whose shared memory exceeds the 48 KB a kernel gets
 # without asking takes dynamic shared memory, up to the GPU's limit (_tile_fits).
-# docs/gpu.md has the measured sweeps behind this order.
+# docs/results.md has the measured sweep behind this order.
 _TILE_PREFERENCE = tuple(
     sorted(((bq, bk) for bq in _TILE_SIZES for bk in _TILE_SIZES),
            key=lambda t: (t[1] < 16, -t[0] * t[1], t[0] != 2 * t[1], -t[0]))

@@ -186,7 +186,7 @@ def mma_config(d: int, dtype: str = "bfloat16") -> MmaConfig:
     accumulators of 32 rows leave no registers for them. float32 (3xTF32): 128 query
     rows and 64-key tiles, Q in shared memory, up to d = 64 in the same 4 warps,
     above it in 8 warps of 16 rows, as its registers allow (tf32_division).
-    tools/gpu_flash_versions.py compares divisions."""
+    dev/gpu_flash_versions.py compares divisions."""
     if dtype == "float32":
         return tf32_division(d, *TF32_DEFAULT_TILE)
     return MmaConfig(mt=2, warps=4, block_k=64, q_smem=d > 64)
@@ -202,7 +202,7 @@ def tf32_division(d: int, block_q: int, block_k: int) -> MmaConfig:
     fragments and the output's two accumulators leave no registers for it), 4 warps
     of 16 rows for 64 query rows; for 128, up to d = 64 FlashAttention-2's 4 warps of
     2 mma tiles (each K and V fragment feeds two), above that 8 warps of one (two
-    would spill). tools/gpu_flash_versions.py compares divisions."""
+    would spill). dev/gpu_flash_versions.py compares divisions."""
     mt = 2 if block_q == 128 and d <= 64 else 1
     return MmaConfig(mt=mt, warps=block_q // (16 * mt), block_k=block_k, q_smem=True)
 
@@ -287,7 +287,7 @@ def tensor_core_config(d: int, dtype: str) -> "MmaConfig | WgmmaConfig":
 def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
     """The float16/bfloat16 kernel's default division at head size d: flash_wgmma.cu's
     three warpgroups of 64 rows and 128-key tiles where it applies (Hopper, D = 64 or
-    128), else flash_mma.cu's (mma_config). tools/gpu_flash_versions.py compares them."""
+    128), else flash_mma.cu's (mma_config). dev/gpu_flash_versions.py compares them."""
     return WgmmaConfig() if wgmma_applies(d, d) else mma_config(d, dtype)
 
 

@@ -11,7 +11,7 @@
 // accumulator grows over all keys, and small terms added to it lose their low bits
 // in the tensor core's additions, so P V's small terms get an accumulator of their
 // own, added to the big products' once at the end (this took the error against
-// float64 from about 9e-7 to 3-4e-7; tools/gpu_flash_versions.py measures it).
+// float64 from about 9e-7 to 3-4e-7; dev/gpu_flash_versions.py measures it).
 //
 // Hosted as flash_mma.cu is (kernels.py, flash_mma_kernel): a CUDA C++ device
 // function that numba-cuda compiles with NVRTC and links into a kernel launched

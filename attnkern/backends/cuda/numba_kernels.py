@@ -24,7 +24,7 @@ cuda.flash (one launch, FlashAttention-2 forward; no N x N buffer)
     stream only the K/V tiles up to the diagonal.
     Every index is unsigned and the inner loops walk running offsets (see
     flash_kernel). docs/kernels.md describes the design, docs/results.md the
-    measurements, including the variants that are not kept.
+    current measurements.
     Log-sum-exp: a variant compiled with_lse also writes each row's
     lse = (m + log2(l)) * ln 2 from its final max m and sum l (log2 domain);
     without it the kernel has no store of lse at all.

@@ -112,6 +112,11 @@ def _unavailable():
     return _IMPORT_ERROR
 
 
+def _team():
+    """The OpenMP team size the last native kernel called from this thread ran on."""
+    return (_attn.last_team() or None) if _attn else None
+
+
 _MAX_BLOCK_Q = _attn.MAX_BLOCK_Q if _attn else 1024
 _MAX_BLOCK_K = _attn.MAX_BLOCK_K if _attn else 4096
 _THREADS = num_threads_param(_attn.MAX_THREADS if _attn else 256)
@@ -133,6 +138,7 @@ register(
         unavailable_reason=_unavailable,
         returns_lse=True,
         checks_finite=True,
+        threads_used=_team,
     )
 )
 register(
@@ -144,6 +150,7 @@ register(
         unavailable_reason=_unavailable,
         returns_lse=True,
         checks_finite=True,
+        threads_used=_team,
         dtypes=(*_FLOAT, *_HALF),
     )
 )
@@ -156,6 +163,7 @@ register(
         unavailable_reason=_unavailable,
         returns_lse=True,
         checks_finite=True,
+        threads_used=_team,
         backward=_flash_backward,  # float32 and float64 only
         dtypes=(*_FLOAT, *_HALF),
     )

@@ -32,7 +32,8 @@ cdef extern from "attn.h" nogil:
     int attn_best_isa()
     const char *attn_isa_name(int isa)
     int attn_max_threads()
-    int attn_in_forked_child()
+    int attn_fork_state()
+    int attn_last_team()
     int attn_check_problem(int algo, int isa, const attn_problem *p)
     int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
     void attn_stream(int op, float *a, const float *b, const float *c, int64_t n, int num_threads)
@@ -87,10 +88,21 @@ def max_threads():
     return attn_max_threads()
 
 
-def in_forked_child():
-    """True in a process forked after this module loaded: the kernels then run
-    on one thread (GNU OpenMP's thread pool does not survive fork)."""
-    return bool(attn_in_forked_child())
+FORK_STATES = ("none", "fresh_pool", "one_thread")
+
+
+def fork_state():
+    """"none" outside a forked child; "fresh_pool" in a child whose parent released
+    its OpenMP pool before the fork (the kernels run with the requested threads);
+    "one_thread" in a child whose parent's OpenMP runtime could not release it (the
+    kernels then run on the calling thread, which is the only safe choice)."""
+    return FORK_STATES[attn_fork_state()]
+
+
+def last_team():
+    """The threads the last native kernel called from this Python thread ran on, as
+    its OpenMP teams reported them (0 before the first call)."""
+    return attn_last_team()
 
 
 STATUS = {ATTN_OK: "ok", ATTN_ENOMEM: "nomem", ATTN_EINVAL: "invalid", ATTN_EISA: "isa",

@@ -59,9 +59,15 @@ const char *attn_isa_reason(int isa);
 int attn_best_isa(void);
 const char *attn_isa_name(int isa);
 int attn_max_threads(void);
-/* 1 in a process forked from one that loaded the kernels: they then run on one
- * thread (GNU OpenMP's pool does not survive fork). */
-int attn_in_forked_child(void);
+/* This process and fork(): ATTN_FORK_NONE (not a forked child), ATTN_FORK_FRESH_POOL
+ * (a forked child whose parent released its OpenMP pool before the fork: the kernels
+ * run with the requested threads), ATTN_FORK_ONE_THREAD (a forked child whose parent's
+ * OpenMP runtime could not release its pool: the kernels run on the calling thread). */
+enum attn_fork { ATTN_FORK_NONE = 0, ATTN_FORK_FRESH_POOL = 1, ATTN_FORK_ONE_THREAD = 2 };
+int attn_fork_state(void);
+/* The number of threads the last kernel (forward, backward or ceiling loop) called from
+ * this thread ran on, as its parallel regions' teams reported it; 0 before the first. */
+int attn_last_team(void);
 
 /* The argument checks of attn_forward_*, alone: ATTN_OK or the error code. */
 int attn_check_problem(int algo, int isa, const attn_problem *p);

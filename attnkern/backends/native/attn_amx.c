@@ -426,6 +426,7 @@ int attn_flash_bf16amx_amx(const attn_problem *p, const uint16_t *q, const uint1
     int failed = 0;
 #pragma omp parallel num_threads(p->num_threads)
     {
+        ATTN_NOTE_TEAM();
         /* every key block's panels, once: each query block of its batch entry reads them */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < p->batch * pk.nkb; t++) {

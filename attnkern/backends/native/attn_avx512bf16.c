@@ -273,6 +273,7 @@ int attn_flash_bf16dot_avx512bf16(const attn_problem *p, const uint16_t *q, cons
     int failed = 0;
 #pragma omp parallel num_threads(p->num_threads)
     {
+        ATTN_NOTE_TEAM();
         bf16_ws w = {0};
         int ok = bf16_ws_alloc(&w, p->block_q, p->block_k, lds, p->d, dv_pad);
         if (!ok) {

@@ -10,6 +10,24 @@
 
 #include "attn.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* The team size of the last kernel run from this thread (attn_last_team): the dispatch
+ * sets it to 1 before a kernel, and thread 0 of each of the kernel's parallel regions
+ * (the calling thread) writes its team's size, as the OpenMP runtime gave it. */
+extern _Thread_local int attn_team_size;
+#ifdef _OPENMP
+#define ATTN_NOTE_TEAM()                                 \
+    do {                                                 \
+        if (omp_get_thread_num() == 0)                   \
+            attn_team_size = omp_get_num_threads();      \
+    } while (0)
+#else
+#define ATTN_NOTE_TEAM() ((void)0)
+#endif
+
 #define ATTN_INLINE inline __attribute__((always_inline))
 #define ATTN_LOG2E 1.4426950408889634
 #define ATTN_LN2 0.6931471805599453

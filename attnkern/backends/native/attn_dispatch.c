@@ -19,22 +19,92 @@
 #include <omp.h>
 #endif
 
-/* GNU OpenMP's thread pool does not survive fork(): in a child forked after any
- * parallel region ran (ours, PyTorch's, Numba's), the next parallel region with
- * more than one thread waits forever for workers that do not exist. A child
- * therefore runs the kernels on its calling thread alone; results do not depend
- * on the thread count, so only the speed changes (the kernels run on a copy of
- * the problem whose thread count is 1 there). */
-static volatile int in_forked_child = 0;
+/* fork() and the OpenMP thread pool. GNU OpenMP keeps a pool of worker threads per
+ * thread that opened a parallel region; fork() copies the pool's bookkeeping but not
+ * its threads, so in a child the caller's next parallel region with more than one
+ * thread would wait forever for workers that do not exist. Before every fork the
+ * prepare handler therefore waits until no kernel runs in this process (kernels hold
+ * a count while they run; new ones wait while a fork is under way) and releases the
+ * forking thread's pool with omp_pause_resource_all(omp_pause_hard): its workers are
+ * joined, and the parent and the child each start a fresh pool at their next parallel
+ * region, with the requested thread count. Pools of other threads are idle then; in
+ * the child those threads do not exist and their pools are never used again.
+ *
+ * Where the runtime cannot release its pool (built without omp_pause_resource_all, or
+ * the call fails), a child runs the kernels on its calling thread alone, as the only
+ * safe choice; results do not depend on the thread count, only the speed does, and
+ * attn_fork_state() says so. */
+static pthread_mutex_t fork_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t fork_cond = PTHREAD_COND_INITIALIZER;
+static int kernels_running = 0, fork_pending = 0, pool_released = 0;
+static volatile int fork_state = ATTN_FORK_NONE;
 
-static void mark_forked_child(void) { in_forked_child = 1; }
+static void kernels_enter(void)
+{
+    pthread_mutex_lock(&fork_mutex);
+    while (fork_pending)
+        pthread_cond_wait(&fork_cond, &fork_mutex);
+    kernels_running++;
+    pthread_mutex_unlock(&fork_mutex);
+}
+
+static void kernels_leave(void)
+{
+    pthread_mutex_lock(&fork_mutex);
+    if (--kernels_running == 0 && fork_pending)
+        pthread_cond_broadcast(&fork_cond);
+    pthread_mutex_unlock(&fork_mutex);
+}
+
+static void before_fork(void)
+{
+    pthread_mutex_lock(&fork_mutex);
+    fork_pending = 1;
+    while (kernels_running)
+        pthread_cond_wait(&fork_cond, &fork_mutex);
+    pthread_mutex_unlock(&fork_mutex);
+#ifdef ATTN_HAVE_OMP_PAUSE
+    pool_released = omp_pause_resource_all(omp_pause_hard) == 0;
+#else
+    pool_released = 0;
+#endif
+}
+
+static void after_fork_in_parent(void)
+{
+    pthread_mutex_lock(&fork_mutex);
+    fork_pending = 0;
+    pthread_cond_broadcast(&fork_cond);
+    pthread_mutex_unlock(&fork_mutex);
+}
+
+/* The child is single-threaded: the lock and condition start afresh (a waiter of the
+ * parent's does not exist here). A child of a child keeps the one-thread rule. */
+static void after_fork_in_child(void)
+{
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    fork_mutex = m;
+    fork_cond = c;
+    kernels_running = 0;
+    fork_pending = 0;
+    if (pool_released && fork_state != ATTN_FORK_ONE_THREAD)
+        fork_state = ATTN_FORK_FRESH_POOL;
+    else
+        fork_state = ATTN_FORK_ONE_THREAD;
+}
 
 __attribute__((constructor)) static void register_fork_handler(void)
 {
-    pthread_atfork(NULL, NULL, mark_forked_child);
+    pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
 }
 
-int attn_in_forked_child(void) { return in_forked_child; }
+int attn_fork_state(void) { return fork_state; }
+
+/* The team size of the last kernel this thread ran (attn_common.h). */
+_Thread_local int attn_team_size = 0;
+
+int attn_last_team(void) { return attn_team_size; }
 
 #define ATTN_TABLE(isa, dt)                                                        \
     { attn_naive_##dt##_##isa, attn_tiled_##dt##_##isa, attn_flash_##dt##_##isa }
@@ -353,20 +423,33 @@ static int scan_inputs(const attn_problem *p, attn_scan_fn scan, const void *q, 
     return bits;
 }
 
-/* Runs a forward: in a forked child on one thread; with p->nonfinite and a kernel that
- * does not check its own arrays (self_checks 0), the inputs are scanned first (no kernel
- * runs on non-finite ones) and the output after. */
+/* The problem a kernel runs: on one thread in a forked child whose pool could not be
+ * released (see before_fork); attn_team_size starts at 1 (a kernel that opens no
+ * parallel region runs on the calling thread). */
+static attn_problem run_problem(const attn_problem *p)
+{
+    attn_problem one = *p;
+    if (fork_state == ATTN_FORK_ONE_THREAD)
+        one.num_threads = 1;
+    attn_team_size = 1;
+    return one;
+}
+
+/* Runs a forward while holding the running-kernels count (before_fork waits for it);
+ * with p->nonfinite and a kernel that does not check its own arrays (self_checks 0),
+ * the inputs are scanned first (no kernel runs on non-finite ones) and the output after. */
 #define ATTN_RUN_FORWARD(fn, scan, self_checks, p, q, k, v, out, lse)                            \
     do {                                                                                        \
-        attn_problem one_ = *(p);                                                               \
-        if (in_forked_child)                                                                    \
-            one_.num_threads = 1;                                                               \
+        attn_problem one_ = run_problem(p);                                                     \
         int scanned_ = one_.nonfinite && !(self_checks);                                        \
-        if (scanned_ && scan_inputs(&one_, (scan), q, k, v))                                      \
-            return ATTN_OK;                                                                     \
-        int err_ = (fn)(&one_, q, k, v, out, lse);                                              \
-        if (!err_ && scanned_ && (scan)(out, one_.batch * one_.nq * one_.dv, one_.num_threads))   \
-            *one_.nonfinite |= ATTN_NONFINITE_OUT;                                              \
+        kernels_enter();                                                                        \
+        int err_ = ATTN_OK;                                                                     \
+        if (!(scanned_ && scan_inputs(&one_, (scan), q, k, v))) {                               \
+            err_ = (fn)(&one_, q, k, v, out, lse);                                              \
+            if (!err_ && scanned_ && (scan)(out, one_.batch * one_.nq * one_.dv, one_.num_threads)) \
+                *one_.nonfinite |= ATTN_NONFINITE_OUT;                                          \
+        }                                                                                       \
+        kernels_leave();                                                                        \
         return err_;                                                                            \
     } while (0)
 
@@ -449,19 +532,18 @@ int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *o
                 memset(dv, 0, (size_t)(p->batch * p->nk * p->dv) * sizeof(T));                  \
             return ATTN_OK;                                                                     \
         }                                                                                       \
-        attn_problem one = *p;                                                                  \
-        if (in_forked_child)                                                                    \
-            one.num_threads = 1;                                                                \
-        return backward_##DT[isa](&one, q, k, v, out, dout, lse, dq, dk, dv);                   \
+        attn_problem one = run_problem(p);                                                      \
+        kernels_enter();                                                                        \
+        err = backward_##DT[isa](&one, q, k, v, out, dout, lse, dq, dk, dv);                    \
+        kernels_leave();                                                                        \
+        return err;                                                                             \
     }
 
 ATTN_DEFINE_BACKWARD(f32, float)
 ATTN_DEFINE_BACKWARD(f64, double)
 
-int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
+static int fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
 {
-    if (!attn_isa_supported(isa) || iters < 0 || num_threads < 1 || num_threads > ATTN_MAX_THREADS)
-        return 0;
     switch (isa) {
 #ifdef ATTN_HAVE_AMX
     case ATTN_ISA_AMX:  /* the float32 FMAs are AVX-512's */
@@ -489,15 +571,43 @@ int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
     }
 }
 
+/* The ceilings run under the same fork rules as the kernels. */
+int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
+{
+    if (!attn_isa_supported(isa) || iters < 0 || num_threads < 1 || num_threads > ATTN_MAX_THREADS)
+        return 0;
+    if (fork_state == ATTN_FORK_ONE_THREAD)
+        num_threads = 1;
+    attn_team_size = 1;
+    kernels_enter();
+    int width = fma_peak(isa, iters, num_threads, checksum);
+    kernels_leave();
+    return width;
+}
+
+static void stream(int op, float *a, const float *b, const float *c, int64_t n, int num_threads)
+{
+#pragma omp parallel num_threads(num_threads)
+    {
+        ATTN_NOTE_TEAM();
+        if (op == 0) {
+#pragma omp for simd schedule(static)
+            for (int64_t i = 0; i < n; i++)
+                a[i] = b[i];
+        } else {
+#pragma omp for simd schedule(static)
+            for (int64_t i = 0; i < n; i++)
+                a[i] = b[i] + 3.0f * c[i];
+        }
+    }
+}
+
 void attn_stream(int op, float *a, const float *b, const float *c, int64_t n, int num_threads)
 {
-    if (op == 0) {
-#pragma omp parallel for simd schedule(static) num_threads(num_threads)
-        for (int64_t i = 0; i < n; i++)
-            a[i] = b[i];
-    } else {
-#pragma omp parallel for simd schedule(static) num_threads(num_threads)
-        for (int64_t i = 0; i < n; i++)
-            a[i] = b[i] + 3.0f * c[i];
-    }
+    if (fork_state == ATTN_FORK_ONE_THREAD)
+        num_threads = 1;
+    attn_team_size = 1;
+    kernels_enter();
+    stream(op, a, b, c, n, num_threads);
+    kernels_leave();
 }

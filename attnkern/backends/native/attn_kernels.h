@@ -302,7 +302,10 @@ int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
     for (int64_t b = 0; b < p->batch; b++) {
         const T *qb = q + b * nq * d, *kb = k + b * nk * d, *vb = v + b * nk * dv;
         T *ob = out + b * nq * dv;
-#pragma omp parallel for schedule(static) num_threads(p->num_threads)
+#pragma omp parallel num_threads(p->num_threads)
+        {
+        ATTN_NOTE_TEAM();
+#pragma omp for schedule(static)
         for (int64_t i = 0; i < nq; i++) {
             T *si = s + i * lds;
             const T *qi = qb + i * d;
@@ -336,6 +339,7 @@ int FN(naive)(const attn_problem *p, const T *q, const T *k, const T *v, T *out,
                 oi[t] /= l;
             if (lse)
                 lse[b * nq + i] = ST(lse_of)(m, l);
+        }
         }
     }
     attn_free(s);
@@ -443,6 +447,7 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
     int failed = 0;
 #pragma omp parallel num_threads(p->num_threads)
     {
+        ATTN_NOTE_TEAM();
         ST(workspace) w = {0};
         int ok = ST(ws_alloc)(&w, bq_alloc, p->block_k, srows, lds, p->d, dv_pad);
         if (!ok) {
@@ -978,6 +983,7 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     if (!failed) {
 #pragma omp parallel num_threads(p->num_threads)
         {
+            ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
             int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn);
             if (!ok) {
@@ -999,6 +1005,7 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     if (!failed) {
 #pragma omp parallel num_threads(p->num_threads)
         {
+            ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
             int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn);
             if (!ok) {
@@ -1032,6 +1039,7 @@ double FN(fma_peak)(int64_t iters, int num_threads)
     double total = 0;
 #pragma omp parallel num_threads(num_threads) reduction(+ : total)
     {
+        ATTN_NOTE_TEAM();
         VT b = V(set1)((T)0.999999), c = V(set1)((T)1e-7);
         VT a0 = V(set1)((T)1), a1 = V(set1)((T)2), a2 = V(set1)((T)3), a3 = V(set1)((T)4);
         VT a4 = V(set1)((T)5), a5 = V(set1)((T)6), a6 = V(set1)((T)7), a7 = V(set1)((T)8);

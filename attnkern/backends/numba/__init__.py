@@ -88,6 +88,8 @@ def _parallel_lock():
 # the moment it runs parallel code there ("fork() called from a process already
 # using GNU OpenMP"). Noted at fork time, so a call can raise instead.
 _FORKED_AFTER_OMP = False
+# Numba's thread count during each thread's last numba.flash call (threads_used)
+_USED = threading.local()
 
 
 def _note_fork():
@@ -120,6 +122,7 @@ def _numba_flash(q, k, v, causal, scale, block_q=256, block_k=512, num_threads=1
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
     before = numba.get_num_threads()  # per calling thread
     numba.set_num_threads(num_threads)
+    _USED.n = numba.get_num_threads()  # what Numba's runtime took, not what was asked
     try:
         # chunks of one task, handed out as threads free up: the causal blocks differ in cost
         with numba.parallel_chunksize(1), _parallel_lock(), _ONE_BLAS_THREAD:
@@ -144,5 +147,6 @@ register(
         ),
         unavailable_reason=_numba_unavailable,
         returns_lse=True,
+        threads_used=lambda: getattr(_USED, "n", None),
     )
 )

@@ -3,7 +3,7 @@ on the same problems as `attnkern ring --device cuda`, for comparison: one GPU p
 rank, NCCL, float32 (TF32 off), the memory-efficient SDPA backend torch uses for
 float32. Run under torchrun:
 
-    torchrun --nproc-per-node 2 tools/context_parallel_compare.py --seq 32768 65536 --dim 64 128 --json cp.json
+    torchrun --nproc-per-node 2 dev/context_parallel_compare.py --seq 32768 65536 --dim 64 128 --json cp.json
 
 Per (N, D, mask): the median time of --repeat calls (each after a barrier), the
 peak GPU memory above the inputs, and the largest error of sampled output rows

@@ -1,6 +1,6 @@
 """Checks and times native.flash's AMX path (bfloat16 on AMX tiles) on a machine that has AMX.
 
-    .venv/bin/python tools/check_amx.py [--sizes 1024 2048 4096] [--threads 2] [--repeat 7]
+    .venv/bin/python dev/check_amx.py [--sizes 1024 2048 4096] [--threads 2] [--repeat 7]
 
 1. Says whether the amx ISA runs here, and if not why (CPU, OS tile state, Linux's
    tile data permission); exits 2 if it does not.

@@ -1,6 +1,7 @@
-"""The measurements behind docs/gpu.md's half-precision, Triton and overhead tables.
+"""cuda.flash, triton.flash and torch's SDPA on one GPU: per-call overhead, the small grid, the large rows
+(docs/results.md quotes them).
 
-    python3 docs/data/gpu_half_measure.py OUT.json [--parts overhead,small,large] [--quick]
+    python3 dev/gpu_half_measure.py OUT.json [--parts overhead,small,large] [--quick]
         [--kernels cuda.flash,triton.flash,torch.sdpa] [--dtypes float32,bfloat16,float16]
         [--dims 64,128] [--batches 1,2,4,8] [--large-dtypes float32]
 

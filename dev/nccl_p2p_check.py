@@ -1,6 +1,6 @@
 """Checks NCCL point-to-point between the GPUs of one machine, three ways, with plain torch.
 
-    torchrun --nproc-per-node 2 tools/nccl_p2p_check.py plain|batch|a2a [eager]
+    torchrun --nproc-per-node 2 dev/nccl_p2p_check.py plain|batch|a2a [eager]
 
 Each rank sends 5 tensors of 128 MiB to the next rank and receives from the previous one,
 then checks the values: `plain` with separate dist.isend/dist.irecv (torch opens a

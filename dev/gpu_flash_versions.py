@@ -4,7 +4,7 @@ the tensor-core kernels (flash_wgmma.cu on Hopper and flash_mma.cu for
 float16/bfloat16, flash_tf32.cu for float32 in 3xTF32) and the register-blocked
 float32 kernel (flash_simt.cu).
 
-    python3 tools/gpu_flash_versions.py OUT.json [--dims 64,128] [--sizes 4096,8192]
+    python3 dev/gpu_flash_versions.py OUT.json [--dims 64,128] [--sizes 4096,8192]
         [--dtypes bfloat16,float16,float32] [--configs default,mt2w4k64,64x64t4x8,...]
         [--runs 20] [--library]
 

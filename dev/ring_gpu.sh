@@ -25,7 +25,7 @@ timeout 300 python3 -m attnkern ring --device cuda --world-sizes $WORLDS --seq $
     | tee "$OUT/ring-gpu.txt"
 if [ "$GPUS" -ge 2 ] && [ "${CONTEXT_PARALLEL:-1}" = 1 ]; then
     echo "== torch context_parallel"
-    timeout 200 python3 -m torch.distributed.run --nproc-per-node "$GPUS" tools/context_parallel_compare.py \
+    timeout 200 python3 -m torch.distributed.run --nproc-per-node "$GPUS" dev/context_parallel_compare.py \
         --seq ${SEQS:-32768 65536} --dim ${DIMS:-64 128} --heads 16 --repeat 2 --json "$OUT/context-parallel.json" \
         2>&1 | grep -v "^\[\|^frame\|^W1" | tail -20 | tee "$OUT/context-parallel.txt"
 fi

@@ -1,6 +1,6 @@
 """Checks attnkern_bench.counts.attention_bytes against Valgrind's cache simulation.
 
-    .venv/bin/python tools/check_byte_model.py [--shape 1x8x2048x64] [--kernels native.flash native.naive]
+    .venv/bin/python dev/check_byte_model.py [--shape 1x8x2048x64] [--kernels native.flash native.naive]
 
 For each kernel, one single-threaded forward runs under cachegrind (the avx2 path:
 Valgrind has no AVX-512), with only that call simulated (--toggle-collect on
