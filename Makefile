@@ -26,10 +26,11 @@ system-packages:
 		$$sudo apt-get update -q && $$sudo apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-$(VENV)/.installed: pyproject.toml requirements-build.txt requirements-bench.txt
+$(VENV)/.installed: pyproject.toml requirements-build.txt requirements-bench.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -r requirements-build.txt -r requirements-bench.txt
-	$(PY) -m pip install --no-build-isolation -e '.[test,bench]'
+	# the extras' ranges and the team's pins (requirements-test.txt) resolved together
+	$(PY) -m pip install --no-build-isolation -e '.[test,bench]' -r requirements-test.txt
 	# the JavaScript libraries asv's site loads from CDNs, for offline use (tools/offline_site.py)
 	$(PY) tools/offline_site.py --download
 	touch $@

@@ -10,11 +10,11 @@
 """
 
 from . import backends  # noqa: F401  (registers the kernels)
-from ._api import attention, attention_backward
+from ._api import attention, attention_backward, kernel_info
 from ._reference import reference
-from ._registry import kernel_info, kernels, threads_used
+from ._registry import kernels, threads_used
+from ._version import __version__  # noqa: F401  (re-exported)
 from .backends.native import active_isa, supported_isas
-
 
 
 def machine(device: str = "cpu") -> dict:
@@ -41,12 +41,12 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     for attention() to use. Returns a result with .params, .seconds, .trials,
     .history, .default_seconds and .speedup. Options of the search: repeats,
     cache (False: only report), measure (a custom measure(params, n)), progress
-    (a function taking a line of text). See attnkern_bench.tuner."""
-    from attnkern_bench.tuner import tune as search
+    (a function taking a line of text). Needs Optuna (pip install 'attnkern[tune]').
+    See attnkern.tuning."""
+    from .tuning import tune as search
 
     return search(q_shape, k_shape, kernel=kernel, dtype=dtype, causal=causal, budget=budget, seed=seed, **options)
 
 
-__all__ = ["attention", "attention_backward", "reference", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune", "cache_dir",
-           "threads_used"]
-__version__ = "0.1.0"
+__all__ = ["attention", "attention_backward", "reference", "kernels", "kernel_info", "active_isa", "supported_isas",
+           "machine", "tune", "cache_dir", "threads_used"]

@@ -1,4 +1,10 @@
-"""attnkern.attention: input validation and kernel dispatch, in one place."""
+"""The core: attention()'s validation (validate), kernel choice (choose) and run
+(run), in one place, for every kind of array. Below it, the frontends turn the
+caller's arrays into what kernels take and back (NumPy arrays are the core's
+own; _torch_api: torch tensors; _gpu: GPU arrays; _torch_cuda: the fast path
+for torch CUDA tensors), then the backends (the kernels), then the registry,
+whose entries say what each kernel supports: choose() reads that and, where a
+kernel refuses a call, says why for every kernel."""
 
 from __future__ import annotations
 
@@ -9,8 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _registry, _tuned
-
+from . import _gpu, _registry, _torch_api, _torch_cuda, _tuned
 
 
 def _half_dtypes() -> tuple[np.dtype, ...]:
@@ -46,34 +51,13 @@ class Call:
         return math.prod(self.out_shape) == 0
 
 
-def _gpu():
-    """attnkern's GPU array helpers; they need numba-cuda."""
-    try:
-        from .backends.cuda import arrays
-    except ImportError as exc:
-        raise TypeError(
-            f"GPU arrays need numba-cuda, which failed to import ({exc}): pip install 'attnkern[cuda]', "
-            "or copy the arrays to the host"
-        ) from None
-    return arrays
-
-
 def _as_array(x, name: str):
     """A NumPy array, or for GPU arrays a GpuArray view of them."""
     if isinstance(x, np.ndarray):
         return x
-    if type(x).__module__.startswith("numba.cuda.simulator"):  # the tests' GPU: no interface
-        return _gpu().as_device_array(x, name, None)
-    if type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False):  # read directly: cheaper
-        return _gpu().from_torch(x, name)
-    try:  # read once: torch computes the interface on every access
-        desc = x.__cuda_array_interface__
-    except AttributeError:  # a host object (CPU torch tensors raise this too)
-        desc = None
-    except Exception as exc:  # e.g. a CUDA tensor that requires grad
-        raise TypeError(f"{name} is a GPU array whose __cuda_array_interface__ failed: {exc}") from None
-    if desc is not None:
-        return _gpu().as_device_array(x, name, desc)
+    gpu = _gpu.as_array(x, name)
+    if gpu is not None:
+        return gpu
     try:
         arr = np.asarray(x)
     except Exception as exc:  # e.g. a torch tensor that requires grad
@@ -156,7 +140,7 @@ def _check_host_inputs(q, k, v):
 
 def _all_finite(device: bool, *arrays) -> bool:
     if device:
-        return _gpu().all_finite(*arrays)
+        return _gpu.all_finite(*arrays)
     return all(np.isfinite(x).all() for x in arrays)
 
 
@@ -169,12 +153,11 @@ def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False
     the dtype and has what the call needs (the lse, a backward) wins; if none
     does, the first available (choose() then says why)."""
     def fits(k):
-        return (dtype in k.dtypes and (k.returns_lse or not return_lse)
-                and (k.backward is not None or not backward))
+        return not k.not_supported_reasons(dtype=dtype, return_lse=return_lse, backward=backward)
 
     if device:  # cuda.flash, else triton.flash for a dtype cuda.flash does not take
         gpu = [k for k in map(_registry.get, ("cuda.flash", "triton.flash"))]
-        return next((k for k in gpu if fits(k) and k.unavailable_reason() is None), gpu[0])
+        return next((k for k in gpu if fits(k)), gpu[0])
     available = [k for k in map(_registry.get, ("native.flash", "torch.sdpa", "numpy.naive"))
                  if k.unavailable_reason() is None]
     if not available:  # pragma: no cover - numpy.naive always is
@@ -213,28 +196,82 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     """
     if _is_torch(q) or _is_torch(k) or _is_torch(v):
         if getattr(q, "is_cuda", False):  # device-resident tensors: a prepared launch per call shape
-            fast = _torch_gpu_fast()
-            result = None if fast is None else fast(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+            result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
             if result is not None:
                 return result
-        from . import _torch_api
-
-        return _torch_api.attention(q, k, v, causal=causal, scale=scale, kernel=kernel, check_finite=check_finite,
-                                    return_lse=return_lse, **params)
+        return _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=False)  # run checks, as the kernel lets it
     chosen, resolved = choose(call, kernel, params, return_lse=return_lse)
     return run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse)
 
 
-_TORCH_GPU_FAST = []  # backends.cuda.torch_attention, or None without numba-cuda; found on first use
+def _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
+    """The fast path's answer for torch CUDA tensors (_torch_cuda), or None: the
+    general path runs. A call shape without a plan runs here through the general
+    path's steps, and what they chose becomes the plan for the next calls."""
+    got = _torch_cuda.attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+    if not isinstance(got, _torch_cuda.Pending):
+        return got
+    try:
+        call = validate(q, k, v, causal=causal, scale=scale, check_finite=got.check)
+        chosen, resolved = choose(call, kernel, params, return_lse=got.with_lse)
+    except (TypeError, ValueError, RuntimeError):
+        return None  # the general path raises it, as it words it
+    result = run(call, chosen, resolved, check_finite=got.check, return_lse=got.with_lse)  # compiles on first use
+    got.plan(call, chosen, resolved)
+    return result
 
 
-def _torch_gpu_fast():
-    if not _TORCH_GPU_FAST:
-        from .backends import cuda
+def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
+    """attention() on torch tensors: torch in, torch out, on the inputs' device, and
+    differentiable through the kernel's backward when an input requires grad."""
+    import torch
 
-        _TORCH_GPU_FAST.append(cuda.torch_attention if cuda._cuda_unavailable() is None else None)
-    return _TORCH_GPU_FAST[0]
+    _torch_api.check_tensors((q, k, v), "q, k, v")
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if not grad:
+        return _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward=False)[0]
+    out, lse = _torch_function().apply(q, k, v, causal, scale, kernel, check_finite, params)
+    return (out, lse) if return_lse else out
+
+
+def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward):
+    """(result, call, chosen, resolved): result is out or (out, lse) as torch tensors."""
+    _torch_api.check_dtypes((q, k, v))
+    call = validate(*_torch_api.views((q, k, v)), causal=causal, scale=scale, check_finite=False)  # run checks
+    chosen, resolved = choose(call, kernel, params, return_lse=return_lse or backward, backward=backward)
+    result = run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse or backward)
+    return _torch_api.as_torch(result, call.device), call, chosen, resolved
+
+
+_TORCH_FUNCTION = []  # the torch.autograd.Function, made on first use (torch is optional)
+
+
+def _torch_function():
+    if _TORCH_FUNCTION:
+        return _TORCH_FUNCTION[0]
+    import torch
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal, scale, kernel, check_finite, params):
+            (out, lse), call, chosen, resolved = _torch_forward(q, k, v, causal, scale, kernel, check_finite, True,
+                                                                params, backward=True)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.call, ctx.chosen, ctx.resolved = call, chosen, resolved
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            _check_backward_dtype(ctx.chosen, ctx.call.q.dtype.name)
+            grads = _torch_api.backward(q, k, v, out, dout, lse, call=ctx.call, chosen=ctx.chosen,
+                                        resolved=ctx.resolved)
+            return (*grads, None, None, None, None, None)
+
+    _TORCH_FUNCTION.append(Attention)
+    return Attention
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", **params):
@@ -247,13 +284,12 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     must have a backward (kernel_info(name)["backward"])."""
     args = (q, k, v, out, dout, lse)
     if any(_is_torch(x) for x in args):
-        from . import _torch_api
-
-        return _torch_api.attention_backward(*args, causal=causal, scale=scale, kernel=kernel, **params)
+        return _torch_attention_backward(*args, causal=causal, scale=scale, kernel=kernel, **params)
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=False)
     if call.device:
         raise TypeError("attention_backward takes NumPy arrays or torch tensors; pass GPU arrays as torch tensors")
     chosen, resolved = choose(call, kernel, params, return_lse=True, backward=True)
+    _check_backward_dtype(chosen, call.q.dtype.name)
     (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
     lead = call.out_shape[:-2]
     out, dout, lse = (check_like(x, name, shape, call.q.dtype)
@@ -265,6 +301,31 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
         grads = chosen.backward(call.q, call.k, call.v, out.reshape(batch, nq, dv), dout.reshape(batch, nq, dv),
                                 lse.reshape(batch, nq), call.causal, call.scale, **resolved)
     return tuple(g.reshape(*lead, *x.shape[1:]) for g, x in zip(grads, (call.q, call.k, call.v)))
+
+
+def _torch_attention_backward(q, k, v, out, dout, lse, *, causal, scale, kernel, **params):
+    """attention_backward on torch tensors."""
+    import torch
+
+    _torch_api.check_tensors((q, k, v, out, dout, lse), "q, k, v, out, dout, lse")
+    call = validate(*_torch_api.views((q, k, v)), causal=causal, scale=scale, check_finite=False)
+    chosen, resolved = choose(call, kernel, params, return_lse=True, backward=True)
+    _torch_api.check_like_q(q, ((out, "out", call.out_shape), (dout, "dout", call.out_shape),
+                                (lse, "lse", call.out_shape[:-1])))
+    _check_backward_dtype(chosen, call.q.dtype.name)
+    with torch.no_grad():
+        return _torch_api.backward(q.detach(), k.detach(), v.detach(), out.detach(), dout.detach(), lse.detach(),
+                                   call=call, chosen=chosen, resolved=resolved)
+
+
+def _check_backward_dtype(chosen: _registry.Kernel, dtype: str) -> None:
+    """TypeError where the kernel's backward does not take the inputs' dtype
+    (chosen.backward_dtypes), though its forward may."""
+    if dtype not in chosen.backward_dtypes:
+        takes = " and ".join(chosen.backward_dtypes)
+        raise TypeError(f"{chosen.name}'s backward takes {takes}, not {dtype} (its forward takes {dtype}); for "
+                        f"gradients, run attention in {chosen.backward_dtypes[0]}: convert with .astype "
+                        "(torch: .float())")
 
 
 def check_like(x, name: str, shape: tuple, dtype) -> np.ndarray:
@@ -289,26 +350,79 @@ def choose(call: Call, kernel, params: dict, *, return_lse: bool = False, backwa
     run here, cannot take the call's arrays or lacks what is asked of it."""
     dtype = call.q.dtype.name
     chosen = _auto(call.device, dtype, return_lse, backward) if kernel == "auto" else _registry.get(kernel)
-    if call.device and chosen.device != "cuda":
-        raise TypeError(
-            f"{chosen.name} runs on the CPU and q, k, v are GPU arrays: use kernel='auto' or a cuda.* kernel, "
-            "or copy the arrays to the host"
-        )
-    reason = chosen.unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"kernel {chosen.name} is not available here: {reason}")
-    if dtype not in chosen.dtypes:
+    # the head sizes of a call with no work are not checked: no kernel runs
+    need = {"device": call.device, "dtype": dtype, "d": None if call.empty else call.q.shape[2],
+            "dv": call.v.shape[2], "return_lse": return_lse, "backward": backward}
+    reasons = dict(chosen.not_supported_reasons(**need))
+    if reasons:
+        raise _refusal(chosen, reasons, need)
+    return chosen, _with_tuned(call, chosen, params)
+
+
+def _refusal(chosen: _registry.Kernel, reasons: dict, need: dict) -> Exception:
+    """The error for a kernel that refuses a call (reasons: its not_supported_reasons),
+    for the first reason in the order below, followed by every kernel's answer to the
+    call, so that one error shows what would run it."""
+    name, dtype = chosen.name, need["dtype"]
+    if "device" in reasons:
+        exc = TypeError(f"{name} runs on the CPU and q, k, v are GPU arrays: use kernel='auto' or a cuda.* kernel, "
+                        "or copy the arrays to the host")
+    elif "available" in reasons:
+        exc = RuntimeError(f"kernel {name} is not available here: {reasons['available']}")
+    elif "dtype" in reasons:
         takes = ", ".join(_registry.with_feature(dtype)) or "none"
-        raise TypeError(f"{chosen.name} does not take {dtype} inputs (it takes {', '.join(chosen.dtypes)}); "
+        exc = TypeError(f"{name} does not take {dtype} inputs (it takes {', '.join(chosen.dtypes)}); "
                         f"kernels that take {dtype}: {takes}; or convert the inputs with .astype")
-    if return_lse and not chosen.returns_lse:
-        raise ValueError(f"{chosen.name} cannot return the log-sum-exp; kernels that can: "
+    elif "lse" in reasons:
+        exc = ValueError(f"{name} cannot return the log-sum-exp; kernels that can: "
                          f"{', '.join(_registry.with_feature('returns_lse'))}")
-    if backward and chosen.backward is None:
-        raise ValueError(f"{chosen.name} has no backward pass, and an input requires grad; differentiable "
+    elif "backward" in reasons:
+        exc = ValueError(f"{name} has no backward pass, and an input requires grad; differentiable "
                          f"kernels: {', '.join(_registry.with_feature('backward'))} (or call it under "
                          "torch.no_grad(), or detach the inputs)")
-    return chosen, _with_tuned(call, chosen, params)
+    else:
+        exc = ValueError(f"{name}: {reasons['head_size']}")
+    answers = []
+    for kernel in _registry.all_kernels():
+        why = kernel.not_supported_reasons(**need)
+        answers.append(f"  {kernel.name}: {'; '.join(r for _, r in why) if why else 'runs it'}")
+    exc.args = (f"{exc.args[0]}\nevery kernel for this call ({_describe(need)}):\n" + "\n".join(answers),)
+    return exc
+
+
+def _describe(need: dict) -> str:
+    """A call's needs in words, for _refusal."""
+    parts = ["GPU arrays" if need["device"] else "host arrays", need["dtype"]]
+    if need["d"] is not None:
+        parts.append(f"D={need['d']}, Dv={need['dv']}")
+    parts += [what for what, asked in (("the log-sum-exp", need["return_lse"]), ("a backward", need["backward"]))
+              if asked]
+    return ", ".join(parts)
+
+
+def kernel_info(name: str) -> dict:
+    """Whether kernel `name` runs here (and why not), and its tunables:
+    {name, description, device, available, reason, params: {p: {default, min, max, doc}},
+    returns_lse (attention(..., return_lse=True) works), backward (it is differentiable),
+    dtypes (the input dtypes it takes), backward_dtypes (those its backward takes),
+    tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
+    replace the defaults for calls that match their key};
+    a tunable restricted to a set of values also has "choices"."""
+    kernel = _registry.get(name)
+    reason = kernel.unavailable_reason()
+    return {
+        "name": kernel.name,
+        "description": kernel.description,
+        "device": kernel.device,
+        "available": reason is None,
+        "reason": reason,
+        "params": {p.name: _registry.param_info(p) for p in kernel.params},
+        "returns_lse": kernel.returns_lse,
+        "backward": kernel.backward is not None,
+        "dtypes": list(kernel.dtypes),
+        "backward_dtypes": list(kernel.backward_dtypes) if kernel.backward is not None else [],
+        "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
+    }
 
 
 def _with_tuned(call: Call, chosen: _registry.Kernel, params: dict) -> dict:
@@ -360,9 +474,9 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
     if in_kernel:
         extra["check_finite"] = True
     if call.device:  # outputs are allocated here, as the caller's kind of GPU array
-        out, returned = _gpu().empty_like_kind(call.out_shape, call.q.dtype, call.like)
+        out, returned = _gpu.empty_like_kind(call.out_shape, call.q.dtype, call.like)
         if return_lse:
-            lse, lse_returned = _gpu().empty_like_kind(lse_shape, call.q.dtype, call.like)
+            lse, lse_returned = _gpu.empty_like_kind(lse_shape, call.q.dtype, call.like)
             extra["lse"] = lse.reshape(batch, nq)
         if not call.empty:
             chosen.run(call.q, call.k, call.v, call.causal, call.scale, out=out.reshape(batch, nq, dv),
@@ -380,14 +494,14 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
         from .backends.numpy import softmax_attention
 
         host = np.empty((batch, nq), call.q.dtype)
-        q, k = (_gpu().to_host(x) if call.device else x for x in (call.q, call.k))
+        q, k = (_gpu.to_host(x) if call.device else x for x in (call.q, call.k))
         softmax_attention(q, k, np.zeros((batch, k.shape[1], 0), q.dtype), call.causal, call.scale, lse=host)
         if call.device:
             extra["lse"].view().copy_to_device(host)
         else:
             extra["lse"][...] = host
     if check_finite and call.device:  # inputs and output in one scan, one wait
-        bad = _gpu().nonfinite(call.q, call.k, call.v, *([] if call.empty else [out]))
+        bad = _gpu.nonfinite(call.q, call.k, call.v, *([] if call.empty else [out]))
         for n, flag in zip("qkv", bad):
             if flag:
                 raise _registry.nonfinite_input(n)

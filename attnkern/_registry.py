@@ -1,5 +1,9 @@
-"""The kernel registry: one entry per kernel, with its tunables and whether it
-can run here. Kernels receive validated, C-contiguous (batch, n, d) arrays."""
+"""The kernel registry, the bottom layer: one entry per kernel, with its tunables,
+whether it can run here and what it supports (device, dtypes, head sizes, the
+log-sum-exp, a backward), as data the core reads before it runs one: a kernel
+that refuses a call says why (Kernel.not_supported_reasons), and a refusal
+lists every kernel's reasons. Kernels receive validated, C-contiguous
+(batch, n, d) arrays."""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import operator
 import os
 from dataclasses import dataclass, field
 from typing import Callable
-
-from . import _tuned
 
 
 def cpu_count() -> int:
@@ -58,6 +60,18 @@ class Param:
 
 
 @dataclass(frozen=True)
+class SearchSpace:
+    """A kernel's own tuning lattice for one problem, where the generic one (powers
+    of two within each tunable's range, attnkern.tuning.space) does not fit: the
+    values of each tunable, the configuration the kernel runs by default, and which
+    combinations it runs (None: all)."""
+
+    lattice: dict
+    default: dict
+    valid: Callable[[dict], bool] | None = None
+
+
+@dataclass(frozen=True)
 class Kernel:
     name: str
     description: str
@@ -88,6 +102,40 @@ class Kernel:
     # thread ran on, read back from the kernel or its runtime (not the number asked
     # for), or None where it cannot be read
     threads_used: Callable[[], int | None] = field(default=lambda: None)
+    # the input dtypes its backward takes (a subset of dtypes)
+    backward_dtypes: tuple[str, ...] = ("float32", "float64")
+    # head_sizes(d, dv, dtype) -> None where it takes q/k of feature size d and v of dv in
+    # that dtype, else the reason it does not; None: every head size
+    head_sizes: Callable[[int, int, str], str | None] | None = None
+    # search_space(nq, nk, d, dv, itemsize) -> SearchSpace: the tuner's lattice for this
+    # kernel, where the generic one does not fit; None: the generic one
+    search_space: Callable[[int, int, int, int, int], SearchSpace] | None = None
+
+    def not_supported_reasons(self, *, device: bool = False, dtype: str | None = None, d: int | None = None,
+                              dv: int | None = None, return_lse: bool = False,
+                              backward: bool = False) -> list[tuple[str, str]]:
+        """Why this kernel cannot run a call, as (what, reason) pairs, [] when it can:
+        what is one of "device" (GPU arrays to a CPU kernel), "available" (not here),
+        "dtype", "head_size", "lse", "backward". device: the inputs are GPU arrays;
+        dtype, d, dv: the inputs' (None: not asked); return_lse, backward: what the
+        call needs."""
+        reasons = []
+        if device and self.device != "cuda":
+            reasons.append(("device", "runs on the CPU and q, k, v are GPU arrays"))
+        unavailable = self.unavailable_reason()
+        if unavailable is not None:
+            reasons.append(("available", unavailable))
+        if dtype is not None and dtype not in self.dtypes:
+            reasons.append(("dtype", f"does not take {dtype} (it takes {', '.join(self.dtypes)})"))
+        elif dtype is not None and d is not None and self.head_sizes is not None and unavailable is None:
+            why = self.head_sizes(d, dv if dv is not None else d, dtype)
+            if why is not None:
+                reasons.append(("head_size", why))
+        if return_lse and not self.returns_lse:
+            reasons.append(("lse", "cannot return the log-sum-exp"))
+        if backward and self.backward is None:
+            reasons.append(("backward", "has no backward pass"))
+        return reasons
 
     def resolve_params(self, given: dict) -> dict:
         known = {p.name: p for p in self.params}
@@ -134,28 +182,9 @@ def kernels() -> tuple[str, ...]:
     return tuple(_KERNELS)
 
 
-def kernel_info(name: str) -> dict:
-    """Whether kernel `name` runs here (and why not), and its tunables:
-    {name, description, device, available, reason, params: {p: {default, min, max, doc}},
-    returns_lse (attention(..., return_lse=True) works), backward (it is differentiable),
-    dtypes (the input dtypes it takes),
-    tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
-    replace the defaults for calls that match their key};
-    a tunable restricted to a set of values also has "choices"."""
-    kernel = get(name)
-    reason = kernel.unavailable_reason()
-    return {
-        "name": kernel.name,
-        "description": kernel.description,
-        "device": kernel.device,
-        "available": reason is None,
-        "reason": reason,
-        "params": {p.name: _param_info(p) for p in kernel.params},
-        "returns_lse": kernel.returns_lse,
-        "backward": kernel.backward is not None,
-        "dtypes": list(kernel.dtypes),
-        "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
-    }
+def all_kernels() -> tuple[Kernel, ...]:
+    """Every registered kernel, in registration order."""
+    return tuple(_KERNELS.values())
 
 
 def threads_used(name: str) -> int | None:
@@ -181,7 +210,7 @@ def nonfinite_output(kernel: str, dtype) -> FloatingPointError:
     )
 
 
-def _param_info(p: Param) -> dict:
+def param_info(p: Param) -> dict:
     info = {"default": p.default_value(), "min": p.low, "max": p.high, "doc": p.doc}
     if p.choices is not None:
         info["choices"] = list(p.choices)

@@ -21,6 +21,10 @@ import time
 import warnings
 from pathlib import Path
 
+from ._registry import cpu_count
+from ._version import __version__
+from .backends.native import active_isa
+
 FORMAT = 1
 FILE = "tuned.json"
 
@@ -68,10 +72,6 @@ def cpu_model() -> str:
 
 def machine(device: str = "cpu") -> dict:
     """What a tuned result depends on besides the kernel and the problem."""
-    from . import __version__
-    from ._registry import cpu_count
-    from .backends.native import active_isa
-
     info = {"cpu": cpu_model(), "isa": active_isa(), "cpus": cpu_count(), "version": __version__}
     if device == "cuda":
         info["gpu"] = _gpu_name()

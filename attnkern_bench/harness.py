@@ -102,7 +102,7 @@ def host_dtype(name: str) -> np.dtype:
         try:
             import ml_dtypes
         except ImportError:
-            raise SystemExit("bfloat16 on the CPU needs ml_dtypes: pip install ml_dtypes") from None
+            raise SystemExit("bfloat16 on the CPU needs ml_dtypes: pip install 'attnkern[bfloat16]'") from None
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
@@ -113,7 +113,7 @@ def torch_sdpa_half(threads: int) -> Callable:
     (torch's fused CPU kernels take 4-D inputs), the output back as a NumPy array."""
     import torch
 
-    from attnkern.backends.torch import _threads
+    from attnkern.hardware import torch_threads
 
     def as_torch(x):
         x = np.ascontiguousarray(x)
@@ -122,7 +122,7 @@ def torch_sdpa_half(threads: int) -> Callable:
         return t.reshape(1, -1, *x.shape[-2:])
 
     def run(q, k, v, causal, scale):
-        with _threads(torch, threads), torch.no_grad():
+        with torch_threads(threads), torch.no_grad():
             out = torch.nn.functional.scaled_dot_product_attention(as_torch(q), as_torch(k), as_torch(v),
                                                                    is_causal=causal, scale=scale)
         out = out.reshape(*q.shape[:-1], out.shape[-1])
@@ -133,12 +133,12 @@ def torch_sdpa_half(threads: int) -> Callable:
 
 def torch_matmul_turn(torch, dtype: str, threads: int, n: int = 2048) -> tuple[float, Callable[[], object]]:
     """(flops, call): one torch n^3 matmul in dtype on the CPU with `threads` threads."""
-    from attnkern.backends.torch import _threads
+    from attnkern.hardware import torch_threads
 
     a = torch.randn(n, n, dtype=getattr(torch, dtype))
 
     def call():
-        with _threads(torch, threads), torch.no_grad():
+        with torch_threads(threads), torch.no_grad():
             return a @ a
 
     return 2.0 * n**3, call
@@ -241,6 +241,11 @@ class CudaTarget:
             cupy.get_default_memory_pool().free_all_blocks()
         except ImportError:
             pass
+
+
+def causal_modes(value: str) -> tuple[bool, ...]:
+    """The causal settings a --causal choice (both, yes, no) measures."""
+    return {"both": (False, True), "yes": (True,), "no": (False,)}[value]
 
 
 @dataclass

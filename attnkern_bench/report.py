@@ -12,6 +12,7 @@ commit, seed), and two paragraphs generated from the numbers state the findings.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import html
 import io
@@ -47,12 +48,18 @@ def header(seed: int, threads: int) -> dict:
 
 
 def quick_inputs(out: Path, threads: int, seed: int) -> dict:
-    """Short runs of the other commands (about two minutes on 2 cores)."""
-    from .cli import main
+    """Short runs of the other commands (about two minutes on 2 cores): each
+    measuring module's command, its arguments read by its own configure()."""
+    from . import bench, roofline, study, tuner
+
+    modules = {"bench": bench, "roofline": roofline, "study": study, "tune": tuner}
 
     def run(name, argv):
         print(f"# report --quick: attnkern {' '.join(argv)}", file=sys.stderr, flush=True)
-        main(argv)
+        module = modules[argv[0]]
+        parser = argparse.ArgumentParser(prog=f"attnkern {argv[0]}")
+        module.configure(parser)
+        module.command(parser.parse_args(argv[1:]))
         return str(out / name)
 
     kernels = ["native.flash", "native.tiled", "numba.flash", "torch.sdpa", "numpy.naive"]
@@ -91,12 +98,10 @@ def _load(path):
 
 def figures(data: dict):
     """(page-1 figure, page-2 figure) with matplotlib, from the loaded results."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from . import roofline as rl
+    from .plotting import pyplot
+
+    plt = pyplot()
     from . import tuner
 
     page1, ax1 = plt.subplots(2, 2, figsize=(8.27, 11.69 * 0.72))
@@ -238,9 +243,9 @@ def findings(data: dict) -> list[str]:
 
 def write(data: dict, info: dict, out: Path) -> dict:
     """report.pdf (two pages), report.html and report.txt in out."""
-    import matplotlib
+    from .plotting import pyplot
 
-    matplotlib.use("Agg")
+    plt = pyplot()
     from matplotlib.backends.backend_pdf import PdfPages
 
     out.mkdir(parents=True, exist_ok=True)
@@ -264,8 +269,6 @@ def write(data: dict, info: dict, out: Path) -> dict:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110)
         images.append(base64.b64encode(buf.getvalue()).decode())
-    import matplotlib.pyplot as plt
-
     plt.close(page1)
     plt.close(page2)
     body = "".join(f"<p>{html.escape(p)}</p>" for p in paragraphs)
@@ -281,3 +284,35 @@ def write(data: dict, info: dict, out: Path) -> dict:
 
 def load_all(files: dict) -> dict:
     return {k: _load(v) for k, v in files.items() if v}
+
+
+# ---------------------------------------------------------------- the command
+
+HELP = "a two-page PDF, an HTML page and a text summary of the other commands' results"
+DESCRIPTION = __doc__
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """The arguments of `attnkern report`."""
+    p.add_argument("--quick", action="store_true", help="make short runs of bench, roofline, study and tune first")
+    for name in ("bench", "bench-minilm", "roofline", "tune-grid", "tune-replay", "study"):
+        p.add_argument(f"--{name}", metavar="JSON", help=f"the JSON file of `attnkern {name.split('-')[0]}`")
+    p.add_argument("--out", default="bench-results/report", help="directory of report.pdf, .html and .txt")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def command(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {k.replace("-", "_"): getattr(args, k.replace("-", "_")) for k in
+             ("bench", "bench-minilm", "roofline", "tune-grid", "tune-replay", "study")}
+    if args.quick:
+        files = {**quick_inputs(out, args.threads, args.seed), **{k: v for k, v in files.items() if v}}
+    if not any(files.values()):
+        raise SystemExit("attnkern report: give result files (--bench, --roofline, ...) or --quick")
+    written = write(load_all(files), header(args.seed, args.threads), out)
+    print(Path(written["txt"]).read_text())
+    for kind, path in written.items():
+        print(f"# {kind}: {path}")
+    return 0

@@ -268,10 +268,9 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     """Three panels: peak memory per rank against W (with the 1/W line), the step time
     split into compute and exposed communication, and each rank's busy time for the
     causal layouts."""
-    import matplotlib
+    from .plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     everything = rows
     group = (rows[0]["kernel"], rows[0]["seq"], rows[0]["dim"])
@@ -364,9 +363,12 @@ def replot(paths: list[str], plot_path: str | None) -> int:
     return 0
 
 
-def ring_parser(sub) -> None:
-    p = sub.add_parser("ring", help="ring attention on W local processes (or under torchrun): checked and measured",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+HELP = "ring attention on W local processes (or under torchrun): checked and measured"
+DESCRIPTION = __doc__
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """The arguments of `attnkern ring`."""
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4], metavar="W",
                    help="numbers of local processes (ignored under torchrun, whose world is used)")
     p.add_argument("--seq", type=int, nargs="+", default=[3072],
@@ -393,10 +395,9 @@ def ring_parser(sub) -> None:
     p.add_argument("--plot", metavar="PNG", help="write the memory / overlap / balance / scaling plot here")
     p.add_argument("--replot", nargs="+", metavar="JSON",
                    help="measure nothing: print the table (and --plot) of the rows saved by earlier --json runs")
-    p.set_defaults(func=cmd_ring)
 
 
-def cmd_ring(args) -> int:
+def command(args) -> int:
     from attnkern.distributed.layout import check_length
 
     from .machine import cpu_name

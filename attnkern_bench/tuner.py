@@ -1,273 +1,24 @@
-"""The auto-tuner: near-best tunables of a kernel for one problem in a small
-fraction of the grid, robust to timing noise.
-
-Search: over each tunable's lattice of values (powers of two for blocks and
-threads; the tiles that run for cuda.flash, with and without tensor cores in
-float32), the kernel's default first, then trials alternate between exploring,
-Optuna's TPE sampler (seeded,
-multivariate: a model of where fast configurations lie), one trial in three,
-and exploiting, an untried one-step neighbour of the best so far, the step
-that led there continued first (timings are smooth in the blocks); the model is
-told every result. A configuration is timed in
-two steps: `quick` samples, and unless the fastest of them is already `prune`
-times slower than the best median so far (clearly worse: stopped early), the
-rest of `repeats`. A distinct configuration is one trial; the budget counts trials.
-Decision: the configurations whose median is within the measured noise of the
-best (the larger of 1% and twice the standard error of the best's median,
-estimated from its samples' median absolute deviation) are timed again, taking
-turns, up to three rounds while more than one remains within noise; among those still within noise of the fastest,
-the default wins, else the one fewest lattice steps from the default, so
-re-running picks the same configuration or one measurably as fast.
-
-measure(params, n) -> n samples in seconds is the only contact with a kernel:
-live_measure times attnkern.attention; replay_measure draws from a recorded grid
-(record_grid), which is how searches are compared over many seeds without
-running kernels again.
+"""Studying the auto-tuner (its search lives in the library: attnkern.tuning):
+every configuration of a kernel's lattice timed (record_grid), searches replayed
+against such a recorded grid over many seeds beside a random search of the same
+budget (replay_measure, evaluate), and their plots.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 
 import attnkern
+from attnkern.tuning import default_params, fmt, grid, live_measure, problem, search, space, tune, validity
 
-from .inputs import random_qkv
-from .timing import CudaEventClock, WallClock
-
-
-@dataclass
-class Trial:
-    number: int
-    params: dict
-    samples: list
-    pruned: bool
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples)
-
-
-@dataclass
-class TuneResult:
-    kernel: str
-    params: dict
-    seconds: float
-    trials: int
-    history: list
-    default: dict
-    default_seconds: float
-    grid_size: int
-    budget: int
-    seed: int
-    problem: dict = field(default_factory=dict)
-    machine: dict = field(default_factory=dict)
-    wall_seconds: float = 0.0
-    cache_key: str | None = None
-
-    @property
-    def speedup(self) -> float:
-        return self.default_seconds / self.seconds
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out["history"] = [{**asdict(t), "median": t.median} for t in self.history]
-        out["speedup"] = self.speedup
-        return out
-
-
-def space(kernel: str, nq: int, nk: int, d: int, dv: int, itemsize: int) -> dict[str, list[int]]:
-    """The lattice of each tunable of `kernel` for this problem."""
-    info = attnkern.kernel_info(kernel)["params"]
-    if kernel == "cuda.flash":
-        from attnkern.backends.cuda import flash_tiles
-
-        tiles = flash_tiles(d, dv, itemsize)
-        lattice = {"block_q": sorted({bq for bq, _ in tiles}), "block_k": sorted({bk for _, bk in tiles})}
-        if tiles != flash_tiles(d, dv, itemsize, tensor_cores=0):  # float32 with a tensor-core kernel
-            lattice["tensor_cores"] = [0, 1]
-        return lattice
-    lattice = {}
-    for name, p in info.items():
-        if name == "num_threads":
-            values = {v for v in (1 << i for i in range(12)) if v <= p["max"] and v <= p["default"]}
-            lattice[name] = sorted(values | {p["default"]})
-        elif name == "block_q":
-            lattice[name] = [v for v in (16, 32, 64, 128, 256, 512) if p["min"] <= v <= p["max"]]
-        elif name == "block_k":
-            lattice[name] = [v for v in (32, 64, 128, 256, 512, 1024) if p["min"] <= v <= p["max"]]
-        elif "choices" in p:  # 0 is "auto" among tile sizes, but a value of an on/off switch
-            lattice[name] = [v for v in p["choices"] if v or set(p["choices"]) == {0, 1}]
-    return lattice
-
-
-def default_params(kernel: str, lattice: dict, d: int, dv: int, itemsize: int) -> dict:
-    """The kernel's built-in defaults, on the lattice (cuda.flash's 0 = the tile it picks)."""
-    info = attnkern.kernel_info(kernel)["params"]
-    if kernel == "cuda.flash":
-        from attnkern.backends.cuda import flash_default_tile
-
-        bq, bk = flash_default_tile(d, dv, itemsize)
-        return {"block_q": bq, "block_k": bk, **({"tensor_cores": 1} if "tensor_cores" in lattice else {})}
-    return {name: info[name]["default"] if info[name]["default"] in values
-            else min(values, key=lambda v: abs(math.log2(v) - math.log2(max(1, info[name]["default"]))))
-            for name, values in lattice.items()}
-
-
-def validity(kernel: str, d: int, dv: int, itemsize: int):
-    """A predicate on configurations of the lattice that the kernel accepts for this
-    problem (cuda.flash: the tile runs, with tensor cores or without), or None when all are."""
-    if kernel == "cuda.flash":
-        from attnkern.backends.cuda import flash_tiles
-
-        fits = [set(flash_tiles(d, dv, itemsize, tensor_cores=tc)) for tc in (0, 1)]
-        return lambda p: (p["block_q"], p["block_k"]) in fits[p.get("tensor_cores", 1)]
-    return None
-
-
-def grid(lattice: dict, valid=None) -> list[dict]:
-    """Every configuration of the lattice (that valid accepts)."""
-    configs = [{}]
-    for name, values in lattice.items():
-        configs = [{**c, name: v} for c in configs for v in values]
-    return [c for c in configs if valid is None or valid(c)]
-
-
-def _untried_neighbours(trial, lattice: dict, seen: dict, order, moves: dict) -> list[tuple[dict, tuple]]:
-    """(configuration, move) one lattice step from trial's along one tunable, not yet
-    timed: first the step that led to trial, continued (a pattern search), then the
-    others in a seeded random order."""
-    out = []
-    for name, values in lattice.items():
-        i = values.index(trial.params[name])
-        for step in (-1, 1):
-            if 0 <= i + step < len(values):
-                p = {**trial.params, name: values[i + step]}
-                if tuple(p[n] for n in lattice) not in seen:
-                    out.append((p, (name, step)))
-    out = [out[i] for i in order.permutation(len(out))]
-    last = moves.get(tuple(trial.params[n] for n in lattice))
-    return sorted(out, key=lambda pm: pm[1] != last)
-
-
-def _distance(params: dict, default: dict, lattice: dict) -> int:
-    return sum(abs(lattice[n].index(params[n]) - lattice[n].index(default[n])) for n in lattice)
-
-
-def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict, budget: int, seed: int = 0,
-           repeats: int = 5, quick: int = 2, prune: float = 1.25, progress: Callable[[str], None] | None = None,
-           valid=None):
-    """(chosen Trial, default Trial, history): the adaptive search described above."""
-    import optuna
-    from optuna.distributions import IntDistribution
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    names = list(lattice)
-    dists = {n: IntDistribution(0, len(lattice[n]) - 1) for n in names}
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, budget // 4), multivariate=True)
-    study = optuna.create_study(direction="minimize", sampler=sampler)
-    study.enqueue_trial({n: lattice[n].index(default[n]) for n in names})
-    seen: dict[tuple, Trial] = {}
-    history: list[Trial] = []
-    budget = min(budget, len(grid(lattice, valid)))
-    order = np.random.default_rng(seed)
-    moves: dict[tuple, tuple] = {}  # configuration -> (tunable, step) that reached it from the best
-    asks = 0
-    while len(history) < budget and asks < 50 * budget:
-        asks += 1
-        best = min((h for h in history if not h.pruned), key=lambda h: h.median, default=None)
-        local = _untried_neighbours(best, lattice, seen, order, moves) if best and len(history) % 3 else []
-        local = [pm for pm in local if valid is None or valid(pm[0])]
-        if local:  # exploit: a lattice step from the best so far (the model learns of it too)
-            (params, move), t = local[0], None
-            moves[tuple(params[n] for n in names)] = move
-        else:      # explore: the model's proposal
-            t = study.ask(dists)
-            params = {n: lattice[n][t.params[n]] for n in names}
-        key = tuple(params[n] for n in names)
-        if key in seen:  # the sampler proposed a configuration already timed: its value, no new trial
-            study.tell(t, seen[key].median)
-            continue
-        if valid is not None and not valid(params):  # the kernel refuses it: a failed trial, not a timed one
-            study.tell(t, state=optuna.trial.TrialState.FAIL)
-            continue
-        samples = list(measure(params, quick))
-        best_median = best.median if best else math.inf
-        pruned = min(samples) > prune * best_median
-        if not pruned:
-            samples += measure(params, repeats - quick)
-        trial = Trial(len(history), params, samples, pruned)
-        seen[key] = trial
-        history.append(trial)
-        if t is None:
-            study.add_trial(optuna.trial.create_trial(params={n: lattice[n].index(params[n]) for n in names},
-                                                      distributions=dists, value=trial.median))
-        else:
-            study.tell(t, trial.median)
-        if progress:
-            progress(f"[{len(history)}/{budget}] {fmt(params)}: {trial.median * 1e3:.3f} ms"
-                     + (" (stopped early: clearly slower)" if pruned else ""))
-    default_trial = seen[tuple(default[n] for n in names)]
-    return _decide(history, default_trial, default, lattice, measure, repeats), default_trial, history
-
-
-def _decide(history, default_trial, default, lattice, measure, repeats, rounds=3):
-    """The configuration to choose: the fastest, unless others are within the noise of
-    it; finalists are timed again, in turns, up to `rounds` times `repeats` samples
-    each while the decision stays close."""
-    finalists = [t for t in history if not t.pruned]
-    for _ in range(rounds + 1):
-        best = min(finalists, key=lambda t: t.median)
-        tie = max(0.01, 2 * _median_error(best))
-        finalists = [t for t in finalists if t.median <= best.median * (1 + tie)]
-        if len(finalists) == 1 or _ == rounds:
-            break
-        for _ in range(repeats):  # turns: drift hits every finalist alike
-            for t in finalists:
-                t.samples += measure(t.params, 1)
-    if default_trial in finalists:
-        return default_trial
-    return min(finalists, key=lambda t: (_distance(t.params, default, lattice), t.median))
-
-
-def _median_error(trial: Trial) -> float:
-    """Relative standard error of a trial's median: 1.4826 MAD estimates the spread
-    of its samples, and the median of n of them varies by 1.2533 spread / sqrt(n)."""
-    mad = statistics.median(abs(s - trial.median) for s in trial.samples)
-    return 1.4826 * 1.2533 * mad / math.sqrt(len(trial.samples)) / trial.median
-
-
-def fmt(params: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in params.items())
-
-
-def live_measure(kernel: str, q_shape, k_shape=None, *, dtype="float32", causal=False, seed=0, device=None):
-    """measure(params, n): n timed calls of attnkern.attention after one untimed one
-    (wall clock on the CPU, CUDA events on the GPU), on seeded random inputs."""
-    lead, nq, d = tuple(q_shape[:-2]), q_shape[-2], q_shape[-1]
-    nk = (k_shape or q_shape)[-2]
-    q, k, v = random_qkv(seed, lead, nq, nk, d, dtype=dtype)
-    clock = WallClock()
-    if (device or attnkern.kernel_info(kernel)["device"]) == "cuda":
-        import torch
-
-        q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
-        clock = CudaEventClock(torch)
-
-    def measure(params, n):
-        def call():
-            return attnkern.attention(q, k, v, causal=causal, kernel=kernel, check_finite=False, **params)
-
-        call()
-        return [clock.seconds(call) for _ in range(n)]
-
-    return measure
+__all__ = ["record_grid", "evaluate", "replay_measure", "draw_grid", "draw_replay", "plot_grid", "plot_replay",
+           "stderr", "tune", "fmt", "configure", "command"]
 
 
 def replay_measure(records: dict, seed: int):
@@ -287,59 +38,13 @@ def _key(params: dict) -> tuple:
     return tuple(sorted(params.items()))
 
 
-def problem(kernel, q_shape, k_shape, dtype, causal) -> tuple[int, int, int, int, int]:
-    nq, d = q_shape[-2], q_shape[-1]
-    nk = (k_shape or q_shape)[-2]
-    return nq, nk, d, d, np.dtype(dtype).itemsize
-
-
-def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causal=False, budget=None, seed=0,
-         repeats=5, cache=True, measure=None, progress=None) -> TuneResult:
-    """Searches `kernel`'s tunables for this problem (see the module docstring); with
-    cache, stores the result for attention() to use on this machine."""
-    from attnkern import _tuned
-
-    info = attnkern.kernel_info(kernel)
-    if not info["available"]:
-        raise RuntimeError(f"cannot tune {kernel}: {info['reason']}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ValueError(f"budget must be a positive number of configurations (or None), got {budget!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
-        raise ValueError(f"repeats must be an integer >= 2 (two calls decide an early stop), got {repeats!r}")
-    q_shape, k_shape = tuple(q_shape), tuple(k_shape) if k_shape else None
-    if len(q_shape) < 2 or (k_shape and (len(k_shape) != len(q_shape) or k_shape[-1] != q_shape[-1])):
-        raise ValueError(f"q_shape must be (..., N, D) and k_shape like it, got {q_shape} and {k_shape}")
-    nq, nk, d, dv, itemsize = problem(kernel, q_shape, k_shape, dtype, causal)
-    lattice = space(kernel, nq, nk, d, dv, itemsize)
-    if not lattice:
-        raise ValueError(f"{kernel} has no tunables to search")
-    valid = validity(kernel, d, dv, itemsize)
-    size = len(grid(lattice, valid))
-    budget = budget or max(6, math.ceil(0.15 * size))
-    default = default_params(kernel, lattice, d, dv, itemsize)
-    measure = measure or live_measure(kernel, q_shape, k_shape, dtype=dtype, causal=causal, seed=seed)
-    start = time.perf_counter()
-    chosen, default_trial, history = search(lattice, measure, default=default, budget=budget, seed=seed,
-                                            repeats=repeats, progress=progress, valid=valid)
-    result = TuneResult(kernel, chosen.params, chosen.median, len(history), history, default, default_trial.median,
-                        size, budget, seed, {"q_shape": list(q_shape), "k_shape": list(k_shape or q_shape),
-                                             "dtype": str(np.dtype(dtype)), "causal": bool(causal)},
-                        _tuned.machine(info["device"]), time.perf_counter() - start)
-    if cache:
-        result.cache_key = _tuned.store(kernel, info["device"], str(np.dtype(dtype)), bool(causal),
-                                        _tuned.bucket(nq, nk, d, dv), chosen.params,
-                                        {"seconds": chosen.median, "default_seconds": default_trial.median,
-                                         "trials": len(history), "seed": seed, "machine": result.machine})
-    return result
-
-
 def record_grid(kernel, q_shape, k_shape=None, *, dtype="float32", causal=False, passes=5, per_pass=2, seed=0,
                 progress=None) -> dict:
     """Every configuration of the lattice timed: `passes` passes in a seeded random
     order, `per_pass` samples each (after one untimed call), so drift spreads over all."""
     nq, nk, d, dv, itemsize = problem(kernel, q_shape, k_shape, dtype, causal)
     lattice = space(kernel, nq, nk, d, dv, itemsize)
-    configs = grid(lattice, validity(kernel, d, dv, itemsize))
+    configs = grid(lattice, validity(kernel, nq, nk, d, dv, itemsize))
     measure = live_measure(kernel, q_shape, k_shape, dtype=dtype, causal=causal, seed=seed)
     samples = {_key(c): [] for c in configs}
     rng = np.random.default_rng(seed)
@@ -349,12 +54,10 @@ def record_grid(kernel, q_shape, k_shape=None, *, dtype="float32", causal=False,
             samples[_key(c)] += measure(c, per_pass)
             if progress and i % 10 == 0:
                 progress(f"pass {p + 1}/{passes}: {i}/{len(configs)} configurations")
-    from attnkern import _tuned
-
     return {"kernel": kernel, "problem": {"q_shape": list(q_shape), "k_shape": list(k_shape or q_shape),
                                           "dtype": dtype, "causal": causal},
-            "lattice": lattice, "default": default_params(kernel, lattice, d, dv, itemsize),
-            "machine": _tuned.machine(attnkern.kernel_info(kernel)["device"]),
+            "lattice": lattice, "default": default_params(kernel, lattice, nq, nk, d, dv, itemsize),
+            "machine": attnkern.machine(attnkern.kernel_info(kernel)["device"]),
             "records": [{"params": c, "samples": samples[_key(c)]} for c in configs]}
 
 
@@ -435,10 +138,9 @@ def draw_replay(ax, evaluation: dict, title: str) -> None:
 
 
 def _save(draw, path, size) -> None:
-    import matplotlib
+    from .plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=size)
     im = draw(ax)
@@ -459,3 +161,111 @@ def plot_replay(evaluation: dict, title: str, path) -> None:
 
 def stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the command
+
+TUNE_HELP = """\
+Searches a kernel's tunables for one problem on this machine and caches the result,
+which attnkern.attention then uses for calls of that kernel, dtype, mask and shape
+bucket (attnkern.kernel_info(kernel)["tuned"] lists them; ATTNKERN_NO_TUNED=1 ignores them).
+
+The search (attnkern_bench.tuner) starts from the kernel's defaults and alternates
+Optuna's TPE sampler with one-step moves from the best so far over a lattice of
+powers of two (block_q, block_k, num_threads; cuda.flash: the tiles that fit).
+Each configuration is timed with --repeats calls after an untimed one (wall clock;
+CUDA events on the GPU) on seeded random inputs; one clearly slower after two calls
+is stopped early. Configurations within the noise of the best are timed again in
+turns, and a tie goes to the default (else the one nearest it). The budget counts
+configurations (default: 15% of the lattice).
+
+--record-grid FILE times every configuration instead (5 passes in a seeded random
+order, 2 calls each); --replay FILE replays the tuner and a random search of the
+same budget against such a file over --seeds seeds, without running the kernel.
+"""
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is like 1x8x1024x64 (B x H x N x D), got {text!r}") from None
+    if not 2 <= len(dims) <= 4 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"a shape has 2 to 4 positive sizes, ..., N, D; got {text!r}")
+    return dims
+
+
+HELP = "search a kernel's block sizes and threads; cache the best for attention()"
+DESCRIPTION = TUNE_HELP
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """The arguments of `attnkern tune`."""
+    p.add_argument("--shape", type=_shape, default=(1, 8, 1024, 64), help="q's shape, B x H x N x D (1x8x1024x64)")
+    p.add_argument("--k-shape", type=_shape, help="k's shape if not q's")
+    p.add_argument("--kernel", default="native.flash")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--budget", type=int, help="configurations to time (default: 15%% of the lattice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per configuration")
+    p.add_argument("--no-cache", action="store_true", help="report only; do not store the result")
+    p.add_argument("--record-grid", metavar="FILE", help="time the whole lattice into FILE (JSON)")
+    p.add_argument("--replay", metavar="FILE", help="replay searches against a recorded grid")
+    p.add_argument("--seeds", type=int, default=20, help="seeds of --replay")
+    p.add_argument("--plots", metavar="DIR", help="write plots here (a heatmap of a grid, best so far of a replay)")
+    p.add_argument("--json", help="write the result to this file")
+
+
+def command(args) -> int:
+    import os
+
+    if args.plots:
+        os.makedirs(args.plots, exist_ok=True)
+    if args.replay:
+        with open(args.replay) as f:
+            recorded = json.load(f)
+        ev = evaluate(recorded, seeds=range(args.seeds), budget=args.budget, repeats=args.repeats)
+        p = recorded["problem"]
+        name = f"{recorded['kernel']} {'x'.join(map(str, p['q_shape']))}{' causal' if p['causal'] else ''}"
+        print(f"# {name} on {recorded['machine']['cpu']}: grid of {ev['grid_size']}, budget {ev['budget']} "
+              f"({ev['budget'] / ev['grid_size']:.0%}), {ev['seeds']} seeds; the default is {ev['default_ratio']:.3f}x "
+              "the grid's best")
+        print(f"{'search':<14} {'within 3%':>10} {'median time / best':>19}")
+        for label, key in (("tuner", "tuner"), ("random search", "random")):
+            print(f"{label:<14} {ev[f'{key}_within']:>10.0%} {ev[f'{key}_median_ratio']:>19.3f}")
+        if args.plots:
+            path = os.path.join(args.plots, f"replay-{os.path.splitext(os.path.basename(args.replay))[0]}.png")
+            plot_replay(ev, f"{name}: {ev['seeds']} seeds", path)
+            print(f"# plot: {path}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(ev, f, indent=1)
+        return 0
+    if args.record_grid:
+        recorded = record_grid(args.kernel, args.shape, args.k_shape, dtype=args.dtype, causal=args.causal,
+                                     seed=args.seed, progress=stderr)
+        with open(args.record_grid, "w") as f:
+            json.dump(recorded, f, indent=1)
+        best = min(recorded["records"], key=lambda r: sorted(r["samples"])[len(r["samples"]) // 2])
+        print(f"# {len(recorded['records'])} configurations into {args.record_grid}; fastest {best['params']}")
+        if args.plots:
+            path = os.path.join(args.plots, f"grid-{os.path.splitext(os.path.basename(args.record_grid))[0]}.png")
+            plot_grid(recorded, path)
+            print(f"# heatmap: {path}")
+        return 0
+    result = tune(args.shape, args.k_shape, kernel=args.kernel, dtype=args.dtype, causal=args.causal,
+                        budget=args.budget, seed=args.seed, repeats=args.repeats, cache=not args.no_cache,
+                        progress=stderr)
+    print(f"# {args.kernel} q {'x'.join(map(str, args.shape))} {args.dtype}{' causal' if args.causal else ''} on "
+          f"{result.machine['cpu']} ({result.machine['isa']}, {result.machine['cpus']} CPUs)")
+    print(f"# {result.trials} of {result.grid_size} configurations timed in {result.wall_seconds:.1f} s")
+    print(f"{'':<9} {'params':<40} {'median ms':>10}")
+    print(f"{'default':<9} {fmt(result.default):<40} {result.default_seconds * 1e3:>10.3f}")
+    print(f"{'tuned':<9} {fmt(result.params):<40} {result.seconds * 1e3:>10.3f}   "
+          f"({result.speedup:.2f}x the default)")
+    print(f"# cached as {result.cache_key}" if result.cache_key else "# not cached (--no-cache)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+    return 0

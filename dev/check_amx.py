@@ -126,16 +126,16 @@ def main(argv=None) -> int:
     import ml_dtypes
 
     import attnkern
-    from attnkern.backends.native import _attn
+    from attnkern import hardware
     from attnkern_bench.accuracy import scaled_error
 
     os.environ.pop("ATTNKERN_ISA", None)
     print(f"# {cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs, {args.threads} threads")
     print(f"# ISAs here: {', '.join(attnkern.supported_isas())}; best: {attnkern.active_isa()}")
-    if not _attn.isa_supported(args.isa):
-        print(f"{args.isa} cannot run here: {_attn.isa_reason(args.isa)}")
+    if not hardware.isa_supported(args.isa):
+        print(f"{args.isa} cannot run here: {hardware.isa_reason(args.isa)}")
         return 2
-    isas = [args.isa] + [i for i in ("avx512bf16",) if i != args.isa and _attn.isa_supported(i)]
+    isas = [args.isa] + [i for i in ("avx512bf16",) if i != args.isa and hardware.isa_supported(i)]
 
     try:
         import torch

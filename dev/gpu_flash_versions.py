@@ -10,9 +10,9 @@ float32 kernel (flash_simt.cu).
 
 Kernels: one per --configs entry that names a division of the dtype's kernel,
 launched directly (prepared once, below Numba's dispatcher): a tensor-core kernel's
-kernels.MmaConfig, "mt{mma tiles a warp}w{warps}k{keys a tile}" with "qs" if Q is
+cpp.MmaConfig, "mt{mma tiles a warp}w{warps}k{keys a tile}" with "qs" if Q is
 reloaded from shared memory; for float16/bfloat16 on Hopper at D = 64 and 128 also
-flash_wgmma.cu's kernels.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 also a kernels.SimtConfig of the
+flash_wgmma.cu's cpp.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 also a cpp.SimtConfig of the
 register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
 thread's). "default" is the division the library picks for the head size (marked
 *); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
@@ -41,7 +41,7 @@ import sys
 import numpy as np
 import torch
 
-from attnkern.backends.cuda import arrays, kernels
+from attnkern.backends.cuda import arrays, cpp, launch
 from attnkern_bench.timing import CudaEventClock
 
 TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}  # tests/test_triton.py's
@@ -49,9 +49,20 @@ ODD = [(6, 77, 77), (1, 45, 130), (4, 200, 33), (2, 1030, 1030), (1, 1, 5), (2, 
 BACK_TO_BACK = 5
 
 
+def gpu_array(x, *shape):
+    """A contiguous torch CUDA tensor as a GpuArray of `shape` over its memory."""
+    if x.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        dtype = ml_dtypes.bfloat16
+    else:
+        dtype = getattr(np, str(x.dtype).removeprefix("torch."))
+    return arrays.GpuArray(shape, dtype, None, ptr=x.data_ptr(), owner=x)
+
+
 def flat3(x):
     """A torch tensor (..., n, d) as a GpuArray (batch, n, d)."""
-    return arrays.from_torch(x, "x").reshape(math.prod(x.shape[:-2]), *x.shape[-2:])
+    return gpu_array(x, math.prod(x.shape[:-2]), *x.shape[-2:])
 
 
 SIMT_NAME, MMA_NAME, WGMMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?", r"wg(\d+)k(\d+)"
@@ -64,15 +75,15 @@ def parse_config(text, d, dtype):
     if text != "default" and not simt and not mma and not wg:
         raise SystemExit(f"--configs: {text!r} is not 'default' nor a division like mt2w4k64qs, wg2k128 or 64x64t4x8")
     if text == "default":
-        if not kernels.mma_head_size_ok(d, d):
-            return kernels.simt_config(d)
-        return kernels.tensor_core_config(d, dtype)
+        if not cpp.mma_head_size_ok(d, d):
+            return cpp.simt_config(d)
+        return cpp.tensor_core_config(d, dtype)
     if simt:
-        return kernels.SimtConfig(*map(int, simt.groups())) if dtype == "float32" else None
+        return cpp.SimtConfig(*map(int, simt.groups())) if dtype == "float32" else None
     if wg:
-        ok = dtype != "float32" and kernels.wgmma_applies(d, d)
-        return kernels.WgmmaConfig(warpgroups=int(wg[1]), block_k=int(wg[2])) if ok else None
-    return kernels.MmaConfig(mt=int(mma[1]), warps=int(mma[2]), block_k=int(mma[3]), q_smem=bool(mma[4]))
+        ok = dtype != "float32" and cpp.wgmma_applies(d, d)
+        return cpp.WgmmaConfig(warpgroups=int(wg[1]), block_k=int(wg[2])) if ok else None
+    return cpp.MmaConfig(mt=int(mma[1]), warps=int(mma[2]), block_k=int(mma[3]), q_smem=bool(mma[4]))
 
 
 class Kernel:
@@ -81,29 +92,29 @@ class Kernel:
     tensor-core kernel of the dtype (flash_mma.cu, or flash_tf32.cu for float32)."""
 
     def __init__(self, config, d, dtype):
-        self.config, self.simt = config, isinstance(config, kernels.SimtConfig)
+        self.config, self.simt = config, isinstance(config, cpp.SimtConfig)
         self.name = str(config) + ("*" if config == parse_config("default", d, dtype) else "")
-        self.kernel = kernels.flash_simt_kernel(d, config) if self.simt else kernels.flash_mma_kernel(dtype, d, config)
+        self.kernel = cpp.flash_simt_kernel(d, config) if self.simt else cpp.flash_mma_kernel(dtype, d, config)
 
     def launch(self, q, k, v, out, lse, causal, scale):
-        launch = kernels.flash_simt_launch if self.simt else kernels.flash_mma_launch
-        return launch(q, k, v, out, causal, scale, lse, self.config)
+        launcher = cpp.flash_simt_launch if self.simt else cpp.flash_mma_launch
+        return launcher(q, k, v, out, causal, scale, lse, self.config)
 
     def __call__(self, q, k, v, causal, scale, with_lse=True):
-        """out (and lse) for torch tensors (..., n, d), through kernels.launch."""
+        """out (and lse) for torch tensors (..., n, d), through launch.launch."""
         lead = q.shape[:-2]
         out = torch.empty(*lead, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(*lead, q.shape[-2], dtype=q.dtype, device=q.device) if with_lse else None
         g = [flat3(x) for x in (q, k, v, out)]
-        gl = arrays.from_torch(lse, "lse").reshape(g[0].shape[0], q.shape[-2]) if with_lse else None
+        gl = gpu_array(lse, g[0].shape[0], q.shape[-2]) if with_lse else None
         kernel, grid, block, args = self.launch(*g, gl, causal, scale)
-        kernels.launch(kernel, grid, block, *args)
+        launch.launch(kernel, grid, block, *args)
         return out, lse
 
     def prepared(self, q, k, v, out, causal, scale):
         """A launch prepared once."""
         kernel, grid, block, args = self.launch(*[flat3(x) for x in (q, k, v, out)], None, causal, scale)
-        return kernels.Prepared(kernels.raw_kernel(kernel), grid, block, args)
+        return launch.Prepared(launch.raw_kernel(kernel), grid, block, args)
 
     def resources(self):
         k = self.kernel

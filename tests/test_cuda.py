@@ -2,7 +2,7 @@
 Numba's CUDA simulator (conftest sets NUMBA_ENABLE_CUDASIM=1 unless
 ATTNKERN_TEST_GPU=1), which runs a Python thread per GPU thread: shapes are
 small, tiles smaller, so several tiles, partial tiles and the causal diagonal
-are all crossed. The simulator has no warp shuffles; attnkern.backends.cuda.kernels.lane_reduce
+are all crossed. The simulator has no warp shuffles; attnkern.backends.cuda.numba_kernels.lane_reduce
 emulates them there (the device script checks the real ones on a GPU)."""
 
 import functools
@@ -225,13 +225,13 @@ def test_flash_tiles_in_dynamic_shared_memory(d, block_q, block_k):
     auto tile at D = 126 is one; D not a multiple of 4, so the CUDA C++ kernel does
     not take them) run in dynamic shared memory with the kernel's limit raised, and
     match float64; with lse, causal and not, odd sizes."""
-    from attnkern.backends.cuda import kernels
+    from attnkern.backends.cuda import cpp, launch, numba_kernels
 
     rng = np.random.default_rng(d + block_q)
     q, k, v = random_qkv(rng, (2,), 150, 131, d, d, np.float32)
     tile = (block_q, block_k) if block_q else (64, 32)
-    assert kernels.flash_shared_bytes(*tile, d, d, 4) > kernels.SHARED_BYTES
-    assert not kernels.simt_applies(d, d)
+    assert numba_kernels.flash_shared_bytes(*tile, d, d, 4) > launch.SHARED_BYTES
+    assert not cpp.simt_applies(d, d)
     for causal in (False, True):
         out, lse = attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", block_q=block_q,
                                       block_k=block_k, return_lse=True)
@@ -251,25 +251,25 @@ def test_float32_cuda_cpp_kernels(d, monkeypatch):
     partial blocks and nq != nk, a negative scale, bit-identical run to run. Arrays
     at addresses neither can take (not 16-byte aligned) go to the Numba kernel, with
     the same results to float32 rounding."""
-    from attnkern.backends.cuda import kernels
+    from attnkern.backends.cuda import cpp, numba_kernels
 
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(d)
-    numba_flash = kernels.flash
+    numba_flash = numba_kernels.flash
     ran = []
 
     def refuse(*args, **kwargs):
         raise AssertionError("the Numba kernel ran")
 
-    def noting(name):
-        real = getattr(kernels, name)
+    def noting(module, name):
+        real = getattr(module, name)
         return lambda *args, **kwargs: ran.append(name) or real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "flash", refuse)
+    monkeypatch.setattr(numba_kernels, "flash", refuse)
     for name in ("flash_mma_launch", "flash_simt_launch"):
-        monkeypatch.setattr(kernels, name, noting(name))
+        monkeypatch.setattr(cpp, name, noting(cpp, name))
     tc_tiles = {(0, 0), (64, 32), (64, 64), (128, 32), (128, 64)}
-    simt_tiles = {(0, 0)} | {(bq, bk) for bq in kernels.SIMT_BLOCK_Q for bk in kernels.SIMT_BLOCK_K if bq * bk <= 4096}
+    simt_tiles = {(0, 0)} | {(bq, bk) for bq in cpp.SIMT_BLOCK_Q for bk in cpp.SIMT_BLOCK_K if bq * bk <= 4096}
     for nq, nk in ((150, 131), (1, 70), (200, 200)):
         q, k, v = random_qkv(rng, (2,), nq, nk, d, d, np.float32)
         for tensor_cores in (1, 0):
@@ -294,8 +294,8 @@ def test_float32_cuda_cpp_kernels(d, monkeypatch):
                     again, lse_again = run()
                     assert np.array_equal(out, again) and np.array_equal(lse, lse_again)
     # a torch view 4 bytes past an aligned address: the Numba kernel takes it
-    monkeypatch.setattr(kernels, "flash", numba_flash)
-    monkeypatch.setattr(kernels, "flash", noting("flash"))
+    monkeypatch.setattr(numba_kernels, "flash", numba_flash)
+    monkeypatch.setattr(numba_kernels, "flash", noting(numba_kernels, "flash"))
     base = torch.from_numpy(rng.standard_normal(3 * 64 * d + 1).astype(np.float32)).cuda()
     q = base[1:].view(3, 64, d)
     ran.clear()
@@ -313,7 +313,7 @@ def test_torch_fast_path_matches_the_general_path():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    from attnkern.backends import cuda as backend
+    from attnkern import _torch_cuda as fast
 
     rng = np.random.default_rng(9)
 
@@ -321,11 +321,11 @@ def test_torch_fast_path_matches_the_general_path():
         return [torch.from_numpy(x).cuda() for x in random_qkv(rng, lead, nq, nk, d, dv, dtype)]
 
     def general(*args, **kw):
-        backend.FAST_PATH = False
+        fast.FAST_PATH = False
         try:
             return attnkern.attention(*args, **kw)
         finally:
-            backend.FAST_PATH = True
+            fast.FAST_PATH = True
 
     for kw in ({}, {"causal": True, "scale": 0.3}, {"block_q": 16, "block_k": 32}, {"check_finite": False}):
         for _ in range(3):  # the first call builds the plan; the later ones use it, on new tensors
@@ -334,7 +334,7 @@ def test_torch_fast_path_matches_the_general_path():
             assert torch.equal(out, general(q, k, v, **kw))
         assert_matches_reference(out.cpu().numpy(), q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(),
                                  kw.get("causal", False), kw.get("scale"))
-    plans = [p for p in backend._LOCAL.plans.values() if p.launch is not None]
+    plans = [p for p in fast._LOCAL.plans.values() if p.launch is not None]
     assert plans, "no call took the prepared launch"
     q, k, v = tensors(nq=45)
     for _ in range(2):  # q, k and v one tensor

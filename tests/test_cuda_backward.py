@@ -24,6 +24,7 @@ import zlib
 import numpy as np
 import pytest
 
+import attnkern
 from attnkern import _registry
 from conftest import random_qkv
 
@@ -88,7 +89,7 @@ def inputs(seed, batch, nq, nk, d, dv, dtype):
 
 
 def test_registered():
-    info = _registry.kernel_info("cuda.flash")
+    info = attnkern.kernel_info("cuda.flash")
     assert info["returns_lse"] and info["backward"]
     assert FLASH.backward is cuda_backend._cuda_flash_backward
 

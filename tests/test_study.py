@@ -11,7 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import attnkern  # noqa: E402
-from attnkern_bench import cli, study  # noqa: E402
+from attnkern_bench import cli  # noqa: E402
+from attnkern_bench.study import measuring, model  # noqa: E402
 
 needs_flash = pytest.mark.skipif(not attnkern.kernel_info("native.flash")["available"],
                                  reason="native.flash is not built")
@@ -27,7 +28,7 @@ def test_study_end_to_end_writes_csv_markdown_plots_and_json(tmp_path, capsys):
     kernels = ["torch.naive", "torch.sdpa", "native.flash"]  # the CPU defaults
     with open(table) as f:
         reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == study.CSV_COLUMNS
+        assert tuple(reader.fieldnames) == model.CSV_COLUMNS
         rows = list(reader)
     assert sorted((int(r["seq_len"]), int(r["d_model"]), r["kernel"]) for r in rows) == sorted(
         (n, d, k) for n in (32,) for d in (8, 16) for k in kernels)
@@ -83,10 +84,10 @@ def test_larger_than_an_oom_configuration_is_skipped_unless_asked(monkeypatch, s
         return {"status": "ok", "error": "", "forward_ms": 1.0, "backward_ms": 2.0,
                 "memory_before_backward_mib": 1.0, "peak_memory_mib": 2.0}
 
-    monkeypatch.setattr(study, "measure_in_fresh_process", fake)
-    cfg = study.Settings(batch=1, dims=[16, 32], seqs=[4096, 1024, 2048], kernels=["torch.naive", "native.flash"],
+    monkeypatch.setattr(measuring, "measure_in_fresh_process", fake)
+    cfg = model.Settings(batch=1, dims=[16, 32], seqs=[4096, 1024, 2048], kernels=["torch.naive", "native.flash"],
                          skip_larger=skip)
-    rows = study.run_study(cfg)
+    rows = measuring.run_study(cfg)
     status = {(r["kernel"], r["seq_len"], r["d_model"]): r["status"] for r in rows}
     assert [(r["seq_len"], r["d_model"]) for r in rows][:4] == [(1024, 16), (1024, 16), (1024, 32), (1024, 32)]
     assert status[("torch.naive", 1024, 32)] == "oom" and status[("torch.naive", 2048, 16)] == "oom"
@@ -94,7 +95,7 @@ def test_larger_than_an_oom_configuration_is_skipped_unless_asked(monkeypatch, s
     assert status[("torch.naive", 4096, 16)] == ("skipped" if skip else "oom")
     assert all(s == "ok" for (k, _, _), s in status.items() if k == "native.flash")
     assert len(tried) == (12 - 3 if skip else 12)
-    found = study.smallest_oom(rows)["torch.naive"]
+    found = measuring.smallest_oom(rows)["torch.naive"]
     assert (found["seq_len"], found["d_model"]) == (1024, 32)
     skipped = [r for r in rows if r["status"] == "skipped"]
     assert all("larger than an OOM configuration" in r["error"] for r in skipped)
@@ -103,7 +104,7 @@ def test_larger_than_an_oom_configuration_is_skipped_unless_asked(monkeypatch, s
 def test_account_bytes_by_hand():
     """B=2, H=1, N=64, d=16, float32: B*H*N*d*4 = 8192 bytes, B*H*N^2*4 = 32768."""
     nd, n2 = 2 * 64 * 16 * 4, 2 * 64 * 64 * 4
-    acc = study.account("torch.naive", 2, 1, 64, 16)
+    acc = model.account("torch.naive", 2, 1, 64, 16)
     # after the forward: q, k, v, dout, out and P
     assert acc.before_backward == 5 * nd + n2 == 73728
     # forward peak: the scaled scores (naive_attention's local) beside P and out
@@ -113,27 +114,27 @@ def test_account_bytes_by_hand():
     assert acc.peak_stage().step.startswith("dS = P")
     assert acc.by_order(acc.peak_stage().live) == {1: 6 * nd, 2: 3 * n2}
     # on the GPU torch's softmax backward forms dP * P in a new tensor: one N^2 more
-    gpu = study.account("torch.naive", 2, 1, 64, 16, device="cuda")
+    gpu = model.account("torch.naive", 2, 1, 64, 16, device="cuda")
     assert gpu.before_backward == acc.before_backward and gpu.peak() == 6 * nd + 4 * n2 == 180224
-    causal = study.account("torch.naive", 2, 1, 64, 16, causal=True)
+    causal = model.account("torch.naive", 2, 1, 64, 16, causal=True)
     mask = 64 * 64  # bool, one for all batch entries and heads
     assert causal.before_backward == 5 * nd + n2 + mask
     assert causal.peak() == 6 * nd + 3 * n2 + mask
     assert causal.saved == ("mask", "P = softmax")
     # fused: out and the lse (B*H*N*4 = 512 bytes) saved, then dq, dk, dv and delta
-    sdpa = study.account("torch.sdpa", 2, 1, 64, 16)
+    sdpa = model.account("torch.sdpa", 2, 1, 64, 16)
     assert sdpa.before_backward == 5 * nd + 512 and sdpa.peak() == 8 * nd + 2 * 512 == 66560
-    assert study.account("torch.sdpa", 2, 1, 64, 16, device="cuda").terms["lse"].nbytes == 2 * 64 * 4
-    assert study.account("torch.sdpa", 2, 1, 65, 16, device="cuda").terms["lse"].nbytes == 2 * 96 * 4
+    assert model.account("torch.sdpa", 2, 1, 64, 16, device="cuda").terms["lse"].nbytes == 2 * 64 * 4
+    assert model.account("torch.sdpa", 2, 1, 65, 16, device="cuda").terms["lse"].nbytes == 2 * 96 * 4
     # native.flash, one thread, 256 x 256 blocks: forward work 4 blocks of 256 x 16, the 256 x 256 scores, 3 x 256
     # rows; backward work 2 of 256 x 16, 2 of 256 x 256 (S, dP), 2 accumulators of 256 x 16, 3 x 256
-    flash = study.account("native.flash", 2, 1, 64, 16, threads=1)
+    flash = model.account("native.flash", 2, 1, 64, 16, threads=1)
     # the forward computes scores a strip of 64 rows at a time (8 MR, MR = 8 on AVX-512)
     assert flash.terms["work buffers (forward)"].nbytes == (4 * 256 * 16 + 64 * 256 + 3 * 256) * 4 == 134144
     assert flash.terms["work buffers (backward)"].nbytes == (4 * 256 * 16 + 2 * 256 * 256 + 3 * 256) * 4 == 592896
     assert flash.peak() == 5 * nd + 512 + 2 * 512 + 592896 + 3 * nd == 659968
     # the scores grow as N^2, everything else as N
-    big = study.account("torch.naive", 8, 1, 16384, 64)
+    big = model.account("torch.naive", 8, 1, 16384, 64)
     assert big.peak() == 3 * 8 * 16384**2 * 4 + 6 * 8 * 16384 * 64 * 4
 
 
@@ -155,29 +156,29 @@ def test_account_saves_what_autograd_saves(causal):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            study.attention_fn(kernel, "cpu", 1)(q, k, v, causal)
-        acc = study.account(kernel, 2, 1, 64, 16, causal)
+            measuring.attention_fn(kernel, "cpu", 1)(q, k, v, causal)
+        acc = model.account(kernel, 2, 1, 64, 16, causal)
         assert sum(storages.values()) == acc.live_bytes(acc.saved), kernel
 
 
 def test_backward_flops_convention():
-    assert study.backward_flops(1, 8, 1024, 1024, 64) == 2.5 * 4 * 8 * 1024 * 1024 * 64
-    assert study.backward_flops(1, 8, 1024, 1024, 64, causal=True) == 2.5 * 2 * 8 * 1024 * 1024 * 64
+    assert model.backward_flops(1, 8, 1024, 1024, 64) == 2.5 * 4 * 8 * 1024 * 1024 * 64
+    assert model.backward_flops(1, 8, 1024, 1024, 64, causal=True) == 2.5 * 2 * 8 * 1024 * 1024 * 64
 
 
 def test_smallest_oom_is_smallest_n_then_d():
     rows = [{"kernel": "a", "seq_len": n, "d_model": d, "status": s} for n, d, s in
             [(1024, 64, "ok"), (4096, 16, "oom"), (2048, 128, "oom"), (2048, 64, "oom"), (8192, 16, "skipped")]]
     rows.append({"kernel": "b", "seq_len": 1024, "d_model": 64, "status": "ok"})
-    found = study.smallest_oom(rows)
+    found = measuring.smallest_oom(rows)
     assert (found["a"]["seq_len"], found["a"]["d_model"]) == (2048, 64) and found["b"] is None
 
 
 def test_is_oom_knows_the_allocators_words():
-    assert study.is_oom(MemoryError())
-    assert study.is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
-    assert study.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert not study.is_oom(ValueError("D=512 needs too much shared memory"))
+    assert measuring.is_oom(MemoryError())
+    assert measuring.is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert measuring.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not measuring.is_oom(ValueError("D=512 needs too much shared memory"))
 
 
 def test_study_help_says_what_it_measures(capsys):

@@ -133,16 +133,17 @@ def test_cuda_flash_half_every_division(dtype):
     Hopper the library's default is the wgmma kernel."""
     import torch
 
-    from attnkern.backends.cuda import arrays, kernels
+    from attnkern import _gpu
+    from attnkern.backends.cuda import cpp, launch
 
     def flat(x):
-        return arrays.from_torch(x, "x")
+        return _gpu.from_torch(x, "x")
 
     for d in (64, 128):
-        divisions = [kernels.mma_config(d, dtype)]
-        if kernels.wgmma_applies(d, d):
-            assert isinstance(kernels.half_config(d, dtype), kernels.WgmmaConfig)
-            divisions += [kernels.WgmmaConfig(w, bk) for w in (1, 2, 3) for bk in (64, 128)]
+        divisions = [cpp.mma_config(d, dtype)]
+        if cpp.wgmma_applies(d, d):
+            assert isinstance(cpp.half_config(d, dtype), cpp.WgmmaConfig)
+            divisions += [cpp.WgmmaConfig(w, bk) for w in (1, 2, 3) for bk in (64, 128)]
         for i, (batch, nq, nk) in enumerate([(2, 77, 77), (1, 45, 300), (3, 200, 33), (1, 1, 5), (1, 257, 257)]):
             q, k, v = _inputs(torch, dtype, (batch,), nq, nk, d, d, 200 + i)
             scale = -0.6 / d ** 0.5 if i == 1 else 1 / d ** 0.5
@@ -153,9 +154,9 @@ def test_cuda_flash_half_every_division(dtype):
                     for _ in range(2):
                         out = torch.full_like(q, float("nan"))
                         lse = torch.full((batch, nq), float("nan"), dtype=q.dtype, device=q.device)
-                        kernel, grid, block, args = kernels.flash_mma_launch(
+                        kernel, grid, block, args = cpp.flash_mma_launch(
                             flat(q), flat(k), flat(v), flat(out), causal, scale, flat(lse), config)
-                        kernels.launch(kernel, grid, block, *args)
+                        launch.launch(kernel, grid, block, *args)
                         outs.append((out, lse))
                     (out, lse), (again, lse_again) = outs
                     where = (str(config), d, batch, nq, nk, causal)

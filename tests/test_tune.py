@@ -1,4 +1,4 @@
-"""The auto-tuner (attnkern_bench.tuner) on synthetic timings, where the right
+"""The auto-tuner (attnkern.tuning; replays: attnkern_bench.tuner) on synthetic timings, where the right
 answer is known, and the per-machine cache that attention() reads."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import attnkern
-from attnkern import _api, _tuned
+from attnkern import _api, _tuned, tuning
 from attnkern_bench import tuner
 
 pytest.importorskip("optuna")
@@ -46,7 +46,7 @@ def test_search_finds_the_floor_in_a_fraction_of_the_grid_and_is_reproducible():
     size = math.prod(len(v) for v in LATTICE.values())
     runs = []
     for _ in range(2):
-        chosen, default, history = tuner.search(LATTICE, noisy(0), default=DEFAULT, budget=12, seed=3)
+        chosen, default, history = tuning.search(LATTICE, noisy(0), default=DEFAULT, budget=12, seed=3)
         runs.append((chosen.params, [t.params for t in history]))
         assert len(history) == 12 < 0.2 * size
         assert history[0].params == DEFAULT and default.params == DEFAULT  # the default is tried first
@@ -56,7 +56,7 @@ def test_search_finds_the_floor_in_a_fraction_of_the_grid_and_is_reproducible():
 
 def test_clearly_slower_configurations_are_stopped_early():
     measure = noisy(1)
-    _, _, history = tuner.search(LATTICE, measure, default=DEFAULT, budget=14, seed=0, repeats=6, quick=2)
+    _, _, history = tuning.search(LATTICE, measure, default=DEFAULT, budget=14, seed=0, repeats=6, quick=2)
     pruned = [t for t in history if t.pruned]
     assert pruned and all(len(t.samples) == 2 for t in pruned)
     assert all(t.params["num_threads"] == 1 or landscape(t.params) > 1.2e-3 for t in pruned)
@@ -70,7 +70,7 @@ def test_ties_go_to_the_default():
         return list(1e-3 * (1 + 0.002 * rng.standard_normal(n)))
 
     for seed in range(3):
-        chosen, _, _ = tuner.search(LATTICE, flat, default=DEFAULT, budget=10, seed=seed)
+        chosen, _, _ = tuning.search(LATTICE, flat, default=DEFAULT, budget=10, seed=seed)
         assert chosen.params == DEFAULT
 
 
@@ -78,7 +78,7 @@ def test_replay_against_a_recorded_grid_beats_random_search():
     rng = np.random.default_rng(4)
     recorded = {"lattice": LATTICE, "default": DEFAULT,
                 "records": [{"params": c, "samples": list(landscape(c) * (1 + 0.01 * rng.standard_normal(9)))}
-                            for c in tuner.grid(LATTICE)]}
+                            for c in tuning.grid(LATTICE)]}
     ev = tuner.evaluate(recorded, seeds=range(10))
     assert ev["budget"] == math.ceil(0.15 * 72)
     assert ev["tuner_within"] >= 0.9
@@ -130,10 +130,10 @@ def test_configurations_the_kernel_refuses_are_never_timed():
     lattice = {"block_q": [8, 16, 32, 64, 128], "block_k": [8, 16, 32, 64, 128]}
     fits = lambda p: p["block_q"] * p["block_k"] <= 2048  # noqa: E731
     measure = noisy(5)
-    chosen, _, history = tuner.search(lattice, lambda p, n: measure({**p, "num_threads": 2}, n),
-                                      default={"block_q": 128, "block_k": 16}, budget=8, seed=1, valid=fits)
+    chosen, _, history = tuning.search(lattice, lambda p, n: measure({**p, "num_threads": 2}, n),
+                                       default={"block_q": 128, "block_k": 16}, budget=8, seed=1, valid=fits)
     assert len(history) == 8 and all(fits(t.params) for t in history) and fits(chosen.params)
-    assert len(tuner.grid(lattice, fits)) == 19
+    assert len(tuning.grid(lattice, fits)) == 19
 
 
 @pytest.mark.parametrize("bad", [{"budget": 0}, {"budget": -1}, {"budget": 2.5}, {"repeats": 1}])

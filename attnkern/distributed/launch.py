@@ -17,6 +17,8 @@ import socket
 import time
 import traceback
 
+from .._extras import require
+
 
 def cpu_sets(world_size: int, cpus=None) -> list[list[int]]:
     """The CPUs each of world_size local ranks is pinned to: an equal share of this
@@ -39,7 +41,7 @@ def init_from_env(backend: str | None = None, timeout: float = 120.0):
     RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), with a timeout on every
     collective and transfer so that a lost rank ends the others with an error. backend
     defaults to NCCL when this process has a GPU, else gloo. Returns (rank, world_size)."""
-    import torch
+    torch = require("torch", "torch", "attnkern.distributed")
     import torch.distributed as dist
 
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
@@ -59,7 +61,7 @@ def bind_gpu(index: int) -> None:
     """Makes GPU index this process's device for torch and for Numba's CUDA kernels
     (attnkern's cuda.* backend), which otherwise keep their own current device: a
     kernel launched on GPU 0 with arrays on GPU 1 reads memory it cannot reach."""
-    import torch
+    torch = require("torch", "torch", "attnkern.distributed")
 
     torch.cuda.set_device(index)
     try:
@@ -122,6 +124,7 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 1
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    require("torch", "torch", "attnkern.distributed")  # here, not in each rank
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":  # the server imports torch once; each rank is a fork of it
         ctx.set_forkserver_preload(["torch", "torch.distributed", "attnkern"])

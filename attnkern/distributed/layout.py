@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._extras import require
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -79,6 +81,7 @@ def check_length(n: int, layout: str, world_size: int) -> int:
 def _rank_and_size(rank, world_size, group):
     if rank is not None and world_size is not None:
         return rank, world_size
+    require("torch", "torch", "attnkern.distributed without rank= and world_size=")
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():

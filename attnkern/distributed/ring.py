@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._api import attention, attention_backward
+from .._extras import require
 from .layout import Segment, check_layout, chunks_of, segments
 
 
@@ -84,7 +85,7 @@ def ring_attention(q, k, v, *, causal=False, scale=None, group=None, layout="con
     set a timeout in init_process_group so that a failed rank cannot leave the
     others waiting forever (attnkern.distributed.launch does).
     """
-    import torch
+    torch = require("torch", "torch", "attnkern.distributed")
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():

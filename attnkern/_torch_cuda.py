@@ -1,0 +1,149 @@
+"""The frontend's fast path for device-resident torch tensors, beside the other
+frontends (not in a backend): attention() on torch CUDA tensors for cuda.flash,
+with the Python work per call cut to what changes between calls of one shape:
+the addresses.
+
+The first call of each (shapes, dtypes, device, causal, scale, kernel, tunables,
+check_finite, return_lse) goes through the core's general path (validation,
+kernel choice, tuned parameters, compilation): attention() returns a Pending,
+and the core, having run the call, hands Pending.plan its validated call, kernel
+and tunables, which leave a plan: the kernel's launch prepared (launch.Prepared:
+parameters laid out once, the addresses written in per call), the output shapes
+and, with check_finite, the scan of q, k, v and the output prepared likewise.
+Later calls check what the plan cannot know (tensor types, grad, devices,
+contiguity, torch's current stream, alignment), allocate the outputs with torch
+and launch. Anything else, any other kernel and any call with no work (an empty
+dimension) returns None: the general path runs. A non-finite flag also returns
+None: the general path runs the call again and raises its error, worded in one
+place. Plans are per thread (their parameter memory is written per call); one
+whose tunables were not all given is rebuilt after a second, as the general
+path looks up tuned parameters at most once a second per call shape."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from ._gpuarray import raw_stream
+
+FAST_PATH = True  # False: every call takes the general path (measurements compare the two)
+RECHECK_S = 1.0  # how long a plan with looked-up tunables is used before it is rebuilt
+_LOCAL = threading.local()  # per thread: key -> _Plan
+_TORCH = []  # the torch module, imported on first use
+
+
+def _torch():
+    if not _TORCH:
+        import torch
+
+        _TORCH.append(torch)
+    return _TORCH[0]
+
+
+class _Plan:
+    """A call shape's prepared work; launch None: the general path's."""
+
+    __slots__ = ("launch", "scan", "aligned", "stream", "out_shape", "lse_shape", "until")
+
+    def __init__(self, launch=None, scan=None, aligned=None, stream=None, out_shape=(), lse_shape=(),
+                 until=math.inf):
+        self.launch, self.scan, self.aligned, self.stream = launch, scan, aligned, stream
+        self.out_shape, self.lse_shape, self.until = out_shape, lse_shape, until
+
+
+def usable() -> bool:
+    """Whether the fast path can run here: numba-cuda with a GPU (asked once)."""
+    if not _USABLE:
+        from .backends import cuda
+
+        _USABLE.append(cuda.unavailable() is None)
+    return FAST_PATH and _USABLE[0]
+
+
+_USABLE = []
+
+
+class Pending:
+    """A call with no plan yet: the core runs it through the general path, with
+    check_finite=check and return_lse=with_lse, then calls plan() with what it chose."""
+
+    __slots__ = ("plans", "key", "check", "with_lse", "params")
+
+    def __init__(self, plans, key, check, with_lse, params):
+        self.plans, self.key, self.check, self.with_lse, self.params = plans, key, check, with_lse, params
+
+    def plan(self, call, chosen, resolved) -> None:
+        """Keeps the plan for the next calls of this shape from the general path's
+        validated call, its kernel and tunables."""
+        if len(self.plans) >= 256:  # many shapes in turn: start over rather than keep them all
+            self.plans.clear()
+        self.plans[self.key] = _plan(call, chosen, resolved, self.params, self.with_lse, self.check)
+
+
+def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
+    """attention(q, k, v, ...) for torch CUDA tensors q (the caller knows that much):
+    the result; None where the general path must run; or a Pending where it must
+    run and then plan this call shape."""
+    if not usable():
+        return None
+    torch = _torch()
+    tensor = torch.Tensor
+    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
+        return None
+    if q.requires_grad or k.requires_grad or v.requires_grad:  # autograd: the general path
+        return None
+    # only argument types whose equality is their identity for the call (True is not 1 here)
+    if (causal is not True and causal is not False) or type(kernel) is not str:
+        return None
+    if scale is not None and type(scale) is not float and type(scale) is not int:
+        return None
+    if params and any(type(x) is not int for x in params.values()):
+        return None
+    device = q.get_device()
+    if k.get_device() != device or v.get_device() != device:
+        return None
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return None
+    check, with_lse = bool(check_finite), bool(return_lse)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, device, causal, scale, kernel, check, with_lse,
+           tuple(params.items()))
+    plans = getattr(_LOCAL, "plans", None)
+    if plans is None:
+        plans = _LOCAL.plans = {}
+    plan = plans.get(key)
+    if plan is None or plan.until < time.monotonic():
+        return Pending(plans, key, check, with_lse, params)
+    if plan.launch is None:
+        return None
+    if plan.stream(device):  # not the legacy default stream: its queued work must come first
+        torch.cuda.current_stream(device).synchronize()
+    out = q.new_empty(plan.out_shape)
+    ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()]
+    if with_lse:
+        lse = q.new_empty(plan.lse_shape)
+        ptrs.append(lse.data_ptr())
+    if plan.aligned is not None and not plan.aligned(*ptrs):
+        return None
+    plan.launch(*ptrs)
+    if plan.scan is not None and plan.scan(*ptrs[:4]):
+        return None
+    return (out, lse) if with_lse else out
+
+
+def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
+    from .backends.cuda import launch, prepared_flash
+
+    if call.empty or chosen.name != "cuda.flash":
+        return _Plan()
+    (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
+    prepared = prepared_flash(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
+                              resolved["block_q"], resolved["block_k"], resolved["tensor_cores"], with_lse)
+    sizes = (call.q.size, call.k.size, call.v.size, math.prod(call.out_shape))
+    scan = launch.FiniteScan.prepare(call.q.dtype, sizes) if check else None
+    if prepared is None or (check and scan is None):
+        return _Plan(until=time.monotonic() + RECHECK_S)
+    looked_up = len(params) < len(chosen.params)  # tunables from the tuning cache or defaults
+    return _Plan(prepared[0], scan, prepared[1], raw_stream, call.out_shape,
+                 call.out_shape[:-1],
+                 time.monotonic() + RECHECK_S if looked_up else math.inf)

@@ -1,0 +1,252 @@
+"""cuda.flash's backward in Numba kernels (three launches, FlashAttention-2
+order, deterministic). Importing this module imports numba.cuda.
+
+P is recomputed from the saved lse (P_ij = 2^(s_ij - lse_i log2 e), no row
+max, no N x N buffer). 1. flash_backward_delta: D_i = dO_i . O_i, a thread
+per row. 2. flash_backward_dkdv: a block per block_k keys, a thread per
+key; it streams the tiles of block_q queries that can see its keys (causal:
+from the diagonal on) with their dO rows, lse and D through shared memory
+(every thread reads the same element: a broadcast) and accumulates dK_j and
+dV_j in thread-local arrays of the padded head size. 3. flash_backward_dq:
+a block per block_q queries, a thread per query, K/V tiles of block_k keys
+streamed (causal: up to the diagonal), dQ_i accumulated the same way. Each
+gradient row is summed by one thread over the queries or keys in order: no
+atomics, and results that depend neither on the tiles nor on scheduling.
+Tiles are block_q and block_k as given (0: 64), halved until shared memory
+fits (backends/cuda/__init__.py, _flash_backward_tiles).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import config, cuda, uint64
+
+from .launch import LOG2E, round_up
+
+
+def flash_backward_padded_dims(d: int, dv: int) -> tuple[int, int]:
+    """Head sizes of the backward's per-thread rows, rounded up (zero-filled) to
+    16: compile-time sizes, so their loops unroll, and one kernel serves many D."""
+    return round_up(d, 16), round_up(dv, 16)
+
+
+def flash_backward_shared_bytes(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> int:
+    """Shared memory of the larger of the backward's two blocks: the dK/dV block's
+    Q and dO tiles with their lse and D, the dQ block's K and V tiles."""
+    dp, dvp = flash_backward_padded_dims(d, dv)
+    return max(block_q * (dp + dvp + 2), block_k * (dp + dvp)) * itemsize
+
+
+DELTA_THREADS = 32 if config.ENABLE_CUDASIM else 128
+
+
+@functools.cache
+def flash_backward_delta_kernel(dtype: str):
+    """D_i = dO_i . O_i for every row of (batch * nq): one thread per row."""
+    ZERO = np.dtype(dtype).type(0)
+    U_1 = np.uint64(1)
+
+    @cuda.jit
+    def flash_backward_delta(out, dout, delta, rows, dv):
+        rows, dv = uint64(rows), uint64(dv)
+        row = uint64(cuda.grid(1))
+        if row < rows:
+            acc = ZERO
+            at = row * dv
+            for _ in range(dv):
+                acc += dout[at] * out[at]
+                at += U_1
+            delta[row] = acc
+
+    return flash_backward_delta
+
+
+@functools.cache
+def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp: int):
+    """cuda.flash's two backward kernels for one dtype, tile shape and padded
+    head sizes: (dK/dV over key blocks of block_k threads, dQ over query blocks
+    of block_q threads). Unsigned indices, as in flash_kernel."""
+    ftype = np.dtype(dtype).type
+    ZERO = ftype(0)
+    F_LOG2E = ftype(LOG2E)
+    BQ, BK, DP, DVP = block_q, block_k, dp, dvp
+    SQ_SIZE, SDO_SIZE = BQ * DP, BQ * DVP  # the dK/dV block's Q and dO tiles
+    SK_SIZE, SV_SIZE = BK * DP, BK * DVP  # the dQ block's K and V tiles
+    U = np.uint64
+    U_BQ, U_BK, U_DP, U_DVP = U(BQ), U(BK), U(DP), U(DVP)
+    U_0, U_1 = U(0), U(1)
+
+    @cuda.jit
+    def flash_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, nq, nk, d, dvn, qscale, scale, causal):
+        # flat arrays of (batch, n, d) rows; lse and delta: (batch, nq). Thread tid owns key k0 + tid.
+        nq, nk, d, dvn = uint64(nq), uint64(nk), uint64(d), uint64(dvn)
+        b = uint64(cuda.blockIdx.y)
+        k0 = uint64(cuda.blockIdx.x) * U_BK
+        tid = uint64(cuda.threadIdx.x)
+        key = k0 + tid
+        live = key < nk
+        q_rows, kv_rows = b * nq, b * nk
+
+        sq = cuda.shared.array(SQ_SIZE, ftype)
+        sdo = cuda.shared.array(SDO_SIZE, ftype)
+        slse = cuda.shared.array(BQ, ftype)  # lse in the log2 domain
+        sdelta = cuda.shared.array(BQ, ftype)
+        kj = cuda.local.array(DP, ftype)
+        vj = cuda.local.array(DVP, ftype)
+        dkj = cuda.local.array(DP, ftype)
+        dvj = cuda.local.array(DVP, ftype)
+
+        at = (kv_rows + key) * d
+        for t in range(DP):
+            ut = uint64(t)
+            kj[t] = k[at + ut] if live and ut < d else ZERO
+            dkj[t] = ZERO
+        at = (kv_rows + key) * dvn
+        for e in range(DVP):
+            ue = uint64(e)
+            vj[e] = v[at + ue] if live and ue < dvn else ZERO
+            dvj[e] = ZERO
+
+        # causal: query i sees key j when j <= i; the first query tile that sees a key of this block holds row k0
+        i_first = (k0 // U_BQ) * U_BQ if causal else U_0
+        for i0 in range(i_first, nq, U_BQ):
+            cuda.syncthreads()  # the previous tiles are consumed
+            for n in range(tid, SQ_SIZE, BK):
+                i, t = uint64(n) // U_DP, uint64(n) % U_DP
+                row = i0 + i
+                sq[n] = q[(q_rows + row) * d + t] if row < nq and t < d else ZERO
+            for n in range(tid, SDO_SIZE, BK):
+                i, e = uint64(n) // U_DVP, uint64(n) % U_DVP
+                row = i0 + i
+                sdo[n] = dout[(q_rows + row) * dvn + e] if row < nq and e < dvn else ZERO
+            for n in range(tid, BQ, BK):
+                row = i0 + uint64(n)
+                slse[n] = lse[q_rows + row] * F_LOG2E if row < nq else ZERO
+                sdelta[n] = delta[q_rows + row] if row < nq else ZERO
+            cuda.syncthreads()
+            if live:
+                qa, da = U_0, U_0  # row i's offsets in the Q and dO tiles
+                for i in range(U_0, min(U_BQ, nq - i0)):
+                    if not (causal and key > i0 + i):
+                        s = ZERO
+                        for t in range(DP):
+                            s += sq[qa + uint64(t)] * kj[t]
+                        # P_ij from the forward's lse, scores in the log2 domain; the dQ kernel
+                        # computes the same products in the same order, so the same P and dS
+                        p = math.exp2(s * qscale - slse[i])
+                        dp = ZERO
+                        for e in range(DVP):
+                            g = sdo[da + uint64(e)]
+                            dvj[e] += p * g
+                            dp += g * vj[e]
+                        ds = p * (dp - sdelta[i])
+                        for t in range(DP):
+                            dkj[t] += ds * sq[qa + uint64(t)]
+                    qa += U_DP
+                    da += U_DVP
+
+        if live:
+            at = (kv_rows + key) * d
+            for t in range(DP):
+                ut = uint64(t)
+                if ut < d:
+                    dk[at + ut] = dkj[t] * scale
+            at = (kv_rows + key) * dvn
+            for e in range(DVP):
+                ue = uint64(e)
+                if ue < dvn:
+                    dv[at + ue] = dvj[e]
+
+    @cuda.jit
+    def flash_backward_dq(q, k, v, dout, lse, delta, dq, nq, nk, d, dvn, qscale, scale, causal):
+        # thread tid owns query row q0 + tid
+        nq, nk, d, dvn = uint64(nq), uint64(nk), uint64(d), uint64(dvn)
+        b = uint64(cuda.blockIdx.y)
+        q0 = uint64(cuda.blockIdx.x) * U_BQ
+        tid = uint64(cuda.threadIdx.x)
+        row = q0 + tid
+        live = row < nq
+        q_rows, kv_rows = b * nq, b * nk
+
+        sk = cuda.shared.array(SK_SIZE, ftype)
+        sv = cuda.shared.array(SV_SIZE, ftype)
+        qi = cuda.local.array(DP, ftype)
+        doi = cuda.local.array(DVP, ftype)
+        dqi = cuda.local.array(DP, ftype)
+
+        at = (q_rows + row) * d
+        for t in range(DP):
+            ut = uint64(t)
+            qi[t] = q[at + ut] if live and ut < d else ZERO
+            dqi[t] = ZERO
+        at = (q_rows + row) * dvn
+        for e in range(DVP):
+            ue = uint64(e)
+            doi[e] = dout[at + ue] if live and ue < dvn else ZERO
+        lse2 = lse[q_rows + row] * F_LOG2E if live else ZERO
+        di = delta[q_rows + row] if live else ZERO
+
+        kend = min(nk, q0 + U_BQ) if causal else nk
+        for j0 in range(U_0, kend, U_BK):
+            cuda.syncthreads()
+            for n in range(tid, SK_SIZE, BQ):
+                j, t = uint64(n) // U_DP, uint64(n) % U_DP
+                key = j0 + j
+                sk[n] = k[(kv_rows + key) * d + t] if key < nk and t < d else ZERO
+            for n in range(tid, SV_SIZE, BQ):
+                j, e = uint64(n) // U_DVP, uint64(n) % U_DVP
+                key = j0 + j
+                sv[n] = v[(kv_rows + key) * dvn + e] if key < nk and e < dvn else ZERO
+            cuda.syncthreads()
+            if live:
+                ka, va = U_0, U_0  # key j's offsets in the K and V tiles
+                for j in range(U_0, min(U_BK, nk - j0)):
+                    if causal and j0 + j > row:
+                        break  # and every later key of the tile
+                    s = ZERO
+                    for t in range(DP):
+                        s += qi[t] * sk[ka + uint64(t)]
+                    p = math.exp2(s * qscale - lse2)  # as in flash_backward_dkdv, bit for bit
+                    dp = ZERO
+                    for e in range(DVP):
+                        dp += doi[e] * sv[va + uint64(e)]
+                    ds = p * (dp - di)
+                    for t in range(DP):
+                        dqi[t] += ds * sk[ka + uint64(t)]
+                    ka += U_DP
+                    va += U_DVP
+
+        if live:
+            at = (q_rows + row) * d
+            for t in range(DP):
+                ut = uint64(t)
+                if ut < d:
+                    dq[at + ut] = dqi[t] * scale
+
+    return flash_backward_dkdv, flash_backward_dq
+
+
+def flash_backward(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: float, block_q: int, block_k: int) -> None:
+    """dq, dk, dv (GpuArrays to fill) of out = softmax(q k^T * scale) v, given
+    dout and the forward's out and lse, on GpuArrays (batch, n, d)."""
+    batch, nq, d = q.shape
+    nk, dvn = k.shape[1], v.shape[2]
+    if batch == 0:
+        return
+    ftype = q.dtype.type
+    dp, dvp = flash_backward_padded_dims(d, dvn)
+    dkdv_kernel, dq_kernel = flash_backward_kernels(q.dtype.name, block_q, block_k, dp, dvp)
+    delta = cuda.device_array(max(batch * nq, 1), dtype=q.dtype)
+    sizes = (nq, nk, d, dvn, ftype(scale * LOG2E), ftype(scale), causal)
+    if nq:
+        rows = batch * nq
+        flash_backward_delta_kernel(q.dtype.name)[-(-rows // DELTA_THREADS), DELTA_THREADS](
+            out.flat, dout.flat, delta, rows, dvn)
+        dq_kernel[(-(-nq // block_q), batch), block_q](q.flat, k.flat, v.flat, dout.flat, lse.flat, delta, dq.flat,
+                                                       *sizes)
+    if nk:  # with no queries this writes zeros
+        dkdv_kernel[(-(-nk // block_k), batch), block_k](q.flat, k.flat, v.flat, dout.flat, lse.flat, delta,
+                                                         dk.flat, dv.flat, *sizes)

@@ -1,0 +1,352 @@
+"""cuda.flash's CUDA C++ kernels and their configurations: the register-blocked
+float32 kernel (flash_simt.cu: SimtConfig), the tensor-core kernels (flash_tf32.cu
+in 3xTF32 for float32, flash_mma.cu for float16/bfloat16: MmaConfig; flash_wgmma.cu
+on Hopper: WgmmaConfig), each a CUDA C++ device function that numba-cuda compiles
+(NVRTC) and links into a kernel launched below Numba's dispatcher (launch.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import numpy as np
+from numba import config, cuda
+
+from .launch import (LOG2E, SHARED_BYTES, Addr, RawKernel, dynamic_raw_kernel, launch, register_raw, round_up,
+                     shared_limit)
+
+# ---------------------------------------------------------------- cuda.flash, float32 register-blocked
+
+@dataclasses.dataclass(frozen=True)
+class SimtConfig:
+    """How the float32 CUDA C++ kernel (flash_simt.cu) divides its work: block_q
+    query rows and block_k keys a tile per block; each thread holds rows x keys
+    scores (and rows x the head size / (block_k / keys) output columns)."""
+
+    block_q: int = 64
+    block_k: int = 64
+    rows: int = 4
+    keys: int = 8
+
+    @property
+    def key_groups(self) -> int:
+        return self.block_k // self.keys
+
+    @property
+    def threads(self) -> int:
+        return self.block_q // self.rows * self.key_groups
+
+    def padded_d(self, d: int) -> int:
+        """The head size the tiles hold: d rounded up so each key group's output
+        columns are whole float4 chunks."""
+        return round_up(d, 4 * self.key_groups)
+
+    def shared_bytes(self, d: int) -> int:
+        """Q, two K and two V tiles (rows padded by 4 floats) and P (rows padded by 8)."""
+        ld = self.padded_d(d) + 4
+        return (self.block_q * ld + 4 * self.block_k * ld + self.block_q * (self.block_k + 8)) * 4
+
+    def __str__(self) -> str:
+        return f"{self.block_q}x{self.block_k}t{self.rows}x{self.keys}"
+
+
+SIMT_BLOCK_Q, SIMT_BLOCK_K = (32, 64, 128), (32, 64)  # the float32 kernel's tiles (of up to 64 x 64 area)
+
+
+def simt_config(d: int, block_q: int = 0, block_k: int = 0) -> SimtConfig | None:
+    """The float32 kernel's division for tile block_q x block_k at head size d (0:
+    the default's, 64 x 64 up to d = 64, 64 x 32 above), or None where it has no
+    such tile or the tile's shared memory exceeds this GPU's limit. Each thread
+    holds 4 rows and 8 keys of scores (4 keys in 32-key tiles)."""
+    bq, bk = block_q or 64, block_k or (64 if d <= 64 else 32)
+    if bq not in SIMT_BLOCK_Q or bk not in SIMT_BLOCK_K or bq * bk > 4096:
+        return None
+    config = SimtConfig(bq, bk, 4, 8 if bk >= 64 else 4)
+    return config if config.shared_bytes(d) <= shared_limit() else None
+
+
+def simt_applies(d: int, dv: int) -> bool:
+    """Whether the float32 kernel takes this head size: D = Dv, a multiple of 4 up to 128."""
+    return d == dv and d % 4 == 0 and 4 <= d <= 128
+
+
+def simt_aligned(*ptrs) -> bool:
+    """Whether the float32 kernel can take arrays at these addresses (q, k, v, out[,
+    lse]): 16-byte aligned (its float4 reads and writes), lse 4-byte aligned."""
+    return not any(p % 16 for p in ptrs[:4]) and not any(p % 4 for p in ptrs[4:])
+
+
+def flash_simt_kernel(d: int, config: SimtConfig | None = None):
+    """cuda.flash's register-blocked float32 kernel for head size d: the CUDA C++
+    device function of flash_simt.cu in a numba-cuda kernel, built and launched as
+    the tensor-core kernel is (flash_mma_kernel)."""
+    config = config or simt_config(d)
+    return _linked_kernel("flash_simt.cu", f"attnkern_flash_simt_{config.padded_d(d)}_{config}",
+                          (("DP", config.padded_d(d)), ("BM", config.block_q), ("BN", config.block_k),
+                           ("TM", config.rows), ("TN", config.keys)),
+                          ("u64",) * 5 + ("i32", "i32", "i32", "f32", "i32", "i32"), config.threads,
+                          config.shared_bytes(d))
+
+
+def flash_simt_launch(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None):
+    """(kernel, grid, block, args) of the float32 kernel: launch() takes them, or Prepared."""
+    batch, nq, d = q.shape
+    config = config or simt_config(d)
+    return (flash_simt_kernel(d, config), (-(-nq // config.block_q), batch), config.threads,
+            (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
+             np.int32(k.shape[1]), np.int32(d), np.float32(scale * LOG2E), np.int32(bool(causal)),
+             np.int32(lse is not None)))
+
+
+def flash_simt(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None) -> None:
+    """out = softmax(q k^T * scale) v on float32 GpuArrays (batch, n, d), d = dv a
+    multiple of 4 up to 128, at simt_aligned addresses; lse: None, or a GpuArray
+    (batch, nq) to fill."""
+    kernel, grid, block, args = flash_simt_launch(q, k, v, out, causal, scale, lse, config)
+    launch(kernel, grid, block, *args)
+
+
+@functools.cache
+def _linked_kernel(source: str, name: str, defines: tuple, params: tuple, threads: int, shared: int):
+    """A numba-cuda kernel whose body calls the CUDA C++ device function `name` of
+    `source` (a file beside this one, after flash_common.cuh), compiled by numba-cuda (NVRTC) with the
+    constants ATTNKERN_<key> of `defines` ((key, value) pairs; and NAME, DYNAMIC) prepended, linked into
+    the kernel and compiled here for its one signature (params: "u64", "i32",
+    "f32"); registered for launch() below the dispatcher, with `shared` bytes of
+    dynamic shared memory where they exceed the static limit."""
+    from numba.cuda import types as nbtypes
+
+    dynamic = shared > SHARED_BYTES
+    here = os.path.dirname(__file__)
+    body = ""
+    for part in ("flash_common.cuh", source):  # the shared definitions first: NVRTC has no include path here
+        with open(os.path.join(here, part)) as f:
+            body += f.read() + "\n"
+    defines = {**dict(defines), "NAME": name, "DYNAMIC": int(dynamic)}
+    text = "".join(f"#define ATTNKERN_{key} {value}\n" for key, value in defines.items())
+    types = {"u64": nbtypes.uint64, "i32": nbtypes.int32, "f32": nbtypes.float32}
+    sig = nbtypes.void(*(types[p] for p in params))
+    attend = cuda.declare_device(name, sig, link=[cuda.CUSource(text + body)], abi="c")
+    args = ", ".join(f"a{i}" for i in range(len(params)))
+    # a kernel of len(params) parameters that passes them on (Numba needs the names)
+    scope = {"attend": attend}
+    exec(f"def kernel({args}):\n    attend({args})\n", scope)
+    kernel = cuda.jit(sig, launch_bounds=threads)(scope["kernel"])
+    compiled = next(iter(kernel.overloads.values()))
+    raw = dynamic_raw_kernel(compiled, shared) if dynamic else RawKernel(compiled)
+    register_raw(kernel, raw)
+    return kernel
+
+
+# ---------------------------------------------------------------- cuda.flash on tensor cores
+
+MMA_DTYPES = ("float16", "bfloat16")  # the input dtypes of flash_mma.cu; float32 runs flash_tf32.cu
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaConfig:
+    """How a tensor-core kernel (flash_mma.cu for float16/bfloat16, flash_tf32.cu
+    for float32) divides its work: `mt` 16-row mma tiles a warp (each K and V
+    fragment read from shared memory feeds mt of them), `warps` warps a block,
+    `block_k` keys a K/V tile, and whether Q's fragments are reloaded from shared
+    memory every tile (`q_smem`, which frees the registers they would hold) or kept
+    in registers."""
+
+    mt: int = 1
+    warps: int = 8
+    block_k: int = 64
+    q_smem: bool = False
+
+    @property
+    def block_q(self) -> int:
+        return 16 * self.mt * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def shared_bytes(self, d: int, itemsize: int = 2) -> int:
+        """Shared memory of one block at head size d: Q (if q_smem) and two K and two
+        V tiles; 2-byte rows padded to d + 8 elements, float32 Q and K rows to d + 8
+        and V rows to d + 4 (flash_tf32.cu)."""
+        q_rows = self.block_q if self.q_smem else 0
+        if itemsize == 2:
+            return (q_rows + 4 * self.block_k) * (d + 8) * 2
+        return ((q_rows + 2 * self.block_k) * (d + 8) + 2 * self.block_k * (d + 4)) * 4
+
+    def __str__(self) -> str:
+        return f"mt{self.mt}w{self.warps}k{self.block_k}{'qs' if self.q_smem else ''}"
+
+
+def mma_config(d: int, dtype: str = "bfloat16") -> MmaConfig:
+    """A tensor-core kernel's default work division at head size d. float16/bfloat16:
+    FlashAttention-2's (4 warps of 32 query rows, 64-key tiles), with Q's fragments
+    in registers up to d = 64 and reloaded from shared memory above, where the output
+    accumulators of 32 rows leave no registers for them. float32 (3xTF32): 128 query
+    rows and 64-key tiles, Q in shared memory, up to d = 64 in the same 4 warps,
+    above it in 8 warps of 16 rows, as its registers allow (tf32_division).
+    dev/gpu_flash_versions.py compares divisions."""
+    if dtype == "float32":
+        return tf32_division(d, *TF32_DEFAULT_TILE)
+    return MmaConfig(mt=2, warps=4, block_k=64, q_smem=d > 64)
+
+
+# flash_tf32.cu's tiles (block_q, block_k), and its default tile
+TF32_BLOCK_Q, TF32_BLOCK_K = (64, 128), (32, 64)
+TF32_DEFAULT_TILE = (128, 64)
+
+
+def tf32_division(d: int, block_q: int, block_k: int) -> MmaConfig:
+    """flash_tf32.cu's division for a tile: Q reloaded from shared memory (its split
+    fragments and the output's two accumulators leave no registers for it), 4 warps
+    of 16 rows for 64 query rows; for 128, up to d = 64 FlashAttention-2's 4 warps of
+    2 mma tiles (each K and V fragment feeds two), above that 8 warps of one (two
+    would spill). dev/gpu_flash_versions.py compares divisions."""
+    mt = 2 if block_q == 128 and d <= 64 else 1
+    return MmaConfig(mt=mt, warps=block_q // (16 * mt), block_k=block_k, q_smem=True)
+
+
+def tf32_config(d: int, dv: int, block_q: int = 0, block_k: int = 0) -> MmaConfig | None:
+    """The float32 tensor-core kernel's division for tile block_q x block_k (0: the
+    default's) at head sizes d, dv, or None where it does not take them (D = Dv a
+    multiple of 16 up to 128; tiles 64 or 128 x 32 or 64) or the tile's shared
+    memory exceeds this GPU's limit."""
+    if not mma_head_size_ok(d, dv):
+        return None
+    bq, bk = block_q or TF32_DEFAULT_TILE[0], block_k or TF32_DEFAULT_TILE[1]
+    if bq not in TF32_BLOCK_Q or bk not in TF32_BLOCK_K:
+        return None
+    config = tf32_division(d, bq, bk)
+    return config if config.shared_bytes(d, 4) <= shared_limit() else None
+
+
+def tf32_aligned(*ptrs) -> bool:
+    """Whether the float32 tensor-core kernel can take arrays at these addresses (q,
+    k, v, out[, lse]): 16-byte aligned inputs, 8-byte aligned out (float2 writes)."""
+    return not any(p % 16 for p in ptrs[:3]) and not ptrs[3] % 8 and not any(p % 4 for p in ptrs[4:])
+
+
+def mma_head_size_ok(d: int, dv: int) -> bool:
+    """Whether the tensor-core kernels take this head size: D = Dv, a multiple of 16 up to 128."""
+    return d == dv and d % 16 == 0 and 16 <= d <= 128
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """How flash_wgmma.cu (float16/bfloat16 on Hopper's warpgroup MMAs) divides its
+    work: `warpgroups` of 4 warps and 64 query rows a block, `block_k` keys a K/V tile."""
+
+    warpgroups: int = 3
+    block_k: int = 128
+
+    def check(self, d: int) -> None:
+        """ValueError unless flash_wgmma.cu has this division and head size."""
+        if self.warpgroups not in (1, 2, 3) or self.block_k not in (64, 128) or d not in WGMMA_HEAD_SIZES:
+            raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups, 64- or 128-key tiles and D = 64 or 128, not "
+                             f"{self} at D = {d}")
+
+    @property
+    def block_q(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    def shared_bytes(self, d: int, itemsize: int = 2) -> int:
+        """Shared memory of one block at head size d: Q, two K and two V tiles, unpadded,
+        and 1 KB to align them to the 1024 bytes of the swizzle pattern."""
+        return (self.block_q + 4 * self.block_k) * d * itemsize + 1024
+
+    def __str__(self) -> str:
+        return f"wg{self.warpgroups}k{self.block_k}"
+
+
+WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
+WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
+
+
+def wgmma_applies(d: int, dv: int) -> bool:
+    """Whether float16/bfloat16 at these head sizes run flash_wgmma.cu on this GPU."""
+    if config.ENABLE_CUDASIM or d != dv or d not in WGMMA_HEAD_SIZES:
+        return False
+    return _capability(cuda.get_current_device().id) == WGMMA_CAPABILITY
+
+
+@functools.cache
+def _capability(device_id: int) -> tuple:
+    return tuple(cuda.get_current_device().compute_capability)
+
+
+def tensor_core_config(d: int, dtype: str) -> "MmaConfig | WgmmaConfig":
+    """The default division of the dtype's tensor-core kernel at head size d."""
+    return mma_config(d, dtype) if dtype == "float32" else half_config(d, dtype)
+
+
+def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
+    """The float16/bfloat16 kernel's default division at head size d: flash_wgmma.cu's
+    three warpgroups of 64 rows and 128-key tiles where it applies (Hopper, D = 64 or
+    128), else flash_mma.cu's (mma_config). dev/gpu_flash_versions.py compares them."""
+    return WgmmaConfig() if wgmma_applies(d, d) else mma_config(d, dtype)
+
+
+def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None):
+    """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_wgmma.cu for a
+    WgmmaConfig, flash_mma.cu for an MmaConfig) or float32 (flash_tf32.cu, 3xTF32),
+    head size d and a work division (default half_config(d, dtype), or mma_config(d,
+    dtype) for float32): a numba-cuda kernel whose body calls the CUDA C++ device
+    function of the source, compiled by numba-cuda (NVRTC, for the GPU's
+    arch-specific target: sm_90a on Hopper) with the constants for this dtype, head
+    size and division and linked into the kernel. The C++ holds the tensor-core
+    (wgmma, mma.sync, ldmatrix) and asynchronous-copy instructions as inline PTX:
+    Numba's Python kernels reach neither, while numba-cuda still
+    compiles and caches the kernel. It is compiled here, for its one signature, and
+    launched below the dispatcher (RawKernel, registered for launch()); shared
+    memory above the 48 KB a kernel gets without asking is dynamic, the kernel's
+    limit raised to it."""
+    config = config or tensor_core_config(d, dtype)
+    if isinstance(config, WgmmaConfig):
+        config.check(d)
+        return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}",
+                              (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
+                               ("NWG", config.warpgroups)),
+                              ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32"), config.threads,
+                              config.shared_bytes(d))
+    division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)))
+    if dtype == "float32":
+        source, defines, itemsize = "flash_tf32.cu", (("D", d), *division), 4
+    else:
+        source, defines, itemsize = "flash_mma.cu", (("D", d), ("BF16", int(dtype == "bfloat16")), *division), 2
+    return _linked_kernel(source, f"attnkern_flash_mma_{dtype}_{d}_{config}", defines,
+                          ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32"), config.threads,
+                          config.shared_bytes(d, itemsize))
+
+
+def mma_aligned(*ptrs) -> bool:
+    """Whether the tensor-core kernel can take arrays at these addresses (q, k, v,
+    out[, lse]): 16-byte aligned inputs, 4-byte aligned outputs."""
+    return not any(p % 16 for p in ptrs[:3]) and not any(p % 4 for p in ptrs[3:])
+
+
+def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
+                     config: MmaConfig | WgmmaConfig | None = None):
+    """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared.
+    The grid is (query blocks, batch); config: the work division (default
+    half_config(d), or mma_config(d) for float32)."""
+    batch, nq, d = q.shape
+    dtype = q.dtype.name
+    config = config or tensor_core_config(d, dtype)
+    return (flash_mma_kernel(dtype, d, config), (-(-nq // config.block_q), batch), config.threads,
+            (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
+             np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None)))
+
+
+def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None) -> None:
+    """out = softmax(q k^T * scale) v on float16 or bfloat16 GpuArrays (batch, n, d)
+    on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill."""
+    if not mma_aligned(*(a.ptr for a in ((q, k, v, out) if lse is None else (q, k, v, out, lse)))):
+        raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses "
+                         "(pass a fresh contiguous tensor: .contiguous() or .clone())")
+    kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse)
+    launch(kernel, grid, block, *args)

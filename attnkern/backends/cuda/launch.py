@@ -1,0 +1,371 @@
+"""The cuda backend's launch and scan plumbing, below its kernels: launching a
+compiled Numba kernel below Numba's dispatcher (RawKernel, Prepared: the
+driver's cuLaunchKernel with parameters laid out once), dynamic shared memory,
+and the NaN/infinity scan of attention(check_finite=True) on GPU arrays (one
+launch over up to four arrays, flags in mapped host memory, one wait; under
+the simulator a plain kernel per array). Importing it imports numba.cuda."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import struct
+import threading
+import time
+
+import numpy as np
+from numba import config, cuda
+
+from ..._gpuarray import GpuArray
+
+LOG2E = math.log2(math.e)  # scores in the log2 domain: exp(s) = 2^(s * LOG2E)
+LN2 = math.log(2.0)  # back from the log2 domain: ln(x) = log2(x) * LN2
+SHARED_BYTES = 48 * 1024  # static shared memory per block (CUDA's limit without opt-in)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ---------------------------------------------------------------- launches
+
+class RawKernel:
+    """A compiled Numba kernel launched below Numba's dispatcher, with the driver's
+    cuLaunchKernel (through cuda.bindings) on the legacy default stream, as Numba's
+    own launches: no typing of Python values, no array objects, no launch
+    configuration objects per call. That dispatch is most of a call's overhead
+    at small sizes. Parameters come as the address of an array of pointers to
+    their values (Prepared)."""
+
+    def __init__(self, compiled, shared: int = 0):
+        from cuda.bindings import driver as cu
+
+        handle = compiled._codelibrary.get_cufunc().handle  # a CUkernel or CUfunction: both launch
+        self._function = cu.CUfunction(int(handle))
+        self._shared = shared  # dynamic shared memory bytes of every launch
+        self._stream = cu.CUstream(_LEGACY_STREAM)
+        self._launch = cu.cuLaunchKernel
+        self._success = cu.CUresult.CUDA_SUCCESS
+
+    def __call__(self, grid: tuple, block: tuple, params: int) -> None:
+        if not getattr(_THREAD, "context", False):  # the context must be current on this thread
+            cuda.current_context()
+            _THREAD.context = True
+        (err,) = self._launch(self._function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                              self._shared, self._stream, params, 0)
+        if err != self._success:
+            raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+
+
+def shared_limit() -> int:
+    """The most shared memory one block may have on the current GPU (with the
+    kernel's limit raised), or the static limit where there is no GPU (the simulator)."""
+    if config.ENABLE_CUDASIM:
+        return SHARED_BYTES
+    return _optin_limit(cuda.get_current_device().id)
+
+
+@functools.cache  # asked on every call that picks a tile; a device's limit does not change
+def _optin_limit(device_id: int) -> int:
+    return cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+
+
+def dynamic_raw_kernel(compiled, shared: int) -> RawKernel:
+    """The RawKernel of a compiled kernel that takes `shared` bytes of dynamic shared
+    memory, its limit raised to that (the driver refuses launches above 48 KB without)."""
+    from numba.cuda.cudadrv import driver as nbdriver
+
+    limit = shared_limit()
+    if shared > limit:
+        raise ValueError(f"a kernel needs {shared} bytes of shared memory; this GPU allows {limit}")
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = nbdriver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    nbdriver.driver.cuKernelSetAttribute(attr, shared, cufunc.handle, cufunc.device.id)
+    return RawKernel(compiled, shared)
+
+
+_THREAD = threading.local()  # per thread: whether Numba made its context current there
+_LEGACY_STREAM = 0  # the stream handle our kernels run on, as Numba's own launches
+_RAW: dict = {}  # dispatcher -> RawKernel; each of our dispatchers is always called with one signature
+_RAW_LOCK = threading.Lock()
+_DYNAMIC_SHARED: dict = {}  # dispatcher -> bytes of dynamic shared memory its launches take
+
+
+def _dim3(x) -> tuple:
+    x = (x,) if isinstance(x, int) else tuple(x)
+    return x + (1,) * (3 - len(x))
+
+
+class Addr:
+    """A kernel argument that is a GpuArray's device address, as a uint64 (the
+    CUDA C++ kernels take their arrays so)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+
+_MASK64 = (1 << 64) - 1
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _words(args, roles=()):
+    """Kernel arguments as Numba's calling convention lays them out, one 64-bit
+    word per parameter (a narrower value in its low bytes, which is all the
+    driver copies): a GpuArray as the fields of Numba's 1-D C-contiguous array
+    (meminfo, parent, size, itemsize, data pointer, shape, stride), an Addr as
+    its array's address, a bool as is, Python ints and floats as the C types
+    Numba types them as (int64, float64), NumPy scalars as their own. Returns
+    (words, [(word index, role index)]) where a GpuArray's or an Addr's array
+    is `roles[role index]` (by identity)."""
+    words, slots = [], []
+    for a in args:
+        array = a.array if isinstance(a, Addr) else a if isinstance(a, GpuArray) else None
+        if array is not None:
+            role = next((i for i, r in enumerate(roles) if r is array), None)
+            if isinstance(a, GpuArray):
+                n, itemsize = a.size, a.dtype.itemsize
+                words += (0, 0, n, itemsize)
+                at = len(words)
+                words += (a.ptr, n, itemsize)
+            else:
+                at = len(words)
+                words.append(array.ptr)
+            if role is not None:
+                slots.append((at, role))
+        elif isinstance(a, bool):
+            words.append(int(a))
+        elif isinstance(a, int):
+            words.append(a & _MASK64)
+        elif isinstance(a, float):
+            words.append(struct.unpack("<Q", struct.pack("<d", a))[0])
+        else:  # a NumPy scalar: its own bits
+            words.append(int(a.view(_UINT[a.dtype.itemsize])))
+    return words, slots
+
+
+class Prepared:
+    """One kernel's launch with everything fixed but some arrays' addresses:
+    calling it with the addresses of the roles (in order) writes them into its
+    parameter words and launches. Its parameter memory is its own: use one from
+    one thread at a time."""
+
+    def __init__(self, raw: RawKernel, grid, block, args, roles=()):
+        words, self._slots = _words(args, roles)
+        self._raw, self._grid, self._block = raw, _dim3(grid), _dim3(block)
+        self._words = (ctypes.c_uint64 * max(len(words), 1))(*words)
+        base = ctypes.addressof(self._words)
+        self._params = (ctypes.c_void_p * max(len(words), 1))(*range(base, base + 8 * len(words), 8))
+        self._params_at = ctypes.addressof(self._params)
+
+    def __call__(self, *ptrs) -> None:
+        words = self._words
+        for at, role in self._slots:
+            words[at] = ptrs[role]
+        self._raw(self._grid, self._block, self._params_at)
+
+
+def register_raw(dispatcher, raw: RawKernel) -> None:
+    """Launches of dispatcher go through raw from now on (a kernel compiled for its one signature)."""
+    with _RAW_LOCK:
+        _RAW[dispatcher] = raw
+
+
+def take_dynamic_shared(dispatcher, shared: int) -> None:
+    """dispatcher's launches take `shared` bytes of dynamic shared memory, its limit raised on the first."""
+    _DYNAMIC_SHARED[dispatcher] = shared
+
+
+def raw_kernel(dispatcher):
+    """The RawKernel of a dispatcher that has been launched once (compiled), else None."""
+    return None if config.ENABLE_CUDASIM else _RAW.get(dispatcher)
+
+
+def launch(dispatcher, grid, block, *args) -> None:
+    """dispatcher[grid, block](*args) where each GpuArray argument is passed as its
+    flat 1-D Numba view and an Addr as its array's address (a uint64). The first
+    launch of a dispatcher goes through Numba (it compiles there); later ones
+    through RawKernel, the arguments laid out as _words says."""
+    raw = raw_kernel(dispatcher)
+    if raw is None:
+        flat = [a.flat if isinstance(a, GpuArray) else np.uint64(a.array.ptr) if isinstance(a, Addr) else a
+                for a in args]
+        shared = _DYNAMIC_SHARED.get(dispatcher, 0)
+        if shared and not config.ENABLE_CUDASIM:
+            # the limit must be raised before the first launch: compile for these
+            # arguments' types, raise it, and launch below the dispatcher from now on
+            compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(a) for a in flat))
+            with _RAW_LOCK:
+                _RAW.setdefault(dispatcher, dynamic_raw_kernel(compiled, shared))
+            return launch(dispatcher, grid, block, *args)
+        dispatcher[grid, block, 0, shared](*flat)
+        if not config.ENABLE_CUDASIM:
+            with _RAW_LOCK:
+                if dispatcher not in _RAW and len(dispatcher.overloads) == 1:
+                    _RAW[dispatcher] = RawKernel(next(iter(dispatcher.overloads.values())))
+        return
+    Prepared(raw, grid, block, args)()
+
+
+# ---------------------------------------------------------------- finite checks
+
+SCAN_BLOCKS, SCAN_THREADS = (2, 32) if config.ENABLE_CUDASIM else (528, 256)
+# the exponent bits, all set for NaN and infinity, of each float dtype's bit pattern
+_EXPONENT = {"float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80),
+             "float32": (np.uint32, 0x7F800000), "float64": (np.uint64, 0x7FF0000000000000)}
+
+
+@functools.cache
+def nonfinite_kernel(itemsize: int):
+    """A scan of up to four flat arrays of one width, viewed as unsigned integers:
+    flags[i] = 1 where array i has an element whose exponent bits are all set."""
+
+    @cuda.jit(device=True)
+    def seen(a, n, mask, start, stride):
+        for i in range(start, n, stride):
+            if (a[i] & mask) == mask:
+                return True
+        return False
+
+    @cuda.jit
+    def scan(a0, a1, a2, a3, n0, n1, n2, n3, mask0, mask1, mask2, mask3, flags):
+        start = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        if seen(a0, n0, mask0, start, stride):
+            flags[0] = 1
+        if seen(a1, n1, mask1, start, stride):
+            flags[1] = 1
+        if seen(a2, n2, mask2, start, stride):
+            flags[2] = 1
+        if seen(a3, n3, mask3, start, stride):
+            flags[3] = 1
+
+    return scan
+
+
+_FLAGS = threading.local()  # per thread: mapped host memory the scan writes its four flags to
+_NO_FLAGS = bytes(16)
+
+
+def _flags():
+    """This thread's four flags: (a GpuArray over them, their host address, the mapped array)."""
+    f = getattr(_FLAGS, "f", None)
+    if f is None:
+        host = cuda.mapped_array(4, dtype=np.int32)
+        view = GpuArray((4,), np.int32, None, ptr=host.device_ctypes_pointer.value or 0, owner=host)
+        f = _FLAGS.f = (view, host.ctypes.data, host)
+    return f
+
+
+def _scan_launch(arrays, flags):
+    """(kernel, grid, block, args) of one scan over up to four GpuArrays of one
+    dtype: each viewed as unsigned integers of its width, a grid no larger than
+    the largest needs."""
+    itype, mask = _EXPONENT[arrays[0].dtype.name]
+    ints = [GpuArray((a.size,), itype, None, ptr=a.ptr, owner=a.owner) for a in arrays]
+    sizes = [x.size for x in ints] + [0] * (4 - len(ints))
+    while len(ints) < 4:
+        ints.append(ints[0])
+    blocks = max(1, min(SCAN_BLOCKS, -(-max(sizes) // SCAN_THREADS)))
+    return (nonfinite_kernel(np.dtype(itype).itemsize), blocks, SCAN_THREADS,
+            (*ints, *sizes, *([itype(mask)] * 4), flags)), ints
+
+
+SPIN_S = 1e-3  # how long _wait polls before it leaves the wait to the driver
+_DRIVER = []  # cuda.bindings.driver and the legacy default stream's handle object, found on first use
+
+
+def _driver():
+    if not _DRIVER:
+        from cuda.bindings import driver as cu
+
+        _DRIVER.extend((cu, cu.CUstream(_LEGACY_STREAM)))
+    return _DRIVER
+
+
+def _wait() -> None:
+    """Waits for the legacy default stream, which our kernels run on: records an
+    event there and polls it for up to SPIN_S, then waits in the driver. A wait
+    in the driver can put the thread to sleep, and waking it costs tens of
+    microseconds, more than the finite checks' whole wait at small sizes."""
+    cu, stream = _driver()
+    event = getattr(_FLAGS, "event", None)
+    if event is None:
+        err, event = cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        _check(err, "cuEventCreate")
+        _FLAGS.event = event  # one per thread, kept for the thread's life
+    _check(cu.cuEventRecord(event, stream)[0], "cuEventRecord")
+    query, not_ready, deadline = cu.cuEventQuery, cu.CUresult.CUDA_ERROR_NOT_READY, None
+    while True:
+        (err,) = query(event)
+        if err != not_ready:
+            return _check(err, "cuEventQuery")
+        if deadline is None:
+            deadline = time.perf_counter() + SPIN_S
+        elif time.perf_counter() > deadline:
+            return _check(cu.cuEventSynchronize(event)[0], "cuEventSynchronize")
+
+
+def _check(err, what: str) -> None:
+    if err != _driver()[0].CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err!r}")
+
+
+def nonfinite(arrays) -> list[bool]:
+    """For each GpuArray, whether it holds a NaN or an infinity: up to four of one
+    itemsize in one launch, flags in mapped host memory, one wait; under the
+    simulator, or for more arrays, one plain scan each."""
+    if config.ENABLE_CUDASIM or len(arrays) > 4:
+        return [_nonfinite_slow(x) for x in arrays]
+    view, at, _ = _flags()
+    ctypes.memset(at, 0, 16)
+    kernel, grid, block, args = _scan_launch(arrays, view)[0]
+    launch(kernel, grid, block, *args)
+    _wait()
+    return [bool(f) for f in np.frombuffer(ctypes.string_at(at, 16), np.int32)[:len(arrays)]]
+
+
+class FiniteScan:
+    """nonfinite() prepared for arrays of fixed dtype and sizes at addresses given
+    per call: calling it with the arrays' addresses returns whether any of them
+    holds a NaN or an infinity. prepare() returns None until the scan has been
+    launched once (compiled). It writes this thread's flags: one thread's."""
+
+    def __init__(self, prepared, at):
+        self._prepared, self._at = prepared, at
+
+    @classmethod
+    def prepare(cls, dtype, sizes):
+        view, at, _ = _flags()
+        roles = [GpuArray((n,), dtype, None, ptr=0) for n in sizes]
+        (kernel, grid, block, args), ints = _scan_launch(roles, view)
+        raw = raw_kernel(kernel)
+        if raw is None:
+            return None
+        return cls(Prepared(raw, grid, block, args, ints[:len(sizes)]), at)
+
+    def __call__(self, *ptrs) -> bool:
+        ctypes.memset(self._at, 0, 16)
+        self._prepared(*ptrs)
+        _wait()
+        return ctypes.string_at(self._at, 16) != _NO_FLAGS
+
+
+_SLOW_THREADS = 32 if config.ENABLE_CUDASIM else 256  # the simulator runs a Python thread per GPU thread
+
+
+@cuda.jit
+def _flag_nonfinite(x, flag):
+    i = cuda.grid(1)
+    if i < x.size and not math.isfinite(x[i]):
+        flag[0] = 1
+
+
+def _nonfinite_slow(x: GpuArray) -> bool:
+    if not x.size:
+        return False
+    flag = cuda.to_device(np.zeros(1, dtype=np.int32))
+    _flag_nonfinite[-(-x.size // _SLOW_THREADS), _SLOW_THREADS](x.flat, flag)
+    return bool(flag.copy_to_host()[0])
