@@ -1,14 +1,16 @@
 """The features of native.flash's C kernels, through the Cython module directly
 (attnkern.backends.native._attn; arrays (batch, n, d) C-contiguous, batch = B * H):
 grouped-query attention (k and v with batch / G rows), causal alignment and sliding
-windows, key padding by per-sequence lengths, and rows that see no key.
+windows, key padding by per-sequence lengths, rows that see no key, and the logit
+softcap.
 
 Each is checked against a float64 NumPy reference written here: attention with an
 explicit boolean mask (query row b, query i, key j),
 
-    P = softmax(S) over the visible keys, S = scale q k^T, O = P v,
-    dv = P^T dO,  dP = dO v^T,  dS = P * (dP - rowsum(dO * O)),
-    dq = scale dS k,  dk = scale dS^T q,
+    P = softmax(S) over the visible keys, S = c tanh(R / c) (softcap c; else S = R),
+    R = scale q k^T, O = P v,
+    dv = P^T dO,  dP = dO v^T,  dS = P * (dP - rowsum(dO * O)),  dR = dS (1 - tanh^2(R / c)),
+    dq = scale dR k,  dk = scale dR^T q,
 
 with k and v repeated over each group of query rows, and dk and dv summed over it.
 A row that sees no key has out 0, lse -inf and zero gradients. Tolerances as in
@@ -46,12 +48,17 @@ def visible(batch, nq, nk, causal=False, align="top_left", window_left=-1, windo
     return mask
 
 
-def reference(q, k, v, dout, mask, scale):
+def reference(q, k, v, dout, mask, scale, softcap=0.0):
     """out, lse, (dq, dk, dv) in float64, k and v shared by batch / len(k) query rows."""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
     group = q.shape[0] // k.shape[0]
     kx, vx = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
-    s = np.where(mask, scale * q @ kx.swapaxes(-1, -2), -np.inf)
+    s = scale * q @ kx.swapaxes(-1, -2)
+    slope = 1.0
+    if softcap:
+        t = np.tanh(s / softcap)
+        s, slope = softcap * t, 1 - t * t
+    s = np.where(mask, s, -np.inf)
     seen = mask.any(-1, keepdims=True)
     top = np.where(seen, s.max(-1, keepdims=True, initial=-np.inf), 0)
     e = np.exp(s - top)
@@ -60,21 +67,21 @@ def reference(q, k, v, dout, mask, scale):
     out = p @ vx
     with np.errstate(divide="ignore"):
         lse = np.where(seen, np.log(total) + top, -np.inf)[..., 0]
-    ds = p * (dout @ vx.swapaxes(-1, -2) - (dout * out).sum(-1, keepdims=True))
+    ds = p * (dout @ vx.swapaxes(-1, -2) - (dout * out).sum(-1, keepdims=True)) * slope
     dq = scale * ds @ kx
     dk = (scale * ds.swapaxes(-1, -2) @ q).reshape(k.shape[0], group, *k.shape[1:]).sum(1)
     dv = (p.swapaxes(-1, -2) @ dout).reshape(v.shape[0], group, *v.shape[1:]).sum(1)
     return out, lse, (dq, dk, dv)
 
 
-def assert_close(got, ref, q, k, dtype, factor=1.0, what=""):
-    bound = TOL[np.dtype(dtype)] * factor * max(1.0, np.abs(ref).max(initial=0)) * conditioning(q, k)
+def assert_close(got, ref, q, k, dtype, factor=1.0, what="", scale=None):
+    bound = TOL[np.dtype(dtype)] * factor * max(1.0, np.abs(ref).max(initial=0)) * conditioning(q, k, scale)
     err = np.abs(np.asarray(got, np.float64) - ref).max(initial=0)
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
 
 def features_of(case):
-    return {name: case[name] for name in ("align", "window_left", "window_right", "seqlen_k") if name in case}
+    return {name: case[name] for name in ("align", "window_left", "window_right", "seqlen_k", "softcap") if name in case}
 
 
 def run(isa, q, k, v, case, threads=2, dout=None, blocks=None):
@@ -130,6 +137,11 @@ CASES = {
     "everything": dict(nq=41, nk=97, B=2, H=4, G=2, seqlen_k=L([97, 61]), align="bottom_right",
                        window_left=25, window_right=2, blocks=(16, 16)),
     "big-blocks": dict(nq=300, nk=280, H=2, G=2, causal=True, window_left=40, blocks=(256, 256), d=8, dv=8),
+    "softcap": dict(nq=50, nk=70, softcap=5.0, scale=1.0),  # scores up to ~15: saturated
+    "softcap-causal": dict(nq=64, nk=64, causal=True, softcap=2.0, scale=0.7, blocks=(32, 32)),
+    "softcap-nearly-linear": dict(nq=33, nk=47, softcap=50.0),
+    "softcap-everything": dict(nq=41, nk=97, B=2, H=4, G=2, seqlen_k=L([97, 0]), align="bottom_right",
+                               window_left=25, window_right=2, softcap=3.0, scale=0.5),
 }
 
 
@@ -139,19 +151,21 @@ CASES = {
 def test_forward_and_backward_match_the_masked_reference(isa, dtype, name):
     case = CASES[name]
     q, k, v, dout, mask = inputs(case, dtype)
+    scale = case.get("scale", q.shape[-1] ** -0.5)
     out, lse, grads = run(isa, q, k, v, case, dout=dout)
-    ref_out, ref_lse, ref_grads = reference(q, k, v, dout, mask, case.get("scale", q.shape[-1] ** -0.5))
+    ref_out, ref_lse, ref_grads = reference(q, k, v, dout, mask, scale, case.get("softcap", 0.0))
     empty = ~mask.any(-1)
     assert np.isfinite(out).all() and all(np.isfinite(g).all() for g in grads)
     assert np.array_equal(np.isneginf(lse), empty) and np.isfinite(lse[~empty]).all()
     assert (out[empty] == 0).all() and (grads[0][empty] == 0).all()
-    assert_close(out, ref_out, q, k, dtype, 2, "out")
-    assert_close(lse[~empty], ref_lse[~empty], q, k, dtype, 10, "lse")
+    assert_close(out, ref_out, q, k, dtype, 2, "out", scale)
+    assert_close(lse[~empty], ref_lse[~empty], q, k, dtype, 10, "lse", scale)
     for got, ref, what in zip(grads, ref_grads, ("dq", "dk", "dv")):
-        assert_close(got, ref, q, k, dtype, 10 if dtype == np.float32 else 2, what)
+        assert_close(got, ref, q, k, dtype, 10 if dtype == np.float32 else 2, what, scale)
 
 
-@pytest.mark.parametrize("name", ["gqa", "mqa-batch", "sliding-both", "seqlen-per-row", "everything", "big-blocks"])
+@pytest.mark.parametrize("name", ["gqa", "mqa-batch", "sliding-both", "seqlen-per-row", "everything", "big-blocks",
+                                  "softcap-everything"])
 def test_bit_identical_for_every_thread_count(name):
     case = CASES[name]
     q, k, v, dout, _ = inputs(case, np.float32)
@@ -235,14 +249,15 @@ def test_half_precision_forward_has_the_features(isa, kind):
     """The converting flash of every unit (bfloat16 on avx512bf16 and amx included,
     whose own kernels lack the features) against the reference of the rounded inputs."""
     dtype = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(np.float16)
-    for name in ("gqa-causal", "everything", "seqlen-zero", "bottom-right-causal-tall"):
+    for name in ("gqa-causal", "everything", "seqlen-zero", "bottom-right-causal-tall", "softcap-everything"):
         case = CASES[name]
         q, k, v, dout, mask = (x.astype(dtype) if x.dtype != bool else x for x in inputs(case, np.float32))
         out, lse = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype), np.empty(q.shape[:2], dtype)
         bq, bk = case.get("blocks", (16, 24))
         _attn.forward_half("flash", isa, kind, *(x.view(np.uint16) for x in (q, k, v, out)), case.get("causal", False),
-                           q.shape[-1] ** -0.5, bq, bk, 2, lse.view(np.uint16), **features_of(case))
-        ref_out, ref_lse, _ = reference(q, k, v, dout, mask, q.shape[-1] ** -0.5)
+                           case.get("scale", q.shape[-1] ** -0.5), bq, bk, 2, lse.view(np.uint16), **features_of(case))
+        ref_out, ref_lse, _ = reference(q, k, v, dout, mask, case.get("scale", q.shape[-1] ** -0.5),
+                                        case.get("softcap", 0.0))
         empty = ~mask.any(-1)
         assert np.abs(out.astype(np.float64) - ref_out).max() < 2e-2, name
         assert np.isneginf(lse.astype(np.float64)[empty]).all()
@@ -307,6 +322,13 @@ def test_arguments_are_checked_with_a_message_that_says_what_to_fix():
     assert _attn.check_problem("flash", "generic", 0, 8, 8, 16, 12, seqlen_k=L([], np.int64)) == "ok"
     assert "kv_group must be >= 1 and divide batch" in _attn.problem_error("flash", "generic", 4, 8, 8, 16, 12,
                                                                            kv_group=3)
+    for cap in (-1.0, np.inf, np.nan):
+        with pytest.raises(ValueError, match="softcap must be 0 .none. or a positive finite number"):
+            forward(softcap=cap)
+    with pytest.raises(ValueError, match="scale / softcap overflows"):
+        forward(softcap=1e-310)
+    with pytest.raises(ValueError, match="only flash has.*softcap"):
+        forward("tiled", softcap=30.0)
     assert _attn.problem_error("flash", "generic", 4, 8, 8, 16, 12) == ""
 
 

@@ -30,6 +30,7 @@ cdef extern from "attn.h" nogil:
         int64_t window_left, window_right
         const int64_t *seqlen_k
         int64_t heads
+        double softcap
     enum:
         ATTN_NONFINITE_Q
         ATTN_NONFINITE_K
@@ -128,14 +129,14 @@ cdef int64_t _NO_LENGTHS = 0
 
 
 cdef int _features(attn_problem *p, int64_t kv_group, str align, int64_t window_left, int64_t window_right,
-                   const int64_t[::1] seqlen_k, str what) except -1:
+                   const int64_t[::1] seqlen_k, double softcap, str what) except -1:
     """Fills p's features (attn.h); seqlen_k has batch / heads lengths, so heads
     is batch / len(seqlen_k). The C checks do the rest."""
     if align not in ALIGNS:
         raise ValueError(f"{what}: align must be one of {', '.join(ALIGNS)}, got {align!r}")
     p.kv_group, p.align = kv_group, ALIGNS[align]
     p.window_left, p.window_right = window_left, window_right
-    p.seqlen_k, p.heads = NULL, 1
+    p.seqlen_k, p.heads, p.softcap = NULL, 1, softcap
     if seqlen_k is not None:
         n = seqlen_k.shape[0]
         if n == 0 and p.batch != 0 or n != 0 and p.batch % n != 0:
@@ -151,13 +152,13 @@ cdef int _features(attn_problem *p, int64_t kv_group, str align, int64_t window_
 cdef attn_problem _described(int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv, bint causal,
                               double scale, int block_q, int block_k, int num_threads, int64_t kv_group,
                               str align, int64_t window_left, int64_t window_right,
-                              const int64_t[::1] seqlen_k, str what) except *:
+                              const int64_t[::1] seqlen_k, double softcap, str what) except *:
     cdef attn_problem p
     p.batch, p.nq, p.nk, p.d, p.dv = batch, nq, nk, d, dv
     p.causal, p.scale = causal, scale
     p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
     p.nonfinite = NULL
-    _features(&p, kv_group, align, window_left, window_right, seqlen_k, what)
+    _features(&p, kv_group, align, window_left, window_right, seqlen_k, softcap, what)
     return p
 
 
@@ -172,24 +173,26 @@ def _algo_isa(str algo, str isa, str what):
 def check_problem(str algo, str isa, int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
                   bint causal=False, double scale=1.0, int block_q=64, int block_k=64, int num_threads=1,
                   *, int64_t kv_group=1, str align="top_left", int64_t window_left=-1, int64_t window_right=-1,
-                  const int64_t[::1] seqlen_k=None):
+                  const int64_t[::1] seqlen_k=None, double softcap=0):
     """The C entry points' own argument checks on a problem description alone
     (no arrays but seqlen_k): "ok", "invalid", "isa", "toobig" or "feature". For
     tests and fuzzing of sizes no machine could hold."""
     a, i = _algo_isa(algo, isa, "check_problem")
     cdef attn_problem p = _described(batch, nq, nk, d, dv, causal, scale, block_q, block_k, num_threads,
-                                     kv_group, align, window_left, window_right, seqlen_k, "check_problem")
+                                     kv_group, align, window_left, window_right, seqlen_k, softcap,
+                                     "check_problem")
     return STATUS[attn_check_problem(a, i, &p)]
 
 
 def problem_error(str algo, str isa, int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
                   bint causal=False, double scale=1.0, int block_q=64, int block_k=64, int num_threads=1,
                   *, int64_t kv_group=1, str align="top_left", int64_t window_left=-1, int64_t window_right=-1,
-                  const int64_t[::1] seqlen_k=None):
+                  const int64_t[::1] seqlen_k=None, double softcap=0):
     """What check_problem objects to, in the C checks' words ("" where it says "ok")."""
     a, i = _algo_isa(algo, isa, "problem_error")
     cdef attn_problem p = _described(batch, nq, nk, d, dv, causal, scale, block_q, block_k, num_threads,
-                                     kv_group, align, window_left, window_right, seqlen_k, "problem_error")
+                                     kv_group, align, window_left, window_right, seqlen_k, softcap,
+                                     "problem_error")
     return attn_problem_error(a, i, &p).decode()
 
 
@@ -200,7 +203,7 @@ ctypedef fused real:
 
 cdef attn_problem _problem(q, k, v, bint causal, double scale, int block_q, int block_k, int num_threads,
                            str what, str align, int64_t window_left, int64_t window_right,
-                           const int64_t[::1] seqlen_k) except *:
+                           const int64_t[::1] seqlen_k, double softcap) except *:
     """The problem of (batch, n, d) arrays; k and v may have batch / kv_group rows
     (grouped-query attention: query row b reads k/v row b / kv_group)."""
     cdef int64_t batch_kv = k.shape[0]
@@ -211,7 +214,7 @@ cdef attn_problem _problem(q, k, v, bint causal, double scale, int block_q, int 
                          "(grouped-query attention: query row b reads k/v row b // (q rows / k rows))")
     return _described(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], causal, scale, block_q,
                       block_k, num_threads, q.shape[0] // batch_kv if batch_kv else 1, align, window_left,
-                      window_right, seqlen_k, f"native {what}")
+                      window_right, seqlen_k, softcap, f"native {what}")
 
 
 cdef _raise(int err, str what, const attn_problem *p, int algo, str isa, str hint=""):
@@ -227,7 +230,8 @@ cdef _raise(int err, str what, const attn_problem *p, int algo, str isa, str hin
         raise ValueError(f"{what}: {why}; use native.flash")
     if why:
         raise ValueError(f"{what}: {why} (batch {p.batch}, nq {p.nq}, nk {p.nk}, kv_group {p.kv_group}, "
-                         f"window_left {p.window_left}, window_right {p.window_right}, causal {bool(p.causal)})")
+                         f"window_left {p.window_left}, window_right {p.window_right}, causal {bool(p.causal)}, "
+                         f"scale {p.scale}, softcap {p.softcap})")
     raise ValueError(f"{what}: invalid arguments (error {err})")
 
 
@@ -235,7 +239,7 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
             const real[:, :, ::1] v, real[:, :, ::1] out, bint causal, double scale,
             int block_q, int block_k, int num_threads, real[:, ::1] lse=None, bint check_finite=False,
             *, str align="top_left", int64_t window_left=-1, int64_t window_right=-1,
-            const int64_t[::1] seqlen_k=None):
+            const int64_t[::1] seqlen_k=None, double softcap=0):
     """out[...] = softmax(q k^T * scale) v on (batch, n, d) arrays; lse (batch, nq),
     if given, gets each row's natural-log log-sum-exp. Returns, with check_finite, the
     names of the arrays that are not finite (of "q", "k", "v", "out"), else ().
@@ -248,11 +252,12 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
       off 0 or (the row's key length) - nq; causal is window_right 0;
     - seqlen_k, int64, batch / H lengths in [0, nk]: query row b sees only keys
       j < seqlen_k[b // H] (H = batch / len(seqlen_k): one length per row or per
-      sequence of H heads).
+      sequence of H heads);
+    - softcap c > 0: scores s = scale q . k become c * tanh(s / c) before the mask.
     A row that sees no key gets out 0 and lse -inf."""
     cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), bad = 0
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward",
-                                   align, window_left, window_right, seqlen_k)
+                                   align, window_left, window_right, seqlen_k, softcap)
     if check_finite:
         p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
@@ -286,7 +291,7 @@ def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const
                  const uint16_t[:, :, ::1] v, uint16_t[:, :, ::1] out, bint causal, double scale,
                  int block_q, int block_k, int num_threads, uint16_t[:, ::1] lse=None,
                  bint check_finite=False, *, str align="top_left", int64_t window_left=-1,
-                 int64_t window_right=-1, const int64_t[::1] seqlen_k=None):
+                 int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0):
     """forward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views:
     float32 arithmetic inside, out and lse rounded to kind; returns what forward does.
     The features as for forward (flash only; bfloat16 with features runs the
@@ -295,7 +300,7 @@ def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const
         raise ValueError(f"native.{algo} takes float32 and float64 only; native.tiled and native.flash take {kind}")
     cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), h = HALF_KINDS[kind], bad = 0
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward",
-                                   align, window_left, window_right, seqlen_k)
+                                   align, window_left, window_right, seqlen_k, softcap)
     if check_finite:
         p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
@@ -336,13 +341,13 @@ def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const re
              const real[:, :, ::1] out, const real[:, :, ::1] dout, const real[:, ::1] lse,
              real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] dv, bint causal, double scale,
              int block_q, int block_k, int num_threads, *, str align="top_left", int64_t window_left=-1,
-             int64_t window_right=-1, const int64_t[::1] seqlen_k=None):
+             int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0):
     """dq, dk, dv[...] = the gradients of sum(out * dout), from the forward's out and lse,
     for the problem forward ran (the same features); dk and dv have k's rows, each
     the sum over its query rows (in their order, on one thread)."""
     cdef int err, i = ISAS.index(isa)
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward",
-                                   align, window_left, window_right, seqlen_k)
+                                   align, window_left, window_right, seqlen_k, softcap)
     cdef int64_t batch_kv = k.shape[0]
     if ((out.shape[0], out.shape[1], out.shape[2]) != (p.batch, p.nq, p.dv)
             or (dout.shape[0], dout.shape[1], dout.shape[2]) != (p.batch, p.nq, p.dv)

@@ -20,8 +20,8 @@ enum attn_isa { ATTN_ISA_GENERIC = 0, ATTN_ISA_AVX2 = 1, ATTN_ISA_AVX512 = 2, AT
 enum attn_half { ATTN_BF16 = 0, ATTN_F16 = 1 };
 /* ATTN_ETOOBIG: an array or score-row size overflows 64-bit index arithmetic. */
 /* ATTN_EFEATURE: the problem uses a feature (kv_group > 1, a window, bottom-right
- * alignment, key lengths, a softcap) that the algorithm or kernel does not have:
- * only flash does (naive, tiled and the backward of other algorithms refuse). */
+ * alignment, key lengths, a softcap) that the algorithm does not have: only flash
+ * (forward and backward) does; naive and tiled refuse them. */
 enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3, ATTN_ETOOBIG = 4,
                    ATTN_EFEATURE = 5 };
 /* Where the diagonal of causal and window masks lies: query i's own key is i
@@ -48,7 +48,7 @@ typedef struct {
     int *nonfinite;
 
     /* Features (flash only; a plain problem has kv_group 1, align top-left, both
-     * window sides unbounded, seqlen_k NULL). attn_check_problem checks them all.
+     * window sides unbounded, seqlen_k NULL, softcap 0). attn_check_problem checks them all.
      *
      * Grouped-query attention (GQA; MQA when kv_group = batch / B): k and v have
      * batch / kv_group rows, and query row b reads k/v row b / kv_group. With
@@ -74,6 +74,10 @@ typedef struct {
      * must divide batch; it is read only with seqlen_k. */
     const int64_t *seqlen_k;
     int64_t heads;
+    /* Logit softcap: 0 (none), or a positive cap c: each score s = scale q . k
+     * becomes c * tanh(s / c) before the mask and the softmax (as in Gemma 2); the
+     * backward multiplies dS by its derivative 1 - tanh^2(s / c). */
+    double softcap;
 } attn_problem;
 
 enum attn_nonfinite { ATTN_NONFINITE_Q = 1, ATTN_NONFINITE_K = 2, ATTN_NONFINITE_V = 4, ATTN_NONFINITE_OUT = 8 };

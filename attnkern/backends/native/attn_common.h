@@ -75,7 +75,7 @@ static inline int64_t attn_window_side(int64_t w)
 static inline int attn_features_on(const attn_problem *p)
 {
     return p->kv_group != 1 || p->align != ATTN_ALIGN_TOP_LEFT || p->window_left != ATTN_UNBOUNDED ||
-           p->window_right != ATTN_UNBOUNDED || p->seqlen_k != NULL;
+           p->window_right != ATTN_UNBOUNDED || p->seqlen_k != NULL || p->softcap != 0;
 }
 
 /* The span of batch entry (query row) bh. */

@@ -427,8 +427,12 @@ static int check_problem(int algo, int isa, const attn_problem *p, const char **
             if (p->seqlen_k[i] < 0 || p->seqlen_k[i] > p->nk)
                 ATTN_FAIL(ATTN_EINVAL, "every length of seqlen_k must lie in [0, nk]");
     }
+    if (!(p->softcap >= 0) || !isfinite(p->softcap))
+        ATTN_FAIL(ATTN_EINVAL, "softcap must be 0 (none) or a positive finite number");
+    if (p->softcap > 0 && !isfinite(p->scale / p->softcap))
+        ATTN_FAIL(ATTN_EINVAL, "scale / softcap overflows: softcap is too small for scale");
     if (algo != ATTN_FLASH && attn_has_features(p))
-        ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment and key lengths");
+        ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment, key lengths and softcap");
     *why = "";
     return ATTN_OK;
 #undef ATTN_FAIL

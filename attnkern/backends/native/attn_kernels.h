@@ -7,7 +7,7 @@
  *   VT, VW  vector type and its width in elements
  *   MR      rows of the register tile in the matmul micro-kernels
  * and functions v<op>_<DT>: load/store (aligned), loadu/storeu, set1 zero fma
- * mul add sub div max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
+ * mul add sub div max round pow2i hsum hmax copysign. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
  * and undefines T, DT, VT and VW at its end, ready for the next dtype.
  * Optional: TRANSPOSE_T(src, lds, dst, ldd), a VW x VW transpose of T in
  * registers (dst[j][i] = src[i][j]), used to pack Kt panels; VEXP2_T(x), the
@@ -75,6 +75,38 @@ static ATTN_INLINE VT ST(vexp2)(VT x)
         p = V(fma)(p, f, V(set1)((T)EXP2_COEF[i]));
     return V(mul)(p, V(pow2i)(n));
 #endif
+}
+
+/* tanh(x) = (1 - e) / (1 + e) with e = 2^(-2 log2(e) |x|) in (0, 1], given x's sign:
+ * an absolute error of a few ulp of 1 (not relative to a small tanh), which the
+ * softcap scales by its cap, the error of an uncapped score of that size. */
+static ATTN_INLINE VT ST(vtanh)(VT x)
+{
+    VT one = V(set1)((T)1);
+    VT e = ST(vexp2)(V(mul)(V(copysign)(x, one), V(set1)((T)(-2 * ATTN_LOG2E))));
+    return V(copysign)(V(div)(V(sub)(one, e), V(add)(one, e)), x);
+}
+
+/* x[0:n) = cap2 * tanh(x) (n a multiple of VW): the logit softcap in the log2
+ * domain, for scores x = s / c and cap2 = c log2(e); with g, also
+ * g[0:n) = 1 - tanh(x)^2 = (1 - tanh)(1 + tanh), its derivative. */
+static void ST(softcap_row)(T *x, T *g, int64_t n, T cap2)
+{
+    VT vc = V(set1)(cap2), one = V(set1)((T)1);
+    for (int64_t j = 0; j < n; j += VW) {
+        VT t = ST(vtanh)(V(load)(x + j));
+        V(store)(x + j, V(mul)(vc, t));
+        if (g)
+            V(store)(g + j, V(mul)(V(sub)(one, t), V(add)(one, t)));
+    }
+}
+
+/* The factor q (or k) is multiplied by before the scores: scale * log2(e) (scores
+ * in the log2 domain), or with a softcap c, scale / c (scores s / c, for the tanh;
+ * softcap_row takes them to the log2 domain). */
+static T ST(score_factor)(const attn_problem *p)
+{
+    return (T)(p->softcap > 0 ? p->scale / p->softcap : p->scale * ATTN_LOG2E);
 }
 
 /* s[r][0:NR) = sum_d a[r][d] * b[d][0:NR) for r < mr: one register tile of
@@ -649,25 +681,29 @@ static void ST(report)(const attn_problem *p, int bits)
  * Qt panel qt, O^T panel ot (dv rows of NR), probabilities st (kv rows of NR). Query
  * q0 + c sees key j iff q0 + c + lo <= j <= q0 + c + hi (attn_span; keys past the
  * row's length are never passed). With empty (a mask may leave a query without a
- * key so far), such a query's probabilities are 0 rather than 2^(-inf + inf). */
+ * key so far), such a query's probabilities are 0 rather than 2^(-inf + inf). With
+ * cap2 (not 0), the scores are s / c and become cap2 tanh(s / c) (softcap_row). */
 static void ST(flash_panel)(const T *kr, const T *vr, int64_t kv, int64_t d, int64_t dv, const T *qt,
                             T *st, T *ot, T *m, T *l, T *alpha, int64_t q0, int64_t j0, int64_t lo,
-                            int64_t hi, int empty)
+                            int64_t hi, int empty, T cap2)
 {
     T mx[NR], mnew[NR], msub[NR], e[NR];
     for (int c = 0; c < NR; c++)
         mx[c] = -INFINITY;
     /* S^T = K Q^T with the column max; a tile that crosses an edge of a query's
      * window (key j is seen by the queries q0 + c with j - hi <= q0 + c <= j - lo)
-     * is masked before its max */
+     * is masked, and a softcapped one capped, before its max */
     for (int64_t k0 = 0; k0 < kv; k0 += MR) {
         int mr = (int)(kv - k0 < MR ? kv - k0 : MR);
         int64_t j = j0 + k0;
-        int edge = j + mr - 1 - hi > q0 || j - lo < q0 + NR - 1;
-        ST(call_qk)(mr, d, kr + k0 * d, d, qt, st + k0 * NR, NR, edge ? NULL : mx);
-        for (int r = 0; edge && r < mr; r++) {
+        int edge = j + mr - 1 - hi > q0 || j - lo < q0 + NR - 1, rows = edge || cap2 != 0;
+        ST(call_qk)(mr, d, kr + k0 * d, d, qt, st + k0 * NR, NR, rows ? NULL : mx);
+        for (int r = 0; rows && r < mr; r++) {
             T *sr = st + (k0 + r) * NR;
-            int64_t first = attn_clamp(j + r - hi - q0, NR), past = attn_clamp(j + r - lo - q0 + 1, NR);
+            if (cap2 != 0)
+                ST(softcap_row)(sr, NULL, NR, cap2);
+            int64_t first = edge ? attn_clamp(j + r - hi - q0, NR) : 0;
+            int64_t past = edge ? attn_clamp(j + r - lo - q0 + 1, NR) : NR;
             for (int64_t c = 0; c < first; c++)
                 sr[c] = -INFINITY;
             for (int64_t c = past; c < NR; c++)
@@ -768,7 +804,7 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
     ST(pack_kt)(q + (bh * p->nq + i0) * d, bq, d, w->a);
     if (check && ST(nonfinite)(w->a, bq_pad * d))  /* before scaling, which may overflow */
         bad |= ATTN_NONFINITE_Q;
-    const T c = (T)(p->scale * ATTN_LOG2E);
+    const T c = ST(score_factor)(p), cap2 = (T)(p->softcap * ATTN_LOG2E);
     for (int64_t i = 0; i < bq_pad * d; i++)
         w->a[i] *= c;
     for (int64_t r = 0; r < bq_pad; r++) {
@@ -789,7 +825,8 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
             if (ks >= ke)
                 continue;  /* no query of the panel sees this block: its state stays as it is */
             ST(flash_panel)(kr + ks * d, vr + ks * dv, ke - ks, d, dv, w->a + q0 * d, w->s, w->o + q0 * dv,
-                            w->m + q0, w->l + q0, w->alpha + q0, i0 + q0, j0 + ks, sp.lo, sp.hi, features);
+                            w->m + q0, w->l + q0, w->alpha + q0, i0 + q0, j0 + ks, sp.lo, sp.hi, features,
+                            cap2);
         }
         if (check_kv) {  /* right after the products read them, while they are in the caches */
             bad |= ST(nonfinite)(kr, kb * d) ? ATTN_NONFINITE_K : 0;
@@ -883,6 +920,13 @@ static void ST(exp2_sub)(T *x, const T *m, int64_t n)
         V(store)(x + j, ST(vexp2)(V(sub)(V(load)(x + j), V(loadu)(m + j))));
 }
 
+/* x[0:n) *= g[0:n) (n a multiple of VW): dS times the softcap's derivative. */
+static void ST(mul_row)(T *x, const T *g, int64_t n)
+{
+    for (int64_t j = 0; j < n; j += VW)
+        V(store)(x + j, V(mul)(V(load)(x + j), V(load)(g + j)));
+}
+
 /* ds[0:n) = p * (dp - dd) with dd a scalar (row form) or per column (dvec). */
 static void ST(ds_row)(const T *p, T *dp, T dd, int64_t n)
 {
@@ -903,15 +947,17 @@ typedef struct {
     T *acc1, *acc2; /* pass 1: dV and dK; pass 2: dQ */
     T *m, *dd;   /* per column (pass 1) or per row (pass 2): lse2 and D, padded */
     T *ones;
+    T *g;        /* with a softcap: its derivative 1 - tanh^2 at each score, rows x ldc */
 } ST(bwd_ws);
 
 static void ST(bwd_free)(ST(bwd_ws) *w)
 {
     attn_free(w->a); attn_free(w->pack); attn_free(w->s); attn_free(w->dp);
     attn_free(w->acc1); attn_free(w->acc2); attn_free(w->m); attn_free(w->dd); attn_free(w->ones);
+    attn_free(w->g);
 }
 
-static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv)
+static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv, int softcap)
 {
     int64_t ldc = ST(round_up)(cols, NR), dmax = d > dv ? d : dv;
     int64_t wide = ST(round_up)(dmax, NR), tall = ST(round_up)(rows > cols ? rows : cols, NR);
@@ -924,7 +970,9 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
     w->m = attn_alloc(tall, 1, sizeof(T));
     w->dd = attn_alloc(tall, 1, sizeof(T));
     w->ones = attn_alloc(tall, 1, sizeof(T));
-    if (!(w->a && w->pack && w->s && w->dp && w->acc1 && w->acc2 && w->m && w->dd && w->ones)) {
+    w->g = softcap ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
+    if (!(w->a && w->pack && w->s && w->dp && w->acc1 && w->acc2 && w->m && w->dd && w->ones &&
+          (w->g || !softcap))) {
         ST(bwd_free)(w);
         return 0;
     }
@@ -941,7 +989,8 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
 {
     const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bq = p->block_q;
     const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
-    ST(scale_rows)(k + (bkv * nk + j0) * d, kb, d, (T)(p->scale * ATTN_LOG2E), w->a);
+    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
+    ST(scale_rows)(k + (bkv * nk + j0) * d, kb, d, ST(score_factor)(p), w->a);
     for (int64_t i = 0; i < kb * dp_pad; i++)
         w->acc1[i] = 0;
     for (int64_t i = 0; i < kb * d_pad; i++)
@@ -965,6 +1014,8 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
             ST(gemm_abt)(w->pack, w->a, kbh, d, qh + i0 * d, qb, d, w->s, ldc);        /* S^T */
             for (int64_t j = 0; j < kbh; j++) {
                 T *pj = w->s + j * ldc;
+                if (cap2 != 0)
+                    ST(softcap_row)(pj, w->g + j * ldc, qb_vw, cap2);
                 ST(exp2_sub)(pj, w->m, qb_vw);
                 /* query i0 + i sees key j0 + j only if j0 + j - hi <= i0 + i <= j0 + j - lo */
                 int64_t first = attn_clamp(j0 + j - sp.hi - i0, qb), past = attn_clamp(j0 + j - sp.lo + 1 - i0, qb);
@@ -975,8 +1026,11 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
             }
             ST(gemm_ab_acc)(w->pack, w->s, kbh, ldc, doh + i0 * dv, qb, dv, w->acc1, dp_pad, w->ones); /* dV */
             ST(gemm_abt)(w->pack, v + (bkv * nk + j0) * dv, kbh, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* dP^T */
-            for (int64_t j = 0; j < kbh; j++)
+            for (int64_t j = 0; j < kbh; j++) {
                 ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
+                if (cap2 != 0)
+                    ST(mul_row)(w->dp + j * ldc, w->g + j * ldc, qb_vw);
+            }
             ST(gemm_ab_acc)(w->pack, w->dp, kbh, ldc, qh + i0 * d, qb, d, w->acc2, d_pad, w->ones); /* dK */
         }
     }
@@ -1001,7 +1055,8 @@ static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const
     const int64_t kfirst = attn_clamp(i0 + sp.lo, sp.len) / bk * bk;
     const int64_t kend = attn_clamp(i0 + qb + sp.hi, sp.len);
     const T *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
-    ST(scale_rows)(q + (bh * nq + i0) * d, qb, d, (T)(p->scale * ATTN_LOG2E), w->a);
+    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
+    ST(scale_rows)(q + (bh * nq + i0) * d, qb, d, ST(score_factor)(p), w->a);
     for (int64_t i = 0; i < qb * d_pad; i++)
         w->acc1[i] = 0;
     for (int64_t j0 = kfirst; j0 < kend; j0 += bk) {
@@ -1013,10 +1068,14 @@ static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const
              * others get P = 2^-inf = 0 */
             T *pr = w->s + r * ldc;
             int64_t first = attn_clamp(i0 + r + sp.lo - j0, kb), past = attn_clamp(i0 + r + sp.hi + 1 - j0, kb);
+            if (cap2 != 0)
+                ST(softcap_row)(pr, w->g + r * ldc, kb_vw, cap2);
             for (int64_t j = 0; j < first; j++)
                 pr[j] = -INFINITY;
             ST(row_exp2_sum)(pr, past, kb_vw, lse2[bh * nq + i0 + r]);
             ST(ds_row)(pr, w->dp + r * ldc, dvec[bh * nq + i0 + r], kb_vw);
+            if (cap2 != 0)
+                ST(mul_row)(w->dp + r * ldc, w->g + r * ldc, kb_vw);
         }
         ST(gemm_ab_acc)(w->pack, w->dp, qb, ldc, kh + j0 * d, kb, d, w->acc1, d_pad, w->ones); /* dQ */
     }
@@ -1052,7 +1111,7 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         {
             ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn);
+            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn, p->softcap > 0);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -1074,7 +1133,7 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         {
             ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn);
+            int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn, p->softcap > 0);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
