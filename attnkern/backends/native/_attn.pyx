@@ -46,7 +46,6 @@ cdef extern from "attn.h" nogil:
     int attn_last_team()
     int attn_check_problem(int algo, int isa, const attn_problem *p)
     const char *attn_problem_error(int algo, int isa, const attn_problem *p)
-    int attn_has_features(const attn_problem *p)
     int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
     void attn_stream(int op, float *a, const float *b, const float *c, int64_t n, int num_threads)
     int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q,
