@@ -11,6 +11,10 @@ cdef extern from "attn.h" nogil:
         ATTN_EINVAL
         ATTN_EISA
         ATTN_ETOOBIG
+        ATTN_EFEATURE
+        ATTN_ALIGN_TOP_LEFT
+        ATTN_ALIGN_BOTTOM_RIGHT
+        ATTN_UNBOUNDED
         ATTN_ISA_COUNT
         ATTN_MAX_BLOCK_Q
         ATTN_MAX_BLOCK_K
@@ -21,6 +25,12 @@ cdef extern from "attn.h" nogil:
         double scale
         int block_q, block_k, num_threads
         int *nonfinite
+        int64_t kv_group
+        int align
+        int64_t window_left, window_right
+        const int64_t *seqlen_k
+        int64_t heads
+        double softcap
     enum:
         ATTN_NONFINITE_Q
         ATTN_NONFINITE_K
@@ -35,6 +45,7 @@ cdef extern from "attn.h" nogil:
     int attn_fork_state()
     int attn_last_team()
     int attn_check_problem(int algo, int isa, const attn_problem *p)
+    const char *attn_problem_error(int algo, int isa, const attn_problem *p)
     int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
     void attn_stream(int op, float *a, const float *b, const float *c, int64_t n, int num_threads)
     int attn_forward_f32(int algo, int isa, const attn_problem *p, const float *q,
@@ -106,24 +117,82 @@ def last_team():
 
 
 STATUS = {ATTN_OK: "ok", ATTN_ENOMEM: "nomem", ATTN_EINVAL: "invalid", ATTN_EISA: "isa",
-          ATTN_ETOOBIG: "toobig"}
+          ATTN_ETOOBIG: "toobig", ATTN_EFEATURE: "feature"}
+# Where the diagonal of causal and window masks lies (attn.h's attn_align): query i's
+# own key is i ("top_left") or i + nk - nq ("bottom_right", nk the row's key length).
+ALIGNS = {"top_left": ATTN_ALIGN_TOP_LEFT, "bottom_right": ATTN_ALIGN_BOTTOM_RIGHT}
+UNBOUNDED = ATTN_UNBOUNDED
 
 
-def check_problem(str algo, str isa, int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
-                  bint causal=False, double scale=1.0, int block_q=64, int block_k=64, int num_threads=1):
-    """The C entry points' own argument checks on a problem description alone
-    (no arrays): "ok", "invalid", "isa" or "toobig". For tests and fuzzing of
-    sizes no machine could hold."""
-    if algo not in ALGORITHMS:
-        raise ValueError(f"check_problem: algo must be one of {', '.join(ALGORITHMS)}, got {algo!r}")
-    if isa not in ISAS:
-        raise ValueError(f"check_problem: isa must be one of {', '.join(ISAS)}, got {isa!r}")
+cdef int64_t _NO_LENGTHS = 0
+
+
+cdef int _features(attn_problem *p, int64_t kv_group, str align, int64_t window_left, int64_t window_right,
+                   const int64_t[::1] seqlen_k, double softcap, str what) except -1:
+    """Fills p's features (attn.h); seqlen_k has batch / heads lengths, so heads
+    is batch / len(seqlen_k). The C checks do the rest."""
+    if align not in ALIGNS:
+        raise ValueError(f"{what}: align must be one of {', '.join(ALIGNS)}, got {align!r}")
+    p.kv_group, p.align = kv_group, ALIGNS[align]
+    p.window_left, p.window_right = window_left, window_right
+    p.seqlen_k, p.heads, p.softcap = NULL, 1, softcap
+    if seqlen_k is not None:
+        n = seqlen_k.shape[0]
+        if n == 0 and p.batch != 0 or n != 0 and p.batch % n != 0:
+            raise ValueError(f"{what}: seqlen_k has {n} lengths; it needs one per sequence: a number that "
+                             f"divides batch ({p.batch}), such as batch (one per row) or batch / H (one per "
+                             "sequence of H heads)")
+        # no rows, no lengths: still a problem with key lengths (a valid pointer, never read)
+        p.seqlen_k = &seqlen_k[0] if n else &_NO_LENGTHS
+        p.heads = p.batch // n if n else 1
+    return 0
+
+
+cdef attn_problem _described(int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv, bint causal,
+                              double scale, int block_q, int block_k, int num_threads, int64_t kv_group,
+                              str align, int64_t window_left, int64_t window_right,
+                              const int64_t[::1] seqlen_k, double softcap, str what) except *:
     cdef attn_problem p
     p.batch, p.nq, p.nk, p.d, p.dv = batch, nq, nk, d, dv
     p.causal, p.scale = causal, scale
     p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
     p.nonfinite = NULL
-    return STATUS[attn_check_problem(ALGORITHMS[algo], ISAS.index(isa), &p)]
+    _features(&p, kv_group, align, window_left, window_right, seqlen_k, softcap, what)
+    return p
+
+
+def _algo_isa(str algo, str isa, str what):
+    if algo not in ALGORITHMS:
+        raise ValueError(f"{what}: algo must be one of {', '.join(ALGORITHMS)}, got {algo!r}")
+    if isa not in ISAS:
+        raise ValueError(f"{what}: isa must be one of {', '.join(ISAS)}, got {isa!r}")
+    return ALGORITHMS[algo], ISAS.index(isa)
+
+
+def check_problem(str algo, str isa, int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+                  bint causal=False, double scale=1.0, int block_q=64, int block_k=64, int num_threads=1,
+                  *, int64_t kv_group=1, str align="top_left", int64_t window_left=-1, int64_t window_right=-1,
+                  const int64_t[::1] seqlen_k=None, double softcap=0):
+    """The C entry points' own argument checks on a problem description alone
+    (no arrays but seqlen_k): "ok", "invalid", "isa", "toobig" or "feature". For
+    tests and fuzzing of sizes no machine could hold."""
+    a, i = _algo_isa(algo, isa, "check_problem")
+    cdef attn_problem p = _described(batch, nq, nk, d, dv, causal, scale, block_q, block_k, num_threads,
+                                     kv_group, align, window_left, window_right, seqlen_k, softcap,
+                                     "check_problem")
+    return STATUS[attn_check_problem(a, i, &p)]
+
+
+def problem_error(str algo, str isa, int64_t batch, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+                  bint causal=False, double scale=1.0, int block_q=64, int block_k=64, int num_threads=1,
+                  *, int64_t kv_group=1, str align="top_left", int64_t window_left=-1, int64_t window_right=-1,
+                  const int64_t[::1] seqlen_k=None, double softcap=0):
+    """What check_problem objects to, in the C checks' words ("" where it says "ok")."""
+    a, i = _algo_isa(algo, isa, "problem_error")
+    cdef attn_problem p = _described(batch, nq, nk, d, dv, causal, scale, block_q, block_k, num_threads,
+                                     kv_group, align, window_left, window_right, seqlen_k, softcap,
+                                     "problem_error")
+    return attn_problem_error(a, i, &p).decode()
 
 
 ctypedef fused real:
@@ -131,20 +200,23 @@ ctypedef fused real:
     double
 
 
-cdef attn_problem _problem(q, k, v, bint causal, double scale, int block_q, int block_k,
-                           int num_threads, str what) except *:
-    cdef attn_problem p
-    p.batch, p.nq, p.nk = q.shape[0], q.shape[1], k.shape[1]
-    p.d, p.dv = q.shape[2], v.shape[2]
-    p.causal, p.scale = causal, scale
-    p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
-    p.nonfinite = NULL
-    if k.shape[0] != p.batch or v.shape[0] != p.batch or k.shape[2] != p.d or v.shape[1] != p.nk:
+cdef attn_problem _problem(q, k, v, bint causal, double scale, int block_q, int block_k, int num_threads,
+                           str what, str align, int64_t window_left, int64_t window_right,
+                           const int64_t[::1] seqlen_k, double softcap) except *:
+    """The problem of (batch, n, d) arrays; k and v may have batch / kv_group rows
+    (grouped-query attention: query row b reads k/v row b / kv_group)."""
+    cdef int64_t batch_kv = k.shape[0]
+    if v.shape[0] != batch_kv or k.shape[2] != q.shape[2] or v.shape[1] != k.shape[1]:
         raise ValueError(f"native {what}: inconsistent shapes")
-    return p
+    if batch_kv == 0 and q.shape[0] != 0 or batch_kv != 0 and q.shape[0] % batch_kv != 0:
+        raise ValueError(f"native {what}: k and v have {batch_kv} rows, which must divide q's {q.shape[0]} "
+                         "(grouped-query attention: query row b reads k/v row b // (q rows / k rows))")
+    return _described(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], causal, scale, block_q,
+                      block_k, num_threads, q.shape[0] // batch_kv if batch_kv else 1, align, window_left,
+                      window_right, seqlen_k, softcap, f"native {what}")
 
 
-cdef _raise(int err, str what, const attn_problem *p, str isa, str hint=""):
+cdef _raise(int err, str what, const attn_problem *p, int algo, str isa, str hint=""):
     if err == ATTN_ENOMEM:
         raise MemoryError(f"{what}: out of memory for its work buffers{hint}")
     if err == ATTN_ETOOBIG:
@@ -152,17 +224,39 @@ cdef _raise(int err, str what, const attn_problem *p, str isa, str hint=""):
                          f"(batch {p.batch}, nq {p.nq}, nk {p.nk}, d {p.d}, dv {p.dv})")
     if err == ATTN_EISA:
         raise RuntimeError(f"{what}: instruction set {isa!r} is not supported on this CPU")
+    why = attn_problem_error(algo, ISAS.index(isa), p).decode()
+    if err == ATTN_EFEATURE:
+        raise ValueError(f"{what}: {why}; use native.flash")
+    if why:
+        raise ValueError(f"{what}: {why} (batch {p.batch}, nq {p.nq}, nk {p.nk}, kv_group {p.kv_group}, "
+                         f"window_left {p.window_left}, window_right {p.window_right}, causal {bool(p.causal)}, "
+                         f"scale {p.scale}, softcap {p.softcap})")
     raise ValueError(f"{what}: invalid arguments (error {err})")
 
 
 def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
             const real[:, :, ::1] v, real[:, :, ::1] out, bint causal, double scale,
-            int block_q, int block_k, int num_threads, real[:, ::1] lse=None, bint check_finite=False):
+            int block_q, int block_k, int num_threads, real[:, ::1] lse=None, bint check_finite=False,
+            *, str align="top_left", int64_t window_left=-1, int64_t window_right=-1,
+            const int64_t[::1] seqlen_k=None, double softcap=0):
     """out[...] = softmax(q k^T * scale) v on (batch, n, d) arrays; lse (batch, nq),
     if given, gets each row's natural-log log-sum-exp. Returns, with check_finite, the
-    names of the arrays that are not finite (of "q", "k", "v", "out"), else ()."""
+    names of the arrays that are not finite (of "q", "k", "v", "out"), else ().
+
+    Features (flash only; attn.h's attn_problem says each in full):
+    - k and v with batch / G rows (G dividing batch): grouped-query attention, query
+      row b reads k/v row b // G (with batch = B * H folded, its head's k/v head);
+    - align "top_left" or "bottom_right", window_left, window_right (-1: unbounded):
+      query i sees key j iff i + off - window_left <= j <= i + off + window_right,
+      off 0 or (the row's key length) - nq; causal is window_right 0;
+    - seqlen_k, int64, batch / H lengths in [0, nk]: query row b sees only keys
+      j < seqlen_k[b // H] (H = batch / len(seqlen_k): one length per row or per
+      sequence of H heads);
+    - softcap c > 0: scores s = scale q . k become c * tanh(s / c) before the mask.
+    A row that sees no key gets out 0 and lse -inf."""
     cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), bad = 0
-    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward")
+    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward",
+                                   align, window_left, window_right, seqlen_k, softcap)
     if check_finite:
         p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
@@ -180,7 +274,7 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
         else:
             err = attn_forward_f64(a, i, &p, qp, kp, vp, op, lp)
     if err != ATTN_OK:
-        _raise(err, f"native.{algo}", &p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+        _raise(err, f"native.{algo}", &p, a, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
     return _nonfinite_names(bad)
 
 
@@ -195,13 +289,17 @@ HALF_KINDS = {"bfloat16": 0, "float16": 1}
 def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const uint16_t[:, :, ::1] k,
                  const uint16_t[:, :, ::1] v, uint16_t[:, :, ::1] out, bint causal, double scale,
                  int block_q, int block_k, int num_threads, uint16_t[:, ::1] lse=None,
-                 bint check_finite=False):
+                 bint check_finite=False, *, str align="top_left", int64_t window_left=-1,
+                 int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0):
     """forward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views:
-    float32 arithmetic inside, out and lse rounded to kind; returns what forward does."""
+    float32 arithmetic inside, out and lse rounded to kind; returns what forward does.
+    The features as for forward (flash only; bfloat16 with features runs the
+    converting flash on avx512bf16 and amx, not their own kernels)."""
     if algo not in ("tiled", "flash"):
         raise ValueError(f"native.{algo} takes float32 and float64 only; native.tiled and native.flash take {kind}")
     cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), h = HALF_KINDS[kind], bad = 0
-    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward")
+    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward",
+                                   align, window_left, window_right, seqlen_k, softcap)
     if check_finite:
         p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
@@ -218,7 +316,7 @@ def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const
     if err == ATTN_EISA:
         raise RuntimeError(f"native.{algo}: instruction set {isa!r} cannot run {kind} on this CPU (F16C missing)")
     if err != ATTN_OK:
-        _raise(err, f"native.{algo}", &p, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
+        _raise(err, f"native.{algo}", &p, a, isa, "" if algo == "flash" else "; native.flash needs no N x N buffer")
     return _nonfinite_names(bad)
 
 
@@ -241,16 +339,21 @@ def convert_half(str isa, str kind, const float[::1] x):
 def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
              const real[:, :, ::1] out, const real[:, :, ::1] dout, const real[:, ::1] lse,
              real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] dv, bint causal, double scale,
-             int block_q, int block_k, int num_threads):
-    """dq, dk, dv[...] = the gradients of sum(out * dout), from the forward's out and lse."""
+             int block_q, int block_k, int num_threads, *, str align="top_left", int64_t window_left=-1,
+             int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0):
+    """dq, dk, dv[...] = the gradients of sum(out * dout), from the forward's out and lse,
+    for the problem forward ran (the same features); dk and dv have k's rows, each
+    the sum over its query rows (in their order, on one thread)."""
     cdef int err, i = ISAS.index(isa)
-    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward")
+    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward",
+                                   align, window_left, window_right, seqlen_k, softcap)
+    cdef int64_t batch_kv = k.shape[0]
     if ((out.shape[0], out.shape[1], out.shape[2]) != (p.batch, p.nq, p.dv)
             or (dout.shape[0], dout.shape[1], dout.shape[2]) != (p.batch, p.nq, p.dv)
             or (lse.shape[0], lse.shape[1]) != (p.batch, p.nq)
             or (dq.shape[0], dq.shape[1], dq.shape[2]) != (p.batch, p.nq, p.d)
-            or (dk.shape[0], dk.shape[1], dk.shape[2]) != (p.batch, p.nk, p.d)
-            or (dv.shape[0], dv.shape[1], dv.shape[2]) != (p.batch, p.nk, p.dv)):
+            or (dk.shape[0], dk.shape[1], dk.shape[2]) != (batch_kv, p.nk, p.d)
+            or (dv.shape[0], dv.shape[1], dv.shape[2]) != (batch_kv, p.nk, p.dv)):
         raise ValueError("native backward: inconsistent shapes")
     cdef const real *qp = &q[0, 0, 0] if q.size else NULL
     cdef const real *kp = &k[0, 0, 0] if k.size else NULL
@@ -267,7 +370,7 @@ def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const re
         else:
             err = attn_backward_f64(i, &p, qp, kp, vp, op, dop, lp, dqp, dkp, dvp)
     if err != ATTN_OK:
-        _raise(err, "native.flash backward", &p, isa)
+        _raise(err, "native.flash backward", &p, ALGORITHMS["flash"], isa)
 
 
 def fma_peak(str isa, int64_t iters, int num_threads):

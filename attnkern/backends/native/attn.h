@@ -19,7 +19,17 @@ enum attn_isa { ATTN_ISA_GENERIC = 0, ATTN_ISA_AVX2 = 1, ATTN_ISA_AVX512 = 2, AT
 /* Half-precision storage of attn_forward_half's arrays (uint16_t bits). */
 enum attn_half { ATTN_BF16 = 0, ATTN_F16 = 1 };
 /* ATTN_ETOOBIG: an array or score-row size overflows 64-bit index arithmetic. */
-enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3, ATTN_ETOOBIG = 4 };
+/* ATTN_EFEATURE: the problem uses a feature (kv_group > 1, a window, bottom-right
+ * alignment, key lengths, a softcap) that the algorithm does not have: only flash
+ * (forward and backward) does; naive and tiled refuse them. */
+enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3, ATTN_ETOOBIG = 4,
+                   ATTN_EFEATURE = 5 };
+/* Where the diagonal of causal and window masks lies: query i's own key is i
+ * (top-left, the causal of a square problem) or i + nk - nq (bottom-right: the last
+ * query sees the last key, as in FlashAttention and a decoder's KV cache). */
+enum attn_align { ATTN_ALIGN_TOP_LEFT = 0, ATTN_ALIGN_BOTTOM_RIGHT = 1 };
+/* window_left / window_right: no bound on that side. */
+#define ATTN_UNBOUNDED (-1)
 
 /* Tunable limits, shared with the Python layer through the Cython module. */
 #define ATTN_MAX_BLOCK_Q 1024
@@ -28,7 +38,7 @@ enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3,
 
 typedef struct {
     int64_t batch, nq, nk, d, dv;
-    int causal;        /* top-left aligned: query i sees keys j <= i */
+    int causal;        /* query i sees no key right of its diagonal (window_right 0) */
     double scale;      /* multiplies q . k before the softmax */
     int block_q, block_k, num_threads;
     /* Not NULL: a forward ORs into it the attn_nonfinite bits of each of q, k, v that
@@ -36,6 +46,38 @@ typedef struct {
      * The flash kernels check the arrays as they read and write them; the dispatch
      * scans them for the others (and then runs no kernel on non-finite inputs). */
     int *nonfinite;
+
+    /* Features (flash only; a plain problem has kv_group 1, align top-left, both
+     * window sides unbounded, seqlen_k NULL, softcap 0). attn_check_problem checks them all.
+     *
+     * Grouped-query attention (GQA; MQA when kv_group = batch / B): k and v have
+     * batch / kv_group rows, and query row b reads k/v row b / kv_group. With
+     * batch = B * H folded and H = H_kv * kv_group, row b = b_ * H + h reads
+     * b_ * H_kv + h / kv_group, its head's k/v head. The backward's dk and dv have
+     * batch / kv_group rows, each the sum over its group's query rows, added in
+     * the rows' order by one thread. kv_group >= 1 must divide batch. */
+    int64_t kv_group;
+    /* Causal alignment and sliding window, one mask: with diag = i + off, where off
+     * is 0 (ATTN_ALIGN_TOP_LEFT) or len - nq (ATTN_ALIGN_BOTTOM_RIGHT; len is the
+     * row's key length, below), query i sees key j iff
+     *     diag - window_left <= j <= diag + window_right   (and j < len).
+     * Each side is ATTN_UNBOUNDED (-1) or >= 0; causal is window_right 0 (with
+     * causal, window_right must be 0 or ATTN_UNBOUNDED). Key blocks outside every
+     * query's window are skipped: a window of W keys costs O(nq * (W + blocks)). */
+    int align;
+    int64_t window_left, window_right;
+    /* Key padding: NULL, or batch / heads lengths in [0, nk]: query row b sees only
+     * keys j < seqlen_k[b / heads] (heads = H: one length per sequence of H
+     * query heads; 1: one per row). Keys at or past a length are never read. A row
+     * that sees no key (a length of 0, a window that misses every key, bottom-right
+     * with nq > len) gets out = 0 and lse = -inf, and zero gradients. heads >= 1
+     * must divide batch; it is read only with seqlen_k. */
+    const int64_t *seqlen_k;
+    int64_t heads;
+    /* Logit softcap: 0 (none), or a positive cap c: each score s = scale q . k
+     * becomes c * tanh(s / c) before the mask and the softmax (as in Gemma 2); the
+     * backward multiplies dS by its derivative 1 - tanh^2(s / c). */
+    double softcap;
 } attn_problem;
 
 enum attn_nonfinite { ATTN_NONFINITE_Q = 1, ATTN_NONFINITE_K = 2, ATTN_NONFINITE_V = 4, ATTN_NONFINITE_OUT = 8 };
@@ -71,6 +113,10 @@ int attn_last_team(void);
 
 /* The argument checks of attn_forward_*, alone: ATTN_OK or the error code. */
 int attn_check_problem(int algo, int isa, const attn_problem *p);
+/* What attn_check_problem objects to, in words ("" when it returns ATTN_OK). */
+const char *attn_problem_error(int algo, int isa, const attn_problem *p);
+/* 1 if p uses a feature beyond the plain problem (see attn_problem). */
+int attn_has_features(const attn_problem *p);
 
 /* out = softmax(q k^T * scale) v; lse (batch, nq), when not NULL, gets each query
  * row's natural-log log-sum-exp of its scaled, masked scores. */

@@ -19,6 +19,12 @@ static ATTN_INLINE __m256 vadd_f32(__m256 a, __m256 b) { return _mm256_add_ps(a,
 static ATTN_INLINE __m256 vsub_f32(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
 static ATTN_INLINE __m256 vdiv_f32(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
 static ATTN_INLINE __m256 vmax_f32(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+/* |a| with the sign of b */
+static ATTN_INLINE __m256 vcopysign_f32(__m256 a, __m256 b)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return _mm256_or_ps(_mm256_andnot_ps(sign, a), _mm256_and_ps(sign, b));
+}
 static ATTN_INLINE __m256 vround_f32(__m256 x)
 {
     return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -56,6 +62,11 @@ static ATTN_INLINE __m256d vadd_f64(__m256d a, __m256d b) { return _mm256_add_pd
 static ATTN_INLINE __m256d vsub_f64(__m256d a, __m256d b) { return _mm256_sub_pd(a, b); }
 static ATTN_INLINE __m256d vdiv_f64(__m256d a, __m256d b) { return _mm256_div_pd(a, b); }
 static ATTN_INLINE __m256d vmax_f64(__m256d a, __m256d b) { return _mm256_max_pd(a, b); }
+static ATTN_INLINE __m256d vcopysign_f64(__m256d a, __m256d b)
+{
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    return _mm256_or_pd(_mm256_andnot_pd(sign, a), _mm256_and_pd(sign, b));
+}
 static ATTN_INLINE __m256d vround_f64(__m256d x)
 {
     return _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -22,6 +22,13 @@ static ATTN_INLINE __m512 vadd_f32(__m512 a, __m512 b) { return _mm512_add_ps(a,
 static ATTN_INLINE __m512 vsub_f32(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
 static ATTN_INLINE __m512 vdiv_f32(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
 static ATTN_INLINE __m512 vmax_f32(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+/* |a| with the sign of b: the sign bit from b, the rest from a (vpternlogd; AVX-512F
+ * has no floating-point and/or) */
+static ATTN_INLINE __m512 vcopysign_f32(__m512 a, __m512 b)
+{
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b),
+                                                         _mm512_set1_epi32(0x7fffffff), 0xe4));
+}
 static ATTN_INLINE __m512 vround_f32(__m512 x)
 {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -92,6 +99,11 @@ static ATTN_INLINE __m512d vadd_f64(__m512d a, __m512d b) { return _mm512_add_pd
 static ATTN_INLINE __m512d vsub_f64(__m512d a, __m512d b) { return _mm512_sub_pd(a, b); }
 static ATTN_INLINE __m512d vdiv_f64(__m512d a, __m512d b) { return _mm512_div_pd(a, b); }
 static ATTN_INLINE __m512d vmax_f64(__m512d a, __m512d b) { return _mm512_max_pd(a, b); }
+static ATTN_INLINE __m512d vcopysign_f64(__m512d a, __m512d b)
+{
+    return _mm512_castsi512_pd(_mm512_ternarylogic_epi64(_mm512_castpd_si512(a), _mm512_castpd_si512(b),
+                                                         _mm512_set1_epi64(0x7fffffffffffffff), 0xe4));
+}
 static ATTN_INLINE __m512d vround_f64(__m512d x)
 {
     return _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -55,6 +55,43 @@ static const double attn_exp2_f64[14] = {
 #define ATTN_EXP2_LO_f32 (-127)
 #define ATTN_EXP2_LO_f64 (-1023)
 
+/* The keys each query row of one batch entry sees (attn_problem's mask): row i
+ * sees keys j with i + lo <= j <= i + hi and j < len. An unbounded side is
+ * ATTN_SPAN_FAR (2^61) away, farther than any key from any row, yet small enough
+ * that sums of it with row and key indices (below 2^60: attn_check_problem bounds
+ * nq and nk) cannot overflow. The plain problem's span: lo = -ATTN_SPAN_FAR and
+ * hi = ATTN_SPAN_FAR, or hi = 0 with causal; len = nk. */
+#define ATTN_SPAN_FAR ((int64_t)1 << 61)
+typedef struct {
+    int64_t lo, hi, len;
+} attn_span;
+
+static inline int64_t attn_window_side(int64_t w)
+{
+    return w == ATTN_UNBOUNDED || w > ATTN_SPAN_FAR ? ATTN_SPAN_FAR : w;
+}
+
+/* 1 if p uses a feature beyond the plain problem (attn_has_features). */
+static inline int attn_features_on(const attn_problem *p)
+{
+    return p->kv_group != 1 || p->align != ATTN_ALIGN_TOP_LEFT || p->window_left != ATTN_UNBOUNDED ||
+           p->window_right != ATTN_UNBOUNDED || p->seqlen_k != NULL || p->softcap != 0;
+}
+
+/* The span of batch entry (query row) bh. */
+static inline attn_span attn_span_of(const attn_problem *p, int64_t bh)
+{
+    attn_span s;
+    s.len = p->seqlen_k ? p->seqlen_k[bh / p->heads] : p->nk;
+    int64_t off = p->align == ATTN_ALIGN_BOTTOM_RIGHT ? s.len - p->nq : 0;
+    s.lo = off - attn_window_side(p->window_left);
+    s.hi = off + (p->causal ? 0 : attn_window_side(p->window_right));
+    return s;
+}
+
+/* x clamped to [0, n]. */
+static inline int64_t attn_clamp(int64_t x, int64_t n) { return x < 0 ? 0 : (x > n ? n : x); }
+
 /* Cache-line aligned buffer of rows x cols elements of elem bytes; size 0
  * still gives a valid pointer. Every size product is checked: a request whose
  * size does not fit size_t (or whose factors are negative) returns NULL, which

@@ -165,6 +165,16 @@ static const attn_fn_half table_half[ATTN_ISA_COUNT][2][3] = {
 #endif
 };
 
+/* The converting bfloat16 flash of the units whose table entry is a kernel of their own. */
+static const attn_fn_half converting_flash_bf16[ATTN_ISA_COUNT] = {
+#ifdef ATTN_HAVE_AVX512BF16
+    [ATTN_ISA_AVX512BF16] = attn_flash_bf16_avx512bf16,
+#endif
+#ifdef ATTN_HAVE_AMX
+    [ATTN_ISA_AMX] = attn_flash_bf16_amx,
+#endif
+};
+
 typedef void (*attn_cvt_fn)(int, const float *, int64_t, uint16_t *, float *);
 static const attn_cvt_fn convert_half[ATTN_ISA_COUNT] = {
     attn_convert_generic,
@@ -370,19 +380,29 @@ int attn_max_threads(void)
 #endif
 }
 
-int attn_check_problem(int algo, int isa, const attn_problem *p)
+int attn_has_features(const attn_problem *p) { return attn_features_on(p); }
+
+/* The checks of attn_check_problem, in order; *why says what the first failing one
+ * objects to. The features are checked here, once a call, so the kernels can trust
+ * them (the key lengths are read from the caller's array, O(batch)). */
+static int check_problem(int algo, int isa, const attn_problem *p, const char **why)
 {
+#define ATTN_FAIL(code, text) \
+    do {                      \
+        *why = (text);        \
+        return (code);        \
+    } while (0)
     if (algo < ATTN_NAIVE || algo > ATTN_FLASH)
-        return ATTN_EINVAL;
+        ATTN_FAIL(ATTN_EINVAL, "the algorithm is not naive, tiled or flash");
     if (!attn_isa_supported(isa))
-        return ATTN_EISA;
+        ATTN_FAIL(ATTN_EISA, attn_isa_reason(isa));
     if (p->batch < 0 || p->nq < 0 || p->nk < 1 || p->d < 1 || p->dv < 0)
-        return ATTN_EINVAL;
+        ATTN_FAIL(ATTN_EINVAL, "batch, nq and dv must be >= 0, nk and d >= 1");
     if (p->block_q < 1 || p->block_q > ATTN_MAX_BLOCK_Q || p->block_k < 1 ||
         p->block_k > ATTN_MAX_BLOCK_K || p->num_threads < 1 || p->num_threads > ATTN_MAX_THREADS)
-        return ATTN_EINVAL;
+        ATTN_FAIL(ATTN_EINVAL, "block_q, block_k or num_threads is out of its range");
     if (!isfinite(p->scale))
-        return ATTN_EINVAL;
+        ATTN_FAIL(ATTN_EINVAL, "scale must be finite");
     /* Element offsets such as b * nq * d are int64 products in the kernels:
      * every array's element count (and a padded row) must fit int64. */
     int64_t n, width, nk_pad;
@@ -391,8 +411,44 @@ int attn_check_problem(int algo, int isa, const attn_problem *p)
         __builtin_mul_overflow(p->batch, p->nq, &n) || __builtin_mul_overflow(n, width, &n) ||
         __builtin_mul_overflow(p->batch, p->nk, &n) || __builtin_mul_overflow(n, width, &n) ||
         __builtin_mul_overflow(p->nq, nk_pad, &n) || n > INT64_MAX / 8)
-        return ATTN_ETOOBIG;
+        ATTN_FAIL(ATTN_ETOOBIG, "the arrays are too large for 64-bit index arithmetic");
+    if (p->kv_group < 1 || p->batch % p->kv_group != 0)
+        ATTN_FAIL(ATTN_EINVAL, "kv_group must be >= 1 and divide batch (k and v have batch / kv_group rows)");
+    if (p->align != ATTN_ALIGN_TOP_LEFT && p->align != ATTN_ALIGN_BOTTOM_RIGHT)
+        ATTN_FAIL(ATTN_EINVAL, "align must be top-left (0) or bottom-right (1)");
+    if (p->window_left < ATTN_UNBOUNDED || p->window_right < ATTN_UNBOUNDED)
+        ATTN_FAIL(ATTN_EINVAL, "window_left and window_right must be -1 (unbounded) or >= 0");
+    if (p->causal && p->window_right != 0 && p->window_right != ATTN_UNBOUNDED)
+        ATTN_FAIL(ATTN_EINVAL, "causal means window_right 0: pass window_right 0 or -1 (unbounded) with it");
+    if (p->seqlen_k) {
+        if (p->heads < 1 || p->batch % p->heads != 0)
+            ATTN_FAIL(ATTN_EINVAL, "heads must be >= 1 and divide batch (seqlen_k has batch / heads lengths)");
+        for (int64_t i = 0; i < p->batch / p->heads; i++)
+            if (p->seqlen_k[i] < 0 || p->seqlen_k[i] > p->nk)
+                ATTN_FAIL(ATTN_EINVAL, "every length of seqlen_k must lie in [0, nk]");
+    }
+    if (!(p->softcap >= 0) || !isfinite(p->softcap))
+        ATTN_FAIL(ATTN_EINVAL, "softcap must be 0 (none) or a positive finite number");
+    if (p->softcap > 0 && !isfinite(p->scale / p->softcap))
+        ATTN_FAIL(ATTN_EINVAL, "scale / softcap overflows: softcap is too small for scale");
+    if (algo != ATTN_FLASH && attn_has_features(p))
+        ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment, key lengths and softcap");
+    *why = "";
     return ATTN_OK;
+#undef ATTN_FAIL
+}
+
+int attn_check_problem(int algo, int isa, const attn_problem *p)
+{
+    const char *why;
+    return check_problem(algo, isa, p, &why);
+}
+
+const char *attn_problem_error(int algo, int isa, const attn_problem *p)
+{
+    const char *why;
+    check_problem(algo, isa, p, &why);
+    return why;
 }
 
 /* 1 if one of the n elements at x (bits of width U) has every exponent bit set: NaN or
@@ -494,12 +550,17 @@ int attn_forward_half(int algo, int isa, int kind, const attn_problem *p, const 
         return ATTN_EISA;
     if (p->batch == 0 || p->nq == 0 || (p->dv == 0 && !lse))
         return ATTN_OK;
-    /* the flash kernels of attn_kernels.h check their own arrays; bfloat16 flash on
-     * avx512bf16 and amx has kernels of its own, which do not */
-    int self_checks = algo == ATTN_FLASH &&
-                      !(kind == ATTN_BF16 && (isa == ATTN_ISA_AVX512BF16 || isa == ATTN_ISA_AMX));
-    ATTN_RUN_FORWARD(table_half[isa][kind][algo], kind == ATTN_BF16 ? scan_bf16 : scan_f16, self_checks, p, q,
-                     k, v, out, lse);
+    attn_fn_half fn = table_half[isa][kind][algo];
+    /* bfloat16 flash on avx512bf16 and amx has kernels of its own, without the
+     * features: a problem with features runs the unit's converting flash instead */
+    int own_kernel = algo == ATTN_FLASH && kind == ATTN_BF16 && (isa == ATTN_ISA_AVX512BF16 || isa == ATTN_ISA_AMX);
+    if (own_kernel && attn_has_features(p)) {
+        fn = converting_flash_bf16[isa];
+        own_kernel = 0;
+    }
+    /* the flash kernels of attn_kernels.h check their own arrays; the own kernels do not */
+    int self_checks = algo == ATTN_FLASH && !own_kernel;
+    ATTN_RUN_FORWARD(fn, kind == ATTN_BF16 ? scan_bf16 : scan_f16, self_checks, p, q, k, v, out, lse);
 }
 
 int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *out, float *back)
@@ -526,10 +587,11 @@ int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *o
         if (p->batch == 0)                                                                      \
             return ATTN_OK;                                                                     \
         if (p->nq == 0) {                                                                       \
+            int64_t rows_kv = p->batch / p->kv_group;                                           \
             if (dk)                                                                             \
-                memset(dk, 0, (size_t)(p->batch * p->nk * p->d) * sizeof(T));                   \
+                memset(dk, 0, (size_t)(rows_kv * p->nk * p->d) * sizeof(T));                    \
             if (dv)                                                                             \
-                memset(dv, 0, (size_t)(p->batch * p->nk * p->dv) * sizeof(T));                  \
+                memset(dv, 0, (size_t)(rows_kv * p->nk * p->dv) * sizeof(T));                   \
             return ATTN_OK;                                                                     \
         }                                                                                       \
         attn_problem one = run_problem(p);                                                      \

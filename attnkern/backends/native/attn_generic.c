@@ -61,6 +61,13 @@
             a.x[i] = b.x[i] > a.x[i] ? b.x[i] : a.x[i];                                     \
         return a;                                                                           \
     }                                                                                       \
+    /* |a| with the sign of b */                                                            \
+    static ATTN_INLINE vec_##DT vcopysign_##DT(vec_##DT a, vec_##DT b)                      \
+    {                                                                                       \
+        for (int i = 0; i < W; i++)                                                         \
+            a.x[i] = (T)copysign(a.x[i], b.x[i]); /* exact for float, through double */        \
+        return a;                                                                           \
+    }                                                                                       \
     /* nearest integer, halves away from zero; |x| is clamped so the cast is defined */     \
     static ATTN_INLINE vec_##DT vround_##DT(vec_##DT a)                                     \
     {                                                                                       \

@@ -7,7 +7,7 @@
  *   VT, VW  vector type and its width in elements
  *   MR      rows of the register tile in the matmul micro-kernels
  * and functions v<op>_<DT>: load/store (aligned), loadu/storeu, set1 zero fma
- * mul add sub div max round pow2i hsum hmax. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
+ * mul add sub div max round pow2i hsum hmax copysign. It defines attn_{naive,tiled,flash}_<DT>_<ISA>
  * and undefines T, DT, VT and VW at its end, ready for the next dtype.
  * Optional: TRANSPOSE_T(src, lds, dst, ldd), a VW x VW transpose of T in
  * registers (dst[j][i] = src[i][j]), used to pack Kt panels; VEXP2_T(x), the
@@ -75,6 +75,38 @@ static ATTN_INLINE VT ST(vexp2)(VT x)
         p = V(fma)(p, f, V(set1)((T)EXP2_COEF[i]));
     return V(mul)(p, V(pow2i)(n));
 #endif
+}
+
+/* tanh(x) = (1 - e) / (1 + e) with e = 2^(-2 log2(e) |x|) in (0, 1], given x's sign:
+ * an absolute error of a few ulp of 1 (not relative to a small tanh), which the
+ * softcap scales by its cap, the error of an uncapped score of that size. */
+static ATTN_INLINE VT ST(vtanh)(VT x)
+{
+    VT one = V(set1)((T)1);
+    VT e = ST(vexp2)(V(mul)(V(copysign)(x, one), V(set1)((T)(-2 * ATTN_LOG2E))));
+    return V(copysign)(V(div)(V(sub)(one, e), V(add)(one, e)), x);
+}
+
+/* x[0:n) = cap2 * tanh(x) (n a multiple of VW): the logit softcap in the log2
+ * domain, for scores x = s / c and cap2 = c log2(e); with g, also
+ * g[0:n) = 1 - tanh(x)^2 = (1 - tanh)(1 + tanh), its derivative. */
+static void ST(softcap_row)(T *x, T *g, int64_t n, T cap2)
+{
+    VT vc = V(set1)(cap2), one = V(set1)((T)1);
+    for (int64_t j = 0; j < n; j += VW) {
+        VT t = ST(vtanh)(V(load)(x + j));
+        V(store)(x + j, V(mul)(vc, t));
+        if (g)
+            V(store)(g + j, V(mul)(V(sub)(one, t), V(add)(one, t)));
+    }
+}
+
+/* The factor q (or k) is multiplied by before the scores: scale * log2(e) (scores
+ * in the log2 domain), or with a softcap c, scale / c (scores s / c, for the tanh;
+ * softcap_row takes them to the log2 domain). */
+static T ST(score_factor)(const attn_problem *p)
+{
+    return (T)(p->softcap > 0 ? p->scale / p->softcap : p->scale * ATTN_LOG2E);
 }
 
 /* s[r][0:NR) = sum_d a[r][d] * b[d][0:NR) for r < mr: one register tile of
@@ -644,26 +676,38 @@ static void ST(report)(const attn_problem *p, int bits)
     }
 }
 
-/* One query panel (queries q0 + [0, NR), the panel's last real query qlast) over
- * the key block [j0, j0 + kv) (kv: the keys some query of the panel sees), K and V
- * rows kr, vr: its state m, l (NR each), Qt panel qt, O^T panel ot (dv rows of NR),
- * probabilities st (kv rows of NR). */
+/* One query panel (queries q0 + [0, NR)) over the key block [j0, j0 + kv) (kv: the
+ * keys some query of the panel sees), K and V rows kr, vr: its state m, l (NR each),
+ * Qt panel qt, O^T panel ot (dv rows of NR), probabilities st (kv rows of NR). Query
+ * q0 + c sees key j iff q0 + c + lo <= j <= q0 + c + hi (attn_span; keys past the
+ * row's length are never passed). With empty (a mask may leave a query without a
+ * key so far), such a query's probabilities are 0 rather than 2^(-inf + inf). With
+ * cap2 (not 0), the scores are s / c and become cap2 tanh(s / c) (softcap_row). */
 static void ST(flash_panel)(const T *kr, const T *vr, int64_t kv, int64_t d, int64_t dv, const T *qt,
-                            T *st, T *ot, T *m, T *l, T *alpha, int causal, int64_t q0, int64_t j0)
+                            T *st, T *ot, T *m, T *l, T *alpha, int64_t q0, int64_t j0, int64_t lo,
+                            int64_t hi, int empty, T cap2)
 {
-    T mx[NR], mnew[NR], e[NR];
+    T mx[NR], mnew[NR], msub[NR], e[NR];
     for (int c = 0; c < NR; c++)
         mx[c] = -INFINITY;
-    /* S^T = K Q^T with the column max; a tile that crosses the causal diagonal (key
-     * j0 + k is seen by the queries q0 + c >= j0 + k) is masked before its max */
+    /* S^T = K Q^T with the column max; a tile that crosses an edge of a query's
+     * window (key j is seen by the queries q0 + c with j - hi <= q0 + c <= j - lo)
+     * is masked, and a softcapped one capped, before its max */
     for (int64_t k0 = 0; k0 < kv; k0 += MR) {
         int mr = (int)(kv - k0 < MR ? kv - k0 : MR);
-        int diag = causal && j0 + k0 + mr - 1 > q0;
-        ST(call_qk)(mr, d, kr + k0 * d, d, qt, st + k0 * NR, NR, diag ? NULL : mx);
-        for (int r = 0; diag && r < mr; r++) {
+        int64_t j = j0 + k0;
+        int edge = j + mr - 1 - hi > q0 || j - lo < q0 + NR - 1, rows = edge || cap2 != 0;
+        ST(call_qk)(mr, d, kr + k0 * d, d, qt, st + k0 * NR, NR, rows ? NULL : mx);
+        for (int r = 0; rows && r < mr; r++) {
             T *sr = st + (k0 + r) * NR;
-            for (int64_t c = j0 + k0 + r - q0; c > 0; c--)
-                sr[c - 1] = -INFINITY;
+            if (cap2 != 0)
+                ST(softcap_row)(sr, NULL, NR, cap2);
+            int64_t first = edge ? attn_clamp(j + r - hi - q0, NR) : 0;
+            int64_t past = edge ? attn_clamp(j + r - lo - q0 + 1, NR) : NR;
+            for (int64_t c = 0; c < first; c++)
+                sr[c] = -INFINITY;
+            for (int64_t c = past; c < NR; c++)
+                sr[c] = -INFINITY;
             for (int c = 0; c < NR; c += VW)
                 V(storeu)(mx + c, V(max)(V(loadu)(mx + c), V(load)(sr + c)));
         }
@@ -678,9 +722,10 @@ static void ST(flash_panel)(const T *kr, const T *vr, int64_t kv, int64_t d, int
     for (int c = 0; c < NR; c++) {
         alpha[c] = m[c] == -INFINITY ? 0 : (m[c] == mnew[c] ? 1 : e[c]);
         m[c] = mnew[c];
+        msub[c] = empty && mnew[c] == -INFINITY ? 0 : mnew[c];
     }
     /* probabilities 2^(s - m_new) and their column sums */
-    VT m0 = V(loadu)(mnew), m1 = V(loadu)(mnew + VW), s0 = V(zero)(), s1 = V(zero)();
+    VT m0 = V(loadu)(msub), m1 = V(loadu)(msub + VW), s0 = V(zero)(), s1 = V(zero)();
     for (int64_t k = 0; k < kv; k++) {
         T *sr = st + k * NR;
         VT p0 = ST(vexp2)(V(sub)(V(load)(sr), m0)), p1 = ST(vexp2)(V(sub)(V(load)(sr + VW), m1));
@@ -727,26 +772,39 @@ static void ST(write_out_t)(T *o, const T *l, int64_t bq, int64_t dv, TIN *out, 
     }
 }
 
+/* 1 if row i of span sp sees no key. */
+static int ST(row_empty)(const attn_span *sp, int64_t i)
+{
+    return attn_clamp(i + sp->lo, sp->len) >= attn_clamp(i + sp->hi + 1, sp->len);
+}
+
 static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
                             TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
                             int64_t dv_pad, int64_t lds)
 {
     (void)dv_pad; (void)lds;
-    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k;
-    const int64_t kend = p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk;
+    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k, bkv = bh / p->kv_group;
+    const attn_span sp = attn_span_of(p, bh);
+    const int features = attn_features_on(p);
+    /* the keys some row of the block sees, from the first row's lowest to the last
+     * row's highest; key blocks start at multiples of bk, as without a window, so a
+     * query meets the same key blocks whatever its query block */
+    const int64_t kfirst = attn_clamp(i0 + sp.lo, sp.len) / bk * bk;
+    const int64_t kend = attn_clamp(i0 + bq + sp.hi, sp.len);
     const int64_t bq_pad = ST(round_up)(bq, NR);
-    const TIN *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
+    const TIN *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
     /* With p->nonfinite: this block's q, its output and, in the head's last query block
-     * (which reads every key a causal block reads), k and v, each checked where it is
-     * read or written anyway (K/V blocks right after their products, from the caches);
-     * keys no block reads are scanned at the end. */
-    const int check = p->nonfinite != NULL, check_kv = check && i0 + bq == p->nq;
+     * of the first query row of each k/v row, k and v, each checked where it is read
+     * or written anyway (K/V blocks right after their products, from the caches);
+     * the keys this block does not read are scanned at the end, up to the longest
+     * key length of the k/v row's query rows (padding past it is never read). */
+    const int check = p->nonfinite != NULL, check_kv = check && i0 + bq == p->nq && bh % p->kv_group == 0;
     int bad = 0;
     /* Qt panels, scaled: panel q0 / NR at w->a + q0 * d, d rows of NR */
     ST(pack_kt)(q + (bh * p->nq + i0) * d, bq, d, w->a);
     if (check && ST(nonfinite)(w->a, bq_pad * d))  /* before scaling, which may overflow */
         bad |= ATTN_NONFINITE_Q;
-    const T c = (T)(p->scale * ATTN_LOG2E);
+    const T c = ST(score_factor)(p), cap2 = (T)(p->softcap * ATTN_LOG2E);
     for (int64_t i = 0; i < bq_pad * d; i++)
         w->a[i] *= c;
     for (int64_t r = 0; r < bq_pad; r++) {
@@ -755,26 +813,48 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
     }
     for (int64_t i = 0; i < bq_pad * dv; i++)
         w->o[i] = 0;
-    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+    for (int64_t j0 = kfirst; j0 < kend; j0 += bk) {
         int64_t kb = kend - j0 < bk ? kend - j0 : bk;
         const T *kr = ST(block_rows)(kh + j0 * d, kb, d, w->kt);
         const T *vr = ST(block_rows)(vh + j0 * dv, kb, dv, w->vp);
         for (int64_t q0 = 0; q0 < bq; q0 += NR) {
+            /* the keys of the block the panel sees: from its first query's lowest to
+             * its last query's highest */
             int64_t qlast = i0 + (bq - q0 < NR ? bq : q0 + NR) - 1;
-            int64_t kv = p->causal ? ST(causal_valid)(1, qlast, j0, kb) : kb;
-            if (kv == 0)
+            int64_t ks = attn_clamp(i0 + q0 + sp.lo - j0, kb), ke = attn_clamp(qlast + sp.hi + 1 - j0, kb);
+            if (ks >= ke)
                 continue;  /* no query of the panel sees this block: its state stays as it is */
-            ST(flash_panel)(kr, vr, kv, d, dv, w->a + q0 * d, w->s, w->o + q0 * dv, w->m + q0, w->l + q0,
-                            w->alpha + q0, p->causal, i0 + q0, j0);
+            ST(flash_panel)(kr + ks * d, vr + ks * dv, ke - ks, d, dv, w->a + q0 * d, w->s, w->o + q0 * dv,
+                            w->m + q0, w->l + q0, w->alpha + q0, i0 + q0, j0 + ks, sp.lo, sp.hi, features,
+                            cap2);
         }
         if (check_kv) {  /* right after the products read them, while they are in the caches */
             bad |= ST(nonfinite)(kr, kb * d) ? ATTN_NONFINITE_K : 0;
             bad |= ST(nonfinite)(vr, kb * dv) ? ATTN_NONFINITE_V : 0;
         }
     }
-    if (check_kv && kend < nk) {
-        bad |= ST(nonfinite_in)(kh + kend * d, (nk - kend) * d) ? ATTN_NONFINITE_K : 0;
-        bad |= ST(nonfinite_in)(vh + kend * dv, (nk - kend) * dv) ? ATTN_NONFINITE_V : 0;
+    if (check_kv) {
+        int64_t klen = sp.len, past = kend > kfirst ? kend : kfirst;
+        for (int64_t g = 1; p->seqlen_k && g < p->kv_group; g++) {
+            int64_t len = p->seqlen_k[(bh + g) / p->heads];
+            klen = len > klen ? len : klen;
+        }
+        bad |= ST(nonfinite_in)(kh, kfirst * d) ? ATTN_NONFINITE_K : 0;
+        bad |= ST(nonfinite_in)(vh, kfirst * dv) ? ATTN_NONFINITE_V : 0;
+        if (klen > past) {
+            bad |= ST(nonfinite_in)(kh + past * d, (klen - past) * d) ? ATTN_NONFINITE_K : 0;
+            bad |= ST(nonfinite_in)(vh + past * dv, (klen - past) * dv) ? ATTN_NONFINITE_V : 0;
+        }
+    }
+    /* rows that see no key: output 0 (o zeroed over l = 1; o may hold 0 * inf from
+     * keys of other rows of their panel) and lse -inf (their m stays -inf); a row
+     * that sees keys but has l = 0 (every score overflowed to -inf) keeps 0 / 0 */
+    for (int64_t r = 0; features && r < bq; r++) {
+        if (w->l[r] == 0 && ST(row_empty)(&sp, i0 + r)) {
+            w->l[r] = 1;
+            for (int64_t c = 0; c < dv; c++)
+                w->o[(r / NR * NR) * dv + c * NR + r % NR] = 0;
+        }
     }
     int bad_out = 0;
     ST(write_out_t)(w->o, w->l, bq, dv, out + (bh * p->nq + i0) * dv, check, &bad_out);
@@ -798,8 +878,9 @@ int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
  * recomputation: no N x N buffer), in two passes so that every element of dq,
  * dk and dv is summed by one thread in a fixed order (bit-identical for every
  * thread count):
- *   pass 1, one task per (batch entry, key block): for each query block that
- *     sees it, recompute S^T = K Q^T and P^T = 2^(S^T - lse2), then
+ *   pass 1, one task per (k/v row, key block): for each of the k/v row's query
+ *     rows (kv_group of them, in order) and each of its query blocks that sees the
+ *     key block, recompute S^T = K Q^T and P^T = 2^(S^T - lse2), then
  *     dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q;
  *   pass 2, one task per (batch entry, query block): for each key block it
  *     sees, recompute S = Q K^T, P and dP = dO V^T, dS = P (dP - D), dQ += dS K;
@@ -839,6 +920,13 @@ static void ST(exp2_sub)(T *x, const T *m, int64_t n)
         V(store)(x + j, ST(vexp2)(V(sub)(V(load)(x + j), V(loadu)(m + j))));
 }
 
+/* x[0:n) *= g[0:n) (n a multiple of VW): dS times the softcap's derivative. */
+static void ST(mul_row)(T *x, const T *g, int64_t n)
+{
+    for (int64_t j = 0; j < n; j += VW)
+        V(store)(x + j, V(mul)(V(load)(x + j), V(load)(g + j)));
+}
+
 /* ds[0:n) = p * (dp - dd) with dd a scalar (row form) or per column (dvec). */
 static void ST(ds_row)(const T *p, T *dp, T dd, int64_t n)
 {
@@ -859,15 +947,17 @@ typedef struct {
     T *acc1, *acc2; /* pass 1: dV and dK; pass 2: dQ */
     T *m, *dd;   /* per column (pass 1) or per row (pass 2): lse2 and D, padded */
     T *ones;
+    T *g;        /* with a softcap: its derivative 1 - tanh^2 at each score, rows x ldc */
 } ST(bwd_ws);
 
 static void ST(bwd_free)(ST(bwd_ws) *w)
 {
     attn_free(w->a); attn_free(w->pack); attn_free(w->s); attn_free(w->dp);
     attn_free(w->acc1); attn_free(w->acc2); attn_free(w->m); attn_free(w->dd); attn_free(w->ones);
+    attn_free(w->g);
 }
 
-static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv)
+static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv, int softcap)
 {
     int64_t ldc = ST(round_up)(cols, NR), dmax = d > dv ? d : dv;
     int64_t wide = ST(round_up)(dmax, NR), tall = ST(round_up)(rows > cols ? rows : cols, NR);
@@ -880,7 +970,9 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
     w->m = attn_alloc(tall, 1, sizeof(T));
     w->dd = attn_alloc(tall, 1, sizeof(T));
     w->ones = attn_alloc(tall, 1, sizeof(T));
-    if (!(w->a && w->pack && w->s && w->dp && w->acc1 && w->acc2 && w->m && w->dd && w->ones)) {
+    w->g = softcap ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
+    if (!(w->a && w->pack && w->s && w->dp && w->acc1 && w->acc2 && w->m && w->dd && w->ones &&
+          (w->g || !softcap))) {
         ST(bwd_free)(w);
         return 0;
     }
@@ -889,47 +981,65 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
     return 1;
 }
 
-/* Pass 1: dK and dV of keys [j0, j0 + kb) of batch entry bh. */
+/* Pass 1: dK and dV of keys [j0, j0 + kb) of k/v row bkv, summed over its query
+ * rows bkv * kv_group + g in the order of g. */
 static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, const T *v,
                              const T *dout, const T *lse2, const T *dvec, T *dk, T *dv_out,
-                             ST(bwd_ws) *w, int64_t bh, int64_t j0, int64_t kb)
+                             ST(bwd_ws) *w, int64_t bkv, int64_t j0, int64_t kb)
 {
     const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bq = p->block_q;
     const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
-    const T *qh = q + bh * nq * d, *doh = dout + bh * nq * dv;
-    ST(scale_rows)(k + (bh * nk + j0) * d, kb, d, (T)(p->scale * ATTN_LOG2E), w->a);
+    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
+    ST(scale_rows)(k + (bkv * nk + j0) * d, kb, d, ST(score_factor)(p), w->a);
     for (int64_t i = 0; i < kb * dp_pad; i++)
         w->acc1[i] = 0;
     for (int64_t i = 0; i < kb * d_pad; i++)
         w->acc2[i] = 0;
-    /* causal: query blocks before the first that can see key j0 are skipped */
-    int64_t first = p->causal ? j0 / bq * bq : 0;
-    for (int64_t i0 = first; i0 < nq; i0 += bq) {
-        int64_t qb = nq - i0 < bq ? nq - i0 : bq, qb_vw = ST(round_up)(qb, VW);
-        for (int64_t i = 0; i < ldc; i++) {  /* padding columns: P = 0, D = 0 */
-            w->m[i] = i < qb ? lse2[bh * nq + i0 + i] : (T)INFINITY;
-            w->dd[i] = i < qb ? dvec[bh * nq + i0 + i] : 0;
-        }
-        ST(gemm_abt)(w->pack, w->a, kb, d, qh + i0 * d, qb, d, w->s, ldc);        /* S^T */
-        for (int64_t j = 0; j < kb; j++) {
-            T *pj = w->s + j * ldc;
-            ST(exp2_sub)(pj, w->m, qb_vw);
-            if (p->causal)  /* query i sees key j0 + j only if i0 + i >= j0 + j */
-                for (int64_t i = 0; i < qb && i0 + i < j0 + j; i++)
+    for (int64_t g = 0; g < p->kv_group; g++) {
+        const int64_t bh = bkv * p->kv_group + g;
+        const T *qh = q + bh * nq * d, *doh = dout + bh * nq * dv;
+        const attn_span sp = attn_span_of(p, bh);
+        /* the keys of the block within the row's length, and the queries that see
+         * one of them (key j is seen by the queries j - hi <= i <= j - lo); query
+         * blocks start at multiples of bq (causal: those before the first that can
+         * see key j0 are skipped) */
+        const int64_t kbh = attn_clamp(sp.len - j0, kb);
+        const int64_t istart = attn_clamp(j0 - sp.hi, nq), iend = attn_clamp(j0 + kbh - sp.lo, nq);
+        for (int64_t i0 = kbh ? istart / bq * bq : nq; i0 < iend; i0 += bq) {
+            int64_t qb = iend - i0 < bq ? iend - i0 : bq, qb_vw = ST(round_up)(qb, VW);
+            for (int64_t i = 0; i < ldc; i++) {  /* padding columns: P = 0, D = 0 */
+                w->m[i] = i < qb ? lse2[bh * nq + i0 + i] : (T)INFINITY;
+                w->dd[i] = i < qb ? dvec[bh * nq + i0 + i] : 0;
+            }
+            ST(gemm_abt)(w->pack, w->a, kbh, d, qh + i0 * d, qb, d, w->s, ldc);        /* S^T */
+            for (int64_t j = 0; j < kbh; j++) {
+                T *pj = w->s + j * ldc;
+                if (cap2 != 0)
+                    ST(softcap_row)(pj, w->g + j * ldc, qb_vw, cap2);
+                ST(exp2_sub)(pj, w->m, qb_vw);
+                /* query i0 + i sees key j0 + j only if j0 + j - hi <= i0 + i <= j0 + j - lo */
+                int64_t first = attn_clamp(j0 + j - sp.hi - i0, qb), past = attn_clamp(j0 + j - sp.lo + 1 - i0, qb);
+                for (int64_t i = 0; i < first; i++)
                     pj[i] = 0;
+                for (int64_t i = past; i < qb; i++)
+                    pj[i] = 0;
+            }
+            ST(gemm_ab_acc)(w->pack, w->s, kbh, ldc, doh + i0 * dv, qb, dv, w->acc1, dp_pad, w->ones); /* dV */
+            ST(gemm_abt)(w->pack, v + (bkv * nk + j0) * dv, kbh, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* dP^T */
+            for (int64_t j = 0; j < kbh; j++) {
+                ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
+                if (cap2 != 0)
+                    ST(mul_row)(w->dp + j * ldc, w->g + j * ldc, qb_vw);
+            }
+            ST(gemm_ab_acc)(w->pack, w->dp, kbh, ldc, qh + i0 * d, qb, d, w->acc2, d_pad, w->ones); /* dK */
         }
-        ST(gemm_ab_acc)(w->pack, w->s, kb, ldc, doh + i0 * dv, qb, dv, w->acc1, dp_pad, w->ones); /* dV */
-        ST(gemm_abt)(w->pack, v + (bh * nk + j0) * dv, kb, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* dP^T */
-        for (int64_t j = 0; j < kb; j++)
-            ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
-        ST(gemm_ab_acc)(w->pack, w->dp, kb, ldc, qh + i0 * d, qb, d, w->acc2, d_pad, w->ones); /* dK */
     }
     const T scale = (T)p->scale;
     for (int64_t j = 0; j < kb; j++) {
         for (int64_t c = 0; c < dv; c++)
-            dv_out[(bh * nk + j0 + j) * dv + c] = w->acc1[j * dp_pad + c];
+            dv_out[(bkv * nk + j0 + j) * dv + c] = w->acc1[j * dp_pad + c];
         for (int64_t c = 0; c < d; c++)
-            dk[(bh * nk + j0 + j) * d + c] = w->acc2[j * d_pad + c] * scale;
+            dk[(bkv * nk + j0 + j) * d + c] = w->acc2[j * d_pad + c] * scale;
     }
 }
 
@@ -938,22 +1048,34 @@ static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const
                             const T *dout, const T *lse2, const T *dvec, T *dq,
                             ST(bwd_ws) *w, int64_t bh, int64_t i0, int64_t qb)
 {
-    const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bk = p->block_k;
+    const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bk = p->block_k, bkv = bh / p->kv_group;
     const int64_t ldc = ST(round_up)(bk, NR), d_pad = ST(round_up)(d, NR);
-    const int64_t kend = p->causal ? (i0 + qb < nk ? i0 + qb : nk) : nk;
-    const T *kh = k + bh * nk * d, *vh = v + bh * nk * dv;
-    ST(scale_rows)(q + (bh * nq + i0) * d, qb, d, (T)(p->scale * ATTN_LOG2E), w->a);
+    /* the keys some row of the block sees, in key blocks at multiples of bk (flash_block) */
+    const attn_span sp = attn_span_of(p, bh);
+    const int64_t kfirst = attn_clamp(i0 + sp.lo, sp.len) / bk * bk;
+    const int64_t kend = attn_clamp(i0 + qb + sp.hi, sp.len);
+    const T *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
+    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
+    ST(scale_rows)(q + (bh * nq + i0) * d, qb, d, ST(score_factor)(p), w->a);
     for (int64_t i = 0; i < qb * d_pad; i++)
         w->acc1[i] = 0;
-    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+    for (int64_t j0 = kfirst; j0 < kend; j0 += bk) {
         int64_t kb = kend - j0 < bk ? kend - j0 : bk, kb_vw = ST(round_up)(kb, VW);
         ST(gemm_abt)(w->pack, w->a, qb, d, kh + j0 * d, kb, d, w->s, ldc);          /* S */
         ST(gemm_abt)(w->pack, dout + (bh * nq + i0) * dv, qb, dv, vh + j0 * dv, kb, dv, w->dp, ldc); /* dP */
         for (int64_t r = 0; r < qb; r++) {
+            /* row i0 + r sees the keys [j0 + first, j0 + past) of the block: the
+             * others get P = 2^-inf = 0 */
             T *pr = w->s + r * ldc;
-            int64_t valid = ST(causal_valid)(p->causal, i0 + r, j0, kb);
-            ST(row_exp2_sum)(pr, valid, kb_vw, lse2[bh * nq + i0 + r]);
+            int64_t first = attn_clamp(i0 + r + sp.lo - j0, kb), past = attn_clamp(i0 + r + sp.hi + 1 - j0, kb);
+            if (cap2 != 0)
+                ST(softcap_row)(pr, w->g + r * ldc, kb_vw, cap2);
+            for (int64_t j = 0; j < first; j++)
+                pr[j] = -INFINITY;
+            ST(row_exp2_sum)(pr, past, kb_vw, lse2[bh * nq + i0 + r]);
             ST(ds_row)(pr, w->dp + r * ldc, dvec[bh * nq + i0 + r], kb_vw);
+            if (cap2 != 0)
+                ST(mul_row)(w->dp + r * ldc, w->g + r * ldc, kb_vw);
         }
         ST(gemm_ab_acc)(w->pack, w->dp, qb, ldc, kh + j0 * d, kb, d, w->acc1, d_pad, w->ones); /* dQ */
     }
@@ -966,8 +1088,9 @@ static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const
 int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v, const T *out,
                        const T *dout, const T *lse, T *dq, T *dk, T *dv)
 {
-    const int64_t nq = p->nq, nk = p->nk, dvn = p->dv, rows = p->batch * nq;
+    const int64_t nq = p->nq, nk = p->nk, dvn = p->dv, rows = p->batch * nq, batch_kv = p->batch / p->kv_group;
     const int64_t nqb = (nq + p->block_q - 1) / p->block_q, nkb = (nk + p->block_k - 1) / p->block_k;
+    const int features = attn_features_on(p);
     T *lse2 = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
     int failed = !(lse2 && dvec);
     if (!failed) {
@@ -978,6 +1101,9 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
                 acc += dout[i * dvn + c] * out[i * dvn + c];
             dvec[i] = acc;
             lse2[i] = (T)((double)lse[i] * ATTN_LOG2E);
+            /* a row that saw no key (lse -inf): P = 2^(s - inf) = 0, zero gradients */
+            if (features && lse2[i] == -INFINITY)
+                lse2[i] = INFINITY;
         }
     }
     if (!failed) {
@@ -985,18 +1111,18 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         {
             ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn);
+            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn, p->softcap > 0);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < p->batch * nkb; t++) {
+            for (int64_t t = 0; t < batch_kv * nkb; t++) {
                 if (!ok)
                     continue;
-                int64_t bh = t % p->batch, j0 = (t / p->batch) * p->block_k;
+                int64_t bkv = t % batch_kv, j0 = (t / batch_kv) * p->block_k;
                 int64_t kb = nk - j0 < p->block_k ? nk - j0 : p->block_k;
-                ST(bwd_kv_block)(p, q, k, v, dout, lse2, dvec, dk, dv, &w, bh, j0, kb);
+                ST(bwd_kv_block)(p, q, k, v, dout, lse2, dvec, dk, dv, &w, bkv, j0, kb);
             }
             if (ok)
                 ST(bwd_free)(&w);
@@ -1007,7 +1133,7 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         {
             ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn);
+            int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn, p->softcap > 0);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
