@@ -92,6 +92,9 @@ def kernel_call(kernel: str, threads: int = THREADS, **params):
     info = attnkern.kernel_info(kernel)
     if not info["available"]:
         raise NotImplementedError(f"{kernel} is not available here: {info['reason']}")
+    if info.get("device") == "cuda" and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        # Numba's simulator runs GPU kernels on Python threads: correct, and no timing of a GPU
+        raise NotImplementedError(f"{kernel}: Numba's CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)")
     if "num_threads" in info["params"]:
         params.setdefault("num_threads", threads)
     for name, value in params.items():
