@@ -81,9 +81,14 @@ def last_commits(repo: Path, branch: str, n: int) -> list[str]:
             "of its history. Fetch the rest with `git fetch --unshallow` (or clone without --depth) "
             "and run this again.")
     try:
-        git(repo, "rev-parse", "--verify", "--quiet", f"{branch}^{{commit}}")
+        git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}")
     except HistoryError:
-        raise HistoryError(f"no branch {branch!r} in {repo} (--branch names another)") from None
+        # asv too looks the branch up by its local name (asv.conf.json's "branches")
+        remote = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"refs/remotes/origin/{branch}"],
+                                cwd=repo, capture_output=True).returncode == 0
+        hint = (f"; this clone has origin/{branch}: `git branch {branch} origin/{branch}` makes it" if remote
+                else " (--branch names another)")
+        raise HistoryError(f"no local branch {branch!r} in {repo}{hint}") from None
     return git(repo, "rev-list", "--first-parent", f"--max-count={n}", branch).split()
 
 
