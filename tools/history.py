@@ -212,7 +212,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tools/history.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--commits", type=int, default=10, help="how many commits of the branch (default 10)")
-    parser.add_argument("--branch", default="main", help="the branch whose history is measured (default main)")
+    parser.add_argument("--branch", help="the branch whose history is measured (default: the first of the asv "
+                                         "config's branches, main)")
     parser.add_argument("--config", default=str(REPO / "asv.conf.json"), help="asv's configuration file")
     parser.add_argument("--machine", help="asv machine name (default: this host's name, as asv picks it)")
     parser.add_argument("-b", "--bench", action="append",
@@ -228,8 +229,11 @@ def main(argv=None) -> int:
     except ImportError:
         raise HistoryError("asv is not installed in this Python (make setup installs it into .venv)") from None
     config = Path(args.config).resolve()
+    if not config.is_file():
+        raise HistoryError(f"no asv configuration at {config}")
     conf = load_config(config)
     repo = Path(conf.repo)
+    args.branch = args.branch or (getattr(conf, "branches", None) or ["main"])[0]
     commits = last_commits(repo, args.branch, args.commits)
     if len(commits) < args.commits:
         print(f"history: {args.branch} has {len(commits)} commit(s), not {args.commits}: measuring those")
@@ -243,8 +247,10 @@ def main(argv=None) -> int:
 
     if not args.dry_run:
         # this machine's description (asv needs one before it runs; the same as `make bench`)
-        subprocess.run([*asv_cmd, "machine", "--yes", *machine_args, "--config", str(config)], cwd=config.parent,
-                       check=True, stdout=subprocess.DEVNULL)
+        proc = subprocess.run([*asv_cmd, "machine", "--yes", *machine_args, "--config", str(config)],
+                              cwd=config.parent, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise HistoryError(f"asv machine --yes failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
     from asv.machine import Machine
 
     machine = args.machine or Machine.get_unique_machine_name()
