@@ -36,7 +36,7 @@ import numpy as np
 with atheris.instrument_imports(include=["attnkern"]):
     import attnkern
     from attnkern.backends.native import _attn
-from attnkern_bench.accuracy import TOL, conditioning
+from attnkern_bench.accuracy import conditioning, tolerance
 
 KERNELS = ["native.flash", "native.tiled", "native.naive", "numpy.naive"]
 SPECIAL = [np.nan, np.inf, -np.inf, -0.0, 1e-40, 5e-324, 1e38, -1e38, 3.4e38]
@@ -94,7 +94,7 @@ def check_against_reference(out, q, k, v, causal, scale):
     # the tests' bound (attnkern_bench.accuracy), with max|v| in place of max(1, max|v|): the
     # fuzzer's inputs reach tiny magnitudes, where an absolute floor of 1 would hide errors
     vmax = float(np.abs(v.astype(np.float64)).max(initial=0.0))
-    bound = TOL[np.dtype(out.dtype)] * max(vmax, 1e-30) * conditioning(q, k, scale) * 4
+    bound = tolerance(out.dtype) * max(vmax, 1e-30) * conditioning(q, k, scale) * 4
     err = float(np.abs(out.astype(np.float64) - ref).max(initial=0.0))
     if not err <= bound:
         raise AssertionError(f"error {err:.3g} > bound {bound:.3g} for q {q.shape} {q.dtype}, causal={causal}, "
@@ -121,7 +121,7 @@ def one_attention(fdp):
         return
     if out.shape != (*qs[:-1], vs[-1]) and len(qs) > 1:
         raise AssertionError(f"output shape {out.shape} for q {qs}, v {vs}")
-    if np.dtype(out.dtype) not in TOL or np.dtype(q.dtype) != out.dtype:
+    if np.dtype(out.dtype).name not in ("float32", "float64") or np.dtype(q.dtype) != out.dtype:
         return
     if not np.isfinite(out).all():
         # scores that overflow the dtype give NaN/inf; documented only without the scans
