@@ -224,6 +224,14 @@ def test_check_finite_off_skips_the_input_scan():
     assert np.isnan(out[0, 0]).all() and np.isfinite(out[1]).all()
 
 
+def test_every_cpu_kernel_runs_here():
+    """The CPU kernels' packages (torch, Numba, SciPy, threadpoolctl) are test extras that
+    `make setup` installs: a kernel missing from AVAILABLE, and so from every test
+    parametrized over it, is a broken setup, not a skip."""
+    cpu = [k for k in attnkern.kernels() if attnkern.kernel_info(k)["device"] == "cpu"]
+    assert {k: attnkern.kernel_info(k)["reason"] for k in cpu if k not in AVAILABLE} == {}
+
+
 def test_kernel_registry():
     names = attnkern.kernels()
     for expected in ("numpy.naive", "native.naive", "native.tiled", "native.flash", "torch.sdpa", "torch.naive"):

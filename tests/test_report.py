@@ -15,8 +15,6 @@ DATA = Path(__file__).resolve().parents[1] / "docs" / "data"
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("threadpoolctl")
     out = tmp_path_factory.mktemp("report")
     small = ["--sizes", "64", "128", "--heads", "1", "--repeat", "1", "--kernels", "native.flash", "numpy.naive"]
     assert cli.main(["bench", *small, "--passes", "1", "--settle", "0", "--json", str(out / "bench.json")]) == 0

@@ -11,8 +11,6 @@ import attnkern
 from attnkern import _api, _tuned
 from attnkern_bench import tuner
 
-pytest.importorskip("optuna")
-
 
 @pytest.fixture(autouse=True)
 def tuned_lookups_on(monkeypatch):
