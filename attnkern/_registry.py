@@ -77,6 +77,9 @@ class Kernel:
     # (batch, n, d) arrays, lse from run(); "cuda" kernels take dq=, dk=, dv= GPU arrays
     # to fill (allocated by the caller) and return them. None: no backward.
     backward: Callable | None = None
+    # the input dtypes the backward takes, where there is one (the forward may take more:
+    # native.flash and cuda.flash compute float16/bfloat16 forwards, not their gradients)
+    backward_dtypes: tuple[str, ...] = ("float32", "float64")
     # the input dtypes it computes in (names as NumPy spells them; "bfloat16" is
     # ml_dtypes.bfloat16 on the host, torch.bfloat16 for tensors)
     dtypes: tuple[str, ...] = ("float32", "float64")
@@ -134,7 +137,7 @@ def kernel_info(name: str) -> dict:
     """Whether kernel `name` runs here (and why not), and its tunables:
     {name, description, device, available, reason, params: {p: {default, min, max, doc}},
     returns_lse (attention(..., return_lse=True) works), backward (it is differentiable),
-    dtypes (the input dtypes it takes),
+    dtypes (the input dtypes it takes), backward_dtypes (those its backward takes; [] without one),
     tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
     replace the defaults for calls that match their key};
     a tunable restricted to a set of values also has "choices"."""
@@ -150,6 +153,7 @@ def kernel_info(name: str) -> dict:
         "returns_lse": kernel.returns_lse,
         "backward": kernel.backward is not None,
         "dtypes": list(kernel.dtypes),
+        "backward_dtypes": list(kernel.backward_dtypes) if kernel.backward is not None else [],
         "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
     }
 

@@ -180,6 +180,22 @@ def reference_lse(q, k, *, causal=False, scale=None) -> np.ndarray:
     return (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
 
 
+def reference_backward(q, k, v, dout, *, causal=False, scale=None):
+    """The float64 gradients (dq, dk, dv) of sum(attention(q, k, v) * dout), from the math:
+    S = scale q k^T (masked: -inf), P = softmax(S) row by row, O = P v; for an upstream dO,
+    dv = P^T dO, dP = dO v^T, dS = P * (dP - rowsum(dO * O)), dq = scale dS k, dk = scale dS^T q.
+    (tests/test_cuda_backward.py checks it against torch's autograd.)"""
+    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = scale * q @ k.swapaxes(-1, -2)
+    if causal:
+        s = np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    ds = p * (dout @ v.swapaxes(-1, -2) - (dout * (p @ v)).sum(axis=-1, keepdims=True))
+    return scale * ds @ k, scale * ds.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ dout
+
+
 def lse_error(lse, ref) -> float:
     """max over rows of |lse - ref| / max(1, |ref|): at most lse_tolerance(dtype)."""
     lse, ref = np.asarray(lse, np.float64), np.asarray(ref, np.float64)

@@ -1,10 +1,7 @@
 """The training path: log-sum-exp out, the flash backward, torch tensors in and out
 with autograd. Gradients are checked against the exact float64 gradient of
-attention, derived here:
-
-    P = softmax(S), S = scale q k^T (masked), O = P v,  for an upstream dO:
-    dv = P^T dO,  dP = dO v^T,  dS = P * (dP - rowsum(dO * O)),
-    dq = scale dS k,  dk = scale dS^T q.
+attention (attnkern_bench.accuracy.reference_backward derives it from the math;
+tests/test_cuda_backward.py checks it against torch's autograd).
 
 Tolerances: max |grad - ref| <= tolerance(dtype) * max(1, max|ref|) * kappa, the
 forward's bound (attnkern_bench.accuracy derives it; the gradients have its
@@ -18,7 +15,14 @@ import torch
 
 import attnkern
 from attnkern import _registry
-from attnkern_bench.accuracy import gradient_error, lse_error, lse_tolerance, tolerance
+from attnkern_bench.accuracy import (
+    gradient_error,
+    lse_error,
+    lse_tolerance,
+    reference_backward,
+    reference_lse,
+    tolerance,
+)
 from conftest import ISAS, forced_isa, max_threads, random_qkv
 
 LSE_KERNELS = [k for k in attnkern.kernels() if attnkern.kernel_info(k)["returns_lse"]
@@ -28,19 +32,8 @@ SHAPES = [((2, 3), 37, 29, 8, 5), ((1,), 13, 40, 5, 3), ((), 64, 64, 16, 16), ((
 
 def exact(q, k, v, dout, causal, scale=None):
     """out, lse and (dq, dk, dv) in float64."""
-    q, k, v, dout = (x.astype(np.float64) for x in (q, k, v, dout))
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = q @ k.swapaxes(-1, -2) * scale
-    if causal:
-        s = np.where(np.arange(k.shape[-2])[None, :] > np.arange(q.shape[-2])[:, None], -np.inf, s)
-    top = s.max(-1, keepdims=True)
-    e = np.exp(s - top)
-    total = e.sum(-1, keepdims=True)
-    p = e / total
-    out = p @ v
-    ds = p * (dout @ v.swapaxes(-1, -2) - (dout * out).sum(-1, keepdims=True))
-    grads = (scale * ds @ k, scale * ds.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ dout)
-    return out, (np.log(total) + top)[..., 0], grads
+    return (attnkern.reference(q, k, v, causal=causal, scale=scale), reference_lse(q, k, causal=causal, scale=scale),
+            reference_backward(q, k, v, dout, causal=causal, scale=scale))
 
 
 def assert_close(got, ref, q, k, dtype, what=""):

@@ -20,8 +20,17 @@ import numpy as np
 import pytest
 import torch
 
+import attnkern
 from attnkern import _registry
-from attnkern_bench.accuracy import gradient_error, lse_error, lse_tolerance, scaled_error, tolerance
+from attnkern_bench.accuracy import (
+    gradient_error,
+    lse_error,
+    lse_tolerance,
+    reference_backward,
+    reference_lse,
+    scaled_error,
+    tolerance,
+)
 from conftest import random_qkv, require_cuda_kernels
 
 require_cuda_kernels()
@@ -46,20 +55,11 @@ def fast_simulator_barriers():
 
 
 def reference(q, k, v, dout, causal, scale):
-    """out, lse, dq, dk, dv of naive attention in float64:
-    S = scale q k^T (masked: -inf), lse = log sum_j exp(S), P = exp(S - lse), O = P v;
-    D_i = dO_i . O_i, dV = P^T dO, dP = dO v^T, dS = P (dP - D), dQ = scale dS k, dK = scale dS^T q."""
-    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    s = scale * q @ k.swapaxes(-1, -2)
-    if causal:
-        nq, nk = s.shape[-2:]
-        s = np.where(np.arange(nk) > np.arange(nq)[:, None], -np.inf, s)
-    m = s.max(axis=-1, keepdims=True)
-    lse = m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True))
-    p = np.exp(s - lse)
-    out = p @ v
-    ds = p * (dout @ v.swapaxes(-1, -2) - (dout * out).sum(axis=-1, keepdims=True))
-    return out, lse[..., 0], scale * ds @ k, scale * ds.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ dout
+    """out, lse, dq, dk, dv in float64: attnkern.reference and attnkern_bench.accuracy's
+    reference_lse and reference_backward."""
+    out = attnkern.reference(q, k, v, causal=causal, scale=scale)
+    return out, reference_lse(q, k, causal=causal, scale=scale), *reference_backward(q, k, v, dout, causal=causal,
+                                                                                      scale=scale)
 
 
 def check(out, lse, grads, q, k, v, dout, causal, scale, where=""):
@@ -100,7 +100,8 @@ def test_registered():
 
 
 def test_reference_gradients_match_torch_autograd():
-    """The float64 gradients above are the true ones (torch autograd, CPU, float64)."""
+    """The float64 out, lse and gradients above (the ones every backward test compares
+    with) are the true ones (torch autograd, CPU, float64)."""
     for causal in (False, True):
         q, k, v, dout, scale = inputs(0, 2, 7, 5, 3, 4, np.float64)
         tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
