@@ -6,7 +6,6 @@ numbers."""
 import json
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
