@@ -202,6 +202,21 @@ def test_without_a_gpu_the_kernels_say_why():
     assert "ERROR kernel cuda.flash is not available here: no usable CUDA GPU" in result.stdout
 
 
+@pytest.mark.skipif(not SIMULATED, reason="what the simulator runs (on a GPU, the C++ tests below)")
+def test_the_simulator_runs_the_numba_kernels_and_no_cuda_cpp():
+    """docs/gpu.md: in the simulator cuda.flash's float32 calls never reach its CUDA C++
+    kernels (flash_tf32.cu, flash_simt.cu), whatever the tile; its float16/bfloat16
+    calls (flash_mma.cu, flash_wgmma.cu) are refused; float32 and float64 run the Numba
+    kernel, which is what the tests here check."""
+    from attnkern.backends import cuda as cuda_backend
+
+    for d, bq, bk, tc in [(64, 0, 0, 1), (64, 64, 32, 1), (64, 64, 64, 0), (16, 32, 32, 1), (128, 128, 64, 1)]:
+        assert cuda_backend._cpp_kernel(bq, bk, d, d, np.float32, tc) is None
+    q = np.ones((1, 16, 16), np.float16)
+    with pytest.raises(RuntimeError, match="CUDA C\\+\\+ on tensor cores, which Numba's CUDA simulator cannot run"):
+        attnkern.attention(q, q, q, kernel="cuda.flash")
+
+
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("library", ["torch", "cupy"])
 def test_torch_and_cupy_arrays_stay_on_the_gpu(library):
