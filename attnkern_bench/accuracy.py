@@ -1,5 +1,9 @@
 """How close a kernel's output must be to the float64 reference: the one table of
-error bounds that the tests, the harness (`attnkern bench`) and the tools use.
+error bounds that the tests, the harness (`attnkern bench`, `attnkern ring`) and
+the tools use. It lives here, in the measuring package, because the library
+itself needs no bounds and this module uses only attnkern's public API
+(attnkern.reference, attnkern.active_isa): the tests, the harness and tools/
+import it from one place, and nothing reaches into the library's private names.
 
 The measure. Each output row is a convex combination of rows of v, so errors
 scale with max|v|. A score computed in the input dtype carries a rounding error
@@ -139,6 +143,16 @@ def conditioning(q, k, scale=None) -> float:
     return max(1.0, scale * qn * kn / np.sqrt(d))
 
 
+def _max_error(x, ref, what: str, per: float) -> float:
+    """max |x - ref| / per, in float64; inf where x is not finite."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if x.shape != ref.shape:
+        raise ValueError(f"{what} shape {x.shape} is not the reference's {ref.shape}")
+    if not np.isfinite(x).all():
+        return float("inf")
+    return float(np.abs(x - ref).max(initial=0.0) / per)
+
+
 def scaled_error(out, q, k, v, *, causal=False, scale=None, rows=None) -> float:
     """max |out - ref| / (max(1, max|v|) * kappa): at most tolerance(dtype) for a
     correct kernel. NumPy arrays (any float dtype: the reference is float64); with
@@ -146,36 +160,30 @@ def scaled_error(out, q, k, v, *, causal=False, scale=None, rows=None) -> float:
     compared) and the reference computes only them."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     ref = attnkern.reference(q, k, v, causal=causal, scale=scale, rows=rows)
-    out = np.asarray(out, dtype=np.float64)
+    out = np.asarray(out)
     if rows is not None and out.shape[-2] != len(rows):
         out = out[..., rows, :]
-    if out.shape != ref.shape:
-        raise ValueError(f"output shape {out.shape} is not the reference's {ref.shape}")
-    if not np.isfinite(out).all():
-        return float("inf")
-    err = np.abs(out - ref).max(initial=0.0)
-    return float(err / (max(1.0, np.abs(v).max(initial=0.0)) * conditioning(q, k, scale)))
+    return _max_error(out, ref, "output", max(1.0, np.abs(v).max(initial=0.0)) * conditioning(q, k, scale))
 
 
 def gradient_error(grad, ref, q, k, scale=None) -> float:
     """max |grad - ref| / (max(1, max|ref|) * kappa), for a gradient of attention
     against its float64 value: at most tolerance(dtype) (module docstring)."""
-    grad, ref = np.asarray(grad, np.float64), np.asarray(ref, np.float64)
-    if grad.shape != ref.shape:
-        raise ValueError(f"gradient shape {grad.shape} is not the reference's {ref.shape}")
-    if not np.isfinite(grad).all():
-        return float("inf")
-    err = np.abs(grad - ref).max(initial=0.0)
-    return float(err / (max(1.0, np.abs(ref).max(initial=0.0)) * conditioning(q, k, scale)))
+    per = max(1.0, np.abs(np.asarray(ref, np.float64)).max(initial=0.0)) * conditioning(q, k, scale)
+    return _max_error(grad, ref, "gradient", per)
+
+
+def _scores(q, k, causal, scale) -> np.ndarray:
+    """scale q k^T in float64, -inf where the causal mask hides a key."""
+    q, k = (np.asarray(x, np.float64) for x in (q, k))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = scale * q @ k.swapaxes(-1, -2)
+    return np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf) if causal else s
 
 
 def reference_lse(q, k, *, causal=False, scale=None) -> np.ndarray:
     """Each query row's log-sum-exp of its scaled (causally masked) scores, in float64."""
-    q, k = (np.asarray(x, np.float64) for x in (q, k))
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = np.einsum("...id,...jd->...ij", q, k) * scale
-    if causal:
-        s = np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf)
+    s = _scores(q, k, causal, scale)
     m = s.max(axis=-1, keepdims=True)
     return (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
 
@@ -187,9 +195,7 @@ def reference_backward(q, k, v, dout, *, causal=False, scale=None):
     (tests/test_cuda_backward.py checks it against torch's autograd.)"""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = scale * q @ k.swapaxes(-1, -2)
-    if causal:
-        s = np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf)
+    s = _scores(q, k, causal, scale)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     ds = p * (dout @ v.swapaxes(-1, -2) - (dout * (p @ v)).sum(axis=-1, keepdims=True))
