@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ASV := $(VENV)/bin/asv
-.PHONY: setup system-packages test test-fast bench site compare gate calibrate-gate sanitize test-sanitize fuzz clean
+.PHONY: setup system-packages test test-fast bench history site compare gate calibrate-gate sanitize test-sanitize fuzz clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -52,6 +52,15 @@ bench: setup
 	$(MAKE) site
 	$(PY) -m attnkern report --quick --out .asv/html/report
 	@echo "Report: .asv/html/report/report.html (and .pdf), served with the site by $(ASV) preview"
+
+# History for the site: the counted benchmarks and a few timings over the last N
+# commits of main (tools/history.py --help says what and how), then the site.
+# Commits with results are skipped; one that fails to build is named, not fatal.
+N ?= 10
+HISTORY_ARGS ?=
+history: setup
+	$(PY) tools/history.py --commits $(N) $(HISTORY_ARGS)
+	$(MAKE) site
 
 # Publish the site from all stored results, loading its JavaScript from local copies.
 site: setup

@@ -91,6 +91,9 @@ class Kernel:
     # (batch, n, d) arrays, lse from run(); "cuda" kernels take dq=, dk=, dv= GPU arrays
     # to fill (allocated by the caller) and return them. None: no backward.
     backward: Callable | None = None
+    # the input dtypes the backward takes, where there is one (the forward may take more:
+    # native.flash and cuda.flash compute float16/bfloat16 forwards, not their gradients)
+    backward_dtypes: tuple[str, ...] = ("float32", "float64")
     # the input dtypes it computes in (names as NumPy spells them; "bfloat16" is
     # ml_dtypes.bfloat16 on the host, torch.bfloat16 for tensors)
     dtypes: tuple[str, ...] = ("float32", "float64")
@@ -102,8 +105,6 @@ class Kernel:
     # thread ran on, read back from the kernel or its runtime (not the number asked
     # for), or None where it cannot be read
     threads_used: Callable[[], int | None] = field(default=lambda: None)
-    # the input dtypes its backward takes (a subset of dtypes)
-    backward_dtypes: tuple[str, ...] = ("float32", "float64")
     # head_sizes(d, dv, dtype) -> None where it takes q/k of feature size d and v of dv in
     # that dtype, else the reason it does not; None: every head size
     head_sizes: Callable[[int, int, str], str | None] | None = None

@@ -27,8 +27,10 @@ normal distribution:
   check   each kernel's output on --check-rows sampled query rows (all heads, all
           keys, the first and last row included) against attnkern.reference in
           float64: error = max|out - ref| / (max(1, max|v|) * kappa), where kappa
-          grows with |scale||q||k| (attnkern_bench.accuracy); ok when at most 1e-5
-          (float32) or 1e-12 (float64). The command exits 1 if any kernel fails.
+          grows with |scale||q||k|; ok when within attnkern_bench.accuracy's bound
+          for the dtype and kernel (2^7 unit roundoffs: 7.6e-6 float32, 1.4e-14
+          float64; float16/bfloat16 2u, or 4u for kernels that round the
+          probabilities to the dtype). The command exits 1 if any kernel fails.
   time    CPU: every kernel with the same thread count (BLAS threads pinned with
           threadpoolctl, torch's and ours through num_threads); kernels take
           turns, round-robin over --passes passes, each turn a --settle pause,

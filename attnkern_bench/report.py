@@ -28,6 +28,8 @@ import numpy as np
 
 import attnkern
 
+from .accuracy import tolerance
+
 
 def header(seed: int, threads: int) -> dict:
     info = {"machine": attnkern.machine(), "threads": threads, "seed": seed, "python": platform.python_version(),
@@ -170,7 +172,7 @@ def figures(data: dict):
         ax.bar(np.arange(len(ks)) + 0.2, [acc[k][1] for k in ks], 0.4, label="MiniLM inputs")
         ax.set_xticks(range(len(ks)), ks, rotation=30, fontsize=7)
         ax.set_yscale("log")
-        ax.set_ylabel("scaled error vs float64 (bound 1e-5)")
+        ax.set_ylabel(f"scaled error vs float64 (bound {tolerance('float32'):.1e})")
         ax.set_title("accuracy: random against realistic inputs", fontsize=9)
         ax.legend(fontsize=7)
     page2.tight_layout()
@@ -236,7 +238,7 @@ def findings(data: dict) -> list[str]:
         if acc:
             worst = max(acc.items(), key=lambda kv: kv[1][1])
             text += (f" On realistic (MiniLM) inputs the largest scaled error was {worst[1][1]:.1e} ({worst[0]}), "
-                     f"against {worst[1][0]:.1e} on random inputs; the bound is 1e-5.")
+                     f"against {worst[1][0]:.1e} on random inputs; the bound is {tolerance('float32'):.1e}.")
         out.append(text)
     return out
 

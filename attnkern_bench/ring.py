@@ -43,6 +43,8 @@ import time
 
 import numpy as np
 
+from .accuracy import tolerance
+
 FIELDS = ["world_size", "kernel", "seq", "dim", "layout", "causal", "backward", "time_s", "compute_s", "exposed_s", "overlap",
           "busy_s", "imbalance", "bytes_per_step", "bytes_model", "peak_bytes", "shard_bytes", "max_error",
           "ranks_per_core"]
@@ -451,7 +453,7 @@ def command(args) -> int:
     if args.plot and rows:
         plot(rows, title, args.plot)
         print(f"# plot: {args.plot}")
-    bad = [r for r in rows if not r["max_error"] <= (1e-5 if args.dtype == "float32" else 1e-12)]
+    bad = [r for r in rows if not r["max_error"] <= tolerance(args.dtype)]
     if bad:
         print(f"# {len(bad)} configuration(s) failed the check against float64", file=sys.stderr)
     for line in failures:

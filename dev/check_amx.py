@@ -54,7 +54,7 @@ def emulate() -> int:
     import ml_dtypes
 
     import attnkern
-    from attnkern_bench.accuracy import scaled_error
+    from attnkern_bench.accuracy import kernel_tolerance, scaled_error
 
     src = Path(__file__).resolve().parents[1] / "attnkern" / "backends" / "native" / "attn_amx.c"
     cc = os.environ.get("CC", "cc")
@@ -72,7 +72,7 @@ def emulate() -> int:
                     ("num_threads", ctypes.c_int)]
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    bound = 4 * 2.0**-8
+    bound = kernel_tolerance("native.flash", "bfloat16", isa="amx")  # attnkern_bench.accuracy's
     rng = np.random.default_rng(0)
     worst = 0.0
     # odd sizes: partial panels and tiles, odd d (a padded pair), dv past one panel, tall blocks
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
 
     import attnkern
     from attnkern import hardware
-    from attnkern_bench.accuracy import scaled_error
+    from attnkern_bench.accuracy import kernel_tolerance, scaled_error
 
     os.environ.pop("ATTNKERN_ISA", None)
     print(f"# {cpu_model()} ({platform.machine()}), {os.cpu_count()} CPUs, {args.threads} threads")
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         torch = None
         print("# torch is not installed: no torch SDPA column")
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    bound = 4 * 2.0**-8
+    bound = kernel_tolerance("native.flash", "bfloat16", isa="amx")  # attnkern_bench.accuracy's
     params = {"num_threads": args.threads}
     if args.block_q:
         params["block_q"] = args.block_q

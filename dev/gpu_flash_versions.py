@@ -21,7 +21,7 @@ library's whole call on torch tensors.
 
 Checks, per kernel, head size and dtype: odd shapes (partial blocks, nq != nk, a
 negative scale) causal and not, output and log-sum-exp against float64 with the
-tolerances of tests/test_triton.py, and two runs bit-identical; at each timed size,
+bounds of attnkern_bench.accuracy, and two runs bit-identical; at each timed size,
 about 256 sampled query rows of every head against float64 (torch's SDPA's too).
 
 Timing: (1, 16, N, D), causal and not; each sample is a pair of CUDA events around
@@ -42,9 +42,11 @@ import numpy as np
 import torch
 
 from attnkern.backends.cuda import arrays, cpp, launch
+from attnkern_bench.accuracy import kernel_tolerance
 from attnkern_bench.timing import CudaEventClock
 
-TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}  # tests/test_triton.py's
+# attnkern_bench.accuracy's bounds for cuda.flash, the tests' and the harness's
+TOL = {dtype: kernel_tolerance("cuda.flash", dtype) for dtype in ("float32", "float16", "bfloat16")}
 ODD = [(6, 77, 77), (1, 45, 130), (4, 200, 33), (2, 1030, 1030), (1, 1, 5), (2, 129, 129)]
 BACK_TO_BACK = 5
 

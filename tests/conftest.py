@@ -13,6 +13,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "4")
 os.environ["ATTNKERN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnkern-test-cache-")
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 
@@ -61,9 +62,16 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-# Accuracy against the float64 reference: the bound of attnkern_bench.accuracy
-# (its docstring derives it), shared with the benchmark command.
-from attnkern_bench.accuracy import TOL, scaled_error  # noqa: E402
+# Accuracy against the float64 reference: the bounds of attnkern_bench.accuracy
+# (its docstring derives them), shared with the benchmark command and the tools.
+from attnkern_bench.accuracy import (  # noqa: E402
+    kernel_tolerance,
+    lse_error,
+    lse_tolerance,
+    reference_lse,  # noqa: F401  (the tests' log-sum-exp reference)
+    scaled_error,
+    tolerance,
+)
 from attnkern_bench.inputs import random_qkv  # noqa: E402, F401  (the tests' inputs)
 
 # CPU kernels; the CUDA ones (simulated on a machine without a GPU) are tested in test_cuda.py
@@ -74,6 +82,19 @@ ISAS = attnkern.supported_isas()
 # the instruction sets to force (None: Numba's kernels, compiled for this CPU)
 TUNABLE = [(k, isa) for k in NATIVE for isa in ISAS] + [(k, None) for k in AVAILABLE if k.startswith("numba.")]
 CPU_TUNABLE = [k for k in AVAILABLE if k.startswith(("native.", "numba."))]
+
+
+def require_cuda_kernels():
+    """At a test module's top: the cuda.* kernels must run here. Without
+    ATTNKERN_TEST_GPU=1 they run in Numba's CUDA simulator, which numba-cuda (a
+    test extra, installed by `make setup`) provides, so unavailable means a broken
+    setup: fail. With ATTNKERN_TEST_GPU=1 on a machine without a usable GPU, skip."""
+    reason = attnkern.kernel_info("cuda.flash")["reason"]
+    if reason is None:
+        return
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.fail(f"the cuda.* kernels cannot run in the simulator: {reason}; run `make setup`", pytrace=False)
+    pytest.skip(f"no GPU for the cuda.* kernels (ATTNKERN_TEST_GPU=1): {reason}", allow_module_level=True)
 
 
 def max_threads(kernel):
@@ -97,18 +118,20 @@ def forced_isa(isa):
             os.environ["ATTNKERN_ISA"] = old
 
 
-def reference_lse(q, k, causal, scale):
-    """Each row's log-sum-exp of the scaled (and causally masked) scores, in q's precision."""
-    s = np.einsum("...id,...jd->...ij", q, k) * scale
-    if causal:
-        s = np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    return (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
-
-
-def assert_matches_reference(out, q, k, v, causal=False, scale=None):
+def assert_matches_reference(out, q, k, v, causal=False, scale=None, kernel=None, isa=None):
+    """out against the float64 reference within the bound of attnkern_bench.accuracy for its
+    dtype (for float16/bfloat16, that of `kernel` on instruction set `isa`)."""
     assert out.shape[:-2] == q.shape[:-2] and out.shape[-2:] == (q.shape[-2], v.shape[-1])
     assert out.dtype == q.dtype
-    assert np.isfinite(out).all()
+    assert np.isfinite(np.asarray(out, np.float64)).all()
+    assert kernel is not None or out.dtype.name in ("float32", "float64"), "half precision: name the kernel"
+    bound = tolerance(out.dtype) if kernel is None else kernel_tolerance(kernel, out.dtype, isa)
     err = scaled_error(out, q, k, v, causal=causal, scale=scale)
-    assert err <= TOL[out.dtype], f"max abs error {err:.3g} x (max(1, max|v|) kappa) > {TOL[out.dtype]:.0e}"
+    assert err <= bound, f"max abs error {err:.3g} x (max(1, max|v|) kappa) > {bound:.3g}"
+
+
+def assert_lse_matches_reference(lse, q, k, causal=False, scale=None):
+    """lse against the float64 log-sum-exp, row by row, within attnkern_bench.accuracy's bound."""
+    assert lse.shape == q.shape[:-1] and lse.dtype == q.dtype
+    err = lse_error(lse, reference_lse(q, k, causal=causal, scale=scale))
+    assert err <= lse_tolerance(lse.dtype), f"lse error {err:.3g} > {lse_tolerance(lse.dtype):.3g}"

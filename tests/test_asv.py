@@ -1,18 +1,22 @@
 """The regression gate and the asv suite end to end, in a temporary clone of
 this repository's HEAD.
 
-History built here: A (HEAD), B (native.flash computes the Q·Kᵀ tiles of 12% of
-the rows of every query block twice: a real, deterministic slowdown of about 5%
-in time and 2-6% in instructions; docs/regression-gate.md), C (a README edit: nothing measurable).
-`tools/gate.py` (what `make gate` and the PR workflow run) must fail A -> B and
-pass B -> C; `asv run` over A and B and `asv publish` must put the step at B on the
-site's regressions page for the counted benchmark (threshold 1%), and the site
-must render in headless Chromium.
+History built here, with the slowdowns of the gate's calibration
+(tools/calibrate_gate.py, docs/regression-gate.md: native.flash computes the
+score tiles of the first keys of every panel twice, a real, deterministic
+slowdown): A (HEAD), B (its 2% level: about +2% of instructions), C (a README
+edit on B: nothing measurable), and D (its 10% level, on a branch off A).
+`tools/gate.py` (what `make gate` and the PR workflow run) must fail A -> B on
+the counted signal, which is deterministic, pass B -> C, and time A -> D as
+slower: 10% is the level at which the calibration's timed signal flagged every
+trial of every configuration. `asv run` over A and B and `asv publish` must put
+the step at B on the site's regressions page for the counted benchmark
+(threshold 1%), and the site must render in headless Chromium.
 
 Slow (several minutes: wheel builds, Valgrind, a virtualenv on first use); run
 with `pytest -m slow`, and by `make test`. The site tests come first in this file:
 the gate tests after them take A's and B's wheels from that `asv run` instead of
-building them again (reuse_asv_builds), and build C themselves.
+building them again (reuse_asv_builds), and build C and D themselves.
 """
 
 import contextlib
@@ -47,7 +51,8 @@ ASV_REGEX = (r"(^|\.)Forward\.time_forward\('native\.flash', '1x8x1024x64', Fals
 # covers every CPU kernel at two shapes of each kind)
 GATE_ARGS = ["-b", r"^native\.flash:", "--count-shapes", "1x2x256x64", "--time-shapes", "1x8x512x64"]
 
-pytest.importorskip("asv")
+# asv comes from requirements-bench.txt, which `make setup` installs: without it the
+# fixtures below fail on their imports of it (a broken setup), they are not skipped
 
 
 def run(cmd, cwd, check=True):
@@ -66,8 +71,8 @@ def git(clone, *args):
 
 @pytest.fixture(scope="module")
 def history(tmp_path_factory):
-    """A clone with commits A, B (~5% slower), C (a no-op) on main and an asv config
-    writing results and html into the temp dir."""
+    """A clone with commits A, B (the 2% level), C (a no-op) on main, D (the 10% level)
+    off A, and an asv config writing results and html into the temp dir."""
     tmp = tmp_path_factory.mktemp("asv")
     clone = tmp / "attnkern"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
@@ -75,14 +80,21 @@ def history(tmp_path_factory):
     a = git(clone, "rev-parse", "HEAD")
 
     path = clone / INJECT_FILE
-    path.write_text(inject_slowdown(path.read_text(), KEYS_FOR_LEVEL[5]))
-    git(clone, "commit", "-q", "-am", "flash: recompute some score tiles, ~5% slower (test regression)")
+    source = path.read_text()
+    path.write_text(inject_slowdown(source, KEYS_FOR_LEVEL[2]))
+    git(clone, "commit", "-q", "-am", "flash: recompute some score tiles, ~2% slower (test regression)")
     b = git(clone, "rev-parse", "HEAD")
 
     with (clone / "README.md").open("a") as f:  # C: nothing measurable
         f.write("\nA line of nothing measurable.\n")
     git(clone, "commit", "-q", "-am", "README: no-op change")
     c = git(clone, "rev-parse", "HEAD")
+
+    git(clone, "checkout", "-q", "-b", "slow10", a)  # D: off A, for the gate alone
+    path.write_text(inject_slowdown(source, KEYS_FOR_LEVEL[10]))
+    git(clone, "commit", "-q", "-am", "flash: recompute more score tiles, ~10% slower (test regression)")
+    d = git(clone, "rev-parse", "HEAD")
+    git(clone, "checkout", "-q", "main")
 
     from asv.util import load_json
 
@@ -100,13 +112,13 @@ def history(tmp_path_factory):
     def asv(*args, check=True):
         return run([*ASV, *args, "--config", str(conf)], cwd=clone, check=check)
 
-    def gate(base, head):
+    def gate(base, head, *args):
         reuse_asv_builds(tmp / "gate-builds", (base, head))
         return run([sys.executable, str(REPO / "tools" / "gate.py"), "--repo", str(clone), "--base", base,
                     "--head", head, "--cache", str(tmp / "gate-builds"), "--json", str(tmp / f"gate-{head}.json"),
-                    *GATE_ARGS], cwd=REPO, check=False)
+                    *GATE_ARGS, *args], cwd=REPO, check=False)
 
-    return dict(tmp=tmp, clone=clone, asv=asv, gate=gate, commits=(a, b, c))
+    return dict(tmp=tmp, clone=clone, asv=asv, gate=gate, commits=(a, b, c), slow10=d)
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +246,7 @@ def gate_rows(history, head):
     return json.loads((history["tmp"] / f"gate-{head}.json").read_text())["rows"]
 
 
-def test_gate_fails_on_a_five_percent_slowdown(history):
+def test_gate_fails_on_a_two_percent_slowdown(history):
     a, b, _ = history["commits"]
     proc = history["gate"](a, b)
     out = proc.stdout + proc.stderr
@@ -243,10 +255,32 @@ def test_gate_fails_on_a_five_percent_slowdown(history):
     assert "PERFORMANCE DECREASED" in out, out
     rows = {(r["benchmark"], r["signal"]): r for r in gate_rows(history, b)}
     counted = rows[("native.flash:1x2x256x64:0", "counted")]
-    # deterministic: about +5% of instructions, far beyond the 1% threshold
+    # deterministic: +2.2% of instructions at this level, measured on the team's EPYC (the
+    # same build gives the same count on every run), twice the 1% threshold
     assert counted["verdict"] == "slower" and counted["ratio"] > 1.01, counted
+    # The timed signal at 2%: the calibration flagged 0 of 3 trials (intervals starting at
+    # +1.0-1.8%, short of the +2% margin that keeps identical builds from false alarms), so
+    # "same" is what it supports, "slower" when the slowdown costs more here; never "faster"
+    # (an improvement would mean the pairing is broken). Timing's own requirement is
+    # test_gate_times_a_ten_percent_slowdown_as_slower.
     timed = rows[("native.flash:1x8x512x64:0", "time")]
-    assert timed["verdict"] in ("slower", "same"), timed
+    assert timed["verdict"] in ("same", "slower"), timed
+
+
+def test_gate_times_a_ten_percent_slowdown_as_slower(history):
+    """The level at which the calibration's timed signal flagged every trial of every
+    configuration (at 1x8x512x64 intervals from +8.9% without the mask and +4.9% with it;
+    this injection adds 9.3% and 8.3% of instructions): the paired timing alone
+    (--no-count) must call both configurations slower and fail the gate."""
+    a, d = history["commits"][0], history["slow10"]
+    proc = history["gate"](a, d, "--no-count")
+    out = proc.stdout + proc.stderr
+    print(proc.stdout)
+    assert proc.returncode == 1, out
+    timed = {r["benchmark"]: r for r in gate_rows(history, d)}
+    assert set(timed) == {"native.flash:1x8x512x64:0", "native.flash:1x8x512x64:1"}, timed
+    for row in timed.values():
+        assert row["signal"] == "time" and row["verdict"] == "slower" and row["ratio"] > 1.02, row
 
 
 def test_gate_passes_a_no_op_commit(history):

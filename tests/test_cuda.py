@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import attnkern
-from conftest import assert_matches_reference, random_qkv, reference_lse
+from conftest import assert_lse_matches_reference, assert_matches_reference, random_qkv, require_cuda_kernels
 
 CUDA = [k for k in attnkern.kernels() if k.startswith("cuda.")]
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-if not all(attnkern.kernel_info(k)["available"] for k in CUDA):
-    pytest.skip(f"CUDA kernels unavailable: {attnkern.kernel_info('cuda.flash')['reason']}", allow_module_level=True)
+require_cuda_kernels()
+assert all(attnkern.kernel_info(k)["available"] for k in CUDA), [attnkern.kernel_info(k)["reason"] for k in CUDA]
 
 from numba import cuda  # noqa: E402  (numba-cuda is there: the kernels are available)
 
@@ -202,11 +202,27 @@ def test_without_a_gpu_the_kernels_say_why():
     assert "ERROR kernel cuda.flash is not available here: no usable CUDA GPU" in result.stdout
 
 
+@pytest.mark.skipif(not SIMULATED, reason="what the simulator runs (on a GPU, the C++ tests below)")
+def test_the_simulator_runs_the_numba_kernels_and_no_cuda_cpp():
+    """docs/gpu.md: in the simulator cuda.flash's float32 calls never reach its CUDA C++
+    kernels (flash_tf32.cu, flash_simt.cu), whatever the tile; its float16/bfloat16
+    calls (flash_mma.cu, flash_wgmma.cu) are refused; float32 and float64 run the Numba
+    kernel, which is what the tests here check."""
+    from attnkern.backends import cuda as cuda_backend
+
+    for d, bq, bk, tc in [(64, 0, 0, 1), (64, 64, 32, 1), (64, 64, 64, 0), (16, 32, 32, 1), (128, 128, 64, 1)]:
+        assert cuda_backend._cpp_kernel(bq, bk, d, d, np.float32, tc) is None
+    q = np.ones((1, 16, 16), np.float16)
+    with pytest.raises(RuntimeError, match="CUDA C\\+\\+ on tensor cores, which Numba's CUDA simulator cannot run"):
+        attnkern.attention(q, q, q, kernel="cuda.flash")
+
+
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("library", ["torch", "cupy"])
 def test_torch_and_cupy_arrays_stay_on_the_gpu(library):
     """No copies: the output is the caller's kind of array, on its device."""
-    lib = pytest.importorskip(library)
+    # torch is a test extra (a plain import); CuPy is not one (skipped where absent)
+    lib = importlib.import_module(library) if library == "torch" else pytest.importorskip(library)
     if library == "torch" and not lib.cuda.is_available():
         pytest.skip("torch without CUDA")
     rng = np.random.default_rng(7)
@@ -236,8 +252,7 @@ def test_flash_tiles_in_dynamic_shared_memory(d, block_q, block_k):
         out, lse = attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", block_q=block_q,
                                       block_k=block_k, return_lse=True)
         assert_matches_reference(out, q, k, v, causal=causal)
-        ref_lse = reference_lse(q.astype(np.float64), k.astype(np.float64), causal, 1 / np.sqrt(d))
-        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        assert_lse_matches_reference(lse, q, k, causal=causal)
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
@@ -253,7 +268,8 @@ def test_float32_cuda_cpp_kernels(d, monkeypatch):
     the same results to float32 rounding."""
     from attnkern.backends.cuda import cpp, numba_kernels
 
-    torch = pytest.importorskip("torch")
+    import torch
+
     rng = np.random.default_rng(d)
     numba_flash = numba_kernels.flash
     ran = []
@@ -288,9 +304,7 @@ def test_float32_cuda_cpp_kernels(d, monkeypatch):
                     out, lse = run()
                     assert ran[-1] == expected, (block_q, block_k, tensor_cores)
                     assert_matches_reference(out, q, k, v, causal=causal, scale=scale)
-                    ref_lse = reference_lse(q.astype(np.float64), k.astype(np.float64), causal,
-                                            1 / np.sqrt(d) if scale is None else scale)
-                    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+                    assert_lse_matches_reference(lse, q, k, causal=causal, scale=scale)
                     again, lse_again = run()
                     assert np.array_equal(out, again) and np.array_equal(lse, lse_again)
     # a torch view 4 bytes past an aligned address: the Numba kernel takes it
@@ -310,7 +324,8 @@ def test_torch_fast_path_matches_the_general_path():
     path and leaves a prepared launch; later calls (new tensors, aliased ones,
     lse, the finite checks, tunables given) match the general path bit for bit,
     and whatever the plan cannot take falls back to it with its errors."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
     from attnkern import _torch_cuda as fast
@@ -367,7 +382,8 @@ def test_torch_fast_path_matches_the_general_path():
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 def test_cuda_naive_on_torch_tensors():
     """cuda.naive's score matrix from torch's allocator, its kernels on flat arrays."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
     rng = np.random.default_rng(10)

@@ -1,21 +1,16 @@
 """cuda.flash's log-sum-exp and backward against float64 gradients of naive
-attention derived from the math (checked against torch autograd where torch is
-importable). Without a GPU they run in Numba's CUDA simulator (see
-test_cuda.py): small, odd shapes and tiles of 8 and 16, so several tiles,
-partial tiles and the causal diagonal are all crossed.
+attention derived from the math (checked against torch autograd). Without a GPU
+they run in Numba's CUDA simulator (see test_cuda.py): small, odd shapes and
+tiles of 8 and 16, so several tiles, partial tiles and the causal diagonal are
+all crossed.
 
-Tolerances, max |grad - ref| / max(1, max |ref|) over each of dq, dk, dv (and
-max |lse - ref| / max(1, max |ref|)):
-- float32, 1e-5: the reference is computed from the same float32-rounded
-  inputs, so the error is the kernel's rounding alone: the forward's out and lse
-  rounded to float32, dot products of D and Dv terms and sums of up to N terms
-  in float32, P = 2^(s - lse) with s and lse both rounded. It grows with N and
-  D; for these unit-normal inputs with N <= 20, D <= 17 it is a few 1e-7 (seen:
-  at most 1e-6 in the simulator, 3e-7 on an H100), so 1e-5 leaves a margin of
-  10 or more for FMA contraction and exp2f's ulps on any GPU while catching any
-  wrong term (an error of order 1e-2 or more).
-- float64, 1e-12: the same argument with float64's epsilon (seen: at most
-  2e-15).
+Bounds: attnkern_bench.accuracy's, as for the CPU backward (tests/test_backward.py):
+the output's scaled error and each of dq, dk, dv's, max |grad - ref| /
+(max(1, max |ref|) kappa), within tolerance(dtype) (2^7 u: 7.6e-6 float32, 1.4e-14
+float64); the log-sum-exp row by row within lse_tolerance(dtype). The reference is
+computed from the same float32-rounded inputs, so the error is the kernel's
+rounding alone (seen: a few 1e-7 in float32 in the simulator and on an H100); a
+wrong term is an error of order 1e-2 or more.
 """
 
 import sys
@@ -23,19 +18,27 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 
 import attnkern
 from attnkern import _registry
-from conftest import random_qkv
+from attnkern_bench.accuracy import (
+    gradient_error,
+    lse_error,
+    lse_tolerance,
+    reference_backward,
+    reference_lse,
+    scaled_error,
+    tolerance,
+)
+from conftest import random_qkv, require_cuda_kernels
 
+require_cuda_kernels()
 FLASH = _registry.get("cuda.flash")
-if FLASH.unavailable_reason() is not None:
-    pytest.skip(f"CUDA kernels unavailable: {FLASH.unavailable_reason()}", allow_module_level=True)
 
 from attnkern.backends import cuda as cuda_backend  # noqa: E402  (numba-cuda is there)
 from attnkern.backends.cuda import arrays  # noqa: E402
 
-TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
 # (batch, nq, nk, d, dv): sizes that do not divide the tiles, nq > nk and nq < nk
 # (causal: keys no query sees get zero gradients), Dv != D, batch 2
 SHAPES = [(1, 13, 11, 5, 3), (2, 9, 20, 17, 8), (2, 16, 7, 4, 4)]
@@ -52,25 +55,27 @@ def fast_simulator_barriers():
 
 
 def reference(q, k, v, dout, causal, scale):
-    """out, lse, dq, dk, dv of naive attention in float64:
-    S = scale q k^T (masked: -inf), lse = log sum_j exp(S), P = exp(S - lse), O = P v;
-    D_i = dO_i . O_i, dV = P^T dO, dP = dO v^T, dS = P (dP - D), dQ = scale dS k, dK = scale dS^T q."""
-    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    s = scale * q @ k.swapaxes(-1, -2)
-    if causal:
-        nq, nk = s.shape[-2:]
-        s = np.where(np.arange(nk) > np.arange(nq)[:, None], -np.inf, s)
-    m = s.max(axis=-1, keepdims=True)
-    lse = m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True))
-    p = np.exp(s - lse)
-    out = p @ v
-    ds = p * (dout @ v.swapaxes(-1, -2) - (dout * out).sum(axis=-1, keepdims=True))
-    return out, lse[..., 0], scale * ds @ k, scale * ds.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ dout
+    """out, lse, dq, dk, dv in float64: attnkern.reference and attnkern_bench.accuracy's
+    reference_lse and reference_backward."""
+    out = attnkern.reference(q, k, v, causal=causal, scale=scale)
+    return out, reference_lse(q, k, causal=causal, scale=scale), *reference_backward(q, k, v, dout, causal=causal,
+                                                                                      scale=scale)
 
 
-def scaled_error(x, ref):
-    assert x.shape == ref.shape and np.isfinite(x).all()
-    return float(np.abs(np.asarray(x, np.float64) - ref).max(initial=0.0) / max(1.0, np.abs(ref).max(initial=0.0)))
+def check(out, lse, grads, q, k, v, dout, causal, scale, where=""):
+    """cuda.flash's out, lse and (dq, dk, dv) against the float64 values, within
+    attnkern_bench.accuracy's bounds."""
+    _, ref_lse, *ref_grads = reference(q, k, v, dout, causal, scale)
+    dtype = q.dtype
+    assert out.dtype == dtype and lse.dtype == dtype and lse.shape == ref_lse.shape
+    err = scaled_error(out, q, k, v, causal=causal, scale=scale)
+    assert err <= tolerance(dtype), f"out {where}: scaled error {err:.3g} > {tolerance(dtype):.3g}"
+    err = lse_error(lse, ref_lse)
+    assert err <= lse_tolerance(dtype), f"lse {where}: error {err:.3g} > {lse_tolerance(dtype):.3g}"
+    for name, g, x, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), ref_grads):
+        assert isinstance(g, np.ndarray) and g.dtype == dtype and g.shape == x.shape
+        err = gradient_error(g, ref, q, k, scale)
+        assert err <= tolerance(dtype), f"{name} {where}: scaled error {err:.3g} > {tolerance(dtype):.3g}"
 
 
 def forward_backward(q, k, v, dout, causal, scale, **tiles):
@@ -95,8 +100,8 @@ def test_registered():
 
 
 def test_reference_gradients_match_torch_autograd():
-    """The float64 gradients above are the true ones (torch autograd, CPU, float64)."""
-    torch = pytest.importorskip("torch")
+    """The float64 out, lse and gradients above (the ones every backward test compares
+    with) are the true ones (torch autograd, CPU, float64)."""
     for causal in (False, True):
         q, k, v, dout, scale = inputs(0, 2, 7, 5, 3, 4, np.float64)
         tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
@@ -116,14 +121,7 @@ def test_lse_and_gradients_match_reference(dtype, causal):
     for shape in SHAPES:
         q, k, v, dout, scale = inputs(zlib.crc32(repr((shape, dtype, causal)).encode()), *shape, dtype)
         out, lse, grads = forward_backward(q, k, v, dout, causal, scale, **TILES)
-        ref_out, ref_lse, *ref_grads = reference(q, k, v, dout, causal, scale)
-        assert lse.dtype == dtype and lse.shape == ref_lse.shape
-        assert scaled_error(lse, ref_lse) <= TOL[lse.dtype], f"lse {shape}"
-        assert scaled_error(out, ref_out) <= TOL[out.dtype], f"out {shape}"
-        for name, g, x, ref in zip(("dq", "dk", "dv"), grads, (q, k, v), ref_grads):
-            assert isinstance(g, np.ndarray) and g.dtype == dtype and g.shape == x.shape
-            err = scaled_error(g, ref)
-            assert err <= TOL[g.dtype], f"{name} {shape}: scaled error {err:.3g} > {TOL[g.dtype]:.0e}"
+        check(out, lse, grads, q, k, v, dout, causal, scale, shape)
         if causal and shape[1] < shape[2]:  # keys past the last query are seen by none
             assert not grads[1][:, shape[1]:].any() and not grads[2][:, shape[1]:].any()
 
@@ -149,10 +147,8 @@ def test_gpu_arrays_in_caller_arrays_filled():
     returned = FLASH.backward(gq, gk, gv, out, gdout, lse, False, scale, dq=grads[0], dk=grads[1], dv=grads[2],
                               **TILES)
     assert all(r is g for r, g in zip(returned, grads))
-    ref_out, ref_lse, *ref_grads = reference(q, k, v, dout, False, scale)
-    assert scaled_error(arrays.to_host(lse), ref_lse) <= TOL[q.dtype]
-    for g, ref in zip(grads, ref_grads):
-        assert scaled_error(arrays.to_host(g), ref) <= TOL[q.dtype]
+    check(arrays.to_host(out), arrays.to_host(lse), tuple(arrays.to_host(g) for g in grads), q, k, v, dout, False,
+          scale)
 
 
 def test_backward_tiles():

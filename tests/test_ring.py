@@ -11,19 +11,21 @@ import sys
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-if not dist.is_available() or not dist.is_gloo_available():
-    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+import attnkern
+from attnkern.distributed import LAYOUTS, RankFailed, launch, ring_attention, shard, unshard
+from attnkern_bench.accuracy import tolerance
 
-import attnkern  # noqa: E402
-from attnkern.distributed import LAYOUTS, RankFailed, launch, ring_attention, shard, unshard  # noqa: E402
+# torch is a test extra, and its CPU builds have gloo: without it the setup is broken
+assert dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo is not available"
 
 # max|error| / max|exact| of out, lse and every gradient, against float64 autograd on
-# the whole sequence: float32 keeps a few units of its 6e-8 rounding per merge and
-# per block summed; float64 holds to 1e-12 as the single-process kernels do
-TOL = {np.float32: 2e-5, np.float64: 1e-12}
+# the whole sequence, within the single-process kernels' bound (attnkern_bench.accuracy,
+# 2^7 unit roundoffs): each merge of partial results and each block summed adds a few
+# roundings, well inside it
+TOL = {np.float32: tolerance(np.float32), np.float64: tolerance(np.float64)}
 CASES = [(layout, causal, dtype) for layout in LAYOUTS for causal in (False, True) for dtype in (np.float32, np.float64)]
 LEAD, D, DV = (2, 3), 16, 8
 DEADLINE = 300  # seconds; a hang fails the test instead of stalling the suite
@@ -172,7 +174,7 @@ def test_ring_command_measures_and_writes_json(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["world_size"] for r in rows} == {2}
     for r in rows:
-        assert r["max_error"] <= 1e-5 and r["bytes_per_step"] == r["bytes_model"] * (r["world_size"] > 1)
+        assert r["max_error"] <= tolerance(np.float32) and r["bytes_per_step"] == r["bytes_model"] * (r["world_size"] > 1)
     assert "overlap" in proc.stdout
     # --replot measures nothing: the saved rows' table and the plot, from the JSON alone
     plot = tmp_path / "ring.png"

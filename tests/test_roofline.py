@@ -39,8 +39,6 @@ def test_fma_peak_and_stream_loops():
 
 
 def test_roofline_command(tmp_path, capsys):
-    pytest.importorskip("threadpoolctl")
-    pytest.importorskip("matplotlib")
     out, png = tmp_path / "roof.json", tmp_path / "roof.png"
     argv = ["roofline", "--sizes", "64", "--heads", "1", "--repeat", "1", "--causal", "no",
             "--kernels", "native.flash", "numpy.naive", "--json", str(out), "--plot", str(png), "--stream-mib", "64"]

@@ -7,20 +7,17 @@ import json
 import sys
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-import attnkern  # noqa: E402
-from attnkern_bench import cli  # noqa: E402
-from attnkern_bench.study import measuring, model  # noqa: E402
+import attnkern
+from attnkern_bench import cli
+from attnkern_bench.study import measuring, model
 
 needs_flash = pytest.mark.skipif(not attnkern.kernel_info("native.flash")["available"],
                                  reason="native.flash is not built")
 
 
-@needs_flash
 def test_study_end_to_end_writes_csv_markdown_plots_and_json(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     table, md, plots, js = tmp_path / "s.csv", tmp_path / "s.md", tmp_path / "plots", tmp_path / "s.json"
     argv = ["study", "--batch", "2", "--seqs", "32", "--dims", "8", "16", "--iters", "2", "--warmup", "1",
             "--account", "--csv", str(table), "--markdown", str(md), "--plots", str(plots), "--json", str(js)]
@@ -50,7 +47,6 @@ def test_study_end_to_end_writes_csv_markdown_plots_and_json(tmp_path, capsys):
     assert "[3/6] N=32 d=8 native.flash" in err  # progress, on stderr
 
 
-@needs_flash
 def test_study_records_oom_under_a_cap_and_goes_on(tmp_path, capsys):
     """A cap of 0.05 GiB (51 MiB): torch.naive at B=2, N=2048 needs 32 MiB per
     N^2 tensor, 65 MiB at its forward peak, so it runs out; N=1024 (25 MiB) fits;

@@ -9,9 +9,8 @@ import pytest
 
 import attnkern
 from attnkern import _api, _tuned, tuning
-from attnkern_bench import tuner
-
-pytest.importorskip("optuna")
+from attnkern_bench import cli, tuner
+from conftest import assert_matches_reference
 
 
 @pytest.fixture(autouse=True)
@@ -140,3 +139,53 @@ def test_configurations_the_kernel_refuses_are_never_timed():
 def test_absurd_search_settings_are_refused(bad):
     with pytest.raises(ValueError, match="budget must be|repeats must be"):
         attnkern.tune((1, 1, 64, 16), cache=False, **bad)
+
+
+def test_tune_command_caches_a_result_that_attention_uses(tmp_path, monkeypatch, capsys):
+    """`attnkern tune` on a small problem: the configurations it timed are on the lattice,
+    it prints and writes its choice, caches it for this machine, and attention() then runs
+    with those parameters (and a correct result); --no-cache stores nothing."""
+    monkeypatch.setenv("ATTNKERN_CACHE_DIR", str(tmp_path))
+    out = tmp_path / "tune.json"
+    argv = ["tune", "--shape", "1x2x96x16", "--budget", "4", "--repeats", "2", "--seed", "1", "--json", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    lattice = tuner.space("native.flash", 96, 96, 16, 16, 4)
+    assert result["trials"] == 4 and len(result["history"]) == 4
+    assert all(t["params"][n] in lattice[n] for t in result["history"] for n in lattice)
+    assert result["params"] in [t["params"] for t in result["history"]]
+    assert result["problem"] == {"q_shape": [1, 2, 96, 16], "k_shape": [1, 2, 96, 16], "dtype": "float32",
+                                 "causal": False}
+    assert f"cached as {result['cache_key']}" in printed and tuner.fmt(result["params"]) in printed
+    assert [c["params"] for c in attnkern.kernel_info("native.flash")["tuned"]] == [result["params"]]
+
+    q, k, v = (np.random.default_rng(i).standard_normal((1, 2, 90, 16)).astype(np.float32) for i in range(3))
+    used = []
+    real = _api.run
+
+    def noting(call, chosen, resolved, **kwargs):
+        used.append(resolved)
+        return real(call, chosen, resolved, **kwargs)
+
+    monkeypatch.setattr(_api, "run", noting)
+    assert_matches_reference(attnkern.attention(q, k, v), q, k, v)  # auto: native.flash, tuned
+    assert used == [result["params"]]
+
+    (tmp_path / "tuned.json").unlink()
+    assert cli.main([*argv[:-2], "--no-cache"]) == 0
+    assert "not cached (--no-cache)" in capsys.readouterr().out
+    assert not (tmp_path / "tuned.json").exists() and attnkern.kernel_info("native.flash")["tuned"] == []
+
+
+def test_tune_command_records_a_grid_and_replays_searches_against_it(tmp_path, capsys):
+    grid, replay = tmp_path / "grid.json", tmp_path / "replay.json"
+    assert cli.main(["tune", "--shape", "1x1x64x8", "--record-grid", str(grid)]) == 0
+    recorded = json.loads(grid.read_text())
+    assert len(recorded["records"]) == len(tuner.grid(recorded["lattice"]))
+    assert all(len(r["samples"]) >= 2 and min(r["samples"]) > 0 for r in recorded["records"])
+    assert cli.main(["tune", "--replay", str(grid), "--seeds", "3", "--json", str(replay)]) == 0
+    printed = capsys.readouterr().out
+    ev = json.loads(replay.read_text())
+    assert ev["seeds"] == 3 and ev["grid_size"] == len(recorded["records"])
+    assert "tuner" in printed and "random search" in printed

@@ -9,11 +9,19 @@ strides (transposed, stepped and Fortran-ordered views), dtypes (float16/32/64,
 ints, complex, object, mixed), tunables (in range and absurd), scales and
 special values (NaN, +-inf, -0.0, denormals, 1e38) written into the inputs.
 What must hold:
-- a call either succeeds or raises one of the documented exceptions
-  (ValueError, TypeError, MemoryError, FloatingPointError, RuntimeError for an
-  unavailable kernel); anything else, a crash or a sanitizer report is a finding;
+- a call either succeeds or raises one of the errors attention() documents
+  (docs/api.md, attnkern/_api.py), with the library's own message: a ValueError
+  or TypeError naming the bad argument, a ValueError for NaN/inf inputs or a
+  FloatingPointError for an overflowing result (both only with
+  check_finite=True), a MemoryError for work buffers that cannot be allocated,
+  a RuntimeError only for a kernel that is not available here (none of the
+  fuzzed ones is unavailable where the tests run). Any other exception, or one of
+  these with another message (NumPy's, the C entry point's "invalid arguments"
+  that validation should have caught), a crash or a sanitizer report is a
+  finding;
 - a successful call on finite inputs matches the float64 reference within the
-  tests' conditioning-scaled bound;
+  bound of attnkern_bench.accuracy for its dtype and kernel, float16 and
+  bfloat16 included;
 - the Cython entry point `_attn.forward`, given consistent or inconsistent
   arrays and any tunables, raises ValueError or matches the reference, and
   `_attn.check_problem` never accepts sizes that overflow 64-bit arithmetic.
@@ -27,21 +35,53 @@ Python coverage and the corpus steer to.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 
 import atheris
+import ml_dtypes
 import numpy as np
 
 with atheris.instrument_imports(include=["attnkern"]):
     import attnkern
     from attnkern.backends.native import _attn
-from attnkern_bench.accuracy import TOL, conditioning
+from attnkern_bench.accuracy import conditioning, kernel_tolerance
 
 KERNELS = ["native.flash", "native.tiled", "native.naive", "numpy.naive"]
 SPECIAL = [np.nan, np.inf, -np.inf, -0.0, 1e-40, 5e-324, 1e38, -1e38, 3.4e38]
-DTYPES = [np.float32, np.float64, np.float16, np.int32, np.complex64, object]
-EXPECTED = (ValueError, TypeError, MemoryError, FloatingPointError, RuntimeError)
+DTYPES = [np.float32, np.float64, np.float16, np.int32, np.complex64, object, ml_dtypes.bfloat16]
+# attention()'s documented errors on host arrays, each with the start of the library's message:
+# (type, pattern, only with check_finite=True); a RuntimeError only for an unavailable kernel
+DOCUMENTED = [
+    (TypeError, r"[qkv] has dtype \S+; attnkern supports ", False),
+    (TypeError, r"[qkv] must be an array of numbers, got ", False),
+    (TypeError, r"[qkv] cannot be converted to a NumPy array: ", False),
+    (TypeError, r"q, k, v must share one dtype, got ", False),
+    (TypeError, r"scale must be a real number or None, got ", False),
+    (TypeError, r"\S+ does not take \S+ inputs \(it takes ", False),
+    (TypeError, r"\S+: \w+ must be an integer in \[", False),
+    (ValueError, r"[qkv] has \d+ dimension\(s\), shape .*; expected 2 to 4", False),
+    (ValueError, r"q, k, v must have the same leading \(batch, head\) dimensions, got ", False),
+    (ValueError, r"q and k must have the same feature size D, got ", False),
+    (ValueError, r"k and v must have the same sequence length, got ", False),
+    (ValueError, r"the feature size D of q and k is 0; attention needs D >= 1", False),
+    (ValueError, r"k and v have no keys \(sequence length 0\)", False),
+    (ValueError, r"scale must be finite, got ", False),
+    (ValueError, r"\S+: \w+=-?\d+ is out of range; allowed: ", False),
+    (ValueError, r"[qkv] contains NaN or infinity; pass finite values", True),
+    (FloatingPointError, r"\S+ produced non-finite values: q k\^T \* scale overflows ", True),
+    (MemoryError, r"native\.\w+: out of memory", False),
+]
+
+
+def documented(exc: BaseException, kernel: str, check: bool) -> bool:
+    """Whether exc is an error attention() documents for this call, with its message."""
+    if type(exc) is RuntimeError:
+        return (not attnkern.kernel_info(kernel)["available"]
+                and str(exc).startswith(f"kernel {kernel} is not available here: "))
+    return any(type(exc) is kind and re.match(pattern, str(exc)) and (check or not needs_check)
+               for kind, pattern, needs_check in DOCUMENTED)
 
 
 def array(fdp, shape, dtype):
@@ -85,16 +125,19 @@ def tunables(fdp, kernel):
     return params
 
 
-def check_against_reference(out, q, k, v, causal, scale):
+def check_against_reference(out, q, k, v, causal, scale, bound):
     if not all(np.isfinite(x).all() for x in (q, k, v)):
         return
     ref = attnkern.reference(q, k, v, causal=causal, scale=scale)
     if not np.isfinite(ref).all():
         return
-    # the tests' bound (attnkern_bench.accuracy), with max|v| in place of max(1, max|v|): the
-    # fuzzer's inputs reach tiny magnitudes, where an absolute floor of 1 would hide errors
+    # the bound of attnkern_bench.accuracy (`bound`: its value for the dtype and kernel), with
+    # max|v| in place of max(1, max|v|): the fuzzer's inputs reach tiny magnitudes, where an
+    # absolute floor of 1 would hide errors; there the output's own rounding is absolute, at
+    # most half the dtype's smallest subnormal
     vmax = float(np.abs(v.astype(np.float64)).max(initial=0.0))
-    bound = TOL[np.dtype(out.dtype)] * max(vmax, 1e-30) * conditioning(q, k, scale) * 4
+    tiny = float(ml_dtypes.finfo(out.dtype).smallest_subnormal)
+    bound = bound * max(vmax, 1e-30) * conditioning(q, k, scale) * 4 + tiny
     err = float(np.abs(out.astype(np.float64) - ref).max(initial=0.0))
     if not err <= bound:
         raise AssertionError(f"error {err:.3g} > bound {bound:.3g} for q {q.shape} {q.dtype}, causal={causal}, "
@@ -117,18 +160,20 @@ def one_attention(fdp):
             warnings.simplefilter("ignore")
             out = attnkern.attention(q, k, v, causal=causal, scale=scale, kernel=kernel, check_finite=check,
                                      **params)
-    except EXPECTED:
-        return
+    except (ValueError, TypeError, MemoryError, FloatingPointError, RuntimeError) as exc:
+        if documented(exc, kernel, check):
+            return
+        raise
     if out.shape != (*qs[:-1], vs[-1]) and len(qs) > 1:
         raise AssertionError(f"output shape {out.shape} for q {qs}, v {vs}")
-    if np.dtype(out.dtype) not in TOL or np.dtype(q.dtype) != out.dtype:
-        return
+    if np.dtype(q.dtype) != out.dtype:
+        raise AssertionError(f"output dtype {out.dtype} for inputs of {q.dtype}")
     if not np.isfinite(out).all():
         # scores that overflow the dtype give NaN/inf; documented only without the scans
         if check:
             raise AssertionError(f"a non-finite result passed check_finite=True (q {q.shape} {q.dtype})")
         return
-    check_against_reference(out, q, k, v, causal, scale)
+    check_against_reference(out, q, k, v, causal, scale, kernel_tolerance(kernel, out.dtype))
 
 
 def one_entry_point(fdp):
@@ -156,7 +201,7 @@ def one_entry_point(fdp):
     if not (1 <= bq <= 1024 and 1 <= bk <= 4096 and 1 <= nt <= 256 and np.isfinite(scale) and nk >= 1 and d >= 1):
         raise AssertionError(f"forward accepted block_q={bq} block_k={bk} num_threads={nt} scale={scale} nk={nk} d={d}")
     if b and nq and dv and np.isfinite(out).all():
-        check_against_reference(out, q, k, v, causal, scale)
+        check_against_reference(out, q, k, v, causal, scale, kernel_tolerance(f"native.{algo}", out.dtype))
     elif b and nq and dv and np.isfinite(scale) and abs(scale) < 1e4:
         raise AssertionError(f"non-finite output from finite inputs, scale {scale}")
 
