@@ -79,7 +79,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     cpu = p.add_argument_group("cpu")
     cpu.add_argument("--threads", type=int, default=2, help="threads of every kernel")
     cpu.add_argument("--passes", type=int, default=2, help="round-robin passes over the kernels")
-    cpu.add_argument("--settle", type=float, default=0.3, help="seconds of pause before each kernel's turn")
+    # 1 s: on a 2-core AMD EPYC, numpy.naive timed 0.3 s after torch.sdpa's turn ran 1.5-2x slower
+    # than alone (and than in asv), 1 s after it as fast; OMP_WAIT_POLICY=passive did not help
+    cpu.add_argument("--settle", type=float, default=1.0, help="seconds of pause before each kernel's turn "
+                                                               "(lets the previous kernel's runtime go quiet)")
     cpu.add_argument("--memory", action="store_true", help="also measure native.flash's and native.tiled's peak "
                                                            "extra memory at (1, 1, --memory-n, D), in fresh processes")
     cpu.add_argument("--memory-n", type=int, default=65536)

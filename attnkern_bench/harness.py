@@ -256,7 +256,7 @@ class Settings:
     repeat: int = 5
     passes: int = 2
     warmup: int = 1
-    settle: float = 0.3
+    settle: float = 1.0
     calls_per_sample: int = 1
     check_rows: int = 64
     seed: int = 0

@@ -4,12 +4,13 @@ callgrind (see counting.py). Identical code gives identical counts run after
 run, so the site's regressions page can flag 1% steps here, where the timings'
 drift on a shared 2-core machine hides 10-30% ones.
 
-Every configuration of every kernel is counted in one Valgrind run, in the one
-`setup_cache` the classes share: asv keys a setup_cache by its source location,
-so the five classes, which inherit `_Counted.setup_cache`, get one cache between
-them, computed once per environment. It therefore holds every kernel's counts,
-and each class reads its own. One run, not one per kernel, because importing
-NumPy and Numba under Valgrind takes most of a minute and a kernel call seconds.
+A kernel's configurations are counted in one Valgrind run, in its class's
+`setup_cache` (importing NumPy and Numba under Valgrind takes most of a minute,
+a kernel call seconds). asv keys a setup_cache by its source location and hands
+the result to every class whose setup_cache has that location: a setup_cache
+inherited from one base class would be run once, for the first class, and its
+counts handed to the other four. So each class defines its own, one line that
+calls the shared counting, and `asv run -b NativeFlash` counts that kernel alone.
 Counted on Valgrind's view of the CPU: AVX2, not AVX-512 (counting.py says why)."""
 
 from .common import axis
@@ -19,33 +20,29 @@ from .counting import config_key, count, estimated_cycles, valgrind_missing
 # Small shapes (Valgrind runs 50-100x slower than the CPU); 333 is odd on purpose:
 # no block or vector width divides it, so the remainder paths are counted too.
 SHAPES = axis(["1x2x256x64", "1x2x333x64", "1x4x512x64"])
-KERNELS = ["native.flash", "native.tiled", "native.naive", "numba.flash", "numpy.naive"]
 
 
 class _Counted:
-    """One kernel's counts; subclasses name the kernel (one class per kernel, so the
-    site groups a kernel's graphs and `asv run -b NativeFlash` shows one kernel's;
-    the shared setup_cache counts all of them either way)."""
+    """One kernel's counts; each subclass names the kernel and defines its own
+    setup_cache (see the module docstring) as `return self.count_kernel()`."""
 
     kernel = None
     params = [SHAPES, [False, True]]
     param_names = ["shape", "causal"]
     timeout = 900
 
-    def setup_cache(self):
+    def count_kernel(self):
         if valgrind_missing():
             return {}
-        return count([(k, s, c) for k in KERNELS for s in SHAPES for c in (False, True)])
-
-    setup_cache.timeout = 1800
+        return count([(self.kernel, s, c) for s in SHAPES for c in (False, True)])
 
     def setup(self, counts, shape, causal):
         why = valgrind_missing()
         if why:
             raise NotImplementedError(why)
         key = config_key(self.kernel, shape, causal)
-        if key not in counts:  # a setup_cache that counted other kernels: a defect, not a skip
-            raise KeyError(f"{key} was not counted; the shared setup_cache counted {sorted(counts)}")
+        if key not in counts:  # a setup_cache that counted another kernel: a defect, not a skip
+            raise KeyError(f"{key} was not counted; this class's setup_cache counted {sorted(counts)}")
         self.counts = counts[key]
         if "error" in self.counts:
             raise NotImplementedError(self.counts["error"])
@@ -64,18 +61,43 @@ class _Counted:
 class NativeFlash(_Counted):
     kernel = "native.flash"
 
+    def setup_cache(self):
+        return self.count_kernel()
+
+    setup_cache.timeout = 900
+
 
 class NativeTiled(_Counted):
     kernel = "native.tiled"
+
+    def setup_cache(self):
+        return self.count_kernel()
+
+    setup_cache.timeout = 900
 
 
 class NativeNaive(_Counted):
     kernel = "native.naive"
 
+    def setup_cache(self):
+        return self.count_kernel()
+
+    setup_cache.timeout = 900
+
 
 class NumbaFlash(_Counted):
     kernel = "numba.flash"
 
+    def setup_cache(self):
+        return self.count_kernel()
+
+    setup_cache.timeout = 900
+
 
 class NumpyNaive(_Counted):
     kernel = "numpy.naive"
+
+    def setup_cache(self):
+        return self.count_kernel()
+
+    setup_cache.timeout = 900

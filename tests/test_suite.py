@@ -46,7 +46,10 @@ def _env():
     # simulator conftest.py turns on for the tests (a GPU benchmark skips where no GPU is)
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), OPENBLAS_NUM_THREADS=str(THREADS),
                MKL_NUM_THREADS=str(THREADS), ATTNKERN_BENCH_THREADS=str(THREADS))
+    # nor conftest.py's NUMBA_NUM_THREADS=4: four Numba threads on two cores left torch.sdpa
+    # 8x slower in attnkern bench's process, where the kernels share one process
     env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env.pop("NUMBA_NUM_THREADS", None)
     return env
 
 
