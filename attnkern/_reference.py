@@ -66,8 +66,7 @@ def reference_backward(q, k, v, dout, *, causal=False, scale=None, window=None, 
     dq, dk, dv = np.zeros_like(q3), np.zeros_like(k3), np.zeros_like(v3)
     if batch * nq:
         for rows, kv, length, p, _, dcap in sequences(q3, k3, call.causal, call.scale, call.features, slope=True):
-            grouped = (*p.shape[:3], -1)  # (k/v rows, group, queries, features)
-            qs, dos = q3[rows].reshape(grouped), do3[rows].reshape(grouped)
+            qs, dos = (x[rows].reshape(*p.shape[:3], x.shape[2]) for x in (q3, do3))  # (k/v rows, group, nq, .)
             ks, vs = k3[kv, :length][:, None], v3[kv, :length][:, None]
             out = p @ vs
             ds = p * (dos @ vs.swapaxes(-1, -2) - (dos * out).sum(-1, keepdims=True))

@@ -97,7 +97,7 @@ def masked_attention(q, k, v, causal, scale, features: Features, positions=None,
     the softcap. Rows that see no key get 0 and lse -inf."""
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
     for rows, kv_rows, length, p, row_lse, _ in sequences(q, k, causal, scale, features, positions, nq):
-        out[rows] = np.matmul(p, v[kv_rows, :length][:, None]).reshape(-1, q.shape[1], v.shape[2])
+        out[rows] = np.matmul(p, v[kv_rows, :length][:, None]).reshape(out[rows].shape)
         if lse is not None:
             lse[rows] = row_lse.reshape(-1, q.shape[1])
     return out
