@@ -253,8 +253,8 @@ def _check_host_inputs(q, k, v, key_lengths=None):
     """nonfinite_input for the first of q, k, v with NaN or infinity; with key
     lengths, the keys past each sequence's length are not read (padding)."""
     if key_lengths is not None and len(key_lengths) and int(key_lengths.min()) < k.shape[1]:
-        per = k.shape[0] // len(key_lengths)
-        keys = [(k[s * per:(s + 1) * per, :n], v[s * per:(s + 1) * per, :n]) for s, n in enumerate(key_lengths)]
+        seqs = _registry.Features(key_lengths=key_lengths).sequences(q.shape[0], k.shape[0], k.shape[1])
+        keys = [(k[kv_rows, :n], v[kv_rows, :n]) for _, kv_rows, n in seqs]
         if not _all_finite(False, q):
             raise _registry.nonfinite_input("q")
         for i, name in enumerate("kv"):

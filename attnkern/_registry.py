@@ -51,6 +51,15 @@ class Features:
     key_lengths: object = None  # np.ndarray of int64, or None
     softcap: float = 0.0
 
+    def sequences(self, batch: int, batch_kv: int, nk: int) -> list[tuple[slice, slice, int]]:
+        """(query rows, k/v rows, key length) of each sequence of (batch, n, d) q and
+        (batch_kv, nk, d) k: one per key length (the rows of a sequence are
+        consecutive), or one spanning every row without key lengths."""
+        lengths = [nk] if self.key_lengths is None else [int(n) for n in self.key_lengths]
+        rows, kv_rows = batch // max(1, len(lengths)), batch_kv // max(1, len(lengths))
+        return [(slice(s * rows, (s + 1) * rows), slice(s * kv_rows, (s + 1) * kv_rows), n)
+                for s, n in enumerate(lengths)]
+
     def needs(self) -> frozenset[str]:
         """The names (FEATURES) of what this asks for."""
         asked = {"gqa": self.kv_group > 1, "bottom_right": self.align == "bottom_right",

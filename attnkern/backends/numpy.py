@@ -62,14 +62,11 @@ def sequences(q, k, causal, scale, features: Features, positions=None, nq=None, 
     row's log-sum-exp (kv rows, group, queries), and with slope and a softcap
     dcap = 1 - tanh^2 of the capped scores (the cap's derivative), else None. A
     row that sees no key has p 0 and lse -inf. In q's dtype."""
-    batch, nsel, d = q.shape
-    batch_kv, nk = k.shape[:2]
-    lengths = [nk] if features.key_lengths is None else [int(n) for n in features.key_lengths]
-    rows, kv_rows = batch // max(1, len(lengths)), batch_kv // max(1, len(lengths))
+    nsel, d = q.shape[1:]
     nq = nsel if nq is None else nq
-    for s, length in enumerate(lengths):
-        qs = q[s * rows:(s + 1) * rows].reshape(kv_rows, features.kv_group, nsel, d)
-        kt = k[s * kv_rows:(s + 1) * kv_rows, :length].swapaxes(-1, -2)[:, None]
+    for rows, kv_rows, length in features.sequences(q.shape[0], k.shape[0], k.shape[1]):
+        qs = q[rows].reshape(kv_rows.stop - kv_rows.start, features.kv_group, nsel, d)
+        kt = k[kv_rows, :length].swapaxes(-1, -2)[:, None]
         scores = np.matmul(qs, kt)
         scores *= scores.dtype.type(scale)
         dcap = None
@@ -88,7 +85,7 @@ def sequences(q, k, causal, scale, features: Features, positions=None, nq=None, 
         with np.errstate(divide="ignore"):
             lse = (np.log(total) + top)[..., 0]
         scores /= np.where(total > 0, total, 1)
-        yield slice(s * rows, (s + 1) * rows), slice(s * kv_rows, (s + 1) * kv_rows), length, scores, lse, dcap
+        yield rows, kv_rows, length, scores, lse, dcap
 
 
 def masked_attention(q, k, v, causal, scale, features: Features, positions=None, nq=None, lse=None):

@@ -46,18 +46,15 @@ def _sequences(q, k, v, causal, features: Features):
     past them is never read), mask its (1, 1, group * nq, length) boolean mask, or
     None where it masks nothing. The query heads that share a k/v head are laid
     end to end along the query axis: a view, not a copy of k and v."""
-    batch, nq, _ = q.shape
-    batch_kv, nk, _ = k.shape
-    lengths = [nk] if features.key_lengths is None else [int(n) for n in features.key_lengths]
-    rows, kv_rows = batch // max(1, len(lengths)), batch_kv // max(1, len(lengths))
+    nq = q.shape[1]
     masked = causal or bool(features.needs() - {"gqa"})
-    for s, length in enumerate(lengths):
-        kv = slice(s * kv_rows, (s + 1) * kv_rows)
+    for rows, kv_rows, length in features.sequences(q.shape[0], k.shape[0], k.shape[1]):
         mask = None
         if masked:
             mask = np.tile(visible(nq, length, causal, features), (features.kv_group, 1))[None, None]
-        yield (slice(s * rows, (s + 1) * rows), q[s * rows:(s + 1) * rows].reshape(1, kv_rows, -1, q.shape[2]),
-               k[kv, :length][None], v[kv, :length][None], mask)
+        heads_kv = kv_rows.stop - kv_rows.start
+        yield (rows, q[rows].reshape(1, heads_kv, features.kv_group * nq, q.shape[2]), k[kv_rows, :length][None],
+               v[kv_rows, :length][None], mask)
 
 
 def _sdpa(q, k, v, causal, scale, num_threads=1, lse=None, features=None):
