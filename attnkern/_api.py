@@ -227,7 +227,7 @@ def _features(q_shape, nk: int, group: int, causal: bool, align: str, scale: flo
                             f"(4095, 0); got {window!r}")
         left, right = (_window_side(x, side, nq + nk) for x, side in zip(window, ("left", "right")))
         if causal and right > 0:
-            raise ValueError(f"causal=True already sets the window's right side to 0; got window={tuple(window)}: "
+            raise ValueError(f"a causal mask already sets the window's right side to 0; got window={tuple(window)}: "
                              "pass (left, 0) or (left, None), or causal=False for a two-sided window")
         if causal:
             right = -1
@@ -425,9 +425,10 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     out and lse are what attention(..., return_lse=True) returned for the same
     arguments (causal, scale, window, key_lengths, softcap as there); dk and dv
     have k's and v's shapes (H_kv heads under grouped-query attention, each the
-    sum over the query heads it serves). out and lse may also be those of whole rows of which k, v hold one
-    block of keys (ring attention): the result is then that block's share of the
-    gradients (dq a partial sum over blocks, dk and dv exact for this block).
+    sum over the query heads it serves). out and lse may also be those of whole
+    rows of which k, v hold one block of keys (ring attention): the result is then
+    that block's share of the gradients (dq a partial sum over blocks, dk and dv
+    exact for this block).
     NumPy arrays or torch tensors (CPU or CUDA), in the kernel's dtypes; the kernel
     must have a backward (kernel_info(name)["backward"])."""
     args = (q, k, v, out, dout, lse)
