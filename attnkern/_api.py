@@ -45,6 +45,20 @@ class Call:
     out_shape: tuple[int, ...]
     device: bool = False
     like: object = None
+    # grouped k/v, alignment, window, key lengths, softcap (_registry.Features); k and v
+    # have q's batch / features.kv_group rows, and kv_shape is k's shape as given
+    features: _registry.Features = _registry.PLAIN
+    kv_shape: tuple[int, ...] = ()
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """The features (_registry.FEATURES) the call needs of a kernel."""
+        return self.features.needs()
+
+    def feature_args(self) -> dict:
+        """What a kernel's run and backward take for the features: {features: ...}
+        where the call has any, else nothing (kernels without features never see it)."""
+        return {"features": self.features} if self.needs else {}
 
     @property
     def empty(self) -> bool:
@@ -67,8 +81,12 @@ def _as_array(x, name: str):
     return arr
 
 
-def validate(q, k, v, *, causal, scale, check_finite) -> Call:
-    """Checks shapes, dtypes and values; raises TypeError/ValueError saying what to fix."""
+_ALIGNS = ("top_left", "bottom_right")
+
+
+def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=None, softcap=None) -> Call:
+    """Checks shapes, dtypes, values and the features; raises TypeError/ValueError
+    saying what to fix."""
     like = q
     q, k, v = (_as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     on_gpu = [not isinstance(x, np.ndarray) for x in (q, k, v)]
@@ -85,10 +103,7 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
             )
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
-        raise ValueError(
-            f"q, k, v must have the same leading (batch, head) dimensions, got shapes {q.shape}, {k.shape}, {v.shape}"
-        )
+    group = _kv_group(q.shape, k.shape, v.shape)
     (nq, d), (nk, dk), (nv, dv) = q.shape[-2:], k.shape[-2:], v.shape[-2:]
     if d != dk:
         raise ValueError(f"q and k must have the same feature size D, got q {q.shape} and k {k.shape}")
@@ -98,14 +113,14 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
         raise ValueError("the feature size D of q and k is 0; attention needs D >= 1")
     if nk == 0:
         raise ValueError("k and v have no keys (sequence length 0): softmax over nothing is undefined")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    causal, align = _causal(causal)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
+    features = _features(q.shape, nk, group, causal, align, float(scale), window, key_lengths, softcap)
     if device:
         for x, n in ((q, "q"), (k, "k"), (v, "v")):
             if not x.is_c_contiguous():
@@ -113,25 +128,139 @@ def validate(q, k, v, *, causal, scale, check_finite) -> Call:
                     f"{n} is a GPU array that is not C-contiguous (strides {x.strides}); GPU inputs are used in "
                     "place, never copied: pass a contiguous one (torch: .contiguous(), CuPy: cupy.ascontiguousarray)"
                 )
-    # GPU inputs are scanned after the kernel, with its output, in one pass (run)
-    if check_finite and not device:
-        _check_host_inputs(q, k, v)
     lead = q.shape[:-2]
     batch = math.prod(lead)
     contiguous = (lambda x: x) if device else np.ascontiguousarray
-    return Call(
+    call = Call(
         q=contiguous(q).reshape(batch, nq, d),
-        k=contiguous(k).reshape(batch, nk, d),
-        v=contiguous(v).reshape(batch, nk, dv),
-        causal=bool(causal),
+        k=contiguous(k).reshape(batch // group, nk, d),
+        v=contiguous(v).reshape(batch // group, nk, dv),
+        causal=causal,
         scale=float(scale),
         out_shape=(*lead, nq, dv),
         device=device,
         like=like,
+        features=features,
+        kv_shape=tuple(k.shape),
     )
+    if check_finite and not device:  # GPU inputs are scanned after the kernel, with its output (run)
+        _check_host_inputs(call.q, call.k, call.v, features.key_lengths)
+    return call
 
 
-def _check_host_inputs(q, k, v):
+def _kv_group(q_shape, k_shape, v_shape) -> int:
+    """How many query heads share each k/v head: 1, or H / H_kv for grouped-query
+    attention, where k and v have H_kv heads (the dimension before (N, D)) and q
+    has H, a multiple; the batch dimension, where there is one, must match."""
+    if not k_shape[:-2] == v_shape[:-2]:
+        raise ValueError(f"k and v must have the same leading (batch, head) dimensions, got shapes {k_shape}, "
+                         f"{v_shape}")
+    if len(q_shape) != len(k_shape) or q_shape[:-3] != k_shape[:-3]:
+        raise ValueError(f"q, k, v must have the same leading (batch, head) dimensions (k and v may have fewer "
+                         f"heads than q: grouped-query attention), got shapes {q_shape}, {k_shape}, {v_shape}")
+    if len(q_shape) == 2 or q_shape[-3] == k_shape[-3]:
+        return 1
+    heads, kv_heads = q_shape[-3], k_shape[-3]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads and k, v have {kv_heads}: for grouped-query attention the query "
+                         f"heads H must be a multiple of the k/v heads H_kv (each k/v head serves H / H_kv "
+                         f"consecutive query heads), got shapes {q_shape}, {k_shape}, {v_shape}")
+    return heads // kv_heads
+
+
+def _causal(causal) -> tuple[bool, str]:
+    """(whether there is a causal mask, where its diagonal lies): True is top-left,
+    as torch's is_causal."""
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal), "top_left"
+    if isinstance(causal, str):
+        if causal not in _ALIGNS:
+            raise ValueError(f"causal must be False, True (= 'top_left', torch's is_causal) or 'bottom_right' "
+                             f"(FlashAttention's, for a KV cache: the last query sees the last key), got {causal!r}")
+        return True, causal
+    raise TypeError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
+
+
+def _window_side(value, side: str, bound: int) -> int:
+    """A window side as attn_problem takes it: -1 for None (unbounded), else the
+    number of keys, at most bound (a side that long masks nothing)."""
+    if value is None:
+        return -1
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"window's {side} side must be a whole number of keys or None (unbounded), got {value!r}")
+    if value < 0:
+        raise ValueError(f"window's {side} side must be >= 0 keys, or None for unbounded (FlashAttention's -1), "
+                         f"got {value}")
+    return int(min(value, bound))
+
+
+def _key_lengths(key_lengths, q_shape, nk: int) -> np.ndarray:
+    """key_lengths as int64, one per sequence: B of (B, H, N, D) inputs, else 1."""
+    if type(key_lengths).__module__.startswith("torch") and hasattr(key_lengths, "cpu"):
+        key_lengths = key_lengths.detach().cpu().numpy()
+    lengths = np.asarray(key_lengths)
+    if lengths.size == 0 and lengths.dtype.kind == "f":  # [] is float64 to NumPy
+        lengths = lengths.astype(np.int64)
+    sequences = q_shape[0] if len(q_shape) == 4 else 1
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(f"key_lengths must hold integers (one key count per sequence), got dtype {lengths.dtype}")
+    if lengths.shape != (sequences,):
+        raise ValueError(f"key_lengths must have one length per sequence: shape ({sequences},) for q of shape "
+                         f"{tuple(q_shape)}, got shape {lengths.shape}")
+    if lengths.size and not (lengths.min() >= 0 and lengths.max() <= nk):
+        raise ValueError(f"key_lengths must lie in [0, {nk}] (Nk, the keys there are), got "
+                         f"{lengths.min()}..{lengths.max()}")
+    return np.ascontiguousarray(lengths, np.int64)
+
+
+def _features(q_shape, nk: int, group: int, causal: bool, align: str, scale: float, window, key_lengths,
+              softcap) -> _registry.Features:
+    """The call's features, checked and in the kernels' form (_registry.Features).
+    Forms that mask the same keys as a plainer call take its form, so that more
+    kernels run them: bottom-right is top-left where Nq = Nk and no key lengths are
+    given, and causal already bounds the window's right side."""
+    nq = q_shape[-2]
+    left = right = -1
+    if window is not None:
+        if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+            raise TypeError(f"window must be a pair (left, right) of key counts, each None for unbounded, e.g. "
+                            f"(4095, 0); got {window!r}")
+        left, right = (_window_side(x, side, nq + nk) for x, side in zip(window, ("left", "right")))
+        if causal and right > 0:
+            raise ValueError(f"a causal mask already sets the window's right side to 0; got window={tuple(window)}: "
+                             "pass (left, 0) or (left, None), or causal=False for a two-sided window")
+        if causal:
+            right = -1
+    lengths = None if key_lengths is None else _key_lengths(key_lengths, q_shape, nk)
+    cap = 0.0
+    if softcap is not None:
+        if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+            raise TypeError(f"softcap must be a positive real number or None, got {softcap!r}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a positive finite number (None for no cap, FlashAttention's 0.0), "
+                             f"got {softcap!r}")
+        if not math.isfinite(scale / softcap):
+            raise ValueError(f"scale / softcap overflows (scale {scale!r}, softcap {softcap!r}); pass a larger "
+                             "softcap")
+        cap = float(softcap)
+    if (nq == nk and lengths is None) or not (causal or left >= 0 or right >= 0):
+        align = "top_left"  # the same mask either way
+    return _registry.Features(kv_group=group, align=align, window_left=left, window_right=right,
+                              key_lengths=lengths, softcap=cap)
+
+
+def _check_host_inputs(q, k, v, key_lengths=None):
+    """nonfinite_input for the first of q, k, v with NaN or infinity; with key
+    lengths, the keys past each sequence's length are not read (padding)."""
+    if key_lengths is not None and len(key_lengths) and int(key_lengths.min()) < k.shape[1]:
+        seqs = _registry.Features(key_lengths=key_lengths).sequences(q.shape[0], k.shape[0], k.shape[1])
+        keys = [(k[kv_rows, :n], v[kv_rows, :n]) for _, kv_rows, n in seqs]
+        if not _all_finite(False, q):
+            raise _registry.nonfinite_input("q")
+        for i, name in enumerate("kv"):
+            if not all(_all_finite(False, pair[i]) for pair in keys):
+                raise _registry.nonfinite_input(name)
+        return
     if not _all_finite(False, q, k, v):  # one scan; then find the culprit
         for x, n in ((q, "q"), (k, "k"), (v, "v")):
             if not _all_finite(False, x):
@@ -145,15 +274,16 @@ def _all_finite(device: bool, *arrays) -> bool:
 
 
 def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False,
-          backward: bool = False) -> _registry.Kernel:
+          backward: bool = False, features: frozenset[str] = frozenset()) -> _registry.Kernel:
     """The kernel for kernel="auto": on the CPU the first available of
     native.flash, torch.sdpa, numpy.naive (fastest first; docs/results.md);
     GPU arrays go to cuda.flash. NumPy arrays stay on the CPU even where a GPU
     is present: ask for a cuda.* kernel to send them there. The first that takes
-    the dtype and has what the call needs (the lse, a backward) wins; if none
-    does, the first available (choose() then says why)."""
+    the dtype and has what the call needs (the lse, a backward, the features)
+    wins; if none does, the first available (choose() then says why)."""
     def fits(k):
-        return not k.not_supported_reasons(dtype=dtype, return_lse=return_lse, backward=backward)
+        return not k.not_supported_reasons(dtype=dtype, return_lse=return_lse, backward=backward,
+                                           features=features)
 
     if device:  # cuda.flash, else triton.flash for a dtype cuda.flash does not take
         gpu = [k for k in map(_registry.get, ("cuda.flash", "triton.flash"))]
@@ -165,21 +295,31 @@ def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False
     return next((k for k in available if fits(k)), available[0])
 
 
-def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=True, return_lse=False,
-              **params):
+def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, key_lengths=None, softcap=None,
+              check_finite=True, return_lse=False, **params):
     """softmax(q k^T * scale) v.
 
     q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
     dimensions, of one dtype the kernel takes (float32 and float64 everywhere;
     float16/bfloat16 where kernel_info(name)["dtypes"] lists them); returns
-    (..., Nq, Dv) in that dtype.
+    (..., Nq, Dv) in that dtype. k and v may have fewer heads than q, H_kv
+    dividing H (grouped-query attention: query head h reads k/v head
+    h // (H / H_kv)), without a copy.
     GPU arrays (anything with __cuda_array_interface__: torch CUDA tensors, CuPy
     arrays, Numba device arrays) run on the cuda.* kernels in place, and the
     output is a GPU array of q's kind; the cuda.* kernels also take NumPy
     arrays, which they copy to the GPU and back.
-    scale defaults to 1/sqrt(D); causal=True lets query i see keys j <= i (top-left
-    aligned, as torch's is_causal). kernel is a name from attnkern.kernels() or
-    "auto"; params are the kernel's tunables (attnkern.kernel_info(name)).
+    scale defaults to 1/sqrt(D); causal=True (or "top_left") lets query i see keys
+    j <= i (top-left aligned, as torch's is_causal); causal="bottom_right" keys
+    j <= i + Nk - Nq (FlashAttention's: the last query sees the last key, as a KV
+    cache needs). window=(left, right) lets query i see only keys within left
+    before and right after its diagonal (None: unbounded; causal sets right to 0).
+    key_lengths (one integer per sequence: B for (B, H, N, D) inputs) hides keys
+    j >= its length (right-padded batches). softcap c replaces each score s by
+    c * tanh(s / c). A row that sees no key gets 0 and lse -inf.
+    kernel_info(name)["features"] says which kernels take which (docs/features.md).
+    kernel is a name from attnkern.kernels() or "auto"; params are the kernel's
+    tunables (attnkern.kernel_info(name)).
 
     torch tensors in give a torch tensor out, on their device (CPU tensors without a
     copy where they are C-contiguous); if any requires grad, the result is
@@ -194,13 +334,15 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", check_finite=
     raise ValueError and a non-finite result (scores overflowing the dtype) raises
     FloatingPointError.
     """
+    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap}
     if _is_torch(q) or _is_torch(k) or _is_torch(v):
-        if getattr(q, "is_cuda", False):  # device-resident tensors: a prepared launch per call shape
+        # device-resident tensors: a prepared launch per call shape, for calls without features
+        if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None:
             result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
             if result is not None:
                 return result
-        return _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
-    call = validate(q, k, v, causal=causal, scale=scale, check_finite=False)  # run checks, as the kernel lets it
+        return _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params)
+    call = validate(q, k, v, causal=causal, scale=scale, check_finite=False, **feats)  # run checks as the kernel lets
     chosen, resolved = choose(call, kernel, params, return_lse=return_lse)
     return run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse)
 
@@ -222,23 +364,26 @@ def _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_l
     return result
 
 
-def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
+def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params):
     """attention() on torch tensors: torch in, torch out, on the inputs' device, and
-    differentiable through the kernel's backward when an input requires grad."""
+    differentiable through the kernel's backward when an input requires grad. feats:
+    attention()'s window, key_lengths, softcap."""
     import torch
 
     _torch_api.check_tensors((q, k, v), "q, k, v")
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if not grad:
-        return _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward=False)[0]
-    out, lse = _torch_function().apply(q, k, v, causal, scale, kernel, check_finite, params)
+        return _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params,
+                              backward=False)[0]
+    out, lse = _torch_function().apply(q, k, v, causal, scale, kernel, check_finite, feats, params)
     return (out, lse) if return_lse else out
 
 
-def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward):
+def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params, backward):
     """(result, call, chosen, resolved): result is out or (out, lse) as torch tensors."""
     _torch_api.check_dtypes((q, k, v))
-    call = validate(*_torch_api.views((q, k, v)), causal=causal, scale=scale, check_finite=False)  # run checks
+    call = validate(*_torch_api.views((q, k, v)), causal=causal, scale=scale, check_finite=False,  # run checks
+                    **feats)
     chosen, resolved = choose(call, kernel, params, return_lse=return_lse or backward, backward=backward)
     result = run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse or backward)
     return _torch_api.as_torch(result, call.device), call, chosen, resolved
@@ -254,9 +399,9 @@ def _torch_function():
 
     class Attention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, causal, scale, kernel, check_finite, params):
+        def forward(ctx, q, k, v, causal, scale, kernel, check_finite, feats, params):
             (out, lse), call, chosen, resolved = _torch_forward(q, k, v, causal, scale, kernel, check_finite, True,
-                                                                params, backward=True)
+                                                                feats, params, backward=True)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.call, ctx.chosen, ctx.resolved = call, chosen, resolved
             ctx.mark_non_differentiable(lse)
@@ -268,30 +413,34 @@ def _torch_function():
             _check_backward_dtype(ctx.chosen, ctx.call.q.dtype.name)
             grads = _torch_api.backward(q, k, v, out, dout, lse, call=ctx.call, chosen=ctx.chosen,
                                         resolved=ctx.resolved)
-            return (*grads, None, None, None, None, None)
+            return (*grads, None, None, None, None, None, None)
 
     _TORCH_FUNCTION.append(Attention)
     return Attention
 
 
-def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", **params):
+def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,
+                       key_lengths=None, softcap=None, **params):
     """(dq, dk, dv) of attention(q, k, v, ...) given the output's gradient dout:
     out and lse are what attention(..., return_lse=True) returned for the same
-    arguments. out and lse may also be those of whole rows of which k, v hold one
-    block of keys (ring attention): the result is then that block's share of the
-    gradients (dq a partial sum over blocks, dk and dv exact for this block).
+    arguments (causal, scale, window, key_lengths, softcap as there); dk and dv
+    have k's and v's shapes (H_kv heads under grouped-query attention, each the
+    sum over the query heads it serves). out and lse may also be those of whole
+    rows of which k, v hold one block of keys (ring attention): the result is then
+    that block's share of the gradients (dq a partial sum over blocks, dk and dv
+    exact for this block).
     NumPy arrays or torch tensors (CPU or CUDA), in the kernel's dtypes; the kernel
     must have a backward (kernel_info(name)["backward"])."""
     args = (q, k, v, out, dout, lse)
+    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap}
     if any(_is_torch(x) for x in args):
-        return _torch_attention_backward(*args, causal=causal, scale=scale, kernel=kernel, **params)
-    call = validate(q, k, v, causal=causal, scale=scale, check_finite=False)
+        return _torch_attention_backward(*args, causal=causal, scale=scale, kernel=kernel, feats=feats, **params)
+    call = validate(q, k, v, causal=causal, scale=scale, check_finite=False, **feats)
     if call.device:
         raise TypeError("attention_backward takes NumPy arrays or torch tensors; pass GPU arrays as torch tensors")
     chosen, resolved = choose(call, kernel, params, return_lse=True, backward=True)
     _check_backward_dtype(chosen, call.q.dtype.name)
     (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
-    lead = call.out_shape[:-2]
     out, dout, lse = (check_like(x, name, shape, call.q.dtype)
                       for x, name, shape in ((out, "out", call.out_shape), (dout, "dout", call.out_shape),
                                              (lse, "lse", call.out_shape[:-1])))
@@ -299,16 +448,17 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
         grads = tuple(np.zeros_like(x) for x in (call.q, call.k, call.v))
     else:
         grads = chosen.backward(call.q, call.k, call.v, out.reshape(batch, nq, dv), dout.reshape(batch, nq, dv),
-                                lse.reshape(batch, nq), call.causal, call.scale, **resolved)
-    return tuple(g.reshape(*lead, *x.shape[1:]) for g, x in zip(grads, (call.q, call.k, call.v)))
+                                lse.reshape(batch, nq), call.causal, call.scale, **call.feature_args(), **resolved)
+    shapes = ((*call.out_shape[:-2], nq, d), call.kv_shape, (*call.kv_shape[:-1], dv))
+    return tuple(g.reshape(shape) for g, shape in zip(grads, shapes))
 
 
-def _torch_attention_backward(q, k, v, out, dout, lse, *, causal, scale, kernel, **params):
+def _torch_attention_backward(q, k, v, out, dout, lse, *, causal, scale, kernel, feats, **params):
     """attention_backward on torch tensors."""
     import torch
 
     _torch_api.check_tensors((q, k, v, out, dout, lse), "q, k, v, out, dout, lse")
-    call = validate(*_torch_api.views((q, k, v)), causal=causal, scale=scale, check_finite=False)
+    call = validate(*_torch_api.views((q, k, v)), causal=causal, scale=scale, check_finite=False, **feats)
     chosen, resolved = choose(call, kernel, params, return_lse=True, backward=True)
     _torch_api.check_like_q(q, ((out, "out", call.out_shape), (dout, "dout", call.out_shape),
                                 (lse, "lse", call.out_shape[:-1])))
@@ -349,10 +499,11 @@ def choose(call: Call, kernel, params: dict, *, return_lse: bool = False, backwa
     """The kernel for a validated call and its resolved tunables; raises if it cannot
     run here, cannot take the call's arrays or lacks what is asked of it."""
     dtype = call.q.dtype.name
-    chosen = _auto(call.device, dtype, return_lse, backward) if kernel == "auto" else _registry.get(kernel)
+    chosen = (_auto(call.device, dtype, return_lse, backward, call.needs) if kernel == "auto"
+              else _registry.get(kernel))
     # the head sizes of a call with no work are not checked: no kernel runs
     need = {"device": call.device, "dtype": dtype, "d": None if call.empty else call.q.shape[2],
-            "dv": call.v.shape[2], "return_lse": return_lse, "backward": backward}
+            "dv": call.v.shape[2], "return_lse": return_lse, "backward": backward, "features": call.needs}
     reasons = dict(chosen.not_supported_reasons(**need))
     if reasons:
         raise _refusal(chosen, reasons, need)
@@ -380,6 +531,11 @@ def _refusal(chosen: _registry.Kernel, reasons: dict, need: dict) -> Exception:
         exc = ValueError(f"{name} has no backward pass, and an input requires grad; differentiable "
                          f"kernels: {', '.join(_registry.with_feature('backward'))} (or call it under "
                          "torch.no_grad(), or detach the inputs)")
+    elif "features" in reasons:
+        able = ", ".join(_registry.supporting(need["features"], need["backward"])) or "none"
+        exc = ValueError(f"{name} {reasons['features']}; kernels that support this call's features"
+                         f"{' (forward and backward)' if need['backward'] else ''}: {able} "
+                         "(kernel_info(name)['features'], docs/features.md)")
     else:
         exc = ValueError(f"{name}: {reasons['head_size']}")
     answers = []
@@ -397,6 +553,8 @@ def _describe(need: dict) -> str:
         parts.append(f"D={need['d']}, Dv={need['dv']}")
     parts += [what for what, asked in (("the log-sum-exp", need["return_lse"]), ("a backward", need["backward"]))
               if asked]
+    if need["features"]:
+        parts.append("features " + ", ".join(n for n in _registry.FEATURES if n in need["features"]))
     return ", ".join(parts)
 
 
@@ -405,6 +563,8 @@ def kernel_info(name: str) -> dict:
     {name, description, device, available, reason, params: {p: {default, min, max, doc}},
     returns_lse (attention(..., return_lse=True) works), backward (it is differentiable),
     dtypes (the input dtypes it takes), backward_dtypes (those its backward takes),
+    features (the features of docs/features.md its forward takes: "gqa", "bottom_right",
+    "window", "key_lengths", "softcap"), backward_features (those its backward takes),
     tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
     replace the defaults for calls that match their key};
     a tunable restricted to a set of values also has "choices"."""
@@ -421,6 +581,8 @@ def kernel_info(name: str) -> dict:
         "backward": kernel.backward is not None,
         "dtypes": list(kernel.dtypes),
         "backward_dtypes": list(kernel.backward_dtypes) if kernel.backward is not None else [],
+        "features": [n for n in _registry.FEATURES if n in kernel.features],
+        "backward_features": [n for n in _registry.FEATURES if n in kernel.features_of_backward()],
         "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
     }
 
@@ -467,10 +629,10 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
     itself (chosen.checks_finite), GPU arrays after the kernel."""
     batch, nq, dv = call.q.shape[0], call.q.shape[1], call.v.shape[2]
     lse_shape = call.out_shape[:-1]
-    extra = {}
+    extra = call.feature_args()
     in_kernel = check_finite and chosen.checks_finite and not call.device and not call.empty
     if check_finite and not call.device and not in_kernel:
-        _check_host_inputs(call.q, call.k, call.v)
+        _check_host_inputs(call.q, call.k, call.v, call.features.key_lengths)
     if in_kernel:
         extra["check_finite"] = True
     if call.device:  # outputs are allocated here, as the caller's kind of GPU array
@@ -495,7 +657,8 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
 
         host = np.empty((batch, nq), call.q.dtype)
         q, k = (_gpu.to_host(x) if call.device else x for x in (call.q, call.k))
-        softmax_attention(q, k, np.zeros((batch, k.shape[1], 0), q.dtype), call.causal, call.scale, lse=host)
+        softmax_attention(q, k, np.zeros((k.shape[0], k.shape[1], 0), q.dtype), call.causal, call.scale, lse=host,
+                          features=call.features if call.needs else None)
         if call.device:
             extra["lse"].view().copy_to_device(host)
         else:

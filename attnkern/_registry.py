@@ -1,6 +1,6 @@
 """The kernel registry, the bottom layer: one entry per kernel, with its tunables,
 whether it can run here and what it supports (device, dtypes, head sizes, the
-log-sum-exp, a backward), as data the core reads before it runs one: a kernel
+log-sum-exp, a backward, the attention features of FEATURES), as data the core reads before it runs one: a kernel
 that refuses a call says why (Kernel.not_supported_reasons), and a refusal
 lists every kernel's reasons. Kernels receive validated, C-contiguous
 (batch, n, d) arrays."""
@@ -19,6 +19,61 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+# The features a call may need beyond plain (optionally top-left causal) attention,
+# with the words a refusal uses for each; a kernel lists those it has (Kernel.features).
+FEATURES = {
+    "gqa": "grouped-query attention (k and v with fewer heads than q)",
+    "bottom_right": "bottom-right causal alignment (causal='bottom_right' with Nq != Nk or key_lengths)",
+    "window": "a sliding window (window=)",
+    "key_lengths": "key padding (key_lengths=)",
+    "softcap": "a logit softcap (softcap=)",
+}
+ALL_FEATURES = frozenset(FEATURES)
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a validated call asks beyond plain attention, in the form kernels take
+    (attn.h's attn_problem): k/v rows shared by kv_group query rows; the diagonal of
+    the causal and window masks top-left (query i's own key is i) or bottom-right
+    (i + len - nq, len the row's key length); window sides as key counts, -1 for
+    unbounded (each at most nq + nk, beyond which a bound masks nothing); one key
+    length per sequence (int64, None: every key), shared by the batch / len rows of
+    a sequence; a softcap c > 0 (0: none). The core passes one to a kernel's run
+    and backward as features= only where needs() is not empty."""
+
+    kv_group: int = 1
+    align: str = "top_left"
+    window_left: int = -1
+    window_right: int = -1
+    key_lengths: object = None  # np.ndarray of int64, or None
+    softcap: float = 0.0
+
+    def sequences(self, batch: int, batch_kv: int, nk: int) -> list[tuple[slice, slice, int]]:
+        """(query rows, k/v rows, key length) of each sequence of (batch, n, d) q and
+        (batch_kv, nk, d) k: one per key length (the rows of a sequence are
+        consecutive), or one spanning every row without key lengths."""
+        lengths = [nk] if self.key_lengths is None else [int(n) for n in self.key_lengths]
+        rows, kv_rows = batch // max(1, len(lengths)), batch_kv // max(1, len(lengths))
+        return [(slice(s * rows, (s + 1) * rows), slice(s * kv_rows, (s + 1) * kv_rows), n)
+                for s, n in enumerate(lengths)]
+
+    def needs(self) -> frozenset[str]:
+        """The names (FEATURES) of what this asks for."""
+        asked = {"gqa": self.kv_group > 1, "bottom_right": self.align == "bottom_right",
+                 "window": self.window_left >= 0 or self.window_right >= 0,
+                 "key_lengths": self.key_lengths is not None, "softcap": self.softcap > 0}
+        return frozenset(name for name, on in asked.items() if on)
+
+
+PLAIN = Features()
+
+
+def describe_features(names) -> str:
+    """Feature names in words, in FEATURES' order."""
+    return ", ".join(FEATURES[n] for n in FEATURES if n in names)
 
 
 @dataclass(frozen=True)
@@ -111,15 +166,25 @@ class Kernel:
     # search_space(nq, nk, d, dv, itemsize) -> SearchSpace: the tuner's lattice for this
     # kernel, where the generic one does not fit; None: the generic one
     search_space: Callable[[int, int, int, int, int], SearchSpace] | None = None
+    # the names (FEATURES) of the features run() takes, as features= (a Features);
+    # backward_features: those its backward takes (None: the same as the forward's)
+    features: frozenset[str] = frozenset()
+    backward_features: frozenset[str] | None = None
+
+    def features_of_backward(self) -> frozenset[str]:
+        """The features its backward takes (none without a backward)."""
+        if self.backward is None:
+            return frozenset()
+        return self.features if self.backward_features is None else self.backward_features
 
     def not_supported_reasons(self, *, device: bool = False, dtype: str | None = None, d: int | None = None,
-                              dv: int | None = None, return_lse: bool = False,
-                              backward: bool = False) -> list[tuple[str, str]]:
+                              dv: int | None = None, return_lse: bool = False, backward: bool = False,
+                              features: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
         """Why this kernel cannot run a call, as (what, reason) pairs, [] when it can:
         what is one of "device" (GPU arrays to a CPU kernel), "available" (not here),
-        "dtype", "head_size", "lse", "backward". device: the inputs are GPU arrays;
-        dtype, d, dv: the inputs' (None: not asked); return_lse, backward: what the
-        call needs."""
+        "dtype", "head_size", "lse", "backward", "features". device: the inputs are
+        GPU arrays; dtype, d, dv: the inputs' (None: not asked); return_lse, backward,
+        features (names of FEATURES): what the call needs."""
         reasons = []
         if device and self.device != "cuda":
             reasons.append(("device", "runs on the CPU and q, k, v are GPU arrays"))
@@ -136,6 +201,12 @@ class Kernel:
             reasons.append(("lse", "cannot return the log-sum-exp"))
         if backward and self.backward is None:
             reasons.append(("backward", "has no backward pass"))
+        missing = features - self.features
+        if missing:
+            reasons.append(("features", f"does not support {describe_features(missing)}"))
+        elif backward and self.backward is not None and features - self.features_of_backward():
+            missing = features - self.features_of_backward()
+            reasons.append(("features", f"its backward does not support {describe_features(missing)}"))
         return reasons
 
     def resolve_params(self, given: dict) -> dict:
@@ -167,15 +238,24 @@ def get(name) -> Kernel:
 
 
 def with_feature(feature: str) -> list[str]:
-    """Names of the kernels with returns_lse or backward, or that take dtype
-    feature ("float16", ...), for error messages."""
-    if feature == "backward":
+    """Names of the kernels with returns_lse or backward, with a feature of FEATURES,
+    or that take dtype feature ("float16", ...), for error messages."""
+    if feature in FEATURES:
+        has = lambda k: feature in k.features  # noqa: E731
+    elif feature == "backward":
         has = lambda k: k.backward is not None  # noqa: E731
     elif feature == "returns_lse":
         has = lambda k: k.returns_lse  # noqa: E731
     else:
         has = lambda k: feature in k.dtypes  # noqa: E731
     return [name for name, k in _KERNELS.items() if has(k)]
+
+
+def supporting(features: frozenset[str], backward: bool = False) -> list[str]:
+    """Names of the kernels that take all of features (FEATURES' names), forward and,
+    with backward, backward too; for error messages."""
+    return [name for name, k in _KERNELS.items()
+            if features <= k.features and (not backward or features <= k.features_of_backward())]
 
 
 def kernels() -> tuple[str, ...]:

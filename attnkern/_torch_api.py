@@ -83,16 +83,17 @@ def backward(q, k, v, out, dout, lse, *, call, chosen, resolved):
     """(dq, dk, dv) as tensors like q, k, v, from the kernel's backward: out and lse
     are those of the forward (or, for a block of a longer sequence, those of the
     whole row: the gradient is then this block's share), call the validated forward
-    call and chosen/resolved its kernel and tunables."""
+    call (with its features: k and v with H_kv heads give dk and dv with H_kv) and
+    chosen/resolved its kernel and tunables."""
     import torch
 
     batch, nq, nk = call.q.shape[0], call.q.shape[1], call.k.shape[1]
-    d, dv = call.q.shape[2], call.v.shape[2]
+    d, dv, batch_kv = call.q.shape[2], call.v.shape[2], call.k.shape[0]
     if dout is None or batch * nq * nk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     arrays = views((q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(),
                     lse.contiguous()))
-    shapes = ((batch, nq, d), (batch, nk, d), (batch, nk, dv), (batch, nq, dv), (batch, nq, dv), (batch, nq))
+    shapes = ((batch, nq, d), (batch_kv, nk, d), (batch_kv, nk, dv), (batch, nq, dv), (batch, nq, dv), (batch, nq))
     if call.device:
         from . import _gpu
 
@@ -102,5 +103,5 @@ def backward(q, k, v, out, dout, lse, *, call, chosen, resolved):
         chosen.backward(*inputs, call.causal, call.scale, dq=gviews[0], dk=gviews[1], dv=gviews[2], **resolved)
         return tuple(grads)
     inputs = [np.ascontiguousarray(x).reshape(s) for x, s in zip(arrays, shapes)]
-    dq, dk, dv_ = chosen.backward(*inputs, call.causal, call.scale, **resolved)
+    dq, dk, dv_ = chosen.backward(*inputs, call.causal, call.scale, **call.feature_args(), **resolved)
     return tuple(from_numpy(g).reshape(x.shape) for g, x in zip((dq, dk, dv_), (q, k, v)))

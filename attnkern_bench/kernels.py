@@ -10,8 +10,9 @@ import attnkern
 HELP = "list every kernel, whether it runs here and its tunables"
 DESCRIPTION = """\
 Lists attnkern's kernels (attnkern.kernels()) with kernel_info(): whether each
-runs on this machine (and why not), and its tunables with defaults and ranges.
-Measures nothing."""
+runs on this machine (and why not), the features it takes (grouped k/v heads,
+bottom-right causal, windows, key lengths, softcap), and its tunables with
+defaults and ranges. Measures nothing."""
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,10 @@ def command(args) -> int:
         extras = [x for x, on in (("lse", info["returns_lse"]), ("backward", info["backward"])) if on]
         print(f"{info['name']:<14} {info['device']:<5} {state}" + (f" [{', '.join(extras)}]" if extras else ""))
         print(f"{'':<14} {info['description']}")
+        if info["features"]:  # docs/features.md
+            backward = "" if info["backward_features"] in ([], info["features"]) else (
+                f"; backward: {', '.join(info['backward_features'])}")
+            print(f"{'':<14}   features: {', '.join(info['features'])}{backward}")
         for pname, p in info["params"].items():
             allowed = ", ".join(map(str, p["choices"])) if "choices" in p else f"{p['min']}..{p['max']}"
             print(f"{'':<14}   {pname}={p['default']} ({allowed}): {p['doc']}")

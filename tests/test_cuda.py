@@ -136,7 +136,9 @@ def test_device_bad_input():
         attnkern.attention(cuda.to_device(bad), dk, dv)
     with pytest.raises(TypeError, match="must share one dtype"):
         attnkern.attention(dq, cuda.to_device(k.astype(np.float64)), dv)
-    with pytest.raises(ValueError, match="same leading"):
+    with pytest.raises(ValueError, match="multiple of the k/v heads"):  # 2 query heads, 3 k/v heads
+        attnkern.attention(dq, cuda.to_device(np.concatenate([k, k[:1]])), cuda.to_device(np.concatenate([v, v[:1]])))
+    with pytest.raises(ValueError, match="cuda.flash does not support grouped-query attention"):  # no GPU kernel has it
         attnkern.attention(dq, cuda.to_device(k[:1]), cuda.to_device(v[:1]))
     with pytest.raises(ValueError, match="not C-contiguous"):
         attnkern.attention(cuda.to_device(np.asfortranarray(q)), dk, dv)

@@ -31,7 +31,8 @@ BAD_ARRAYS = [
     (_with(q=Q[None, None], k=K[None, None], v=V[None, None]), ValueError, "expected 2 to 4"),
     (_with(k=K[..., :7]), ValueError, "same feature size D"),
     (_with(v=V[:, :10]), ValueError, "same sequence length"),
-    (_with(q=np.concatenate([Q, Q])), ValueError, "same leading"),
+    (_with(q=np.concatenate([Q, Q[:1]])), ValueError, "multiple of the k/v heads"),  # 3 query heads, 2 k/v
+    (_with(q=Q[None], k=np.stack([K, K]), v=np.stack([V, V])), ValueError, "same leading"),  # batch 1 and 2
     (_with(q=Q.astype(np.int64)), TypeError, "dtype int64"),
     (_with(q=Q.astype(np.float16), k=K.astype(np.float16), v=V.astype(np.float16)), TypeError, "float16"),
     (_with(k=K.astype(np.float64)), TypeError, "share one dtype"),
@@ -62,7 +63,8 @@ def test_bad_arrays(kernel, args, exc, message):
     [
         ({"scale": float("nan")}, ValueError, "scale must be finite"),
         ({"scale": "big"}, TypeError, "scale must be a real number"),
-        ({"causal": "yes"}, TypeError, "causal must be True or False"),
+        ({"causal": "yes"}, ValueError, "causal must be False, True .* or 'bottom_right'"),
+        ({"causal": 1}, TypeError, "causal must be False, True, 'top_left' or 'bottom_right'"),
         ({"kernel": "cuda.warp9"}, ValueError, "unknown kernel 'cuda.warp9'; choose 'auto' or one of: native.naive"),
         ({"kernel": "native.flash", "block_q": 0}, ValueError, re.escape("1 <= block_q <= 1024")),
         ({"kernel": "native.flash", "block_q": 10**6}, ValueError, "block_q=1000000 is out of range"),

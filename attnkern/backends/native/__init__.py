@@ -7,7 +7,10 @@ native.tiled and native.flash also take float16 and bfloat16 (ml_dtypes.bfloat16
 on the host): float32 arithmetic inside, the output and lse in the input's dtype.
 On avx512bf16, bfloat16 flash runs both matmuls as vdpbf16ps dot products, on amx
 (AMX-TILE and AMX-BF16, where the OS grants the tile data) on AMX tiles; every
-other combination widens blocks to float32 as it packs them (docs/half-precision.md)."""
+other combination widens blocks to float32 as it packs them (docs/half-precision.md).
+
+native.flash has the features of docs/features.md, forward (every dtype) and backward:
+the core's Features become the keywords of _attn.forward, forward_half and backward."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import os
 
 import numpy as np
 
-from ..._registry import Kernel, Param, nonfinite_input, nonfinite_output, num_threads_param, register
+from ..._registry import (ALL_FEATURES, Features, Kernel, Param, nonfinite_input, nonfinite_output,
+                          num_threads_param, register)
 
 try:
     from . import _attn
@@ -74,18 +78,28 @@ _HALF = ("float16", "bfloat16")  # computed in float32; passed to C as their uin
 _FLOAT = ("float32", "float64")
 
 
+def _keywords(features: Features | None) -> dict:
+    """The features as the Cython entry points' keywords (none for a plain call);
+    k/v rows shared by query rows need none: the C layer reads them from k's shape."""
+    if features is None:
+        return {}
+    return {"align": features.align, "window_left": features.window_left, "window_right": features.window_right,
+            "seqlen_k": features.key_lengths, "softcap": features.softcap}
+
+
 def _runner(algo: str):
-    def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1, lse=None, check_finite=False):
+    def run(q, k, v, causal, scale, block_q=1, block_k=1, num_threads=1, lse=None, check_finite=False,
+            features=None):
         _check_workspace(algo, q, k, block_q, num_threads)
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
         if q.dtype.name in _HALF:
             bits = (x.view(np.uint16) for x in (q, k, v, out))
             bad = _attn.forward_half(algo, active_isa(), q.dtype.name, *bits, causal, scale, block_q, block_k,
                                      num_threads, None if lse is None else lse.view(np.uint16),
-                                     check_finite=check_finite)
+                                     check_finite=check_finite, **_keywords(features))
         else:
             bad = _attn.forward(algo, active_isa(), q, k, v, out, causal, scale, block_q, block_k, num_threads,
-                                lse, check_finite=check_finite)
+                                lse, check_finite=check_finite, **_keywords(features))
         if bad:  # the inputs first: a non-finite input makes the output so
             raise nonfinite_input(bad[0]) if bad[0] != "out" else nonfinite_output(f"native.{algo}", q.dtype)
         return out
@@ -94,9 +108,10 @@ def _runner(algo: str):
     return run
 
 
-def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1, num_threads=1):
+def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1, num_threads=1, features=None):
     """The gradients (dq, dk, dv) of sum(out * dout), recomputing the scores block by
     block from the forward's lse: memory O(threads * block_q * block_k), never N x N.
+    dk and dv have k's rows (fewer than q's under grouped-query attention).
     float32 and float64 only."""
     if q.dtype.name not in _FLOAT:
         raise TypeError(f"native.flash's backward takes float32 and float64, not {q.dtype.name} (its forward "
@@ -104,7 +119,7 @@ def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1
                         "(torch: .float())")
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     _attn.backward(active_isa(), q, k, v, out, dout, lse, dq, dk, dv, causal, scale, block_q, block_k,
-                   num_threads)
+                   num_threads, **_keywords(features))
     return dq, dk, dv
 
 
@@ -166,5 +181,6 @@ register(
         threads_used=_team,
         backward=_flash_backward,  # float32 and float64 only
         dtypes=(*_FLOAT, *_HALF),
+        features=ALL_FEATURES,
     )
 )
