@@ -21,9 +21,9 @@ from .turns import Worker, paired_turns
 SHAPES = axis(["1x8x1024x64", "1x8x2048x64"])
 
 
-def median_seconds(call, args, calls: int, warmup: float = 0.2) -> float:
+def median_seconds(call, args, calls: int, warmup: float = 0.5) -> float:
     """Median of `calls` back-to-back timed calls after untimed ones for `warmup` seconds (at
-    least one): in a freshly forked benchmark process the first calls start thread pools and
+    least one; 0.5 s, as asv's own timings warm up 0.2 s and numpy.naive needed more): in a freshly forked benchmark process the first calls start thread pools and
     fault in pages, and five calls after one untimed one read 1.3-3.5x the settled time
     (attnkern_bench.timing's turn with one kernel; repeated here, see common.py's docstring)."""
     end = time.perf_counter() + warmup
@@ -52,7 +52,7 @@ class Throughput:
         self.q, self.k, self.v = random_qkv(shape)
 
     def track_ps_per_flop(self, kernel, shape, causal):
-        seconds = median_seconds(self.call, (self.q, self.k, self.v, causal), calls=10)
+        seconds = median_seconds(self.call, (self.q, self.k, self.v, causal), calls=15)
         return seconds / flops(shape, causal) * 1e12
 
     track_ps_per_flop.unit = "ps/FLOP (= 1000 / GFLOP/s)"
