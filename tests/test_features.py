@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnkern
-from attnkern_bench.accuracy import TOL, conditioning
+from attnkern_bench.accuracy import conditioning, tolerance
 from conftest import AVAILABLE, forced_isa
 
 torch = pytest.importorskip("torch")
@@ -90,7 +90,7 @@ def needs(shape, kw):
 
 
 def bound(ref, q, k, dtype, factor, scale=None):
-    return TOL[np.dtype(dtype)] * factor * max(1.0, np.abs(ref).max(initial=0)) * conditioning(q, k, scale)
+    return tolerance(dtype) * factor * max(1.0, np.abs(ref).max(initial=0)) * conditioning(q, k, scale)
 
 
 def err(got, ref):

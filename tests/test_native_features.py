@@ -14,7 +14,7 @@ explicit boolean mask (query row b, query i, key j),
 
 with k and v repeated over each group of query rows, and dk and dv summed over it.
 A row that sees no key has out 0, lse -inf and zero gradients. Tolerances as in
-test_backward.py: TOL * factor * max(1, max|ref|) * kappa."""
+test_backward.py: tolerance(dtype) * factor * max(1, max|ref|) * kappa."""
 
 import time
 
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from attnkern.backends.native import _attn
-from attnkern_bench.accuracy import TOL, conditioning
+from attnkern_bench.accuracy import conditioning, tolerance
 from conftest import ISAS
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -75,7 +75,7 @@ def reference(q, k, v, dout, mask, scale, softcap=0.0):
 
 
 def assert_close(got, ref, q, k, dtype, factor=1.0, what="", scale=None):
-    bound = TOL[np.dtype(dtype)] * factor * max(1.0, np.abs(ref).max(initial=0)) * conditioning(q, k, scale)
+    bound = tolerance(dtype) * factor * max(1.0, np.abs(ref).max(initial=0)) * conditioning(q, k, scale)
     err = np.abs(np.asarray(got, np.float64) - ref).max(initial=0)
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
