@@ -49,19 +49,24 @@ def header(seed: int, threads: int) -> dict:
     return info
 
 
-def quick_inputs(out: Path, threads: int, seed: int) -> dict:
-    """Short runs of the other commands (about two minutes on 2 cores): each
-    measuring module's command, its arguments read by its own configure()."""
+def run_command(argv: list[str]) -> int:
+    """One measuring command (bench, roofline, study or tune) with its argument list,
+    read by the module's own configure(), as `attnkern <argv>` runs it."""
     from . import bench, roofline, study, tuner
 
-    modules = {"bench": bench, "roofline": roofline, "study": study, "tune": tuner}
+    module = {"bench": bench, "roofline": roofline, "study": study, "tune": tuner}[argv[0]]
+    parser = argparse.ArgumentParser(prog=f"attnkern {argv[0]}")
+    module.configure(parser)
+    return module.command(parser.parse_args(argv[1:]))
+
+
+def quick_inputs(out: Path, threads: int, seed: int) -> dict:
+    """Short runs of the other commands (about two minutes on 2 cores), each through
+    run_command."""
 
     def run(name, argv):
         print(f"# report --quick: attnkern {' '.join(argv)}", file=sys.stderr, flush=True)
-        module = modules[argv[0]]
-        parser = argparse.ArgumentParser(prog=f"attnkern {argv[0]}")
-        module.configure(parser)
-        module.command(parser.parse_args(argv[1:]))
+        run_command(argv)
         return str(out / name)
 
     kernels = ["native.flash", "native.tiled", "numba.flash", "torch.sdpa", "numpy.naive"]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from attnkern_bench import cli
+from attnkern_bench import report as report_module
 
 
 # `report --quick`'s runs with smaller arguments: the same commands and the same pipeline
@@ -42,15 +43,15 @@ def smaller(argv):
 def report(tmp_path_factory):
     """`attnkern report --quick`, its commands' arguments made smaller; the commands it ran."""
     out = tmp_path_factory.mktemp("report")
-    real, ran = cli.main, []
+    real, ran = report_module.run_command, []
 
-    def main(argv=None):  # what report.quick_inputs calls for each command
+    def run_command(argv):  # what report.quick_inputs calls for each command
         ran.append(argv[0] + "".join(f" {flag}" for flag in ("--inputs", "--record-grid", "--replay") if flag in argv))
         return real(smaller(argv))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cli, "main", main)
-        assert real(["report", "--quick", "--out", str(out), "--threads", "2"]) == 0
+        mp.setattr(report_module, "run_command", run_command)
+        assert cli.main(["report", "--quick", "--out", str(out), "--threads", "2"]) == 0
     return out, ran
 
 
