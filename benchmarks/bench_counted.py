@@ -13,7 +13,7 @@ counts handed to the other four. So each class defines its own, one line that
 calls the shared counting, and `asv run -b NativeFlash` counts that kernel alone.
 Counted on Valgrind's view of the CPU: AVX2, not AVX-512 (counting.py says why)."""
 
-from .common import axis
+from .common import SMOKE, axis
 from .counting import config_key, count, estimated_cycles, valgrind_missing
 
 # torch's kernels are PyTorch's code, not ours: timed elsewhere, not counted.
@@ -32,12 +32,12 @@ class _Counted:
     timeout = 900
 
     def count_kernel(self):
-        if valgrind_missing():
+        if valgrind_missing() or SMOKE:
             return {}
         return count([(self.kernel, s, c) for s in SHAPES for c in (False, True)])
 
     def setup(self, counts, shape, causal):
-        why = valgrind_missing()
+        why = valgrind_missing() or (SMOKE and "a smoke run: no counting (Valgrind takes minutes)")
         if why:
             raise NotImplementedError(why)
         key = config_key(self.kernel, shape, causal)

@@ -38,7 +38,8 @@ THREADS = int(os.environ.get("ATTNKERN_BENCH_THREADS", "2"))
 
 # ATTNKERN_BENCH_SMOKE=1: every benchmark and setup_cache of the suite, run as asv runs them,
 # on the first value of each size axis (shapes, N, block sizes, turns), every kernel and
-# mask kept: tests/test_suite.py runs the whole suite this way in minutes, not the half hour
+# mask kept, and no counting under Valgrind (minutes; tests/test_asv.py counts through make bench's
+# path): tests/test_suite.py runs the whole suite this way in minutes, not the half hour
 # of the full parameter grid. The numbers mean nothing; that no benchmark fails does.
 SMOKE = os.environ.get("ATTNKERN_BENCH_SMOKE") == "1"
 

@@ -123,16 +123,27 @@ def test_every_benchmark_of_the_suite_runs(asv_run):
                     for params, value in values.items() if value is None)
     assert proc.returncode == 0 and not failed, (
         f"asv run exited {proc.returncode}; failed: {failed}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    # each counted class reads its own kernel's counts from the shared setup_cache
-    counted = {name.split(".")[1]: values for name, values in results.items()
-               if name.startswith("bench_counted.") and name.endswith(".track_instructions")}
-    assert len(counted) == 5, sorted(counted)
-    key = (_p("1x2x256x64"), _p(False))
-    firsts = {cls: values[key] for cls, values in counted.items()}
-    assert all(isinstance(v, (int, float)) and v > 0 for v in firsts.values()), firsts
-    assert len(set(firsts.values())) == len(firsts), f"two kernels with the same counts: {firsts}"
     threads = results["bench_tracks.ThreadsUsed.track_threads"]
     assert all(v == THREADS for v in threads.values()), threads
+
+
+def test_each_counted_class_has_its_own_setup_cache():
+    """asv runs one setup_cache per key (its source location, asv_runner's own
+    get_setup_cache_key) and hands the result to every class with that key: five
+    counted classes sharing one got native.flash's counts and failed. (The smoke run
+    above skips the counting itself, minutes under Valgrind; tests/test_asv.py counts
+    through `make bench`'s path.)"""
+    from asv_runner.benchmarks._base import get_setup_cache_key
+
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks import bench_counted
+    finally:
+        sys.path.remove(str(REPO))
+    classes = [c for c in vars(bench_counted).values()
+               if isinstance(c, type) and issubclass(c, bench_counted._Counted) and c is not bench_counted._Counted]
+    keys = {c.__name__: get_setup_cache_key(c.setup_cache) for c in classes}
+    assert len(classes) == 5 and len(set(keys.values())) == 5, keys
 
 
 def _bench(tmp_path, kernels, *args) -> dict:
