@@ -1,4 +1,5 @@
 import contextlib
+import subprocess
 import os
 import tempfile
 
@@ -135,3 +136,19 @@ def assert_lse_matches_reference(lse, q, k, causal=False, scale=None):
     assert lse.shape == q.shape[:-1] and lse.dtype == q.dtype
     err = lse_error(lse, reference_lse(q, k, causal=causal, scale=scale))
     assert err <= lse_tolerance(lse.dtype), f"lse error {err:.3g} > {lse_tolerance(lse.dtype):.3g}"
+
+
+def run(cmd, cwd, check=True):
+    """subprocess.run with output captured; a failure (with check) raises with the output."""
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def git(clone, *args):
+    """git in a test's clone, committing as a test author; its stdout."""
+    env = dict(os.environ, GIT_AUTHOR_NAME="attnkern test", GIT_AUTHOR_EMAIL="test@attnkern",
+               GIT_COMMITTER_NAME="attnkern test", GIT_COMMITTER_EMAIL="test@attnkern")
+    return subprocess.run(["git", *args], cwd=clone, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()

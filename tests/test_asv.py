@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import git, run  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,18 +57,6 @@ GATE_ARGS = ["-b", r"^native\.flash:", "--count-shapes", "1x2x256x64", "--time-s
 # fixtures below fail on their imports of it (a broken setup), they are not skipped
 
 
-def run(cmd, cwd, check=True):
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def git(clone, *args):
-    env = dict(os.environ, GIT_AUTHOR_NAME="asv test", GIT_AUTHOR_EMAIL="asv@test",
-               GIT_COMMITTER_NAME="asv test", GIT_COMMITTER_EMAIL="asv@test")
-    return subprocess.run(["git", *args], cwd=clone, env=env, check=True, capture_output=True,
-                          text=True).stdout.strip()
 
 
 @pytest.fixture(scope="module")

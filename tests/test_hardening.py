@@ -24,10 +24,9 @@ def inputs(shape=(2, 3, 97, 32), seed=0, dtype=np.float32):
     return tuple(rng.standard_normal(shape).astype(dtype) for _ in range(3))
 
 
-def run_in_fork(child, timeout=60.0) -> int:
-    """Fork; the child runs `child()` and exits with its return value (an
-    exception exits 99). Returns the exit code, or fails if the child hangs or
-    dies from a signal."""
+def start_fork(child) -> int:
+    """Fork; the child runs `child()` and exits with its return value (an exception
+    exits 99). Returns the child's pid."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 99
@@ -35,6 +34,13 @@ def run_in_fork(child, timeout=60.0) -> int:
             code = child()
         finally:
             os._exit(code)
+    return pid
+
+
+def run_in_fork(child, timeout=60.0) -> int:
+    """start_fork, then the exit code, or a failure if the child hangs or dies from
+    a signal."""
+    pid = start_fork(child)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -171,14 +177,7 @@ def test_a_child_of_a_child_keeps_its_threads():
 
     def child():
         attnkern.attention(q, k, v, kernel="native.tiled", num_threads=2)  # the child's own pool runs
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the grandchild
-            code = 99
-            try:
-                code = grandchild()
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
+        _, status = os.waitpid(start_fork(grandchild), 0)
         return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 5
 
     assert run_in_fork(child) == 0

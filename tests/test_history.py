@@ -9,12 +9,13 @@ measured, the broken commit is recorded as failed and named, the exit status is
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import git, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HISTORY = [sys.executable, str(REPO / "tools" / "history.py")]
@@ -27,18 +28,6 @@ TINY = r"^bench_forward\.Forward\.time_forward\('native\.flash', '1x1x128x64', F
 pytest.importorskip("asv")
 
 
-def run(cmd, cwd, check=True):
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def git(clone, *args):
-    env = dict(os.environ, GIT_AUTHOR_NAME="history test", GIT_AUTHOR_EMAIL="history@test",
-               GIT_COMMITTER_NAME="history test", GIT_COMMITTER_EMAIL="history@test")
-    return subprocess.run(["git", *args], cwd=clone, env=env, check=True, capture_output=True,
-                          text=True).stdout.strip()
 
 
 def clone_of_head(tmp, *clone_args):
