@@ -466,8 +466,8 @@ def command(args) -> int:
               f"{'causal/window':>14} {'error':>9}")
 
         def emit(r):
-            print(f"{r['n']:>6} {r['window_s'] * 1e3:>10.3f} {r['causal_s'] * 1e3:>10.3f} {r['window_ns_per_nw']:>13.4f} "
-                  f"{r['causal_ns_per_n2']:>15.4f} {r['speedup']:>13.2f}x {r['error']:>9.1e}"
+            print(f"{r['n']:>6} {r['window_s'] * 1e3:>10.3f} {r['causal_s'] * 1e3:>10.3f} "
+                  f"{r['window_ns_per_nw']:>13.4f} {r['causal_ns_per_n2']:>15.4f} {r['speedup']:>13.2f}x {r['error']:>9.1e}"
                   + ("" if r["ok"] else " FAIL"), flush=True)
 
         rows = result["study"] = window_study(args, emit)
