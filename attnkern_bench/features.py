@@ -55,10 +55,11 @@ Cases, on (B, H, N, D) inputs drawn from a seeded normal distribution:
                    the work torch must do for it
   window           causal=True, window=(W - 1, 0), W = --window; torch: a
                    boolean band mask (N, N)
-  decode           1 query over N cached keys, causal="bottom_right"; torch:
-                   no mask (the one query sees every key)
-  chunked-prefill  --chunk queries over N cached keys, causal="bottom_right";
-                   torch: the boolean bottom-right mask (chunk, N)
+  decode           1 query over --cache cached keys, causal="bottom_right";
+                   torch: no mask (the one query sees every key)
+  chunked-prefill  --chunk queries over --cache cached keys,
+                   causal="bottom_right"; torch: the boolean bottom-right mask
+                   (chunk, cache)
   softcap          causal, softcap=50; torch's SDPA has no softcap: its math
                    path in torch ops (scores, c tanh(s / c), mask, softmax, P V)
   dropout          causal, dropout_p=0.1; torch: SDPA with dropout_p=0.1
@@ -96,6 +97,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=64, help="head size D (default 64)")
     p.add_argument("--window", type=int, default=256, help="keys W of the window case (default 256)")
     p.add_argument("--chunk", type=int, default=64, help="queries of the chunked-prefill case (default 64)")
+    p.add_argument("--cache", type=int, default=4096, help="cached keys of decode and chunked-prefill (default 4096)")
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), metavar="CASE",
                    help="the cases to run (default all: " + " ".join(CASES) + ")")
     p.add_argument("--directions", nargs="+", choices=DIRECTIONS, default=list(DIRECTIONS))
@@ -214,8 +216,8 @@ def build(name: str, a, rng) -> Case:
                     ours(causal=True, window=(w - 1, 0)), (q, k, v), _torch_masked(band, scale), (q, k, v),
                     check, check)
     if name in ("decode", "chunked-prefill"):
-        nq = 1 if name == "decode" else a.chunk
-        q, k, v = qkv((b, h), nq=nq)
+        nq, n = (1 if name == "decode" else a.chunk), a.cache
+        q, k, v = qkv((b, h), nq=nq, nk=n)
         r = sample_rows(rng, nq, a.check_rows)
         check = _ref_check(q, k, v, r, scale, causal="bottom_right")
         if nq == 1:  # the one query sees every key: no mask
@@ -300,7 +302,10 @@ def _varlen(a, rng, scale, ours_kw) -> Case:
         return max(_err(out[s][:, r], ref, qs, ks, vs, scale) for s, _, r, ref, qs, ks, vs in checks)
 
     def ours(qt, kt, vt):
-        return attnkern.attention_varlen(qt, kt, vt, cu, cu, longest, longest, causal=True, scale=scale,
+        import torch
+
+        c = torch.from_numpy(cu)  # beside torch tensors, as FlashAttention's varlen function takes them
+        return attnkern.attention_varlen(qt, kt, vt, c, c, longest, longest, causal=True, scale=scale,
                                          kernel=KERNEL, **ours_kw)
 
     return Case("varlen", f"{len(lengths)} causal sequences {'+'.join(map(str, lengths))} = {n}, "
@@ -449,8 +454,9 @@ def command(args) -> int:
     except ImportError:
         raise SystemExit("attnkern features needs PyTorch (its side of the comparison): pip install "
                          "'attnkern[torch]'") from None
-    if min(args.n, args.batch, args.heads, args.kv_heads, args.dim, args.window, args.chunk, args.threads,
-           args.repeat, args.passes, args.check_rows, args.study_window, args.study_heads, *args.study_sizes) < 1:
+    if min(args.n, args.batch, args.heads, args.kv_heads, args.dim, args.window, args.chunk, args.cache,
+           args.threads, args.repeat, args.passes, args.check_rows, args.study_window, args.study_heads,
+           *args.study_sizes) < 1:
         raise SystemExit("sizes, counts and --threads must be positive")
     if args.n < 8:
         raise SystemExit("--n must be at least 8 (varlen packs 4 sequences of N/2, N/4, N/8 and N/8 tokens)")

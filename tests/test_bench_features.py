@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--n", "64", "--heads", "4", "--kv-heads", "2", "--dim", "16", "--window", "16", "--chunk", "8",
-        "--repeat", "1", "--passes", "1", "--settle", "0", "--threads", "1"]
+        "--cache", "48", "--repeat", "1", "--passes", "1", "--settle", "0", "--threads", "1"]
 
 
 def _supported(case: str, backward: bool) -> bool:
