@@ -27,9 +27,12 @@ DIRECTIONS = ("forward", "forward+backward")
 CASES = ("gqa", "mqa", "mask-bool", "mask-additive", "key-lengths", "varlen", "window", "decode",
          "chunked-prefill", "softcap", "dropout")
 # each feature's names in kernel_info's features lists (docs/features.md)
-FEATURE_NAMES = {"mask": ("mask", "attn_mask"), "varlen": ("varlen",), "dropout": ("dropout",)}
+FEATURE_NAMES = {"mask": ("mask", "attn_mask"), "dropout": ("dropout",)}
 # the keyword or function attnkern must have for a feature, where older versions lack it
 API_NAMES = {"mask": "attn_mask", "dropout": "dropout_p", "varlen": "attention_varlen"}
+# needs only its function: attention_varlen runs each sequence as a call of the kernel (plain, or
+# with the window, softcap or dropout asked for), so kernel_info lists no feature for it
+API_ONLY = ("varlen",)
 # what each case needs of native.flash (kernel_info's feature names)
 NEEDS = {"gqa": ("gqa",), "mqa": ("gqa",), "mask-bool": ("mask",), "mask-additive": ("mask",),
          "key-lengths": ("key_lengths",), "varlen": ("varlen",), "window": ("window",), "decode": ("bottom_right",),
@@ -323,7 +326,7 @@ def missing(needs: tuple[str, ...], backward: bool) -> str | None:
         api = API_NAMES.get(need)
         if api is not None and api not in params and not hasattr(attnkern, api):
             return f"this attnkern has no {api}"
-        if not have & set(FEATURE_NAMES.get(need, (need,))):
+        if need not in API_ONLY and not have & set(FEATURE_NAMES.get(need, (need,))):
             return f"{KERNEL}'s {'backward' if backward else 'forward'} does not list {need} in kernel_info"
     return None
 

@@ -10,8 +10,9 @@ work torch must do for them), dropout_p; torch has no softcap in SDPA, so for th
 softcap it is torch's math path (scores, c tanh(s / c), mask, softmax, P V).
 
 A combination a kernel cannot run is skipped (NotImplementedError in setup): a
-feature a commit's kernel_info does not list (masks, varlen and dropout came
-later: their keyword or function must exist too), a backward the kernel lacks.
+feature a commit's kernel_info does not list (masks and dropout came later: their
+keyword must exist too; packed sequences need attention_varlen), a backward the
+kernel lacks.
 In the smoke setting (ATTNKERN_BENCH_SMOKE=1) every class runs at N = 256 or less.
 """
 
@@ -29,8 +30,11 @@ NAIVE_MAX_N = 2048
 H, D = 8, 64
 # a feature's names in kernel_info's feature lists, and the keyword or function attnkern
 # needs for it (absent in commits before it)
-FEATURE_NAMES = {"mask": ("mask", "attn_mask"), "varlen": ("varlen",), "dropout": ("dropout",)}
+FEATURE_NAMES = {"mask": ("mask", "attn_mask"), "dropout": ("dropout",)}
 API_NAMES = {"mask": "attn_mask", "dropout": "dropout_p", "varlen": "attention_varlen"}
+# needs only its function: attention_varlen runs each sequence as a call of the kernel (plain, or
+# with the window, softcap or dropout asked for), so kernel_info lists no feature for it
+API_ONLY = ("varlen",)
 
 
 def sizes(full: list, smoke):
@@ -66,7 +70,7 @@ def _check_kernel(kernel, needs, backward):
         api = API_NAMES.get(need)
         if api is not None and api not in params and not hasattr(attnkern, api):
             raise NotImplementedError(f"attnkern has no {api} in this commit")
-        if not have & set(FEATURE_NAMES.get(need, (need,))):
+        if need not in API_ONLY and not have & set(FEATURE_NAMES.get(need, (need,))):
             raise NotImplementedError(f"{kernel} does not list {need} in this commit")
 
 
