@@ -281,7 +281,7 @@ def _varlen(a, rng, scale, ours_kw) -> Case:
     h, n, d = a.heads, a.n, a.dim
     lengths = [n // 2, n // 4, n // 8, n - n // 2 - n // 4 - n // 8]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    q, k, v = (x[0] for x in (random_qkv(rng.integers(2**32), (1, n), h, h, d) for _ in range(3)))  # (N, H, D)
+    q, k, v = (rng.standard_normal((n, h, d)).astype(np.float32) for _ in range(3))  # packed (N, H, D)
     longest = max(lengths)
     padded = [np.zeros((len(lengths), h, longest, d), np.float32) for _ in range(3)]
     for s, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
@@ -367,19 +367,18 @@ def run_cases(a, emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
     rows = []
     for step, name in enumerate(a.cases, 1):
         print(f"[{step}/{len(a.cases)}] {name}", file=sys.stderr, flush=True)
-        base = {"case": name}
         why = missing(NEEDS[name], backward=False)
-        case = None
+        case = failed = None
         if why is None:
             try:
                 case = build(name, a, rng)
             except Exception as exc:  # noqa: BLE001 - reported as the case's failure
-                why = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                failed = _first_line(exc)
         for direction in a.directions:
-            row = {**base, "direction": direction}
-            reason = why or missing(NEEDS[name], backward=direction != "forward")
-            if reason is not None:
-                row["skipped"] = reason
+            row = {"case": name, "direction": direction}
+            reason = why or (None if failed else missing(NEEDS[name], backward=direction != "forward"))
+            if reason is not None or failed is not None:
+                row.update({"skipped": reason} if reason is not None else {"failed": failed})
                 rows.append(row)
                 emit(row)
                 continue
@@ -392,11 +391,16 @@ def run_cases(a, emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
                     times = medians(take_turns(fns, repeat=a.repeat, passes=a.passes, warmup=1, settle=a.settle))
                 row.update(ours_s=times["ours"], torch_s=times["torch"], ratio=times["torch"] / times["ours"])
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory in torch's mask
-                row["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                row["failed"] = _first_line(exc)
             rows.append(row)
             emit(row)
         del case
     return rows
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
 def _check(case: Case) -> dict:

@@ -102,7 +102,9 @@ class _Feature:
             if kernel == "numpy.naive" and p["n"] > NAIVE_MAX_N:
                 raise NotImplementedError(f"numpy.naive only up to N={NAIVE_MAX_N}")
             _check_kernel(kernel, self.needs, backward)
-            kw = dict(p["kw"], kernel=kernel, check_finite=False)
+            kw = dict(p["kw"], kernel=kernel)
+            if "fn" not in p:  # attention()'s keyword (torch checks nothing either)
+                kw["check_finite"] = False
             if "num_threads" in attnkern.kernel_info(kernel)["params"]:
                 kw["num_threads"] = THREADS
             if "attn_mask" in kw:

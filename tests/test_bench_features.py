@@ -83,6 +83,15 @@ def test_torchs_side_is_checked_too(monkeypatch, capsys):
     assert "FAIL" in row_line
 
 
+def test_a_case_that_breaks_is_a_failure_not_a_skip(monkeypatch, capsys):
+    def broken(name, a, rng):
+        raise ValueError("axes don't match array")
+
+    monkeypatch.setattr(features, "build", broken)
+    assert cli.main(["features", *TINY, "--cases", "softcap", "--json", "/dev/null"]) == 1
+    assert "FAIL: softcap forward: ValueError: axes don't match array" in capsys.readouterr().err
+
+
 def test_window_study(tmp_path, capsys):
     out = tmp_path / "study.json"
     argv = ["features", "--window-study", "--study-sizes", "64", "128", "--study-window", "16", "--study-heads",
