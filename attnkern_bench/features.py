@@ -114,7 +114,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study-sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
                    help="N of the window study (default 2048 4096 8192 16384)")
     p.add_argument("--study-window", type=int, default=1024, help="W of the window study (default 1024)")
-    p.add_argument("--study-heads", type=int, default=4, help="heads of the window study (default 4)")
+    p.add_argument("--study-heads", type=int, default=8, help="heads of the window study (default 8)")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--csv", help="write the rows to this CSV file")
 
