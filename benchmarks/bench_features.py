@@ -95,13 +95,14 @@ class _Feature:
         if torch is None:
             raise NotImplementedError("torch is not installed")
         backward = direction == "forward+backward"
+        if kernel != "torch.sdpa":
+            _check_kernel(kernel, self.needs, backward)
         p = self.problem(*args)
         if kernel == "torch.sdpa":
             fn, host = p["torch_fn"], p["torch"]
         else:
             if kernel == "numpy.naive" and p["n"] > NAIVE_MAX_N:
                 raise NotImplementedError(f"numpy.naive only up to N={NAIVE_MAX_N}")
-            _check_kernel(kernel, self.needs, backward)
             kw = dict(p["kw"], kernel=kernel)
             if "fn" not in p:  # attention()'s keyword (torch checks nothing either)
                 kw["check_finite"] = False
