@@ -358,9 +358,8 @@ def _fns(case: Case, backward: bool) -> dict[str, Callable[[], object]]:
 
 
 def run_cases(a, emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """Every case of a.cases in every direction of a.directions: rows of times, ratio and errors."""
-    import torch
-
+    """Every case of a.cases in every direction of a.directions: rows of times, ratio and errors
+    (forward outputs checked; the gradients are the tests' to check: tests/test_features.py)."""
     from attnkern.hardware import torch_threads
 
     rng = np.random.default_rng(a.seed)
