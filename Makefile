@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ASV := $(VENV)/bin/asv
-.PHONY: setup system-packages test test-fast bench history site compare gate calibrate-gate sanitize test-sanitize fuzz clean
+.PHONY: setup system-packages test test-fast bench history site compare features gate calibrate-gate sanitize test-sanitize fuzz clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -74,6 +74,14 @@ site: setup
 compare: setup
 	mkdir -p bench-results
 	$(PY) -m attnkern bench --memory --json bench-results/latest.json --csv bench-results/latest.csv
+
+# The attention features against torch doing the same work (attnkern features), then
+# the window study: W = 1024 at N = 2048..16384 against full causal (docs/feature-bench.md).
+features: setup
+	mkdir -p bench-results
+	$(PY) -m attnkern features --n 4096 --json bench-results/features.json --csv bench-results/features.csv
+	$(PY) -m attnkern features --window-study --json bench-results/window-study.json \
+		--csv bench-results/window-study.csv
 
 # The regression gate: HEAD against BASE, counted instructions and paired timing
 # (docs/regression-gate.md). Exits non-zero if a kernel got slower.

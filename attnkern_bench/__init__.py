@@ -12,6 +12,7 @@ the tests use:
     memory    peak memory of one call, in a fresh process
     machine   the CPU's name and thread pinning
     harness   check every kernel against the reference, then time them side by side
+    features  native.flash's attention features against torch, and the window study
     cli       the `attnkern` command (also `python -m attnkern`)
 
 It uses attnkern's public API only. The asv suite (benchmarks/) keeps its own

@@ -2,6 +2,7 @@
 
     attnkern bench                      CPU kernels side by side with torch and NumPy
     attnkern bench --device cuda        GPU kernels side by side with torch and CuPy
+    attnkern features                   native.flash's features (GQA, masks, windows...) against torch's SDPA
     attnkern kernels                    every kernel, whether it runs here, its tunables
     attnkern tune                       search a kernel's block sizes and threads, cached for attention()
     attnkern roofline                   this machine's compute and memory ceilings, each kernel against them
@@ -19,11 +20,11 @@ import sys
 
 import attnkern
 
-from . import bench, kernels, report, ring, roofline, study, tuner
+from . import bench, features, kernels, report, ring, roofline, study, tuner
 
 # each subcommand's module: HELP, DESCRIPTION, configure(parser) and command(args) -> exit status
-COMMANDS = {"bench": bench, "kernels": kernels, "tune": tuner, "roofline": roofline, "report": report,
-            "study": study, "ring": ring}
+COMMANDS = {"bench": bench, "features": features, "kernels": kernels, "tune": tuner, "roofline": roofline,
+            "report": report, "study": study, "ring": ring}
 
 
 def parser() -> argparse.ArgumentParser:
