@@ -52,6 +52,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.append(str(REPO))  # attnkern_bench from the source tree where no attnkern is installed (a GPU runner's Python)
 import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
 import gpu_counting  # noqa: E402  (benchmarks/gpu_counting.py: the GPU's counted signal, through ncu)
 import turns  # noqa: E402  (benchmarks/turns.py: paired timing in worker processes)
