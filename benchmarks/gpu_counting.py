@@ -132,6 +132,9 @@ def _run(keys, status_path):
 
     import attnkern
 
+    site = os.environ.get("ATTNKERN_GATE_SITE")
+    if site and not os.path.realpath(attnkern.__file__).startswith(os.path.realpath(site)):
+        sys.exit(f"gpu_counting.py imported {attnkern.__file__}, not the build in {site}")
     with open(status_path, "w") as status:
         for key in keys:
             kernel, dtype, shape, causal = key.split(":")

@@ -258,7 +258,7 @@ def gpu_paired(base: Path, head: Path, seed: int, tmp: Path, args, rounds=None, 
 
 
 def gpu_counts(site: Path, keys) -> dict:
-    python, env = gate.interpreter(site)
+    python, env = gate.interpreter(site, isolated=False)
     t0 = time.perf_counter()
     counts = gate.gpu_counting.count(keys, python=python, env=env)
     return {"seconds": time.perf_counter() - t0, "counts": counts}

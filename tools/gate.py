@@ -143,10 +143,14 @@ def site_of_wheel(wheel: Path, cache: Path, log) -> Path:
     return site
 
 
-def interpreter(site: Path) -> tuple[list[str], dict]:
+def interpreter(site: Path, isolated: bool = True) -> tuple[list[str], dict]:
     """The command and environment that import attnkern from `site` and its
     dependencies from this virtualenv. `-S` skips site-packages' .pth files:
-    the editable install of the working tree must not shadow the build."""
+    the editable install of the working tree must not shadow the build. The GPU
+    gate needs them (numba-cuda's `numba.cuda` comes through one: without it,
+    numba's own obsolete CUDA target is imported), so it runs with
+    isolated=False; its workers report the attnkern they imported, which must be
+    the build's."""
     env = dict(os.environ)
     # the caller's PYTHONPATH stays after the build and before this virtualenv's
     # packages: where packages were installed with --target (the GPU machine's
@@ -155,7 +159,8 @@ def interpreter(site: Path) -> tuple[list[str], dict]:
     env["PYTHONPATH"] = os.pathsep.join([str(site), *caller, sysconfig.get_paths()["purelib"],
                                          sysconfig.get_paths()["platlib"]])
     env.pop("ATTNKERN_ISA", None)
-    return [sys.executable, "-S"], env
+    env["ATTNKERN_GATE_SITE"] = str(site)
+    return [sys.executable, *(["-S"] if isolated else [])], env
 
 
 # ---------------------------------------------------------------- counted signal
@@ -187,7 +192,7 @@ def count_gpu(keys, sites, log) -> dict[str, dict[str, dict]] | str:
     for side, site in sites.items():
         log(f"counting SASS instructions and DRAM bytes of {len(keys)} configurations under ncu ({side}) ...")
         t0 = time.perf_counter()
-        python, env = interpreter(site)
+        python, env = interpreter(site, isolated=False)
         try:
             counted[side] = gpu_counting.count(keys, python=python, env=env)
         except gpu_counting.CountersRestricted as exc:
@@ -225,7 +230,7 @@ def time_both(configs, sites, args, log) -> dict[str, dict]:
         workers = {}
         try:
             for side, site in sites.items():
-                python, env = interpreter(site)
+                python, env = interpreter(site, isolated=args.device != "cuda")
                 workers[side] = turns.Worker(python, env, args.threads)
             for key in (configs if keys is None else keys):
                 replies = {side: w.setup(**setup_of(key), key=key) for side, w in workers.items()}
