@@ -1,7 +1,9 @@
-"""The regression gate: did HEAD make a CPU kernel slower than BASE?
+"""The regression gate: did HEAD make a CPU kernel (or, with --device cuda, a
+GPU kernel) slower than BASE?
 
     make gate BASE=main                      # or: .venv/bin/python tools/gate.py --base main
     .venv/bin/python tools/gate.py --base main -b native.flash --json gate.json
+    make gate DEVICE=cuda BASE=main          # the GPU kernels (docs/regression-gate.md#the-gpu-gate)
 
 Both commits are built into wheels (meson-python, cached under .gate/builds by
 commit) and compared with two signals, each immune to a different kind of noise:
@@ -21,6 +23,13 @@ time      Wall time of both builds in paired, alternating turns on this machine:
           for each third of the rounds. The paired ratio per round (candidate /
           baseline) cancels the machine's drift; the estimate is the median over
           rounds, its 95% interval a bootstrap over worker pairs and rounds.
+
+--device cuda: cuda.flash, triton.flash and cuda.naive on torch CUDA tensors; the
+timed signal's turns are queued calls between CUDA events, the counted signals
+SASS instructions and DRAM bytes read from the GPU's counters by ncu
+(benchmarks/gpu_counting.py). Builds can be prebuilt wheels or installed
+directories (--base-wheel, --head-site, ...), and --build-wheels makes the wheels
+for a GPU machine that has no build tools.
 
 A configuration is `slower` when its counted ratio exceeds 1 + --count-threshold,
 or when the whole time interval lies above 1 + --time-threshold; `faster`
