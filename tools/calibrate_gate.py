@@ -304,7 +304,8 @@ def calibrate_gpu(args) -> int:
         if "paired" in args.methods:
             # one trial of every level first, then the A/A comparisons, then the other trials:
             # a run cut short still has each kind of comparison
-            comparisons = [(f"slow{lvl}", 0) for lvl in args.levels] + [("noop", seed) for seed in range(args.aa)]
+            comparisons = [(f"slow{lvl}", 0) for lvl in args.levels if args.trials > 0]
+            comparisons += [("noop", seed) for seed in range(args.first_seed, args.first_seed + args.aa)]
             comparisons += [(f"slow{lvl}", seed) for seed in range(1, args.trials) for lvl in args.levels]
             data["paired"] = {}
             for i, (name, seed) in enumerate(comparisons):
@@ -393,6 +394,8 @@ def main(argv=None) -> int:
                         '{"2": 60, ...} (default: measured by a pilot)')
     parser.add_argument("--rounds", type=int, default=40, help="cuda: paired rounds per comparison (default 40)")
     parser.add_argument("--processes", type=int, default=2, help="cuda: worker pairs per comparison (default 2)")
+    parser.add_argument("--first-seed", type=int, default=0, help="cuda: seed of the first A/A comparison "
+                        "(more A/A comparisons added to an earlier run's)")
     parser.add_argument("--gpu-regex", default=GPU_REGEX, help=f"cuda: the configurations (default {GPU_REGEX})")
     args = parser.parse_args(argv)
     if args.summarize:
