@@ -129,6 +129,7 @@ def attribute(stdout: str, outcomes) -> dict[str, dict]:
 def _run(keys, status_path):
     import numpy as np
     import torch
+    import turns  # beside this file
 
     import attnkern
 
@@ -145,10 +146,8 @@ def _run(keys, status_path):
             if not info["available"]:
                 status.write(f"{key}\t{kernel} is not available here: {info['reason']}\n")
                 continue
-            rng = np.random.default_rng(0)
             dims = tuple(int(x) for x in shape.split("x"))
-            q, k, v = (torch.from_numpy(rng.standard_normal(dims).astype("float32")).to("cuda", getattr(torch, dtype))
-                       for _ in range(3))
+            q, k, v = turns._cuda_inputs(np.random.default_rng(0), dims, dtype)  # the timed signal's inputs
             try:
                 attnkern.attention(q, k, v, causal=bool(int(causal)), kernel=kernel, check_finite=False)  # warm-up
             except (ValueError, TypeError, RuntimeError) as exc:

@@ -20,7 +20,8 @@ against +/-1%). It adds the same thread wake-up to every call of both sides.
 
 Used by the asv suite (`bench_tracks.TimeVsTorch`) and by `tools/gate.py` (two
 builds of attnkern, each worker importing its own). The workers use attnkern's
-public API only, so old commits run too.
+public API only, so old commits run too. For the GPU gate (setup's device="cuda")
+the inputs are torch CUDA tensors and a turn's calls are timed with CUDA events.
 """
 
 from __future__ import annotations
