@@ -471,9 +471,12 @@ def main(argv=None) -> int:
         raise GateError("no configuration matches")
     if not args.no_count and (why := (gpu_counting.ncu_missing() if gpu else counting.valgrind_missing())):
         raise GateError(f"{why}")
+    sides = {"baseline": "base", "candidate": "head"}
+    # commits resolved before anything is built: a bad revision fails at once, and both are read at one time
+    shas = {side: resolve(repo, getattr(args, short)) for side, short in sides.items()
+            if not (getattr(args, f"{short}_wheel") or getattr(args, f"{short}_site"))}
     sites, names = {}, {}
-    for side, rev in (("baseline", args.base), ("candidate", args.head)):
-        short = "base" if side == "baseline" else "head"
+    for side, short in sides.items():
         wheel, site = getattr(args, f"{short}_wheel"), getattr(args, f"{short}_site")
         if site:
             if not (Path(site) / "attnkern").is_dir():
@@ -482,8 +485,7 @@ def main(argv=None) -> int:
         elif wheel:
             sites[side], names[side] = site_of_wheel(Path(wheel), cache, log), f"wheel {Path(wheel).name}"
         else:
-            sha = resolve(repo, rev)
-            sites[side], names[side] = build(repo, sha, cache, log), sha
+            sites[side], names[side] = build(repo, shas[side], cache, log), shas[side]
     counted = gpu_counted = None
     if not args.no_count and count_cfg:
         if gpu:
