@@ -192,3 +192,31 @@ def test_gpu_gate_end_to_end_on_one_build(tmp_path):
     signals = {r["signal"] for r in rows}
     assert signals == {"sass", "dram", "time"}, rows
     assert all(r["verdict"] == "same" for r in rows if r["signal"] == "sass"), rows
+
+
+def test_triton_is_timed_but_not_counted(tmp_path, monkeypatch, capsys):
+    """The GPU path of main() with the GPU parts replaced: triton.flash's
+    configurations never reach ncu and get a skipped row saying why."""
+    site = tmp_path / "site"
+    (site / "attnkern").mkdir(parents=True)
+    asked = []
+
+    def fake_count(keys, sites, log):
+        asked.extend(keys)
+        return {side: {k: {"sass": 1e6, "dram_read": 1e6, "dram_write": 0.0} for k in keys} for side in sites}
+
+    monkeypatch.setattr(gate, "gpu_missing", lambda: None)
+    monkeypatch.setattr(gate.gpu_counting, "ncu_missing", lambda: None)
+    monkeypatch.setattr(gate, "count_gpu", fake_count)
+    monkeypatch.setattr(gate, "gpu_name", lambda: "a fake GPU")
+    out = tmp_path / "gate.json"
+    code = gate.main(["--device", "cuda", "--base-site", str(site), "--head-site", str(site), "--no-time",
+                      "--kernels", "cuda.flash:bfloat16", "triton.flash:bfloat16", "--time-shapes", "1x2x64x64",
+                      "--json", str(out)])
+    assert code == 0
+    assert asked == ["cuda.flash:bfloat16:1x2x64x64:0", "cuda.flash:bfloat16:1x2x64x64:1"]
+    rows = json.loads(out.read_text())["rows"]
+    skipped = [r for r in rows if r["verdict"] == "skipped"]
+    assert {r["benchmark"] for r in skipped} == {"triton.flash:bfloat16:1x2x64x64:0", "triton.flash:bfloat16:1x2x64x64:1"}
+    assert all("autotuned" in r["note"] for r in skipped)
+    assert "on a fake GPU" in capsys.readouterr().out
