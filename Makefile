@@ -85,10 +85,15 @@ features: setup
 
 # The regression gate: HEAD against BASE, counted instructions and paired timing
 # (docs/regression-gate.md). Exits non-zero if a kernel got slower.
+# DEVICE=cuda gates the GPU kernels instead; it runs with GPU_PYTHON (a Python
+# whose torch has CUDA, with numba-cuda, Triton and the build requirements), not
+# .venv, whose torch is the CPU build.
 BASE ?= main
 GATE_ARGS ?=
-gate: setup
-	$(PY) tools/gate.py --base $(BASE) $(GATE_ARGS)
+DEVICE ?= cpu
+GPU_PYTHON ?= python3
+gate: $(if $(filter cuda,$(DEVICE)),,setup)
+	$(if $(filter cuda,$(DEVICE)),$(GPU_PYTHON),$(PY)) tools/gate.py --base $(BASE) --device $(DEVICE) $(GATE_ARGS)
 
 # Re-measure the gate's false alarms and detection rates (about an hour).
 calibrate-gate: setup

@@ -20,7 +20,8 @@ against +/-1%). It adds the same thread wake-up to every call of both sides.
 
 Used by the asv suite (`bench_tracks.TimeVsTorch`) and by `tools/gate.py` (two
 builds of attnkern, each worker importing its own). The workers use attnkern's
-public API only, so old commits run too.
+public API only, so old commits run too. For the GPU gate (setup's device="cuda")
+the inputs are torch CUDA tensors and a turn's calls are timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ class Worker:
             raise RuntimeError(reply["error"])
         return reply
 
-    def setup(self, kernel: str, shape: str, causal: bool, dtype: str = "float32", key: str = "", **params) -> dict:
+    def setup(self, kernel: str, shape: str, causal: bool, dtype: str = "float32", key: str = "",
+              device: str = "cpu", **params) -> dict:
         """Inputs for (kernel, shape, causal) built, kept under `key`, and one
         call made; returns {"seconds": time of a second call, "file": attnkern's
-        path} or {"skip": why} where the kernel is missing or cannot run here."""
+        path} or {"skip": why} where the kernel is missing or cannot run here.
+        device "cuda": the inputs are torch CUDA tensors and turns are timed with
+        CUDA events (see _serve)."""
         return self.ask(op="setup", key=key, kernel=kernel, shape=shape, causal=bool(causal), dtype=dtype,
-                        params=params)
+                        device=device, params=params)
 
     def turn(self, calls: int, key: str = "") -> list[float]:
         """An untimed call, then `calls` timed ones of configuration `key`."""
@@ -112,6 +116,45 @@ def bootstrap_median_ci(values, level=0.95, resamples=4000, seed=0) -> tuple[flo
 
 
 # ---------------------------------------------------------------- the worker side
+def _cpu_turn(call, calls: int) -> list[float]:
+    """An untimed call, then `calls` calls each timed by the wall clock."""
+    call()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _cuda_inputs(rng, shape, dtype: str):
+    """q, k, v as torch CUDA tensors of `dtype` from the same seeded float32
+    values as the CPU inputs (bfloat16 and float16 rounded from them)."""
+    import torch
+
+    return tuple(torch.from_numpy(rng.standard_normal(shape).astype("float32")).to("cuda", getattr(torch, dtype))
+                 for _ in range(3))
+
+
+def _cuda_turn(call, calls: int) -> list[float]:
+    """An untimed call and a synchronisation (the other worker's kernels are
+    done, this worker's clocks and caches warm), then `calls` calls queued back
+    to back with a CUDA event between each two: each time is one call's span on
+    the GPU (launch gaps included only where the GPU waited for the next launch).
+    One synchronisation at the end, so the host does not pace the calls."""
+    import torch
+
+    call()
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    events[0].record()
+    for i in range(calls):
+        call()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(calls)]
+
+
 def _serve(threads: int) -> None:
     import numpy as np
 
@@ -127,7 +170,7 @@ def _serve(threads: int) -> None:
     def reply(**kw):
         print(json.dumps(kw), flush=True)
 
-    calls = {}
+    calls, timers = {}, {}
     for line in sys.stdin:
         req = json.loads(line)
         try:
@@ -147,25 +190,21 @@ def _serve(threads: int) -> None:
                     params.setdefault("num_threads", threads)
                 rng = np.random.default_rng(0)
                 shape = tuple(int(x) for x in req["shape"].split("x"))
-                args = tuple(rng.standard_normal(shape).astype(req["dtype"]) for _ in range(3))
+                if req.get("device", "cpu") == "cuda":
+                    args, params["check_finite"] = _cuda_inputs(rng, shape, req["dtype"]), False
+                    timers[req["key"]] = _cuda_turn
+                else:
+                    args = tuple(rng.standard_normal(shape).astype(req["dtype"]) for _ in range(3))
+                    timers[req["key"]] = _cpu_turn
 
                 def call(kernel=kernel, causal=req["causal"], params=params, args=args):
                     return attnkern.attention(*args, causal=causal, kernel=kernel, **params)
 
                 calls[req["key"]] = call
                 call()  # compile or load caches, start thread pools
-                t0 = time.perf_counter()
-                call()
-                reply(seconds=time.perf_counter() - t0, file=attnkern.__file__)
+                reply(seconds=timers[req["key"]](call, 1)[0], file=attnkern.__file__)
             elif req["op"] == "time":
-                call = calls[req["key"]]
-                call()
-                times = []
-                for _ in range(req["calls"]):
-                    t0 = time.perf_counter()
-                    call()
-                    times.append(time.perf_counter() - t0)
-                reply(times=times)
+                reply(times=timers[req["key"]](calls[req["key"]], req["calls"]))
         except Exception as exc:  # reported to the driver
             reply(error=f"{type(exc).__name__}: {exc}")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -206,6 +207,176 @@ def summarize(data) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- --device cuda
+# The GPU's slowdown: flash_tf32.cu (cuda.flash float32) runs, per K/V tile and
+# warp, a chain of dependent FMAs (x * 1 + 0, exact) on one score before the
+# softmax reads it. The chain sits on the tile's critical path; its length sets
+# the slowdown, which a short pilot measures (see gpu_fmas_for_levels).
+GPU_INJECT_FILE = "attnkern/backends/cuda/flash_tf32.cu"
+GPU_INJECT_LINE = "        // masks only where the tile crosses nk or an mma tile's diagonal; s becomes P\n"
+GPU_REGEX = r"^cuda\.flash:float32:"
+GPU_PILOT_FMAS = (256,)
+
+
+def inject_gpu_slowdown(source: str, fmas: int) -> str:
+    """flash_tf32.cu with `fmas` dependent FMAs per K/V tile on each warp's first
+    score (multiplied by 1 and added 0: the same value, -0 aside, which the
+    softmax treats alike). Inline PTX marked volatile, so NVRTC keeps the chain."""
+    if source.count(GPU_INJECT_LINE) != 1:
+        raise ValueError(f"the line the slowdown precedes moved: {GPU_INJECT_LINE!r}")
+    extra = ("        {  // injected slowdown\n"
+             "            float x_ = s[0][0][0];\n"
+             "#pragma unroll 1\n"
+             f"            for (int r_ = 0; r_ < {int(fmas)}; ++r_)\n"
+             '                asm volatile("fma.rn.f32 %0, %0, 0f3F800000, 0f00000000;" : "+f"(x_));\n'
+             "            s[0][0][0] = x_;\n"
+             "        }\n")
+    return source.replace(GPU_INJECT_LINE, extra + GPU_INJECT_LINE)
+
+
+def gpu_variant(base_site: Path, dest: Path, fmas: int | None) -> Path:
+    """A copy of the installed build `base_site` (identical when fmas is None,
+    else with the slowdown injected): the head build of one comparison."""
+    shutil.copytree(base_site, dest, symlinks=True)
+    if fmas is not None:
+        path = dest / GPU_INJECT_FILE
+        path.write_text(inject_gpu_slowdown(path.read_text(), fmas))
+    return dest
+
+
+def gpu_paired(base: Path, head: Path, seed: int, tmp: Path, args, rounds=None, processes=None) -> dict:
+    path = tmp / f"paired-{head.name}-{seed}.json"
+    t0 = time.perf_counter()
+    code = gate.main(["--device", "cuda", "--base-site", str(base), "--head-site", str(head), "--no-count",
+                      "-b", args.gpu_regex, "--seed", str(seed), "--rounds", str(rounds or args.rounds),
+                      "--processes", str(processes or args.processes), "--json", str(path)])
+    data = json.loads(path.read_text())
+    return {"seconds": time.perf_counter() - t0, "returncode": code,
+            "rows": [{k: r.get(k) for k in ("benchmark", "ratio", "interval", "verdict", "rounds")}
+                     for r in data["rows"]],
+            "flagged": [r["benchmark"] for r in data["rows"] if r["verdict"] == "slower"]}
+
+
+def gpu_counts(site: Path, keys) -> dict:
+    python, env = gate.interpreter(site, isolated=False)
+    t0 = time.perf_counter()
+    counts = gate.gpu_counting.count(keys, python=python, env=env)
+    return {"seconds": time.perf_counter() - t0, "counts": counts}
+
+
+def gpu_fmas_for_levels(base: Path, tmp: Path, levels, args, data) -> dict[int, int]:
+    """The chain length of each target level: a pilot comparison per length in
+    GPU_PILOT_FMAS (30 rounds, one worker pair), the slowdown taken as linear in
+    the length (median over configurations of (ratio - 1) / length)."""
+    slopes = []
+    for fmas in GPU_PILOT_FMAS:
+        head = gpu_variant(base, tmp / f"pilot{fmas}", fmas)
+        trial = gpu_paired(base, head, 100, tmp, args, rounds=30, processes=1)
+        data.setdefault("pilot", {})[str(fmas)] = trial
+        slopes += [(r["ratio"] - 1) / fmas for r in trial["rows"] if r.get("ratio")]
+    slope = statistics.median(slopes)
+    if slope <= 0:
+        raise RuntimeError(f"the pilot measured no slowdown (slope {slope}): {data['pilot']}")
+    return {lvl: max(1, round(lvl / 100 / slope)) for lvl in levels}
+
+
+def calibrate_gpu(args) -> int:
+    data = {"device": "cuda", "gpu": gate.gpu_name(), "levels": args.levels, "started": time.ctime(),
+            "time_threshold": 0.02, "count_threshold": 0.01, "dram_threshold": 0.05, "regex": args.gpu_regex,
+            "rounds": args.rounds, "processes": args.processes}
+    if not args.wheel:
+        raise SystemExit("--device cuda needs --wheel (a cp3X wheel of this tree: tools/gate.py --build-wheels)")
+    with tempfile.TemporaryDirectory(prefix="attnkern-calibrate-gpu-") as tmp:
+        tmp = Path(tmp)
+        base = gate.site_of_wheel(Path(args.wheel), tmp / "cache", print)
+        fmas = {int(k): v for k, v in (args.fmas or {}).items()} or gpu_fmas_for_levels(base, tmp, args.levels,
+                                                                                         args, data)
+        data["fmas"] = fmas
+        sites = {"noop": gpu_variant(base, tmp / "noop", None),
+                 **{f"slow{lvl}": gpu_variant(base, tmp / f"slow{lvl}", fmas[lvl]) for lvl in args.levels}}
+        keys = [gate.gpu_counting.gpu_key("cuda.flash", "float32", s, c) for s in gate.GPU_SHAPES for c in (0, 1)]
+        if "counted" in args.methods:
+            # one count of each build: their run-to-run and build-to-build stability is the
+            # A/A gate's (tools/gate.py --device cuda on two builds of identical code)
+            data["counted"] = {name: [gpu_counts(site, keys)] for name, site in {"base": base, **sites}.items()
+                               if name != "noop"}
+            Path(args.out).write_text(json.dumps(data, indent=1))
+        if "paired" in args.methods:
+            # one trial of every level first, then the A/A comparisons, then the other trials:
+            # a run cut short still has each kind of comparison
+            comparisons = [(f"slow{lvl}", 0) for lvl in args.levels if args.trials > 0]
+            comparisons += [("noop", seed) for seed in range(args.first_seed, args.first_seed + args.aa)]
+            comparisons += [(f"slow{lvl}", seed) for seed in range(1, args.trials) for lvl in args.levels]
+            data["paired"] = {}
+            for i, (name, seed) in enumerate(comparisons):
+                print(f"== comparison {i + 1}/{len(comparisons)}: base -> {name} (seed {seed})", flush=True)
+                data["paired"].setdefault(name, []).append(gpu_paired(base, sites[name], seed, tmp, args))
+                Path(args.out).write_text(json.dumps(data, indent=1))
+    data["finished"] = time.ctime()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    print(summarize_gpu(data))
+    return 0
+
+
+def summarize_gpu(data) -> str:
+    """The GPU table of docs/regression-gate.md from the raw data of calibrate_gpu."""
+    levels = data["levels"]
+    lines = ["| method | verdict: slower when | false alarms (A/A) | "
+             + " | ".join(f"{lvl}% slowdown flagged" for lvl in levels) + " | minutes per comparison |",
+             "|---|---|---|" + "---|" * len(levels) + "---|"]
+
+    def frac(trials, flagged):
+        return f"{sum(1 for t in trials if flagged(t))}/{len(trials)}"
+
+    paired, counted = data.get("paired"), data.get("counted")
+    if paired:
+        minutes = statistics.median(t["seconds"] for ts in paired.values() for t in ts) / 60
+        cells = [frac(paired.get(f"slow{lvl}", []), lambda t: t["flagged"]) for lvl in levels]
+        lines.append(f"| paired timing (CUDA events) | 95% interval above +{data['time_threshold']:.0%} | "
+                     f"{frac(paired.get('noop', []), lambda t: t['flagged'])} | " + " | ".join(cells) + f" | {minutes:.1f} |")
+    flags, aa_any = {}, False
+    if counted:
+        base = counted["base"]
+        keys = [k for k in base[0]["counts"] if "error" not in base[0]["counts"][k]]
+
+        def value(run, key, signal):
+            c = run["counts"][key]
+            return c["sass"] if signal == "sass" else c["dram_read"] + c["dram_write"]
+
+        minutes = statistics.median(r["seconds"] for runs in counted.values() for r in runs) / 60
+        for signal, threshold, what in (("sass", data["count_threshold"], "SASS instructions"),
+                                        ("dram", data["dram_threshold"], "DRAM bytes")):
+            ref = {k: value(base[0], k, signal) for k in keys}
+            aa = [value(r, k, signal) / ref[k] for r in [*base[1:], *counted.get("noop", [])] for k in keys]
+            spread = max((abs(x - 1) for x in aa), default=None)
+            ratios = {lvl: [value(counted[f"slow{lvl}"][0], k, signal) / ref[k] for k in keys] for lvl in levels}
+            flags[signal] = {lvl: max(r) > 1 + threshold for lvl, r in ratios.items()}
+            aa_flags = sum(x > 1 + threshold for x in aa)
+            aa_any = aa_any or aa_flags > 0
+            aa_cell = f"{aa_flags} of {len(aa)} (max deviation {spread:.2%})" if aa else "see the A/A gate"
+            cells = [f"{'yes' if flags[signal][lvl] else 'no'} (max {max(ratios[lvl]) - 1:+.1%})" for lvl in levels]
+            lines.append(f"| counted: {what} (ncu) | above +{threshold:.0%} | {aa_cell} | "
+                         + " | ".join(cells) + f" | {minutes:.1f} per build |")
+    if paired and counted:
+        cells = [frac(paired.get(f"slow{lvl}", []), lambda t, lvl=lvl: t["flagged"] or any(f[lvl] for f in flags.values()))
+                 for lvl in levels]
+        lines.append("| **gate** (any signal) | either signal | "
+                     f"{frac(paired.get('noop', []), lambda t: t['flagged'] or aa_any)} | " + " | ".join(cells) + " | |")
+    if paired:
+        measured = []
+        for lvl in levels:
+            timed = [r["ratio"] for t in paired.get(f"slow{lvl}", []) for r in t["rows"] if r.get("ratio")]
+            if not timed:
+                continue
+            measured.append(f"{lvl}% ({data['fmas'][str(lvl)] if str(lvl) in data['fmas'] else data['fmas'][lvl]} "
+                            f"FMAs a tile): time {min(timed) - 1:+.1%} to {max(timed) - 1:+.1%}")
+        aa = [x for t in paired.get("noop", []) for r in t["rows"] if r.get("interval") for x in r["interval"]] or [1.0]
+        lines += ["", "What each injected level measured (paired medians over its trials and configurations): "
+                  + "; ".join(measured) + f". A/A intervals within [{min(aa):.3f}, {max(aa):.3f}]."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tools/calibrate_gate.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -215,10 +386,27 @@ def main(argv=None) -> int:
     parser.add_argument("--levels", type=int, nargs="+", default=sorted(KEYS_FOR_LEVEL), choices=sorted(KEYS_FOR_LEVEL))
     parser.add_argument("--methods", nargs="+", default=["counted", "paired", "asv"], choices=["counted", "paired", "asv"])
     parser.add_argument("--summarize", metavar="JSON", help="only print the table of an earlier run's data")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: calibrate the GPU gate on cuda.flash float32 (methods paired and counted)")
+    parser.add_argument("--wheel", help="cuda: the wheel of this tree to calibrate with (the GPU machine has no "
+                        "build tools: tools/gate.py --build-wheels)")
+    parser.add_argument("--fmas", type=json.loads, help='cuda: FMAs per tile of each level as JSON, '
+                        '{"2": 60, ...} (default: measured by a pilot)')
+    parser.add_argument("--rounds", type=int, default=40, help="cuda: paired rounds per comparison (default 40)")
+    parser.add_argument("--processes", type=int, default=2, help="cuda: worker pairs per comparison (default 2)")
+    parser.add_argument("--first-seed", type=int, default=0, help="cuda: seed of the first A/A comparison "
+                        "(more A/A comparisons added to an earlier run's)")
+    parser.add_argument("--gpu-regex", default=GPU_REGEX, help=f"cuda: the configurations (default {GPU_REGEX})")
     args = parser.parse_args(argv)
     if args.summarize:
-        print(summarize(json.loads(Path(args.summarize).read_text())))
+        data = json.loads(Path(args.summarize).read_text())
+        print(summarize_gpu(data) if data.get("device") == "cuda" else summarize(data))
         return 0
+    if args.device == "cuda":
+        if args.out == parser.get_default("out"):
+            args.out = str(REPO / "docs" / "data" / "gate-calibration-gpu.json")
+        args.methods = [m for m in args.methods if m != "asv"] or ["paired"]
+        return calibrate_gpu(args)
     cache = REPO / ".gate" / "builds"
     data = {"cpu": gate.cpu_name(), "levels": args.levels, "time_threshold": 0.02, "started": time.ctime(),
             "keys_for_level": KEYS_FOR_LEVEL, "asv_regex": ASV_REGEX, "paired_regex": PAIRED_REGEX}

@@ -1,7 +1,9 @@
-"""The regression gate: did HEAD make a CPU kernel slower than BASE?
+"""The regression gate: did HEAD make a CPU kernel (or, with --device cuda, a
+GPU kernel) slower than BASE?
 
     make gate BASE=main                      # or: .venv/bin/python tools/gate.py --base main
     .venv/bin/python tools/gate.py --base main -b native.flash --json gate.json
+    make gate DEVICE=cuda BASE=main          # the GPU kernels (docs/regression-gate.md#the-gpu-gate)
 
 Both commits are built into wheels (meson-python, cached under .gate/builds by
 commit) and compared with two signals, each immune to a different kind of noise:
@@ -22,6 +24,13 @@ time      Wall time of both builds in paired, alternating turns on this machine:
           baseline) cancels the machine's drift; the estimate is the median over
           rounds, its 95% interval a bootstrap over worker pairs and rounds.
 
+--device cuda: cuda.flash, triton.flash and cuda.naive on torch CUDA tensors; the
+timed signal's turns are queued calls between CUDA events, the counted signals
+SASS instructions and DRAM bytes read from the GPU's counters by ncu
+(benchmarks/gpu_counting.py). Builds can be prebuilt wheels or installed
+directories (--base-wheel, --head-site, ...), and --build-wheels makes the wheels
+for a GPU machine that has no build tools.
+
 A configuration is `slower` when its counted ratio exceeds 1 + --count-threshold,
 or when the whole time interval lies above 1 + --time-threshold; `faster`
 likewise below; otherwise `same`. The exit status is 1 if anything is slower,
@@ -33,6 +42,7 @@ docs/regression-gate.md.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -51,7 +61,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.append(str(REPO))  # attnkern_bench from the source tree where no attnkern is installed (a GPU runner's Python)
 import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
+import gpu_counting  # noqa: E402  (benchmarks/gpu_counting.py: the GPU's counted signal, through ncu)
 import turns  # noqa: E402  (benchmarks/turns.py: paired timing in worker processes)
 from attnkern_bench.machine import cpu_name  # noqa: E402  (the builds compared run in workers)
 
@@ -62,6 +74,14 @@ class GateError(Exception):
 KERNELS = ["native.flash", "native.tiled", "native.naive", "numba.flash", "numpy.naive"]
 TIME_SHAPES = ["1x8x512x64", "1x8x1024x64"]
 COUNT_SHAPES = ["1x2x256x64", "1x2x333x64"]
+# --device cuda: (kernel, dtype) pairs, all forward, at GPU_SHAPES (timed and counted alike)
+GPU_KERNELS = ["cuda.flash:float32", "cuda.flash:bfloat16", "triton.flash:bfloat16", "cuda.naive:float32"]
+GPU_SHAPES = ["1x16x1024x64", "1x16x4096x64", "4x16x2048x128"]
+# Kernels whose counts are not comparable between processes: triton.flash's
+# autotuner picks its configuration by timing it in each process, and two runs of
+# one build counted 0.81-1.20x each other's SASS instructions. They are timed only.
+GPU_NOT_COUNTED = {"triton.flash": "autotuned in each process (its configuration, so its counts, differ run "
+                                   "to run): timed only"}
 
 
 # ---------------------------------------------------------------- builds
@@ -73,6 +93,42 @@ def resolve(repo: Path, rev: str) -> str:
     return proc.stdout.strip()
 
 
+def build_wheel(repo: Path, sha: str, wheels: Path, python: str = sys.executable) -> Path:
+    """The wheel of commit `sha`, built like asv builds it (`pip wheel
+    --no-build-isolation` with the build tools of `python`), written into `wheels`."""
+    with tempfile.TemporaryDirectory(prefix="attnkern-gate-") as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=repo, capture_output=True,
+                                 check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(src, filter="data")
+        wheels.mkdir(parents=True, exist_ok=True)
+        before = set(wheels.glob("*.whl"))
+        proc = subprocess.run([python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                               str(wheels), str(src)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise GateError(f"building {sha[:10]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        made = sorted(set(wheels.glob("*.whl")) - before) or sorted(wheels.glob("attnkern-*.whl"))
+        if not made:
+            raise GateError(f"building {sha[:10]} wrote no wheel into {wheels}")
+        return made[-1]
+
+
+def install_wheel(wheel: Path, site: Path) -> Path:
+    """`wheel` installed without dependencies into the directory `site` (made
+    whole or not at all)."""
+    tmp_site = site.with_name(site.name + ".tmp")
+    shutil.rmtree(tmp_site, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
+                           str(tmp_site), str(wheel)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp_site, ignore_errors=True)
+        raise GateError(f"installing {wheel} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    tmp_site.rename(site)
+    return site
+
+
 def build(repo: Path, sha: str, cache: Path, log) -> Path:
     """attnkern of commit `sha` installed (no dependencies) into its own
     directory, from a wheel built like asv builds it; cached by commit."""
@@ -81,38 +137,44 @@ def build(repo: Path, sha: str, cache: Path, log) -> Path:
         return site
     log(f"building {sha[:10]} ...")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="attnkern-gate-") as tmp:
-        src, wheels = Path(tmp) / "src", Path(tmp) / "wheels"
-        src.mkdir()
-        archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=repo, capture_output=True,
-                                 check=True).stdout
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(src, filter="data")
-        tmp_site = site.with_name("site.tmp")
-        shutil.rmtree(tmp_site, ignore_errors=True)
-        steps = [lambda: [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                          str(wheels), str(src)],
-                 lambda: [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_site),
-                          *map(str, wheels.glob("*.whl"))]]
-        for step in steps:
-            proc = subprocess.run(step(), capture_output=True, text=True)
-            if proc.returncode != 0:
-                shutil.rmtree(tmp_site, ignore_errors=True)
-                raise GateError(f"building {sha[:10]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    site.with_name("site.tmp").rename(site)
+    with tempfile.TemporaryDirectory(prefix="attnkern-gate-wheel-") as tmp:
+        install_wheel(build_wheel(repo, sha, Path(tmp)), site)
     log(f"built {sha[:10]} in {time.perf_counter() - t0:.0f} s")
     return site
 
 
-def interpreter(site: Path) -> tuple[list[str], dict]:
+def site_of_wheel(wheel: Path, cache: Path, log) -> Path:
+    """A prebuilt wheel (one built elsewhere with --build-wheels, say) installed
+    into a directory of its own under the cache, keyed by the wheel's contents."""
+    if not wheel.is_file():
+        raise GateError(f"no wheel at {wheel}")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()[:16]
+    site = cache / f"wheel-{digest}" / "site"
+    if not (site / "attnkern").is_dir():
+        log(f"installing {wheel.name} ({digest}) ...")
+        site.parent.mkdir(parents=True, exist_ok=True)
+        install_wheel(wheel, site)
+    return site
+
+
+def interpreter(site: Path, isolated: bool = True) -> tuple[list[str], dict]:
     """The command and environment that import attnkern from `site` and its
     dependencies from this virtualenv. `-S` skips site-packages' .pth files:
-    the editable install of the working tree must not shadow the build."""
+    the editable install of the working tree must not shadow the build. The GPU
+    gate needs them (numba-cuda's `numba.cuda` comes through one: without it,
+    numba's own obsolete CUDA target is imported), so it runs with
+    isolated=False; its workers report the attnkern they imported, which must be
+    the build's."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), sysconfig.get_paths()["purelib"],
+    # the caller's PYTHONPATH stays after the build and before this virtualenv's
+    # packages: where packages were installed with --target (the GPU machine's
+    # NumPy), they are found first, as in the caller
+    caller = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *caller, sysconfig.get_paths()["purelib"],
                                          sysconfig.get_paths()["platlib"]])
     env.pop("ATTNKERN_ISA", None)
-    return [sys.executable, "-S"], env
+    env["ATTNKERN_GATE_SITE"] = str(site)
+    return [sys.executable, *(["-S"] if isolated else [])], env
 
 
 # ---------------------------------------------------------------- counted signal
@@ -135,7 +197,38 @@ def count_both(configs, sites, log) -> dict[str, dict[str, dict]]:
         return {side: future.result() for side, future in futures.items()}
 
 
+def count_gpu(keys, sites, log) -> dict[str, dict[str, dict]] | str:
+    """Both builds' GPU counts (benchmarks/gpu_counting.py), one ncu run each,
+    one after the other (the GPU's counters serve one profiler at a time).
+    Returns {side: {key: counts}}, or a string saying why the counters could
+    not be read (then the gate times only)."""
+    counted = {side: {} for side in sites}
+    for side, site in sites.items() if keys else ():
+        log(f"counting SASS instructions and DRAM bytes of {len(keys)} configurations under ncu ({side}) ...")
+        t0 = time.perf_counter()
+        python, env = interpreter(site, isolated=False)
+        try:
+            counted[side] = gpu_counting.count(keys, python=python, env=env)
+        except gpu_counting.CountersRestricted as exc:
+            log(f"{exc}: timing only")
+            return str(exc)
+        log(f"counted {side} in {time.perf_counter() - t0:.0f} s")
+    return counted
+
+
 # ---------------------------------------------------------------- paired timing
+def setup_of(key: str) -> dict:
+    """A configuration key as the worker's setup takes it: kernel:shape:causal
+    (a CPU kernel, float32 NumPy inputs) or kernel:dtype:shape:causal (torch CUDA
+    inputs, timed with CUDA events)."""
+    parts = key.split(":")
+    if len(parts) == 4:
+        kernel, dtype, shape, causal = parts
+        return dict(kernel=kernel, dtype=dtype, shape=shape, causal=bool(int(causal)), device="cuda")
+    kernel, shape, causal = parts
+    return dict(kernel=kernel, shape=shape, causal=bool(int(causal)))
+
+
 def time_both(configs, sites, args, log) -> dict[str, dict]:
     """Paired, alternating timing of every configuration on both builds: one
     worker process per build at a time (benchmarks/turns.py), replaced by a
@@ -151,11 +244,10 @@ def time_both(configs, sites, args, log) -> dict[str, dict]:
         workers = {}
         try:
             for side, site in sites.items():
-                python, env = interpreter(site)
+                python, env = interpreter(site, isolated=args.device != "cuda")
                 workers[side] = turns.Worker(python, env, args.threads)
             for key in (configs if keys is None else keys):
-                kernel, shape, causal = key.split(":")
-                replies = {side: w.setup(kernel, shape, bool(int(causal)), key=key) for side, w in workers.items()}
+                replies = {side: w.setup(**setup_of(key), key=key) for side, w in workers.items()}
                 skip = [r["skip"] for r in replies.values() if "skip" in r]
                 if skip:
                     plan[key] = {"skip": skip[0]}
@@ -198,7 +290,7 @@ def verdict(lo: float, hi: float, threshold: float) -> str:
     return "same"
 
 
-def rows_of(counted, timed, args) -> list[dict]:
+def rows_of(counted, timed, args, gpu_counted=None) -> list[dict]:
     rows = []
     for key, base in (counted or {}).get("baseline", {}).items():
         cand = counted["candidate"][key]
@@ -212,6 +304,23 @@ def rows_of(counted, timed, args) -> list[dict]:
                      "verdict": verdict(ratio, ratio, args.count_threshold),
                      "baseline_counts": base, "candidate_counts": cand,
                      "estimated_cycles_ratio": counting.estimated_cycles(cand) / counting.estimated_cycles(base)})
+    if isinstance(gpu_counted, str):
+        rows.append({"benchmark": "*", "signal": "counted", "verdict": "skipped", "note": gpu_counted})
+        gpu_counted = None
+    for key, base in (gpu_counted or {}).get("baseline", {}).items():
+        cand = gpu_counted["candidate"][key]
+        if "error" in base or "error" in cand:
+            rows.append({"benchmark": key, "signal": "sass", "verdict": "skipped",
+                         "note": base.get("error") or cand.get("error")})
+            continue
+        for signal, unit, b, c, threshold in (
+                ("sass", "instructions", base["sass"], cand["sass"], args.count_threshold),
+                ("dram", "bytes", base["dram_read"] + base["dram_write"], cand["dram_read"] + cand["dram_write"],
+                 args.dram_threshold)):
+            ratio = c / b if b else 1.0
+            rows.append({"benchmark": key, "signal": signal, "unit": unit, "baseline": b, "candidate": c,
+                         "ratio": ratio, "interval": [ratio, ratio], "verdict": verdict(ratio, ratio, threshold),
+                         "baseline_counts": base, "candidate_counts": cand})
     for key, p in (timed or {}).items():
         if "skip" in p:
             rows.append({"benchmark": key, "signal": "time", "verdict": "skipped", "note": p["skip"]})
@@ -225,41 +334,64 @@ def rows_of(counted, timed, args) -> list[dict]:
 
 
 def print_table(rows) -> None:
-    head = f"{'benchmark':<34} {'signal':<8} {'baseline':>12} {'candidate':>12} {'ratio':>7} {'95% interval':>17}  verdict"
+    head = f"{'benchmark':<36} {'signal':<8} {'baseline':>12} {'candidate':>12} {'ratio':>7} {'95% interval':>17}  verdict"
     print(head)
     print("-" * len(head))
     for r in rows:
         if r["verdict"] == "skipped":
-            print(f"{r['benchmark']:<34} {r['signal']:<8} {'':>12} {'':>12} {'':>7} {'':>17}  skipped: {r['note']}")
+            print(f"{r['benchmark']:<36} {r['signal']:<8} {'':>12} {'':>12} {'':>7} {'':>17}  skipped: {r['note']}")
             continue
-        if r["signal"] == "counted":
-            b, c, iv = f"{r['baseline'] / 1e6:.3f}M", f"{r['candidate'] / 1e6:.3f}M", "exact"
+        if r.get("unit") == "bytes":
+            b, c, iv = f"{r['baseline'] / 1e6:.2f} MB", f"{r['candidate'] / 1e6:.2f} MB", "counted"
+        elif r["signal"] != "time":
+            b, c = f"{r['baseline'] / 1e6:.3f}M", f"{r['candidate'] / 1e6:.3f}M"
+            iv = "exact" if r["signal"] == "counted" else "counted"
         else:
             b, c = f"{r['baseline'] * 1e3:.3f} ms", f"{r['candidate'] * 1e3:.3f} ms"
             iv = f"[{r['interval'][0]:.3f}, {r['interval'][1]:.3f}]"
         mark = {"slower": "SLOWER", "faster": "faster", "same": "same"}[r["verdict"]]
-        print(f"{r['benchmark']:<34} {r['signal']:<8} {b:>12} {c:>12} {r['ratio']:>7.3f} {iv:>17}  {mark}")
+        print(f"{r['benchmark']:<36} {r['signal']:<8} {b:>12} {c:>12} {r['ratio']:>7.3f} {iv:>17}  {mark}")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="tools/gate.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", required=True, help="baseline commit (a branch, tag or sha)")
+    parser.add_argument("--base", help="baseline commit (a branch, tag or sha); or --base-wheel/--base-site")
     parser.add_argument("--repo", default=str(REPO), help="the git repository (default: this one)")
     parser.add_argument("--head", default="HEAD", help="candidate commit (default HEAD; uncommitted edits are not seen)")
-    parser.add_argument("--kernels", nargs="+", default=KERNELS)
-    parser.add_argument("-b", "--bench", help="only configurations matching this regex (kernel:shape:causal)")
-    parser.add_argument("--time-shapes", nargs="+", default=TIME_SHAPES, help="BxHxNxD shapes timed")
-    parser.add_argument("--count-shapes", nargs="+", default=COUNT_SHAPES, help="BxHxNxD shapes counted")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu (default): the CPU kernels; cuda: the GPU kernels on torch CUDA tensors")
+    parser.add_argument("--base-wheel", help="a prebuilt wheel as the baseline, instead of building --base")
+    parser.add_argument("--head-wheel", help="a prebuilt wheel as the candidate, instead of building --head")
+    parser.add_argument("--base-site", help="a directory attnkern is installed in, as the baseline")
+    parser.add_argument("--head-site", help="a directory attnkern is installed in, as the candidate")
+    parser.add_argument("--build-wheels", metavar="DIR",
+                        help="only build --base and --head into DIR/base and DIR/head (to carry to a GPU machine "
+                             "without build tools) and exit")
+    parser.add_argument("--build-python", default=sys.executable,
+                        help="the interpreter whose build tools build the wheels (--build-wheels: the GPU "
+                             "machine's Python version)")
+    parser.add_argument("--kernels", nargs="+", help=f"default {' '.join(KERNELS)}; with --device cuda, "
+                        f"kernel:dtype pairs, default {' '.join(GPU_KERNELS)}")
+    parser.add_argument("-b", "--bench", help="only configurations matching this regex (kernel:shape:causal; "
+                        "kernel:dtype:shape:causal with --device cuda)")
+    parser.add_argument("--time-shapes", nargs="+", help=f"BxHxNxD shapes timed (default {' '.join(TIME_SHAPES)}; "
+                        f"cuda: {' '.join(GPU_SHAPES)})")
+    parser.add_argument("--count-shapes", nargs="+", help=f"BxHxNxD shapes counted (default "
+                        f"{' '.join(COUNT_SHAPES)}; cuda: the timed shapes)")
     parser.add_argument("--no-count", action="store_true", help="skip the counted signal")
     parser.add_argument("--no-time", action="store_true", help="skip the timed signal")
-    parser.add_argument("--count-threshold", type=float, default=0.01, help="relative change of instructions (default 0.01)")
+    parser.add_argument("--count-threshold", type=float, default=0.01,
+                        help="relative change of instructions (CPU: Valgrind's, cuda: SASS) (default 0.01)")
+    parser.add_argument("--dram-threshold", type=float, default=0.05,
+                        help="cuda: relative change of the DRAM bytes of a call (default 0.05)")
     parser.add_argument("--time-threshold", type=float, default=0.02,
                         help="the time interval must lie beyond 1 +/- this (default 0.02)")
-    parser.add_argument("--rounds", type=int, default=150, help="paired rounds per configuration (default 150)")
+    parser.add_argument("--rounds", type=int, help="paired rounds per configuration (default 150; cuda 100)")
     parser.add_argument("--processes", type=int, default=3,
                         help="fresh worker pairs the rounds are spread over (default 3)")
-    parser.add_argument("--calls", type=int, default=1, help="timed calls per turn (default 1); a turn's median counts")
+    parser.add_argument("--calls", type=int, help="timed calls per turn (default 1; cuda 5, queued back to back); "
+                        "a turn's median counts")
     parser.add_argument("--settle", type=float, default=0.0, help="pause before each turn, seconds (default 0)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("ATTNKERN_BENCH_THREADS", "2")),
                         help="threads of every kernel and BLAS when timing (default 2); counting uses 1")
@@ -267,49 +399,141 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", default=str(REPO / ".gate" / "builds"), help="where built commits are kept")
     parser.add_argument("--json", help="write every measurement (per-round ratios, counts) to this file")
     args = parser.parse_args(argv)
+    gpu = args.device == "cuda"
+    args.kernels = args.kernels or (GPU_KERNELS if gpu else KERNELS)
+    args.time_shapes = args.time_shapes or (GPU_SHAPES if gpu else TIME_SHAPES)
+    args.count_shapes = args.count_shapes or (args.time_shapes if gpu else COUNT_SHAPES)
+    args.rounds = args.rounds or (100 if gpu else 150)
+    args.calls = args.calls or (5 if gpu else 1)
+    for side in ("base", "head"):
+        given = [o for o in (f"--{side}-wheel", f"--{side}-site") if getattr(args, o[2:].replace("-", "_"))]
+        if len(given) > 1:
+            parser.error(f"give at most one of --{side}-wheel and --{side}-site")
+    if args.build_wheels:
+        if args.base is None:
+            parser.error("--build-wheels needs --base (and builds --head too)")
+    elif args.base is None and not (args.base_wheel or args.base_site):
+        parser.error("the baseline is missing: give --base, --base-wheel or --base-site")
+    if gpu:
+        bad = [k for k in args.kernels if len(k.split(":")) != 2]
+        if bad:
+            parser.error(f"with --device cuda, --kernels takes kernel:dtype pairs (cuda.flash:bfloat16), not {bad}")
+    if args.rounds < args.processes:
+        parser.error(f"--rounds ({args.rounds}) must be at least --processes ({args.processes})")
+    return args
+
+
+def gpu_missing() -> str | None:
+    """None if a CUDA GPU can be used through torch here, else why not."""
+    try:
+        import torch
+    except ImportError:
+        return "--device cuda needs torch with CUDA: torch is not installed"
+    if not torch.cuda.is_available():
+        return (f"--device cuda needs a CUDA GPU: torch {torch.__version__} sees none here "
+                f"(torch.cuda.is_available() is False; CUDA build: {torch.version.cuda or 'no'})")
+    return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     def log(msg):
         print(f"[gate {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    repo = Path(args.repo)
-    shas = {"baseline": resolve(repo, args.base), "candidate": resolve(repo, args.head)}
+    repo, cache = Path(args.repo), Path(args.cache)
+    gpu = args.device == "cuda"
+    if args.build_wheels:
+        out = Path(args.build_wheels)
+        for side, rev in (("base", args.base), ("head", args.head)):
+            sha = resolve(repo, rev)
+            shutil.rmtree(out / side, ignore_errors=True)
+            log(f"building {side} {sha[:10]} with {args.build_python} ...")
+            wheel = build_wheel(repo, sha, out / side, args.build_python)
+            (out / side / "COMMIT").write_text(sha + "\n")
+            print(f"{side}: {wheel}")
+        return 0
+    if gpu and (why := gpu_missing()):
+        raise GateError(why)
     keep = re.compile(args.bench) if args.bench else None
 
     def configs(shapes):
-        keys = [(k, s, c) for k in args.kernels for s in shapes for c in (False, True)]
-        return [c for c in keys if keep is None or keep.search(counting.config_key(*c))]
+        if gpu:
+            keys = [gpu_counting.gpu_key(*kd.split(":"), s, c) for kd in args.kernels for s in shapes
+                    for c in (False, True)]
+        else:
+            keys = [counting.config_key(k, s, c) for k in args.kernels for s in shapes for c in (False, True)]
+        return [k for k in keys if keep is None or keep.search(k)]
 
     count_cfg, time_cfg = configs(args.count_shapes), configs(args.time_shapes)
     if not count_cfg and not time_cfg:
         raise GateError("no configuration matches")
-    if not args.no_count and (why := counting.valgrind_missing()):
+    if not args.no_count and (why := (gpu_counting.ncu_missing() if gpu else counting.valgrind_missing())):
         raise GateError(f"{why}")
-    cache = Path(args.cache)
-    sites = {side: build(repo, sha, cache, log) for side, sha in shas.items()}
-    counted = None if args.no_count or not count_cfg else count_both(count_cfg, sites, log)
+    sides = {"baseline": "base", "candidate": "head"}
+    # commits resolved before anything is built: a bad revision fails at once, and both are read at one time
+    shas = {side: resolve(repo, getattr(args, short)) for side, short in sides.items()
+            if not (getattr(args, f"{short}_wheel") or getattr(args, f"{short}_site"))}
+    sites, names = {}, {}
+    for side, short in sides.items():
+        wheel, site = getattr(args, f"{short}_wheel"), getattr(args, f"{short}_site")
+        if site:
+            if not (Path(site) / "attnkern").is_dir():
+                raise GateError(f"--{short}-site {site} holds no attnkern package")
+            sites[side], names[side] = Path(site), f"site {site}"
+        elif wheel:
+            sites[side], names[side] = site_of_wheel(Path(wheel), cache, log), f"wheel {Path(wheel).name}"
+        else:
+            sites[side], names[side] = build(repo, shas[side], cache, log), shas[side]
+    counted = gpu_counted = None
+    if not args.no_count and count_cfg:
+        if gpu:
+            gpu_counted = count_gpu([k for k in count_cfg if k.split(":")[0] not in GPU_NOT_COUNTED], sites, log)
+            if not isinstance(gpu_counted, str):
+                for side in gpu_counted:
+                    gpu_counted[side].update({k: {"error": GPU_NOT_COUNTED[k.split(":")[0]]} for k in count_cfg
+                                              if k.split(":")[0] in GPU_NOT_COUNTED})
+        else:
+            counted = count_both([(k, s, bool(int(c))) for k, s, c in (x.split(":") for x in count_cfg)], sites, log)
     timed = None
     if not args.no_time and time_cfg:
-        timed = time_both([counting.config_key(*c) for c in time_cfg], sites, args, log)
-    rows = rows_of(counted, timed, args)
+        timed = time_both(time_cfg, sites, args, log)
+    rows = rows_of(counted, timed, args, gpu_counted)
     minutes = (time.perf_counter() - started) / 60
-    print(f"# {shas['baseline'][:10]} (baseline) -> {shas['candidate'][:10]} (candidate) on {cpu_name()}")
-    print(f"# counted: instructions of one call, 1 thread, under valgrind; slower above {args.count_threshold:+.1%}")
-    print(f"# time: {args.rounds} paired rounds, {args.threads} threads, median ratio and 95% bootstrap interval; "
-          f"slower when the interval lies above {args.time_threshold:+.1%}")
+    where = gpu_name() if gpu else cpu_name()
+    short = {side: n[:10] if re.fullmatch("[0-9a-f]{40}", n) else n for side, n in names.items()}
+    print(f"# {short['baseline']} (baseline) -> {short['candidate']} (candidate) on {where}")
+    if gpu:
+        print(f"# sass, dram: SASS instructions and DRAM bytes of one call, ncu (CUPTI); slower above "
+              f"{args.count_threshold:+.1%} / {args.dram_threshold:+.1%}")
+        print(f"# time: {args.rounds} paired rounds, turns of {args.calls} queued calls between CUDA events, "
+              f"median ratio and 95% bootstrap interval; slower when the interval lies above {args.time_threshold:+.1%}")
+    else:
+        print(f"# counted: instructions of one call, 1 thread, under valgrind; slower above {args.count_threshold:+.1%}")
+        print(f"# time: {args.rounds} paired rounds, {args.threads} threads, median ratio and 95% bootstrap interval; "
+              f"slower when the interval lies above {args.time_threshold:+.1%}")
     print_table(rows)
     slower = [r for r in rows if r["verdict"] == "slower"]
     print(f"# {len(slower)} slower, {sum(r['verdict'] == 'faster' for r in rows)} faster, "
           f"{sum(r['verdict'] == 'same' for r in rows)} unchanged; {minutes:.1f} min")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"baseline": shas["baseline"], "candidate": shas["candidate"], "cpu": cpu_name(),
-                       "threads": args.threads, "rounds": args.rounds, "count_threshold": args.count_threshold,
-                       "time_threshold": args.time_threshold, "minutes": minutes, "rows": rows}, f, indent=1)
+            json.dump({"baseline": names["baseline"], "candidate": names["candidate"], "device": args.device,
+                       "machine": where, "cpu": cpu_name(), "threads": args.threads, "rounds": args.rounds,
+                       "calls": args.calls, "count_threshold": args.count_threshold,
+                       "dram_threshold": args.dram_threshold, "time_threshold": args.time_threshold,
+                       "minutes": minutes, "rows": rows}, f, indent=1)
     if slower:
         print("# PERFORMANCE DECREASED: " + ", ".join(f"{r['benchmark']} ({r['signal']})" for r in slower))
         return 1
     return 0
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 if __name__ == "__main__":
