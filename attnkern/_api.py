@@ -8,7 +8,9 @@ kernel refuses a call, says why for every kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass
@@ -84,7 +86,8 @@ def _as_array(x, name: str):
 _ALIGNS = ("top_left", "bottom_right")
 
 
-def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=None, softcap=None) -> Call:
+def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=None, softcap=None, attn_mask=None,
+             dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0)) -> Call:
     """Checks shapes, dtypes, values and the features; raises TypeError/ValueError
     saying what to fix."""
     like = q
@@ -121,6 +124,11 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
     features = _features(q.shape, nk, group, causal, align, float(scale), window, key_lengths, softcap)
+    if attn_mask is not None or dropout_p != 0.0:
+        if device:
+            raise TypeError("attn_mask and dropout run on the CPU kernels: pass host arrays (NumPy, CPU tensors)")
+        features = dataclasses.replace(features, **_mask(attn_mask, q.shape, nk, q.dtype),
+                                       **_dropout(dropout_p, dropout_seed, dropout_offset))
     if device:
         for x, n in ((q, "q"), (k, "k"), (v, "v")):
             if not x.is_c_contiguous():
@@ -145,6 +153,7 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
     )
     if check_finite and not device:  # GPU inputs are scanned after the kernel, with its output (run)
         _check_host_inputs(call.q, call.k, call.v, features.key_lengths)
+        _check_mask(features.mask)
     return call
 
 
@@ -249,6 +258,91 @@ def _features(q_shape, nk: int, group: int, causal: bool, align: str, scale: flo
                               key_lengths=lengths, softcap=cap)
 
 
+def _mask(attn_mask, q_shape, nk: int, dtype) -> dict:
+    """attn_mask as Features' mask and mask_heads: a 4-D view (no copy) of the mask
+    as given, its shape padded with leading 1s, broadcastable to (B, H, Nq, Nk)
+    (B, H: 1 where q has fewer dimensions), as torch SDPA broadcasts it to the
+    attention weights (..., Nq, Nk). bool: True takes part; float: added to the
+    scores, of q's dtype (float32 or the half dtype itself for float16/bfloat16 q,
+    widened to float32 exactly)."""
+    if attn_mask is None:
+        return {}
+    half = dtype.name in ("float16", "bfloat16")
+    if type(attn_mask).__module__.startswith("torch") and hasattr(attn_mask, "detach"):
+        import torch
+
+        if attn_mask.device.type != "cpu":
+            raise TypeError(f"attn_mask is on {attn_mask.device}; pass a host (CPU) tensor or NumPy array")
+        if attn_mask.dtype in (torch.float16, torch.bfloat16):
+            if not half:
+                raise TypeError(f"an additive attn_mask must be {dtype}, q's dtype, got {attn_mask.dtype}; convert "
+                                "it with .to(q.dtype), or pass a bool mask")
+            attn_mask = attn_mask.float()  # exact
+        attn_mask = attn_mask.detach().numpy()
+    mask = np.asarray(attn_mask)
+    half = dtype.name in ("float16", "bfloat16")
+    if mask.dtype != np.bool_:
+        if mask.dtype.kind != "f" and mask.dtype.name != "bfloat16":
+            raise TypeError(f"attn_mask has dtype {mask.dtype}; it must be bool (True: the key takes part, as torch "
+                            f"SDPA) or a float mask added to the scores, of q's dtype {dtype}")
+        if half and mask.dtype in (np.float32, dtype):
+            mask = mask.astype(np.float32, copy=False)
+        elif mask.dtype != dtype:
+            wanted = f"{dtype} (q's dtype) or float32" if half else f"{dtype}, q's dtype"
+            raise TypeError(f"an additive attn_mask must be {wanted}, got {mask.dtype}; convert it with "
+                            ".astype (torch: .to(q.dtype)), or pass a bool mask")
+    lead = tuple(q_shape[:-2])
+    target = (*lead, q_shape[-2], nk)
+    if mask.ndim > len(target) or any(m not in (1, t) for m, t in zip(mask.shape[::-1], target[::-1])):
+        raise ValueError(f"attn_mask of shape {mask.shape} does not broadcast to the attention weights' shape "
+                         f"{target} ((..., Nq, Nk) of these q, k: each dimension 1 or the weights' own, leading "
+                         "ones may be left out, as torch SDPA takes it)")
+    target4 = (1,) * (4 - len(target)) + target
+    mask4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if any(st < 0 or st % mask4.itemsize for st in mask4.strides):
+        mask4 = np.ascontiguousarray(mask4)
+    return {"mask": mask4, "mask_heads": target4[1]}
+
+
+def _check_mask(mask) -> None:
+    """ValueError for a float mask with NaN or +infinity (-inf hides a key)."""
+    if mask is not None and mask.dtype != np.bool_ and (np.isnan(mask).any() or np.isposinf(mask).any()):
+        raise ValueError("attn_mask contains NaN or +infinity; an additive mask holds finite values or -inf "
+                         "(hides the key); or pass check_finite=False")
+
+
+def _dropout(dropout_p, dropout_seed, offset) -> dict:
+    """dropout_p and dropout_seed as Features' dropout fields (seed taken mod 2^64)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must lie in [0, 1) (the probability of dropping an attention weight), "
+                         f"got {dropout_p!r}")
+    if dropout_seed is not None and (isinstance(dropout_seed, (bool, np.bool_))
+                                     or not isinstance(dropout_seed, numbers.Integral)):
+        raise TypeError(f"dropout_seed must be an integer (or None to draw one), got {dropout_seed!r}")
+    if dropout_p == 0:
+        return {}
+    if dropout_seed is None:
+        raise ValueError("dropout_seed is required with dropout_p > 0 here: pass the seed the forward used")
+    return {"dropout_p": float(dropout_p), "dropout_seed": int(dropout_seed) % 2**64,
+            "dropout_offset": tuple(int(x) for x in offset)}
+
+
+def _draw_seed(dropout_p, dropout_seed, torch_inputs: bool):
+    """dropout_seed, or where it is None and dropout is on, a fresh one: from torch's
+    default generator for torch inputs (torch.manual_seed controls it), else from
+    NumPy's global RNG (np.random.seed controls it)."""
+    if dropout_seed is not None or isinstance(dropout_p, (bool, np.bool_)) or \
+            not isinstance(dropout_p, numbers.Real) or not dropout_p > 0:
+        return dropout_seed
+    if torch_inputs:
+        import torch
+
+        return int(torch.randint(0, 2**62, (1,)).item())
+    return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
+
+
 def _check_host_inputs(q, k, v, key_lengths=None):
     """nonfinite_input for the first of q, k, v with NaN or infinity; with key
     lengths, the keys past each sequence's length are not read (padding)."""
@@ -296,7 +390,7 @@ def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False
 
 
 def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, key_lengths=None, softcap=None,
-              check_finite=True, return_lse=False, **params):
+              attn_mask=None, dropout_p=0.0, dropout_seed=None, check_finite=True, return_lse=False, **params):
     """softmax(q k^T * scale) v.
 
     q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
@@ -316,7 +410,16 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     before and right after its diagonal (None: unbounded; causal sets right to 0).
     key_lengths (one integer per sequence: B for (B, H, N, D) inputs) hides keys
     j >= its length (right-padded batches). softcap c replaces each score s by
-    c * tanh(s / c). A row that sees no key gets 0 and lse -inf.
+    c * tanh(s / c). attn_mask, broadcastable to (..., Nq, Nk) as torch SDPA takes
+    it (NumPy array or CPU tensor), is bool (True: the key takes part) or float,
+    added to the (capped) scores, of q's dtype (float32 or q's own for float16 and
+    bfloat16); -inf hides a key. dropout_p in [0, 1) drops each probability with
+    that chance and scales the kept ones by 1 / (1 - dropout_p), the lse staying
+    that of the undropped softmax; the mask is Philox4x32-10 keyed by dropout_seed
+    (attnkern._philox; None draws one from NumPy's global RNG, or from torch's
+    default generator for torch inputs), so a seed gives the same result on every
+    kernel that has dropout and every thread count. A row that sees no key gets 0
+    and lse -inf.
     kernel_info(name)["features"] says which kernels take which (docs/features.md).
     kernel is a name from attnkern.kernels() or "auto"; params are the kernel's
     tunables (attnkern.kernel_info(name)).
@@ -334,10 +437,13 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     raise ValueError and a non-finite result (scores overflowing the dtype) raises
     FloatingPointError.
     """
-    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap}
-    if _is_torch(q) or _is_torch(k) or _is_torch(v):
+    torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
+    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
+             "dropout_p": dropout_p, "dropout_seed": _draw_seed(dropout_p, dropout_seed, torch_inputs)}
+    if torch_inputs:
         # device-resident tensors: a prepared launch per call shape, for calls without features
-        if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None:
+        if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None and \
+                attn_mask is None and dropout_p == 0.0:
             result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
             if result is not None:
                 return result
@@ -420,10 +526,11 @@ def _torch_function():
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,
-                       key_lengths=None, softcap=None, **params):
+                       key_lengths=None, softcap=None, attn_mask=None, dropout_p=0.0, dropout_seed=None, **params):
     """(dq, dk, dv) of attention(q, k, v, ...) given the output's gradient dout:
     out and lse are what attention(..., return_lse=True) returned for the same
-    arguments (causal, scale, window, key_lengths, softcap as there); dk and dv
+    arguments (causal, scale, window, key_lengths, softcap, attn_mask, dropout_p as
+    there, and with dropout the dropout_seed the forward used: required); dk and dv
     have k's and v's shapes (H_kv heads under grouped-query attention, each the
     sum over the query heads it serves). out and lse may also be those of whole
     rows of which k, v hold one block of keys (ring attention): the result is then
@@ -432,7 +539,8 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     NumPy arrays or torch tensors (CPU or CUDA), in the kernel's dtypes; the kernel
     must have a backward (kernel_info(name)["backward"])."""
     args = (q, k, v, out, dout, lse)
-    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap}
+    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
+             "dropout_p": dropout_p, "dropout_seed": dropout_seed}
     if any(_is_torch(x) for x in args):
         return _torch_attention_backward(*args, causal=causal, scale=scale, kernel=kernel, feats=feats, **params)
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=False, **feats)
@@ -633,6 +741,8 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
     in_kernel = check_finite and chosen.checks_finite and not call.device and not call.empty
     if check_finite and not call.device and not in_kernel:
         _check_host_inputs(call.q, call.k, call.v, call.features.key_lengths)
+    if check_finite:
+        _check_mask(call.features.mask)
     if in_kernel:
         extra["check_finite"] = True
     if call.device:  # outputs are allocated here, as the caller's kind of GPU array
@@ -674,3 +784,194 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
     if overflow:
         raise _registry.nonfinite_output(chosen.name, call.q.dtype)
     return (returned, lse_returned) if return_lse else returned
+
+
+# ------------------------------------------------------------------ varlen
+def _cu_seqlens(cu, name: str, total: int) -> np.ndarray:
+    """cu_seqlens as int64: 1-D int32/int64, starting at 0, non-decreasing, ending at
+    total (the packed length); ValueError/TypeError saying what to fix."""
+    if type(cu).__module__.startswith("torch") and hasattr(cu, "detach"):
+        cu = cu.detach().cpu().numpy()
+    cu = np.asarray(cu)
+    if cu.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name} must be int32 or int64 (FlashAttention's cu_seqlens), got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.size < 1:
+        raise ValueError(f"{name} must be 1-D with nseq + 1 offsets, got shape {cu.shape}")
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {cu[0]}")
+    if (np.diff(cu) < 0).any():
+        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got {cu.tolist()}")
+    if cu[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total} (the first dimension of its arrays), "
+                         f"got {cu[-1]}")
+    return cu.astype(np.int64)
+
+
+def _max_seqlen(value, cu: np.ndarray, name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer or None, got {value!r}")
+    longest = int(np.diff(cu).max(initial=0))
+    if value < longest:
+        raise ValueError(f"{name}={value} is smaller than the longest sequence, {longest}; pass at least that "
+                         "(or None)")
+
+
+@dataclass(frozen=True)
+class _Varlen:
+    """A validated varlen call: packed q (total_q, H, D), k, v (total_k, H_kv, .), and
+    each sequence's query and key offsets."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> _Varlen:
+    q, k, v = (_as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(x, np.ndarray):
+            raise TypeError("attention_varlen takes host arrays (NumPy, CPU tensors)")
+        if x.ndim != 3:
+            raise ValueError(f"{n} has shape {x.shape}; attention_varlen takes packed (total, heads, D) arrays "
+                             "(FlashAttention's varlen layout)")
+    if q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0:
+        raise ValueError(f"q has {q.shape[1]} heads and k, v have {k.shape[1]}: the query heads H must be a "
+                         "multiple of the k/v heads H_kv (grouped-query attention)")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same (total_k, heads), got {k.shape} and {v.shape}")
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if cu_q.size != cu_k.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length per sequence each, got "
+                         f"{cu_q.size - 1} and {cu_k.size - 1} sequences")
+    _max_seqlen(max_seqlen_q, cu_q, "max_seqlen_q")
+    _max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k")
+    return _Varlen(q, k, v, cu_q, cu_k)
+
+
+def _heads_first(x, lo, hi):
+    """Rows [lo, hi) of a packed (total, heads, D) array as (heads, hi - lo, D)."""
+    return np.ascontiguousarray(x[lo:hi].transpose(1, 0, 2))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
+                     scale=None, window=None, softcap=None, dropout_p=0.0, dropout_seed=None, kernel="auto",
+                     return_lse=False, **params):
+    """attention() of packed variable-length sequences, FlashAttention's
+    flash_attn_varlen_func layout: q (total_q, H, D), k (total_k, H_kv, D), v
+    (total_k, H_kv, Dv); sequence s is q[cu_seqlens_q[s]:cu_seqlens_q[s + 1]] with
+    k, v[cu_seqlens_k[s]:cu_seqlens_k[s + 1]] (cu_seqlens int32/int64, from 0, non-
+    decreasing, ending at total). Returns out (total_q, H, Dv) and with return_lse
+    also lse (H, total_q), as FlashAttention's softmax_lse. causal True / "top_left"
+    aligns each sequence's diagonal top-left (torch's), "bottom_right" bottom-right
+    (FlashAttention's default for varlen causal: pass it to match flash_attn); window,
+    softcap and dropout as attention()'s, per sequence, the Philox counters of
+    dropout being (head, packed query index, packed key index). max_seqlen_q/k are
+    checked (>= the longest sequence) and otherwise unused. Each sequence runs as
+    one (H, len, D) call of the kernel (no padding work); torch CPU tensors give
+    torch tensors, differentiable through attention_varlen_backward."""
+    torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
+    seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
+    kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
+          "dropout_seed": seed, "kernel": kernel}
+    if torch_inputs:
+        return _torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, kw, params)
+    check_finite = params.pop("check_finite", True)
+    call = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    heads, dv = call.q.shape[1], call.v.shape[2]
+    out = np.zeros((call.q.shape[0], heads, dv), call.q.dtype)
+    lse = np.full((heads, call.q.shape[0]), -np.inf, call.q.dtype)
+    _dropout(dropout_p, seed, (0, 0))  # checked once, also where no sequence runs
+    for s in range(call.cu_q.size - 1):
+        (q0, q1), (k0, k1) = call.cu_q[s:s + 2], call.cu_k[s:s + 2]
+        if q1 == q0 or k1 == k0:  # no queries, or no keys: out 0, lse -inf
+            continue
+        sq, sk, sv = (_heads_first(x, a, b) for x, a, b in ((call.q, q0, q1), (call.k, k0, k1), (call.v, k0, k1)))
+        seq = validate(sq, sk, sv, causal=kw["causal"], scale=scale, check_finite=False, window=window,
+                       softcap=softcap, dropout_p=dropout_p, dropout_seed=seed, dropout_offset=(int(q0), int(k0)))
+        chosen, resolved = choose(seq, kernel, params, return_lse=True)
+        got, got_lse = run(seq, chosen, resolved, check_finite=check_finite, return_lse=True)
+        out[q0:q1] = got.transpose(1, 0, 2)
+        lse[:, q0:q1] = got_lse
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                              max_seqlen_k=None, *, causal=False, scale=None, window=None, softcap=None,
+                              dropout_p=0.0, dropout_seed=None, kernel="auto", return_lse=False, **params):
+    """(dq, dk, dv) of attention_varlen(q, k, v, ...) given the output's gradient dout
+    (total_q, H, Dv): out and lse (H, total_q) as attention_varlen(...,
+    return_lse=True) returned them, the same keywords (dropout_seed required with
+    dropout). dk and dv have k's and v's shapes. return_lse is accepted for symmetry
+    with attention_varlen and ignored."""
+    kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
+          "dropout_seed": dropout_seed, "kernel": kernel}
+    arrays = (q, k, v, out, dout, lse)
+    if any(_is_torch(x) for x in arrays):
+        import torch
+
+        _torch_api.check_tensors(arrays, "q, k, v, out, dout, lse")
+        grads = attention_varlen_backward(*_torch_api.views([x.contiguous() for x in arrays]), cu_seqlens_q,
+                                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw, **params)
+        return tuple(torch.from_numpy(g) for g in grads)
+    call = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    heads, total_q, dvn = call.q.shape[1], call.q.shape[0], call.v.shape[2]
+    out = check_like(out, "out", (total_q, heads, dvn), call.q.dtype)
+    dout = check_like(dout, "dout", (total_q, heads, dvn), call.q.dtype)
+    lse = check_like(lse, "lse", (heads, total_q), call.q.dtype)
+    _dropout(dropout_p, dropout_seed, (0, 0))
+    dq, dk, dv = np.zeros_like(call.q), np.zeros_like(call.k), np.zeros_like(call.v)
+    for s in range(call.cu_q.size - 1):
+        (q0, q1), (k0, k1) = call.cu_q[s:s + 2], call.cu_k[s:s + 2]
+        if q1 == q0 or k1 == k0:
+            continue
+        seq = [_heads_first(x, a, b) for x, a, b in ((call.q, q0, q1), (call.k, k0, k1), (call.v, k0, k1),
+                                                      (out, q0, q1), (dout, q0, q1))]
+        call_s = validate(*seq[:3], causal=causal, scale=scale, check_finite=False, window=window, softcap=softcap,
+                          dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=(int(q0), int(k0)))
+        chosen, resolved = choose(call_s, kernel, params, return_lse=True, backward=True)
+        _check_backward_dtype(chosen, call_s.q.dtype.name)
+        g = chosen.backward(call_s.q, call_s.k, call_s.v, seq[3], seq[4], np.ascontiguousarray(lse[:, q0:q1]),
+                            call_s.causal, call_s.scale, **call_s.feature_args(), **resolved)
+        for full, part, a, b in ((dq, g[0], q0, q1), (dk, g[1], k0, k1), (dv, g[2], k0, k1)):
+            full[a:b] = part.transpose(1, 0, 2)
+    return dq, dk, dv
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse, kw, params):
+    """attention_varlen on CPU torch tensors: torch out, differentiable where an input
+    requires grad (through attention_varlen_backward)."""
+    import torch
+
+    _torch_api.check_tensors((q, k, v), "q, k, v")
+    if any(x.is_cuda for x in (q, k, v)):
+        raise TypeError("attention_varlen runs on the CPU: pass CPU tensors")
+
+    def forward(q, k, v):
+        out, lse = attention_varlen(*_torch_api.views((q, k, v)), cu_q, cu_k, max_q, max_k, return_lse=True, **kw,
+                                    **params)
+        return torch.from_numpy(out), torch.from_numpy(lse)
+
+    class Varlen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = forward(q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            return attention_varlen_backward(q.detach(), k.detach(), v.detach(), out, dout.contiguous(), lse, cu_q,
+                                             cu_k, max_q, max_k, **kw, **params)
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse = Varlen.apply(q, k, v)
+    else:
+        out, lse = forward(q, k, v)
+    return (out, lse) if return_lse else out

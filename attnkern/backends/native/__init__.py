@@ -83,8 +83,14 @@ def _keywords(features: Features | None) -> dict:
     k/v rows shared by query rows need none: the C layer reads them from k's shape."""
     if features is None:
         return {}
+    extra = {}
+    if features.mask is not None:
+        extra.update(mask=features.mask, mask_heads=features.mask_heads)
+    if features.dropout_p > 0:
+        extra.update(dropout_p=features.dropout_p, dropout_seed=features.dropout_seed,
+                     dropout_i0=features.dropout_offset[0], dropout_j0=features.dropout_offset[1])
     return {"align": features.align, "window_left": features.window_left, "window_right": features.window_right,
-            "seqlen_k": features.key_lengths, "softcap": features.softcap}
+            "seqlen_k": features.key_lengths, "softcap": features.softcap, **extra}
 
 
 def _runner(algo: str):

@@ -431,8 +431,22 @@ static int check_problem(int algo, int isa, const attn_problem *p, const char **
         ATTN_FAIL(ATTN_EINVAL, "softcap must be 0 (none) or a positive finite number");
     if (p->softcap > 0 && !isfinite(p->scale / p->softcap))
         ATTN_FAIL(ATTN_EINVAL, "scale / softcap overflows: softcap is too small for scale");
+    if (p->mask) {
+        if (p->mask_kind != ATTN_MASK_BOOL && p->mask_kind != ATTN_MASK_F32 && p->mask_kind != ATTN_MASK_F64)
+            ATTN_FAIL(ATTN_EINVAL, "mask_kind must be bool (0), float32 (1) or float64 (2)");
+        if (p->mask_heads < 1 || p->batch % p->mask_heads != 0)
+            ATTN_FAIL(ATTN_EINVAL, "mask_heads must be >= 1 and divide batch");
+        for (int s = 0; s < 4; s++)
+            if (p->mask_stride[s] < 0 || p->mask_stride[s] > INT64_MAX / 4 / (p->batch + p->nq + p->nk + 1))
+                ATTN_FAIL(ATTN_EINVAL, "mask strides must be >= 0 (0 along a broadcast dimension) and bounded");
+    }
+    if (!(p->dropout_p >= 0 && p->dropout_p < 1))
+        ATTN_FAIL(ATTN_EINVAL, "dropout_p must lie in [0, 1)");
+    if (p->dropout_i0 < 0 || p->dropout_j0 < 0)
+        ATTN_FAIL(ATTN_EINVAL, "dropout_i0 and dropout_j0 must be >= 0");
     if (algo != ATTN_FLASH && attn_has_features(p))
-        ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment, key lengths and softcap");
+        ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment, key lengths, softcap, "
+                                 "masks and dropout");
     *why = "";
     return ATTN_OK;
 #undef ATTN_FAIL
