@@ -55,7 +55,7 @@ class Call:
     @property
     def needs(self) -> frozenset[str]:
         """The features (_registry.FEATURES) the call needs of a kernel."""
-        return self.features.needs()
+        return _NONE if self.features is _registry.PLAIN else self.features.needs()
 
     def feature_args(self) -> dict:
         """What a kernel's run and backward take for the features: {features: ...}
@@ -84,6 +84,7 @@ def _as_array(x, name: str):
 
 
 _ALIGNS = ("top_left", "bottom_right")
+_NONE = frozenset()
 
 
 def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=None, softcap=None, attn_mask=None,
@@ -229,6 +230,9 @@ def _features(q_shape, nk: int, group: int, causal: bool, align: str, scale: flo
     kernels run them: bottom-right is top-left where Nq = Nk and no key lengths are
     given, and causal already bounds the window's right side."""
     nq = q_shape[-2]
+    if window is None and key_lengths is None and softcap is None and group == 1 and (
+            align == "top_left" or nq == nk or not causal):
+        return _registry.PLAIN  # the plain call (most calls): no checks, no new Features
     left = right = -1
     if window is not None:
         if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
@@ -438,8 +442,10 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     FloatingPointError.
     """
     torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
+    if dropout_p and dropout_seed is None:
+        dropout_seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
-             "dropout_p": dropout_p, "dropout_seed": _draw_seed(dropout_p, dropout_seed, torch_inputs)}
+             "dropout_p": dropout_p, "dropout_seed": dropout_seed}
     if torch_inputs:
         # device-resident tensors: a prepared launch per call shape, for calls without features
         if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None and \
@@ -741,7 +747,7 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
     in_kernel = check_finite and chosen.checks_finite and not call.device and not call.empty
     if check_finite and not call.device and not in_kernel:
         _check_host_inputs(call.q, call.k, call.v, call.features.key_lengths)
-    if check_finite:
+    if check_finite and call.features.mask is not None:
         _check_mask(call.features.mask)
     if in_kernel:
         extra["check_finite"] = True

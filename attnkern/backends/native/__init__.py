@@ -98,7 +98,7 @@ def _runner(algo: str):
             features=None):
         _check_workspace(algo, q, k, block_q, num_threads)
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
-        if q.dtype.name in _HALF:
+        if q.itemsize == 2:  # float16 or bfloat16 (the core passes no other 2-byte dtype)
             bits = (x.view(np.uint16) for x in (q, k, v, out))
             bad = _attn.forward_half(algo, active_isa(), q.dtype.name, *bits, causal, scale, block_q, block_k,
                                      num_threads, None if lse is None else lse.view(np.uint16),
