@@ -844,6 +844,13 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> 
         if x.ndim != 3:
             raise ValueError(f"{n} has shape {x.shape}; attention_varlen takes packed (total, heads, D) arrays "
                              "(FlashAttention's varlen layout)")
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):  # also where no sequence runs a kernel
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{n} has dtype {x.dtype}; attnkern supports {_DTYPE_NAMES} (convert with .astype)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[2] != k.shape[2] or q.shape[2] == 0:
+        raise ValueError(f"q and k must have the same feature size D >= 1, got q {q.shape} and k {k.shape}")
     if q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0:
         raise ValueError(f"q has {q.shape[1]} heads and k, v have {k.shape[1]}: the query heads H must be a "
                          "multiple of the k/v heads H_kv (grouped-query attention)")
