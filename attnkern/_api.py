@@ -866,6 +866,54 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> 
     return _Varlen(q, k, v, cu_q, cu_k)
 
 
+def _packed_rows(cu: np.ndarray, heads: int) -> np.ndarray:
+    """(total, heads) row indices into attn.h's varlen layout (sequence after sequence,
+    each a (heads, len, .) block) of the packed (total, heads, .) rows: token t of
+    sequence s (local index i) and head h go to row cu[s] * heads + h * len_s + i."""
+    lens = np.diff(cu)
+    seq = np.repeat(np.arange(lens.size), lens)
+    start = cu[seq]
+    return (start * heads + np.arange(cu[-1]) - start)[:, None] + np.arange(heads)[None, :] * lens[seq][:, None]
+
+
+def _to_layout(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """A packed (total, heads, c) array in the varlen layout, as (heads, total, c)."""
+    out = np.empty((x.shape[0] * x.shape[1], x.shape[2]), x.dtype)
+    out[rows.ravel()] = x.reshape(-1, x.shape[2])
+    return out.reshape(x.shape[1], x.shape[0], x.shape[2])
+
+
+def _packed_call(call: _Varlen, causal, scale, window, softcap, dropout_p, dropout_seed):
+    """The whole varlen batch as one Call in attn.h's varlen layout (Features with the
+    cu_seqlens), and the row maps of q's and k's tokens; None where there are no queries
+    or no keys at all (nothing for a kernel to do)."""
+    if call.q.shape[0] == 0 or call.k.shape[0] == 0:
+        return None
+    rows_q, rows_k = _packed_rows(call.cu_q, call.q.shape[1]), _packed_rows(call.cu_k, call.k.shape[1])
+    whole = validate(_to_layout(call.q, rows_q), _to_layout(call.k, rows_k), _to_layout(call.v, rows_k),
+                     causal=causal, scale=scale, check_finite=False, window=window, softcap=softcap,
+                     dropout_p=dropout_p, dropout_seed=dropout_seed)
+    on, align = _causal(causal)
+    f = whole.features
+    masked = on or f.window_left >= 0 or f.window_right >= 0
+    features = dataclasses.replace(f, align=align if masked else "top_left", cu_seqlens_q=call.cu_q,
+                                   cu_seqlens_k=call.cu_k)
+    return dataclasses.replace(whole, features=features), rows_q, rows_k
+
+
+def _packed_kernel(packed, kernel, backward: bool):
+    """The kernel that runs a packed varlen call in one go (it has "varlen", forward and
+    with backward its backward), or None: attention_varlen then runs one call per sequence."""
+    if packed is None:
+        return None
+    needs = packed[0].needs
+    dtype = packed[0].q.dtype.name
+    chosen = _auto(False, dtype, True, backward, needs) if kernel == "auto" else _registry.get(kernel)
+    has = chosen.features_of_backward() if backward else chosen.features
+    return chosen if "varlen" in has and not chosen.not_supported_reasons(
+        dtype=dtype, return_lse=True, backward=backward, features=needs) else None
+
+
 def _heads_first(x, lo, hi):
     """Rows [lo, hi) of a packed (total, heads, D) array as (heads, hi - lo, D)."""
     return np.ascontiguousarray(x[lo:hi].transpose(1, 0, 2))
@@ -884,9 +932,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     (FlashAttention's default for varlen causal: pass it to match flash_attn); window,
     softcap and dropout as attention()'s, per sequence, the Philox counters of
     dropout being (head, packed query index, packed key index). max_seqlen_q/k are
-    checked (>= the longest sequence) and otherwise unused. Each sequence runs as
-    one (H, len, D) call of the kernel (no padding work); torch CPU tensors give
-    torch tensors, differentiable through attention_varlen_backward."""
+    checked (>= the longest sequence) and otherwise unused. A kernel with "varlen"
+    (kernel_info(name)["features"]: native.flash) runs the whole batch in one call,
+    scheduling (sequence, head, query block) work items (no padding work, no block
+    across sequences); any other kernel runs one (H, len, D) call per sequence.
+    torch CPU tensors give torch tensors, differentiable through
+    attention_varlen_backward."""
     torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
     seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
     kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
@@ -899,6 +950,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     out = np.zeros((call.q.shape[0], heads, dv), call.q.dtype)
     lse = np.full((heads, call.q.shape[0]), -np.inf, call.q.dtype)
     _dropout(dropout_p, seed, (0, 0))  # checked once, also where no sequence runs
+    packed = _packed_call(call, causal, scale, window, softcap, dropout_p, seed)
+    whole = _packed_kernel(packed, kernel, backward=False)
+    if whole is not None:  # one call: (sequence, head, query block) work items inside the kernel
+        chosen, resolved = choose(packed[0], whole.name, params, return_lse=True)
+        got, got_lse = run(packed[0], chosen, resolved, check_finite=check_finite, return_lse=True)
+        rows = packed[1]
+        out = got.reshape(-1, dv)[rows]
+        lse = got_lse.reshape(-1)[rows].T.copy()
+        return (out, lse) if return_lse else out
     for s in range(call.cu_q.size - 1):
         (q0, q1), (k0, k1) = call.cu_q[s:s + 2], call.cu_k[s:s + 2]
         if q1 == q0 or k1 == k0:  # no queries, or no keys: out 0, lse -inf
@@ -937,6 +997,17 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     dout = check_like(dout, "dout", (total_q, heads, dvn), call.q.dtype)
     lse = check_like(lse, "lse", (heads, total_q), call.q.dtype)
     _dropout(dropout_p, dropout_seed, (0, 0))
+    packed = _packed_call(call, causal, scale, window, softcap, dropout_p, dropout_seed)
+    whole = _packed_kernel(packed, kernel, backward=True)
+    if whole is not None:
+        pc, rows_q, rows_k = packed
+        chosen, resolved = choose(pc, whole.name, params, return_lse=True, backward=True)
+        _check_backward_dtype(chosen, pc.q.dtype.name)
+        lse_p = np.empty(heads * total_q, call.q.dtype)
+        lse_p[rows_q.ravel()] = lse.T.reshape(-1)
+        grads = chosen.backward(pc.q, pc.k, pc.v, _to_layout(out, rows_q), _to_layout(dout, rows_q),
+                                lse_p.reshape(heads, total_q), pc.causal, pc.scale, **pc.feature_args(), **resolved)
+        return tuple(g.reshape(-1, g.shape[2])[rows] for g, rows in zip(grads, (rows_q, rows_k, rows_k)))
     dq, dk, dv = np.zeros_like(call.q), np.zeros_like(call.k), np.zeros_like(call.v)
     for s in range(call.cu_q.size - 1):
         (q0, q1), (k0, k1) = call.cu_q[s:s + 2], call.cu_k[s:s + 2]

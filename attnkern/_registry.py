@@ -31,6 +31,8 @@ FEATURES = {
     "softcap": "a logit softcap (softcap=)",
     "mask": "an attention mask (attn_mask=, boolean or additive)",
     "dropout": "dropout on the probabilities (dropout_p > 0)",
+    "varlen": "packed variable-length sequences in one call (attention_varlen; kernels without it run them "
+              "one sequence at a time)",
 }
 ALL_FEATURES = frozenset(FEATURES)
 
@@ -49,7 +51,9 @@ class Features:
     (b // mask_heads, b % mask_heads)); dropout with probability dropout_p
     (0: none) from the counter-based RNG keyed by dropout_seed (attnkern.philox:
     the counters are (row, query + dropout_offset[0], key + dropout_offset[1]),
-    the offsets placing a varlen sequence's block in its packed arrays). The core
+    the offsets placing a varlen sequence's block in its packed arrays); packed
+    varlen sequences (cu_seqlens_q/k, int64 offsets: the arrays then hold sequence
+    after sequence, each a (heads, len, d) block, attn.h's varlen layout). The core
     passes one to a kernel's run and backward as features= only where needs() is
     not empty."""
 
@@ -64,6 +68,8 @@ class Features:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     dropout_offset: tuple = (0, 0)
+    cu_seqlens_q: object = None  # varlen: np.ndarray of int64 offsets (attn.h's layout), or None
+    cu_seqlens_k: object = None
 
     def mask_rows(self, rows: slice, nq_sel, dtype) -> "np.ndarray":
         """The additive mask (float, -inf where a bool mask is False) of the folded
@@ -95,7 +101,8 @@ class Features:
         asked = {"gqa": self.kv_group > 1, "bottom_right": self.align == "bottom_right",
                  "window": self.window_left >= 0 or self.window_right >= 0,
                  "key_lengths": self.key_lengths is not None, "softcap": self.softcap > 0,
-                 "mask": self.mask is not None, "dropout": self.dropout_p > 0}
+                 "mask": self.mask is not None, "dropout": self.dropout_p > 0,
+                 "varlen": self.cu_seqlens_q is not None}
         return frozenset(name for name, on in asked.items() if on)
 
 

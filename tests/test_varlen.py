@@ -158,3 +158,46 @@ def test_bad_arguments_say_what_to_fix(change, error, words):
         args["v"] = np.zeros((10, 3, 4))
     with pytest.raises(error, match=words):
         attnkern.attention_varlen(**args)
+
+
+def test_native_flash_runs_the_batch_in_one_call_bit_identical_to_one_call_per_sequence(monkeypatch):
+    """native.flash has "varlen": one C call schedules (sequence, head, block) work items,
+    each sequence computed exactly as a call of its own; and the same for every thread
+    count."""
+    from attnkern import _api
+    from attnkern.backends import native
+
+    assert "varlen" in attnkern.kernel_info("native.flash")["features"]
+    assert "varlen" in attnkern.kernel_info("native.flash")["backward_features"]
+    q, k, v, cu_q, cu_k = packed([3, 0, 9, 5, 1, 17], [4, 3, 0, 6, 2, 20], dtype=np.float32)
+    dout = np.random.default_rng(4).standard_normal((q.shape[0], 4, 6)).astype(np.float32)
+    calls = []
+    forward = native._attn.forward
+    monkeypatch.setattr(native._attn, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    for kw in ({"causal": "bottom_right", "dropout_p": 0.3, "dropout_seed": 5}, {"window": (2, 1), "softcap": 3.0}):
+        calls.clear()
+        args = {"kernel": "native.flash", "block_q": 4, "block_k": 4, **kw}
+        out, lse = attnkern.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **args)
+        assert len(calls) == 1
+        grads = attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, **args)
+        with monkeypatch.context() as m:
+            m.setattr(_api, "_packed_kernel", lambda *a, **kw: None)  # one call per sequence
+            out1, lse1 = attnkern.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **args)
+            grads1 = attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, **args)
+        assert out.tobytes() == out1.tobytes() and lse.tobytes() == lse1.tobytes()
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(grads, grads1))
+        one, two = (attnkern.attention_varlen(q, k, v, cu_q, cu_k, num_threads=t, **args) for t in (1, 2))
+        assert one.tobytes() == two.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+def test_half_forward(kind):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    dtype = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(np.float16)
+    q, k, v, cu_q, cu_k = packed([5, 7], [6, 9], d=16, dv=16)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    out = attnkern.attention_varlen(q, k, v, cu_q, cu_k, causal="bottom_right", kernel="native.flash")
+    ref = per_sequence(q, k, v, cu_q, cu_k, causal="bottom_right")[0]
+    from attnkern_bench.accuracy import kernel_tolerance
+    bound = kernel_tolerance("native.flash", dtype, None) * max(1.0, np.abs(ref).max()) * conditioning(q, k)
+    assert np.abs(out.astype(np.float64) - ref).max() <= bound

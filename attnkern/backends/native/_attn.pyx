@@ -38,6 +38,9 @@ cdef extern from "attn.h" nogil:
         double dropout_p
         uint64_t dropout_seed
         int64_t dropout_i0, dropout_j0
+        const int64_t *cu_seqlens_q
+        const int64_t *cu_seqlens_k
+        int64_t nseq
     enum:
         ATTN_NONFINITE_Q
         ATTN_NONFINITE_K
@@ -168,6 +171,7 @@ cdef attn_problem _described(int64_t batch, int64_t nq, int64_t nk, int64_t d, i
     p.mask, p.mask_kind, p.mask_heads = NULL, 0, 1
     p.mask_stride[0] = p.mask_stride[1] = p.mask_stride[2] = p.mask_stride[3] = 0
     p.dropout_p, p.dropout_seed, p.dropout_i0, p.dropout_j0 = 0, 0, 0, 0
+    p.cu_seqlens_q, p.cu_seqlens_k, p.nseq = NULL, NULL, 0
     return p
 
 
@@ -175,10 +179,13 @@ MASK_KINDS = {"bool": 0, "float32": 1, "float64": 2}
 
 
 cdef int _extras(attn_problem *p, mask, int64_t mask_heads, double dropout_p, uint64_t dropout_seed,
-                 int64_t dropout_i0, int64_t dropout_j0) except -1:
-    """Fills p's attention mask and dropout (attn.h). mask: None, or a 4-D NumPy array
-    of bool, float32 or float64 whose dimensions are each 1 (broadcast: stride 0 in
-    C) or those of (batch / mask_heads, mask_heads, nq, nk); it must outlive the call."""
+                 int64_t dropout_i0, int64_t dropout_j0, const int64_t[::1] cu_seqlens_q,
+                 const int64_t[::1] cu_seqlens_k) except -1:
+    """Fills p's attention mask, dropout and varlen offsets (attn.h). mask: None, or a
+    4-D NumPy array of bool, float32 or float64 whose dimensions are each 1 (broadcast:
+    stride 0 in C) or those of (batch / mask_heads, mask_heads, nq, nk); it must outlive
+    the call. cu_seqlens_q/k: None, or nseq + 1 offsets each (the arrays then in the
+    varlen layout of attn.h)."""
     if mask is not None:
         if mask.ndim != 4 or mask.dtype.name not in MASK_KINDS:
             raise ValueError("native: mask must be a 4-D bool, float32 or float64 array")
@@ -194,6 +201,12 @@ cdef int _extras(attn_problem *p, mask, int64_t mask_heads, double dropout_p, ui
         p.mask_kind = MASK_KINDS[mask.dtype.name]
         p.mask_heads = mask_heads
     p.dropout_p, p.dropout_seed, p.dropout_i0, p.dropout_j0 = dropout_p, dropout_seed, dropout_i0, dropout_j0
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if cu_seqlens_q is None or cu_seqlens_k is None or cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] \
+                or cu_seqlens_q.shape[0] < 1:
+            raise ValueError("native: cu_seqlens_q and cu_seqlens_k must both have nseq + 1 >= 1 offsets")
+        p.cu_seqlens_q, p.cu_seqlens_k = &cu_seqlens_q[0], &cu_seqlens_k[0]
+        p.nseq = cu_seqlens_q.shape[0] - 1
     return 0
 
 
@@ -275,7 +288,8 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
             int block_q, int block_k, int num_threads, real[:, ::1] lse=None, bint check_finite=False,
             *, str align="top_left", int64_t window_left=-1, int64_t window_right=-1,
             const int64_t[::1] seqlen_k=None, double softcap=0, mask=None, int64_t mask_heads=1,
-            double dropout_p=0, uint64_t dropout_seed=0, int64_t dropout_i0=0, int64_t dropout_j0=0):
+            double dropout_p=0, uint64_t dropout_seed=0, int64_t dropout_i0=0, int64_t dropout_j0=0,
+            const int64_t[::1] cu_seqlens_q=None, const int64_t[::1] cu_seqlens_k=None):
     """out[...] = softmax(q k^T * scale) v on (batch, n, d) arrays; lse (batch, nq),
     if given, gets each row's natural-log log-sum-exp. Returns, with check_finite, the
     names of the arrays that are not finite (of "q", "k", "v", "out"), else ().
@@ -296,7 +310,7 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
     cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), bad = 0
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward",
                                    align, window_left, window_right, seqlen_k, softcap)
-    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0)
+    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0, cu_seqlens_q, cu_seqlens_k)
     if check_finite:
         p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
@@ -332,7 +346,8 @@ def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const
                  bint check_finite=False, *, str align="top_left", int64_t window_left=-1,
                  int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0, mask=None,
                  int64_t mask_heads=1, double dropout_p=0, uint64_t dropout_seed=0, int64_t dropout_i0=0,
-                 int64_t dropout_j0=0):
+                 int64_t dropout_j0=0, const int64_t[::1] cu_seqlens_q=None,
+                 const int64_t[::1] cu_seqlens_k=None):
     """forward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views:
     float32 arithmetic inside, out and lse rounded to kind; returns what forward does.
     The features as for forward (flash only; bfloat16 with features runs the
@@ -342,7 +357,7 @@ def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const
     cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), h = HALF_KINDS[kind], bad = 0
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward",
                                    align, window_left, window_right, seqlen_k, softcap)
-    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0)
+    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0, cu_seqlens_q, cu_seqlens_k)
     if check_finite:
         p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
@@ -385,14 +400,15 @@ def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const re
              int block_q, int block_k, int num_threads, *, str align="top_left", int64_t window_left=-1,
              int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0, mask=None,
              int64_t mask_heads=1, double dropout_p=0, uint64_t dropout_seed=0, int64_t dropout_i0=0,
-             int64_t dropout_j0=0):
+             int64_t dropout_j0=0, const int64_t[::1] cu_seqlens_q=None,
+             const int64_t[::1] cu_seqlens_k=None):
     """dq, dk, dv[...] = the gradients of sum(out * dout), from the forward's out and lse,
     for the problem forward ran (the same features); dk and dv have k's rows, each
     the sum over its query rows (in their order, on one thread)."""
     cdef int err, i = ISAS.index(isa)
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward",
                                    align, window_left, window_right, seqlen_k, softcap)
-    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0)
+    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0, cu_seqlens_q, cu_seqlens_k)
     cdef int64_t batch_kv = k.shape[0]
     if ((out.shape[0], out.shape[1], out.shape[2]) != (p.batch, p.nq, p.dv)
             or (dout.shape[0], dout.shape[1], dout.shape[2]) != (p.batch, p.nq, p.dv)

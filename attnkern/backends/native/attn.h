@@ -98,6 +98,20 @@ typedef struct {
     double dropout_p;
     uint64_t dropout_seed;
     int64_t dropout_i0, dropout_j0;
+    /* Packed variable-length sequences (FlashAttention's varlen): NULL, or nseq + 1
+     * offsets each of queries (cu_seqlens_q, from 0, non-decreasing, ending at nq) and
+     * keys (cu_seqlens_k, ending at nk): sequence s has the queries [cu_q[s], cu_q[s+1])
+     * and keys [cu_k[s], cu_k[s+1]], laid out sequence after sequence, each sequence a
+     * C-contiguous (heads, len, d) block: q's block of sequence s starts at element
+     * cu_q[s] * batch * d (batch = H, the query heads), k's and v's at cu_k[s] *
+     * (batch / kv_group) * d (and dv), out's and lse's likewise. Each sequence is
+     * the problem (batch, len_q, len_k) with the others' features (causal alignment
+     * per sequence; dropout counters offset by cu_q[s] and cu_k[s]: packed indices);
+     * the kernels schedule (sequence, head, block) work items in one parallel region,
+     * so no block spans two sequences and no work is spent on padding. No mask or
+     * key lengths with it. */
+    const int64_t *cu_seqlens_q, *cu_seqlens_k;
+    int64_t nseq;
 } attn_problem;
 
 enum attn_mask_kind { ATTN_MASK_BOOL = 0, ATTN_MASK_F32 = 1, ATTN_MASK_F64 = 2 };

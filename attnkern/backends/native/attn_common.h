@@ -76,8 +76,9 @@ static inline int attn_features_on(const attn_problem *p)
 {
     return p->kv_group != 1 || p->align != ATTN_ALIGN_TOP_LEFT || p->window_left != ATTN_UNBOUNDED ||
            p->window_right != ATTN_UNBOUNDED || p->seqlen_k != NULL || p->softcap != 0 || p->mask != NULL ||
-           p->dropout_p != 0;
+           p->dropout_p != 0 || p->cu_seqlens_q != NULL;
 }
+
 
 /* The attention mask's offset of folded row b (attn_problem's mask). */
 static inline int64_t attn_mask_base(const attn_problem *p, int64_t b)
@@ -166,6 +167,53 @@ static inline void *attn_alloc(int64_t rows, int64_t cols, size_t elem)
 }
 
 static inline void attn_free(void *p) { free(p); }
+
+/* Varlen (attn_problem's cu_seqlens): sequence s as a problem of its own, its arrays at
+ * the element offsets *qo (q, out: times d or dv), *ko (k, v) of the caller's. */
+static inline attn_problem attn_varlen_sub(const attn_problem *p, int64_t s, int64_t *qo, int64_t *ko)
+{
+    attn_problem sp = *p;
+    const int64_t q0 = p->cu_seqlens_q[s], k0 = p->cu_seqlens_k[s];
+    sp.nq = p->cu_seqlens_q[s + 1] - q0;
+    sp.nk = p->cu_seqlens_k[s + 1] - k0;
+    sp.dropout_i0 += q0;
+    sp.dropout_j0 += k0;
+    sp.cu_seqlens_q = sp.cu_seqlens_k = NULL;
+    sp.nseq = 0;
+    *qo = q0 * p->batch;
+    *ko = k0 * (p->batch / p->kv_group);
+    return sp;
+}
+
+/* Varlen work items: prefix[s] is the first of sequence s, each sequence having rows *
+ * ceil(len / block) of them (len of its queries, or with keys of its keys); prefix has
+ * nseq + 1 entries (the last: their number). NULL when out of memory. */
+static inline int64_t *attn_varlen_items(const attn_problem *p, int64_t rows, int64_t block, int keys)
+{
+    const int64_t *cu = keys ? p->cu_seqlens_k : p->cu_seqlens_q;
+    int64_t *prefix = attn_alloc(p->nseq + 1, 1, sizeof(int64_t));
+    if (!prefix)
+        return NULL;
+    prefix[0] = 0;
+    for (int64_t s = 0; s < p->nseq; s++)
+        prefix[s + 1] = prefix[s] + rows * ((cu[s + 1] - cu[s] + block - 1) / block);
+    return prefix;
+}
+
+/* The sequence of work item t (prefix from attn_varlen_items): the last s with
+ * prefix[s] <= t, by bisection. */
+static inline int64_t attn_varlen_seq(const int64_t *prefix, int64_t nseq, int64_t t)
+{
+    int64_t lo = 0, hi = nseq - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (prefix[mid] <= t)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
 
 /* bfloat16 and float16 (IEEE binary16) bits to and from float32, portable C: widening is
  * exact; narrowing rounds to nearest, ties to even (float16: overflow to infinity,

@@ -440,13 +440,25 @@ static int check_problem(int algo, int isa, const attn_problem *p, const char **
             if (p->mask_stride[s] < 0 || p->mask_stride[s] > INT64_MAX / 4 / (p->batch + p->nq + p->nk + 1))
                 ATTN_FAIL(ATTN_EINVAL, "mask strides must be >= 0 (0 along a broadcast dimension) and bounded");
     }
+    if (p->cu_seqlens_q || p->cu_seqlens_k) {
+        if (!p->cu_seqlens_q || !p->cu_seqlens_k || p->nseq < 0)
+            ATTN_FAIL(ATTN_EINVAL, "varlen needs both cu_seqlens_q and cu_seqlens_k, and nseq >= 0");
+        if (p->mask || p->seqlen_k)
+            ATTN_FAIL(ATTN_EINVAL, "varlen takes no mask and no key lengths");
+        if (p->cu_seqlens_q[0] != 0 || p->cu_seqlens_k[0] != 0 || p->cu_seqlens_q[p->nseq] != p->nq ||
+            p->cu_seqlens_k[p->nseq] != p->nk)
+            ATTN_FAIL(ATTN_EINVAL, "cu_seqlens must start at 0 and end at nq (queries) and nk (keys)");
+        for (int64_t s = 0; s < p->nseq; s++)
+            if (p->cu_seqlens_q[s + 1] < p->cu_seqlens_q[s] || p->cu_seqlens_k[s + 1] < p->cu_seqlens_k[s])
+                ATTN_FAIL(ATTN_EINVAL, "cu_seqlens must be non-decreasing");
+    }
     if (!(p->dropout_p >= 0 && p->dropout_p < 1))
         ATTN_FAIL(ATTN_EINVAL, "dropout_p must lie in [0, 1)");
     if (p->dropout_i0 < 0 || p->dropout_j0 < 0)
         ATTN_FAIL(ATTN_EINVAL, "dropout_i0 and dropout_j0 must be >= 0");
     if (algo != ATTN_FLASH && attn_has_features(p))
         ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment, key lengths, softcap, "
-                                 "masks and dropout");
+                                 "masks, dropout and varlen");
     *why = "";
     return ATTN_OK;
 #undef ATTN_FAIL

@@ -474,7 +474,11 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
                                TIN *lse, int64_t bq_alloc, int64_t srows, int64_t lds, ST(block_fn) body)
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q;
-    const int64_t ntasks = nqb * p->batch;
+    /* varlen: (sequence, row, query block) items, prefix[s] the first of sequence s */
+    int64_t *prefix = p->cu_seqlens_q ? attn_varlen_items(p, p->batch, p->block_q, 0) : NULL;
+    if (p->cu_seqlens_q && !prefix)
+        return ATTN_ENOMEM;
+    const int64_t ntasks = prefix ? prefix[p->nseq] : nqb * p->batch;
     const int64_t dv_pad = ST(round_up)(p->dv, NR);
     int failed = 0;
 #pragma omp parallel num_threads(p->num_threads)
@@ -490,6 +494,16 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
         for (int64_t t = 0; t < ntasks; t++) {
             if (!ok)
                 continue;
+            if (prefix) {  /* sequence s's block: a problem of its own at its offsets */
+                int64_t s = attn_varlen_seq(prefix, p->nseq, t), u = t - prefix[s], qo, ko;
+                attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
+                int64_t snqb = (sp.nq + p->block_q - 1) / p->block_q;
+                int64_t bh = u % p->batch, i0 = (snqb - 1 - u / p->batch) * p->block_q;
+                int64_t bq = sp.nq - i0 < p->block_q ? sp.nq - i0 : p->block_q;
+                body(&sp, q + qo * p->d, k + ko * p->d, v + ko * p->dv, out + qo * p->dv, lse ? lse + qo : NULL,
+                     &w, bh, i0, bq, dv_pad, lds);
+                continue;
+            }
             int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
             int64_t bq = p->nq - i0 < p->block_q ? p->nq - i0 : p->block_q;
             body(p, q, k, v, out, lse, &w, bh, i0, bq, dv_pad, lds);
@@ -497,6 +511,7 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
         if (ok)
             ST(ws_free)(&w);
     }
+    attn_free(prefix);
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
@@ -1215,7 +1230,10 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     const int64_t nqb = (nq + p->block_q - 1) / p->block_q, nkb = (nk + p->block_k - 1) / p->block_k;
     const int features = attn_features_on(p);
     T *lse2 = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
-    int failed = !(lse2 && dvec);
+    /* varlen: the work items of each pass, per sequence (attn_varlen_items) */
+    int64_t *kv_items = p->cu_seqlens_q ? attn_varlen_items(p, batch_kv, p->block_k, 1) : NULL;
+    int64_t *q_items = p->cu_seqlens_q ? attn_varlen_items(p, p->batch, p->block_q, 0) : NULL;
+    int failed = !(lse2 && dvec) || (p->cu_seqlens_q && !(kv_items && q_items));
     if (!failed) {
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
         for (int64_t i = 0; i < rows; i++) {
@@ -1240,9 +1258,18 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
                 failed = 1;
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < batch_kv * nkb; t++) {
+            for (int64_t t = 0; t < (kv_items ? kv_items[p->nseq] : batch_kv * nkb); t++) {
                 if (!ok)
                     continue;
+                if (kv_items) {  /* varlen: sequence s's keys, a problem of its own at its offsets */
+                    int64_t s = attn_varlen_seq(kv_items, p->nseq, t), u = t - kv_items[s], qo, ko;
+                    attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
+                    int64_t bkv = u % batch_kv, j0 = (u / batch_kv) * p->block_k;
+                    int64_t kb = sp.nk - j0 < p->block_k ? sp.nk - j0 : p->block_k;
+                    ST(bwd_kv_block)(&sp, q + qo * p->d, k + ko * p->d, v + ko * dvn, dout + qo * dvn, lse2 + qo,
+                                     dvec + qo, dk + ko * p->d, dv + ko * dvn, &w, bkv, j0, kb);
+                    continue;
+                }
                 int64_t bkv = t % batch_kv, j0 = (t / batch_kv) * p->block_k;
                 int64_t kb = nk - j0 < p->block_k ? nk - j0 : p->block_k;
                 ST(bwd_kv_block)(p, q, k, v, dout, lse2, dvec, dk, dv, &w, bkv, j0, kb);
@@ -1262,9 +1289,19 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
                 failed = 1;
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < p->batch * nqb; t++) {
+            for (int64_t t = 0; t < (q_items ? q_items[p->nseq] : p->batch * nqb); t++) {
                 if (!ok)
                     continue;
+                if (q_items) {  /* varlen: sequence s's queries */
+                    int64_t s = attn_varlen_seq(q_items, p->nseq, t), u = t - q_items[s], qo, ko;
+                    attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
+                    int64_t snqb = (sp.nq + p->block_q - 1) / p->block_q;
+                    int64_t bh = u % p->batch, i0 = (snqb - 1 - u / p->batch) * p->block_q;
+                    int64_t qb = sp.nq - i0 < p->block_q ? sp.nq - i0 : p->block_q;
+                    ST(bwd_q_block)(&sp, q + qo * p->d, k + ko * p->d, v + ko * dvn, dout + qo * dvn, lse2 + qo,
+                                    dvec + qo, dq + qo * p->d, &w, bh, i0, qb);
+                    continue;
+                }
                 int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
                 int64_t qb = nq - i0 < p->block_q ? nq - i0 : p->block_q;
                 ST(bwd_q_block)(p, q, k, v, dout, lse2, dvec, dq, &w, bh, i0, qb);
@@ -1275,6 +1312,8 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     }
     attn_free(lse2);
     attn_free(dvec);
+    attn_free(kv_items);
+    attn_free(q_items);
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
