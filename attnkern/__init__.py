@@ -4,7 +4,7 @@
     # features: k, v with fewer heads (GQA), causal="bottom_right", window=(left, right),
     # key_lengths=[...], softcap=c (docs/features.md)
     attnkern.attention_backward(q, k, v, out, dout, lse)  # (dq, dk, dv)
-    # attn_mask=, dropout_p=/dropout_seed=; packed sequences: attention_varlen(_backward)
+    # attn_mask=, dropout_p=/dropout_seed=, alibi_slopes=; packed sequences: attention_varlen(_backward)
     attnkern.reference(q, k, v)   # float64 NumPy oracle; reference_backward: its gradients
     attnkern.kernels()            # every kernel name
     attnkern.kernel_info(name)    # available here? tunables?

@@ -88,7 +88,7 @@ _NONE = frozenset()
 
 
 def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=None, softcap=None, attn_mask=None,
-             dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0)) -> Call:
+             dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0), alibi_slopes=None) -> Call:
     """Checks shapes, dtypes, values and the features; raises TypeError/ValueError
     saying what to fix."""
     like = q
@@ -125,11 +125,13 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
     features = _features(q.shape, nk, group, causal, align, float(scale), window, key_lengths, softcap)
-    if attn_mask is not None or dropout_p != 0.0:
+    if attn_mask is not None or dropout_p != 0.0 or alibi_slopes is not None:
         if device:
-            raise TypeError("attn_mask and dropout run on the CPU kernels: pass host arrays (NumPy, CPU tensors)")
+            raise TypeError("attn_mask, dropout and ALiBi run on the CPU kernels: pass host arrays (NumPy, CPU "
+                            "tensors)")
         features = dataclasses.replace(features, **_mask(attn_mask, q.shape, nk, q.dtype),
-                                       **_dropout(dropout_p, dropout_seed, dropout_offset))
+                                       **_dropout(dropout_p, dropout_seed, dropout_offset),
+                                       **_alibi(alibi_slopes, q.shape))
     if device:
         for x, n in ((q, "q"), (k, "k"), (v, "v")):
             if not x.is_c_contiguous():
@@ -308,6 +310,26 @@ def _mask(attn_mask, q_shape, nk: int, dtype) -> dict:
     return {"mask": mask4, "mask_heads": target4[1]}
 
 
+def _alibi(alibi_slopes, q_shape) -> dict:
+    """alibi_slopes (H,) or (B, H), FlashAttention's, as Features' alibi: one float64
+    slope per folded query row (B * H of them)."""
+    if alibi_slopes is None:
+        return {}
+    if type(alibi_slopes).__module__.startswith("torch") and hasattr(alibi_slopes, "detach"):
+        alibi_slopes = alibi_slopes.detach().cpu().float().numpy()
+    slopes = np.asarray(alibi_slopes)
+    if slopes.dtype.kind not in "fiu" or slopes.dtype == np.bool_:
+        raise TypeError(f"alibi_slopes must hold real numbers (one slope per head), got dtype {slopes.dtype}")
+    heads = q_shape[-3] if len(q_shape) >= 3 else 1
+    batch = q_shape[0] if len(q_shape) == 4 else 1
+    if slopes.shape not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (one slope per head, or per "
+                         f"sequence and head) for q of shape {tuple(q_shape)}, got {slopes.shape}")
+    if not np.isfinite(slopes).all():
+        raise ValueError("alibi_slopes must be finite")
+    return {"alibi": np.ascontiguousarray(np.broadcast_to(slopes, (batch, heads)), np.float64).reshape(-1)}
+
+
 def _check_mask(mask) -> None:
     """ValueError for a float mask with NaN or +infinity (-inf hides a key)."""
     if mask is not None and mask.dtype != np.bool_ and (np.isnan(mask).any() or np.isposinf(mask).any()):
@@ -394,7 +416,8 @@ def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False
 
 
 def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, key_lengths=None, softcap=None,
-              attn_mask=None, dropout_p=0.0, dropout_seed=None, check_finite=True, return_lse=False, **params):
+              attn_mask=None, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, check_finite=True,
+              return_lse=False, **params):
     """softmax(q k^T * scale) v.
 
     q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
@@ -422,8 +445,9 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     that of the undropped softmax; the mask is Philox4x32-10 keyed by dropout_seed
     (attnkern._philox; None draws one from NumPy's global RNG, or from torch's
     default generator for torch inputs), so a seed gives the same result on every
-    kernel that has dropout and every thread count. A row that sees no key gets 0
-    and lse -inf.
+    kernel that has dropout and every thread count. alibi_slopes, (H,) or (B, H)
+    (FlashAttention's), adds -slope * |i + Nk - Nq - j| to the score of query i and
+    key j (Nk: the sequence's key length). A row that sees no key gets 0 and lse -inf.
     kernel_info(name)["features"] says which kernels take which (docs/features.md).
     kernel is a name from attnkern.kernels() or "auto"; params are the kernel's
     tunables (attnkern.kernel_info(name)).
@@ -445,11 +469,11 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     if dropout_p and dropout_seed is None:
         dropout_seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
-             "dropout_p": dropout_p, "dropout_seed": dropout_seed}
+             "dropout_p": dropout_p, "dropout_seed": dropout_seed, "alibi_slopes": alibi_slopes}
     if torch_inputs:
         # device-resident tensors: a prepared launch per call shape, for calls without features
         if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None and \
-                attn_mask is None and dropout_p == 0.0:
+                attn_mask is None and dropout_p == 0.0 and alibi_slopes is None:
             result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
             if result is not None:
                 return result
@@ -532,10 +556,11 @@ def _torch_function():
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,
-                       key_lengths=None, softcap=None, attn_mask=None, dropout_p=0.0, dropout_seed=None, **params):
+                       key_lengths=None, softcap=None, attn_mask=None, dropout_p=0.0, dropout_seed=None,
+                       alibi_slopes=None, **params):
     """(dq, dk, dv) of attention(q, k, v, ...) given the output's gradient dout:
     out and lse are what attention(..., return_lse=True) returned for the same
-    arguments (causal, scale, window, key_lengths, softcap, attn_mask, dropout_p as
+    arguments (causal, scale, window, key_lengths, softcap, attn_mask, alibi_slopes, dropout_p as
     there, and with dropout the dropout_seed the forward used: required); dk and dv
     have k's and v's shapes (H_kv heads under grouped-query attention, each the
     sum over the query heads it serves). out and lse may also be those of whole
@@ -546,7 +571,7 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     must have a backward (kernel_info(name)["backward"])."""
     args = (q, k, v, out, dout, lse)
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
-             "dropout_p": dropout_p, "dropout_seed": dropout_seed}
+             "dropout_p": dropout_p, "dropout_seed": dropout_seed, "alibi_slopes": alibi_slopes}
     if any(_is_torch(x) for x in args):
         return _torch_attention_backward(*args, causal=causal, scale=scale, kernel=kernel, feats=feats, **params)
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=False, **feats)
@@ -678,7 +703,8 @@ def kernel_info(name: str) -> dict:
     returns_lse (attention(..., return_lse=True) works), backward (it is differentiable),
     dtypes (the input dtypes it takes), backward_dtypes (those its backward takes),
     features (the features of docs/features.md its forward takes: "gqa", "bottom_right",
-    "window", "key_lengths", "softcap"), backward_features (those its backward takes),
+    "window", "key_lengths", "softcap", "mask", "dropout", "alibi", "varlen": a packed
+    varlen batch in one call), backward_features (those its backward takes),
     tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
     replace the defaults for calls that match their key};
     a tunable restricted to a set of values also has "choices"."""
@@ -834,9 +860,15 @@ class _Varlen:
     v: np.ndarray
     cu_q: np.ndarray
     cu_k: np.ndarray
+    slopes: object = None  # ALiBi: float64 (H,) or (nseq, H), or None
 
 
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> _Varlen:
+def _seq_slopes(call: _Varlen, s: int):
+    """Sequence s's ALiBi slopes (H,), or None."""
+    return None if call.slopes is None else (call.slopes if call.slopes.ndim == 1 else call.slopes[s])
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes=None) -> _Varlen:
     q, k, v = (_as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(x, np.ndarray):
@@ -863,7 +895,13 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> 
                          f"{cu_q.size - 1} and {cu_k.size - 1} sequences")
     _max_seqlen(max_seqlen_q, cu_q, "max_seqlen_q")
     _max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k")
-    return _Varlen(q, k, v, cu_q, cu_k)
+    slopes = None
+    if alibi_slopes is not None:  # (H,) or (nseq, H): checked as attention() checks (B, H) slopes
+        nseq, heads = cu_q.size - 1, q.shape[1]
+        shaped = np.asarray(alibi_slopes.detach().cpu().float().numpy() if _is_torch(alibi_slopes) else alibi_slopes)
+        slopes = _alibi(shaped, (nseq if shaped.ndim == 2 else 1, heads, 1, 1))["alibi"]
+        slopes = slopes.reshape(nseq, heads) if shaped.ndim == 2 else slopes
+    return _Varlen(q, k, v, cu_q, cu_k, slopes)
 
 
 def _packed_rows(cu: np.ndarray, heads: int) -> np.ndarray:
@@ -898,6 +936,9 @@ def _packed_call(call: _Varlen, causal, scale, window, softcap, dropout_p, dropo
     masked = on or f.window_left >= 0 or f.window_right >= 0
     features = dataclasses.replace(f, align=align if masked else "top_left", cu_seqlens_q=call.cu_q,
                                    cu_seqlens_k=call.cu_k)
+    if call.slopes is not None:
+        features = dataclasses.replace(features, alibi=call.slopes.reshape(-1),
+                                       alibi_seq_stride=call.q.shape[1] if call.slopes.ndim == 2 else 0)
     return dataclasses.replace(whole, features=features), rows_q, rows_k
 
 
@@ -921,7 +962,7 @@ def _heads_first(x, lo, hi):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
                      scale=None, window=None, softcap=None, dropout_p=0.0, dropout_seed=None, kernel="auto",
-                     return_lse=False, **params):
+                     return_lse=False, alibi_slopes=None, **params):
     """attention() of packed variable-length sequences, FlashAttention's
     flash_attn_varlen_func layout: q (total_q, H, D), k (total_k, H_kv, D), v
     (total_k, H_kv, Dv); sequence s is q[cu_seqlens_q[s]:cu_seqlens_q[s + 1]] with
@@ -931,7 +972,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     aligns each sequence's diagonal top-left (torch's), "bottom_right" bottom-right
     (FlashAttention's default for varlen causal: pass it to match flash_attn); window,
     softcap and dropout as attention()'s, per sequence, the Philox counters of
-    dropout being (head, packed query index, packed key index). max_seqlen_q/k are
+    dropout being (head, packed query index, packed key index); alibi_slopes (H,) or
+    (nseq, H) as FlashAttention's, per sequence. max_seqlen_q/k are
     checked (>= the longest sequence) and otherwise unused. A kernel with "varlen"
     (kernel_info(name)["features"]: native.flash) runs the whole batch in one call,
     scheduling (sequence, head, query block) work items (no padding work, no block
@@ -941,11 +983,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
     seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
     kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
-          "dropout_seed": seed, "kernel": kernel}
+          "dropout_seed": seed, "kernel": kernel, "alibi_slopes": alibi_slopes}
     if torch_inputs:
         return _torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, kw, params)
     check_finite = params.pop("check_finite", True)
-    call = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
     heads, dv = call.q.shape[1], call.v.shape[2]
     out = np.zeros((call.q.shape[0], heads, dv), call.q.dtype)
     lse = np.full((heads, call.q.shape[0]), -np.inf, call.q.dtype)
@@ -965,7 +1007,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             continue
         sq, sk, sv = (_heads_first(x, a, b) for x, a, b in ((call.q, q0, q1), (call.k, k0, k1), (call.v, k0, k1)))
         seq = validate(sq, sk, sv, causal=kw["causal"], scale=scale, check_finite=False, window=window,
-                       softcap=softcap, dropout_p=dropout_p, dropout_seed=seed, dropout_offset=(int(q0), int(k0)))
+                       softcap=softcap, dropout_p=dropout_p, dropout_seed=seed, dropout_offset=(int(q0), int(k0)),
+                       alibi_slopes=_seq_slopes(call, s))
         chosen, resolved = choose(seq, kernel, params, return_lse=True)
         got, got_lse = run(seq, chosen, resolved, check_finite=check_finite, return_lse=True)
         out[q0:q1] = got.transpose(1, 0, 2)
@@ -975,14 +1018,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                               max_seqlen_k=None, *, causal=False, scale=None, window=None, softcap=None,
-                              dropout_p=0.0, dropout_seed=None, kernel="auto", return_lse=False, **params):
+                              dropout_p=0.0, dropout_seed=None, kernel="auto", return_lse=False, alibi_slopes=None,
+                              **params):
     """(dq, dk, dv) of attention_varlen(q, k, v, ...) given the output's gradient dout
     (total_q, H, Dv): out and lse (H, total_q) as attention_varlen(...,
     return_lse=True) returned them, the same keywords (dropout_seed required with
     dropout). dk and dv have k's and v's shapes. return_lse is accepted for symmetry
     with attention_varlen and ignored."""
     kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
-          "dropout_seed": dropout_seed, "kernel": kernel}
+          "dropout_seed": dropout_seed, "kernel": kernel, "alibi_slopes": alibi_slopes}
     arrays = (q, k, v, out, dout, lse)
     if any(_is_torch(x) for x in arrays):
         import torch
@@ -991,7 +1035,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
         grads = attention_varlen_backward(*_torch_api.views([x.contiguous() for x in arrays]), cu_seqlens_q,
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw, **params)
         return tuple(torch.from_numpy(g) for g in grads)
-    call = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
     heads, total_q, dvn = call.q.shape[1], call.q.shape[0], call.v.shape[2]
     out = check_like(out, "out", (total_q, heads, dvn), call.q.dtype)
     dout = check_like(dout, "dout", (total_q, heads, dvn), call.q.dtype)
@@ -1016,7 +1060,8 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
         seq = [_heads_first(x, a, b) for x, a, b in ((call.q, q0, q1), (call.k, k0, k1), (call.v, k0, k1),
                                                       (out, q0, q1), (dout, q0, q1))]
         call_s = validate(*seq[:3], causal=causal, scale=scale, check_finite=False, window=window, softcap=softcap,
-                          dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=(int(q0), int(k0)))
+                          dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=(int(q0), int(k0)),
+                          alibi_slopes=_seq_slopes(call, s))
         chosen, resolved = choose(call_s, kernel, params, return_lse=True, backward=True)
         _check_backward_dtype(chosen, call_s.q.dtype.name)
         g = chosen.backward(call_s.q, call_s.k, call_s.v, seq[3], seq[4], np.ascontiguousarray(lse[:, q0:q1]),

@@ -13,12 +13,13 @@ from .backends.numpy import sequences, softmax_attention
 
 
 def reference(q, k, v, *, causal=False, scale=None, rows=None, window=None, key_lengths=None, softcap=None,
-              attn_mask=None, dropout_p=0.0, dropout_seed=None, return_lse=False, _dropout_offset=(0, 0)):
+              attn_mask=None, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, return_lse=False,
+              _dropout_offset=(0, 0)):
     """softmax(q k^T * scale) v computed in float64 with NumPy; returns float64.
     Takes the same inputs and features as attnkern.attention (grouped k/v heads,
     causal True/"top_left"/"bottom_right", window, key_lengths, softcap,
     attn_mask, dropout_p with dropout_seed, required: the same Philox mask as the
-    kernels'); a row that sees no key gets 0 (and lse -inf).
+    kernels', alibi_slopes); a row that sees no key gets 0 (and lse -inf).
 
     rows: optional query row indices into Nq. Only those rows are computed, as
     they are in the full result (the causal mask uses their positions), giving
@@ -31,7 +32,7 @@ def reference(q, k, v, *, causal=False, scale=None, rows=None, window=None, key_
     as attention_varlen gives each sequence."""
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=True, window=window, key_lengths=key_lengths,
                     softcap=softcap, attn_mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                    dropout_offset=_dropout_offset)
+                    dropout_offset=_dropout_offset, alibi_slopes=alibi_slopes)
     q3, positions, out_shape = call.q, None, call.out_shape
     if rows is not None:
         positions = _row_indices(rows, call.q.shape[1])
@@ -49,7 +50,7 @@ def reference(q, k, v, *, causal=False, scale=None, rows=None, window=None, key_
 
 
 def reference_backward(q, k, v, dout, *, causal=False, scale=None, window=None, key_lengths=None, softcap=None,
-                       attn_mask=None, dropout_p=0.0, dropout_seed=None, _dropout_offset=(0, 0)):
+                       attn_mask=None, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, _dropout_offset=(0, 0)):
     """(dq, dk, dv) of sum(reference(q, k, v, ...) * dout) in float64, with the same
     features: P = softmax(S) over the visible keys, S = c tanh(R / c) with a softcap
     c (else S = R), R = scale q k^T, and
@@ -64,7 +65,7 @@ def reference_backward(q, k, v, dout, *, causal=False, scale=None, window=None, 
     Keys no query sees, and rows that see no key, have zero gradients."""
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=True, window=window, key_lengths=key_lengths,
                     softcap=softcap, attn_mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                    dropout_offset=_dropout_offset)
+                    dropout_offset=_dropout_offset, alibi_slopes=alibi_slopes)
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != call.out_shape:
         raise ValueError(f"dout has shape {dout.shape}; expected {call.out_shape}, the output's")

@@ -31,6 +31,7 @@ FEATURES = {
     "softcap": "a logit softcap (softcap=)",
     "mask": "an attention mask (attn_mask=, boolean or additive)",
     "dropout": "dropout on the probabilities (dropout_p > 0)",
+    "alibi": "ALiBi slopes (alibi_slopes=)",
     "varlen": "packed variable-length sequences in one call (attention_varlen; kernels without it run them "
               "one sequence at a time)",
 }
@@ -53,7 +54,9 @@ class Features:
     the counters are (row, query + dropout_offset[0], key + dropout_offset[1]),
     the offsets placing a varlen sequence's block in its packed arrays); packed
     varlen sequences (cu_seqlens_q/k, int64 offsets: the arrays then hold sequence
-    after sequence, each a (heads, len, d) block, attn.h's varlen layout). The core
+    after sequence, each a (heads, len, d) block, attn.h's varlen layout); ALiBi
+    (alibi: a slope per folded query row, -slope |i + len - nq - j| added to the
+    scores, FlashAttention's). The core
     passes one to a kernel's run and backward as features= only where needs() is
     not empty."""
 
@@ -70,6 +73,8 @@ class Features:
     dropout_offset: tuple = (0, 0)
     cu_seqlens_q: object = None  # varlen: np.ndarray of int64 offsets (attn.h's layout), or None
     cu_seqlens_k: object = None
+    alibi: object = None  # np.ndarray of float64: one ALiBi slope per folded query row (varlen: per sequence)
+    alibi_seq_stride: int = 0
 
     def mask_rows(self, rows: slice, nq_sel, dtype) -> "np.ndarray":
         """The additive mask (float, -inf where a bool mask is False) of the folded
@@ -102,7 +107,7 @@ class Features:
                  "window": self.window_left >= 0 or self.window_right >= 0,
                  "key_lengths": self.key_lengths is not None, "softcap": self.softcap > 0,
                  "mask": self.mask is not None, "dropout": self.dropout_p > 0,
-                 "varlen": self.cu_seqlens_q is not None}
+                 "varlen": self.cu_seqlens_q is not None, "alibi": self.alibi is not None}
         return frozenset(name for name, on in asked.items() if on)
 
 

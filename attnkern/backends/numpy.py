@@ -63,7 +63,8 @@ def sequences(q, k, causal, scale, features: Features, positions=None, nq=None, 
     row's log-sum-exp (kv rows, group, queries), and with slope and a softcap
     dcap = 1 - tanh^2 of the capped scores (the cap's derivative), else None, and
     with dropout z the factor keep / (1 - p) of each probability (attnkern._philox),
-    p's shape, else None. The attention mask is added to the capped scores (a bool
+    p's shape, else None. ALiBi's -slope |i + length - nq - j| and the attention
+    mask are added to the capped scores (a bool
     mask's False is -inf). p is the undropped softmax, lse its log-sum-exp. A row
     that sees no key has p 0 and lse -inf. In q's dtype."""
     nsel, d = q.shape[1:]
@@ -80,6 +81,11 @@ def sequences(q, k, causal, scale, features: Features, positions=None, nq=None, 
             if slope:
                 dcap = 1 - scores * scores
             scores *= cap
+        if features.alibi is not None:  # -slope |i + length - nq - j|, FlashAttention's ALiBi
+            i = np.arange(nsel) if positions is None else np.asarray(positions, np.int64)
+            dist = np.abs(i[:, None] + length - nq - np.arange(length)[None, :])
+            slopes = features.alibi[rows].reshape(*scores.shape[:2], 1, 1).astype(scores.dtype)
+            scores -= slopes * dist.astype(scores.dtype)
         scores[..., ~visible(nq, length, causal, features, positions)] = -np.inf
         if features.mask is not None:
             add = features.mask_rows(rows, positions, scores.dtype)[..., :length]  # keys past length: unread

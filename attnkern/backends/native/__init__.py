@@ -91,6 +91,8 @@ def _keywords(features: Features | None) -> dict:
                      dropout_i0=features.dropout_offset[0], dropout_j0=features.dropout_offset[1])
     if features.cu_seqlens_q is not None:
         extra.update(cu_seqlens_q=features.cu_seqlens_q, cu_seqlens_k=features.cu_seqlens_k)
+    if features.alibi is not None:
+        extra.update(alibi=features.alibi, alibi_seq_stride=features.alibi_seq_stride)
     return {"align": features.align, "window_left": features.window_left, "window_right": features.window_right,
             "seqlen_k": features.key_lengths, "softcap": features.softcap, **extra}
 

@@ -112,6 +112,12 @@ typedef struct {
      * key lengths with it. */
     const int64_t *cu_seqlens_q, *cu_seqlens_k;
     int64_t nseq;
+    /* ALiBi (FlashAttention's): NULL, or one slope per folded query row b (of batch);
+     * -alibi[b] * |i + len - nq - j| is added to the (capped) score of query i and key j,
+     * len the row's key length (nk without key lengths). With varlen, sequence s reads
+     * alibi + s * alibi_seq_stride (0: the same slopes for every sequence). */
+    const double *alibi;
+    int64_t alibi_seq_stride;
 } attn_problem;
 
 enum attn_mask_kind { ATTN_MASK_BOOL = 0, ATTN_MASK_F32 = 1, ATTN_MASK_F64 = 2 };

@@ -76,7 +76,7 @@ static inline int attn_features_on(const attn_problem *p)
 {
     return p->kv_group != 1 || p->align != ATTN_ALIGN_TOP_LEFT || p->window_left != ATTN_UNBOUNDED ||
            p->window_right != ATTN_UNBOUNDED || p->seqlen_k != NULL || p->softcap != 0 || p->mask != NULL ||
-           p->dropout_p != 0 || p->cu_seqlens_q != NULL;
+           p->dropout_p != 0 || p->cu_seqlens_q != NULL || p->alibi != NULL;
 }
 
 
@@ -180,6 +180,8 @@ static inline attn_problem attn_varlen_sub(const attn_problem *p, int64_t s, int
     sp.dropout_j0 += k0;
     sp.cu_seqlens_q = sp.cu_seqlens_k = NULL;
     sp.nseq = 0;
+    if (sp.alibi)
+        sp.alibi += s * p->alibi_seq_stride;
     *qo = q0 * p->batch;
     *ko = k0 * (p->batch / p->kv_group);
     return sp;

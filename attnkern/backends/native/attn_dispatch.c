@@ -452,13 +452,20 @@ static int check_problem(int algo, int isa, const attn_problem *p, const char **
             if (p->cu_seqlens_q[s + 1] < p->cu_seqlens_q[s] || p->cu_seqlens_k[s + 1] < p->cu_seqlens_k[s])
                 ATTN_FAIL(ATTN_EINVAL, "cu_seqlens must be non-decreasing");
     }
+    if (p->alibi) {
+        if (p->alibi_seq_stride < 0 || (p->alibi_seq_stride && !p->cu_seqlens_q))
+            ATTN_FAIL(ATTN_EINVAL, "alibi_seq_stride must be >= 0, and 0 without varlen");
+        for (int64_t b = 0; b < p->batch * (p->alibi_seq_stride && p->nseq ? p->nseq : 1); b++)
+            if (!isfinite(p->alibi[b]))
+                ATTN_FAIL(ATTN_EINVAL, "ALiBi slopes must be finite");
+    }
     if (!(p->dropout_p >= 0 && p->dropout_p < 1))
         ATTN_FAIL(ATTN_EINVAL, "dropout_p must lie in [0, 1)");
     if (p->dropout_i0 < 0 || p->dropout_j0 < 0)
         ATTN_FAIL(ATTN_EINVAL, "dropout_i0 and dropout_j0 must be >= 0");
     if (algo != ATTN_FLASH && attn_has_features(p))
         ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment, key lengths, softcap, "
-                                 "masks, dropout and varlen");
+                                 "masks, dropout, varlen and ALiBi");
     *why = "";
     return ATTN_OK;
 #undef ATTN_FAIL

@@ -729,6 +729,8 @@ static void ST(dropout_rows)(const attn_problem *p, int64_t b, int64_t i0, int64
 typedef struct {
     const attn_problem *p;
     int64_t bh, mbase, nvalid;
+    T alibi2;     /* the row's ALiBi slope times log2(e) (0: none) */
+    int64_t off;  /* ALiBi's diagonal offset: the row's key length - nq */
 } ST(panel_extra);
 
 /* One query panel (queries q0 + [0, NR)) over the key block [j0, j0 + kv) (kv: the
@@ -749,7 +751,7 @@ static ATTN_INLINE void ST(flash_panel_t)(const T *kr, const T *vr, int64_t kv, 
     T mx[NR], mnew[NR], msub[NR], e[NR];
     for (int c = 0; c < NR; c++)
         mx[c] = -INFINITY;
-    const int masked = FEAT && x->p->mask != NULL;
+    const int masked = FEAT && (x->p->mask != NULL || x->alibi2 != 0);
     /* S^T = K Q^T with the column max; a tile that crosses an edge of a query's
      * window (key j is seen by the queries q0 + c with j - hi <= q0 + c <= j - lo)
      * is masked, and a softcapped or attention-masked one capped and masked, before
@@ -765,12 +767,15 @@ static ATTN_INLINE void ST(flash_panel_t)(const T *kr, const T *vr, int64_t kv, 
             if (FEAT) {
                 if (cap2 != 0)
                     ST(softcap_row)(sr, NULL, NR, cap2);
-                if (masked) {
+                if (masked && x->p->mask) {
                     const attn_problem *p = x->p;
                     int64_t off = x->mbase + (j + r) * p->mask_stride[3] + q0 * p->mask_stride[2];
                     for (int64_t c = 0; c < x->nvalid; c++)
                         sr[c] += (T)attn_mask_log2(p, off + c * p->mask_stride[2]);
                 }
+                if (masked && x->alibi2 != 0)  /* -slope |i + off - j| */
+                    for (int64_t c = 0; c < x->nvalid; c++)
+                        sr[c] -= x->alibi2 * (T)llabs(q0 + c + x->off - (j + r));
                 int64_t first = edge ? attn_clamp(j + r - hi - q0, NR) : 0;
                 int64_t past = edge ? attn_clamp(j + r - lo - q0 + 1, NR) : NR;
                 for (int64_t c = 0; c < first; c++)
@@ -893,7 +898,8 @@ static ATTN_INLINE void ST(flash_block_t)(const attn_problem *p, const TIN *q, c
     }
     for (int64_t i = 0; i < bq_pad * dv; i++)
         w->o[i] = 0;
-    ST(panel_extra) x = {p, bh, FEAT && p->mask ? attn_mask_base(p, bh) : 0, 0};
+    ST(panel_extra) x = {p, bh, FEAT && p->mask ? attn_mask_base(p, bh) : 0, 0,
+                         FEAT && p->alibi ? (T)(p->alibi[bh] * ATTN_LOG2E) : 0, sp.len - p->nq};
     for (int64_t j0 = kfirst; j0 < kend; j0 += bk) {
         int64_t kb = kend - j0 < bk ? kend - j0 : bk;
         const T *kr = ST(block_rows)(kh + j0 * d, kb, d, w->kt);
@@ -1133,6 +1139,11 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                     for (int64_t i = 0; i < qb; i++)
                         pj[i] += (T)attn_mask_log2(p, off + i * p->mask_stride[2]);
                 }
+                if (p->alibi) {
+                    const T a2 = (T)(p->alibi[bh] * ATTN_LOG2E);
+                    for (int64_t i = 0; i < qb; i++)
+                        pj[i] -= a2 * (T)llabs(i0 + i + sp.len - nq - (j0 + j));
+                }
                 ST(exp2_sub)(pj, w->m, qb_vw);
                 /* query i0 + i sees key j0 + j only if j0 + j - hi <= i0 + i <= j0 + j - lo */
                 int64_t first = attn_clamp(j0 + j - sp.hi - i0, qb), past = attn_clamp(j0 + j - sp.lo + 1 - i0, qb);
@@ -1207,6 +1218,11 @@ static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const
                 int64_t off = mbase + (i0 + r) * p->mask_stride[2] + j0 * p->mask_stride[3];
                 for (int64_t j = 0; j < kb; j++)
                     pr[j] += (T)attn_mask_log2(p, off + j * p->mask_stride[3]);
+            }
+            if (p->alibi) {
+                const T a2 = (T)(p->alibi[bh] * ATTN_LOG2E);
+                for (int64_t j = 0; j < kb; j++)
+                    pr[j] -= a2 * (T)llabs(i0 + r + sp.len - nq - (j0 + j));
             }
             for (int64_t j = 0; j < first; j++)
                 pr[j] = -INFINITY;
