@@ -197,3 +197,18 @@ def test_the_backward_needs_the_forwards_seed():
     out, lse = attnkern.attention(q, k, v, dropout_p=0.2, dropout_seed=1, return_lse=True)
     with pytest.raises(ValueError, match="dropout_seed is required"):
         attnkern.attention_backward(q, k, v, out, out, lse, dropout_p=0.2)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+def test_half_forward_with_dropout_mask_and_alibi(kind):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from attnkern_bench.accuracy import kernel_tolerance
+
+    dtype = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(np.float16)
+    q, k, v = (x.astype(dtype) for x in inputs((2, 4, 9, 16), (2, 4, 11, 16), np.float32))
+    kw = {"dropout_p": 0.3, "dropout_seed": 4, "causal": "bottom_right", "alibi_slopes": np.full(4, 0.1),
+          "attn_mask": np.random.default_rng(0).random((9, 11)) < 0.8}
+    out = attnkern.attention(q, k, v, kernel="native.flash", **kw)
+    ref = attnkern.reference(q, k, v, **kw)
+    bound = kernel_tolerance("native.flash", dtype, None) / 0.7 * max(1.0, np.abs(ref).max()) * conditioning(q, k)
+    assert np.abs(out.astype(np.float64) - ref).max() <= bound
