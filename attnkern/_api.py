@@ -173,7 +173,7 @@ def _kv_group(q_shape, k_shape, v_shape) -> int:
     if len(q_shape) == 2 or q_shape[-3] == k_shape[-3]:
         return 1
     heads, kv_heads = q_shape[-3], k_shape[-3]
-    if kv_heads == 0 or heads % kv_heads:
+    if kv_heads == 0 or heads % kv_heads or heads == 0:  # (0 query heads over k/v heads: no group size)
         raise ValueError(f"q has {heads} heads and k, v have {kv_heads}: for grouped-query attention the query "
                          f"heads H must be a multiple of the k/v heads H_kv (each k/v head serves H / H_kv "
                          f"consecutive query heads), got shapes {q_shape}, {k_shape}, {v_shape}")
@@ -883,7 +883,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ali
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[2] != k.shape[2] or q.shape[2] == 0:
         raise ValueError(f"q and k must have the same feature size D >= 1, got q {q.shape} and k {k.shape}")
-    if q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0:
+    if q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0 or (q.shape[1] == 0) != (k.shape[1] == 0):
         raise ValueError(f"q has {q.shape[1]} heads and k, v have {k.shape[1]}: the query heads H must be a "
                          "multiple of the k/v heads H_kv (grouped-query attention)")
     if k.shape[:2] != v.shape[:2]:
@@ -917,15 +917,16 @@ def _packed_rows(cu: np.ndarray, heads: int) -> np.ndarray:
 def _to_layout(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """A packed (total, heads, c) array in the varlen layout, as (heads, total, c)."""
     out = np.empty((x.shape[0] * x.shape[1], x.shape[2]), x.dtype)
-    out[rows.ravel()] = x.reshape(-1, x.shape[2])
+    out[rows.ravel()] = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
     return out.reshape(x.shape[1], x.shape[0], x.shape[2])
 
 
 def _packed_call(call: _Varlen, causal, scale, window, softcap, dropout_p, dropout_seed):
     """The whole varlen batch as one Call in attn.h's varlen layout (Features with the
     cu_seqlens), and the row maps of q's and k's tokens; None where there are no queries
-    or no keys at all (nothing for a kernel to do)."""
-    if call.q.shape[0] == 0 or call.k.shape[0] == 0:
+    or no keys at all (nothing for a kernel to do), or Dv = 0 (no kernel runs; each
+    sequence's lse comes from its own call)."""
+    if call.q.shape[0] == 0 or call.k.shape[0] == 0 or call.v.shape[2] == 0:
         return None
     rows_q, rows_k = _packed_rows(call.cu_q, call.q.shape[1]), _packed_rows(call.cu_k, call.k.shape[1])
     whole = validate(_to_layout(call.q, rows_q), _to_layout(call.k, rows_k), _to_layout(call.v, rows_k),

@@ -148,6 +148,7 @@ def test_torch_autograd_through_attention_varlen():
     ({"max_seqlen_k": 1.5}, TypeError, "integer"),
     ({"k": np.zeros((10, 3, 4))}, ValueError, "multiple of the k/v heads"),
     ({"q": np.zeros((8, 4))}, ValueError, "packed"),
+    ({"q": np.zeros((8, 0, 4))}, ValueError, "multiple of the k/v heads"),
     ({"dropout_p": 1.5}, ValueError, r"\[0, 1\)"),
     ({"dropout_seed": "x", "dropout_p": 0.1}, TypeError, "integer"),
 ])
@@ -201,3 +202,16 @@ def test_half_forward(kind):
     from attnkern_bench.accuracy import kernel_tolerance
     bound = kernel_tolerance("native.flash", dtype, None) * max(1.0, np.abs(ref).max()) * conditioning(q, k)
     assert np.abs(out.astype(np.float64) - ref).max() <= bound
+
+
+def test_zero_query_heads_over_k_v_heads_is_an_error_not_a_division_by_zero():
+    with pytest.raises(ValueError, match="multiple of the k/v heads"):
+        attnkern.attention(np.zeros((0, 3, 4)), np.zeros((2, 3, 4)), np.zeros((2, 3, 4)))
+
+
+def test_dv_zero_gives_each_sequences_lse():
+    q, k, v, cu_q, cu_k = packed([3, 4], [5, 2], dv=6)
+    out, lse = attnkern.attention_varlen(q, k, v[..., :0], cu_q, cu_k, return_lse=True, causal="bottom_right")
+    _, ref_lse, _ = per_sequence(q, k, v, cu_q, cu_k, causal="bottom_right")
+    assert out.shape == (7, 4, 0)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-12)

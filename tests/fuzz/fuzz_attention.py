@@ -8,8 +8,8 @@ Each input decodes into one call: arbitrary shapes (ranks 1-5, zero-sized axes),
 strides (transposed, stepped and Fortran-ordered views), dtypes (float16/32/64,
 ints, complex, object, mixed), tunables (in range and absurd), scales and
 special values (NaN, +-inf, -0.0, denormals, 1e38) written into the inputs; then
-attn_mask (broadcastable or not, bool, float, int, with NaN/inf), dropout_p and
-dropout_seed (in range and not), or the same arrays as a packed varlen call
+attn_mask (broadcastable or not, bool, float, int, with NaN/inf), alibi_slopes,
+dropout_p and dropout_seed (in range and not), or the same arrays as a packed varlen call
 (attention_varlen, with fuzzed cu_seqlens).
 What must hold:
 - a call either succeeds or raises one of the errors attention() documents
@@ -91,6 +91,8 @@ DOCUMENTED = [
     (ValueError, r"k and v must have the same \(total_k, heads\)", False),
     (ValueError, r"q and k must have the same feature size D >= 1, got ", False),
     (TypeError, r"attention_varlen takes host arrays", False),
+    (ValueError, r"alibi_slopes must (have shape|be finite)", False),
+    (TypeError, r"alibi_slopes must hold real numbers", False),
 ]
 
 
@@ -221,6 +223,13 @@ def features(fdp, q, k):
         if kind not in (bool, np.int32) and mask.size and fdp.ConsumeIntInRange(0, 3) == 0:
             mask.flat[fdp.ConsumeIntInRange(0, mask.size - 1)] = fdp.PickValueInList([np.nan, np.inf, -np.inf])
         feats["attn_mask"] = mask
+    if choice == 4:  # ALiBi slopes, per head or per sequence and head (or of a wrong shape)
+        heads = q.shape[-3] if q.ndim >= 3 else 1
+        shape = fdp.PickValueInList([(heads,), (q.shape[0] if q.ndim == 4 else 1, heads), (heads + 1,), ()])
+        slopes = np.random.default_rng(fdp.ConsumeIntInRange(0, 2**16)).uniform(-1, 2, shape)
+        if slopes.size and fdp.ConsumeIntInRange(0, 5) == 0:
+            slopes.flat[0] = fdp.PickValueInList([np.nan, np.inf, 1e30])
+        feats["alibi_slopes"] = slopes
     if choice in (2, 3, 5):
         feats["dropout_p"] = fdp.PickValueInList([0.0, 0.1, 0.5, 0.99, 1.0, -0.5, np.nan, "0.1", True])
         feats["dropout_seed"] = fdp.PickValueInList([0, 1, 2**63, 2**64 + 5, -7, 1.5, None, "x"])
