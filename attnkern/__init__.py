@@ -4,6 +4,7 @@
     # features: k, v with fewer heads (GQA), causal="bottom_right", window=(left, right),
     # key_lengths=[...], softcap=c (docs/features.md)
     attnkern.attention_backward(q, k, v, out, dout, lse)  # (dq, dk, dv)
+    # attn_mask=, dropout_p=/dropout_seed=, alibi_slopes=; packed sequences: attention_varlen(_backward)
     attnkern.reference(q, k, v)   # float64 NumPy oracle; reference_backward: its gradients
     attnkern.kernels()            # every kernel name
     attnkern.kernel_info(name)    # available here? tunables?
@@ -12,7 +13,7 @@
 """
 
 from . import backends  # noqa: F401  (registers the kernels)
-from ._api import attention, attention_backward, kernel_info
+from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward, kernel_info
 from ._reference import reference, reference_backward
 from ._registry import kernels, threads_used
 from ._version import __version__  # noqa: F401  (re-exported)
@@ -50,5 +51,5 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     return search(q_shape, k_shape, kernel=kernel, dtype=dtype, causal=causal, budget=budget, seed=seed, **options)
 
 
-__all__ = ["attention", "attention_backward", "reference", "reference_backward", "kernels", "kernel_info",
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "reference", "reference_backward", "kernels", "kernel_info",
            "active_isa", "supported_isas", "machine", "tune", "cache_dir", "threads_used"]

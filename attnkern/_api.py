@@ -8,7 +8,9 @@ kernel refuses a call, says why for every kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass
@@ -53,7 +55,7 @@ class Call:
     @property
     def needs(self) -> frozenset[str]:
         """The features (_registry.FEATURES) the call needs of a kernel."""
-        return self.features.needs()
+        return _NONE if self.features is _registry.PLAIN else self.features.needs()
 
     def feature_args(self) -> dict:
         """What a kernel's run and backward take for the features: {features: ...}
@@ -82,9 +84,11 @@ def _as_array(x, name: str):
 
 
 _ALIGNS = ("top_left", "bottom_right")
+_NONE = frozenset()
 
 
-def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=None, softcap=None) -> Call:
+def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=None, softcap=None, attn_mask=None,
+             dropout_p=0.0, dropout_seed=None, dropout_offset=(0, 0), alibi_slopes=None) -> Call:
     """Checks shapes, dtypes, values and the features; raises TypeError/ValueError
     saying what to fix."""
     like = q
@@ -121,6 +125,13 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
     features = _features(q.shape, nk, group, causal, align, float(scale), window, key_lengths, softcap)
+    if attn_mask is not None or dropout_p != 0.0 or alibi_slopes is not None:
+        if device:
+            raise TypeError("attn_mask, dropout and ALiBi run on the CPU kernels: pass host arrays (NumPy, CPU "
+                            "tensors)")
+        features = dataclasses.replace(features, **_mask(attn_mask, q.shape, nk, q.dtype),
+                                       **_dropout(dropout_p, dropout_seed, dropout_offset),
+                                       **_alibi(alibi_slopes, q.shape))
     if device:
         for x, n in ((q, "q"), (k, "k"), (v, "v")):
             if not x.is_c_contiguous():
@@ -145,6 +156,7 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
     )
     if check_finite and not device:  # GPU inputs are scanned after the kernel, with its output (run)
         _check_host_inputs(call.q, call.k, call.v, features.key_lengths)
+        _check_mask(features.mask)
     return call
 
 
@@ -161,7 +173,7 @@ def _kv_group(q_shape, k_shape, v_shape) -> int:
     if len(q_shape) == 2 or q_shape[-3] == k_shape[-3]:
         return 1
     heads, kv_heads = q_shape[-3], k_shape[-3]
-    if kv_heads == 0 or heads % kv_heads:
+    if kv_heads == 0 or heads % kv_heads or heads == 0:  # (0 query heads over k/v heads: no group size)
         raise ValueError(f"q has {heads} heads and k, v have {kv_heads}: for grouped-query attention the query "
                          f"heads H must be a multiple of the k/v heads H_kv (each k/v head serves H / H_kv "
                          f"consecutive query heads), got shapes {q_shape}, {k_shape}, {v_shape}")
@@ -220,6 +232,9 @@ def _features(q_shape, nk: int, group: int, causal: bool, align: str, scale: flo
     kernels run them: bottom-right is top-left where Nq = Nk and no key lengths are
     given, and causal already bounds the window's right side."""
     nq = q_shape[-2]
+    if window is None and key_lengths is None and softcap is None and group == 1 and (
+            align == "top_left" or nq == nk or not causal):
+        return _registry.PLAIN  # the plain call (most calls): no checks, no new Features
     left = right = -1
     if window is not None:
         if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
@@ -247,6 +262,111 @@ def _features(q_shape, nk: int, group: int, causal: bool, align: str, scale: flo
         align = "top_left"  # the same mask either way
     return _registry.Features(kv_group=group, align=align, window_left=left, window_right=right,
                               key_lengths=lengths, softcap=cap)
+
+
+def _mask(attn_mask, q_shape, nk: int, dtype) -> dict:
+    """attn_mask as Features' mask and mask_heads: a 4-D view (no copy) of the mask
+    as given, its shape padded with leading 1s, broadcastable to (B, H, Nq, Nk)
+    (B, H: 1 where q has fewer dimensions), as torch SDPA broadcasts it to the
+    attention weights (..., Nq, Nk). bool: True takes part; float: added to the
+    scores, of q's dtype (float32 or the half dtype itself for float16/bfloat16 q,
+    widened to float32 exactly)."""
+    if attn_mask is None:
+        return {}
+    half = dtype.name in ("float16", "bfloat16")
+    if type(attn_mask).__module__.startswith("torch") and hasattr(attn_mask, "detach"):
+        import torch
+
+        if attn_mask.device.type != "cpu":
+            raise TypeError(f"attn_mask is on {attn_mask.device}; pass a host (CPU) tensor or NumPy array")
+        if attn_mask.dtype in (torch.float16, torch.bfloat16):
+            if not half:
+                raise TypeError(f"an additive attn_mask must be {dtype}, q's dtype, got {attn_mask.dtype}; convert "
+                                "it with .to(q.dtype), or pass a bool mask")
+            attn_mask = attn_mask.float()  # exact
+        attn_mask = attn_mask.detach().numpy()
+    mask = np.asarray(attn_mask)
+    half = dtype.name in ("float16", "bfloat16")
+    if mask.dtype != np.bool_:
+        if mask.dtype.kind != "f" and mask.dtype.name != "bfloat16":
+            raise TypeError(f"attn_mask has dtype {mask.dtype}; it must be bool (True: the key takes part, as torch "
+                            f"SDPA) or a float mask added to the scores, of q's dtype {dtype}")
+        if half and mask.dtype in (np.float32, dtype):
+            mask = mask.astype(np.float32, copy=False)
+        elif mask.dtype != dtype:
+            wanted = f"{dtype} (q's dtype) or float32" if half else f"{dtype}, q's dtype"
+            raise TypeError(f"an additive attn_mask must be {wanted}, got {mask.dtype}; convert it with "
+                            ".astype (torch: .to(q.dtype)), or pass a bool mask")
+    lead = tuple(q_shape[:-2])
+    target = (*lead, q_shape[-2], nk)
+    if mask.ndim > len(target) or any(m not in (1, t) for m, t in zip(mask.shape[::-1], target[::-1])):
+        raise ValueError(f"attn_mask of shape {mask.shape} does not broadcast to the attention weights' shape "
+                         f"{target} ((..., Nq, Nk) of these q, k: each dimension 1 or the weights' own, leading "
+                         "ones may be left out, as torch SDPA takes it)")
+    target4 = (1,) * (4 - len(target)) + target
+    mask4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if any(st < 0 or st % mask4.itemsize for st in mask4.strides):
+        mask4 = np.ascontiguousarray(mask4)
+    return {"mask": mask4, "mask_heads": target4[1]}
+
+
+def _alibi(alibi_slopes, q_shape) -> dict:
+    """alibi_slopes (H,) or (B, H), FlashAttention's, as Features' alibi: one float64
+    slope per folded query row (B * H of them)."""
+    if alibi_slopes is None:
+        return {}
+    if type(alibi_slopes).__module__.startswith("torch") and hasattr(alibi_slopes, "detach"):
+        alibi_slopes = alibi_slopes.detach().cpu().float().numpy()
+    slopes = np.asarray(alibi_slopes)
+    if slopes.dtype.kind not in "fiu" or slopes.dtype == np.bool_:
+        raise TypeError(f"alibi_slopes must hold real numbers (one slope per head), got dtype {slopes.dtype}")
+    heads = q_shape[-3] if len(q_shape) >= 3 else 1
+    batch = q_shape[0] if len(q_shape) == 4 else 1
+    if slopes.shape not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (one slope per head, or per "
+                         f"sequence and head) for q of shape {tuple(q_shape)}, got {slopes.shape}")
+    if not np.isfinite(slopes).all():
+        raise ValueError("alibi_slopes must be finite")
+    return {"alibi": np.ascontiguousarray(np.broadcast_to(slopes, (batch, heads)), np.float64).reshape(-1)}
+
+
+def _check_mask(mask) -> None:
+    """ValueError for a float mask with NaN or +infinity (-inf hides a key)."""
+    if mask is not None and mask.dtype != np.bool_ and (np.isnan(mask).any() or np.isposinf(mask).any()):
+        raise ValueError("attn_mask contains NaN or +infinity; an additive mask holds finite values or -inf "
+                         "(hides the key); or pass check_finite=False")
+
+
+def _dropout(dropout_p, dropout_seed, offset) -> dict:
+    """dropout_p and dropout_seed as Features' dropout fields (seed taken mod 2^64)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must lie in [0, 1) (the probability of dropping an attention weight), "
+                         f"got {dropout_p!r}")
+    if dropout_seed is not None and (isinstance(dropout_seed, (bool, np.bool_))
+                                     or not isinstance(dropout_seed, numbers.Integral)):
+        raise TypeError(f"dropout_seed must be an integer (or None to draw one), got {dropout_seed!r}")
+    if dropout_p == 0:
+        return {}
+    if dropout_seed is None:
+        raise ValueError("dropout_seed is required with dropout_p > 0 here: pass the seed the forward used")
+    return {"dropout_p": float(dropout_p), "dropout_seed": int(dropout_seed) % 2**64,
+            "dropout_offset": tuple(int(x) for x in offset)}
+
+
+def _draw_seed(dropout_p, dropout_seed, torch_inputs: bool):
+    """dropout_seed, or where it is None and dropout is on, a fresh one: from torch's
+    default generator for torch inputs (torch.manual_seed controls it), else from
+    NumPy's global RNG (np.random.seed controls it)."""
+    if dropout_seed is not None or isinstance(dropout_p, (bool, np.bool_)) or \
+            not isinstance(dropout_p, numbers.Real) or not dropout_p > 0:
+        return dropout_seed
+    if torch_inputs:
+        import torch
+
+        return int(torch.randint(0, 2**62, (1,)).item())
+    return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
 
 
 def _check_host_inputs(q, k, v, key_lengths=None):
@@ -296,7 +416,8 @@ def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False
 
 
 def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, key_lengths=None, softcap=None,
-              check_finite=True, return_lse=False, **params):
+              attn_mask=None, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, check_finite=True,
+              return_lse=False, **params):
     """softmax(q k^T * scale) v.
 
     q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
@@ -316,7 +437,17 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     before and right after its diagonal (None: unbounded; causal sets right to 0).
     key_lengths (one integer per sequence: B for (B, H, N, D) inputs) hides keys
     j >= its length (right-padded batches). softcap c replaces each score s by
-    c * tanh(s / c). A row that sees no key gets 0 and lse -inf.
+    c * tanh(s / c). attn_mask, broadcastable to (..., Nq, Nk) as torch SDPA takes
+    it (NumPy array or CPU tensor), is bool (True: the key takes part) or float,
+    added to the (capped) scores, of q's dtype (float32 or q's own for float16 and
+    bfloat16); -inf hides a key. dropout_p in [0, 1) drops each probability with
+    that chance and scales the kept ones by 1 / (1 - dropout_p), the lse staying
+    that of the undropped softmax; the mask is Philox4x32-10 keyed by dropout_seed
+    (attnkern._philox; None draws one from NumPy's global RNG, or from torch's
+    default generator for torch inputs), so a seed gives the same result on every
+    kernel that has dropout and every thread count. alibi_slopes, (H,) or (B, H)
+    (FlashAttention's), adds -slope * |i + Nk - Nq - j| to the score of query i and
+    key j (Nk: the sequence's key length). A row that sees no key gets 0 and lse -inf.
     kernel_info(name)["features"] says which kernels take which (docs/features.md).
     kernel is a name from attnkern.kernels() or "auto"; params are the kernel's
     tunables (attnkern.kernel_info(name)).
@@ -334,10 +465,15 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     raise ValueError and a non-finite result (scores overflowing the dtype) raises
     FloatingPointError.
     """
-    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap}
-    if _is_torch(q) or _is_torch(k) or _is_torch(v):
+    torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
+    if dropout_p and dropout_seed is None:
+        dropout_seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
+    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
+             "dropout_p": dropout_p, "dropout_seed": dropout_seed, "alibi_slopes": alibi_slopes}
+    if torch_inputs:
         # device-resident tensors: a prepared launch per call shape, for calls without features
-        if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None:
+        if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None and \
+                attn_mask is None and dropout_p == 0.0 and alibi_slopes is None:
             result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
             if result is not None:
                 return result
@@ -420,10 +556,12 @@ def _torch_function():
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,
-                       key_lengths=None, softcap=None, **params):
+                       key_lengths=None, softcap=None, attn_mask=None, dropout_p=0.0, dropout_seed=None,
+                       alibi_slopes=None, **params):
     """(dq, dk, dv) of attention(q, k, v, ...) given the output's gradient dout:
     out and lse are what attention(..., return_lse=True) returned for the same
-    arguments (causal, scale, window, key_lengths, softcap as there); dk and dv
+    arguments (causal, scale, window, key_lengths, softcap, attn_mask, alibi_slopes, dropout_p as
+    there, and with dropout the dropout_seed the forward used: required); dk and dv
     have k's and v's shapes (H_kv heads under grouped-query attention, each the
     sum over the query heads it serves). out and lse may also be those of whole
     rows of which k, v hold one block of keys (ring attention): the result is then
@@ -432,7 +570,8 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     NumPy arrays or torch tensors (CPU or CUDA), in the kernel's dtypes; the kernel
     must have a backward (kernel_info(name)["backward"])."""
     args = (q, k, v, out, dout, lse)
-    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap}
+    feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
+             "dropout_p": dropout_p, "dropout_seed": dropout_seed, "alibi_slopes": alibi_slopes}
     if any(_is_torch(x) for x in args):
         return _torch_attention_backward(*args, causal=causal, scale=scale, kernel=kernel, feats=feats, **params)
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=False, **feats)
@@ -564,7 +703,8 @@ def kernel_info(name: str) -> dict:
     returns_lse (attention(..., return_lse=True) works), backward (it is differentiable),
     dtypes (the input dtypes it takes), backward_dtypes (those its backward takes),
     features (the features of docs/features.md its forward takes: "gqa", "bottom_right",
-    "window", "key_lengths", "softcap"), backward_features (those its backward takes),
+    "window", "key_lengths", "softcap", "mask", "dropout", "alibi", "varlen": a packed
+    varlen batch in one call), backward_features (those its backward takes),
     tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
     replace the defaults for calls that match their key};
     a tunable restricted to a set of values also has "choices"."""
@@ -633,6 +773,8 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
     in_kernel = check_finite and chosen.checks_finite and not call.device and not call.empty
     if check_finite and not call.device and not in_kernel:
         _check_host_inputs(call.q, call.k, call.v, call.features.key_lengths)
+    if check_finite and call.features.mask is not None:
+        _check_mask(call.features.mask)
     if in_kernel:
         extra["check_finite"] = True
     if call.device:  # outputs are allocated here, as the caller's kind of GPU array
@@ -674,3 +816,292 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
     if overflow:
         raise _registry.nonfinite_output(chosen.name, call.q.dtype)
     return (returned, lse_returned) if return_lse else returned
+
+
+# ------------------------------------------------------------------ varlen
+def _cu_seqlens(cu, name: str, total: int) -> np.ndarray:
+    """cu_seqlens as int64: 1-D int32/int64, starting at 0, non-decreasing, ending at
+    total (the packed length); ValueError/TypeError saying what to fix."""
+    if type(cu).__module__.startswith("torch") and hasattr(cu, "detach"):
+        cu = cu.detach().cpu().numpy()
+    cu = np.asarray(cu)
+    if cu.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name} must be int32 or int64 (FlashAttention's cu_seqlens), got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.size < 1:
+        raise ValueError(f"{name} must be 1-D with nseq + 1 offsets, got shape {cu.shape}")
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {cu[0]}")
+    if (np.diff(cu) < 0).any():
+        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got {cu.tolist()}")
+    if cu[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total} (the first dimension of its arrays), "
+                         f"got {cu[-1]}")
+    return cu.astype(np.int64)
+
+
+def _max_seqlen(value, cu: np.ndarray, name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer or None, got {value!r}")
+    longest = int(np.diff(cu).max(initial=0))
+    if value < longest:
+        raise ValueError(f"{name}={value} is smaller than the longest sequence, {longest}; pass at least that "
+                         "(or None)")
+
+
+@dataclass(frozen=True)
+class _Varlen:
+    """A validated varlen call: packed q (total_q, H, D), k, v (total_k, H_kv, .), and
+    each sequence's query and key offsets."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+    slopes: object = None  # ALiBi: float64 (H,) or (nseq, H), or None
+
+
+def _seq_slopes(call: _Varlen, s: int):
+    """Sequence s's ALiBi slopes (H,), or None."""
+    return None if call.slopes is None else (call.slopes if call.slopes.ndim == 1 else call.slopes[s])
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes=None) -> _Varlen:
+    q, k, v = (_as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(x, np.ndarray):
+            raise TypeError("attention_varlen takes host arrays (NumPy, CPU tensors)")
+        if x.ndim != 3:
+            raise ValueError(f"{n} has shape {x.shape}; attention_varlen takes packed (total, heads, D) arrays "
+                             "(FlashAttention's varlen layout)")
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):  # also where no sequence runs a kernel
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{n} has dtype {x.dtype}; attnkern supports {_DTYPE_NAMES} (convert with .astype)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[2] != k.shape[2] or q.shape[2] == 0:
+        raise ValueError(f"q and k must have the same feature size D >= 1, got q {q.shape} and k {k.shape}")
+    if q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0 or (q.shape[1] == 0) != (k.shape[1] == 0):
+        raise ValueError(f"q has {q.shape[1]} heads and k, v have {k.shape[1]}: the query heads H must be a "
+                         "multiple of the k/v heads H_kv (grouped-query attention)")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same (total_k, heads), got {k.shape} and {v.shape}")
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if cu_q.size != cu_k.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length per sequence each, got "
+                         f"{cu_q.size - 1} and {cu_k.size - 1} sequences")
+    _max_seqlen(max_seqlen_q, cu_q, "max_seqlen_q")
+    _max_seqlen(max_seqlen_k, cu_k, "max_seqlen_k")
+    slopes = None
+    if alibi_slopes is not None:  # (H,) or (nseq, H): checked as attention() checks (B, H) slopes
+        nseq, heads = cu_q.size - 1, q.shape[1]
+        shaped = np.asarray(alibi_slopes.detach().cpu().float().numpy() if _is_torch(alibi_slopes) else alibi_slopes)
+        slopes = _alibi(shaped, (nseq if shaped.ndim == 2 else 1, heads, 1, 1))["alibi"]
+        slopes = slopes.reshape(nseq, heads) if shaped.ndim == 2 else slopes
+    return _Varlen(q, k, v, cu_q, cu_k, slopes)
+
+
+def _packed_rows(cu: np.ndarray, heads: int) -> np.ndarray:
+    """(total, heads) row indices into attn.h's varlen layout (sequence after sequence,
+    each a (heads, len, .) block) of the packed (total, heads, .) rows: token t of
+    sequence s (local index i) and head h go to row cu[s] * heads + h * len_s + i."""
+    lens = np.diff(cu)
+    seq = np.repeat(np.arange(lens.size), lens)
+    start = cu[seq]
+    return (start * heads + np.arange(cu[-1]) - start)[:, None] + np.arange(heads)[None, :] * lens[seq][:, None]
+
+
+def _to_layout(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """A packed (total, heads, c) array in the varlen layout, as (heads, total, c)."""
+    out = np.empty((x.shape[0] * x.shape[1], x.shape[2]), x.dtype)
+    out[rows.ravel()] = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+    return out.reshape(x.shape[1], x.shape[0], x.shape[2])
+
+
+def _packed_call(call: _Varlen, causal, scale, window, softcap, dropout_p, dropout_seed):
+    """The whole varlen batch as one Call in attn.h's varlen layout (Features with the
+    cu_seqlens), and the row maps of q's and k's tokens; None where there are no queries
+    or no keys at all (nothing for a kernel to do), or Dv = 0 (no kernel runs; each
+    sequence's lse comes from its own call)."""
+    if call.q.shape[0] == 0 or call.k.shape[0] == 0 or call.v.shape[2] == 0:
+        return None
+    rows_q, rows_k = _packed_rows(call.cu_q, call.q.shape[1]), _packed_rows(call.cu_k, call.k.shape[1])
+    whole = validate(_to_layout(call.q, rows_q), _to_layout(call.k, rows_k), _to_layout(call.v, rows_k),
+                     causal=causal, scale=scale, check_finite=False, window=window, softcap=softcap,
+                     dropout_p=dropout_p, dropout_seed=dropout_seed)
+    on, align = _causal(causal)
+    f = whole.features
+    masked = on or f.window_left >= 0 or f.window_right >= 0
+    features = dataclasses.replace(f, align=align if masked else "top_left", cu_seqlens_q=call.cu_q,
+                                   cu_seqlens_k=call.cu_k)
+    if call.slopes is not None:
+        features = dataclasses.replace(features, alibi=call.slopes.reshape(-1),
+                                       alibi_seq_stride=call.q.shape[1] if call.slopes.ndim == 2 else 0)
+    return dataclasses.replace(whole, features=features), rows_q, rows_k
+
+
+def _packed_kernel(packed, kernel, backward: bool):
+    """The kernel that runs a packed varlen call in one go (it has "varlen", forward and
+    with backward its backward), or None: attention_varlen then runs one call per sequence."""
+    if packed is None:
+        return None
+    needs = packed[0].needs
+    dtype = packed[0].q.dtype.name
+    chosen = _auto(False, dtype, True, backward, needs) if kernel == "auto" else _registry.get(kernel)
+    has = chosen.features_of_backward() if backward else chosen.features
+    return chosen if "varlen" in has and not chosen.not_supported_reasons(
+        dtype=dtype, return_lse=True, backward=backward, features=needs) else None
+
+
+def _heads_first(x, lo, hi):
+    """Rows [lo, hi) of a packed (total, heads, D) array as (heads, hi - lo, D)."""
+    return np.ascontiguousarray(x[lo:hi].transpose(1, 0, 2))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
+                     scale=None, window=None, softcap=None, dropout_p=0.0, dropout_seed=None, kernel="auto",
+                     return_lse=False, alibi_slopes=None, **params):
+    """attention() of packed variable-length sequences, FlashAttention's
+    flash_attn_varlen_func layout: q (total_q, H, D), k (total_k, H_kv, D), v
+    (total_k, H_kv, Dv); sequence s is q[cu_seqlens_q[s]:cu_seqlens_q[s + 1]] with
+    k, v[cu_seqlens_k[s]:cu_seqlens_k[s + 1]] (cu_seqlens int32/int64, from 0, non-
+    decreasing, ending at total). Returns out (total_q, H, Dv) and with return_lse
+    also lse (H, total_q), as FlashAttention's softmax_lse. causal True / "top_left"
+    aligns each sequence's diagonal top-left (torch's), "bottom_right" bottom-right
+    (FlashAttention's default for varlen causal: pass it to match flash_attn); window,
+    softcap and dropout as attention()'s, per sequence, the Philox counters of
+    dropout being (head, packed query index, packed key index); alibi_slopes (H,) or
+    (nseq, H) as FlashAttention's, per sequence. max_seqlen_q/k are
+    checked (>= the longest sequence) and otherwise unused. A kernel with "varlen"
+    (kernel_info(name)["features"]: native.flash) runs the whole batch in one call,
+    scheduling (sequence, head, query block) work items (no padding work, no block
+    across sequences); any other kernel runs one (H, len, D) call per sequence.
+    torch CPU tensors give torch tensors, differentiable through
+    attention_varlen_backward."""
+    torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
+    seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
+    kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
+          "dropout_seed": seed, "kernel": kernel, "alibi_slopes": alibi_slopes}
+    if torch_inputs:
+        return _torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, kw, params)
+    check_finite = params.pop("check_finite", True)
+    call = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
+    heads, dv = call.q.shape[1], call.v.shape[2]
+    out = np.zeros((call.q.shape[0], heads, dv), call.q.dtype)
+    lse = np.full((heads, call.q.shape[0]), -np.inf, call.q.dtype)
+    _dropout(dropout_p, seed, (0, 0))  # checked once, also where no sequence runs
+    packed = _packed_call(call, causal, scale, window, softcap, dropout_p, seed)
+    whole = _packed_kernel(packed, kernel, backward=False)
+    if whole is not None:  # one call: (sequence, head, query block) work items inside the kernel
+        chosen, resolved = choose(packed[0], whole.name, params, return_lse=True)
+        got, got_lse = run(packed[0], chosen, resolved, check_finite=check_finite, return_lse=True)
+        rows = packed[1]
+        out = got.reshape(-1, dv)[rows]
+        lse = got_lse.reshape(-1)[rows].T.copy()
+        return (out, lse) if return_lse else out
+    for s in range(call.cu_q.size - 1):
+        (q0, q1), (k0, k1) = call.cu_q[s:s + 2], call.cu_k[s:s + 2]
+        if q1 == q0 or k1 == k0:  # no queries, or no keys: out 0, lse -inf
+            continue
+        sq, sk, sv = (_heads_first(x, a, b) for x, a, b in ((call.q, q0, q1), (call.k, k0, k1), (call.v, k0, k1)))
+        seq = validate(sq, sk, sv, causal=kw["causal"], scale=scale, check_finite=False, window=window,
+                       softcap=softcap, dropout_p=dropout_p, dropout_seed=seed, dropout_offset=(int(q0), int(k0)),
+                       alibi_slopes=_seq_slopes(call, s))
+        chosen, resolved = choose(seq, kernel, params, return_lse=True)
+        got, got_lse = run(seq, chosen, resolved, check_finite=check_finite, return_lse=True)
+        out[q0:q1] = got.transpose(1, 0, 2)
+        lse[:, q0:q1] = got_lse
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                              max_seqlen_k=None, *, causal=False, scale=None, window=None, softcap=None,
+                              dropout_p=0.0, dropout_seed=None, kernel="auto", return_lse=False, alibi_slopes=None,
+                              **params):
+    """(dq, dk, dv) of attention_varlen(q, k, v, ...) given the output's gradient dout
+    (total_q, H, Dv): out and lse (H, total_q) as attention_varlen(...,
+    return_lse=True) returned them, the same keywords (dropout_seed required with
+    dropout). dk and dv have k's and v's shapes. return_lse is accepted for symmetry
+    with attention_varlen and ignored."""
+    kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
+          "dropout_seed": dropout_seed, "kernel": kernel, "alibi_slopes": alibi_slopes}
+    arrays = (q, k, v, out, dout, lse)
+    if any(_is_torch(x) for x in arrays):
+        import torch
+
+        _torch_api.check_tensors(arrays, "q, k, v, out, dout, lse")
+        grads = attention_varlen_backward(*_torch_api.views([x.contiguous() for x in arrays]), cu_seqlens_q,
+                                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw, **params)
+        return tuple(torch.from_numpy(g) for g in grads)
+    call = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
+    heads, total_q, dvn = call.q.shape[1], call.q.shape[0], call.v.shape[2]
+    out = check_like(out, "out", (total_q, heads, dvn), call.q.dtype)
+    dout = check_like(dout, "dout", (total_q, heads, dvn), call.q.dtype)
+    lse = check_like(lse, "lse", (heads, total_q), call.q.dtype)
+    _dropout(dropout_p, dropout_seed, (0, 0))
+    packed = _packed_call(call, causal, scale, window, softcap, dropout_p, dropout_seed)
+    whole = _packed_kernel(packed, kernel, backward=True)
+    if whole is not None:
+        pc, rows_q, rows_k = packed
+        chosen, resolved = choose(pc, whole.name, params, return_lse=True, backward=True)
+        _check_backward_dtype(chosen, pc.q.dtype.name)
+        lse_p = np.empty(heads * total_q, call.q.dtype)
+        lse_p[rows_q.ravel()] = lse.T.reshape(-1)
+        grads = chosen.backward(pc.q, pc.k, pc.v, _to_layout(out, rows_q), _to_layout(dout, rows_q),
+                                lse_p.reshape(heads, total_q), pc.causal, pc.scale, **pc.feature_args(), **resolved)
+        return tuple(g.reshape(-1, g.shape[2])[rows] for g, rows in zip(grads, (rows_q, rows_k, rows_k)))
+    dq, dk, dv = np.zeros_like(call.q), np.zeros_like(call.k), np.zeros_like(call.v)
+    for s in range(call.cu_q.size - 1):
+        (q0, q1), (k0, k1) = call.cu_q[s:s + 2], call.cu_k[s:s + 2]
+        if q1 == q0 or k1 == k0:
+            continue
+        seq = [_heads_first(x, a, b) for x, a, b in ((call.q, q0, q1), (call.k, k0, k1), (call.v, k0, k1),
+                                                      (out, q0, q1), (dout, q0, q1))]
+        call_s = validate(*seq[:3], causal=causal, scale=scale, check_finite=False, window=window, softcap=softcap,
+                          dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=(int(q0), int(k0)),
+                          alibi_slopes=_seq_slopes(call, s))
+        chosen, resolved = choose(call_s, kernel, params, return_lse=True, backward=True)
+        _check_backward_dtype(chosen, call_s.q.dtype.name)
+        g = chosen.backward(call_s.q, call_s.k, call_s.v, seq[3], seq[4], np.ascontiguousarray(lse[:, q0:q1]),
+                            call_s.causal, call_s.scale, **call_s.feature_args(), **resolved)
+        for full, part, a, b in ((dq, g[0], q0, q1), (dk, g[1], k0, k1), (dv, g[2], k0, k1)):
+            full[a:b] = part.transpose(1, 0, 2)
+    return dq, dk, dv
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse, kw, params):
+    """attention_varlen on CPU torch tensors: torch out, differentiable where an input
+    requires grad (through attention_varlen_backward)."""
+    import torch
+
+    _torch_api.check_tensors((q, k, v), "q, k, v")
+    if any(x.is_cuda for x in (q, k, v)):
+        raise TypeError("attention_varlen runs on the CPU: pass CPU tensors")
+
+    def forward(q, k, v):
+        out, lse = attention_varlen(*_torch_api.views((q, k, v)), cu_q, cu_k, max_q, max_k, return_lse=True, **kw,
+                                    **params)
+        return torch.from_numpy(out), torch.from_numpy(lse)
+
+    class Varlen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = forward(q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            return attention_varlen_backward(q.detach(), k.detach(), v.detach(), out, dout.contiguous(), lse, cu_q,
+                                             cu_k, max_q, max_k, **kw, **params)
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse = Varlen.apply(q, k, v)
+    else:
+        out, lse = forward(q, k, v)
+    return (out, lse) if return_lse else out

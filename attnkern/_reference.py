@@ -13,11 +13,13 @@ from .backends.numpy import sequences, softmax_attention
 
 
 def reference(q, k, v, *, causal=False, scale=None, rows=None, window=None, key_lengths=None, softcap=None,
-              return_lse=False):
+              attn_mask=None, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, return_lse=False,
+              _dropout_offset=(0, 0)):
     """softmax(q k^T * scale) v computed in float64 with NumPy; returns float64.
     Takes the same inputs and features as attnkern.attention (grouped k/v heads,
-    causal True/"top_left"/"bottom_right", window, key_lengths, softcap); a row
-    that sees no key gets 0 (and lse -inf).
+    causal True/"top_left"/"bottom_right", window, key_lengths, softcap,
+    attn_mask, dropout_p with dropout_seed, required: the same Philox mask as the
+    kernels', alibi_slopes); a row that sees no key gets 0 (and lse -inf).
 
     rows: optional query row indices into Nq. Only those rows are computed, as
     they are in the full result (the causal mask uses their positions), giving
@@ -25,9 +27,12 @@ def reference(q, k, v, *, causal=False, scale=None, rows=None, window=None, key_
     N x N reference would not fit in memory.
 
     return_lse=True returns (out, lse), lse (..., Nq or len(rows)) each row's
-    natural-log log-sum-exp of its scaled, capped, masked scores, in float64."""
+    natural-log log-sum-exp of its scaled, capped, masked scores, in float64.
+    _dropout_offset (private): the (query, key) offsets of dropout's Philox counters,
+    as attention_varlen gives each sequence."""
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=True, window=window, key_lengths=key_lengths,
-                    softcap=softcap)
+                    softcap=softcap, attn_mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                    dropout_offset=_dropout_offset, alibi_slopes=alibi_slopes)
     q3, positions, out_shape = call.q, None, call.out_shape
     if rows is not None:
         positions = _row_indices(rows, call.q.shape[1])
@@ -44,7 +49,8 @@ def reference(q, k, v, *, causal=False, scale=None, rows=None, window=None, key_
     return (out, lse.reshape(out_shape[:-1])) if return_lse else out
 
 
-def reference_backward(q, k, v, dout, *, causal=False, scale=None, window=None, key_lengths=None, softcap=None):
+def reference_backward(q, k, v, dout, *, causal=False, scale=None, window=None, key_lengths=None, softcap=None,
+                       attn_mask=None, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, _dropout_offset=(0, 0)):
     """(dq, dk, dv) of sum(reference(q, k, v, ...) * dout) in float64, with the same
     features: P = softmax(S) over the visible keys, S = c tanh(R / c) with a softcap
     c (else S = R), R = scale q k^T, and
@@ -52,10 +58,14 @@ def reference_backward(q, k, v, dout, *, causal=False, scale=None, window=None, 
         dv = P^T dO,  dS = P * (dO v^T - rowsum(dO * O)),  dR = dS (1 - tanh^2(R / c)),
         dq = scale dR k,  dk = scale dR^T q,
 
+    with dropout (Z = keep / (1 - p), the forward's Philox mask) FlashAttention-2's
+    rule: O = (P * Z) v, dv = (P * Z)^T dO, dS = P * ((dO v^T) * Z - rowsum(dO * O));
+    an attention mask adds a constant to S (no gradient of its own);
     dk and dv summed over the query heads that share a k/v head (shapes of k and v).
     Keys no query sees, and rows that see no key, have zero gradients."""
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=True, window=window, key_lengths=key_lengths,
-                    softcap=softcap)
+                    softcap=softcap, attn_mask=attn_mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                    dropout_offset=_dropout_offset, alibi_slopes=alibi_slopes)
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != call.out_shape:
         raise ValueError(f"dout has shape {dout.shape}; expected {call.out_shape}, the output's")
@@ -65,16 +75,19 @@ def reference_backward(q, k, v, dout, *, causal=False, scale=None, window=None, 
     do3 = dout.reshape(batch, nq, dv_)
     dq, dk, dv = np.zeros_like(q3), np.zeros_like(k3), np.zeros_like(v3)
     if batch * nq:
-        for rows, kv, length, p, _, dcap in sequences(q3, k3, call.causal, call.scale, call.features, slope=True):
+        for rows, kv, length, p, _, dcap, z in sequences(q3, k3, call.causal, call.scale, call.features,
+                                                         slope=True):
             qs, dos = (x[rows].reshape(*p.shape[:3], x.shape[2]) for x in (q3, do3))  # (k/v rows, group, nq, .)
             ks, vs = k3[kv, :length][:, None], v3[kv, :length][:, None]
-            out = p @ vs
-            ds = p * (dos @ vs.swapaxes(-1, -2) - (dos * out).sum(-1, keepdims=True))
+            pz = p if z is None else p * z  # the dropped probabilities, those the output used
+            out = pz @ vs
+            dp = dos @ vs.swapaxes(-1, -2)
+            ds = p * ((dp if z is None else dp * z) - (dos * out).sum(-1, keepdims=True))
             if dcap is not None:
                 ds *= dcap
             dq[rows] = (call.scale * ds @ ks).reshape(-1, nq, d)
             dk[kv, :length] = call.scale * (ds.swapaxes(-1, -2) @ qs).sum(1)
-            dv[kv, :length] = (p.swapaxes(-1, -2) @ dos).sum(1)
+            dv[kv, :length] = (pz.swapaxes(-1, -2) @ dos).sum(1)
     return (dq.reshape(*call.out_shape[:-2], nq, d), dk.reshape(call.kv_shape),
             dv.reshape(*call.kv_shape[:-1], dv_))
 

@@ -29,6 +29,11 @@ FEATURES = {
     "window": "a sliding window (window=)",
     "key_lengths": "key padding (key_lengths=)",
     "softcap": "a logit softcap (softcap=)",
+    "mask": "an attention mask (attn_mask=, boolean or additive)",
+    "dropout": "dropout on the probabilities (dropout_p > 0)",
+    "alibi": "ALiBi slopes (alibi_slopes=)",
+    "varlen": "packed variable-length sequences in one call (attention_varlen; kernels without it run them "
+              "one sequence at a time)",
 }
 ALL_FEATURES = frozenset(FEATURES)
 
@@ -41,8 +46,19 @@ class Features:
     (i + len - nq, len the row's key length); window sides as key counts, -1 for
     unbounded (each at most nq + nk, beyond which a bound masks nothing); one key
     length per sequence (int64, None: every key), shared by the batch / len rows of
-    a sequence; a softcap c > 0 (0: none). The core passes one to a kernel's run
-    and backward as features= only where needs() is not empty."""
+    a sequence; a softcap c > 0 (0: none); an attention mask (mask: a 4-D array
+    (B or 1, H or 1, nq or 1, nk or 1) of bool, True = take part, or of floats
+    added to the scores, read through np.broadcast_to; the folded batch row b is
+    (b // mask_heads, b % mask_heads)); dropout with probability dropout_p
+    (0: none) from the counter-based RNG keyed by dropout_seed (attnkern.philox:
+    the counters are (row, query + dropout_offset[0], key + dropout_offset[1]),
+    the offsets placing a varlen sequence's block in its packed arrays); packed
+    varlen sequences (cu_seqlens_q/k, int64 offsets: the arrays then hold sequence
+    after sequence, each a (heads, len, d) block, attn.h's varlen layout); ALiBi
+    (alibi: a slope per folded query row, -slope |i + len - nq - j| added to the
+    scores, FlashAttention's). The core
+    passes one to a kernel's run and backward as features= only where needs() is
+    not empty."""
 
     kv_group: int = 1
     align: str = "top_left"
@@ -50,6 +66,31 @@ class Features:
     window_right: int = -1
     key_lengths: object = None  # np.ndarray of int64, or None
     softcap: float = 0.0
+    mask: object = None  # np.ndarray, 4-D, broadcastable to (batch // mask_heads, mask_heads, nq, nk)
+    mask_heads: int = 1
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    dropout_offset: tuple = (0, 0)
+    cu_seqlens_q: object = None  # varlen: np.ndarray of int64 offsets (attn.h's layout), or None
+    cu_seqlens_k: object = None
+    alibi: object = None  # np.ndarray of float64: one ALiBi slope per folded query row (varlen: per sequence)
+    alibi_seq_stride: int = 0
+
+    def mask_rows(self, rows: slice, nq_sel, dtype) -> "np.ndarray":
+        """The additive mask (float, -inf where a bool mask is False) of the folded
+        batch rows `rows`, (len(rows), nq, nk) or for selected query positions
+        nq_sel (an index array) (len(rows), len(nq_sel), nk), materialised."""
+        import numpy as np
+
+        m, heads = self.mask, self.mask_heads
+        b = np.arange(rows.start, rows.stop)
+        zero = np.zeros_like(b)
+        sel = m[b // heads if m.shape[0] > 1 else zero, b % heads if m.shape[1] > 1 else zero]
+        if nq_sel is not None and sel.shape[1] > 1:
+            sel = sel[:, nq_sel]
+        if sel.dtype == np.bool_:
+            sel = np.where(sel, 0, -np.inf)
+        return sel.astype(dtype, copy=False)
 
     def sequences(self, batch: int, batch_kv: int, nk: int) -> list[tuple[slice, slice, int]]:
         """(query rows, k/v rows, key length) of each sequence of (batch, n, d) q and
@@ -64,7 +105,9 @@ class Features:
         """The names (FEATURES) of what this asks for."""
         asked = {"gqa": self.kv_group > 1, "bottom_right": self.align == "bottom_right",
                  "window": self.window_left >= 0 or self.window_right >= 0,
-                 "key_lengths": self.key_lengths is not None, "softcap": self.softcap > 0}
+                 "key_lengths": self.key_lengths is not None, "softcap": self.softcap > 0,
+                 "mask": self.mask is not None, "dropout": self.dropout_p > 0,
+                 "varlen": self.cu_seqlens_q is not None, "alibi": self.alibi is not None}
         return frozenset(name for name, on in asked.items() if on)
 
 

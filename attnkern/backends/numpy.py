@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._philox import dropout_factor
 from .._registry import ALL_FEATURES, Features, Kernel, register
 
 
@@ -55,13 +56,17 @@ def visible(nq: int, length: int, causal: bool, features: Features, positions=No
 
 def sequences(q, k, causal, scale, features: Features, positions=None, nq=None, slope=False):
     """The softmax of each sequence of a call with features, one at a time:
-    (rows, kv_rows, length, p, lse, dcap) with rows and kv_rows slices of q's and
+    (rows, kv_rows, length, p, lse, dcap, z) with rows and kv_rows slices of q's and
     k's batch, length the sequence's key length (keys past it are never read), p
     the probabilities (kv rows, group, queries, length), where the group of query
     rows sharing a k/v row is matched to it by a broadcast, not a copy, lse each
     row's log-sum-exp (kv rows, group, queries), and with slope and a softcap
-    dcap = 1 - tanh^2 of the capped scores (the cap's derivative), else None. A
-    row that sees no key has p 0 and lse -inf. In q's dtype."""
+    dcap = 1 - tanh^2 of the capped scores (the cap's derivative), else None, and
+    with dropout z the factor keep / (1 - p) of each probability (attnkern._philox),
+    p's shape, else None. ALiBi's -slope |i + length - nq - j| and the attention
+    mask are added to the capped scores (a bool
+    mask's False is -inf). p is the undropped softmax, lse its log-sum-exp. A row
+    that sees no key has p 0 and lse -inf. In q's dtype."""
     nsel, d = q.shape[1:]
     nq = nsel if nq is None else nq
     for rows, kv_rows, length in features.sequences(q.shape[0], k.shape[0], k.shape[1]):
@@ -76,7 +81,15 @@ def sequences(q, k, causal, scale, features: Features, positions=None, nq=None, 
             if slope:
                 dcap = 1 - scores * scores
             scores *= cap
+        if features.alibi is not None:  # -slope |i + length - nq - j|, FlashAttention's ALiBi
+            i = np.arange(nsel) if positions is None else np.asarray(positions, np.int64)
+            dist = np.abs(i[:, None] + length - nq - np.arange(length)[None, :])
+            slopes = features.alibi[rows].reshape(*scores.shape[:2], 1, 1).astype(scores.dtype)
+            scores -= slopes * dist.astype(scores.dtype)
         scores[..., ~visible(nq, length, causal, features, positions)] = -np.inf
+        if features.mask is not None:
+            add = features.mask_rows(rows, positions, scores.dtype)[..., :length]  # keys past length: unread
+            scores += add.reshape(scores.shape[0], scores.shape[1], *add.shape[1:])
         top = scores.max(axis=-1, keepdims=True, initial=-np.inf)
         top[np.isneginf(top)] = 0  # a row that sees no key: exp(-inf - 0) = 0 everywhere
         scores -= top
@@ -85,16 +98,22 @@ def sequences(q, k, causal, scale, features: Features, positions=None, nq=None, 
         with np.errstate(divide="ignore"):
             lse = (np.log(total) + top)[..., 0]
         scores /= np.where(total > 0, total, 1)
-        yield rows, kv_rows, length, scores, lse, dcap
+        z = None
+        if features.dropout_p > 0:
+            i = (np.arange(nsel) if positions is None else np.asarray(positions, np.int64)) + features.dropout_offset[0]
+            b = np.arange(rows.start, rows.stop).reshape(scores.shape[:2])
+            z = dropout_factor(features.dropout_seed, features.dropout_p, b[:, :, None, None], i[None, None, :, None],
+                               np.arange(length)[None, None, None, :] + features.dropout_offset[1], scores.dtype)
+        yield rows, kv_rows, length, scores, lse, dcap, z
 
 
 def masked_attention(q, k, v, causal, scale, features: Features, positions=None, nq=None, lse=None):
     """softmax_attention with features, sequence by sequence (sequences): k and v
     with batch / kv_group rows, the mask of the alignment, window and key lengths,
-    the softcap. Rows that see no key get 0 and lse -inf."""
+    the softcap, the attention mask, dropout. Rows that see no key get 0 and lse -inf."""
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
-    for rows, kv_rows, length, p, row_lse, _ in sequences(q, k, causal, scale, features, positions, nq):
-        out[rows] = np.matmul(p, v[kv_rows, :length][:, None]).reshape(out[rows].shape)
+    for rows, kv_rows, length, p, row_lse, _, z in sequences(q, k, causal, scale, features, positions, nq):
+        out[rows] = np.matmul(p if z is None else p * z, v[kv_rows, :length][:, None]).reshape(out[rows].shape)
         if lse is not None:
             lse[rows] = row_lse.reshape(-1, q.shape[1])
     return out
@@ -118,6 +137,6 @@ register(
         run=softmax_attention,
         returns_lse=True,
         threads_used=_blas_threads,
-        features=ALL_FEATURES,
+        features=ALL_FEATURES - {"varlen"},  # attention_varlen runs it one sequence at a time
     )
 )

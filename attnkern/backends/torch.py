@@ -2,7 +2,7 @@
 available when torch is installed. torch is imported on first use (importing
 it is slow). num_threads sets torch's process-wide intra-op thread count for the
 call and restores it afterwards. torch.sdpa takes every feature but the softcap
-(docs/features.md), through an explicit mask."""
+and dropout (docs/features.md), through an explicit mask."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def _sequences(q, k, v, causal, features: Features):
     """The 4-D calls of a call with features, one per sequence: (rows, q4, k4, v4,
     mask), rows a slice of q's batch, q4 (1, H_kv, group * nq, d), k4 and v4
     (1, H_kv, length, d) views of the sequence's first `length` keys (the padding
-    past them is never read), mask its (1, 1, group * nq, length) boolean mask, or
-    None where it masks nothing. The query heads that share a k/v head are laid
+    past them is never read), mask its (1, 1 or H_kv, group * nq, length) boolean
+    mask (with an additive attention mask: float, -inf hiding a key), or None where
+    it masks nothing. The query heads that share a k/v head are laid
     end to end along the query axis: a view, not a copy of k and v."""
     nq = q.shape[1]
     masked = causal or bool(features.needs() - {"gqa"})
@@ -53,6 +54,14 @@ def _sequences(q, k, v, causal, features: Features):
         if masked:
             mask = np.tile(visible(nq, length, causal, features), (features.kv_group, 1))[None, None]
         heads_kv = kv_rows.stop - kv_rows.start
+        if features.mask is not None:
+            user = features.mask_rows(rows, None, q.dtype)[..., :length]  # additive, -inf where a bool is False
+            user = np.broadcast_to(user, (rows.stop - rows.start, nq, length)).reshape(
+                1, heads_kv, features.kv_group * nq, length)
+            if features.mask.dtype == np.bool_:
+                mask = np.isfinite(user) if mask is None else mask & np.isfinite(user)
+            else:
+                mask = user if mask is None else np.where(mask, user, q.dtype.type(-np.inf))
         yield (rows, q[rows].reshape(1, heads_kv, features.kv_group * nq, q.shape[2]), k[kv_rows, :length][None],
                v[kv_rows, :length][None], mask)
 
@@ -70,22 +79,25 @@ def _sdpa(q, k, v, causal, scale, num_threads=1, lse=None, features=None):
     with _threads(torch, num_threads), torch.no_grad():
         for rows, q4, k4, v4, mask in _sequences(q, k, v, causal, features):
             shape = out[rows].shape[:2]
-            if k4.shape[2] == 0 or (mask is not None and not mask.any()):  # no row sees a key: out 0, lse -inf
+            seen = None if mask is None else (mask if mask.dtype == np.bool_ else np.isfinite(mask))
+            if k4.shape[2] == 0 or (seen is not None and not seen.any()):  # no row sees a key: out 0, lse -inf
                 if lse is not None:
                     lse[rows] = -np.inf
                 continue
             got = _sdpa4(torch, q4, k4, v4, False, scale, mask, lse is not None)  # the mask holds causal
             out[rows] = got[0].reshape(*shape, -1).numpy()
+            if seen is not None:  # rows that see no key: 0 (torch's math kernel gives NaN)
+                out[rows][~np.broadcast_to(seen.any(-1), got[0].shape[:-1]).reshape(shape)] = 0
             if lse is not None:
                 lse[rows] = got[1].reshape(shape).numpy()
-                if mask is not None:  # the fused kernel gives 0 where a row sees no key
-                    lse[rows][~np.broadcast_to(mask.any(-1), got[1].shape).reshape(shape)] = -np.inf
+                if seen is not None:  # the fused kernel gives 0 where a row sees no key
+                    lse[rows][~np.broadcast_to(seen.any(-1), got[1].shape).reshape(shape)] = -np.inf
     return out
 
 
 def _sdpa4(torch, q, k, v, causal, scale, mask, with_lse):
     """(out, lse or None) of torch's fused attention on 4-D NumPy arrays, with a boolean
-    mask (None: none)."""
+    or additive float mask (None: none)."""
     if (causal or mask is not None) and not q.dtype.type(scale) > 0:
         # torch's fused kernel masks with -inf before scaling: a scale that is negative, or
         # 0 in the dtype, turns the mask into +inf or NaN. The same scores, with the sign
@@ -93,10 +105,11 @@ def _sdpa4(torch, q, k, v, causal, scale, mask, with_lse):
         q, scale = (-q, -scale) if q.dtype.type(scale) < 0 else (np.zeros_like(q), 1.0)
     qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))  # strided views too (key_lengths)
     if with_lse:  # the fused kernel's own lse, through the op that returns it
-        bias = None if mask is None else torch.from_numpy(np.where(mask, 0, -np.inf).astype(q.dtype))
+        bias = None if mask is None else torch.from_numpy(
+            np.where(mask, 0, -np.inf).astype(q.dtype) if mask.dtype == np.bool_ else np.ascontiguousarray(mask))
         return sdpa_with_lse(qt, kt, vt, causal, scale, bias)
-    bool_mask = None if mask is None else torch.from_numpy(mask)
-    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=bool_mask, is_causal=causal,
+    torch_mask = None if mask is None else torch.from_numpy(np.ascontiguousarray(mask))
+    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=torch_mask, is_causal=causal,
                                                             scale=scale), None
 
 
@@ -155,7 +168,9 @@ register(
         unavailable_reason=_unavailable,
         returns_lse=True,
         threads_used=lambda: getattr(_USED, "n", None),
-        features=frozenset({"gqa", "bottom_right", "window", "key_lengths"}),
+        # dropout: torch's RNG is not attnkern's Philox, so its dropout could not be checked
+        # against the reference or repeated by a seed: refused (native.flash, numpy.naive have it)
+        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "mask"}),
     )
 )
 register(

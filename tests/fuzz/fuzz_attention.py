@@ -7,7 +7,10 @@ it, the Cython entry points of the native kernels.
 Each input decodes into one call: arbitrary shapes (ranks 1-5, zero-sized axes),
 strides (transposed, stepped and Fortran-ordered views), dtypes (float16/32/64,
 ints, complex, object, mixed), tunables (in range and absurd), scales and
-special values (NaN, +-inf, -0.0, denormals, 1e38) written into the inputs.
+special values (NaN, +-inf, -0.0, denormals, 1e38) written into the inputs; then
+attn_mask (broadcastable or not, bool, float, int, with NaN/inf), alibi_slopes,
+dropout_p and dropout_seed (in range and not), or the same arrays as a packed varlen call
+(attention_varlen, with fuzzed cu_seqlens).
 What must hold:
 - a call either succeeds or raises one of the errors attention() documents
   (docs/api.md, attnkern/_api.py), with the library's own message: a ValueError
@@ -72,6 +75,24 @@ DOCUMENTED = [
     (ValueError, r"[qkv] contains NaN or infinity; pass finite values", True),
     (FloatingPointError, r"\S+ produced non-finite values: q k\^T \* scale overflows ", True),
     (MemoryError, r"native\.\w+: out of memory", False),
+    (ValueError, r"\S+ does not support .*; kernels that support this call's features", False),
+    (ValueError, r"attn_mask of shape .* does not broadcast to the attention weights' shape", False),
+    (TypeError, r"attn_mask has dtype \S+; it must be bool", False),
+    (TypeError, r"an additive attn_mask must be ", False),
+    (ValueError, r"attn_mask contains NaN or \+infinity", True),
+    (ValueError, r"dropout_p must lie in \[0, 1\)", False),
+    (TypeError, r"dropout_p must be a number in \[0, 1\)", False),
+    (TypeError, r"dropout_seed must be an integer", False),
+    (TypeError, r"cu_seqlens_[qk] must be int32 or int64", False),
+    (ValueError, r"cu_seqlens_[qk] must (be 1-D|start at 0|be non-decreasing|end at the packed length)", False),
+    (ValueError, r"cu_seqlens_q and cu_seqlens_k must have one length per sequence", False),
+    (ValueError, r"[qkv] has shape .*; attention_varlen takes packed", False),
+    (ValueError, r"q has \d+ heads and k, v have \d+: the query heads H must be a multiple", False),
+    (ValueError, r"k and v must have the same \(total_k, heads\)", False),
+    (ValueError, r"q and k must have the same feature size D >= 1, got ", False),
+    (TypeError, r"attention_varlen takes host arrays", False),
+    (ValueError, r"alibi_slopes must (have shape|be finite)", False),
+    (TypeError, r"alibi_slopes must hold real numbers", False),
 ]
 
 
@@ -125,10 +146,10 @@ def tunables(fdp, kernel):
     return params
 
 
-def check_against_reference(out, q, k, v, causal, scale, bound):
+def check_against_reference(out, q, k, v, causal, scale, bound, **feats):
     if not all(np.isfinite(x).all() for x in (q, k, v)):
         return
-    ref = attnkern.reference(q, k, v, causal=causal, scale=scale)
+    ref = attnkern.reference(q, k, v, causal=causal, scale=scale, **feats)
     if not np.isfinite(ref).all():
         return
     # the bound of attnkern_bench.accuracy (`bound`: its value for the dtype and kernel), with
@@ -155,11 +176,15 @@ def one_attention(fdp):
                                                                 fdp.ConsumeRegularFloat()])
     check = fdp.ConsumeIntInRange(0, 3) != 0
     params = tunables(fdp, kernel)
+    feats, varlen = features(fdp, q, k)  # none where the input is exhausted: the plain call
+    if varlen is not None:
+        one_varlen(fdp, q, k, v, causal, scale, kernel, check, params, varlen, feats)
+        return
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             out = attnkern.attention(q, k, v, causal=causal, scale=scale, kernel=kernel, check_finite=check,
-                                     **params)
+                                     **feats, **params)
     except (ValueError, TypeError, MemoryError, FloatingPointError, RuntimeError) as exc:
         if documented(exc, kernel, check):
             return
@@ -173,7 +198,78 @@ def one_attention(fdp):
         if check:
             raise AssertionError(f"a non-finite result passed check_finite=True (q {q.shape} {q.dtype})")
         return
-    check_against_reference(out, q, k, v, causal, scale, kernel_tolerance(kernel, out.dtype))
+    if feats.get("attn_mask") is not None and not np.isfinite(np.asarray(feats["attn_mask"], np.float64)).all():
+        return  # -inf entries: rows the reference may leave empty too, but 0 * inf in its sums is not ours
+    if feats.get("dropout_p") and feats.get("dropout_seed") is None:
+        return  # a seed drawn inside attention(): the reference cannot know it
+    check_against_reference(out, q, k, v, causal, scale,
+                            kernel_tolerance(kernel, out.dtype) / (1 - feats.get("dropout_p", 0.0)), **feats)
+
+
+def features(fdp, q, k):
+    """attn_mask / dropout keywords for attention(), or packed varlen offsets: ({...}, None)
+    or ({dropout keywords}, (cu_seqlens_q, cu_seqlens_k))."""
+    choice = fdp.ConsumeIntInRange(0, 5)
+    feats = {}
+    if choice in (1, 3) and q.ndim >= 2:
+        lead, nq, nk = q.shape[:-2], q.shape[-2], k.shape[-2]
+        full = (*lead, nq, nk)
+        shape = tuple(x if fdp.ConsumeBool() else 1 for x in full)[fdp.ConsumeIntInRange(0, len(full)):]
+        if fdp.ConsumeIntInRange(0, 7) == 0:  # does not broadcast
+            shape = (*shape[:-1], (shape[-1] if shape else 0) + 2)
+        kind = fdp.PickValueInList([bool, np.float32, np.float64, np.float16, np.int32])
+        rng = np.random.default_rng(fdp.ConsumeIntInRange(0, 2**16))
+        mask = rng.random(shape) < 0.7 if kind is bool else rng.standard_normal(shape).astype(kind)
+        if kind not in (bool, np.int32) and mask.size and fdp.ConsumeIntInRange(0, 3) == 0:
+            mask.flat[fdp.ConsumeIntInRange(0, mask.size - 1)] = fdp.PickValueInList([np.nan, np.inf, -np.inf])
+        feats["attn_mask"] = mask
+    if choice == 4:  # ALiBi slopes, per head or per sequence and head (or of a wrong shape)
+        heads = q.shape[-3] if q.ndim >= 3 else 1
+        shape = fdp.PickValueInList([(heads,), (q.shape[0] if q.ndim == 4 else 1, heads), (heads + 1,), ()])
+        slopes = np.random.default_rng(fdp.ConsumeIntInRange(0, 2**16)).uniform(-1, 2, shape)
+        if slopes.size and fdp.ConsumeIntInRange(0, 5) == 0:
+            slopes.flat[0] = fdp.PickValueInList([np.nan, np.inf, 1e30])
+        feats["alibi_slopes"] = slopes
+    if choice in (2, 3, 5):
+        feats["dropout_p"] = fdp.PickValueInList([0.0, 0.1, 0.5, 0.99, 1.0, -0.5, np.nan, "0.1", True])
+        feats["dropout_seed"] = fdp.PickValueInList([0, 1, 2**63, 2**64 + 5, -7, 1.5, None, "x"])
+    if choice == 5:
+        rng = np.random.default_rng(fdp.ConsumeIntInRange(0, 2**16))
+        nseq = fdp.ConsumeIntInRange(0, 4)
+        cuts = [np.sort(rng.integers(0, max(1, x.shape[0] + 1), nseq)) if x.ndim else np.zeros(0, int)
+                for x in (q, k)]
+        cu = [np.concatenate([[0], c, [x.shape[0] if x.ndim else 0]]).astype(np.int32) for c, x in zip(cuts, (q, k))]
+        if fdp.ConsumeIntInRange(0, 5) == 0:  # broken on purpose
+            cu[fdp.ConsumeIntInRange(0, 1)] = fdp.PickValueInList([cu[0][::-1], cu[0].astype(float), cu[0] + 1,
+                                                                   cu[0][:, None]])
+        return feats, tuple(cu)
+    return feats, None
+
+
+def one_varlen(fdp, q, k, v, causal, scale, kernel, check, params, cu, feats):
+    """The arrays as a packed varlen call; each sequence checked against the reference alone."""
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            out = attnkern.attention_varlen(q, k, v, *cu, causal=causal, scale=scale, kernel=kernel,
+                                            check_finite=check, **feats, **params)
+    except (ValueError, TypeError, MemoryError, FloatingPointError, RuntimeError) as exc:
+        if documented(exc, kernel, check):
+            return
+        raise
+    if out.shape != (q.shape[0], q.shape[1], v.shape[2]) or out.dtype != q.dtype:
+        raise AssertionError(f"varlen output {out.shape} {out.dtype} for q {q.shape}, v {v.shape}")
+    if feats.get("dropout_p") or not np.isfinite(out).all():
+        return
+    for s in range(len(cu[0]) - 1):
+        (a, b), (c, e) = cu[0][s:s + 2], cu[1][s:s + 2]
+        if a == b or c == e:
+            if (out[a:b] != 0).any():
+                raise AssertionError("a varlen sequence without keys gave a non-zero output")
+            continue
+        sq, sk, sv = (x[lo:hi].transpose(1, 0, 2) for x, lo, hi in ((q, a, b), (k, c, e), (v, c, e)))
+        check_against_reference(out[a:b].transpose(1, 0, 2), sq, sk, sv, causal, scale,
+                                kernel_tolerance(kernel, out.dtype))
 
 
 def one_entry_point(fdp):

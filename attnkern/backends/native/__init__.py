@@ -83,8 +83,18 @@ def _keywords(features: Features | None) -> dict:
     k/v rows shared by query rows need none: the C layer reads them from k's shape."""
     if features is None:
         return {}
+    extra = {}
+    if features.mask is not None:
+        extra.update(mask=features.mask, mask_heads=features.mask_heads)
+    if features.dropout_p > 0:
+        extra.update(dropout_p=features.dropout_p, dropout_seed=features.dropout_seed,
+                     dropout_i0=features.dropout_offset[0], dropout_j0=features.dropout_offset[1])
+    if features.cu_seqlens_q is not None:
+        extra.update(cu_seqlens_q=features.cu_seqlens_q, cu_seqlens_k=features.cu_seqlens_k)
+    if features.alibi is not None:
+        extra.update(alibi=features.alibi, alibi_seq_stride=features.alibi_seq_stride)
     return {"align": features.align, "window_left": features.window_left, "window_right": features.window_right,
-            "seqlen_k": features.key_lengths, "softcap": features.softcap}
+            "seqlen_k": features.key_lengths, "softcap": features.softcap, **extra}
 
 
 def _runner(algo: str):
@@ -92,7 +102,7 @@ def _runner(algo: str):
             features=None):
         _check_workspace(algo, q, k, block_q, num_threads)
         out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
-        if q.dtype.name in _HALF:
+        if q.itemsize == 2:  # float16 or bfloat16 (the core passes no other 2-byte dtype)
             bits = (x.view(np.uint16) for x in (q, k, v, out))
             bad = _attn.forward_half(algo, active_isa(), q.dtype.name, *bits, causal, scale, block_q, block_k,
                                      num_threads, None if lse is None else lse.view(np.uint16),

@@ -2,7 +2,7 @@
 """Thin wrapper over the C kernels: arguments arrive validated from
 attnkern._api; the GIL is released for the whole computation."""
 
-from libc.stdint cimport int64_t, uint16_t
+from libc.stdint cimport int64_t, uint16_t, uint64_t
 
 cdef extern from "attn.h" nogil:
     enum:
@@ -31,6 +31,18 @@ cdef extern from "attn.h" nogil:
         const int64_t *seqlen_k
         int64_t heads
         double softcap
+        const void *mask
+        int mask_kind
+        int64_t mask_heads
+        int64_t mask_stride[4]
+        double dropout_p
+        uint64_t dropout_seed
+        int64_t dropout_i0, dropout_j0
+        const int64_t *cu_seqlens_q
+        const int64_t *cu_seqlens_k
+        int64_t nseq
+        const double *alibi
+        int64_t alibi_seq_stride
     enum:
         ATTN_NONFINITE_Q
         ATTN_NONFINITE_K
@@ -158,7 +170,54 @@ cdef attn_problem _described(int64_t batch, int64_t nq, int64_t nk, int64_t d, i
     p.block_q, p.block_k, p.num_threads = block_q, block_k, num_threads
     p.nonfinite = NULL
     _features(&p, kv_group, align, window_left, window_right, seqlen_k, softcap, what)
+    p.mask, p.mask_kind, p.mask_heads = NULL, 0, 1
+    p.mask_stride[0] = p.mask_stride[1] = p.mask_stride[2] = p.mask_stride[3] = 0
+    p.dropout_p, p.dropout_seed, p.dropout_i0, p.dropout_j0 = 0, 0, 0, 0
+    p.cu_seqlens_q, p.cu_seqlens_k, p.nseq = NULL, NULL, 0
+    p.alibi, p.alibi_seq_stride = NULL, 0
     return p
+
+
+MASK_KINDS = {"bool": 0, "float32": 1, "float64": 2}
+
+
+cdef int _extras(attn_problem *p, mask, int64_t mask_heads, double dropout_p, uint64_t dropout_seed,
+                 int64_t dropout_i0, int64_t dropout_j0, const int64_t[::1] cu_seqlens_q,
+                 const int64_t[::1] cu_seqlens_k, const double[::1] alibi, int64_t alibi_seq_stride) except -1:
+    """Fills p's attention mask, dropout and varlen offsets (attn.h). mask: None, or a
+    4-D NumPy array of bool, float32 or float64 whose dimensions are each 1 (broadcast:
+    stride 0 in C) or those of (batch / mask_heads, mask_heads, nq, nk); it must outlive
+    the call. cu_seqlens_q/k: None, or nseq + 1 offsets each (the arrays then in the
+    varlen layout of attn.h). alibi: None, or one slope per folded query row (with
+    varlen and alibi_seq_stride, one row of them per sequence)."""
+    if mask is not None:
+        if mask.ndim != 4 or mask.dtype.name not in MASK_KINDS:
+            raise ValueError("native: mask must be a 4-D bool, float32 or float64 array")
+        full = (p.batch // mask_heads if mask_heads else 0, mask_heads, p.nq, p.nk)
+        for s in range(4):
+            if mask.shape[s] not in (1, full[s]):
+                raise ValueError(f"native: mask of shape {mask.shape} does not broadcast to {full}")
+            st = mask.strides[s]
+            if st < 0 or st % mask.itemsize:
+                raise ValueError("native: mask strides must be non-negative multiples of its item size")
+            p.mask_stride[s] = 0 if mask.shape[s] == 1 else st // mask.itemsize
+        p.mask = <const void *><size_t>mask.__array_interface__["data"][0]
+        p.mask_kind = MASK_KINDS[mask.dtype.name]
+        p.mask_heads = mask_heads
+    p.dropout_p, p.dropout_seed, p.dropout_i0, p.dropout_j0 = dropout_p, dropout_seed, dropout_i0, dropout_j0
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if cu_seqlens_q is None or cu_seqlens_k is None or cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] \
+                or cu_seqlens_q.shape[0] < 1:
+            raise ValueError("native: cu_seqlens_q and cu_seqlens_k must both have nseq + 1 >= 1 offsets")
+        p.cu_seqlens_q, p.cu_seqlens_k = &cu_seqlens_q[0], &cu_seqlens_k[0]
+        p.nseq = cu_seqlens_q.shape[0] - 1
+    if alibi is not None:
+        need = p.batch * (p.nseq if alibi_seq_stride and p.nseq else 1)
+        if alibi.shape[0] != need or alibi_seq_stride not in (0, p.batch):
+            raise ValueError(f"native: alibi needs {need} slopes (one per query row), got {alibi.shape[0]}")
+        p.alibi = &alibi[0] if need else NULL
+        p.alibi_seq_stride = alibi_seq_stride
+    return 0
 
 
 def _algo_isa(str algo, str isa, str what):
@@ -238,7 +297,10 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
             const real[:, :, ::1] v, real[:, :, ::1] out, bint causal, double scale,
             int block_q, int block_k, int num_threads, real[:, ::1] lse=None, bint check_finite=False,
             *, str align="top_left", int64_t window_left=-1, int64_t window_right=-1,
-            const int64_t[::1] seqlen_k=None, double softcap=0):
+            const int64_t[::1] seqlen_k=None, double softcap=0, mask=None, int64_t mask_heads=1,
+            double dropout_p=0, uint64_t dropout_seed=0, int64_t dropout_i0=0, int64_t dropout_j0=0,
+            const int64_t[::1] cu_seqlens_q=None, const int64_t[::1] cu_seqlens_k=None,
+            const double[::1] alibi=None, int64_t alibi_seq_stride=0):
     """out[...] = softmax(q k^T * scale) v on (batch, n, d) arrays; lse (batch, nq),
     if given, gets each row's natural-log log-sum-exp. Returns, with check_finite, the
     names of the arrays that are not finite (of "q", "k", "v", "out"), else ().
@@ -252,11 +314,15 @@ def forward(str algo, str isa, const real[:, :, ::1] q, const real[:, :, ::1] k,
     - seqlen_k, int64, batch / H lengths in [0, nk]: query row b sees only keys
       j < seqlen_k[b // H] (H = batch / len(seqlen_k): one length per row or per
       sequence of H heads);
-    - softcap c > 0: scores s = scale q . k become c * tanh(s / c) before the mask.
+    - softcap c > 0: scores s = scale q . k become c * tanh(s / c) before the mask;
+    - mask (4-D, bool or q's float dtype, broadcast dimensions of size 1) and
+      mask_heads: _extras; dropout_p, dropout_seed, dropout_i0/j0: attn.h's dropout.
     A row that sees no key gets out 0 and lse -inf."""
     cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), bad = 0
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward",
                                    align, window_left, window_right, seqlen_k, softcap)
+    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0, cu_seqlens_q, cu_seqlens_k, alibi,
+            alibi_seq_stride)
     if check_finite:
         p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
@@ -290,7 +356,11 @@ def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const
                  const uint16_t[:, :, ::1] v, uint16_t[:, :, ::1] out, bint causal, double scale,
                  int block_q, int block_k, int num_threads, uint16_t[:, ::1] lse=None,
                  bint check_finite=False, *, str align="top_left", int64_t window_left=-1,
-                 int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0):
+                 int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0, mask=None,
+                 int64_t mask_heads=1, double dropout_p=0, uint64_t dropout_seed=0, int64_t dropout_i0=0,
+                 int64_t dropout_j0=0, const int64_t[::1] cu_seqlens_q=None,
+                 const int64_t[::1] cu_seqlens_k=None, const double[::1] alibi=None,
+                 int64_t alibi_seq_stride=0):
     """forward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views:
     float32 arithmetic inside, out and lse rounded to kind; returns what forward does.
     The features as for forward (flash only; bfloat16 with features runs the
@@ -300,6 +370,8 @@ def forward_half(str algo, str isa, str kind, const uint16_t[:, :, ::1] q, const
     cdef int err, a = ALGORITHMS[algo], i = ISAS.index(isa), h = HALF_KINDS[kind], bad = 0
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, f"{algo} forward",
                                    align, window_left, window_right, seqlen_k, softcap)
+    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0, cu_seqlens_q, cu_seqlens_k, alibi,
+            alibi_seq_stride)
     if check_finite:
         p.nonfinite = &bad
     if out.shape[0] != p.batch or out.shape[1] != p.nq or out.shape[2] != p.dv:
@@ -340,13 +412,19 @@ def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const re
              const real[:, :, ::1] out, const real[:, :, ::1] dout, const real[:, ::1] lse,
              real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] dv, bint causal, double scale,
              int block_q, int block_k, int num_threads, *, str align="top_left", int64_t window_left=-1,
-             int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0):
+             int64_t window_right=-1, const int64_t[::1] seqlen_k=None, double softcap=0, mask=None,
+             int64_t mask_heads=1, double dropout_p=0, uint64_t dropout_seed=0, int64_t dropout_i0=0,
+             int64_t dropout_j0=0, const int64_t[::1] cu_seqlens_q=None,
+             const int64_t[::1] cu_seqlens_k=None, const double[::1] alibi=None,
+             int64_t alibi_seq_stride=0):
     """dq, dk, dv[...] = the gradients of sum(out * dout), from the forward's out and lse,
     for the problem forward ran (the same features); dk and dv have k's rows, each
     the sum over its query rows (in their order, on one thread)."""
     cdef int err, i = ISAS.index(isa)
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward",
                                    align, window_left, window_right, seqlen_k, softcap)
+    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0, cu_seqlens_q, cu_seqlens_k, alibi,
+            alibi_seq_stride)
     cdef int64_t batch_kv = k.shape[0]
     if ((out.shape[0], out.shape[1], out.shape[2]) != (p.batch, p.nq, p.dv)
             or (dout.shape[0], dout.shape[1], dout.shape[2]) != (p.batch, p.nq, p.dv)

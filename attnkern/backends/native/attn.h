@@ -20,7 +20,7 @@ enum attn_isa { ATTN_ISA_GENERIC = 0, ATTN_ISA_AVX2 = 1, ATTN_ISA_AVX512 = 2, AT
 enum attn_half { ATTN_BF16 = 0, ATTN_F16 = 1 };
 /* ATTN_ETOOBIG: an array or score-row size overflows 64-bit index arithmetic. */
 /* ATTN_EFEATURE: the problem uses a feature (kv_group > 1, a window, bottom-right
- * alignment, key lengths, a softcap) that the algorithm does not have: only flash
+ * alignment, key lengths, a softcap, a mask, dropout) that the algorithm does not have: only flash
  * (forward and backward) does; naive and tiled refuse them. */
 enum attn_status { ATTN_OK = 0, ATTN_ENOMEM = 1, ATTN_EINVAL = 2, ATTN_EISA = 3, ATTN_ETOOBIG = 4,
                    ATTN_EFEATURE = 5 };
@@ -78,7 +78,49 @@ typedef struct {
      * becomes c * tanh(s / c) before the mask and the softmax (as in Gemma 2); the
      * backward multiplies dS by its derivative 1 - tanh^2(s / c). */
     double softcap;
+    /* Attention mask: NULL, or elements of kind mask_kind (enum attn_mask_kind) read
+     * at mask_stride (element strides of the (B, H, nq, nk) view the caller's mask
+     * broadcasts to: 0 along a broadcast dimension; >= 0) for folded row
+     * b = b_ * mask_heads + h: (b_, h, i, j) is mask[b_ * s0 + h * s1 + i * s2 + j * s3].
+     * A bool (uint8) mask's 0 hides the key; a float mask is added to the (capped)
+     * score, -inf hiding the key. mask_heads >= 1 must divide batch. The kernels read
+     * it where a tile of scores is made; it is never materialised. */
+    const void *mask;
+    int mask_kind;
+    int64_t mask_heads;
+    int64_t mask_stride[4];
+    /* Dropout: probability dropout_p in [0, 1) (0: none). Query i of folded row b and
+     * key j are kept iff word (j + j0) % 4 of Philox4x32-10 with counter
+     * ((j + j0) / 4, i + i0, b, 0) and key (seed mod 2^32, seed / 2^32) is >=
+     * round(dropout_p * 2^32), i0 and j0 being dropout_i0 and dropout_j0 (offsets of a
+     * block of a packed varlen batch); kept probabilities are scaled by 1 / (1 - p).
+     * The lse is that of the undropped softmax; the backward regenerates the mask. */
+    double dropout_p;
+    uint64_t dropout_seed;
+    int64_t dropout_i0, dropout_j0;
+    /* Packed variable-length sequences (FlashAttention's varlen): NULL, or nseq + 1
+     * offsets each of queries (cu_seqlens_q, from 0, non-decreasing, ending at nq) and
+     * keys (cu_seqlens_k, ending at nk): sequence s has the queries [cu_q[s], cu_q[s+1])
+     * and keys [cu_k[s], cu_k[s+1]], laid out sequence after sequence, each sequence a
+     * C-contiguous (heads, len, d) block: q's block of sequence s starts at element
+     * cu_q[s] * batch * d (batch = H, the query heads), k's and v's at cu_k[s] *
+     * (batch / kv_group) * d (and dv), out's and lse's likewise. Each sequence is
+     * the problem (batch, len_q, len_k) with the others' features (causal alignment
+     * per sequence; dropout counters offset by cu_q[s] and cu_k[s]: packed indices);
+     * the kernels schedule (sequence, head, block) work items in one parallel region,
+     * so no block spans two sequences and no work is spent on padding. No mask or
+     * key lengths with it. */
+    const int64_t *cu_seqlens_q, *cu_seqlens_k;
+    int64_t nseq;
+    /* ALiBi (FlashAttention's): NULL, or one slope per folded query row b (of batch);
+     * -alibi[b] * |i + len - nq - j| is added to the (capped) score of query i and key j,
+     * len the row's key length (nk without key lengths). With varlen, sequence s reads
+     * alibi + s * alibi_seq_stride (0: the same slopes for every sequence). */
+    const double *alibi;
+    int64_t alibi_seq_stride;
 } attn_problem;
+
+enum attn_mask_kind { ATTN_MASK_BOOL = 0, ATTN_MASK_F32 = 1, ATTN_MASK_F64 = 2 };
 
 enum attn_nonfinite { ATTN_NONFINITE_Q = 1, ATTN_NONFINITE_K = 2, ATTN_NONFINITE_V = 4, ATTN_NONFINITE_OUT = 8 };
 

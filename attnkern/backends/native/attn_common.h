@@ -75,7 +75,67 @@ static inline int64_t attn_window_side(int64_t w)
 static inline int attn_features_on(const attn_problem *p)
 {
     return p->kv_group != 1 || p->align != ATTN_ALIGN_TOP_LEFT || p->window_left != ATTN_UNBOUNDED ||
-           p->window_right != ATTN_UNBOUNDED || p->seqlen_k != NULL || p->softcap != 0;
+           p->window_right != ATTN_UNBOUNDED || p->seqlen_k != NULL || p->softcap != 0 || p->mask != NULL ||
+           p->dropout_p != 0 || p->cu_seqlens_q != NULL || p->alibi != NULL;
+}
+
+
+/* The attention mask's offset of folded row b (attn_problem's mask). */
+static inline int64_t attn_mask_base(const attn_problem *p, int64_t b)
+{
+    return (b / p->mask_heads) * p->mask_stride[0] + (b % p->mask_heads) * p->mask_stride[1];
+}
+
+/* The mask's element at off in the log2 domain of the scores (times log2(e)): 0 or
+ * -inf for a bool mask. */
+static inline double attn_mask_log2(const attn_problem *p, int64_t off)
+{
+    switch (p->mask_kind) {
+    case ATTN_MASK_BOOL:
+        return ((const uint8_t *)p->mask)[off] ? 0.0 : -INFINITY;
+    case ATTN_MASK_F32:
+        return (double)((const float *)p->mask)[off] * ATTN_LOG2E;
+    default:
+        return ((const double *)p->mask)[off] * ATTN_LOG2E;
+    }
+}
+
+/* Philox4x32-10 (Random123): the four words of counter c under key (k0, k1). */
+static inline void attn_philox(uint32_t c[4], uint32_t k0, uint32_t k1)
+{
+    for (int r = 0; r < 10; r++) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[1] = (uint32_t)p1;
+        c[3] = (uint32_t)p0;
+        c[0] = n0;
+        c[2] = n2;
+    }
+}
+
+/* Dropout's keep decisions of row b, query i and keys [j, j + n) (attn_problem's
+ * rule; offsets already added): keep[t] = 1 or 0. One Philox call per 4 keys. */
+static inline void attn_dropout_keep(const attn_problem *p, int64_t b, int64_t i, int64_t j, int64_t n,
+                                     uint8_t *keep)
+{
+    const uint64_t thresh = (uint64_t)nearbyint(p->dropout_p * 4294967296.0);
+    const uint32_t k0 = (uint32_t)p->dropout_seed, k1 = (uint32_t)(p->dropout_seed >> 32);
+    uint32_t c[4];
+    for (int64_t t = 0; t < n; t++) {
+        int64_t jj = j + t;
+        if (t == 0 || (jj & 3) == 0) {
+            c[0] = (uint32_t)(jj >> 2);
+            c[1] = (uint32_t)i;
+            c[2] = (uint32_t)b;
+            c[3] = 0;
+            attn_philox(c, k0, k1);
+        }
+        keep[t] = (uint64_t)c[jj & 3] >= thresh;
+    }
 }
 
 /* The span of batch entry (query row) bh. */
@@ -107,6 +167,55 @@ static inline void *attn_alloc(int64_t rows, int64_t cols, size_t elem)
 }
 
 static inline void attn_free(void *p) { free(p); }
+
+/* Varlen (attn_problem's cu_seqlens): sequence s as a problem of its own, its arrays at
+ * the element offsets *qo (q, out: times d or dv), *ko (k, v) of the caller's. */
+static inline attn_problem attn_varlen_sub(const attn_problem *p, int64_t s, int64_t *qo, int64_t *ko)
+{
+    attn_problem sp = *p;
+    const int64_t q0 = p->cu_seqlens_q[s], k0 = p->cu_seqlens_k[s];
+    sp.nq = p->cu_seqlens_q[s + 1] - q0;
+    sp.nk = p->cu_seqlens_k[s + 1] - k0;
+    sp.dropout_i0 += q0;
+    sp.dropout_j0 += k0;
+    sp.cu_seqlens_q = sp.cu_seqlens_k = NULL;
+    sp.nseq = 0;
+    if (sp.alibi)
+        sp.alibi += s * p->alibi_seq_stride;
+    *qo = q0 * p->batch;
+    *ko = k0 * (p->batch / p->kv_group);
+    return sp;
+}
+
+/* Varlen work items: prefix[s] is the first of sequence s, each sequence having rows *
+ * ceil(len / block) of them (len of its queries, or with keys of its keys); prefix has
+ * nseq + 1 entries (the last: their number). NULL when out of memory. */
+static inline int64_t *attn_varlen_items(const attn_problem *p, int64_t rows, int64_t block, int keys)
+{
+    const int64_t *cu = keys ? p->cu_seqlens_k : p->cu_seqlens_q;
+    int64_t *prefix = attn_alloc(p->nseq + 1, 1, sizeof(int64_t));
+    if (!prefix)
+        return NULL;
+    prefix[0] = 0;
+    for (int64_t s = 0; s < p->nseq; s++)
+        prefix[s + 1] = prefix[s] + rows * ((cu[s + 1] - cu[s] + block - 1) / block);
+    return prefix;
+}
+
+/* The sequence of work item t (prefix from attn_varlen_items): the last s with
+ * prefix[s] <= t, by bisection. */
+static inline int64_t attn_varlen_seq(const int64_t *prefix, int64_t nseq, int64_t t)
+{
+    int64_t lo = 0, hi = nseq - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (prefix[mid] <= t)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
 
 /* bfloat16 and float16 (IEEE binary16) bits to and from float32, portable C: widening is
  * exact; narrowing rounds to nearest, ties to even (float16: overflow to infinity,

@@ -431,8 +431,41 @@ static int check_problem(int algo, int isa, const attn_problem *p, const char **
         ATTN_FAIL(ATTN_EINVAL, "softcap must be 0 (none) or a positive finite number");
     if (p->softcap > 0 && !isfinite(p->scale / p->softcap))
         ATTN_FAIL(ATTN_EINVAL, "scale / softcap overflows: softcap is too small for scale");
+    if (p->mask) {
+        if (p->mask_kind != ATTN_MASK_BOOL && p->mask_kind != ATTN_MASK_F32 && p->mask_kind != ATTN_MASK_F64)
+            ATTN_FAIL(ATTN_EINVAL, "mask_kind must be bool (0), float32 (1) or float64 (2)");
+        if (p->mask_heads < 1 || p->batch % p->mask_heads != 0)
+            ATTN_FAIL(ATTN_EINVAL, "mask_heads must be >= 1 and divide batch");
+        for (int s = 0; s < 4; s++)
+            if (p->mask_stride[s] < 0 || p->mask_stride[s] > INT64_MAX / 4 / (p->batch + p->nq + p->nk + 1))
+                ATTN_FAIL(ATTN_EINVAL, "mask strides must be >= 0 (0 along a broadcast dimension) and bounded");
+    }
+    if (p->cu_seqlens_q || p->cu_seqlens_k) {
+        if (!p->cu_seqlens_q || !p->cu_seqlens_k || p->nseq < 0)
+            ATTN_FAIL(ATTN_EINVAL, "varlen needs both cu_seqlens_q and cu_seqlens_k, and nseq >= 0");
+        if (p->mask || p->seqlen_k)
+            ATTN_FAIL(ATTN_EINVAL, "varlen takes no mask and no key lengths");
+        if (p->cu_seqlens_q[0] != 0 || p->cu_seqlens_k[0] != 0 || p->cu_seqlens_q[p->nseq] != p->nq ||
+            p->cu_seqlens_k[p->nseq] != p->nk)
+            ATTN_FAIL(ATTN_EINVAL, "cu_seqlens must start at 0 and end at nq (queries) and nk (keys)");
+        for (int64_t s = 0; s < p->nseq; s++)
+            if (p->cu_seqlens_q[s + 1] < p->cu_seqlens_q[s] || p->cu_seqlens_k[s + 1] < p->cu_seqlens_k[s])
+                ATTN_FAIL(ATTN_EINVAL, "cu_seqlens must be non-decreasing");
+    }
+    if (p->alibi) {
+        if (p->alibi_seq_stride < 0 || (p->alibi_seq_stride && !p->cu_seqlens_q))
+            ATTN_FAIL(ATTN_EINVAL, "alibi_seq_stride must be >= 0, and 0 without varlen");
+        for (int64_t b = 0; b < p->batch * (p->alibi_seq_stride && p->nseq ? p->nseq : 1); b++)
+            if (!isfinite(p->alibi[b]))
+                ATTN_FAIL(ATTN_EINVAL, "ALiBi slopes must be finite");
+    }
+    if (!(p->dropout_p >= 0 && p->dropout_p < 1))
+        ATTN_FAIL(ATTN_EINVAL, "dropout_p must lie in [0, 1)");
+    if (p->dropout_i0 < 0 || p->dropout_j0 < 0)
+        ATTN_FAIL(ATTN_EINVAL, "dropout_i0 and dropout_j0 must be >= 0");
     if (algo != ATTN_FLASH && attn_has_features(p))
-        ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment, key lengths and softcap");
+        ATTN_FAIL(ATTN_EFEATURE, "only flash has kv groups, windows, bottom-right alignment, key lengths, softcap, "
+                                 "masks, dropout, varlen and ALiBi");
     *why = "";
     return ATTN_OK;
 #undef ATTN_FAIL

@@ -474,7 +474,11 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
                                TIN *lse, int64_t bq_alloc, int64_t srows, int64_t lds, ST(block_fn) body)
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q;
-    const int64_t ntasks = nqb * p->batch;
+    /* varlen: (sequence, row, query block) items, prefix[s] the first of sequence s */
+    int64_t *prefix = p->cu_seqlens_q ? attn_varlen_items(p, p->batch, p->block_q, 0) : NULL;
+    if (p->cu_seqlens_q && !prefix)
+        return ATTN_ENOMEM;
+    const int64_t ntasks = prefix ? prefix[p->nseq] : nqb * p->batch;
     const int64_t dv_pad = ST(round_up)(p->dv, NR);
     int failed = 0;
 #pragma omp parallel num_threads(p->num_threads)
@@ -490,6 +494,16 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
         for (int64_t t = 0; t < ntasks; t++) {
             if (!ok)
                 continue;
+            if (prefix) {  /* sequence s's block: a problem of its own at its offsets */
+                int64_t s = attn_varlen_seq(prefix, p->nseq, t), u = t - prefix[s], qo, ko;
+                attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
+                int64_t snqb = (sp.nq + p->block_q - 1) / p->block_q;
+                int64_t bh = u % p->batch, i0 = (snqb - 1 - u / p->batch) * p->block_q;
+                int64_t bq = sp.nq - i0 < p->block_q ? sp.nq - i0 : p->block_q;
+                body(&sp, q + qo * p->d, k + ko * p->d, v + ko * p->dv, out + qo * p->dv, lse ? lse + qo : NULL,
+                     &w, bh, i0, bq, dv_pad, lds);
+                continue;
+            }
             int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
             int64_t bq = p->nq - i0 < p->block_q ? p->nq - i0 : p->block_q;
             body(p, q, k, v, out, lse, &w, bh, i0, bq, dv_pad, lds);
@@ -497,6 +511,7 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
         if (ok)
             ST(ws_free)(&w);
     }
+    attn_free(prefix);
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
@@ -676,38 +691,101 @@ static void ST(report)(const attn_problem *p, int bits)
     }
 }
 
+/* x[t * ldx + c] *= Z for the keys j0 + t (t < n) and the queries i0 + c (c < nc) of
+ * folded row b: Z = 1 / (1 - p) where dropout keeps the probability, else 0
+ * (attn_dropout_keep; key-major rows of queries, as S^T). */
+static void ST(dropout_cols)(const attn_problem *p, int64_t b, int64_t i0, int64_t nc, int64_t j0, int64_t n,
+                             T *x, int64_t ldx)
+{
+    const T z = (T)(1.0 / (1.0 - p->dropout_p));
+    uint8_t keep[64];
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t t0 = 0; t0 < n; t0 += 64) {
+            int64_t m = n - t0 < 64 ? n - t0 : 64;
+            attn_dropout_keep(p, b, i0 + c + p->dropout_i0, j0 + t0 + p->dropout_j0, m, keep);
+            for (int64_t t = 0; t < m; t++)
+                x[(t0 + t) * ldx + c] *= keep[t] ? z : 0;
+        }
+}
+
+/* The same for query-major rows: x[r * ldx + t] *= Z of query i0 + r, key j0 + t. */
+static void ST(dropout_rows)(const attn_problem *p, int64_t b, int64_t i0, int64_t nr, int64_t j0, int64_t n,
+                             T *x, int64_t ldx)
+{
+    const T z = (T)(1.0 / (1.0 - p->dropout_p));
+    uint8_t keep[64];
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t t0 = 0; t0 < n; t0 += 64) {
+            int64_t m = n - t0 < 64 ? n - t0 : 64;
+            attn_dropout_keep(p, b, i0 + r + p->dropout_i0, j0 + t0 + p->dropout_j0, m, keep);
+            for (int64_t t = 0; t < m; t++)
+                x[r * ldx + t0 + t] *= keep[t] ? z : 0;
+        }
+}
+
+/* The call's mask and dropout as one panel sees them: the problem, the folded row bh,
+ * the mask's offset of that row, and the number of real queries of the panel (the
+ * last panel of a block may have fewer than NR). */
+typedef struct {
+    const attn_problem *p;
+    int64_t bh, mbase, nvalid;
+    T alibi2;     /* the row's ALiBi slope times log2(e) (0: none) */
+    int64_t off;  /* ALiBi's diagonal offset: the row's key length - nq */
+} ST(panel_extra);
+
 /* One query panel (queries q0 + [0, NR)) over the key block [j0, j0 + kv) (kv: the
  * keys some query of the panel sees), K and V rows kr, vr: its state m, l (NR each),
- * Qt panel qt, O^T panel ot (dv rows of NR), probabilities st (kv rows of NR). Query
+ * Qt panel qt, O^T panel ot (dv rows of NR), probabilities st (kv rows of NR).
+ * FEAT is a compile-time constant: 0 instantiates the plain problem's panel (causal
+ * the only mask: query q0 + c sees key j iff j <= q0 + c), 1 the featured one: query
  * q0 + c sees key j iff q0 + c + lo <= j <= q0 + c + hi (attn_span; keys past the
- * row's length are never passed). With empty (a mask may leave a query without a
- * key so far), such a query's probabilities are 0 rather than 2^(-inf + inf). With
- * cap2 (not 0), the scores are s / c and become cap2 tanh(s / c) (softcap_row). */
-static void ST(flash_panel)(const T *kr, const T *vr, int64_t kv, int64_t d, int64_t dv, const T *qt,
-                            T *st, T *ot, T *m, T *l, T *alpha, int64_t q0, int64_t j0, int64_t lo,
-                            int64_t hi, int empty, T cap2)
+ * row's length are never passed), a query may be left without a key so far (its
+ * probabilities are 0 rather than 2^(-inf + inf)), with cap2 (not 0) the scores are
+ * s / c and become cap2 tanh(s / c) (softcap_row), then x's mask is added and after
+ * the sums (the lse is of the undropped softmax) x's dropout applied. */
+static ATTN_INLINE void ST(flash_panel_t)(const T *kr, const T *vr, int64_t kv, int64_t d, int64_t dv,
+                                          const T *qt, T *st, T *ot, T *m, T *l, T *alpha, int causal,
+                                          int64_t q0, int64_t j0, int64_t lo, int64_t hi, T cap2,
+                                          const ST(panel_extra) *x, const int FEAT)
 {
     T mx[NR], mnew[NR], msub[NR], e[NR];
     for (int c = 0; c < NR; c++)
         mx[c] = -INFINITY;
+    const int masked = FEAT && (x->p->mask != NULL || x->alibi2 != 0);
     /* S^T = K Q^T with the column max; a tile that crosses an edge of a query's
      * window (key j is seen by the queries q0 + c with j - hi <= q0 + c <= j - lo)
-     * is masked, and a softcapped one capped, before its max */
+     * is masked, and a softcapped or attention-masked one capped and masked, before
+     * its max */
     for (int64_t k0 = 0; k0 < kv; k0 += MR) {
         int mr = (int)(kv - k0 < MR ? kv - k0 : MR);
         int64_t j = j0 + k0;
-        int edge = j + mr - 1 - hi > q0 || j - lo < q0 + NR - 1, rows = edge || cap2 != 0;
+        int edge = FEAT ? (j + mr - 1 - hi > q0 || j - lo < q0 + NR - 1) : (causal && j + mr - 1 > q0);
+        int rows = FEAT ? (edge || cap2 != 0 || masked) : edge;
         ST(call_qk)(mr, d, kr + k0 * d, d, qt, st + k0 * NR, NR, rows ? NULL : mx);
         for (int r = 0; rows && r < mr; r++) {
             T *sr = st + (k0 + r) * NR;
-            if (cap2 != 0)
-                ST(softcap_row)(sr, NULL, NR, cap2);
-            int64_t first = edge ? attn_clamp(j + r - hi - q0, NR) : 0;
-            int64_t past = edge ? attn_clamp(j + r - lo - q0 + 1, NR) : NR;
-            for (int64_t c = 0; c < first; c++)
-                sr[c] = -INFINITY;
-            for (int64_t c = past; c < NR; c++)
-                sr[c] = -INFINITY;
+            if (FEAT) {
+                if (cap2 != 0)
+                    ST(softcap_row)(sr, NULL, NR, cap2);
+                if (masked && x->p->mask) {
+                    const attn_problem *p = x->p;
+                    int64_t off = x->mbase + (j + r) * p->mask_stride[3] + q0 * p->mask_stride[2];
+                    for (int64_t c = 0; c < x->nvalid; c++)
+                        sr[c] += (T)attn_mask_log2(p, off + c * p->mask_stride[2]);
+                }
+                if (masked && x->alibi2 != 0)  /* -slope |i + off - j| */
+                    for (int64_t c = 0; c < x->nvalid; c++)
+                        sr[c] -= x->alibi2 * (T)llabs(q0 + c + x->off - (j + r));
+                int64_t first = edge ? attn_clamp(j + r - hi - q0, NR) : 0;
+                int64_t past = edge ? attn_clamp(j + r - lo - q0 + 1, NR) : NR;
+                for (int64_t c = 0; c < first; c++)
+                    sr[c] = -INFINITY;
+                for (int64_t c = past; c < NR; c++)
+                    sr[c] = -INFINITY;
+            } else {
+                for (int64_t c = j + r - q0; c > 0; c--)
+                    sr[c - 1] = -INFINITY;
+            }
             for (int c = 0; c < NR; c += VW)
                 V(storeu)(mx + c, V(max)(V(loadu)(mx + c), V(load)(sr + c)));
         }
@@ -722,7 +800,7 @@ static void ST(flash_panel)(const T *kr, const T *vr, int64_t kv, int64_t d, int
     for (int c = 0; c < NR; c++) {
         alpha[c] = m[c] == -INFINITY ? 0 : (m[c] == mnew[c] ? 1 : e[c]);
         m[c] = mnew[c];
-        msub[c] = empty && mnew[c] == -INFINITY ? 0 : mnew[c];
+        msub[c] = FEAT && mnew[c] == -INFINITY ? 0 : mnew[c];
     }
     /* probabilities 2^(s - m_new) and their column sums */
     VT m0 = V(loadu)(msub), m1 = V(loadu)(msub + VW), s0 = V(zero)(), s1 = V(zero)();
@@ -736,6 +814,8 @@ static void ST(flash_panel)(const T *kr, const T *vr, int64_t kv, int64_t d, int
     }
     V(storeu)(l, V(fma)(V(loadu)(l), V(loadu)(alpha), s0));
     V(storeu)(l + VW, V(fma)(V(loadu)(l + VW), V(loadu)(alpha + VW), s1));
+    if (FEAT && x->p->dropout_p != 0)  /* P * Z, after the sums: the lse stays undropped */
+        ST(dropout_cols)(x->p, x->bh, q0, x->nvalid, j0, kv, st, NR);
     /* O^T = O^T * alpha + V^T P^T */
     for (int64_t c0 = 0; c0 < dv; c0 += MR) {
         int mr = (int)(dv - c0 < MR ? dv - c0 : MR);
@@ -778,19 +858,22 @@ static int ST(row_empty)(const attn_span *sp, int64_t i)
     return attn_clamp(i + sp->lo, sp->len) >= attn_clamp(i + sp->hi + 1, sp->len);
 }
 
-static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
-                            TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
-                            int64_t dv_pad, int64_t lds)
+/* One query block of flash; FEAT (a compile-time constant) as for flash_panel_t: 0
+ * for the plain problem (no span bookkeeping, no per-tile feature tests), 1 for one
+ * with features. */
+static ATTN_INLINE void ST(flash_block_t)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v,
+                                          TIN *out, TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0,
+                                          int64_t bq, const int FEAT)
 {
-    (void)dv_pad; (void)lds;
-    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k, bkv = bh / p->kv_group;
-    const attn_span sp = attn_span_of(p, bh);
-    const int features = attn_features_on(p);
+    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k, bkv = FEAT ? bh / p->kv_group : bh;
+    attn_span sp = {0, 0, nk};
+    if (FEAT)
+        sp = attn_span_of(p, bh);
     /* the keys some row of the block sees, from the first row's lowest to the last
      * row's highest; key blocks start at multiples of bk, as without a window, so a
      * query meets the same key blocks whatever its query block */
-    const int64_t kfirst = attn_clamp(i0 + sp.lo, sp.len) / bk * bk;
-    const int64_t kend = attn_clamp(i0 + bq + sp.hi, sp.len);
+    const int64_t kfirst = FEAT ? attn_clamp(i0 + sp.lo, sp.len) / bk * bk : 0;
+    const int64_t kend = FEAT ? attn_clamp(i0 + bq + sp.hi, sp.len) : (p->causal ? (i0 + bq < nk ? i0 + bq : nk) : nk);
     const int64_t bq_pad = ST(round_up)(bq, NR);
     const TIN *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
     /* With p->nonfinite: this block's q, its output and, in the head's last query block
@@ -798,13 +881,15 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
      * or written anyway (K/V blocks right after their products, from the caches);
      * the keys this block does not read are scanned at the end, up to the longest
      * key length of the k/v row's query rows (padding past it is never read). */
-    const int check = p->nonfinite != NULL, check_kv = check && i0 + bq == p->nq && bh % p->kv_group == 0;
+    const int check = p->nonfinite != NULL;
+    const int check_kv = check && i0 + bq == p->nq && (!FEAT || bh % p->kv_group == 0);
     int bad = 0;
     /* Qt panels, scaled: panel q0 / NR at w->a + q0 * d, d rows of NR */
     ST(pack_kt)(q + (bh * p->nq + i0) * d, bq, d, w->a);
     if (check && ST(nonfinite)(w->a, bq_pad * d))  /* before scaling, which may overflow */
         bad |= ATTN_NONFINITE_Q;
-    const T c = ST(score_factor)(p), cap2 = (T)(p->softcap * ATTN_LOG2E);
+    const T c = FEAT ? ST(score_factor)(p) : (T)(p->scale * ATTN_LOG2E);
+    const T cap2 = FEAT ? (T)(p->softcap * ATTN_LOG2E) : 0;
     for (int64_t i = 0; i < bq_pad * d; i++)
         w->a[i] *= c;
     for (int64_t r = 0; r < bq_pad; r++) {
@@ -813,6 +898,8 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
     }
     for (int64_t i = 0; i < bq_pad * dv; i++)
         w->o[i] = 0;
+    ST(panel_extra) x = {p, bh, FEAT && p->mask ? attn_mask_base(p, bh) : 0, 0,
+                         FEAT && p->alibi ? (T)(p->alibi[bh] * ATTN_LOG2E) : 0, sp.len - p->nq};
     for (int64_t j0 = kfirst; j0 < kend; j0 += bk) {
         int64_t kb = kend - j0 < bk ? kend - j0 : bk;
         const T *kr = ST(block_rows)(kh + j0 * d, kb, d, w->kt);
@@ -821,19 +908,28 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
             /* the keys of the block the panel sees: from its first query's lowest to
              * its last query's highest */
             int64_t qlast = i0 + (bq - q0 < NR ? bq : q0 + NR) - 1;
-            int64_t ks = attn_clamp(i0 + q0 + sp.lo - j0, kb), ke = attn_clamp(qlast + sp.hi + 1 - j0, kb);
+            int64_t ks = 0, ke = p->causal ? ST(causal_valid)(1, qlast, j0, kb) : kb;
+            if (FEAT) {
+                ks = attn_clamp(i0 + q0 + sp.lo - j0, kb);
+                ke = attn_clamp(qlast + sp.hi + 1 - j0, kb);
+                x.nvalid = qlast + 1 - (i0 + q0);
+            }
             if (ks >= ke)
                 continue;  /* no query of the panel sees this block: its state stays as it is */
-            ST(flash_panel)(kr + ks * d, vr + ks * dv, ke - ks, d, dv, w->a + q0 * d, w->s, w->o + q0 * dv,
-                            w->m + q0, w->l + q0, w->alpha + q0, i0 + q0, j0 + ks, sp.lo, sp.hi, features,
-                            cap2);
+            ST(flash_panel_t)(kr + ks * d, vr + ks * dv, ke - ks, d, dv, w->a + q0 * d, w->s, w->o + q0 * dv,
+                              w->m + q0, w->l + q0, w->alpha + q0, p->causal, i0 + q0, j0 + ks, sp.lo, sp.hi,
+                              cap2, &x, FEAT);
         }
         if (check_kv) {  /* right after the products read them, while they are in the caches */
             bad |= ST(nonfinite)(kr, kb * d) ? ATTN_NONFINITE_K : 0;
             bad |= ST(nonfinite)(vr, kb * dv) ? ATTN_NONFINITE_V : 0;
         }
     }
-    if (check_kv) {
+    if (check_kv && !FEAT && kend < nk) {
+        bad |= ST(nonfinite_in)(kh + kend * d, (nk - kend) * d) ? ATTN_NONFINITE_K : 0;
+        bad |= ST(nonfinite_in)(vh + kend * dv, (nk - kend) * dv) ? ATTN_NONFINITE_V : 0;
+    }
+    if (check_kv && FEAT) {
         int64_t klen = sp.len, past = kend > kfirst ? kend : kfirst;
         for (int64_t g = 1; p->seqlen_k && g < p->kv_group; g++) {
             int64_t len = p->seqlen_k[(bh + g) / p->heads];
@@ -848,9 +944,10 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
     }
     /* rows that see no key: output 0 (o zeroed over l = 1; o may hold 0 * inf from
      * keys of other rows of their panel) and lse -inf (their m stays -inf); a row
-     * that sees keys but has l = 0 (every score overflowed to -inf) keeps 0 / 0 */
-    for (int64_t r = 0; features && r < bq; r++) {
-        if (w->l[r] == 0 && ST(row_empty)(&sp, i0 + r)) {
+     * that sees keys but has l = 0 (every score overflowed to -inf) keeps 0 / 0, but
+     * with an attention mask a row whose every score is -inf counts as seeing none */
+    for (int64_t r = 0; FEAT && r < bq; r++) {
+        if (w->l[r] == 0 && (ST(row_empty)(&sp, i0 + r) || (p->mask && w->m[r] == -INFINITY))) {
             w->l[r] = 1;
             for (int64_t c = 0; c < dv; c++)
                 w->o[(r / NR * NR) * dv + c * NR + r % NR] = 0;
@@ -865,11 +962,28 @@ static void ST(flash_block)(const attn_problem *p, const TIN *q, const TIN *k, c
             lse[bh * p->nq + i0 + r] = STORE_OUT(ST(lse_of)(w->m[r], w->l[r]));
 }
 
+static void ST(flash_block_plain)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
+                                  TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+                                  int64_t dv_pad, int64_t lds)
+{
+    (void)dv_pad; (void)lds;
+    ST(flash_block_t)(p, q, k, v, out, lse, w, bh, i0, bq, 0);
+}
+
+static void ST(flash_block_feat)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
+                                 TIN *lse, const ST(workspace) *w, int64_t bh, int64_t i0, int64_t bq,
+                                 int64_t dv_pad, int64_t lds)
+{
+    (void)dv_pad; (void)lds;
+    ST(flash_block_t)(p, q, k, v, out, lse, w, bh, i0, bq, 1);
+}
+
 int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out, TIN *lse)
 {
     /* the workspace's q-block buffers hold whole panels; s holds one panel's probabilities */
     return ST(for_each_qblock)(p, q, k, v, out, lse, ST(round_up)(p->block_q, NR),
-                               ST(round_up)(p->block_k, MR), NR, ST(flash_block));
+                               ST(round_up)(p->block_k, MR), NR,
+                               attn_features_on(p) ? ST(flash_block_feat) : ST(flash_block_plain));
 }
 
 #ifndef ATTN_HALF_IO
@@ -948,16 +1062,18 @@ typedef struct {
     T *m, *dd;   /* per column (pass 1) or per row (pass 2): lse2 and D, padded */
     T *ones;
     T *g;        /* with a softcap: its derivative 1 - tanh^2 at each score, rows x ldc */
+    T *z;        /* with dropout: pass 1's Z, then P * Z, rows x ldc */
 } ST(bwd_ws);
 
 static void ST(bwd_free)(ST(bwd_ws) *w)
 {
     attn_free(w->a); attn_free(w->pack); attn_free(w->s); attn_free(w->dp);
     attn_free(w->acc1); attn_free(w->acc2); attn_free(w->m); attn_free(w->dd); attn_free(w->ones);
-    attn_free(w->g);
+    attn_free(w->g); attn_free(w->z);
 }
 
-static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv, int softcap)
+static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv, int softcap,
+                         int dropout)
 {
     int64_t ldc = ST(round_up)(cols, NR), dmax = d > dv ? d : dv;
     int64_t wide = ST(round_up)(dmax, NR), tall = ST(round_up)(rows > cols ? rows : cols, NR);
@@ -971,8 +1087,9 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
     w->dd = attn_alloc(tall, 1, sizeof(T));
     w->ones = attn_alloc(tall, 1, sizeof(T));
     w->g = softcap ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
+    w->z = dropout ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
     if (!(w->a && w->pack && w->s && w->dp && w->acc1 && w->acc2 && w->m && w->dd && w->ones &&
-          (w->g || !softcap))) {
+          (w->g || !softcap) && (w->z || !dropout))) {
         ST(bwd_free)(w);
         return 0;
     }
@@ -999,6 +1116,7 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
         const int64_t bh = bkv * p->kv_group + g;
         const T *qh = q + bh * nq * d, *doh = dout + bh * nq * dv;
         const attn_span sp = attn_span_of(p, bh);
+        const int64_t mbase = p->mask ? attn_mask_base(p, bh) : 0;
         /* the keys of the block within the row's length, and the queries that see
          * one of them (key j is seen by the queries j - hi <= i <= j - lo); query
          * blocks start at multiples of bq (causal: those before the first that can
@@ -1016,6 +1134,16 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                 T *pj = w->s + j * ldc;
                 if (cap2 != 0)
                     ST(softcap_row)(pj, w->g + j * ldc, qb_vw, cap2);
+                if (p->mask) {
+                    int64_t off = mbase + (j0 + j) * p->mask_stride[3] + i0 * p->mask_stride[2];
+                    for (int64_t i = 0; i < qb; i++)
+                        pj[i] += (T)attn_mask_log2(p, off + i * p->mask_stride[2]);
+                }
+                if (p->alibi) {
+                    const T a2 = (T)(p->alibi[bh] * ATTN_LOG2E);
+                    for (int64_t i = 0; i < qb; i++)
+                        pj[i] -= a2 * (T)llabs(i0 + i + sp.len - nq - (j0 + j));
+                }
                 ST(exp2_sub)(pj, w->m, qb_vw);
                 /* query i0 + i sees key j0 + j only if j0 + j - hi <= i0 + i <= j0 + j - lo */
                 int64_t first = attn_clamp(j0 + j - sp.hi - i0, qb), past = attn_clamp(j0 + j - sp.lo + 1 - i0, qb);
@@ -1024,8 +1152,21 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                 for (int64_t i = past; i < qb; i++)
                     pj[i] = 0;
             }
-            ST(gemm_ab_acc)(w->pack, w->s, kbh, ldc, doh + i0 * dv, qb, dv, w->acc1, dp_pad, w->ones); /* dV */
+            T *pz = w->s;  /* P^T, or with dropout P^T * Z^T */
+            if (w->z) {
+                for (int64_t i = 0; i < kbh * ldc; i++)
+                    w->z[i] = 1;
+                ST(dropout_cols)(p, bh, i0, qb, j0, kbh, w->z, ldc);
+            }
             ST(gemm_abt)(w->pack, v + (bkv * nk + j0) * dv, kbh, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* dP^T */
+            if (w->z) {  /* dP * Z, and P * Z for dV */
+                for (int64_t i = 0; i < kbh * ldc; i++) {
+                    w->dp[i] *= w->z[i];
+                    w->z[i] *= w->s[i];
+                }
+                pz = w->z;
+            }
+            ST(gemm_ab_acc)(w->pack, pz, kbh, ldc, doh + i0 * dv, qb, dv, w->acc1, dp_pad, w->ones); /* dV */
             for (int64_t j = 0; j < kbh; j++) {
                 ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
                 if (cap2 != 0)
@@ -1056,6 +1197,7 @@ static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const
     const int64_t kend = attn_clamp(i0 + qb + sp.hi, sp.len);
     const T *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
     const T cap2 = (T)(p->softcap * ATTN_LOG2E);
+    const int64_t mbase = p->mask ? attn_mask_base(p, bh) : 0;
     ST(scale_rows)(q + (bh * nq + i0) * d, qb, d, ST(score_factor)(p), w->a);
     for (int64_t i = 0; i < qb * d_pad; i++)
         w->acc1[i] = 0;
@@ -1063,6 +1205,8 @@ static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const
         int64_t kb = kend - j0 < bk ? kend - j0 : bk, kb_vw = ST(round_up)(kb, VW);
         ST(gemm_abt)(w->pack, w->a, qb, d, kh + j0 * d, kb, d, w->s, ldc);          /* S */
         ST(gemm_abt)(w->pack, dout + (bh * nq + i0) * dv, qb, dv, vh + j0 * dv, kb, dv, w->dp, ldc); /* dP */
+        if (p->dropout_p != 0)  /* dP * Z */
+            ST(dropout_rows)(p, bh, i0, qb, j0, kb, w->dp, ldc);
         for (int64_t r = 0; r < qb; r++) {
             /* row i0 + r sees the keys [j0 + first, j0 + past) of the block: the
              * others get P = 2^-inf = 0 */
@@ -1070,6 +1214,16 @@ static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const
             int64_t first = attn_clamp(i0 + r + sp.lo - j0, kb), past = attn_clamp(i0 + r + sp.hi + 1 - j0, kb);
             if (cap2 != 0)
                 ST(softcap_row)(pr, w->g + r * ldc, kb_vw, cap2);
+            if (p->mask) {
+                int64_t off = mbase + (i0 + r) * p->mask_stride[2] + j0 * p->mask_stride[3];
+                for (int64_t j = 0; j < kb; j++)
+                    pr[j] += (T)attn_mask_log2(p, off + j * p->mask_stride[3]);
+            }
+            if (p->alibi) {
+                const T a2 = (T)(p->alibi[bh] * ATTN_LOG2E);
+                for (int64_t j = 0; j < kb; j++)
+                    pr[j] -= a2 * (T)llabs(i0 + r + sp.len - nq - (j0 + j));
+            }
             for (int64_t j = 0; j < first; j++)
                 pr[j] = -INFINITY;
             ST(row_exp2_sum)(pr, past, kb_vw, lse2[bh * nq + i0 + r]);
@@ -1092,7 +1246,10 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     const int64_t nqb = (nq + p->block_q - 1) / p->block_q, nkb = (nk + p->block_k - 1) / p->block_k;
     const int features = attn_features_on(p);
     T *lse2 = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
-    int failed = !(lse2 && dvec);
+    /* varlen: the work items of each pass, per sequence (attn_varlen_items) */
+    int64_t *kv_items = p->cu_seqlens_q ? attn_varlen_items(p, batch_kv, p->block_k, 1) : NULL;
+    int64_t *q_items = p->cu_seqlens_q ? attn_varlen_items(p, p->batch, p->block_q, 0) : NULL;
+    int failed = !(lse2 && dvec) || (p->cu_seqlens_q && !(kv_items && q_items));
     if (!failed) {
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
         for (int64_t i = 0; i < rows; i++) {
@@ -1111,15 +1268,24 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         {
             ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn, p->softcap > 0);
+            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn, p->softcap > 0, p->dropout_p != 0);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < batch_kv * nkb; t++) {
+            for (int64_t t = 0; t < (kv_items ? kv_items[p->nseq] : batch_kv * nkb); t++) {
                 if (!ok)
                     continue;
+                if (kv_items) {  /* varlen: sequence s's keys, a problem of its own at its offsets */
+                    int64_t s = attn_varlen_seq(kv_items, p->nseq, t), u = t - kv_items[s], qo, ko;
+                    attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
+                    int64_t bkv = u % batch_kv, j0 = (u / batch_kv) * p->block_k;
+                    int64_t kb = sp.nk - j0 < p->block_k ? sp.nk - j0 : p->block_k;
+                    ST(bwd_kv_block)(&sp, q + qo * p->d, k + ko * p->d, v + ko * dvn, dout + qo * dvn, lse2 + qo,
+                                     dvec + qo, dk + ko * p->d, dv + ko * dvn, &w, bkv, j0, kb);
+                    continue;
+                }
                 int64_t bkv = t % batch_kv, j0 = (t / batch_kv) * p->block_k;
                 int64_t kb = nk - j0 < p->block_k ? nk - j0 : p->block_k;
                 ST(bwd_kv_block)(p, q, k, v, dout, lse2, dvec, dk, dv, &w, bkv, j0, kb);
@@ -1133,15 +1299,25 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         {
             ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn, p->softcap > 0);
+            int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn, p->softcap > 0, 0);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < p->batch * nqb; t++) {
+            for (int64_t t = 0; t < (q_items ? q_items[p->nseq] : p->batch * nqb); t++) {
                 if (!ok)
                     continue;
+                if (q_items) {  /* varlen: sequence s's queries */
+                    int64_t s = attn_varlen_seq(q_items, p->nseq, t), u = t - q_items[s], qo, ko;
+                    attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
+                    int64_t snqb = (sp.nq + p->block_q - 1) / p->block_q;
+                    int64_t bh = u % p->batch, i0 = (snqb - 1 - u / p->batch) * p->block_q;
+                    int64_t qb = sp.nq - i0 < p->block_q ? sp.nq - i0 : p->block_q;
+                    ST(bwd_q_block)(&sp, q + qo * p->d, k + ko * p->d, v + ko * dvn, dout + qo * dvn, lse2 + qo,
+                                    dvec + qo, dq + qo * p->d, &w, bh, i0, qb);
+                    continue;
+                }
                 int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
                 int64_t qb = nq - i0 < p->block_q ? nq - i0 : p->block_q;
                 ST(bwd_q_block)(p, q, k, v, dout, lse2, dvec, dq, &w, bh, i0, qb);
@@ -1152,6 +1328,8 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     }
     attn_free(lse2);
     attn_free(dvec);
+    attn_free(kv_items);
+    attn_free(q_items);
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
