@@ -1,0 +1,147 @@
+"""attnkern's torch.library custom ops, the frontend that makes attention on
+torch tensors visible to torch.compile (one opaque node in the graph, no graph
+break), to autograd and to autocast:
+
+    attnkern::attention(q, k, v, ...) -> (out, lse)
+    attnkern::attention_backward(q, k, v, out, dout, lse, ...) -> (dq, dk, dv)
+
+Every argument is of a kind a custom op takes (Tensor, Tensor?, str, int,
+float, float?, bool): the caller (the core, _api) encodes causal as a string,
+the window as two ints (-1: unbounded), the key lengths and the dropout seed
+as tensors and the kernel's tunables as a JSON string. The core also supplies
+what the ops run (install): this layer only defines them, their fake (meta)
+implementations, their autograd formula and their autocast policy. torch is
+imported on first use."""
+
+_IMPL: dict = {}  # "forward" / "backward" / "backward_dtypes": the core's functions (install)
+_OPS: list = []  # torch.ops.attnkern, once the ops are defined
+_LIBS: list = []  # the torch.library.Library objects holding the autocast registrations
+
+
+def install(forward, backward, backward_takes) -> None:
+    """The core's implementations: forward(q, k, v, spec, *, check_finite, need_lse, need_backward)
+    -> (out, lse) (lse empty without need_lse), backward(q, k, v, out, dout, lse, spec) -> (dq, dk, dv),
+    spec being _spec's dict, and backward_takes(kernel, dtype)
+    -> whether the kernel's backward (kernel="auto": any kernel's) takes that dtype (autocast)."""
+    _IMPL.update(forward=forward, backward=backward, backward_takes=backward_takes)
+
+
+def _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
+          dropout_seed, params) -> dict:
+    """The encoded arguments as one dict, the form install's functions take."""
+    return {"causal": causal, "scale": scale, "kernel": kernel, "window_left": window_left,
+            "window_right": window_right, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
+            "dropout_p": dropout_p, "dropout_seed": dropout_seed, "params": params}
+
+
+def ops():
+    """torch.ops.attnkern with attention and attention_backward defined (on first call)."""
+    if _OPS:
+        return _OPS[0]
+    _define()
+    return _OPS[0]
+
+
+def _define() -> None:
+    import torch
+    from torch import Tensor
+
+    @torch.library.custom_op("attnkern::attention", mutates_args=())
+    def attention(q: Tensor, k: Tensor, v: Tensor, causal: str, scale: float | None, kernel: str, window_left: int,
+                  window_right: int, key_lengths: Tensor | None, softcap: float | None, attn_mask: Tensor | None,
+                  dropout_p: float, dropout_seed: Tensor | None, params: str, check_finite: bool, need_lse: bool,
+                  need_backward: bool) -> tuple[Tensor, Tensor]:
+        spec = _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
+                     dropout_seed, params)
+        out, lse = _IMPL["forward"](q, k, v, spec, check_finite=check_finite, need_lse=need_lse,
+                                    need_backward=need_backward)
+        return out, lse
+
+    @attention.register_fake
+    def _(q, k, v, causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
+          dropout_seed, params, check_finite, need_lse, need_backward):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1] if need_lse else (0,))
+        return out, lse
+
+    @torch.library.custom_op("attnkern::attention_backward", mutates_args=())
+    def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Tensor, causal: str,
+                           scale: float | None, kernel: str, window_left: int, window_right: int,
+                           key_lengths: Tensor | None, softcap: float | None, attn_mask: Tensor | None,
+                           dropout_p: float, dropout_seed: Tensor | None,
+                           params: str) -> tuple[Tensor, Tensor, Tensor]:
+        spec = _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
+                     dropout_seed, params)
+        dq, dk, dv = _IMPL["backward"](q, k, v, out, dout, lse, spec)
+        return dq, dk, dv
+
+    @attention_backward.register_fake
+    def _(q, k, v, out, dout, lse, *rest):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    # the spec's positions in attention's arguments (after q, k, v), for autograd and autocast
+    names = ("causal", "scale", "kernel", "window_left", "window_right", "key_lengths", "softcap", "attn_mask",
+             "dropout_p", "dropout_seed", "params")
+
+    def setup_context(ctx, inputs, output):
+        q, k, v = inputs[:3]
+        spec = dict(zip(names, inputs[3:14]))
+        out, lse = output
+        ctx.no_backward = not inputs[16]  # need_backward: the core sets it whenever an input requires grad
+        ctx.save_for_backward(q, k, v, out, lse, spec["key_lengths"], spec["attn_mask"], spec["dropout_seed"])
+        ctx.spec = {n: val for n, val in spec.items() if n not in ("key_lengths", "attn_mask", "dropout_seed")}
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, _dlse):
+        if ctx.no_backward:
+            raise RuntimeError("attnkern::attention was called with need_backward=False and an input requires "
+                               "grad; call it through attnkern.attention, which sets it then")
+        q, k, v, out, lse, key_lengths, attn_mask, dropout_seed = ctx.saved_tensors
+        s = ctx.spec
+        dq, dk, dv = torch.ops.attnkern.attention_backward(
+            q, k, v, out, dout.contiguous(), lse, s["causal"], s["scale"], s["kernel"], s["window_left"],
+            s["window_right"], key_lengths, s["softcap"], attn_mask, s["dropout_p"], dropout_seed, s["params"])
+        return dq, dk, dv, *([None] * 14)
+
+    attention.register_autograd(backward, setup_context=setup_context)
+    for device in ("cpu", "cuda"):
+        _register_autocast(torch, "attention", device)
+    _OPS.append(torch.ops.attnkern)
+
+
+def _register_autocast(torch, opname: str, device_type: str) -> None:
+    """Autocast's policy for attnkern::attention, as SDPA's: in an autocast region of
+    the device, floating q, k, v (and a float attn_mask) are cast to the region's dtype
+    (torch.get_autocast_dtype: bfloat16 on the CPU, float16 on CUDA unless set), then
+    the op runs with autocast off. Where an input requires grad and no kernel's
+    backward takes that dtype (the native kernels' backward is float32/float64), the
+    op runs in float32 instead and its output is cast to the region's dtype: the
+    forward and the backward both work, the gradients computed in float32 and
+    returned in each input's own dtype (autograd's casts). torch.library's
+    register_autocast takes one fixed dtype; this reads the region's."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+    op = getattr(torch.ops.attnkern, opname).default
+
+    def policy(*args):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = args[:3]
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        compute = dtype
+        if grad and not _IMPL["backward_takes"](args[5], str(dtype).removeprefix("torch.")):
+            compute = torch.float32
+
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device_type:
+                return x.to(compute)
+            return x
+
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            out, lse = op(*map(cast, args[:3]), *args[3:10], cast(args[10]), *args[11:])
+        return out.to(dtype), lse.to(dtype)
+
+    if op.has_kernel_for_dispatch_key(key):
+        op.py_kernels.pop(key)
+    op.py_impl(key)(policy)
+    _LIBS.append(torch.library.Library("attnkern", "IMPL"))  # a registration lives as long as its Library
+    _LIBS[-1].impl(opname, lambda _keyset, *args: policy(*args), "Autocast" + torch._C._dispatch_key_for_device(
+        device_type), with_keyset=True)
