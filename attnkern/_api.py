@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -385,6 +386,10 @@ def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, f
 
     _torch_api.check_tensors((q, k, v), "q, k, v")
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if not _torch_ops.defined() and torch.compiler.is_compiling():
+        raise RuntimeError("attnkern's torch ops are defined on attnkern's first call on torch tensors, which "
+                           "torch.compile cannot trace: import torch before attnkern, or call attnkern.attention "
+                           "once outside torch.compile")
     out, lse = _torch_ops.ops().attention(q, k, v, *_encode(causal, scale, kernel, feats, params), check_finite,
                                           return_lse or grad, grad)
     return (out, lse) if return_lse else out
@@ -497,6 +502,8 @@ def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, fea
 
 
 _torch_ops.install(_op_forward, _op_backward, _backward_takes)
+if "torch" in sys.modules:  # torch already loaded: define the ops now, before any torch.compile traces a call
+    _torch_ops.ops()
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,

@@ -34,6 +34,10 @@ def _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap
             "dropout_p": dropout_p, "dropout_seed": dropout_seed, "params": params}
 
 
+def defined() -> bool:
+    return bool(_OPS)
+
+
 def ops():
     """torch.ops.attnkern with attention and attention_backward defined (on first call)."""
     if _OPS:
@@ -73,11 +77,11 @@ def _define() -> None:
         spec = _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
                      dropout_seed, params)
         dq, dk, dv = _IMPL["backward"](q, k, v, out, dout, lse, spec)
-        return dq, dk, dv
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
     @attention_backward.register_fake
     def _(q, k, v, out, dout, lse, *rest):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
 
     # the spec's positions in attention's arguments (after q, k, v), for autograd and autocast
     names = ("causal", "scale", "kernel", "window_left", "window_right", "key_lengths", "softcap", "attn_mask",
