@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import inspect
 import math
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -339,12 +338,6 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     """
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap}
     if _is_torch(q) or _is_torch(k) or _is_torch(v):
-        # device-resident tensors: a prepared launch per call shape, for calls without features
-        if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None \
-                and _eager(q, k, v):
-            result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
-            if result is not None:
-                return result
         return _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params)
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=False, **feats)  # run checks as the kernel lets
     chosen, resolved = choose(call, kernel, params, return_lse=return_lse)
@@ -352,8 +345,9 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
 
 
 def _eager(q, k, v) -> bool:
-    """Whether a torch call may skip the custom op: not under torch.compile, not in an
-    autocast region of q's device, and no input requiring grad (the op serves those)."""
+    """Whether a torch call may skip the custom op's dispatch (tens of microseconds): not
+    under torch.compile, not in an autocast region of q's device, and no input requiring
+    grad; the op serves those."""
     import torch
 
     return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(q.device.type)
@@ -385,11 +379,9 @@ def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, f
     import torch
 
     _torch_api.check_tensors((q, k, v), "q, k, v")
+    if _eager(q, k, v):  # what the op would run, without its dispatch
+        return _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, False, feats, params)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if not _torch_ops.defined() and torch.compiler.is_compiling():
-        raise RuntimeError("attnkern's torch ops are defined on attnkern's first call on torch tensors, which "
-                           "torch.compile cannot trace: import torch before attnkern, or call attnkern.attention "
-                           "once outside torch.compile")
     out, lse = _torch_ops.ops().attention(q, k, v, *_encode(causal, scale, kernel, feats, params), check_finite,
                                           return_lse or grad, grad)
     return (out, lse) if return_lse else out
@@ -465,14 +457,20 @@ def _op_forward(q, k, v, spec, *, check_finite, need_lse, need_backward):
     """attnkern::attention's implementation: (out, lse), lse empty without need_lse; need_backward
     chooses a kernel with a backward (an input requires grad)."""
     causal, scale, kernel, feats, params = _decode(spec)
-    if q.is_cuda and not any(x is not None for x in feats.values()) and not need_backward:
-        # device-resident tensors: a prepared launch per call shape, for calls without features
-        result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, need_lse, params)
-        if result is not None:
-            return result if need_lse else (result, q.new_empty((0,)))
-    result = _torch_forward(q, k, v, causal, scale, kernel, check_finite, need_lse, feats, params,
-                            backward=need_backward)[0]
+    result = _run_torch(q, k, v, causal, scale, kernel, check_finite, need_lse, need_backward, feats, params)
     return result if need_lse else (result, q.new_empty((0,)))
+
+
+def _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, backward, feats, params):
+    """out, or (out, lse) with return_lse, for torch tensors; backward: choose a kernel with a
+    backward (whose lse the caller then asks for)."""
+    if q.is_cuda and not backward and all(x is None or x == _NEUTRAL.get(n) for n, x in feats.items()):
+        # device-resident tensors: a prepared launch per call shape, for calls without features
+        result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+        if result is not None:
+            return result
+    return _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params,
+                          backward=backward)[0]
 
 
 def _op_backward(q, k, v, out, dout, lse, spec):
@@ -502,8 +500,6 @@ def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, fea
 
 
 _torch_ops.install(_op_forward, _op_backward, _backward_takes)
-if "torch" in sys.modules:  # torch already loaded: define the ops now, before any torch.compile traces a call
-    _torch_ops.ops()
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,

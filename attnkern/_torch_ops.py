@@ -14,7 +14,7 @@ implementations, their autograd formula and their autocast policy. torch is
 imported on first use."""
 
 _IMPL: dict = {}  # "forward" / "backward" / "backward_dtypes": the core's functions (install)
-_OPS: list = []  # torch.ops.attnkern, once the ops are defined
+_OPS: list = []  # [True] once the ops are defined
 _LIBS: list = []  # the torch.library.Library objects holding the autocast registrations
 
 
@@ -34,16 +34,24 @@ def _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap
             "dropout_p": dropout_p, "dropout_seed": dropout_seed, "params": params}
 
 
-def defined() -> bool:
-    return bool(_OPS)
-
-
 def ops():
     """torch.ops.attnkern with attention and attention_backward defined (on first call)."""
-    if _OPS:
-        return _OPS[0]
-    _define()
-    return _OPS[0]
+    _define_once()
+    import torch
+
+    return torch.ops.attnkern
+
+
+def _define_once() -> bool:
+    """Defines the ops unless they are; True."""
+    if not _OPS:
+        _define()
+    return True
+
+
+# torch.compile runs _define_once while tracing, as a constant, rather than tracing into it (which
+# cannot define ops): the mark torch.compiler.assume_constant_result sets, set without importing torch
+_define_once._dynamo_marked_constant = True
 
 
 def _define() -> None:
@@ -110,7 +118,7 @@ def _define() -> None:
     attention.register_autograd(backward, setup_context=setup_context)
     for device in ("cpu", "cuda"):
         _register_autocast(torch, "attention", device)
-    _OPS.append(torch.ops.attnkern)
+    _OPS.append(True)
 
 
 def _register_autocast(torch, opname: str, device_type: str) -> None:

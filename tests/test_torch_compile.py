@@ -122,3 +122,23 @@ def test_cpu_autocast_bfloat16(inputs):
         assert torch.equal(out, eager.bfloat16())
         for a, b in zip(grads, eager_grads):
             assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_first_call_under_compile_defines_the_ops():
+    """attnkern imported before torch, and its first call on tensors inside torch.compile:
+    the ops are defined while tracing, with no graph break (a fresh process)."""
+    import subprocess
+    import sys
+
+    script = """
+import attnkern, torch, torch._dynamo
+q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+fn = lambda q, k, v: attnkern.attention(q, k, v, causal=True)
+explained = torch._dynamo.explain(fn)(q, k, v)
+assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+torch._dynamo.reset()
+torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v).sum().backward()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -33,12 +33,8 @@ def register(name: str = "attnkern", kernel: str = "auto", **params) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    import torch
-
     if kernel != "auto":
         attnkern.kernel_info(kernel)  # an unknown kernel name fails here, not in a model
-    # a first call on torch tensors defines attnkern's torch ops, which torch.compile cannot trace
-    attnkern.attention(*(torch.zeros(1, 1) for _ in range(3)))
     AttentionInterface.register(name, _attention_function(kernel, params))
     AttentionMaskInterface.register(name, _mask)
     return name
