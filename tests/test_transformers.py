@@ -114,6 +114,25 @@ def bert(impl, seed=0, dropout=0.0):
     return transformers.BertForMaskedLM(config).eval(), config, impl
 
 
+def test_bert_without_padding_matches_sdpa(ids):
+    ref, ours = pair(bert)
+    mask = torch.ones_like(ids)
+    for kw in ({}, {"attention_mask": mask}):
+        torch.testing.assert_close(ours(ids, **kw).logits, ref(ids, **kw).logits, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(MASKS, reason="attnkern.attention takes attn_mask")
+def test_bert_padding_and_dropout_are_refused_without_masks(ids):
+    _, ours = pair(bert, dropout=0.1)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    with pytest.raises(NotImplementedError, match="padded batch"):
+        ours(ids, attention_mask=mask)
+    ours.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ours(ids)
+
+
 @needs_masks
 def test_bert_right_padding_matches_sdpa(ids):
     ref, ours = pair(bert)
