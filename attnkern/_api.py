@@ -444,8 +444,9 @@ def _decode(spec: dict) -> tuple:
     seed = spec["dropout_seed"]
     given = {"attn_mask": spec["attn_mask"], "dropout_p": spec["dropout_p"],
              "dropout_seed": None if seed is None else int(seed)}
-    feats.update((n, x) for n, x in given.items() if x is not None and x != _NEUTRAL[n])
-    unknown = set(feats) - set(inspect.signature(validate).parameters)
+    used = {n: x for n, x in given.items() if x is not None and x != _NEUTRAL[n]}
+    feats.update(used)
+    unknown = set(used) - set(inspect.signature(validate).parameters)
     if unknown:
         raise NotImplementedError(f"this attnkern has no {', '.join(sorted(unknown))} (attention() does not take "
                                   "it yet)")
