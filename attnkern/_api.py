@@ -380,6 +380,8 @@ def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, f
 
     _torch_api.check_tensors((q, k, v), "q, k, v")
     if _eager(q, k, v):  # what the op would run, without its dispatch
+        if feats.get("dropout_seed") is not None:  # a 0-d tensor (traceable, for the op) as the int it holds
+            feats = {**feats, "dropout_seed": int(feats["dropout_seed"])}
         return _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, False, feats, params)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     out, lse = _torch_ops.ops().attention(q, k, v, *_encode(causal, scale, kernel, feats, params), check_finite,
@@ -416,6 +418,8 @@ def _encode(causal, scale, kernel, feats, params) -> tuple:
     if softcap is not None:
         softcap = float(_real(softcap, "softcap must be a positive real number or None, got {!r}"))
     mask, dropout_p, seed = (feats.get(n, d) for n, d in _NEUTRAL.items())
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a NumPy mask with tensors
+        mask = torch.as_tensor(np.asarray(mask))
     if seed is not None and not isinstance(seed, torch.Tensor):
         seed = torch.tensor(int(seed), dtype=torch.int64)
     for name, value in params.items():

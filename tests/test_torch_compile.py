@@ -142,3 +142,28 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.skipif("attn_mask" not in __import__("inspect").signature(attnkern.attention).parameters,
+                    reason="attnkern.attention has no attn_mask / dropout_p yet")
+def test_compile_sdpa_with_a_mask_and_dropout(inputs):
+    """A boolean mask and dropout under torch.compile(fullgraph=True): no graph break, a fresh
+    seed from torch's generator each call (the same as eager's after torch.manual_seed)."""
+    q, k, v, dout = inputs
+    mask = torch.rand(2, 1, 12, 12) < 0.8
+
+    def fn(q, k, v):
+        return attnkern.sdpa(q, k, v, attn_mask=mask, dropout_p=0.2, enable_gqa=True)
+
+    explained = torch._dynamo.explain(fn)(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(5)
+    eager, eager_grads = run(fn, q, k, v, dout)
+    torch.manual_seed(5)
+    compiled, grads = run(compiled_fn, q, k, v, dout)
+    assert torch.equal(compiled, eager)
+    for a, b in zip(grads, eager_grads):
+        assert torch.equal(a, b)
+    assert not torch.equal(compiled_fn(q, k, v), compiled)  # a new seed each call
