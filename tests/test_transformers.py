@@ -20,19 +20,18 @@ needs_masks = pytest.mark.skipif(not MASKS, reason="attnkern.attention has no at
 NAME = ak.register()
 
 
-def llama(impl, seed=0, **overrides):
+def llama(seed=0, **overrides):
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       **overrides)
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).float().eval().to(torch.float32), config, impl
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 def pair(build=llama, **overrides):
     """The same model (same weights) under sdpa and attnkern."""
-    ref, _, _ = build("sdpa", **overrides)
+    ref, ours = build(**overrides), build(**overrides)
     ref.set_attn_implementation("sdpa")
-    ours, _, _ = build(NAME, **overrides)
     ours.set_attn_implementation(NAME)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
@@ -106,12 +105,12 @@ def test_left_padding_logits_and_generate_match_sdpa(ids):
     assert torch.equal(ours.generate(ids, **kw), ref.generate(ids, **kw))
 
 
-def bert(impl, seed=0, dropout=0.0):
+def bert(seed=0, dropout=0.0):
     config = transformers.BertConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, max_position_embeddings=64,
                                      attention_probs_dropout_prob=dropout, hidden_dropout_prob=0.0)
     torch.manual_seed(seed)
-    return transformers.BertForMaskedLM(config).eval(), config, impl
+    return transformers.BertForMaskedLM(config).eval()
 
 
 def test_bert_without_padding_matches_sdpa(ids):
