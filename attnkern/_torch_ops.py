@@ -8,12 +8,12 @@ break), to autograd and to autocast:
 Every argument is of a kind a custom op takes (Tensor, Tensor?, str, int,
 float, float?, bool): the caller (the core, _api) encodes causal as a string,
 the window as two ints (-1: unbounded), the key lengths and the dropout seed
-as tensors and the kernel's tunables as a JSON string. The core also supplies
+as tensors and the kernel's tunables as a string "name=value,...". The core also supplies
 what the ops run (install): this layer only defines them, their fake (meta)
 implementations, their autograd formula and their autocast policy. torch is
 imported on first use."""
 
-_IMPL: dict = {}  # "forward" / "backward" / "backward_dtypes": the core's functions (install)
+_IMPL: dict = {}  # "forward" / "backward" / "backward_takes": the core's functions (install)
 _OPS: list = []  # [True] once the ops are defined
 _LIBS: list = []  # the torch.library.Library objects holding the autocast registrations
 
@@ -21,8 +21,8 @@ _LIBS: list = []  # the torch.library.Library objects holding the autocast regis
 def install(forward, backward, backward_takes) -> None:
     """The core's implementations: forward(q, k, v, spec, *, check_finite, need_lse, need_backward)
     -> (out, lse) (lse empty without need_lse), backward(q, k, v, out, dout, lse, spec) -> (dq, dk, dv),
-    spec being _spec's dict, and backward_takes(kernel, dtype)
-    -> whether the kernel's backward (kernel="auto": any kernel's) takes that dtype (autocast)."""
+    spec being _spec's dict, and backward_takes(kernel, dtype) -> whether the kernel's backward
+    (kernel="auto": any kernel's) takes that dtype (the autocast policy)."""
     _IMPL.update(forward=forward, backward=backward, backward_takes=backward_takes)
 
 
@@ -136,19 +136,21 @@ def _register_autocast(torch, opname: str, device_type: str) -> None:
 
     def policy(*args):
         dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = args[:3]
-        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
         compute = dtype
-        if grad and not _IMPL["backward_takes"](args[5], str(dtype).removeprefix("torch.")):
+        # need_backward (the last argument): the core sets it where an input requires grad
+        if args[16] and not _IMPL["backward_takes"](args[5], str(dtype).removeprefix("torch.")):
             compute = torch.float32
 
-        def cast(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device_type:
+        def cast(x):  # as autocast casts: floating tensors of the device, float64 excepted
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64 \
+                    and x.device.type == device_type:
                 return x.to(compute)
             return x
 
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             out, lse = op(*map(cast, args[:3]), *args[3:10], cast(args[10]), *args[11:])
+        if out.dtype != compute:  # float64 inputs: not cast, nor is their output
+            return out, lse
         return out.to(dtype), lse.to(dtype)
 
     if op.has_kernel_for_dispatch_key(key):

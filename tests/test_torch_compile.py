@@ -116,6 +116,8 @@ def test_cpu_autocast_bfloat16(inputs):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return fn(q, k, v)
 
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is not cast, as autocast leaves it
+        assert attnkern.attention(*(x.detach().double() for x in (q, k, v))).dtype == torch.float64
     for f in (autocast_fn, torch.compile(autocast_fn, fullgraph=True, backend="aot_eager")):
         out, grads = run(f, q, k, v, dout)
         assert out.dtype == torch.bfloat16
