@@ -196,6 +196,12 @@ def test_flash_attn_func_numpy_and_refusals(rng):
     assert isinstance(out, np.ndarray) and out.shape == (1, 5, 2, 8)
     want = np.swapaxes(attnkern.reference(*(np.swapaxes(x, 1, 2) for x in (q, k, v)), causal=True), 1, 2)
     np.testing.assert_allclose(out, want, atol=2e-5)
+    packed = attnkern.flash_attn_varlen_func(q[0], k[0], v[0], np.array([0, 2, 5]), np.array([0, 3, 5]), 3, 3,
+                                             causal=True)
+    assert isinstance(packed, np.ndarray) and packed.shape == (5, 2, 8)
+    want = attnkern.reference(*(np.swapaxes(x[None, a:b], 1, 2) for x, a, b in ((q[0], 2, 5), (k[0], 3, 5),
+                                                                              (v[0], 3, 5))), causal="bottom_right")
+    np.testing.assert_allclose(packed[2:], np.swapaxes(want, 1, 2)[0], atol=2e-5)
     with pytest.raises(NotImplementedError, match="ALiBi"):
         attnkern.flash_attn_func(q, k, v, alibi_slopes=np.ones(2, np.float32))
     with pytest.raises(ValueError, match="batch, seqlen, heads, head_dim"):
