@@ -389,13 +389,13 @@ def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, f
     return (out, lse) if return_lse else out
 
 
-_NEUTRAL = {"attn_mask": None, "dropout_p": 0.0, "dropout_seed": None}  # the masks' keywords, when not used
+# the keywords of masks, ALiBi and dropout, when not used
+_NEUTRAL = {"attn_mask": None, "alibi_slopes": None, "dropout_p": 0.0, "dropout_seed": None}
 
 
 def _encode(causal, scale, kernel, feats, params) -> tuple:
-    """attention()'s arguments as the custom op takes them (str, float, int, Tensor?):
-    (causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask,
-    dropout_p, dropout_seed, params). Type errors are raised here, as validate words them;
+    """attention()'s arguments as the custom ops take them (str, float, int, Tensor?), in
+    the order of _torch_ops.SPEC. Type errors are raised here, as validate words them;
     values are checked by validate, inside the op."""
     import torch
 
@@ -417,17 +417,17 @@ def _encode(causal, scale, kernel, feats, params) -> tuple:
     softcap = feats.get("softcap")
     if softcap is not None:
         softcap = float(_real(softcap, "softcap must be a positive real number or None, got {!r}"))
-    mask, dropout_p, seed = (feats.get(n, d) for n, d in _NEUTRAL.items())
-    if mask is not None and not isinstance(mask, torch.Tensor):  # a NumPy mask with tensors
-        mask = torch.as_tensor(np.asarray(mask))
+    mask, slopes, dropout_p, seed = (feats.get(n, d) for n, d in _NEUTRAL.items())
+    mask, slopes = (x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+                    for x in (mask, slopes))  # NumPy arrays with tensors
     if seed is not None and not isinstance(seed, torch.Tensor):
         seed = torch.tensor(int(seed), dtype=torch.int64)
     for name, value in params.items():
         if not isinstance(value, (int, float, str, np.integer, np.floating)) or "," in str(value):
             raise TypeError(f"tunable {name} must be a number (attnkern.kernel_info(name)['params']), got {value!r}")
     encoded = ",".join(f"{name}={value!r}" for name, value in sorted(params.items()))  # traceable, unlike json
-    return (align if on else "none", scale, kernel, left, right, key_lengths, softcap, mask, float(dropout_p), seed,
-            encoded)
+    return (align if on else "none", scale, kernel, left, right, key_lengths, softcap, mask, slopes,
+            float(dropout_p), seed, encoded)
 
 
 def _real(value, message: str):
@@ -438,7 +438,7 @@ def _real(value, message: str):
 
 
 def _decode(spec: dict) -> tuple:
-    """_encode's inverse, from the op's arguments (_torch_ops._spec): (causal, scale, kernel,
+    """_encode's inverse, from the op's arguments (named as _torch_ops.SPEC): (causal, scale, kernel,
     feats, params), feats holding the masks' keywords only where they are not neutral, so that
     a core without them runs every call that does not use them."""
     causal = {"none": False, "top_left": True, "bottom_right": "bottom_right"}[spec["causal"]]
@@ -446,7 +446,7 @@ def _decode(spec: dict) -> tuple:
     window = None if left == right == -1 else tuple(None if x == -1 else x for x in (left, right))
     feats = {"window": window, "key_lengths": spec["key_lengths"], "softcap": spec["softcap"]}
     seed = spec["dropout_seed"]
-    given = {"attn_mask": spec["attn_mask"], "dropout_p": spec["dropout_p"],
+    given = {"attn_mask": spec["attn_mask"], "alibi_slopes": spec["alibi_slopes"], "dropout_p": spec["dropout_p"],
              "dropout_seed": None if seed is None else int(seed)}
     used = {n: x for n, x in given.items() if x is not None and x != _NEUTRAL[n]}
     feats.update(used)

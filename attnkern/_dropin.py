@@ -14,6 +14,7 @@ from ._api import attention
 # The keywords of the attention masks and dropout (attn_mask, dropout_p, dropout_seed),
 # which a core without them does not take: calls that need them are then refused.
 _HAS_MASKS = "attn_mask" in inspect.signature(attention).parameters
+_HAS_ALIBI = "alibi_slopes" in inspect.signature(attention).parameters  # FlashAttention's ALiBi
 
 
 def _is_torch(x) -> bool:
@@ -94,8 +95,8 @@ def _fa_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, al
     queries over nk keys: causal is bottom-right aligned (the last query sees the
     last key), as is the window: query i sees keys [i + nk - nq - left, i + nk - nq
     + right], -1 unbounded; with causal, right is 0; softcap 0 is none."""
-    if alibi_slopes is not None:
-        raise NotImplementedError("attnkern has no ALiBi: alibi_slopes must be None (add the bias through "
+    if alibi_slopes is not None and not _HAS_ALIBI:
+        raise NotImplementedError("this attnkern has no ALiBi: alibi_slopes must be None (add the bias through "
                                   "attnkern.sdpa's attn_mask instead)")
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right), -1 for unbounded, got {window_size!r}")
@@ -116,6 +117,8 @@ def _fa_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, al
         raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap!r}")
     opts = {"causal": "bottom_right" if causal else False, "scale": softmax_scale, "window": window,
             "softcap": float(softcap) if softcap else None, "return_lse": bool(return_attn_probs)}
+    if alibi_slopes is not None:  # (H,) or (B, H): a bias -slope * |i + nk - nq - j|, as FlashAttention's
+        opts["alibi_slopes"] = alibi_slopes
     opts.update(_masks(None, dropout_p, q))
     return opts
 
@@ -134,8 +137,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """FlashAttention's flash_attn_func on attnkern's kernels: q (B, Sq, H, D), k and v
     (B, Sk, H_kv, D) with H_kv dividing H (MQA/GQA), out (B, Sq, H, D). causal is
     bottom-right aligned; window_size=(left, right), -1 unbounded; softcap 0 is none;
-    alibi_slopes is refused (NotImplementedError); deterministic is always so;
-    return_attn_probs=True returns (out, softmax_lse (B, H, Sq) float32, None).
+    deterministic is always so;
+    return_attn_probs=True returns (out, softmax_lse (B, H, Sq) float32, None);
+    alibi_slopes (H,) or (B, H) adds -slope * |i + Sk - Sq - j| to the scores where
+    attention() takes alibi_slopes, else it is refused (NotImplementedError).
     torch tensors (differentiable) or NumPy arrays."""
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if len(x.shape) != 4:
@@ -177,10 +182,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {len(bounds[0]) - 1} "
                          f"and {len(bounds[1]) - 1}")
     outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(bounds[0], bounds[0][1:]), zip(bounds[1], bounds[1][1:])):
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(zip(bounds[0], bounds[0][1:]), zip(bounds[1], bounds[1][1:]))):
         if q1 == q0:
             continue
-        opts = _fa_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        slopes = alibi_slopes[b] if alibi_slopes is not None and len(alibi_slopes.shape) == 2 else alibi_slopes
+        opts = _fa_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, slopes,
                            return_attn_probs, q1 - q0, k1 - k0)
         if k1 == k0:
             raise ValueError(f"a sequence with {q1 - q0} queries has no keys (cu_seqlens_k)")

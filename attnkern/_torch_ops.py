@@ -21,17 +21,15 @@ _LIBS: list = []  # the torch.library.Library objects holding the autocast regis
 def install(forward, backward, backward_takes) -> None:
     """The core's implementations: forward(q, k, v, spec, *, check_finite, need_lse, need_backward)
     -> (out, lse) (lse empty without need_lse), backward(q, k, v, out, dout, lse, spec) -> (dq, dk, dv),
-    spec being _spec's dict, and backward_takes(kernel, dtype) -> whether the kernel's backward
+    spec being a dict of SPEC's names, and backward_takes(kernel, dtype) -> whether the kernel's backward
     (kernel="auto": any kernel's) takes that dtype (the autocast policy)."""
     _IMPL.update(forward=forward, backward=backward, backward_takes=backward_takes)
 
 
-def _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
-          dropout_seed, params) -> dict:
-    """The encoded arguments as one dict, the form install's functions take."""
-    return {"causal": causal, "scale": scale, "kernel": kernel, "window_left": window_left,
-            "window_right": window_right, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
-            "dropout_p": dropout_p, "dropout_seed": dropout_seed, "params": params}
+# the encoded arguments of both ops after their tensors, in order (attention then takes check_finite,
+# need_lse, need_backward); _api's _encode gives them in this order
+SPEC = ("causal", "scale", "kernel", "window_left", "window_right", "key_lengths", "softcap", "attn_mask",
+        "alibi_slopes", "dropout_p", "dropout_seed", "params")
 
 
 def ops():
@@ -61,29 +59,27 @@ def _define() -> None:
     @torch.library.custom_op("attnkern::attention", mutates_args=())
     def attention(q: Tensor, k: Tensor, v: Tensor, causal: str, scale: float | None, kernel: str, window_left: int,
                   window_right: int, key_lengths: Tensor | None, softcap: float | None, attn_mask: Tensor | None,
-                  dropout_p: float, dropout_seed: Tensor | None, params: str, check_finite: bool, need_lse: bool,
-                  need_backward: bool) -> tuple[Tensor, Tensor]:
-        spec = _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
-                     dropout_seed, params)
+                  alibi_slopes: Tensor | None, dropout_p: float, dropout_seed: Tensor | None, params: str,
+                  check_finite: bool, need_lse: bool, need_backward: bool) -> tuple[Tensor, Tensor]:
+        spec = dict(zip(SPEC, (causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask,
+                               alibi_slopes, dropout_p, dropout_seed, params)))
         out, lse = _IMPL["forward"](q, k, v, spec, check_finite=check_finite, need_lse=need_lse,
                                     need_backward=need_backward)
         return out, lse
 
     @attention.register_fake
-    def _(q, k, v, causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
-          dropout_seed, params, check_finite, need_lse, need_backward):
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        lse = q.new_empty(q.shape[:-1] if need_lse else (0,))
-        return out, lse
+    def _(q, k, v, *args):
+        need_lse = args[len(SPEC) + 1]
+        return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1] if need_lse else (0,))
 
     @torch.library.custom_op("attnkern::attention_backward", mutates_args=())
     def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Tensor, causal: str,
                            scale: float | None, kernel: str, window_left: int, window_right: int,
                            key_lengths: Tensor | None, softcap: float | None, attn_mask: Tensor | None,
-                           dropout_p: float, dropout_seed: Tensor | None,
+                           alibi_slopes: Tensor | None, dropout_p: float, dropout_seed: Tensor | None,
                            params: str) -> tuple[Tensor, Tensor, Tensor]:
-        spec = _spec(causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask, dropout_p,
-                     dropout_seed, params)
+        spec = dict(zip(SPEC, (causal, scale, kernel, window_left, window_right, key_lengths, softcap, attn_mask,
+                               alibi_slopes, dropout_p, dropout_seed, params)))
         dq, dk, dv = _IMPL["backward"](q, k, v, out, dout, lse, spec)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -91,29 +87,28 @@ def _define() -> None:
     def _(q, k, v, out, dout, lse, *rest):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
 
-    # the spec's positions in attention's arguments (after q, k, v), for autograd and autocast
-    names = ("causal", "scale", "kernel", "window_left", "window_right", "key_lengths", "softcap", "attn_mask",
-             "dropout_p", "dropout_seed", "params")
+    # the spec's tensor arguments (key lengths, mask, slopes, seed): not differentiated, saved for the backward
+    tensors = [i for i, n in enumerate(SPEC) if n in ("key_lengths", "attn_mask", "alibi_slopes", "dropout_seed")]
 
     def setup_context(ctx, inputs, output):
         q, k, v = inputs[:3]
-        spec = dict(zip(names, inputs[3:14]))
         out, lse = output
-        ctx.no_backward = not inputs[16]  # need_backward: the core sets it whenever an input requires grad
-        ctx.save_for_backward(q, k, v, out, lse, spec["key_lengths"], spec["attn_mask"], spec["dropout_seed"])
-        ctx.spec = {n: val for n, val in spec.items() if n not in ("key_lengths", "attn_mask", "dropout_seed")}
+        ctx.no_backward = not inputs[-1]  # need_backward: the core sets it whenever an input requires grad
+        spec = inputs[3:3 + len(SPEC)]
+        ctx.save_for_backward(q, k, v, out, lse, *(spec[i] for i in tensors))  # tensors (or None) are saved
+        ctx.spec = [None if i in tensors else x for i, x in enumerate(spec)]
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, dout, _dlse):
         if ctx.no_backward:
             raise RuntimeError("attnkern::attention was called with need_backward=False and an input requires "
                                "grad; call it through attnkern.attention, which sets it then")
-        q, k, v, out, lse, key_lengths, attn_mask, dropout_seed = ctx.saved_tensors
-        s = ctx.spec
-        dq, dk, dv = torch.ops.attnkern.attention_backward(
-            q, k, v, out, dout.contiguous(), lse, s["causal"], s["scale"], s["kernel"], s["window_left"],
-            s["window_right"], key_lengths, s["softcap"], attn_mask, s["dropout_p"], dropout_seed, s["params"])
-        return dq, dk, dv, *([None] * 14)
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        spec = list(ctx.spec)
+        for i, x in zip(tensors, saved):
+            spec[i] = x
+        dq, dk, dv = torch.ops.attnkern.attention_backward(q, k, v, out, dout.contiguous(), lse, *spec)
+        return dq, dk, dv, *([None] * (len(SPEC) + 3))
 
     attention.register_autograd(backward, setup_context=setup_context)
     for device in ("cpu", "cuda"):
@@ -137,8 +132,9 @@ def _register_autocast(torch, opname: str, device_type: str) -> None:
     def policy(*args):
         dtype = torch.get_autocast_dtype(device_type)
         compute = dtype
-        # need_backward (the last argument): the core sets it where an input requires grad
-        if args[16] and not _IMPL["backward_takes"](args[5], str(dtype).removeprefix("torch.")):
+        # need_backward, the last argument: the core sets it where an input requires grad
+        kernel, mask = args[3 + SPEC.index("kernel")], 3 + SPEC.index("attn_mask")
+        if args[-1] and not _IMPL["backward_takes"](kernel, str(dtype).removeprefix("torch.")):
             compute = torch.float32
 
         def cast(x):  # as autocast casts: floating tensors of the device, float64 excepted
@@ -148,7 +144,7 @@ def _register_autocast(torch, opname: str, device_type: str) -> None:
             return x
 
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            out, lse = op(*map(cast, args[:3]), *args[3:10], cast(args[10]), *args[11:])
+            out, lse = op(*map(cast, args[:3]), *args[3:mask], cast(args[mask]), *args[mask + 1:])
         if out.dtype != compute:  # float64 inputs: not cast, nor is their output
             return out, lse
         return out.to(dtype), lse.to(dtype)

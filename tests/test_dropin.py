@@ -16,6 +16,7 @@ F = torch.nn.functional
 
 MASKS = "attn_mask" in inspect.signature(attnkern.attention).parameters
 needs_masks = pytest.mark.skipif(not MASKS, reason="attnkern.attention has no attn_mask / dropout_p yet")
+ALIBI = "alibi_slopes" in inspect.signature(attnkern.attention).parameters
 
 
 @pytest.fixture
@@ -142,7 +143,7 @@ def test_sdpa_dropout_statistics(rng):
 
 # ---- flash_attn_func / flash_attn_varlen_func ------------------------------------------------------
 
-def fa_reference(q, k, v, dout, *, causal, window, softcap, scale):
+def fa_reference(q, k, v, dout, *, causal, window, softcap, scale, alibi_slopes=None):
     """FlashAttention's semantics through the float64 reference: (B, S, H, D) swapped to
     (B, H, S, D); causal and the window aligned bottom-right."""
     nq, nk = q.shape[1], k.shape[1]
@@ -150,6 +151,8 @@ def fa_reference(q, k, v, dout, *, causal, window, softcap, scale):
     if causal:
         right = None
     kw = {"causal": "bottom_right" if causal else False, "scale": scale, "softcap": softcap or None}
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = alibi_slopes
     if left is not None or right is not None:
         if not causal:  # the reference's window without causal is top-left aligned
             left = None if left is None else left - (nk - nq)
@@ -202,8 +205,9 @@ def test_flash_attn_func_numpy_and_refusals(rng):
     want = attnkern.reference(*(np.swapaxes(x[None, a:b], 1, 2) for x, a, b in ((q[0], 2, 5), (k[0], 3, 5),
                                                                               (v[0], 3, 5))), causal="bottom_right")
     np.testing.assert_allclose(packed[2:], np.swapaxes(want, 1, 2)[0], atol=2e-5)
-    with pytest.raises(NotImplementedError, match="ALiBi"):
-        attnkern.flash_attn_func(q, k, v, alibi_slopes=np.ones(2, np.float32))
+    if not ALIBI:
+        with pytest.raises(NotImplementedError, match="ALiBi"):
+            attnkern.flash_attn_func(q, k, v, alibi_slopes=np.ones(2, np.float32))
     with pytest.raises(ValueError, match="batch, seqlen, heads, head_dim"):
         attnkern.flash_attn_func(q[0], k[0], v[0])
     with pytest.raises(NotImplementedError, match="window"):  # a band that misses some queries' diagonal
@@ -245,3 +249,22 @@ def test_flash_attn_func_dropout_is_seeded_by_torch(rng):
     torch.manual_seed(3)
     assert torch.equal(a, attnkern.flash_attn_func(q, k, v, dropout_p=0.2))
     assert not torch.equal(a, attnkern.flash_attn_func(q, k, v))
+
+
+@pytest.mark.skipif(not ALIBI, reason="attnkern.attention has no alibi_slopes yet")
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_alibi_matches_reference(rng, causal):
+    q, k, v = tensors(rng, (2, 6, 4, 8), (2, 10, 2, 8), (2, 10, 2, 8))
+    dout = torch.tensor(rng.standard_normal((2, 6, 4, 8)), dtype=torch.float32)
+    slopes = torch.tensor(rng.random((2, 4)), dtype=torch.float32)
+    out = attnkern.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes)
+    out.backward(dout)
+    want, _, grads = fa_reference(q, k, v, dout, causal=causal, window=(-1, -1), softcap=0.0, scale=None,
+                                  alibi_slopes=slopes.numpy())
+    np.testing.assert_allclose(out.detach().numpy(), want, atol=3e-5)
+    for x, g in zip((q, k, v), grads):
+        np.testing.assert_allclose(x.grad.numpy(), g, atol=2e-4)
+    packed = attnkern.flash_attn_varlen_func(q.detach().reshape(12, 4, 8), k.detach().reshape(20, 2, 8),
+                                             v.detach().reshape(20, 2, 8), torch.tensor([0, 6, 12]),
+                                             torch.tensor([0, 10, 20]), 6, 10, causal=causal, alibi_slopes=slopes)
+    np.testing.assert_allclose(packed.numpy(), want.reshape(12, 4, 8), atol=3e-5)

@@ -75,7 +75,7 @@ def test_fake_implementations_give_the_real_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ops = torch.ops.attnkern
-    args = ("bottom_right", None, "auto", -1, -1, None, None, None, 0.0, None, "")
+    args = ("bottom_right", None, "auto", -1, -1, None, None, None, None, 0.0, None, "")
     with FakeTensorMode():
         q, k, v = torch.empty(2, 4, 3, 8), torch.empty(2, 2, 5, 8), torch.empty(2, 2, 5, 6)
         out, lse = ops.attention(q, k, v, *args, True, True, False)
