@@ -11,6 +11,11 @@ import numpy as np
 
 from ._api import attention
 
+try:  # one call for all sequences, where the core has it (native.flash schedules them in one kernel call)
+    from ._api import attention_varlen
+except ImportError:
+    attention_varlen = None
+
 # The keywords of the attention masks and dropout (attn_mask, dropout_p, dropout_seed),
 # which a core without them does not take: calls that need them are then refused.
 _HAS_MASKS = "attn_mask" in inspect.signature(attention).parameters
@@ -162,7 +167,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_k[b+1]]; out (total_q, H, D). Options as flash_attn_func (causal and
     the window aligned bottom-right in each sequence); return_attn_probs=True returns
     (out, softmax_lse (H, total_q) float32, None). max_seqlen_q/k must bound the
-    sequences' lengths. Each sequence runs as one attention() call."""
+    sequences' lengths. One attention_varlen() call where the core has it (and the
+    window needs no per-sequence shift), else one attention() call per sequence."""
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if len(x.shape) != 3:
             raise ValueError(f"{name} must be (total_seqlen, heads, head_dim), got shape {tuple(x.shape)}")
@@ -181,6 +187,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if len(bounds[0]) != len(bounds[1]):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {len(bounds[0]) - 1} "
                          f"and {len(bounds[1]) - 1}")
+    lengths = [np.diff(cu).tolist() for cu in bounds]
+    if attention_varlen is not None and (causal or tuple(window_size) == (-1, -1) or lengths[0] == lengths[1]):
+        # attention_varlen's window without causal is top-left aligned: the same as FlashAttention's where
+        # every sequence has as many queries as keys
+        opts = _fa_options(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           return_attn_probs, 0, 0)
+        if _is_torch(opts.get("dropout_seed")):
+            opts["dropout_seed"] = int(opts["dropout_seed"])
+        return _with_probs(attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **opts),
+                           return_attn_probs)
     outs, lses = [], []
     for b, ((q0, q1), (k0, k1)) in enumerate(zip(zip(bounds[0], bounds[0][1:]), zip(bounds[1], bounds[1][1:]))):
         if q1 == q0:
@@ -190,7 +206,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs, q1 - q0, k1 - k0)
         if k1 == k0:
             raise ValueError(f"a sequence with {q1 - q0} queries has no keys (cu_seqlens_k)")
-        result = attention(*(_contiguous(_swap(x[a:b])) for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
+        result = attention(*(_contiguous(_swap(x[lo:hi])) for x, lo, hi in ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
                            **opts)
         outs.append(_swap(result[0] if return_attn_probs else result))
         if return_attn_probs:

@@ -214,7 +214,7 @@ def test_flash_attn_func_numpy_and_refusals(rng):
         attnkern.flash_attn_func(q[:, :2], k, v, window_size=(1, 0))
 
 
-@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, 0))])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, 0)), (False, (8, 1))])
 def test_flash_attn_varlen_func_matches_each_sequence(rng, causal, window):
     lq, lk = [3, 1, 6, 0], [3, 7, 9, 2]
     h, hkv, d = 4, 2, 8
