@@ -10,10 +10,15 @@
     attnkern.kernel_info(name)    # available here? tunables?
     attnkern.threads_used(name)   # threads its last call ran on, read back from it
     attnkern.tune(q_shape)        # search a kernel's tunables on this machine, cached for attention()
+    attnkern.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)   # torch's SDPA, drop-in
+    attnkern.flash_attn_func(q, k, v, ...), flash_attn_varlen_func(...)       # FlashAttention's, drop-in
+    # torch tensors run through the custom ops torch.ops.attnkern.attention / attention_backward
+    # (torch.compile, autocast); attnkern.integrations.transformers.register(): attn_implementation
 """
 
 from . import backends  # noqa: F401  (registers the kernels)
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward, kernel_info
+from ._dropin import flash_attn_func, flash_attn_varlen_func, sdpa
 from ._reference import reference, reference_backward
 from ._registry import kernels, threads_used
 from ._version import __version__  # noqa: F401  (re-exported)
@@ -51,5 +56,6 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     return search(q_shape, k_shape, kernel=kernel, dtype=dtype, causal=causal, budget=budget, seed=seed, **options)
 
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "reference", "reference_backward", "kernels", "kernel_info",
-           "active_isa", "supported_isas", "machine", "tune", "cache_dir", "threads_used"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "reference",
+           "reference_backward", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune", "cache_dir",
+           "threads_used", "sdpa", "flash_attn_func", "flash_attn_varlen_func"]

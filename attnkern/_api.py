@@ -8,7 +8,9 @@ kernel refuses a call, says why for every kernel."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 import numbers
 import time
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _gpu, _registry, _torch_api, _torch_cuda, _tuned
+from . import _gpu, _registry, _torch_api, _torch_cuda, _torch_ops, _tuned
 
 
 def _half_dtypes() -> tuple[np.dtype, ...]:
@@ -471,16 +473,20 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
              "dropout_p": dropout_p, "dropout_seed": dropout_seed, "alibi_slopes": alibi_slopes}
     if torch_inputs:
-        # device-resident tensors: a prepared launch per call shape, for calls without features
-        if getattr(q, "is_cuda", False) and window is None and key_lengths is None and softcap is None and \
-                attn_mask is None and dropout_p == 0.0 and alibi_slopes is None:
-            result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
-            if result is not None:
-                return result
         return _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params)
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=False, **feats)  # run checks as the kernel lets
     chosen, resolved = choose(call, kernel, params, return_lse=return_lse)
     return run(call, chosen, resolved, check_finite=check_finite, return_lse=return_lse)
+
+
+def _eager(q, k, v) -> bool:
+    """Whether a torch call may skip the custom op's dispatch (tens of microseconds): not
+    under torch.compile, not in an autocast region of q's device, and no input requiring
+    grad; the op serves those."""
+    import torch
+
+    return not (torch.compiler.is_compiling() or torch.is_autocast_enabled(q.device.type)
+                or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))))
 
 
 def _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
@@ -501,18 +507,126 @@ def _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_l
 
 
 def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params):
-    """attention() on torch tensors: torch in, torch out, on the inputs' device, and
-    differentiable through the kernel's backward when an input requires grad. feats:
-    attention()'s window, key_lengths, softcap."""
+    """attention() on torch tensors, through the custom op attnkern::attention (_torch_ops):
+    torch in, torch out, on the inputs' device; differentiable through the kernel's backward
+    when an input requires grad; traceable by torch.compile; cast under autocast. feats:
+    attention()'s window, key_lengths, softcap (and the masks' keywords where given)."""
     import torch
 
     _torch_api.check_tensors((q, k, v), "q, k, v")
+    if _eager(q, k, v):  # what the op would run, without its dispatch
+        if feats.get("dropout_seed") is not None:  # a 0-d tensor (traceable, for the op) as the int it holds
+            feats = {**feats, "dropout_seed": int(feats["dropout_seed"])}
+        return _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, False, feats, params)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if not grad:
-        return _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params,
-                              backward=False)[0]
-    out, lse = _torch_function().apply(q, k, v, causal, scale, kernel, check_finite, feats, params)
+    out, lse = _torch_ops.ops().attention(q, k, v, *_encode(causal, scale, kernel, feats, params), check_finite,
+                                          return_lse or grad, grad)
     return (out, lse) if return_lse else out
+
+
+# the keywords of masks, ALiBi and dropout, when not used
+_NEUTRAL = {"attn_mask": None, "alibi_slopes": None, "dropout_p": 0.0, "dropout_seed": None}
+
+
+def _encode(causal, scale, kernel, feats, params) -> tuple:
+    """attention()'s arguments as the custom ops take them (str, float, int, Tensor?), in
+    the order of _torch_ops.SPEC. Type errors are raised here, as validate words them;
+    values are checked by validate, inside the op."""
+    import torch
+
+    on, align = _causal(causal)
+    if scale is not None:
+        scale = float(_real(scale, "scale must be a real number or None, got {!r}"))
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be a kernel's name (attnkern.kernels()) or 'auto', got {kernel!r}")
+    left = right = -1
+    window = feats.get("window")
+    if window is not None:
+        if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+            raise TypeError(f"window must be a pair (left, right) of key counts, each None for unbounded, e.g. "
+                            f"(4095, 0); got {window!r}")
+        left, right = (_window_side(x, side, 2**62) for x, side in zip(window, ("left", "right")))
+    key_lengths = feats.get("key_lengths")
+    if key_lengths is not None and not isinstance(key_lengths, torch.Tensor):
+        key_lengths = torch.as_tensor(np.asarray(key_lengths))
+    softcap = feats.get("softcap")
+    if softcap is not None:
+        softcap = float(_real(softcap, "softcap must be a positive real number or None, got {!r}"))
+    mask, slopes, dropout_p, seed = (feats.get(n, d) for n, d in _NEUTRAL.items())
+    mask, slopes = (x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+                    for x in (mask, slopes))  # NumPy arrays with tensors
+    if seed is not None and not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(int(seed), dtype=torch.int64)
+    for name, value in params.items():
+        if not isinstance(value, (int, float, str, np.integer, np.floating)) or "," in str(value):
+            raise TypeError(f"tunable {name} must be a number (attnkern.kernel_info(name)['params']), got {value!r}")
+    encoded = ",".join(f"{name}={value!r}" for name, value in sorted(params.items()))  # traceable, unlike json
+    return (align if on else "none", scale, kernel, left, right, key_lengths, softcap, mask, slopes,
+            float(dropout_p), seed, encoded)
+
+
+def _real(value, message: str):
+    """value, if a real number (not a bool), else TypeError(message with it)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(message.format(value))
+    return value
+
+
+def _decode(spec: dict) -> tuple:
+    """_encode's inverse, from the op's arguments (named as _torch_ops.SPEC): (causal, scale, kernel,
+    feats, params), feats holding the masks' keywords only where they are not neutral, so that
+    a core without them runs every call that does not use them."""
+    causal = {"none": False, "top_left": True, "bottom_right": "bottom_right"}[spec["causal"]]
+    left, right = spec["window_left"], spec["window_right"]
+    window = None if left == right == -1 else tuple(None if x == -1 else x for x in (left, right))
+    feats = {"window": window, "key_lengths": spec["key_lengths"], "softcap": spec["softcap"]}
+    seed = spec["dropout_seed"]
+    given = {"attn_mask": spec["attn_mask"], "alibi_slopes": spec["alibi_slopes"], "dropout_p": spec["dropout_p"],
+             "dropout_seed": None if seed is None else int(seed)}
+    used = {n: x for n, x in given.items() if x is not None and x != _NEUTRAL[n]}
+    feats.update(used)
+    unknown = set(used) - set(inspect.signature(validate).parameters)
+    if unknown:
+        raise NotImplementedError(f"this attnkern has no {', '.join(sorted(unknown))} (attention() does not take "
+                                  "it yet)")
+    params = dict(item.split("=", 1) for item in spec["params"].split(",")) if spec["params"] else {}
+    return causal, spec["scale"], spec["kernel"], feats, {n: ast.literal_eval(x) for n, x in params.items()}
+
+
+def _op_forward(q, k, v, spec, *, check_finite, need_lse, need_backward):
+    """attnkern::attention's implementation: (out, lse), lse empty without need_lse; need_backward
+    chooses a kernel with a backward (an input requires grad)."""
+    causal, scale, kernel, feats, params = _decode(spec)
+    result = _run_torch(q, k, v, causal, scale, kernel, check_finite, need_lse, need_backward, feats, params)
+    return result if need_lse else (result, q.new_empty((0,)))
+
+
+def _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, backward, feats, params):
+    """out, or (out, lse) with return_lse, for torch tensors; backward: choose a kernel with a
+    backward (whose lse the caller then asks for)."""
+    if q.is_cuda and not backward and all(x is None or x == _NEUTRAL.get(n) for n, x in feats.items()):
+        # device-resident tensors: a prepared launch per call shape, for calls without features
+        result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+        if result is not None:
+            return result
+    return _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params,
+                          backward=backward)[0]
+
+
+def _op_backward(q, k, v, out, dout, lse, spec):
+    """attnkern::attention_backward's implementation: (dq, dk, dv)."""
+    causal, scale, kernel, feats, params = _decode(spec)
+    return _torch_attention_backward(q, k, v, out, dout, lse, causal=causal, scale=scale, kernel=kernel,
+                                     feats=feats, **params)
+
+
+def _backward_takes(kernel: str, dtype: str) -> bool:
+    """Whether the kernel's backward (kernel="auto": some kernel's) takes dtype (autocast's policy)."""
+    names = _registry.with_feature("backward") if kernel == "auto" else [kernel]
+    try:
+        return any(dtype in _registry.get(n).backward_dtypes for n in names)
+    except (KeyError, ValueError):
+        return False  # an unknown kernel: the op itself refuses it
 
 
 def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params, backward):
@@ -525,34 +639,7 @@ def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, fea
     return _torch_api.as_torch(result, call.device), call, chosen, resolved
 
 
-_TORCH_FUNCTION = []  # the torch.autograd.Function, made on first use (torch is optional)
-
-
-def _torch_function():
-    if _TORCH_FUNCTION:
-        return _TORCH_FUNCTION[0]
-    import torch
-
-    class Attention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, causal, scale, kernel, check_finite, feats, params):
-            (out, lse), call, chosen, resolved = _torch_forward(q, k, v, causal, scale, kernel, check_finite, True,
-                                                                feats, params, backward=True)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.call, ctx.chosen, ctx.resolved = call, chosen, resolved
-            ctx.mark_non_differentiable(lse)
-            return out, lse
-
-        @staticmethod
-        def backward(ctx, dout, _dlse):
-            q, k, v, out, lse = ctx.saved_tensors
-            _check_backward_dtype(ctx.chosen, ctx.call.q.dtype.name)
-            grads = _torch_api.backward(q, k, v, out, dout, lse, call=ctx.call, chosen=ctx.chosen,
-                                        resolved=ctx.resolved)
-            return (*grads, None, None, None, None, None, None)
-
-    _TORCH_FUNCTION.append(Attention)
-    return Attention
+_torch_ops.install(_op_forward, _op_backward, _backward_takes)
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,
@@ -572,8 +659,10 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     args = (q, k, v, out, dout, lse)
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
              "dropout_p": dropout_p, "dropout_seed": dropout_seed, "alibi_slopes": alibi_slopes}
-    if any(_is_torch(x) for x in args):
-        return _torch_attention_backward(*args, causal=causal, scale=scale, kernel=kernel, feats=feats, **params)
+    if any(_is_torch(x) for x in args):  # through the custom op attnkern::attention_backward (torch.compile)
+        _torch_api.check_tensors(args, "q, k, v, out, dout, lse")
+        return _torch_ops.ops().attention_backward(*(x.detach() for x in args),
+                                                   *_encode(causal, scale, kernel, feats, params))
     call = validate(q, k, v, causal=causal, scale=scale, check_finite=False, **feats)
     if call.device:
         raise TypeError("attention_backward takes NumPy arrays or torch tensors; pass GPU arrays as torch tensors")

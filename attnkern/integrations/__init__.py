@@ -1,0 +1,1 @@
+"""attnkern in other libraries' attention slots: transformers (attnkern.integrations.transformers)."""
