@@ -87,13 +87,19 @@ static __device__ __forceinline__ bool key_hidden(const Feat& f, int key, int ro
 #endif
 }
 
-// The key tiles of bn keys that rows first..last (first <= last) visit: [begin, end).
-// lo and hi grow with the row, so the first row's lo and the last row's hi bound them:
-// a window of W keys costs O(rows (W + bn)), not O(rows nk).
-static __device__ __forceinline__ void key_tiles(const Feat& f, int first, int last, int bn, int& begin, int& end) {
-    const int lo = key_lo(f, first), hi = key_hi(f, last);
+// The key tiles of bn keys that the block of rows q0..q0 + bm - 1 visits: [begin, end).
+// lo and hi grow with the row, so the first row's lo and the last row's (below nq) hi
+// bound them: a window of W keys costs O(rows (W + bn)), not O(rows nk). The plain
+// kernel keeps its own bound (keys up to the block's last row with causal masking).
+static __device__ __forceinline__ void key_tiles(const Feat& f, int q0, int bm, int nq, int bn, int& begin, int& end) {
+#if ATTNKERN_FEAT
+    const int lo = key_lo(f, q0), hi = key_hi(f, min(q0 + bm, nq) - 1);
     begin = lo / bn;
     end = hi > lo ? (hi + bn - 1) / bn : begin;
+#else
+    begin = 0;
+    end = ((f.wr == 0 ? min(f.len, q0 + bm) : f.len) + bn - 1) / bn;
+#endif
 }
 
 // whether no row of first..last sees a key of [j0, j0 + bn)

@@ -99,7 +99,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     // the key tiles [jt0, jt1) some row of the block sees; keys past the row's length are
     // zero-filled, never read
     int jt0, jt1;
-    key_tiles(f, q0, min(q0 + BM, nq) - 1, BN, jt0, jt1);
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
     load_rows(q, qs, q0, BM, nq, d, tid);
     load_rows(k, ks + (jt0 & 1) * BN * LDQ, jt0 * BN, BN, f.len, d, tid);
     load_rows(v, vs + (jt0 & 1) * BN * LDQ, jt0 * BN, BN, f.len, d, tid);

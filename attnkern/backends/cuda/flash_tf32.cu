@@ -176,27 +176,48 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
     for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = NEG_INF, l[i][0] = l[i][1] = 0.f;
 
+#if ATTNKERN_FEAT
+#define LOAD_LEN f.len
+#define TILE_MASKED(i) tile_masked(f, j0, BN, wr0 + 16 * (i), wr0 + 16 * (i) + 15)
     // the key tiles [jt0, jt1) some row of the block sees; keys past the row's length are
     // zero-filled, never read
     int jt0, jt1;
-    key_tiles(f, q0, min(q0 + BM, nq) - 1, BN, jt0, jt1);
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
 
     load_tile<LDK>(k, ks0 + (jt0 & 1) * K_ELEMS * 4u, jt0 * BN, f.len, tid);
     load_tile<LDV>(v, vs0 + (jt0 & 1) * V_ELEMS * 4u, jt0 * BN, f.len, tid);
     cp_async_commit();
-    for (int jt = jt0; jt < jt1; ++jt) {
+    const int jt_end = jt1;
+    for (int jt = jt0; jt < jt_end; ++jt) {
+#else
+#define LOAD_LEN nk
+#define TILE_MASKED(i) (j0 + BN > nk || (causal && j0 + BN - 1 > wr0 + 16 * (i)))
+    // the plain kernel's own loop, as it was before the features (its registers are at the limit)
+    const int kend = causal ? min(nk, q0 + BM) : nk;
+    const int ntiles = (kend + BN - 1) / BN;
+
+    load_tile<LDK>(k, ks0, 0, nk, tid);
+    load_tile<LDV>(v, vs0, 0, nk, tid);
+    cp_async_commit();
+    const int jt_end = ntiles;
+    for (int jt = 0; jt < jt_end; ++jt) {
+#endif
         const int j0 = jt * BN;
         const float* kt = ksm + (jt & 1) * K_ELEMS;
         const float* vt = vsm + (jt & 1) * V_ELEMS;
         cp_async_wait_all();
         __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
-        if (jt + 1 < jt1) {
-            load_tile<LDK>(k, ks0 + ((jt + 1) & 1) * K_ELEMS * 4u, j0 + BN, f.len, tid);
-            load_tile<LDV>(v, vs0 + ((jt + 1) & 1) * V_ELEMS * 4u, j0 + BN, f.len, tid);
+        if (jt + 1 < jt_end) {
+            load_tile<LDK>(k, ks0 + ((jt + 1) & 1) * K_ELEMS * 4u, j0 + BN, LOAD_LEN, tid);
+            load_tile<LDV>(v, vs0 + ((jt + 1) & 1) * V_ELEMS * 4u, j0 + BN, LOAD_LEN, tid);
             cp_async_commit();
         }
         // a warp none of whose rows sees a key of the tile has nothing to add
+#if ATTNKERN_FEAT
         if (tile_unseen(f, j0, BN, wr0, wr0 + 16 * MT - 1)) continue;
+#else
+        if (causal && j0 > wr0 + 16 * MT - 1) continue;
+#endif
 
         float s[MT][NS][4];
 #pragma unroll
@@ -248,7 +269,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 s[i][n][2] = p[2];
                 s[i][n][3] = p[3];
             };
-            softmax_tile_masked_if(tile_masked(f, j0, BN, wr0 + 16 * i, wr0 + 16 * i + 15), s[i], m[i], l[i], a[i], c,
+            softmax_tile_masked_if(TILE_MASKED(i), s[i], m[i], l[i], a[i], c,
                                    j0, f, r0, emit);
             rescale |= a[i][0] != 1.f || a[i][1] != 1.f;
         }

@@ -217,7 +217,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     // the key tiles [jt0, jt1) some row of the block sees; keys past the row's length are
     // zero-filled, never read
     int jt0, jt1;
-    key_tiles(f, q0, min(q0 + BM, nq) - 1, BN, jt0, jt1);
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
 
     load_tile(k, ks0 + (jt0 & 1) * TILE_BYTES, jt0 * BN, f.len, tid);
     load_tile(v, vs0 + (jt0 & 1) * TILE_BYTES, jt0 * BN, f.len, tid);
