@@ -138,8 +138,8 @@ def test_device_bad_input():
         attnkern.attention(dq, cuda.to_device(k.astype(np.float64)), dv)
     with pytest.raises(ValueError, match="multiple of the k/v heads"):  # 2 query heads, 3 k/v heads
         attnkern.attention(dq, cuda.to_device(np.concatenate([k, k[:1]])), cuda.to_device(np.concatenate([v, v[:1]])))
-    with pytest.raises(ValueError, match="cuda.flash does not support grouped-query attention"):  # no GPU kernel has it
-        attnkern.attention(dq, cuda.to_device(k[:1]), cuda.to_device(v[:1]))
+    with pytest.raises(ValueError, match="cuda.naive does not support grouped-query attention"):  # cuda.flash does
+        attnkern.attention(dq, cuda.to_device(k[:1]), cuda.to_device(v[:1]), kernel="cuda.naive")
     with pytest.raises(ValueError, match="not C-contiguous"):
         attnkern.attention(cuda.to_device(np.asfortranarray(q)), dk, dv)
     empty = attnkern.attention(cuda.to_device(q[:, :0]), dk, dv)
