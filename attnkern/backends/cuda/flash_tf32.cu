@@ -300,6 +300,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         }
     }
 
+    if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
     float* out = (float*)op + b * (u64)nq * D;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
