@@ -65,7 +65,7 @@ def main() -> None:
         k, v = kw.pop("k", kv), kw.pop("v", kv)
         result[name] = median_ms(lambda: attnkern.attention(q, k, v, check_finite=False, **kw), args.runs)
         print(f"{name:28s} {result[name]:.4f} ms", flush=True)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "shape": [1, h, n, d], "dtype": args.dtype,
+    print(json.dumps({"attnkern": attnkern.__file__, "device": torch.cuda.get_device_name(), "shape": [1, h, n, d], "dtype": args.dtype,
                       "ms": result}))
 
 

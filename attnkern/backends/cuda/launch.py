@@ -54,10 +54,8 @@ class KernelFeatures(NamedTuple):
             return None
         lens, seq_rows = None, max(batch, 1)
         if features.key_lengths is not None:
-            from .arrays import from_host
-
             host = np.ascontiguousarray(features.key_lengths, dtype=np.int32)
-            lens, seq_rows = from_host(host), max(batch // max(len(host), 1), 1)
+            lens, seq_rows = _device_lengths(host.tobytes()), max(batch // max(len(host), 1), 1)
         return cls(int(features.kv_group), lens, seq_rows, int(features.align == "bottom_right"),
                    int(features.window_left), int(features.window_right), float(features.softcap))
 
@@ -67,6 +65,23 @@ class KernelFeatures(NamedTuple):
         return (np.int32(self.kv_group), np.uint64(0) if self.lens is None else Addr(self.lens),
                 np.int32(self.seq_rows), np.int32(self.bottom_right), np.int32(self.window_left),
                 np.int32(self.window_right), np.float32(self.softcap / cap_unit))
+
+
+_LENGTHS: dict = {}  # (device, int32 bytes) -> the lengths on that device (never written: shared by calls)
+
+
+def _device_lengths(raw: bytes):
+    """Key lengths (int32 bytes) as a GpuArray on the current device, copied once per
+    distinct lengths (a copy and an allocation per call would cost more than a short call)."""
+    from .arrays import from_host
+
+    key = (None if config.ENABLE_CUDASIM else cuda.get_current_device().id, raw)
+    lens = _LENGTHS.get(key)
+    if lens is None:
+        if len(_LENGTHS) > 256:
+            _LENGTHS.clear()
+        lens = _LENGTHS[key] = from_host(np.frombuffer(raw, np.int32).copy())
+    return lens
 
 
 # the FEAT_PARAMS of a plain call (their values are ignored by the plain kernels)
