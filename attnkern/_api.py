@@ -896,6 +896,10 @@ def run(call: Call, chosen: _registry.Kernel, resolved: dict, *, check_finite: b
             extra["lse"][...] = host
     if check_finite and call.device:  # inputs and output in one scan, one wait
         bad = _gpu.nonfinite(call.q, call.k, call.v, *([] if call.empty else [out]))
+        if call.features.key_lengths is not None and (bad[1] or bad[2]):
+            # the padding past each key length may hold anything: k and v again, up to the lengths
+            seqs = call.features.sequences(call.q.shape[0], call.k.shape[0], call.k.shape[1])
+            bad[1:3] = [_gpu.nonfinite_before(x, seqs) for x in (call.k, call.v)]
         for n, flag in zip("qkv", bad):
             if flag:
                 raise _registry.nonfinite_input(n)

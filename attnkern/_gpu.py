@@ -165,6 +165,19 @@ def nonfinite(*arrays: GpuArray) -> list[bool]:
     return launch.nonfinite(list(arrays))
 
 
+def nonfinite_before(x: GpuArray, sequences) -> bool:
+    """Whether a (rows, n, d) GPU array holds a NaN or an infinity in the first
+    `length` entries of each row of each sequence ((query rows, rows, length) as
+    _registry.Features.sequences gives them); the rest (padding) is not read."""
+    if simulator():  # its arrays have no addresses to offset
+        host = to_host(x)
+        return any(not np.isfinite(host[rows, :length]).all() for _, rows, length in sequences)
+    n, per = x.shape[1], math.prod(x.shape[2:]) * x.dtype.itemsize
+    pieces = [GpuArray((length * per // x.dtype.itemsize,), x.dtype, None, ptr=x.ptr + (r * n) * per, owner=x.owner)
+              for _, rows, length in sequences if length for r in range(rows.start, rows.stop)]
+    return any(any(nonfinite(*pieces[i:i + 4])) for i in range(0, len(pieces), 4))
+
+
 def to_host(x: GpuArray) -> np.ndarray:
     """A copy of a GPU array on the host."""
     from .backends.cuda import arrays

@@ -134,7 +134,7 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
 def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
     from .backends.cuda import launch, prepared_flash
 
-    if call.empty or chosen.name != "cuda.flash":
+    if call.empty or chosen.name != "cuda.flash" or call.needs:  # features (GQA here) take the general path
         return _Plan()
     (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
     prepared = prepared_flash(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,

@@ -138,8 +138,8 @@ def test_device_bad_input():
         attnkern.attention(dq, cuda.to_device(k.astype(np.float64)), dv)
     with pytest.raises(ValueError, match="multiple of the k/v heads"):  # 2 query heads, 3 k/v heads
         attnkern.attention(dq, cuda.to_device(np.concatenate([k, k[:1]])), cuda.to_device(np.concatenate([v, v[:1]])))
-    with pytest.raises(ValueError, match="cuda.flash does not support grouped-query attention"):  # no GPU kernel has it
-        attnkern.attention(dq, cuda.to_device(k[:1]), cuda.to_device(v[:1]))
+    with pytest.raises(ValueError, match="cuda.naive does not support grouped-query attention"):  # cuda.flash does
+        attnkern.attention(dq, cuda.to_device(k[:1]), cuda.to_device(v[:1]), kernel="cuda.naive")
     with pytest.raises(ValueError, match="not C-contiguous"):
         attnkern.attention(cuda.to_device(np.asfortranarray(q)), dk, dv)
     empty = attnkern.attention(cuda.to_device(q[:, :0]), dk, dv)
@@ -395,3 +395,174 @@ def test_cuda_naive_on_torch_tensors():
             out = attnkern.attention(*(torch.from_numpy(x).cuda() for x in (q, k, v)), causal=causal,
                                      kernel="cuda.naive", tile=tile)
             assert_matches_reference(out.cpu().numpy(), q, k, v, causal)
+
+
+# ---------------------------------------------------------------- attention features (docs/features.md)
+# name: ((B, H), H_kv, nq, nk, keywords). Small for the simulator: several 8-key tiles,
+# a window inside them, rows that see no key, padding (NaN, never read) and GQA.
+FEATURE_CASES_SMALL = {
+    "gqa-causal": ((2, 4), 2, 13, 13, dict(causal=True)),
+    "everything": ((2, 4), 2, 9, 19, dict(causal="bottom_right", window=(5, 0), key_lengths=[19, 3], softcap=3.0,
+                                          scale=0.6)),
+    "window": ((1, 2), 1, 14, 14, dict(window=(3, 2))),
+    "tall-bottom-right": ((2, 2), 2, 12, 6, dict(causal="bottom_right", key_lengths=[5, 0])),  # empty rows
+    "window-misses": ((1, 2), 2, 11, 4, dict(window=(0, 0), softcap=2.0, scale=1.0)),  # rows past nk see nothing
+}
+# the same on the GPU at sizes that cross many 64- and 128-key tiles and skip some
+FEATURE_CASES = {
+    "gqa-causal": ((2, 4), 2, 200, 200, dict(causal=True)),
+    "everything": ((2, 4), 2, 130, 300, dict(causal="bottom_right", window=(70, 0), key_lengths=[300, 77],
+                                             softcap=3.0, scale=0.3)),
+    "window": ((1, 2), 1, 260, 260, dict(window=(40, 25))),
+    "sliding-causal-softcap": ((1, 4), 2, 400, 400, dict(causal=True, window=(63, None), softcap=20.0)),
+    "tall-bottom-right": ((3, 2), 2, 150, 90, dict(causal="bottom_right", key_lengths=[70, 0, 90])),
+    "window-misses": ((1, 2), 2, 150, 40, dict(window=(0, 0))),
+    "decode": ((2, 8), 1, 1, 333, dict(causal="bottom_right", key_lengths=[333, 129])),
+}
+
+
+def feature_inputs(case, d, dtype, seed=0):
+    """q, k, v of a feature case as float64 NumPy arrays rounded to dtype's precision
+    (k and v NaN past each key length: the padding is never read)."""
+    (b, h), hkv, nq, nk, kw = case
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal(s) for s in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)))
+    for b_, n in enumerate(kw.get("key_lengths") or []):
+        k[b_, :, n:] = v[b_, :, n:] = np.nan
+    return (q, k, v), kw
+
+
+def check_features_forward(out, lse, q, k, v, kw, tol):
+    """out and lse (float64 NumPy) of a featured call against the float64 reference:
+    rows that see no key exactly 0 and lse -inf, the rest within tol of the scaled
+    error bound (attnkern_bench.accuracy) and the lse within 10 tol."""
+    from attnkern_bench.accuracy import conditioning
+
+    ref, ref_lse = attnkern.reference(q, k, v, return_lse=True, **kw)
+    empty = np.isneginf(ref_lse)
+    assert np.isfinite(out).all() and np.array_equal(np.isneginf(lse), empty), "no NaN; -inf lse only where empty"
+    assert (out[empty] == 0).all()
+    lengths = kw.get("key_lengths") or [k.shape[-2]] * k.shape[0]
+    vmax = max(1.0, max(np.abs(v[b_, :, :n]).max(initial=0) for b_, n in enumerate(lengths)))
+    per = vmax * conditioning(np.nan_to_num(q), np.nan_to_num(k), kw.get("scale"))
+    err = np.abs(out - ref).max(initial=0) / per
+    assert err <= tol, f"out: scaled error {err:.3g} > {tol:.3g}"
+    lse_err = np.abs(lse[~empty] - ref_lse[~empty]).max(initial=0) / max(1.0, np.abs(ref_lse[~empty]).max(initial=0))
+    assert lse_err <= 10 * tol, f"lse: {lse_err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", FEATURE_CASES_SMALL if SIMULATED else FEATURE_CASES)
+def test_features_numba_forward(name, dtype):
+    """The Numba forward (float64 everywhere, float32 in the simulator) with every
+    feature and their combinations against the float64 reference, on NumPy arrays;
+    bit-identical run to run."""
+    from attnkern_bench.accuracy import tolerance
+
+    if not SIMULATED and dtype == np.float32:
+        pytest.skip("float32 runs the CUDA C++ kernels on a GPU (test_features_float32_cuda_cpp)")
+    (q, k, v), kw = feature_inputs((FEATURE_CASES_SMALL if SIMULATED else FEATURE_CASES)[name], 8, dtype)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    tiles = dict(block_q=8, block_k=8) if SIMULATED else {}
+    run = functools.partial(attnkern.attention, q, k, v, kernel="cuda.flash", return_lse=True, **tiles, **kw)
+    out, lse = run()
+    assert out.dtype == dtype and isinstance(out, np.ndarray)
+    check_features_forward(out.astype(np.float64), lse.astype(np.float64), q, k, v, kw, tolerance(dtype))
+    again, lse_again = run()
+    assert again.tobytes() == out.tobytes() and lse_again.tobytes() == lse.tobytes()
+
+
+def test_features_on_gpu_arrays_and_auto():
+    """kernel='auto' sends featured GPU arrays to cuda.flash, which takes them in place
+    (k, v with H_kv heads); check_finite does not read the padding past key lengths,
+    but a NaN before a length is an error naming k."""
+    (q, k, v), kw = feature_inputs(FEATURE_CASES_SMALL["everything"], 8, np.float32)
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    out = attnkern.attention(dq, dk, dv, block_q=8, block_k=8, **kw)
+    assert is_gpu_array(out)
+    host = out.copy_to_host() if hasattr(out, "copy_to_host") else np.asarray(out)
+    np.testing.assert_array_equal(host, attnkern.attention(q, k, v, kernel="cuda.flash", block_q=8, block_k=8, **kw))
+    k[1, 0, 1] = np.nan
+    with pytest.raises(ValueError, match="k contains NaN or infinity"):
+        attnkern.attention(dq, cuda.to_device(k), dv, block_q=8, block_k=8, **kw)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("d", [64, 128, 36])
+def test_features_float32_cuda_cpp(d, monkeypatch):
+    """float32 with features on the CUDA C++ kernels' featured variants: the 3xTF32
+    tensor-core kernel (D 64 and 128, default and 64 x 32 tiles) and the FMA kernel
+    (tensor_cores=0, and D = 36, which the tensor cores do not take); torch
+    tensors, key lengths as a torch tensor."""
+    import torch
+
+    from attnkern.backends.cuda import cpp
+
+    ran = []
+    for name in ("flash_mma_kernel", "flash_simt_kernel"):
+        real = getattr(cpp, name)
+        monkeypatch.setattr(cpp, name, lambda *a, _real=real, _name=name, **kw: ran.append(
+            (_name, kw.get("featured", a[-1] if len(a) > 2 else False))) or _real(*a, **kw))
+    for name, case in FEATURE_CASES.items():
+        (q, k, v), kw = feature_inputs(case, d, np.float32, seed=len(name))
+        tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).cuda() for x in (q, k, v))
+        tkw = dict(kw, key_lengths=None if "key_lengths" not in kw else torch.tensor(kw["key_lengths"]))
+        for tensor_cores, tile in ((1, (0, 0)), (1, (64, 32)), (0, (0, 0))):
+            out, lse = attnkern.attention(tq, tk, tv, kernel="cuda.flash", return_lse=True, tensor_cores=tensor_cores,
+                                          block_q=tile[0], block_k=tile[1], check_finite=False, **tkw)
+            want = "flash_mma_kernel" if tensor_cores and d % 16 == 0 else "flash_simt_kernel"
+            assert ran[-1] == (want, True), (name, tensor_cores, ran[-1])
+            check_features_forward(out.double().cpu().numpy(), lse.double().cpu().numpy(), q, k, v, kw, 2e-5)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128, 32, 96])
+def test_features_half_cuda_cpp(kind, d, monkeypatch):
+    """float16/bfloat16 with features: flash_wgmma.cu's featured variant on Hopper
+    at D = 64 and 128, flash_mma.cu's at D = 32 and 96, against float64 from the
+    rounded inputs (tolerance: attnkern_bench.accuracy's for rounded P), bit-identical
+    run to run."""
+    import torch
+
+    from attnkern.backends.cuda import cpp
+    from attnkern_bench.accuracy import tolerance
+
+    configs = []
+    real = cpp.flash_mma_kernel
+    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d_, config=None, featured=False: configs.append(
+        (type(config or cpp.tensor_core_config(d_, dtype)).__name__, featured)) or real(dtype, d_, config, featured))
+    tdtype = getattr(torch, kind)
+    for name, case in FEATURE_CASES.items():
+        (q, k, v), kw = feature_inputs(case, d, np.float32, seed=len(name))
+        tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).cuda().to(tdtype) for x in (q, k, v))
+        out, lse = attnkern.attention(tq, tk, tv, kernel="cuda.flash", return_lse=True, check_finite=False, **kw)
+        again = attnkern.attention(tq, tk, tv, kernel="cuda.flash", check_finite=False, **kw)
+        assert torch.equal(out, again)
+        wgmma = cpp.wgmma_applies(d, d)
+        assert configs[-1] == ("WgmmaConfig" if wgmma else "MmaConfig", True), configs[-1]
+        rounded = [x.double().cpu().numpy() for x in (tq, tk, tv)]
+        check_features_forward(out.double().cpu().numpy(), lse.double().cpu().numpy(), *rounded, kw,
+                               tolerance(kind, rounds_p=True))
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+def test_window_skips_key_tiles():
+    """A sliding window of W keys costs O(N W): at N = 16384, a 256-key window runs in
+    far less time than the full causal attention (bfloat16, D = 128)."""
+    import torch
+
+    q = torch.randn(1, 16, 16384, 128, device="cuda", dtype=torch.bfloat16)
+
+    def timed(**kw):
+        attnkern.attention(q, q, q, check_finite=False, **kw)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            attnkern.attention(q, q, q, check_finite=False, **kw)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    assert timed(causal=True, window=(255, 0)) < timed(causal=True) / 8

@@ -160,3 +160,66 @@ def test_backward_tiles():
     assert cuda_backend._flash_backward_tiles(0, 0, 256, 256, 8) == (8, 8)
     with pytest.raises(ValueError, match="needs .* bytes of shared memory with the smallest tiles"):
         cuda_backend._flash_backward_tiles(0, 0, 1024, 1024, 8)
+
+
+# ---------------------------------------------------------------- attention features
+# (B, H, H_kv, nq, nk, d, dv), keywords: GQA and MQA, bottom-right with rows that see no
+# key, windows, key lengths (0 included), softcap, all at once; tiles of 8 cross them all
+FEATURE_CASES = {
+    "gqa-causal": ((2, 4, 2, 13, 13, 5, 4), dict(causal=True)),
+    "mqa-bottom-right-tall": ((1, 3, 1, 12, 6, 4, 4), dict(causal="bottom_right")),
+    "window": ((1, 2, 2, 14, 17, 8, 8), dict(window=(3, 2))),
+    "sliding-causal-softcap": ((1, 4, 2, 20, 20, 8, 8), dict(causal=True, window=(4, None), softcap=2.0)),
+    "key-lengths": ((3, 2, 1, 9, 12, 8, 6), dict(key_lengths=[12, 5, 0])),
+    "everything": ((2, 4, 2, 7, 19, 8, 6), dict(causal="bottom_right", window=(5, 0), key_lengths=[19, 3],
+                                                softcap=3.0, scale=0.6)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", FEATURE_CASES)
+def test_feature_gradients_by_flash_attentions_rule(name, dtype):
+    """cuda.flash's forward and backward with features against the float64 reference
+    by FlashAttention's rule: each of out, dq, dk, dv within twice the error of torch
+    computing the same in the same dtype, plus 4 ulp of the values; dk and dv have k's
+    H_kv heads; rows and keys no query sees (padding included, NaN there) get 0;
+    bit-identical across runs and tiles (dk, dv of a group summed in a fixed order)."""
+    from test_features import err, inputs, torch_peer
+
+    shape, kw = FEATURE_CASES[name]
+    q, k, v, dout = inputs(shape, dtype, seed=zlib.crc32(name.encode()))
+    ref = [attnkern.reference(q, k, v, **kw), *attnkern.reference_backward(q, k, v, dout, **kw)]
+    peer = torch_peer(q, k, v, dout, kw)
+    lengths = kw.get("key_lengths")
+    for b, n in enumerate(lengths or []):
+        k[b, :, n:] = v[b, :, n:] = np.nan  # never read
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **TILES, **kw)
+    grads = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **TILES, **kw)
+    for what, r, p, a in zip(("out", "dq", "dk", "dv"), ref, peer, (out, *grads)):
+        assert a.shape == r.shape and a.dtype == dtype, what
+        limit = 2 * err(p, r) + 4 * np.finfo(dtype).eps * max(1.0, np.abs(r).max())
+        assert err(a, r) <= limit, f"{what}: {err(a, r):.3g} > {limit:.3g}"
+    empty = np.isneginf(lse)
+    assert (grads[0][empty] == 0).all() and (out[empty] == 0).all()
+    for b, n in enumerate(lengths or []):
+        assert not grads[1][b, :, n:].any() and not grads[2][b, :, n:].any(), "padding gets no gradient"
+    again = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **TILES, **kw)
+    tiles = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", block_q=16, block_k=8, **kw)
+    for a, b, c in zip(grads, again, tiles):
+        assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+def test_feature_gradients_under_torch_autograd():
+    """torch autograd through cuda.flash with features gives attention_backward's gradients."""
+    shape, kw = FEATURE_CASES["everything"]
+    from test_features import inputs
+
+    q, k, v, dout = inputs(shape, np.float32, seed=5)
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **TILES, **kw)
+    want = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **TILES, **kw)
+    tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    tout = attnkern.attention(*tensors, kernel="cuda.flash", **TILES, **dict(kw, key_lengths=torch.tensor([19, 3])))
+    tout.backward(torch.from_numpy(dout))
+    np.testing.assert_array_equal(tout.detach().numpy(), out)
+    for t, w in zip(tensors, want):
+        np.testing.assert_array_equal(t.grad.numpy(), w)

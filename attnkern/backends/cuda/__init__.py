@@ -116,13 +116,16 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
     )
 
 
-def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, out=None, lse=None):
+def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, out=None, lse=None, features=None):
     """lse: None, or a (batch, nq) array of q's dtype to fill with each row's
-    log-sum-exp: a GpuArray, or a NumPy array (filled from a copy on the GPU)."""
+    log-sum-exp: a GpuArray, or a NumPy array (filled from a copy on the GPU).
+    features: a _registry.Features (grouped k/v, alignment, window, key lengths,
+    softcap: every kernel below runs its featured variant), or None."""
     from . import arrays, cpp, launch, numba_kernels
 
+    feat = launch.KernelFeatures.of(features, q.shape[0])
     if q.dtype.name in cpp.MMA_DTYPES:
-        return _cuda_flash_half(q, k, v, causal, scale, out, lse)
+        return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat)
     division = _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
     host = isinstance(q, np.ndarray)
     dq, dk, dv, out = _to_device(q, k, v, out)
@@ -130,11 +133,11 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, ou
     dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
     ptrs = [a.ptr for a in (dq, dk, dv, out)] + ([] if dlse is None else [dlse.ptr])
     if division is not None and _cpp_aligned(division)(*ptrs):
-        kernel, grid, block, args = _cpp_launch(division)(dq, dk, dv, out, causal, scale, dlse, division)
+        kernel, grid, block, args = _cpp_launch(division)(dq, dk, dv, out, causal, scale, dlse, division, feat)
         launch.launch(kernel, grid, block, *args)
     else:  # the Numba kernel, also for float32 arrays the CUDA C++ kernels cannot take at their addresses
         block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
-        numba_kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse)
+        numba_kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse, feat=feat)
     if lse_host:
         lse[...] = arrays.to_host(dlse)
     return _from_device(out, host)
@@ -173,7 +176,7 @@ def _cpp_aligned(division):
     return cpp.tf32_aligned if isinstance(division, cpp.MmaConfig) else cpp.simt_aligned
 
 
-def _cuda_flash_half(q, k, v, causal, scale, out, lse):
+def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None):
     """cuda.flash on float16/bfloat16: the tensor-core kernel (cpp.flash_mma),
     whose tiles are fixed (128 query rows x 64 or 32 keys): block_q and block_k do not apply."""
     from numba import config
@@ -191,7 +194,7 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse):
     dq, dk, dv_, out = _to_device(q, k, v, out)
     lse_host = isinstance(lse, np.ndarray)
     dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
-    cpp.flash_mma(dq, dk, dv_, out, causal, scale, lse=dlse)
+    cpp.flash_mma(dq, dk, dv_, out, causal, scale, lse=dlse, feat=feat)
     if lse_host:
         lse[...] = arrays.to_host(dlse)
     return _from_device(out, host)
@@ -251,12 +254,14 @@ def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize:
 
 
 def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, tensor_cores=1, dq=None,
-                         dk=None, dv=None):
+                         dk=None, dv=None, features=None):
     """(dq, dk, dv) of cuda.flash, from the forward's out and lse and the
     output's gradient dout. GpuArrays: dq, dk, dv are the caller's, filled and
     returned; NumPy arrays: copied to the GPU, the gradients copied back. The
-    backward runs float32 FMAs: tensor_cores applies to the forward only."""
-    from . import arrays, backward, cpp
+    backward runs float32 FMAs: tensor_cores applies to the forward only.
+    features: a _registry.Features or None, as for the forward (dk and dv of a
+    group of query rows sharing k/v rows summed in the rows' order)."""
+    from . import arrays, backward, cpp, launch
 
     if q.dtype.name in cpp.MMA_DTYPES:
         raise TypeError(f"cuda.flash's backward takes float32 and float64, not {q.dtype.name}; "
@@ -267,7 +272,8 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
         q, k, v, out, dout, lse = (arrays.from_host(np.ascontiguousarray(x)) for x in (q, k, v, out, dout, lse))
     grads = [g if g is not None and not host else arrays.device_empty(x.shape, q.dtype)
              for g, x in ((dq, q), (dk, k), (dv, v))]
-    backward.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k)
+    backward.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k,
+                            launch.KernelFeatures.of(features, q.shape[0]))
     if not host:
         return tuple(grads)
     result = []
@@ -384,6 +390,8 @@ register(
         device="cuda",
         returns_lse=True,
         backward=_cuda_flash_backward,
+        # every code path, forward and backward, has these features (docs/features.md)
+        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap"}),
         # float16/bfloat16: the tensor-core forward (flash_mma.cu), D = Dv a multiple of 16 up to 128
         dtypes=("float32", "float64", "float16", "bfloat16"),
         head_sizes=_flash_head_sizes,

@@ -22,9 +22,11 @@ import functools
 import math
 
 import numpy as np
-from numba import config, cuda, uint64
+from numba import config, cuda, int64, uint64
 
+from ..._gpuarray import GpuArray
 from .launch import LOG2E, round_up
+from .numba_kernels import feature_args, key_range
 
 
 def flash_backward_padded_dims(d: int, dv: int) -> tuple[int, int]:
@@ -65,10 +67,14 @@ def flash_backward_delta_kernel(dtype: str):
 
 
 @functools.cache
-def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp: int):
+def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, featured: bool = False):
     """cuda.flash's two backward kernels for one dtype, tile shape and padded
     head sizes: (dK/dV over key blocks of block_k threads, dQ over query blocks
-    of block_q threads). Unsigned indices, as in flash_kernel."""
+    of block_q threads). Unsigned indices, as in flash_kernel. featured: the
+    variant with the attention features (numba_kernels.feature_args): a dK/dV
+    block per k/v row adds the kv_group query rows that share it in their order,
+    so dk and dv stay deterministic."""
+    FEAT = bool(featured)  # a constant of the closure: the plain variant compiles none of it
     ftype = np.dtype(dtype).type
     ZERO = ftype(0)
     F_LOG2E = ftype(LOG2E)
@@ -80,8 +86,10 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
     U_0, U_1 = U(0), U(1)
 
     @cuda.jit
-    def flash_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, nq, nk, d, dvn, qscale, scale, causal):
-        # flat arrays of (batch, n, d) rows; lse and delta: (batch, nq). Thread tid owns key k0 + tid.
+    def flash_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, nq, nk, d, dvn, qscale, scale, causal, kv_group, lens,
+                            seq_rows, bottom_right, wl, wr, capl):
+        # flat arrays of (batch, n, d) rows; lse and delta: (batch, nq). Thread tid owns key k0 + tid
+        # of k/v row b (featured: of the kv_group query rows b kv_group...; else of query row b).
         nq, nk, d, dvn = uint64(nq), uint64(nk), uint64(d), uint64(dvn)
         b = uint64(cuda.blockIdx.y)
         k0 = uint64(cuda.blockIdx.x) * U_BK
@@ -89,6 +97,19 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
         key = k0 + tid
         live = key < nk
         q_rows, kv_rows = b * nq, b * nk
+        group, length, off, wr_c, i_first, i_end = U_1, nk, int64(0), int64(0), U_0, nq
+        if FEAT:
+            group = uint64(kv_group)
+            length = uint64(lens[b * group // uint64(seq_rows)])  # one length for the group's rows
+            live = key < length  # keys past it are never read; their gradients are 0
+            off = int64(length) - int64(nq) if bottom_right else int64(0)
+            wr_c = int64(0) if causal else int64(wr)
+            # the query rows that see a key of k0..k0+BK-1: hi(i) > k0 and lo(i) < k0 + BK
+            first = max(int64(0), int64(k0) - off - wr_c) if wr_c >= 0 else int64(0)
+            end = min(int64(nq), int64(k0) + int64(BK) - off + int64(wl)) if wl >= 0 else int64(nq)
+            i_first, i_end = uint64(first) // U_BQ * U_BQ, uint64(end) if end > first and k0 < length else U_0
+        elif causal:  # query i sees key j when j <= i; the first query tile that sees a key of this block holds row k0
+            i_first = (k0 // U_BQ) * U_BQ
 
         sq = cuda.shared.array(SQ_SIZE, ftype)
         sdo = cuda.shared.array(SDO_SIZE, ftype)
@@ -102,7 +123,7 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
         at = (kv_rows + key) * d
         for t in range(DP):
             ut = uint64(t)
-            kj[t] = k[at + ut] if live and ut < d else ZERO
+            kj[t] = k[at + ut] if live and ut < d else ZERO  # (live: key below the length)
             dkj[t] = ZERO
         at = (kv_rows + key) * dvn
         for e in range(DVP):
@@ -110,45 +131,57 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
             vj[e] = v[at + ue] if live and ue < dvn else ZERO
             dvj[e] = ZERO
 
-        # causal: query i sees key j when j <= i; the first query tile that sees a key of this block holds row k0
-        i_first = (k0 // U_BQ) * U_BQ if causal else U_0
-        for i0 in range(i_first, nq, U_BQ):
-            cuda.syncthreads()  # the previous tiles are consumed
-            for n in range(tid, SQ_SIZE, BK):
-                i, t = uint64(n) // U_DP, uint64(n) % U_DP
-                row = i0 + i
-                sq[n] = q[(q_rows + row) * d + t] if row < nq and t < d else ZERO
-            for n in range(tid, SDO_SIZE, BK):
-                i, e = uint64(n) // U_DVP, uint64(n) % U_DVP
-                row = i0 + i
-                sdo[n] = dout[(q_rows + row) * dvn + e] if row < nq and e < dvn else ZERO
-            for n in range(tid, BQ, BK):
-                row = i0 + uint64(n)
-                slse[n] = lse[q_rows + row] * F_LOG2E if row < nq else ZERO
-                sdelta[n] = delta[q_rows + row] if row < nq else ZERO
-            cuda.syncthreads()
-            if live:
-                qa, da = U_0, U_0  # row i's offsets in the Q and dO tiles
-                for i in range(U_0, min(U_BQ, nq - i0)):
-                    if not (causal and key > i0 + i):
-                        s = ZERO
-                        for t in range(DP):
-                            s += sq[qa + uint64(t)] * kj[t]
-                        # P_ij from the forward's lse, scores in the log2 domain; the dQ kernel
-                        # computes the same products in the same order, so the same P and dS
-                        p = math.exp2(s * qscale - slse[i])
-                        dp = ZERO
-                        for e in range(DVP):
-                            g = sdo[da + uint64(e)]
-                            dvj[e] += p * g
-                            dp += g * vj[e]
-                        ds = p * (dp - sdelta[i])
-                        for t in range(DP):
-                            dkj[t] += ds * sq[qa + uint64(t)]
-                    qa += U_DP
-                    da += U_DVP
+        for h in range(group):  # the query rows sharing this k/v row, in their order
+            qb = b * group + uint64(h) if FEAT else b
+            q_rows = qb * nq
+            for i0 in range(i_first, i_end, U_BQ):
+                cuda.syncthreads()  # the previous tiles are consumed
+                for n in range(tid, SQ_SIZE, BK):
+                    i, t = uint64(n) // U_DP, uint64(n) % U_DP
+                    row = i0 + i
+                    sq[n] = q[(q_rows + row) * d + t] if row < nq and t < d else ZERO
+                for n in range(tid, SDO_SIZE, BK):
+                    i, e = uint64(n) // U_DVP, uint64(n) % U_DVP
+                    row = i0 + i
+                    sdo[n] = dout[(q_rows + row) * dvn + e] if row < nq and e < dvn else ZERO
+                for n in range(tid, BQ, BK):
+                    row = i0 + uint64(n)
+                    slse[n] = lse[q_rows + row] * F_LOG2E if row < nq else ZERO
+                    sdelta[n] = delta[q_rows + row] if row < nq else ZERO
+                cuda.syncthreads()
+                if live:
+                    qa, da = U_0, U_0  # row i's offsets in the Q and dO tiles
+                    for i in range(U_0, min(U_BQ, nq - i0)):
+                        if FEAT:
+                            lo, hi = key_range(i0 + i, off, int64(wl), wr_c, int64(length))
+                            seen = lo <= int64(key) < hi
+                        else:
+                            seen = not (causal and key > i0 + i)
+                        if seen:
+                            s = ZERO
+                            for t in range(DP):
+                                s += sq[qa + uint64(t)] * kj[t]
+                            # P_ij from the forward's lse, scores in the log2 domain; the dQ kernel
+                            # computes the same products in the same order, so the same P and dS
+                            s *= qscale
+                            slope = ftype(1)
+                            if FEAT and capl > 0:  # the softcap and its derivative 1 - tanh^2
+                                th = math.tanh(s / capl)
+                                s = capl * th
+                                slope = ftype(1) - th * th
+                            p = math.exp2(s - slse[i])
+                            dp = ZERO
+                            for e in range(DVP):
+                                g = sdo[da + uint64(e)]
+                                dvj[e] += p * g
+                                dp += g * vj[e]
+                            ds = p * (dp - sdelta[i]) * slope
+                            for t in range(DP):
+                                dkj[t] += ds * sq[qa + uint64(t)]
+                        qa += U_DP
+                        da += U_DVP
 
-        if live:
+        if key < nk:  # featured: keys past the length get 0
             at = (kv_rows + key) * d
             for t in range(DP):
                 ut = uint64(t)
@@ -161,7 +194,8 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
                     dv[at + ue] = dvj[e]
 
     @cuda.jit
-    def flash_backward_dq(q, k, v, dout, lse, delta, dq, nq, nk, d, dvn, qscale, scale, causal):
+    def flash_backward_dq(q, k, v, dout, lse, delta, dq, nq, nk, d, dvn, qscale, scale, causal, kv_group, lens,
+                          seq_rows, bottom_right, wl, wr, capl):
         # thread tid owns query row q0 + tid
         nq, nk, d, dvn = uint64(nq), uint64(nk), uint64(d), uint64(dvn)
         b = uint64(cuda.blockIdx.y)
@@ -170,6 +204,17 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
         row = q0 + tid
         live = row < nq
         q_rows, kv_rows = b * nq, b * nk
+        j_first, kend, length = U_0, min(nk, q0 + U_BQ) if causal else nk, nk
+        lo, hi, off, wr_c = int64(0), int64(0), int64(0), int64(0)
+        if FEAT:
+            kv_rows = b // uint64(kv_group) * nk
+            length = uint64(lens[b // uint64(seq_rows)])
+            off = int64(length) - int64(nq) if bottom_right else int64(0)
+            wr_c = int64(0) if causal else int64(wr)
+            first, _ = key_range(q0, off, int64(wl), wr_c, int64(length))
+            _, last = key_range(min(q0 + U_BQ, nq) - U_1, off, int64(wl), wr_c, int64(length))
+            j_first, kend = uint64(first) // U_BK * U_BK, uint64(last) if last > first else U_0
+            lo, hi = key_range(row, off, int64(wl), wr_c, int64(length))
 
         sk = cuda.shared.array(SK_SIZE, ftype)
         sv = cuda.shared.array(SV_SIZE, ftype)
@@ -189,33 +234,43 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
         lse2 = lse[q_rows + row] * F_LOG2E if live else ZERO
         di = delta[q_rows + row] if live else ZERO
 
-        kend = min(nk, q0 + U_BQ) if causal else nk
-        for j0 in range(U_0, kend, U_BK):
+        for j0 in range(j_first, kend, U_BK):
             cuda.syncthreads()
             for n in range(tid, SK_SIZE, BQ):
                 j, t = uint64(n) // U_DP, uint64(n) % U_DP
                 key = j0 + j
-                sk[n] = k[(kv_rows + key) * d + t] if key < nk and t < d else ZERO
+                sk[n] = k[(kv_rows + key) * d + t] if key < length and t < d else ZERO
             for n in range(tid, SV_SIZE, BQ):
                 j, e = uint64(n) // U_DVP, uint64(n) % U_DVP
                 key = j0 + j
-                sv[n] = v[(kv_rows + key) * dvn + e] if key < nk and e < dvn else ZERO
+                sv[n] = v[(kv_rows + key) * dvn + e] if key < length and e < dvn else ZERO
             cuda.syncthreads()
             if live:
                 ka, va = U_0, U_0  # key j's offsets in the K and V tiles
                 for j in range(U_0, min(U_BK, nk - j0)):
-                    if causal and j0 + j > row:
-                        break  # and every later key of the tile
-                    s = ZERO
-                    for t in range(DP):
-                        s += qi[t] * sk[ka + uint64(t)]
-                    p = math.exp2(s * qscale - lse2)  # as in flash_backward_dkdv, bit for bit
-                    dp = ZERO
-                    for e in range(DVP):
-                        dp += doi[e] * sv[va + uint64(e)]
-                    ds = p * (dp - di)
-                    for t in range(DP):
-                        dqi[t] += ds * sk[ka + uint64(t)]
+                    if FEAT:
+                        seen = lo <= int64(j0 + j) < hi
+                    else:
+                        if causal and j0 + j > row:
+                            break  # and every later key of the tile
+                        seen = True
+                    if seen:
+                        s = ZERO
+                        for t in range(DP):
+                            s += qi[t] * sk[ka + uint64(t)]
+                        s *= qscale  # as in flash_backward_dkdv, bit for bit
+                        slope = ftype(1)
+                        if FEAT and capl > 0:
+                            th = math.tanh(s / capl)
+                            s = capl * th
+                            slope = ftype(1) - th * th
+                        p = math.exp2(s - lse2)
+                        dp = ZERO
+                        for e in range(DVP):
+                            dp += doi[e] * sv[va + uint64(e)]
+                        ds = p * (dp - di) * slope
+                        for t in range(DP):
+                            dqi[t] += ds * sk[ka + uint64(t)]
                     ka += U_DP
                     va += U_DVP
 
@@ -229,18 +284,21 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
     return flash_backward_dkdv, flash_backward_dq
 
 
-def flash_backward(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: float, block_q: int, block_k: int) -> None:
+def flash_backward(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: float, block_q: int, block_k: int,
+                   feat=None) -> None:
     """dq, dk, dv (GpuArrays to fill) of out = softmax(q k^T * scale) v, given
-    dout and the forward's out and lse, on GpuArrays (batch, n, d)."""
+    dout and the forward's out and lse, on GpuArrays (batch, n, d); k, v, dk, dv
+    have batch / kv_group rows. feat: a launch.KernelFeatures, or None."""
     batch, nq, d = q.shape
     nk, dvn = k.shape[1], v.shape[2]
     if batch == 0:
         return
     ftype = q.dtype.type
     dp, dvp = flash_backward_padded_dims(d, dvn)
-    dkdv_kernel, dq_kernel = flash_backward_kernels(q.dtype.name, block_q, block_k, dp, dvp)
+    dkdv_kernel, dq_kernel = flash_backward_kernels(q.dtype.name, block_q, block_k, dp, dvp, feat is not None)
     delta = cuda.device_array(max(batch * nq, 1), dtype=q.dtype)
-    sizes = (nq, nk, d, dvn, ftype(scale * LOG2E), ftype(scale), causal)
+    extra = [a.flat if isinstance(a, GpuArray) else a for a in feature_args(feat, nk, ftype, delta)]
+    sizes = (nq, nk, d, dvn, ftype(scale * LOG2E), ftype(scale), causal, *extra)
     if nq:
         rows = batch * nq
         flash_backward_delta_kernel(q.dtype.name)[-(-rows // DELTA_THREADS), DELTA_THREADS](
@@ -248,5 +306,5 @@ def flash_backward(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: flo
         dq_kernel[(-(-nq // block_q), batch), block_q](q.flat, k.flat, v.flat, dout.flat, lse.flat, delta, dq.flat,
                                                        *sizes)
     if nk:  # with no queries this writes zeros
-        dkdv_kernel[(-(-nk // block_k), batch), block_k](q.flat, k.flat, v.flat, dout.flat, lse.flat, delta,
+        dkdv_kernel[(-(-nk // block_k), k.shape[0]), block_k](q.flat, k.flat, v.flat, dout.flat, lse.flat, delta,
                                                          dk.flat, dv.flat, *sizes)

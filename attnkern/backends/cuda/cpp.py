@@ -13,8 +13,8 @@ import os
 import numpy as np
 from numba import config, cuda
 
-from .launch import (LOG2E, SHARED_BYTES, Addr, RawKernel, dynamic_raw_kernel, launch, register_raw, round_up,
-                     shared_limit)
+from .launch import (FEAT_TYPES, LOG2E, PLAIN_WORDS, SHARED_BYTES, Addr, RawKernel, dynamic_raw_kernel, launch,
+                     register_raw, round_up, shared_limit)
 
 # ---------------------------------------------------------------- cuda.flash, float32 register-blocked
 
@@ -77,33 +77,39 @@ def simt_aligned(*ptrs) -> bool:
     return not any(p % 16 for p in ptrs[:4]) and not any(p % 4 for p in ptrs[4:])
 
 
-def flash_simt_kernel(d: int, config: SimtConfig | None = None):
+def flash_simt_kernel(d: int, config: SimtConfig | None = None, featured: bool = False):
     """cuda.flash's register-blocked float32 kernel for head size d: the CUDA C++
     device function of flash_simt.cu in a numba-cuda kernel, built and launched as
-    the tensor-core kernel is (flash_mma_kernel)."""
+    the tensor-core kernel is (flash_mma_kernel); featured: the variant that takes
+    the attention features (ATTNKERN_FEAT)."""
     config = config or simt_config(d)
-    return _linked_kernel("flash_simt.cu", f"attnkern_flash_simt_{config.padded_d(d)}_{config}",
+    return _linked_kernel("flash_simt.cu", f"attnkern_flash_simt_{config.padded_d(d)}_{config}{'_f' * featured}",
                           (("DP", config.padded_d(d)), ("BM", config.block_q), ("BN", config.block_k),
-                           ("TM", config.rows), ("TN", config.keys)),
-                          ("u64",) * 5 + ("i32", "i32", "i32", "f32", "i32", "i32"), config.threads,
+                           ("TM", config.rows), ("TN", config.keys), ("FEAT", int(featured))),
+                          ("u64",) * 5 + ("i32", "i32", "i32", "f32", "i32", "i32") + FEAT_TYPES, config.threads,
                           config.shared_bytes(d))
 
 
-def flash_simt_launch(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None):
-    """(kernel, grid, block, args) of the float32 kernel: launch() takes them, or Prepared."""
+def flash_simt_launch(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None,
+                      feat=None):
+    """(kernel, grid, block, args) of the float32 kernel: launch() takes them, or
+    Prepared; feat: a launch.KernelFeatures, or None (the plain kernel)."""
     batch, nq, d = q.shape
     config = config or simt_config(d)
-    return (flash_simt_kernel(d, config), (-(-nq // config.block_q), batch), config.threads,
+    # its scores are in the log2 domain: the cap is c log2(e) there
+    words = PLAIN_WORDS if feat is None else feat.words(1 / LOG2E)
+    return (flash_simt_kernel(d, config, feat is not None), (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.int32(d), np.float32(scale * LOG2E), np.int32(bool(causal)),
-             np.int32(lse is not None)))
+             np.int32(lse is not None), *words))
 
 
-def flash_simt(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None) -> None:
+def flash_simt(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None,
+               feat=None) -> None:
     """out = softmax(q k^T * scale) v on float32 GpuArrays (batch, n, d), d = dv a
     multiple of 4 up to 128, at simt_aligned addresses; lse: None, or a GpuArray
-    (batch, nq) to fill."""
-    kernel, grid, block, args = flash_simt_launch(q, k, v, out, causal, scale, lse, config)
+    (batch, nq) to fill; feat: a launch.KernelFeatures or None."""
+    kernel, grid, block, args = flash_simt_launch(q, k, v, out, causal, scale, lse, config, feat)
     launch(kernel, grid, block, *args)
 
 
@@ -291,7 +297,7 @@ def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
     return WgmmaConfig() if wgmma_applies(d, d) else mma_config(d, dtype)
 
 
-def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None):
+def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None, featured: bool = False):
     """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_wgmma.cu for a
     WgmmaConfig, flash_mma.cu for an MmaConfig) or float32 (flash_tf32.cu, 3xTF32),
     head size d and a work division (default half_config(d, dtype), or mma_config(d,
@@ -304,23 +310,25 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
     compiles and caches the kernel. It is compiled here, for its one signature, and
     launched below the dispatcher (RawKernel, registered for launch()); shared
     memory above the 48 KB a kernel gets without asking is dynamic, the kernel's
-    limit raised to it."""
+    limit raised to it. featured: the variant that takes the attention features
+    (ATTNKERN_FEAT; the plain one compiles without them)."""
     config = config or tensor_core_config(d, dtype)
+    params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES
+    suffix = "_f" if featured else ""
     if isinstance(config, WgmmaConfig):
         config.check(d)
-        return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}",
+        return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
-                               ("NWG", config.warpgroups)),
-                              ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32"), config.threads,
-                              config.shared_bytes(d))
-    division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)))
+                               ("NWG", config.warpgroups), ("FEAT", int(featured))),
+                              params, config.threads, config.shared_bytes(d))
+    division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
+                ("FEAT", int(featured)))
     if dtype == "float32":
         source, defines, itemsize = "flash_tf32.cu", (("D", d), *division), 4
     else:
         source, defines, itemsize = "flash_mma.cu", (("D", d), ("BF16", int(dtype == "bfloat16")), *division), 2
-    return _linked_kernel(source, f"attnkern_flash_mma_{dtype}_{d}_{config}", defines,
-                          ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32"), config.threads,
-                          config.shared_bytes(d, itemsize))
+    return _linked_kernel(source, f"attnkern_flash_mma_{dtype}_{d}_{config}{suffix}", defines, params,
+                          config.threads, config.shared_bytes(d, itemsize))
 
 
 def mma_aligned(*ptrs) -> bool:
@@ -330,23 +338,28 @@ def mma_aligned(*ptrs) -> bool:
 
 
 def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
-                     config: MmaConfig | WgmmaConfig | None = None):
+                     config: MmaConfig | WgmmaConfig | None = None, feat=None):
     """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared.
     The grid is (query blocks, batch); config: the work division (default
-    half_config(d), or mma_config(d) for float32)."""
+    half_config(d), or mma_config(d) for float32); feat: a launch.KernelFeatures,
+    or None (the plain kernel)."""
     batch, nq, d = q.shape
     dtype = q.dtype.name
     config = config or tensor_core_config(d, dtype)
-    return (flash_mma_kernel(dtype, d, config), (-(-nq // config.block_q), batch), config.threads,
+    # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
+    words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
+    return (flash_mma_kernel(dtype, d, config, feat is not None), (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
-             np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None)))
+             np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
+             *words))
 
 
-def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None) -> None:
+def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None) -> None:
     """out = softmax(q k^T * scale) v on float16 or bfloat16 GpuArrays (batch, n, d)
-    on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill."""
+    on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill;
+    feat: a launch.KernelFeatures or None."""
     if not mma_aligned(*(a.ptr for a in ((q, k, v, out) if lse is None else (q, k, v, out, lse)))):
         raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses "
                          "(pass a fresh contiguous tensor: .contiguous() or .clone())")
-    kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse)
+    kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse, feat=feat)
     launch(kernel, grid, block, *args)

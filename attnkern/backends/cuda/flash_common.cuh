@@ -2,6 +2,10 @@
 // kernels.py compiles each kernel's source with this file prepended (NVRTC gets one
 // source string, no include path). Inline PTX: no header is needed.
 
+// each kernel uses some of these helpers (the plain kernels none of the features'): no
+// "declared but never referenced" warnings (NVRTC's log becomes a UserWarning in numba-cuda)
+#pragma nv_diag_suppress 177
+
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -38,6 +42,100 @@ static __device__ __forceinline__ float neg_inf() {
     return y;
 }
 
+// ---------------------------------------------------------------- attention features
+// ATTNKERN_FEAT 1 compiles a kernel's featured variant: grouped k/v rows, the
+// alignment of the causal and window masks, sliding windows, key lengths and the
+// softcap come as kernel arguments (FEAT_PARAMS). With 0 (the plain variant) they
+// are ignored and Feat holds constants, so the plain kernel compiles to the code it
+// had without them.
+#ifndef ATTNKERN_FEAT
+#define ATTNKERN_FEAT 0
+#endif
+#define FEAT_PARAMS int kv_group, u64 lensp, int seq_rows, int bottom_right, int window_left, int window_right, \
+                    float softcap
+#define FEAT_ARGS kv_group, lensp, seq_rows, bottom_right, window_left, window_right, softcap
+
+// One batch row's mask and cap: query row i sees key j iff lo(i) <= j < hi(i), with
+// lo(i) = i + off - wl (0 for wl = -1), hi(i) = min(len, i + off + wr + 1) (len for wr
+// = -1); off = 0 (top-left) or len - nq (bottom-right), causal is wr = 0. cap: the
+// softcap in the units of the kernel's scores (0: none), cap_k = -2 log2(e) / cap.
+struct Feat {
+    int len, off, wl, wr;
+    u64 kv_row;  // the k/v row of this query row
+    float cap, cap_k;
+};
+
+static __device__ __forceinline__ Feat make_feat(u64 b, int nq, int nk, int causal, FEAT_PARAMS) {
+#if ATTNKERN_FEAT
+    const int len = lensp ? ((const int*)lensp)[b / (u64)seq_rows] : nk;
+    return Feat{len, bottom_right ? len - nq : 0, window_left, causal ? 0 : window_right, b / (u64)kv_group,
+                softcap, softcap > 0.f ? -2.8853900817779268f / softcap : 0.f};
+#else
+    return Feat{nk, 0, -1, causal ? 0 : -1, b, 0.f, 0.f};
+#endif
+}
+
+// the first key row i sees, and one past its last (hi <= lo: it sees none)
+static __device__ __forceinline__ int key_lo(const Feat& f, int row) {
+    return f.wl < 0 ? 0 : max(0, row + f.off - f.wl);
+}
+static __device__ __forceinline__ int key_hi(const Feat& f, int row) {
+    return f.wr < 0 ? f.len : min(f.len, max(0, row + f.off + f.wr + 1));
+}
+
+static __device__ __forceinline__ bool key_hidden(const Feat& f, int key, int row) {
+#if ATTNKERN_FEAT
+    return key < key_lo(f, row) || key >= key_hi(f, row);
+#else
+    return key >= f.len || (f.wr == 0 && key > row);
+#endif
+}
+
+// The key tiles of bn keys that the block of rows q0..q0 + bm - 1 visits: [begin, end).
+// lo and hi grow with the row, so the first row's lo and the last row's (below nq) hi
+// bound them: a window of W keys costs O(rows (W + bn)), not O(rows nk). The plain
+// kernel keeps its own bound (keys up to the block's last row with causal masking).
+static __device__ __forceinline__ void key_tiles(const Feat& f, int q0, int bm, int nq, int bn, int& begin, int& end) {
+#if ATTNKERN_FEAT
+    const int lo = key_lo(f, q0), hi = key_hi(f, min(q0 + bm, nq) - 1);
+    begin = lo / bn;
+    end = hi > lo ? (hi + bn - 1) / bn : begin;
+#else
+    begin = 0;
+    end = ((f.wr == 0 ? min(f.len, q0 + bm) : f.len) + bn - 1) / bn;
+#endif
+}
+
+// whether no row of first..last sees a key of [j0, j0 + bn)
+static __device__ __forceinline__ bool tile_unseen(const Feat& f, int j0, int bn, int first, int last) {
+#if ATTNKERN_FEAT
+    return j0 >= key_hi(f, last) || j0 + bn <= key_lo(f, first);
+#else
+    return f.wr == 0 && j0 > last;
+#endif
+}
+
+// whether some row of first..last misses some key of [j0, j0 + bn): the tile needs masks
+static __device__ __forceinline__ bool tile_masked(const Feat& f, int j0, int bn, int first, int last) {
+#if ATTNKERN_FEAT
+    return j0 < key_lo(f, last) || j0 + bn > key_hi(f, first);
+#else
+    return j0 + bn > f.len || (f.wr == 0 && j0 + bn - 1 > first);
+#endif
+}
+
+// cap tanh(s / cap) for a score s in the kernel's units: tanh |x| = (1 - e) / (1 + e),
+// e = 2^(-2 log2(e) |x|), the sign restored (absolute error a few ulp of 1)
+static __device__ __forceinline__ float capped(const Feat& f, float s) {
+    const float e = ex2(fabsf(s) * f.cap_k);
+    return copysignf(f.cap * __fdividef(1.f - e, 1.f + e), s);
+}
+
+// 1 / l for a row sum l, 0 where a featured row saw no key (its output is 0, never NaN)
+static __device__ __forceinline__ float row_inverse(float l) {
+    return ATTNKERN_FEAT && l == 0.f ? 0.f : 1.f / l;
+}
+
 // whether pred holds on any lane of the (converged) warp
 static __device__ __forceinline__ bool warp_any(bool pred) {
     u32 r;
@@ -57,17 +155,21 @@ static __device__ __forceinline__ bool warp_any(bool pred) {
 // multiplies them (so they need not outlive the call in float32).
 template <int NS, bool MASK, class Emit>
 static __device__ __forceinline__ void softmax_tile(float (&s)[NS][4], float (&m)[2], float (&l)[2], float (&a)[2],
-                                                    float c, int j0, int nk, int causal, int r0, Emit emit) {
+                                                    float c, int j0, const Feat& f, int r0, Emit emit) {
     const float NEG_INF = neg_inf();
     const int t = threadIdx.x & 3;
     float mx0 = m[0], mx1 = m[1];
 #pragma unroll
     for (int n = 0; n < NS; ++n) {
+        if (ATTNKERN_FEAT && f.cap > 0.f) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = capped(f, s[n][e]);
+        }
         if (MASK) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = j0 + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
-                if (key >= nk || (causal && key > row)) s[n][e] = NEG_INF;
+                if (key_hidden(f, key, row)) s[n][e] = NEG_INF;
             }
         }
         mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
@@ -100,16 +202,16 @@ static __device__ __forceinline__ void softmax_tile(float (&s)[NS][4], float (&m
     l[1] = l[1] * a[1] + ps1;
 }
 
-// softmax_tile with its masks only where the tile needs them (mask: it crosses nk
-// or the mma tile's causal diagonal)
+// softmax_tile with its masks only where the tile needs them (mask: tile_masked, it
+// crosses a row's length, window or causal diagonal)
 template <int NS, class Emit>
 static __device__ __forceinline__ void softmax_tile_masked_if(bool mask, float (&s)[NS][4], float (&m)[2], float (&l)[2],
-                                                              float (&a)[2], float c, int j0, int nk, int causal, int r0,
+                                                              float (&a)[2], float c, int j0, const Feat& f, int r0,
                                                               Emit emit) {
     if (mask)
-        softmax_tile<NS, true>(s, m, l, a, c, j0, nk, causal, r0, emit);
+        softmax_tile<NS, true>(s, m, l, a, c, j0, f, r0, emit);
     else
-        softmax_tile<NS, false>(s, m, l, a, c, j0, nk, causal, r0, emit);
+        softmax_tile<NS, false>(s, m, l, a, c, j0, f, r0, emit);
 }
 
 // o's rows g (elements 0, 1 of each 8-column tile) and g + 8 (2, 3) times a[0] and a[1]
@@ -178,7 +280,7 @@ static __device__ __forceinline__ void store_half_rows(u16* out, u16* lse, const
                                                        int nq) {
     const int t = threadIdx.x & 3, r1 = r0 + 8;
     const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const float inv0 = row_inverse(l0), inv1 = row_inverse(l1);
 #pragma unroll
     for (int j = 0; j < DH / 8; ++j) {
         const int col = j * 8 + 2 * t;

@@ -90,7 +90,7 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
 }
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
-                                         float scale_log2, int causal, int with_lse) {
+                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS) {
     constexpr int KC = D / 16;  // 16-wide chunks of the head size: the k steps of Q K^T
     constexpr int NS = BN / 8;  // 8-key tiles of a score row block
     constexpr int NO = D / 8;   // 8-column tiles of the output
@@ -105,8 +105,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u64 b = blockIdx.y;
     const int q0 = block_first_row(causal, BM);
     const u16* q = (const u16*)qp + b * (u64)nq * D;
-    const u16* k = (const u16*)kp + b * (u64)nk * D;
-    const u16* v = (const u16*)vp + b * (u64)nk * D;
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
+    const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
     const int wr0 = q0 + warp * 16 * MT;  // this warp's first row; its mma tile i has rows wr0 + 16 i...
     const float NEG_INF = neg_inf();
     const float c = fabsf(scale_log2);
@@ -154,24 +155,47 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
     for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = NEG_INF, l[i][0] = l[i][1] = 0.f;
 
+#if ATTNKERN_FEAT
+#define LOAD_LEN f.len
+#define TILE_MASKED(i) tile_masked(f, j0, BN, wr0 + 16 * (i), wr0 + 16 * (i) + 15)
+    // the key tiles [jt0, jt1) some row of the block sees; keys past the row's length are
+    // zero-filled, never read
+    int jt0, jt1;
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
+
+    load_tile(k, ks0 + (jt0 & 1) * TILE, jt0 * BN, f.len, tid);
+    load_tile(v, vs0 + (jt0 & 1) * TILE, jt0 * BN, f.len, tid);
+    cp_async_commit();
+    const int jt_end = jt1;
+    for (int jt = jt0; jt < jt_end; ++jt) {
+#else
+#define LOAD_LEN nk
+#define TILE_MASKED(i) (j0 + BN > nk || (causal && j0 + BN - 1 > wr0 + 16 * (i)))
+    // the plain kernel's own loop, as it was before the features (its registers are at the limit)
     const int kend = causal ? min(nk, q0 + BM) : nk;
     const int ntiles = (kend + BN - 1) / BN;
 
     load_tile(k, ks0, 0, nk, tid);
     load_tile(v, vs0, 0, nk, tid);
     cp_async_commit();
-    for (int jt = 0; jt < ntiles; ++jt) {
+    const int jt_end = ntiles;
+    for (int jt = 0; jt < jt_end; ++jt) {
+#endif
         const int j0 = jt * BN;
         const u32 kb = ks0 + (jt & 1) * TILE, vb = vs0 + (jt & 1) * TILE;
         cp_async_wait_all();
         __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
-        if (jt + 1 < ntiles) {
-            load_tile(k, ks0 + ((jt + 1) & 1) * TILE, j0 + BN, nk, tid);
-            load_tile(v, vs0 + ((jt + 1) & 1) * TILE, j0 + BN, nk, tid);
+        if (jt + 1 < jt_end) {
+            load_tile(k, ks0 + ((jt + 1) & 1) * TILE, j0 + BN, LOAD_LEN, tid);
+            load_tile(v, vs0 + ((jt + 1) & 1) * TILE, j0 + BN, LOAD_LEN, tid);
             cp_async_commit();
         }
-        // a warp whose rows all lie above the tile's first key has nothing to add
+        // a warp none of whose rows sees a key of the tile has nothing to add
+#if ATTNKERN_FEAT
+        if (tile_unseen(f, j0, BN, wr0, wr0 + 16 * MT - 1)) continue;
+#else
         if (causal && j0 > wr0 + 16 * MT - 1) continue;
+#endif
 
         float s[MT][NS][4];
 #pragma unroll
@@ -228,8 +252,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 pf[i][n][0] = pack2(p[0], p[1]);
                 pf[i][n][1] = pack2(p[2], p[3]);
             };
-            softmax_tile_masked_if(j0 + BN > nk || (causal && j0 + BN - 1 > wr0 + 16 * i), s[i], m[i], l[i], a[i], c,
-                                   j0, nk, causal, r0, emit);
+            softmax_tile_masked_if(TILE_MASKED(i), s[i], m[i], l[i], a[i], c,
+                                   j0, f, r0, emit);
             rescale |= a[i][0] != 1.f || a[i][1] != 1.f;
         }
         if (warp_any(rescale)) {
@@ -255,6 +279,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         }
     }
 
+    if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
     u16* out = (u16*)op + b * (u64)nq * D;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {

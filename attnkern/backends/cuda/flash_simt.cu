@@ -65,7 +65,7 @@ static __device__ __forceinline__ f4 lds4(const float* p) {
 }
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk, int d,
-                                         float scale_log2, int causal, int with_lse) {
+                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS) {
 #if ATTNKERN_DYNAMIC
     extern __shared__ __align__(16) float smem[];
 #else
@@ -80,8 +80,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u64 b = blockIdx.y;
     const int q0 = block_first_row(causal, BM);
     const float* q = (const float*)qp + b * (u64)nq * d;
-    const float* k = (const float*)kp + b * (u64)nk * d;
-    const float* v = (const float*)vp + b * (u64)nk * d;
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);  // cap in the log2 domain's units
+    const float* k = (const float*)kp + f.kv_row * (u64)nk * d;
+    const float* v = (const float*)vp + f.kv_row * (u64)nk * d;
     const float NEG_INF = neg_inf();
     const float c = scale_log2;
 
@@ -95,21 +96,23 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         for (int cc = 0; cc < CH; ++cc) o[i][cc][0] = o[i][cc][1] = o[i][cc][2] = o[i][cc][3] = 0.f;
     }
 
-    const int kend = causal ? min(nk, q0 + BM) : nk;
-    const int ntiles = (kend + BN - 1) / BN;
+    // the key tiles [jt0, jt1) some row of the block sees; keys past the row's length are
+    // zero-filled, never read
+    int jt0, jt1;
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
     load_rows(q, qs, q0, BM, nq, d, tid);
-    load_rows(k, ks, 0, BN, nk, d, tid);
-    load_rows(v, vs, 0, BN, nk, d, tid);
+    load_rows(k, ks + (jt0 & 1) * BN * LDQ, jt0 * BN, BN, f.len, d, tid);
+    load_rows(v, vs + (jt0 & 1) * BN * LDQ, jt0 * BN, BN, f.len, d, tid);
     cp_async_commit();
-    for (int jt = 0; jt < ntiles; ++jt) {
+    for (int jt = jt0; jt < jt1; ++jt) {
         const int j0 = jt * BN;
         const float* kt = ks + (jt & 1) * BN * LDQ;
         const float* vt = vs + (jt & 1) * BN * LDQ;
         cp_async_wait_all();
         __syncthreads();  // tile jt (and Q) are in; tile jt - 1's K, V and P are consumed
-        if (jt + 1 < ntiles) {
-            load_rows(k, ks + ((jt + 1) & 1) * BN * LDQ, j0 + BN, BN, nk, d, tid);
-            load_rows(v, vs + ((jt + 1) & 1) * BN * LDQ, j0 + BN, BN, nk, d, tid);
+        if (jt + 1 < jt1) {
+            load_rows(k, ks + ((jt + 1) & 1) * BN * LDQ, j0 + BN, BN, f.len, d, tid);
+            load_rows(v, vs + ((jt + 1) & 1) * BN * LDQ, j0 + BN, BN, f.len, d, tid);
             cp_async_commit();
         }
 
@@ -138,7 +141,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         }
 
         // the online softmax in the log2 domain; P into shared memory
-        const bool mask = j0 + BN > nk || (causal && j0 + BN - 1 > q0);
+        const bool mask = tile_masked(f, j0, BN, q0, q0 + BM - 1);
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const int row = q0 + rg + RG * i;
@@ -146,22 +149,25 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
                 float x = s[i][j] * c;
+                if (ATTNKERN_FEAT && f.cap > 0.f) x = capped(f, x);
                 if (mask) {
                     const int key = j0 + kg + KG * j;
-                    if (key >= nk || (causal && key > row)) x = NEG_INF;
+                    if (key_hidden(f, key, row)) x = NEG_INF;
                 }
                 s[i][j] = x;
                 mx = fmaxf(mx, x);
             }
 #pragma unroll
             for (int w = 1; w < KG; w *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, w));
-            // mx is finite: key 0, in the first tile, is visible to every row
-            const float alpha = ex2(m[i] - mx);
+            // plain: mx is finite (key 0, in the first tile, is visible to every row); a
+            // featured row that has seen no key yet keeps mx -inf, and its p and sums 0
+            const float mref = ATTNKERN_FEAT && mx == NEG_INF ? 0.f : mx;
+            const float alpha = ex2(m[i] - mref);
             m[i] = mx;
             float part = 0.f;
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
-                const float p = ex2(s[i][j] - mx);
+                const float p = ex2(s[i][j] - mref);
                 part += p;
                 ps[(rg + RG * i) * LDP + kg + KG * j] = p;
             }
@@ -200,6 +206,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         }
     }
 
+    if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
     float* out = (float*)op + b * (u64)nq * d;
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -207,7 +214,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         float total = l[i];
 #pragma unroll
         for (int w = 1; w < KG; w *= 2) total += __shfl_xor_sync(0xffffffffu, total, w);
-        const float inv = 1.f / total;
+        const float inv = row_inverse(total);
         if (row < nq) {
 #pragma unroll
             for (int cc = 0; cc < CH; ++cc) {

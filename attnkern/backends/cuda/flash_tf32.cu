@@ -111,7 +111,7 @@ static __device__ __forceinline__ void split_a(float2 x0, float2 x1, u32 (&big)[
 }
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
-                                         float scale_log2, int causal, int with_lse) {
+                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS) {
     constexpr int KC = D / 8;  // 8-wide k steps of Q K^T
     constexpr int NS = BN / 8;  // 8-key tiles of a score row block (the k steps of P V)
     constexpr int NO = D / 8;   // 8-column tiles of the output
@@ -125,8 +125,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u64 b = blockIdx.y;
     const int q0 = block_first_row(causal, BM);
     const float* q = (const float*)qp + b * (u64)nq * D;
-    const float* k = (const float*)kp + b * (u64)nk * D;
-    const float* v = (const float*)vp + b * (u64)nk * D;
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    const float* k = (const float*)kp + f.kv_row * (u64)nk * D;
+    const float* v = (const float*)vp + f.kv_row * (u64)nk * D;
     const int wr0 = q0 + warp * 16 * MT;  // this warp's first row; its mma tile i has rows wr0 + 16 i...
     const float NEG_INF = neg_inf();
     const float c = fabsf(scale_log2);
@@ -175,25 +176,48 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
     for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = NEG_INF, l[i][0] = l[i][1] = 0.f;
 
+#if ATTNKERN_FEAT
+#define LOAD_LEN f.len
+#define TILE_MASKED(i) tile_masked(f, j0, BN, wr0 + 16 * (i), wr0 + 16 * (i) + 15)
+    // the key tiles [jt0, jt1) some row of the block sees; keys past the row's length are
+    // zero-filled, never read
+    int jt0, jt1;
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
+
+    load_tile<LDK>(k, ks0 + (jt0 & 1) * K_ELEMS * 4u, jt0 * BN, f.len, tid);
+    load_tile<LDV>(v, vs0 + (jt0 & 1) * V_ELEMS * 4u, jt0 * BN, f.len, tid);
+    cp_async_commit();
+    const int jt_end = jt1;
+    for (int jt = jt0; jt < jt_end; ++jt) {
+#else
+#define LOAD_LEN nk
+#define TILE_MASKED(i) (j0 + BN > nk || (causal && j0 + BN - 1 > wr0 + 16 * (i)))
+    // the plain kernel's own loop, as it was before the features (its registers are at the limit)
     const int kend = causal ? min(nk, q0 + BM) : nk;
     const int ntiles = (kend + BN - 1) / BN;
 
     load_tile<LDK>(k, ks0, 0, nk, tid);
     load_tile<LDV>(v, vs0, 0, nk, tid);
     cp_async_commit();
-    for (int jt = 0; jt < ntiles; ++jt) {
+    const int jt_end = ntiles;
+    for (int jt = 0; jt < jt_end; ++jt) {
+#endif
         const int j0 = jt * BN;
         const float* kt = ksm + (jt & 1) * K_ELEMS;
         const float* vt = vsm + (jt & 1) * V_ELEMS;
         cp_async_wait_all();
         __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
-        if (jt + 1 < ntiles) {
-            load_tile<LDK>(k, ks0 + ((jt + 1) & 1) * K_ELEMS * 4u, j0 + BN, nk, tid);
-            load_tile<LDV>(v, vs0 + ((jt + 1) & 1) * V_ELEMS * 4u, j0 + BN, nk, tid);
+        if (jt + 1 < jt_end) {
+            load_tile<LDK>(k, ks0 + ((jt + 1) & 1) * K_ELEMS * 4u, j0 + BN, LOAD_LEN, tid);
+            load_tile<LDV>(v, vs0 + ((jt + 1) & 1) * V_ELEMS * 4u, j0 + BN, LOAD_LEN, tid);
             cp_async_commit();
         }
-        // a warp whose rows all lie above the tile's first key has nothing to add
+        // a warp none of whose rows sees a key of the tile has nothing to add
+#if ATTNKERN_FEAT
+        if (tile_unseen(f, j0, BN, wr0, wr0 + 16 * MT - 1)) continue;
+#else
         if (causal && j0 > wr0 + 16 * MT - 1) continue;
+#endif
 
         float s[MT][NS][4];
 #pragma unroll
@@ -233,7 +257,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             }
         }
 
-        // masks only where the tile crosses nk or an mma tile's diagonal; s becomes P
+        // masks only where the tile crosses a row's length, window or diagonal; s becomes P
         float a[MT][2];  // rescale factors of the old output rows
         bool rescale = false;
 #pragma unroll
@@ -245,8 +269,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 s[i][n][2] = p[2];
                 s[i][n][3] = p[3];
             };
-            softmax_tile_masked_if(j0 + BN > nk || (causal && j0 + BN - 1 > wr0 + 16 * i), s[i], m[i], l[i], a[i], c,
-                                   j0, nk, causal, r0, emit);
+            softmax_tile_masked_if(TILE_MASKED(i), s[i], m[i], l[i], a[i], c,
+                                   j0, f, r0, emit);
             rescale |= a[i][0] != 1.f || a[i][1] != 1.f;
         }
         if (warp_any(rescale)) {
@@ -276,12 +300,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         }
     }
 
+    if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
     float* out = (float*)op + b * (u64)nq * D;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const int r0 = wr0 + 16 * i + g, r1 = r0 + 8;
         const float l0 = quad_sum(l[i][0]), l1 = quad_sum(l[i][1]);
-        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+        const float inv0 = row_inverse(l0), inv1 = row_inverse(l1);
 #pragma unroll
         for (int j = 0; j < NO; ++j) {
             const int col = j * 8 + 2 * t;

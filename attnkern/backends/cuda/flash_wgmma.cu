@@ -174,7 +174,7 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
 }
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
-                                         float scale_log2, int causal, int with_lse) {
+                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS) {
     constexpr int NO = D / 8;  // 8-column tiles of the output
 #if ATTNKERN_DYNAMIC
     extern __shared__ __align__(1024) u16 smem[];
@@ -187,8 +187,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u64 b = blockIdx.y;
     const int q0 = block_first_row(causal, BM);
     const u16* q = (const u16*)qp + b * (u64)nq * D;
-    const u16* k = (const u16*)kp + b * (u64)nk * D;
-    const u16* v = (const u16*)vp + b * (u64)nk * D;
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
+    const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
     const int g0 = q0 + 64 * wg;          // the warpgroup's first row
     const int wr0 = g0 + 16 * (warp & 3);  // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
     const float c = fabsf(scale_log2);
@@ -213,25 +214,27 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // running max of the raw scores; this lane's partial row sums
 
-    const int kend = causal ? min(nk, q0 + BM) : nk;
-    const int ntiles = (kend + BN - 1) / BN;
+    // the key tiles [jt0, jt1) some row of the block sees; keys past the row's length are
+    // zero-filled, never read
+    int jt0, jt1;
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
 
-    load_tile(k, ks0, 0, nk, tid);
-    load_tile(v, vs0, 0, nk, tid);
+    load_tile(k, ks0 + (jt0 & 1) * TILE_BYTES, jt0 * BN, f.len, tid);
+    load_tile(v, vs0 + (jt0 & 1) * TILE_BYTES, jt0 * BN, f.len, tid);
     cp_async_commit();
-    for (int jt = 0; jt < ntiles; ++jt) {
+    for (int jt = jt0; jt < jt1; ++jt) {
         const int j0 = jt * BN;
         const u32 kb = ks0 + (jt & 1) * TILE_BYTES, vb = vs0 + (jt & 1) * TILE_BYTES;
         cp_async_wait_all();
         fence_async_shared();
         __syncthreads();  // tile jt is in; every warpgroup is done with tile jt - 1, whose buffers refill now
-        if (jt + 1 < ntiles) {
-            load_tile(k, ks0 + ((jt + 1) & 1) * TILE_BYTES, j0 + BN, nk, tid);
-            load_tile(v, vs0 + ((jt + 1) & 1) * TILE_BYTES, j0 + BN, nk, tid);
+        if (jt + 1 < jt1) {
+            load_tile(k, ks0 + ((jt + 1) & 1) * TILE_BYTES, j0 + BN, f.len, tid);
+            load_tile(v, vs0 + ((jt + 1) & 1) * TILE_BYTES, j0 + BN, f.len, tid);
             cp_async_commit();
         }
-        // a warpgroup whose rows all lie above the tile's first key has nothing to add
-        if (causal && j0 > g0 + 63) continue;
+        // a warpgroup none of whose rows sees a key of the tile has nothing to add
+        if (tile_unseen(f, j0, BN, g0, g0 + 63)) continue;
 
         // S = Q K^T, one commit group per 64-key sub-tile: D/16 steps of 16 along the head size
         float s[NSUB][8][4];
@@ -259,8 +262,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 pf[u][n][0] = pack2(p[0], p[1]);
                 pf[u][n][1] = pack2(p[2], p[3]);
             };
-            softmax_tile_masked_if(ju + 64 > nk || (causal && ju + 63 > wr0), s[u], m, l, a, c, ju, nk, causal,
-                                   wr0 + g, emit);
+            softmax_tile_masked_if(tile_masked(f, ju, 64, wr0, wr0 + 15), s[u], m, l, a, c, ju, f, wr0 + g, emit);
             if (u > 0) wgmma_wait<0>();  // sub-tile u - 1's P V is in o
             pin(o);
             if (warp_any(a[0] != 1.f || a[1] != 1.f)) scale_rows(o, a);
@@ -279,6 +281,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         pin(o);
     }
 
+    if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
     u16* out = (u16*)op + b * (u64)nq * D;
     store_half_rows<D>(out, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o, l, m, c, wr0 + g, nq);
 }

@@ -13,6 +13,7 @@ import math
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 from numba import config, cuda
@@ -26,6 +27,66 @@ SHARED_BYTES = 48 * 1024  # static shared memory per block (CUDA's limit without
 
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+# ---------------------------------------------------------------- attention features
+
+class KernelFeatures(NamedTuple):
+    """A featured call's features (_registry.Features) as cuda.flash's kernels take
+    them: k/v rows shared by kv_group query rows; lens, the key length of each
+    sequence of seq_rows consecutive batch rows (an int32 GpuArray, or None: every
+    key); bottom_right alignment (0 or 1); window sides (-1 unbounded, causal is
+    not folded in); the softcap c > 0 in natural units (0: none)."""
+
+    kv_group: int
+    lens: object
+    seq_rows: int
+    bottom_right: int
+    window_left: int
+    window_right: int
+    softcap: float
+
+    @classmethod
+    def of(cls, features, batch: int) -> "KernelFeatures | None":
+        """None for None (a plain call), else the kernels' form; the key lengths are
+        copied to the GPU."""
+        if features is None:
+            return None
+        lens, seq_rows = None, max(batch, 1)
+        if features.key_lengths is not None:
+            host = np.ascontiguousarray(features.key_lengths, dtype=np.int32)
+            lens, seq_rows = _device_lengths(host.tobytes()), max(batch // max(len(host), 1), 1)
+        return cls(int(features.kv_group), lens, seq_rows, int(features.align == "bottom_right"),
+                   int(features.window_left), int(features.window_right), float(features.softcap))
+
+    def words(self, cap_unit: float) -> tuple:
+        """The CUDA C++ kernels' FEAT_PARAMS: the softcap divided by cap_unit, the
+        size of one unit of the kernel's scores (its scores are c tanh(s / c))."""
+        return (np.int32(self.kv_group), np.uint64(0) if self.lens is None else Addr(self.lens),
+                np.int32(self.seq_rows), np.int32(self.bottom_right), np.int32(self.window_left),
+                np.int32(self.window_right), np.float32(self.softcap / cap_unit))
+
+
+_LENGTHS: dict = {}  # (device, int32 bytes) -> the lengths on that device (never written: shared by calls)
+
+
+def _device_lengths(raw: bytes):
+    """Key lengths (int32 bytes) as a GpuArray on the current device, copied once per
+    distinct lengths (a copy and an allocation per call would cost more than a short call)."""
+    from .arrays import from_host
+
+    key = (None if config.ENABLE_CUDASIM else cuda.get_current_device().id, raw)
+    lens = _LENGTHS.get(key)
+    if lens is None:
+        if len(_LENGTHS) > 256:
+            _LENGTHS.clear()
+        lens = _LENGTHS[key] = from_host(np.frombuffer(raw, np.int32).copy())
+    return lens
+
+
+# the FEAT_PARAMS of a plain call (their values are ignored by the plain kernels)
+PLAIN_WORDS = (np.int32(1), np.uint64(0), np.int32(1), np.int32(0), np.int32(-1), np.int32(-1), np.float32(0))
+FEAT_TYPES = ("i32", "u64", "i32", "i32", "i32", "i32", "f32")  # FEAT_PARAMS, as _linked_kernel spells them
 
 
 # ---------------------------------------------------------------- launches

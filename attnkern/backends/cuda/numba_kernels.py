@@ -36,9 +36,9 @@ import functools
 import math
 
 import numpy as np
-from numba import config, cuda, float64, uint64
+from numba import config, cuda, float64, int64, uint64
 
-from .arrays import workspace
+from .arrays import from_host, workspace
 from .launch import LN2, LOG2E, SHARED_BYTES, launch, round_up, take_dynamic_shared
 
 MICRO = (4, 4)  # rows and keys per thread in cuda.flash's score tile
@@ -252,11 +252,26 @@ def flash_padded_dims(block_k: int, d: int, dv: int, micro=MICRO) -> tuple[int, 
     return round_up(d, 16), round_up(dv, max(16, kg))
 
 
+@cuda.jit(device=True, **INLINE)
+def key_range(row, off, wl, wr, length):
+    """[lo, hi) of the keys query row `row` sees (int64): lo = row + off - wl (0 for
+    wl = -1), hi = min(length, row + off + wr + 1) (length for wr = -1); off is 0
+    (top-left) or length - nq (bottom-right), causal is wr = 0. hi <= lo: none."""
+    diag = int64(row) + off
+    lo = max(int64(0), diag - wl) if wl >= 0 else int64(0)
+    hi = min(length, max(int64(0), diag + wr + 1)) if wr >= 0 else length
+    return lo, hi
+
+
 @functools.cache
-def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micro=MICRO, with_lse: bool = False):
+def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micro=MICRO, with_lse: bool = False,
+                 featured: bool = False):
     """cuda.flash's kernel for one dtype, tile shape and padded head sizes;
     micro: the (rows, keys) of scores each thread holds; with_lse: the variant
-    that also writes each row's log-sum-exp (the other never touches lse).
+    that also writes each row's log-sum-exp (the other never touches lse);
+    featured: the variant that takes the attention features (kv_group, lens per
+    sequence of seq_rows batch rows, bottom_right, window sides, the softcap in the
+    log2 domain's units: launch.KernelFeatures); the plain one ignores them.
 
     Every index is an unsigned 64-bit integer, the global arrays are flat and
     the inner loops walk running offsets: for a signed index Numba emits a
@@ -281,6 +296,7 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
     U_RG_SQ, U_RG_SKP = U(RG * SQ_LD), U(RG * SKP_LD)  # from one of a thread's rows to the next
     U_0, U_1 = U(0), U(1)
     WITH_LSE = bool(with_lse)  # a constant of the closure: the variant without lse compiles no store
+    FEAT = bool(featured)  # likewise: the plain variant compiles none of the features' work
     F_LN2 = ftype(LN2)
     # one shared array holds the three tiles; past the static limit it is the launch's
     # dynamic shared memory (size 0 here; launch() passes the bytes and raises the limit)
@@ -290,9 +306,11 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
     SKP_AT, SV_AT = SQ_SIZE, SQ_SIZE + SKP_SIZE
 
     @cuda.jit
-    def flash_forward(q, k, v, out, lse, nq, nk, d, dv, qscale, causal):
+    def flash_forward(q, k, v, out, lse, nq, nk, d, dv, qscale, causal, kv_group, lens, seq_rows, bottom_right, wl,
+                      wr, capl):
         # q, k, v, out: flat arrays of (batch, n, d) rows, lse of (batch, nq) (unused
-        # unless WITH_LSE); every index below is unsigned
+        # unless WITH_LSE); every index below is unsigned; the features (after
+        # causal) are read only by the featured variant
         nq, nk, d, dv = uint64(nq), uint64(nk), uint64(d), uint64(dv)
         b = uint64(cuda.blockIdx.y)
         q0 = uint64(cuda.blockIdx.x) * U_BQ
@@ -300,6 +318,17 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
         tx = tid % U_KG
         ty = tid // U_KG
         q_rows, kv_rows = b * nq, b * nk  # this head's first row in q/out and in k/v
+        j_first, kend, length = U_0, min(nk, q0 + U_BQ) if causal else nk, nk
+        off, wr_c = int64(0), int64(0)
+        if FEAT:
+            kv_rows = b // uint64(kv_group) * nk
+            length = uint64(lens[b // uint64(seq_rows)])
+            off = int64(length) - int64(nq) if bottom_right else int64(0)
+            wr_c = int64(0) if causal else int64(wr)
+            # the key tiles some row of the block sees: from the first row's lo to the last row's hi
+            lo, _ = key_range(q0, off, int64(wl), wr_c, int64(length))
+            _, hi = key_range(min(q0 + U_BQ, nq) - U_1, off, int64(wl), wr_c, int64(length))
+            j_first, kend = uint64(lo) // U_BK * U_BK, uint64(hi) if hi > lo else U_0
 
         smem = cuda.shared.array(SMEM_STATIC, ftype)
         sq = smem[:SKP_AT]
@@ -322,17 +351,17 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
             for c in range(CV):
                 o[r, c] = ZERO
 
-        kend = min(nk, q0 + U_BQ) if causal else nk
-        for j0 in range(U_0, kend, U_BK):
+        for j0 in range(j_first, kend, U_BK):
             cuda.syncthreads()  # the previous tile's P and V are consumed
+            # keys past the row's length are never read (they may hold anything)
             for n in range(tid, BK * DP, NT):
                 j, t = uint64(n) // U_DP, uint64(n) % U_DP
                 key = j0 + j
-                skp[t * U_SKP_LD + j] = k[(kv_rows + key) * d + t] if key < nk and t < d else ZERO
+                skp[t * U_SKP_LD + j] = k[(kv_rows + key) * d + t] if key < length and t < d else ZERO
             for n in range(tid, BK * DVP, NT):
                 j, e = uint64(n) // U_DVP, uint64(n) % U_DVP
                 key = j0 + j
-                sv[n] = v[(kv_rows + key) * dv + e] if key < nk and e < dv else ZERO
+                sv[n] = v[(kv_rows + key) * dv + e] if key < length and e < dv else ZERO
             cuda.syncthreads()
 
             for r in range(TM):
@@ -345,18 +374,27 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
             for r in range(TM):
                 row = q0 + ty + U(r * RG)
                 mt = NEG_INF
+                if FEAT:
+                    lo, hi = key_range(row, off, int64(wl), wr_c, int64(length))
                 for c in range(TN):
                     key = j0 + tx + U(c * KG)
-                    if key >= nk or (causal and key > row):
+                    if FEAT:
+                        if capl > 0:  # the softcap, in the log2 domain, before the mask
+                            s[r, c] = capl * math.tanh(s[r, c] / capl)
+                        if int64(key) < lo or int64(key) >= hi:
+                            s[r, c] = NEG_INF
+                    elif key >= nk or (causal and key > row):
                         s[r, c] = NEG_INF
                     mt = max(mt, s[r, c])
                 mnew = max(m[r], lane_reduce(mt, KG, True))
-                # mnew is finite: key 0 is visible to every row, and it is in the first tile
-                alpha = math.exp2(m[r] - mnew)
+                # plain: mnew is finite (key 0 is visible to every row, and it is in the first
+                # tile); a featured row that has seen no key yet keeps -inf, its p and sums 0
+                mref = ZERO if FEAT and mnew == NEG_INF else mnew
+                alpha = math.exp2(m[r] - mref)
                 m[r] = mnew
                 part = ZERO
                 for c in range(TN):
-                    p = math.exp2(s[r, c] - mnew)
+                    p = math.exp2(s[r, c] - mref)
                     part += p
                     skp[(ty + U(r * RG)) * U_SKP_LD + tx + U(c * KG)] = p
                 lsum[r] = lsum[r] * alpha + part  # this thread's keys only; summed at the end
@@ -370,7 +408,7 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
         for r in range(TM):
             total = lane_reduce(lsum[r], KG, False)
             row = q0 + ty + U(r * RG)
-            inv = ftype(1) / total
+            inv = ftype(1) / total if total > ZERO else ZERO  # a row that saw no key: 0
             for c in range(CV):
                 e = tx + U(c * KG)
                 if row < nq and e < dv:
@@ -379,27 +417,43 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
                 # m (the row max, the same in every lane of the group) and total are in
                 # the log2 domain: lse = ln(sum_j exp(scale q.k_j)) = (m + log2(total)) ln 2
                 if tx == U_0 and row < nq:
-                    lse[q_rows + row] = (m[r] + math.log2(total)) * F_LN2
+                    lse[q_rows + row] = (m[r] + math.log2(total)) * F_LN2 if total > ZERO else NEG_INF
 
     if SMEM_STATIC == 0:
         take_dynamic_shared(flash_forward, SMEM_BYTES)
     return flash_forward, NT
 
 
-def flash_launch(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO, lse=None):
-    """(kernel, grid, block, args) of flash(): launch() takes them, or Prepared."""
+def feature_args(feat, nk: int, ftype, lens_like) -> tuple:
+    """The Numba kernels' feature arguments (kv_group, lens, seq_rows, bottom_right,
+    wl, wr, capl) of a launch.KernelFeatures (the softcap in the log2 domain's
+    units); lens_like stands in for lens where the kernel does not read it (feat
+    None: a plain call), and without key lengths lens is one length, nk, for every row."""
+    if feat is None:
+        return (1, lens_like, 1, False, -1, -1, ftype(0))
+    lens = feat.lens if feat.lens is not None else from_host(np.array([nk], np.int32))
+    return (feat.kv_group, lens, feat.seq_rows if feat.lens is not None else 1 << 62, bool(feat.bottom_right),
+            feat.window_left, feat.window_right, ftype(feat.softcap * LOG2E))
+
+
+def flash_launch(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO, lse=None,
+                 feat=None):
+    """(kernel, grid, block, args) of flash(): launch() takes them, or Prepared.
+    feat: a launch.KernelFeatures, or None (the plain kernel)."""
     batch, nq, d = q.shape
     dp, dvp = flash_padded_dims(block_k, d, v.shape[2], micro)
-    kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro, lse is not None)
+    kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro, lse is not None, feat is not None)
     # without lse the kernel never reads its lse argument: out stands in for it
     return (kernel, (-(-nq // block_q), batch), threads,
             (q, k, v, out, out if lse is None else lse, nq, k.shape[1], d, v.shape[2], q.dtype.type(scale * LOG2E),
-             bool(causal)))
+             bool(causal), *feature_args(feat, k.shape[1], q.dtype.type, out)))
 
 
-def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO, lse=None) -> None:
+def flash(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO, lse=None,
+          feat=None) -> None:
     """out = softmax(q k^T * scale) v on GpuArrays (batch, n, d) (cuda_arrays);
     lse: None, or a GpuArray (batch, nq) of out's dtype to fill with each row's
-    natural-log log-sum-exp of the scaled, masked scores."""
-    kernel, grid, block, args = flash_launch(q, k, v, out, causal, scale, block_q, block_k, micro, lse)
+    natural-log log-sum-exp of the scaled, masked scores; feat: a
+    launch.KernelFeatures or None."""
+    kernel, grid, block, args = flash_launch(q, k, v, out, causal, scale, block_q, block_k, micro, lse, feat)
     launch(kernel, grid, block, *args)
