@@ -60,13 +60,14 @@ SMALL = [(64, 32, 4, 3), (32, 32, 2, 3), (64, 64, 4, 2)]
 LARGE_16BIT = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
 LARGE_32BIT = [(64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 2)]
 CONFIGS = list(dict.fromkeys(SMALL + LARGE_16BIT + LARGE_32BIT))
-# the backward's (BLOCK_M, BLOCK_N, num_warps, num_stages): dQ programs hold a tall query block and
-# stream narrow key blocks, dK/dV programs the reverse (their accumulators are dK and dV: two
-# BLOCK_N x D tiles); head sizes above 64 and float32 take smaller tiles (registers)
-DQ_CONFIGS = {"small": [(64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
+# the backward's (BLOCK_M, BLOCK_N, num_warps, num_stages): dQ programs hold a query block and
+# stream key blocks, dK/dV programs the reverse (their accumulators are dK and dV: two BLOCK_N x D
+# tiles); head sizes above 64 and float32 take smaller tiles. Chosen among those that compile for
+# sm_90 with no or few register spills (cuobjdump -res-usage, bfloat16, D = 64 and 128)
+DQ_CONFIGS = {"small": [(64, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3)],
               "large": [(64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 2)]}
-DKDV_CONFIGS = {"small": [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3)],
-                "large": [(32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 4, 2)]}
+DKDV_CONFIGS = {"small": [(32, 64, 8, 3), (64, 64, 8, 3), (16, 64, 4, 3)],
+                "large": [(32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 8, 2)]}
 
 
 def _prune(configs, named_args, **kwargs):
@@ -122,6 +123,29 @@ def _length(LENS, bh, nk, ROWS_PER_SEQ, HAS_LENS: tl.constexpr):
         return tl.load(LENS + bh // ROWS_PER_SEQ).to(tl.int32)
     else:
         return nk
+
+
+@triton.jit
+def _tile(base, rows, row_ok, cols, n, N: tl.constexpr, EVEN: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """(pointers or offsets from base, mask) of a tile of rows `rows` (row_ok: those inside the
+    array) and columns `cols` of a C-contiguous array with n columns (N: n rounded up to a power
+    of two; EVEN: n == N, which drops the column mask and makes the row stride a constant), as
+    (rows, cols) or TRANSPOSED (cols, rows)."""
+    if EVEN:
+        stride = N
+    else:
+        stride = n
+    if TRANSPOSED:
+        ptrs = base + rows[None, :] * stride + cols[:, None]
+        mask = row_ok[None, :]
+        if not EVEN:
+            mask = mask & (cols[:, None] < n)
+    else:
+        ptrs = base + rows[:, None] * stride + cols[None, :]
+        mask = row_ok[:, None]
+        if not EVEN:
+            mask = mask & (cols[None, :] < n)
+    return ptrs, mask
 
 
 @triton.jit
@@ -225,7 +249,9 @@ def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_ou
     # Q, O: (batch, nq, d|dv) rows; K, V: (batch / GROUP, nk, d|dv); LSE: (batch, nq); all C-contiguous
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    bh_kv = bh // GROUP if GROUP_GT1 else bh
+    bh_kv = bh
+    if GROUP_GT1:
+        bh_kv = bh // GROUP
     bh64, bh_kv64 = bh.to(tl.int64), bh_kv.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -275,25 +301,26 @@ def flash_backward_dq(Q, K, V, O, DO, LSE, DQ, DELTA, LSE2, LENS, nq, nk, d, dv,
                       left, right, bottom_right, ROWS_PER_SEQ, GROUP, N_BUCKET_Q, N_BUCKET_K, LSE_ROUNDING,
                       HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
                       HAS_RIGHT: tl.constexpr, HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr,
-                      GROUP_GT1: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      GROUP_GT1: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+                      EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # dQ of one query block; DELTA, LSE2 (batch, nq) float32: rowsum(dO O) and the lse in the log2
     # domain (corrected within LSE_ROUNDING |lse|; +inf for rows that see no key) for the dK/dV kernel
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    bh_kv = bh // GROUP if GROUP_GT1 else bh
+    bh_kv = bh
+    if GROUP_GT1:
+        bh_kv = bh // GROUP
     bh64, bh_kv64 = bh.to(tl.int64), bh_kv.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_e = tl.arange(0, HEAD_DV)
     row_ok = offs_m < nq
-    qmask = row_ok[:, None] & (offs_d[None, :] < d)
-    omask = row_ok[:, None] & (offs_e[None, :] < dv)
-    q = tl.load(Q + bh64 * nq * d + offs_m[:, None] * d + offs_d[None, :], mask=qmask, other=0.0)
-    o_off = bh64 * nq * dv + offs_m[:, None] * dv + offs_e[None, :]
-    do = tl.load(DO + o_off, mask=omask, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * tl.load(O + o_off, mask=omask, other=0.0).to(tl.float32), 1)
+    q_ptrs, qmask = _tile(bh64 * nq * d, offs_m, row_ok, offs_d, d, HEAD_DIM, EVEN_D, False)  # offsets
+    q = tl.load(Q + q_ptrs, mask=qmask, other=0.0)
+    o_ptrs, omask = _tile(bh64 * nq * dv, offs_m, row_ok, offs_e, dv, HEAD_DV, EVEN_DV, False)
+    do = tl.load(DO + o_ptrs, mask=omask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * tl.load(O + o_ptrs, mask=omask, other=0.0).to(tl.float32), 1)
     lse = tl.load(LSE + bh64 * nq + offs_m, mask=row_ok, other=float("inf")).to(tl.float32)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no key seen: every P is 0
     lse2 = lse * 1.4426950408889634
@@ -308,15 +335,15 @@ def flash_backward_dq(Q, K, V, O, DO, LSE, DQ, DELTA, LSE2, LENS, nq, nk, d, dv,
     for start_n in range(lo, a, BLOCK_N):
         acc, l_i = _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
                              nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True, HAS_LEFT,
-                             HAS_RIGHT, SOFTCAP, PRECISION)
+                             HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM, HEAD_DV, EVEN_D, EVEN_DV)
     for start_n in range(a, b, BLOCK_N):
         acc, l_i = _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
                              nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, False, HAS_LEFT,
-                             HAS_RIGHT, SOFTCAP, PRECISION)
+                             HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM, HEAD_DV, EVEN_D, EVEN_DV)
     for start_n in range(b, hi, BLOCK_N):
         acc, l_i = _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
                              nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True, HAS_LEFT,
-                             HAS_RIGHT, SOFTCAP, PRECISION)
+                             HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM, HEAD_DV, EVEN_D, EVEN_DV)
 
     # the saved lse, corrected by ln(sum_j P_j) within its dtype's rounding: P, and so dQ, scale by
     # exp(-correction)
@@ -324,7 +351,7 @@ def flash_backward_dq(Q, K, V, O, DO, LSE, DQ, DELTA, LSE2, LENS, nq, nk, d, dv,
     bound = tl.where(lse == float("inf"), 0.0, tl.abs(lse2) * LSE_ROUNDING + 1e-6)
     fix = tl.minimum(tl.maximum(fix, -bound), bound)
     acc = acc * (tl.math.exp2(-fix) * scale)[:, None]
-    tl.store(DQ + bh64 * nq * d + offs_m[:, None] * d + offs_d[None, :], acc.to(DQ.dtype.element_ty), mask=qmask)
+    tl.store(DQ + q_ptrs, acc.to(DQ.dtype.element_ty), mask=qmask)
     tl.store(DELTA + bh64 * nq + offs_m, delta, mask=row_ok)
     tl.store(LSE2 + bh64 * nq + offs_m, lse2 + fix, mask=row_ok)
 
@@ -332,14 +359,15 @@ def flash_backward_dq(Q, K, V, O, DO, LSE, DQ, DELTA, LSE2, LENS, nq, nk, d, dv,
 @triton.jit
 def _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e, nk, d, dv,
               qk_scale, cap_in, cap_out, length, off, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-              HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+              HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+              HEAD_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr):
     """One K/V block's share of dQ (unscaled) and of each row's sum of P."""
     keys = start_n + offs_n
     key_ok = keys < nk
-    kt = tl.load(k_base + keys[None, :] * d + offs_d[:, None], mask=key_ok[None, :] & (offs_d[:, None] < d),
-                 other=0.0)
-    vt = tl.load(v_base + keys[None, :] * dv + offs_e[:, None], mask=key_ok[None, :] & (offs_e[:, None] < dv),
-                 other=0.0)
+    kt_ptrs, kt_mask = _tile(k_base, keys, key_ok, offs_d, d, HEAD_DIM, EVEN_D, True)
+    kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0)
+    vt_ptrs, vt_mask = _tile(v_base, keys, key_ok, offs_e, dv, HEAD_DV, EVEN_DV, True)
+    vt = tl.load(vt_ptrs, mask=vt_mask, other=0.0)
     s, t = _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
@@ -360,8 +388,8 @@ def flash_backward_dkdv(Q, K, V, DO, DELTA, LSE2, DK, DV, LENS, nq, nk, d, dv, s
                         left, right, bottom_right, ROWS_PER_SEQ, GROUP, N_BUCKET_Q, N_BUCKET_K,
                         HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
                         HAS_RIGHT: tl.constexpr, HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr,
-                        GROUP_GT1: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        GROUP_GT1: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+                        EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # dK, dV of one block of BLOCK_N keys of k/v head bh_kv, summed over the GROUP query heads
     # that read it and, for each, over the query blocks that see any of its keys
     start_n = tl.program_id(0) * BLOCK_N
@@ -372,10 +400,10 @@ def flash_backward_dkdv(Q, K, V, DO, DELTA, LSE2, DK, DV, LENS, nq, nk, d, dv, s
     offs_d = tl.arange(0, HEAD_DIM)
     offs_e = tl.arange(0, HEAD_DV)
     key_ok = offs_n < nk
-    kmask = key_ok[:, None] & (offs_d[None, :] < d)
-    vmask = key_ok[:, None] & (offs_e[None, :] < dv)
-    k = tl.load(K + bh_kv64 * nk * d + offs_n[:, None] * d + offs_d[None, :], mask=kmask, other=0.0)
-    v = tl.load(V + bh_kv64 * nk * dv + offs_n[:, None] * dv + offs_e[None, :], mask=vmask, other=0.0)
+    k_ptrs, kmask = _tile(bh_kv64 * nk * d, offs_n, key_ok, offs_d, d, HEAD_DIM, EVEN_D, False)
+    v_ptrs, vmask = _tile(bh_kv64 * nk * dv, offs_n, key_ok, offs_e, dv, HEAD_DV, EVEN_DV, False)
+    k = tl.load(K + k_ptrs, mask=kmask, other=0.0)
+    v = tl.load(V + v_ptrs, mask=vmask, other=0.0)
     length = _length(LENS, bh_kv * GROUP, nk, ROWS_PER_SEQ, HAS_LENS)
     off = (length - nq) * bottom_right
 
@@ -412,32 +440,35 @@ def flash_backward_dkdv(Q, K, V, DO, DELTA, LSE2, DK, DV, LENS, nq, nk, d, dv, s
         for start_m in range(lo, a, BLOCK_M):
             dk, dv_acc = _dkdv_block(dk, dv_acc, k, v, q_base, do_base, DELTA + row_base, LSE2 + row_base, start_m,
                                      offs_m, offs_n, offs_d, offs_e, nq, d, dv, qk_scale, cap_in, cap_out, length,
-                                     off, left, right, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION)
+                                     off, left, right, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM,
+                                     HEAD_DV, EVEN_D, EVEN_DV)
         for start_m in range(a, b, BLOCK_M):
             dk, dv_acc = _dkdv_block(dk, dv_acc, k, v, q_base, do_base, DELTA + row_base, LSE2 + row_base, start_m,
                                      offs_m, offs_n, offs_d, offs_e, nq, d, dv, qk_scale, cap_in, cap_out, length,
-                                     off, left, right, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION)
+                                     off, left, right, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM,
+                                     HEAD_DV, EVEN_D, EVEN_DV)
         for start_m in range(b, hi, BLOCK_M):
             dk, dv_acc = _dkdv_block(dk, dv_acc, k, v, q_base, do_base, DELTA + row_base, LSE2 + row_base, start_m,
                                      offs_m, offs_n, offs_d, offs_e, nq, d, dv, qk_scale, cap_in, cap_out, length,
-                                     off, left, right, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION)
+                                     off, left, right, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM,
+                                     HEAD_DV, EVEN_D, EVEN_DV)
     dk = dk * scale
-    tl.store(DK + bh_kv64 * nk * d + offs_n[:, None] * d + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
-    tl.store(DV + bh_kv64 * nk * dv + offs_n[:, None] * dv + offs_e[None, :], dv_acc.to(DV.dtype.element_ty),
-             mask=vmask)
+    tl.store(DK + k_ptrs, dk.to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + v_ptrs, dv_acc.to(DV.dtype.element_ty), mask=vmask)
 
 
 @triton.jit
 def _dkdv_block(dk, dv_acc, k, v, q_base, do_base, delta_base, lse2_base, start_m, offs_m, offs_n, offs_d, offs_e,
                 nq, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, MASKED: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr):
     """One query block's share of dK (unscaled) and dV, from P^T and dS^T (keys x queries)."""
     rows = start_m + offs_m
     row_ok = rows < nq
-    qt = tl.load(q_base + rows[None, :] * d + offs_d[:, None], mask=row_ok[None, :] & (offs_d[:, None] < d),
-                 other=0.0)
-    do = tl.load(do_base + rows[:, None] * dv + offs_e[None, :], mask=row_ok[:, None] & (offs_e[None, :] < dv),
-                 other=0.0)
+    qt_ptrs, qt_mask = _tile(q_base, rows, row_ok, offs_d, d, HEAD_DIM, EVEN_D, True)
+    qt = tl.load(qt_ptrs, mask=qt_mask, other=0.0)
+    do_ptrs, do_mask = _tile(do_base, rows, row_ok, offs_e, dv, HEAD_DV, EVEN_DV, False)
+    do = tl.load(do_ptrs, mask=do_mask, other=0.0)
     lse2 = tl.load(lse2_base + rows, mask=row_ok, other=float("inf"))  # rows past nq: P = 0
     delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
     st, t = _scores(k, qt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -520,6 +551,7 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv_, lens, delta, lse2, bat
     delta, lse2: (batch, nq) float32 scratch on the GPU."""
     scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
     scalars["scale"] = scale
+    switches.update(EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
     rest = [scalars[n] for n in _BACKWARD_SCALARS]
     lens = q if lens is None else lens
     rounding = LSE_ROUNDING[dtype_name]  # lse has the inputs' dtype
