@@ -260,11 +260,11 @@ def _mask(q_shape, nk, causal, feats) -> np.ndarray:
     masks = []
     for n in lengths:
         off = n - nq if causal == "bottom_right" else 0
-        seen = j < n
+        seen = np.broadcast_to(j < n, (nq, nk))
         if right is not None:
-            seen &= j <= i + off + right
+            seen = seen & (j <= i + off + right)
         if left is not None:
-            seen &= j >= i + off - left
+            seen = seen & (j >= i + off - left)
         masks.append(seen)
     return np.stack(masks)[:, None]
 

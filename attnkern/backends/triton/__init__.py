@@ -1,13 +1,15 @@
-"""The triton backend: triton.flash, a FlashAttention-2 forward written in
-Triton (flash.py), float16, bfloat16 and float32, causal or not, with its
-log-sum-exp. It runs on an NVIDIA GPU where Triton and torch (whose CUDA
+"""The triton backend: triton.flash, a FlashAttention-2 forward and backward
+written in Triton (flash.py), float16, bfloat16 and float32, causal or not, with
+its log-sum-exp and every feature of _registry.FEATURES (forward and backward).
+It runs on an NVIDIA GPU where Triton and torch (whose CUDA
 context and streams Triton uses) are installed: `pip install 'attnkern[triton]'`.
 Triton is imported on first use.
 
 It takes GPU arrays as attention() hands them to cuda.* kernels (GpuArrays over
 torch CUDA tensors, CuPy arrays, ...; see backends/cuda/arrays.py), and NumPy
 arrays, which are copied to the GPU through torch and back. Triton launches on
-torch's current stream."""
+torch's current stream; the prepared launches of _torch_cuda's fast path
+(prepared) on the legacy default stream, as cuda.flash's."""
 
 from __future__ import annotations
 
@@ -198,11 +200,12 @@ register(
     Kernel(
         name="triton.flash",
         description="Triton: FlashAttention-2 forward, Q K^T and P V on tensor cores (float32: 3xTF32, or exact "
-                    "float32 products), online softmax in float32, autotuned block sizes",
+                    "float32 products), online softmax in float32, autotuned block sizes, every feature; "
+                    "deterministic backward in two (dQ per query block, dK/dV per key block)",
         run=_run,
         params=(Param("tensor_cores", 1, 0, 1, "float32: 1 computes the products on tensor cores in 3xTF32 "
                       "(Triton's input_precision 'tf32x3': about float32 FMAs' accuracy); 0 in exact float32 "
-                      "('ieee')", choices=(0, 1)),),
+                      "('ieee'); forward and backward", choices=(0, 1)),),
         unavailable_reason=_unavailable,
         device="cuda",
         returns_lse=True,
