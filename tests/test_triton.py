@@ -59,21 +59,23 @@ gpu = pytest.mark.skipif(SIMULATED or not attnkern.kernel_info("triton.flash")["
 
 @pytest.fixture(autouse=True)
 def one_triton_config():
-    """One config for triton.flash: the autotuner would compile and time three per
-    new key (head size, mask, dtype, size bucket), minutes over these shapes; the
-    kernel's logic is the same for every config (the GPU benchmark autotunes)."""
+    """One config per kernel and kind of problem: the first that triton.flash's own pruning keeps
+    (the autotuner would compile and time three per new key: head size, mask, features, dtype,
+    size bucket; minutes over these shapes). The kernels' logic is the same for every config
+    (the GPU benchmark autotunes)."""
     if SIMULATED or not attnkern.kernel_info("triton.flash")["available"]:
         yield
         return
     from attnkern.backends.triton import flash
 
     tuned = (flash.flash_forward, flash.flash_backward_dq, flash.flash_backward_dkdv)
-    before = [fn.configs for fn in tuned]
-    for fn, configs in zip(tuned, before):
-        fn.configs = [c for c in configs if c.kwargs["BLOCK_M"] == 64 and c.kwargs["BLOCK_N"] == 32][:1] or configs[:1]
+    before = [fn.early_config_prune for fn in tuned]
+    for fn, prune in zip(tuned, before):
+        fn.early_config_prune = lambda configs, named_args, prune=prune, **kwargs: prune(configs, named_args,
+                                                                                         **kwargs)[:1]
     yield
-    for fn, configs in zip(tuned, before):
-        fn.configs = configs
+    for fn, prune in zip(tuned, before):
+        fn.early_config_prune = prune
 
 
 def _inputs(torch, dtype, lead, nq, nk, d, dv, seed):
