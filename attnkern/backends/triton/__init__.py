@@ -149,19 +149,21 @@ def prepared(call, resolved: dict, with_lse: bool):
     kernel, args, grid = flash.launch(q, k, v, outs[0], lses[0], None, batch, batch_kv, nq, nk, d, dv, call.causal,
                                       call.scale, call.q.dtype.name, resolved["tensor_cores"])
     constexprs = set(getattr(flash.flash_forward.fn, "constexprs", ()))
-    # Triton 3.2 and later pass every argument to the launcher, earlier ones only the non-constexpr ones
+    ptrs = [x.data_ptr() for x in (q, k, v, outs[1], lses[1]) if x is not None]
+    # recent Tritons pass every argument to the launcher, older ones (3.0, 3.1) only the non-constexpr
+    # ones; a launcher that refuses the arguments raises TypeError before launching anything
     for tail in (tuple(args[6:]), tuple(a for i, a in enumerate(args) if i >= 6 and i not in constexprs)):
         go = _launcher(kernel, grid, tail)
         outs[1].fill_(float("nan"))
-        ptrs = [x.data_ptr() for x in (q, k, v, outs[1], lses[1]) if x is not None]
+        torch.cuda.synchronize(q.device)
         try:
-            torch.cuda.synchronize(q.device)
             go(*ptrs)
-            torch.cuda.synchronize(q.device)
-        except Exception:  # noqa: BLE001 - another Triton's launcher: the general path runs these calls
+        except TypeError:
             continue
+        torch.cuda.synchronize(q.device)
         if torch.equal(outs[0], outs[1]) and (not with_lse or torch.equal(lses[0], lses[1])):
             return go, _aligned
+        return None
     return None
 
 
