@@ -1,6 +1,7 @@
 """The triton backend: triton.flash, a FlashAttention-2 forward and backward
 written in Triton (flash.py), float16, bfloat16 and float32, causal or not, with
-its log-sum-exp and every feature of _registry.FEATURES (forward and backward).
+its log-sum-exp and the features gqa, bottom_right, window, key_lengths and
+softcap (forward and backward; masks, dropout and ALiBi are refused).
 It runs on an NVIDIA GPU where Triton and torch (whose CUDA
 context and streams Triton uses) are installed: `pip install 'attnkern[triton]'`.
 Triton is imported on first use.
@@ -18,7 +19,7 @@ import importlib.util
 
 import numpy as np
 
-from ..._registry import ALL_FEATURES, Kernel, Param, register
+from ..._registry import Kernel, Param, register
 
 
 @functools.cache
@@ -202,8 +203,9 @@ register(
     Kernel(
         name="triton.flash",
         description="Triton: FlashAttention-2 forward, Q K^T and P V on tensor cores (float32: 3xTF32, or exact "
-                    "float32 products), online softmax in float32, autotuned block sizes, every feature; "
-                    "deterministic backward in two (dQ per query block, dK/dV per key block)",
+                    "float32 products), online softmax in float32, autotuned block sizes; GQA, bottom-right, "
+                    "window, key lengths, softcap; deterministic backward in two (dQ per query block, dK/dV per "
+                    "key block)",
         run=_run,
         params=(Param("tensor_cores", 1, 0, 1, "float32: 1 computes the products on tensor cores in 3xTF32 "
                       "(Triton's input_precision 'tf32x3': about float32 FMAs' accuracy); 0 in exact float32 "
@@ -214,6 +216,7 @@ register(
         backward=_backward,
         backward_dtypes=("float32", "float16", "bfloat16"),
         dtypes=("float32", "float16", "bfloat16"),
-        features=ALL_FEATURES,
+        # masks, dropout, ALiBi and packed varlen are not in the kernels: refused (varlen runs per sequence)
+        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap"}),
     )
 )
