@@ -97,10 +97,12 @@ def backward(q, k, v, out, dout, lse, *, call, chosen, resolved):
     if call.device:
         from . import _gpu
 
-        inputs = [_gpu.as_device_array(x, "grad", None).reshape(*s) for x, s in zip(arrays, shapes)]
+        # as_array: torch tensors read directly (bfloat16 too, which the array interface lacks)
+        inputs = [_gpu.as_array(x, "grad").reshape(*s) for x, s in zip(arrays, shapes)]
         grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
-        gviews = [_gpu.as_device_array(g, "grad", None).reshape(*s) for g, s in zip(grads, shapes[:3])]
-        chosen.backward(*inputs, call.causal, call.scale, dq=gviews[0], dk=gviews[1], dv=gviews[2], **resolved)
+        gviews = [_gpu.as_array(g, "grad").reshape(*s) for g, s in zip(grads, shapes[:3])]
+        chosen.backward(*inputs, call.causal, call.scale, dq=gviews[0], dk=gviews[1], dv=gviews[2],
+                        **call.feature_args(), **resolved)
         return tuple(grads)
     inputs = [np.ascontiguousarray(x).reshape(s) for x, s in zip(arrays, shapes)]
     dq, dk, dv_ = chosen.backward(*inputs, call.causal, call.scale, **call.feature_args(), **resolved)

@@ -1,5 +1,6 @@
 """The frontend's fast path for device-resident torch tensors, beside the other
-frontends (not in a backend): attention() on torch CUDA tensors for cuda.flash,
+frontends (not in a backend): attention() on torch CUDA tensors for cuda.flash
+and triton.flash,
 with the Python work per call cut to what changes between calls of one shape:
 the addresses.
 
@@ -134,11 +135,17 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
 def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
     from .backends.cuda import launch, prepared_flash
 
-    if call.empty or chosen.name != "cuda.flash" or call.needs:  # features (GQA here) take the general path
+    # featured calls (GQA: k/v with fewer rows) take the general path
+    if call.empty or chosen.name not in ("cuda.flash", "triton.flash") or call.needs:
         return _Plan()
     (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
-    prepared = prepared_flash(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
-                              resolved["block_q"], resolved["block_k"], resolved["tensor_cores"], with_lse)
+    if chosen.name == "triton.flash":
+        from .backends.triton import prepared as prepared_triton
+
+        prepared = prepared_triton(call, resolved, with_lse)
+    else:
+        prepared = prepared_flash(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
+                                  resolved["block_q"], resolved["block_k"], resolved["tensor_cores"], with_lse)
     sizes = (call.q.size, call.k.size, call.v.size, math.prod(call.out_shape))
     scan = launch.FiniteScan.prepare(call.q.dtype, sizes) if check else None
     if prepared is None or (check and scan is None):

@@ -19,21 +19,29 @@ order 0.1.
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
+
+import importlib.util
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import attnkern
-from attnkern_bench.accuracy import kernel_tolerance, lse_error, lse_tolerance, reference_lse, scaled_error
+from attnkern_bench.accuracy import (UNIT_ROUNDOFF, conditioning, dtype_name, gradient_error, kernel_tolerance,
+                                     lse_error, lse_tolerance, reference_lse, scaled_error, tolerance)
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
 def test_registered_with_its_dtypes():
     info = attnkern.kernel_info("triton.flash")
-    assert info["device"] == "cuda" and info["returns_lse"] and not info["backward"]
-    assert info["dtypes"] == ["float32", "float16", "bfloat16"]
+    assert info["device"] == "cuda" and info["returns_lse"] and info["backward"]
+    assert info["dtypes"] == info["backward_dtypes"] == ["float32", "float16", "bfloat16"]
+    every = ["gqa", "bottom_right", "window", "key_lengths", "softcap"]
+    assert info["features"] == info["backward_features"] == every
     assert set(attnkern.kernel_info("cuda.flash")["dtypes"]) >= {"float16", "bfloat16"}
     assert info["available"] == (info["reason"] is None)
     if not info["available"]:  # it says why, and a call says the same instead of running
@@ -51,18 +59,23 @@ gpu = pytest.mark.skipif(SIMULATED or not attnkern.kernel_info("triton.flash")["
 
 @pytest.fixture(autouse=True)
 def one_triton_config():
-    """One config for triton.flash: the autotuner would compile and time three per
-    new key (head size, mask, dtype, size bucket), minutes over these shapes; the
-    kernel's logic is the same for every config (the GPU benchmark autotunes)."""
+    """One config per kernel and kind of problem: the first that triton.flash's own pruning keeps
+    (the autotuner would compile and time three per new key: head size, mask, features, dtype,
+    size bucket; minutes over these shapes). The kernels' logic is the same for every config
+    (the GPU benchmark autotunes)."""
     if SIMULATED or not attnkern.kernel_info("triton.flash")["available"]:
         yield
         return
     from attnkern.backends.triton import flash
 
-    before = flash.flash_forward.configs
-    flash.flash_forward.configs = [c for c in before if c.kwargs["BLOCK_M"] == 64 and c.kwargs["BLOCK_N"] == 32][:1]
+    tuned = (flash.flash_forward, flash.flash_backward_dq, flash.flash_backward_dkdv)
+    before = [fn.early_config_prune for fn in tuned]
+    for fn, prune in zip(tuned, before):
+        fn.early_config_prune = lambda configs, named_args, prune=prune, **kwargs: prune(configs, named_args,
+                                                                                         **kwargs)[:1]
     yield
-    flash.flash_forward.configs = before
+    for fn, prune in zip(tuned, before):
+        fn.early_config_prune = prune
 
 
 def _inputs(torch, dtype, lead, nq, nk, d, dv, seed):
@@ -208,3 +221,161 @@ def test_numpy_half_inputs_are_copied_there_and_back():
             assert isinstance(out, np.ndarray) and out.dtype == dtype
             err = scaled_error(out, q, k, v, causal=True)
             assert err <= kernel_tolerance(kernel, dtype), (kernel, np.dtype(dtype).name, err)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+                    reason="needs Triton and torch (Triton's interpreter runs the kernels on the CPU)")
+def test_kernels_in_triton_interpreter():
+    """Forward and backward with every feature, run by Triton's interpreter on the CPU
+    (tests/triton_interpreted.py): float32 within 2^7 u, float16 within 4u, of float64."""
+    script = Path(__file__).with_name("triton_interpreted.py")
+    run = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _torch_in_dtype(q, k, v, dout, causal, scale, feats):
+    """The gradients of a plain torch attention computed in the inputs' dtype (FlashAttention's
+    yardstick: its error against float64 sets the bound), with the features as an explicit mask."""
+    import torch
+
+    qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    group = q.shape[-3] // k.shape[-3]
+    kk, vv = (x.repeat_interleave(group, dim=-3) for x in (kd, vd))
+    s = (qd @ kk.transpose(-1, -2)) * scale
+    if feats.get("softcap"):
+        s = feats["softcap"] * torch.tanh(s / feats["softcap"])
+    mask = torch.from_numpy(_mask(q.shape, k.shape[-2], causal, feats)).to(q.device)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    (p @ vv).backward(dout)
+    return qd.grad, kd.grad, vd.grad
+
+
+def _mask(q_shape, nk, causal, feats) -> np.ndarray:
+    """(B, 1, nq, nk): query i sees key j (FlashAttention's rule: j < len, and with the diagonal
+    at i + off, off = len - nq bottom-right else 0, j <= i + off + right, j >= i + off - left)."""
+    b, nq = q_shape[0], q_shape[-2]
+    lengths = np.asarray(feats.get("key_lengths", [nk] * b))
+    left, right = feats.get("window", (None, None))
+    right = 0 if causal else right
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    masks = []
+    for n in lengths:
+        off = n - nq if causal == "bottom_right" else 0
+        seen = np.broadcast_to(j < n, (nq, nk))
+        if right is not None:
+            seen = seen & (j <= i + off + right)
+        if left is not None:
+            seen = seen & (j >= i + off - left)
+        masks.append(seen)
+    return np.stack(masks)[:, None]
+
+
+def check_gradients(grads, q, k, v, dout, causal, scale, feats, where):
+    """triton.flash's (dq, dk, dv) against float64: within FlashAttention's rule (at most twice the
+    error of torch in the same dtype, plus two roundings of the largest gradient) and, for
+    float32, within the one table's bound (gradient_error, tolerance)."""
+    host = [_host(x) for x in (q, k, v, dout)]
+    refs = attnkern.reference_backward(*host, causal=causal, scale=scale, **feats)
+    theirs = _torch_in_dtype(q, k, v, dout, causal, scale, feats)
+    u = UNIT_ROUNDOFF[dtype_name(q.dtype)]
+    for name, grad, torch_grad, ref in zip(("dq", "dk", "dv"), grads, theirs, refs):
+        assert grad.shape == torch_grad.shape and grad.dtype == q.dtype, (name, where)
+        err = np.abs(_host(grad) - ref).max()
+        torch_err = np.abs(_host(torch_grad) - ref).max()
+        # float32: the table's bound as the margin (torch's float32 error may be far below it)
+        atol = (tolerance(np.float32) if q.dtype.itemsize == 4 else 2 * u) * max(1.0, np.abs(ref).max())
+        assert err <= 2 * torch_err + atol, \
+            f"{name} {where}: error {err:.3g} > 2 x torch's {torch_err:.3g} + {atol:.3g}"
+        if q.dtype.itemsize == 4:
+            err = gradient_error(_host(grad), ref, host[0], host[1], scale)
+            assert err <= tolerance(np.float32), f"{name} {where}: scaled error {err:.3g}"
+
+
+# (lead, H_kv, nq, nk, d, dv): a long one, partial blocks, nq != nk, D not a power of two, Dv != D, D = 128
+BACKWARD_SHAPES = [((1, 2), 2, 1030, 1030, 64, 64), ((1, 2), 2, 45, 130, 20, 12), ((2, 2), 2, 200, 33, 128, 128)]
+
+
+@gpu
+@pytest.mark.parametrize("dtype, tensor_cores", [("float32", 1), ("float16", 1), ("bfloat16", 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_backward_matches_reference(dtype, tensor_cores, causal):
+    """attention_backward on torch CUDA tensors, and torch autograd through attention: the same
+    gradients (bit for bit: deterministic, no atomics), within FlashAttention's rule."""
+    import torch
+
+    for i, (lead, _, nq, nk, d, dv) in enumerate(BACKWARD_SHAPES):
+        q, k, v = _inputs(torch, dtype, lead, nq, nk, d, dv, 300 + i)
+        dout = _inputs(torch, dtype, lead, nq, nk, dv, dv, 400 + i)[0]
+        scale = 0.8 / d ** 0.5
+        out, lse = attnkern.attention(q, k, v, causal=causal, scale=scale, kernel="triton.flash", return_lse=True,
+                                      tensor_cores=tensor_cores)
+        grads = attnkern.attention_backward(q, k, v, out, dout, lse, causal=causal, scale=scale,
+                                            kernel="triton.flash", tensor_cores=tensor_cores)
+        check_gradients(grads, q, k, v, dout, causal, scale, {}, (dtype, lead, nq, nk, d, dv))
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        attnkern.attention(*leaves, causal=causal, scale=scale, kernel="triton.flash",
+                           tensor_cores=tensor_cores).backward(dout)
+        for leaf, grad in zip(leaves, grads):
+            assert torch.equal(leaf.grad, grad)
+
+
+# (lead of q, H_kv, nq, nk, d, causal, features)
+FEATURE_CASES = [((2, 4), 2, 100, 100, 64, False, {}),
+                 ((2, 4), 1, 70, 150, 64, "bottom_right", {}),
+                 ((2, 2), 2, 150, 150, 64, False, {"window": (40, 10)}),
+                 ((2, 2), 2, 130, 130, 64, True, {"window": (33, None), "key_lengths": [0, 97]}),
+                 ((2, 4), 2, 90, 120, 128, "bottom_right", {"key_lengths": [120, 61], "softcap": 10.0}),
+                 ((1, 2), 2, 80, 80, 64, False, {"softcap": 3.0})]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_features_match_reference(dtype):
+    """GQA (k/v with fewer heads), bottom-right causal, windows, key lengths (one sequence with
+    none: rows that see no key give 0 and lse -inf), softcap: forward against float64 within the
+    table's bound, backward within FlashAttention's rule."""
+    import torch
+
+    for i, (lead, h_kv, nq, nk, d, causal, feats) in enumerate(FEATURE_CASES):
+        q = _inputs(torch, dtype, lead, nq, nq, d, d, 500 + i)[0]
+        _, k, v = _inputs(torch, dtype, (lead[0], h_kv), nq, nk, d, d, 600 + i)
+        dout = _inputs(torch, dtype, lead, nq, nq, d, d, 700 + i)[0]
+        scale = 1 / d ** 0.5
+        out, lse = attnkern.attention(q, k, v, causal=causal, kernel="triton.flash", return_lse=True, **feats)
+        host = [_host(x) for x in (q, k, v)]
+        ref, ref_lse = attnkern.reference(*host, causal=causal, return_lse=True, **feats)
+        err = np.abs(_host(out) - ref).max() / (max(1.0, np.abs(host[2]).max()) * conditioning(host[0], host[1]))
+        assert err <= kernel_tolerance("triton.flash", q.dtype), (i, err)
+        seen = np.isfinite(ref_lse)
+        assert np.isneginf(_host(lse)[~seen]).all() and lse_error(_host(lse)[seen], ref_lse[seen]) <= \
+            lse_tolerance(dtype), i
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        attnkern.attention(*leaves, causal=causal, kernel="triton.flash", **feats).backward(dout)
+        check_gradients([x.grad for x in leaves], q, k, v, dout, causal, scale, feats, (dtype, i))
+
+
+@gpu
+def test_triton_fast_path_matches_general_path():
+    """Repeated calls on torch CUDA tensors take the prepared launch (_torch_cuda) and give what
+    the general path gives, bit for bit, with and without the lse and the NaN check."""
+    import torch
+
+    from attnkern import _torch_cuda
+
+    for dtype in ("bfloat16", "float32"):
+        q, k, v = _inputs(torch, dtype, (1, 8), 16, 16, 64, 64, 800)
+        for return_lse, check_finite in ((False, True), (True, False)):
+            _torch_cuda.FAST_PATH = False
+            try:
+                want = attnkern.attention(q, k, v, causal=True, kernel="triton.flash", return_lse=return_lse,
+                                          check_finite=check_finite)
+            finally:
+                _torch_cuda.FAST_PATH = True
+            for _ in range(3):  # the first call plans, the next ones launch the plan
+                got = attnkern.attention(q, k, v, causal=True, kernel="triton.flash", return_lse=return_lse,
+                                         check_finite=check_finite)
+                for a, b in zip(*(x if return_lse else (x,) for x in (want, got))):
+                    assert torch.equal(a, b)
+        plans = [p for key, p in _torch_cuda._LOCAL.plans.items() if key[9] == "triton.flash"]
+        assert plans and all(p.launch is not None for p in plans)

@@ -1,13 +1,16 @@
-"""The triton backend: triton.flash, a FlashAttention-2 forward written in
-Triton (flash.py), float16, bfloat16 and float32, causal or not, with its
-log-sum-exp. It runs on an NVIDIA GPU where Triton and torch (whose CUDA
+"""The triton backend: triton.flash, a FlashAttention-2 forward and backward
+written in Triton (flash.py), float16, bfloat16 and float32, causal or not, with
+its log-sum-exp and the features gqa, bottom_right, window, key_lengths and
+softcap (forward and backward; masks, dropout and ALiBi are refused).
+It runs on an NVIDIA GPU where Triton and torch (whose CUDA
 context and streams Triton uses) are installed: `pip install 'attnkern[triton]'`.
 Triton is imported on first use.
 
 It takes GPU arrays as attention() hands them to cuda.* kernels (GpuArrays over
 torch CUDA tensors, CuPy arrays, ...; see backends/cuda/arrays.py), and NumPy
 arrays, which are copied to the GPU through torch and back. Triton launches on
-torch's current stream."""
+torch's current stream; the prepared launches of _torch_cuda's fast path
+(prepared) on the legacy default stream, as cuda.flash's."""
 
 from __future__ import annotations
 
@@ -59,28 +62,127 @@ def _torch_dtype(torch, dtype):
     return getattr(torch, np.dtype(dtype).name)
 
 
-def _run(q, k, v, causal, scale, tensor_cores=1, out=None, lse=None):
-    """out (batch, nq, dv) = attention of (batch, n, d) arrays: GpuArrays (out, and
-    lse (batch, nq) when given, are GpuArrays to fill) or NumPy arrays (copied
-    to the GPU; the result is returned as a NumPy array, lse filled in place).
+def _lens(features, device):
+    """The key lengths as an int64 torch tensor on device, or None where there are none."""
+    if features is None or features.key_lengths is None:
+        return None
+    import torch
+
+    return torch.from_numpy(features.key_lengths).to(device)
+
+
+def _run(q, k, v, causal, scale, tensor_cores=1, out=None, lse=None, features=None):
+    """out (batch, nq, dv) = attention of (batch, n, d) q and (batch / kv_group, n, d) k, v:
+    GpuArrays (out, and lse (batch, nq) when given, are GpuArrays to fill) or NumPy arrays
+    (copied to the GPU; the result is returned as a NumPy array, lse filled in place).
     float32 products: 3xTF32 on tensor cores with tensor_cores, else exact float32."""
     from . import flash
 
-    batch, nq, d = q.shape
-    nk, dv = k.shape[1], v.shape[2]
+    (batch, nq, d), (batch_kv, nk, dv) = q.shape, v.shape
+    shape = (batch, batch_kv, nq, nk, d, dv, causal, scale, q.dtype.name, tensor_cores, features)
     if isinstance(q, np.ndarray):
         import torch
 
         tq, tk, tv = (_host_to_torch(torch, x) for x in (q, k, v))
         tout = torch.empty((batch, nq, dv), dtype=tq.dtype, device=tq.device)
         tlse = torch.empty((batch, nq), dtype=tq.dtype, device=tq.device) if lse is not None else None
-        flash.launch(tq, tk, tv, tout, tlse, batch, nq, nk, d, dv, causal, scale, q.dtype.name, tensor_cores)
+        flash.launch(tq, tk, tv, tout, tlse, _lens(features, tq.device), *shape)
         if tlse is not None:
             lse[...] = _torch_to_host(tlse, lse.dtype)
         return _torch_to_host(tout, q.dtype)
-    flash.launch(_arg(q), _arg(k), _arg(v), _arg(out), None if lse is None else _arg(lse), batch, nq, nk, d, dv,
-                 causal, scale, q.dtype.name, tensor_cores)
+    tq = _arg(q)
+    flash.launch(tq, _arg(k), _arg(v), _arg(out), None if lse is None else _arg(lse), _lens(features, _device(tq)),
+                 *shape)
     return out
+
+
+def _backward(q, k, v, out, dout, lse, causal, scale, tensor_cores=1, dq=None, dk=None, dv=None, features=None):
+    """(dq, dk, dv) of attention (as _run) given its out, lse and the output's gradient dout:
+    GpuArrays (dq, dk, dv are GpuArrays to fill, and are returned) or NumPy arrays (copied
+    to the GPU and back)."""
+    import torch
+
+    from . import flash
+
+    (batch, nq, d), (batch_kv, nk, dv_) = q.shape, v.shape
+    shape = (batch, batch_kv, nq, nk, d, dv_, causal, scale, q.dtype.name, tensor_cores, features)
+    host = isinstance(q, np.ndarray)
+    if host:
+        arrays = [_host_to_torch(torch, x) for x in (q, k, v, out, dout, lse)]
+        grads = [torch.empty_like(x) for x in arrays[:3]]
+    else:
+        arrays = [_arg(x) for x in (q, k, v, out, dout, lse)]
+        grads = [_arg(x) for x in (dq, dk, dv)]
+    device = _device(arrays[0])
+    scratch = torch.empty((2, batch, nq), dtype=torch.float32, device=device)  # delta and the float32 lse
+    flash.launch_backward(*arrays, *grads, _lens(features, device), scratch[0], scratch[1], *shape)
+    if host:
+        return tuple(_torch_to_host(g, q.dtype) for g in grads)
+    return dq, dk, dv
+
+
+def _device(x):
+    """The torch device of a Triton argument: a tensor's own, else torch's current CUDA device."""
+    import torch
+
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cuda", torch.cuda.current_device())
+
+
+def prepared(call, resolved: dict, with_lse: bool):
+    """A launch of triton.flash prepared for calls of this validated call's shape on torch CUDA
+    tensors (the fast path of _torch_cuda): (launch(q, k, v, out[, lse]) on the tensors'
+    addresses, aligned(*addresses)), or None where there is none (a call with features).
+    The compiled kernel, its grid and arguments are fixed here, so that a call costs one
+    launch through Triton's C launcher on the legacy default stream (the stream of
+    cuda.flash's launches and of the NaN scan), not Triton's Python dispatch and the
+    autotuner's. The launch is checked once against Triton's own dispatch (bit-identical
+    output and lse): a Triton whose launcher takes other arguments gets no fast path."""
+    if call.needs:
+        return None
+    import torch
+
+    from . import flash
+
+    (batch, nq, d), (batch_kv, nk, dv) = call.q.shape, call.v.shape
+    q, k, v = (x.owner for x in (call.q, call.k, call.v))
+    outs = [torch.empty((batch, nq, dv), dtype=q.dtype, device=q.device) for _ in range(2)]
+    lses = [torch.empty((batch, nq), dtype=q.dtype, device=q.device) if with_lse else None for _ in range(2)]
+    kernel, args, grid = flash.launch(q, k, v, outs[0], lses[0], None, batch, batch_kv, nq, nk, d, dv, call.causal,
+                                      call.scale, call.q.dtype.name, resolved["tensor_cores"])
+    constexprs = set(getattr(flash.flash_forward.fn, "constexprs", ()))
+    ptrs = [x.data_ptr() for x in (q, k, v, outs[1], lses[1]) if x is not None]
+    # recent Tritons pass every argument to the launcher, older ones (3.0, 3.1) only the non-constexpr
+    # ones; a launcher that refuses the arguments raises TypeError before launching anything
+    for tail in (tuple(args[6:]), tuple(a for i, a in enumerate(args) if i >= 6 and i not in constexprs)):
+        go = _launcher(kernel, grid, tail)
+        outs[1].fill_(float("nan"))
+        torch.cuda.synchronize(q.device)
+        try:
+            go(*ptrs)
+        except TypeError:
+            continue
+        torch.cuda.synchronize(q.device)
+        if torch.equal(outs[0], outs[1]) and (not with_lse or torch.equal(lses[0], lses[1])):
+            return go, _aligned
+        return None
+    return None
+
+
+def _launcher(kernel, grid, tail):
+    run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+    gx, gy = grid[0], grid[1]
+
+    def go(q, k, v, out, lse=None):
+        # the key lengths' pointer (unused without them) is q's, as when the kernel was compiled
+        run(gx, gy, 1, 0, function, metadata, None, None, None, q, k, v, out, out if lse is None else lse, q, *tail)
+
+    return go
+
+
+def _aligned(*ptrs) -> bool:
+    """Whether every address is 16-byte aligned, as Triton assumed when it compiled the kernel
+    for the first call's tensors (torch's allocations are)."""
+    return not any(p & 15 for p in ptrs)
 
 
 def _host_to_torch(torch, x: np.ndarray):
@@ -101,14 +203,20 @@ register(
     Kernel(
         name="triton.flash",
         description="Triton: FlashAttention-2 forward, Q K^T and P V on tensor cores (float32: 3xTF32, or exact "
-                    "float32 products), online softmax in float32, autotuned block sizes",
+                    "float32 products), online softmax in float32, autotuned block sizes; GQA, bottom-right, "
+                    "window, key lengths, softcap; deterministic backward in two (dQ per query block, dK/dV per "
+                    "key block)",
         run=_run,
         params=(Param("tensor_cores", 1, 0, 1, "float32: 1 computes the products on tensor cores in 3xTF32 "
                       "(Triton's input_precision 'tf32x3': about float32 FMAs' accuracy); 0 in exact float32 "
-                      "('ieee')", choices=(0, 1)),),
+                      "('ieee'); forward and backward", choices=(0, 1)),),
         unavailable_reason=_unavailable,
         device="cuda",
         returns_lse=True,
+        backward=_backward,
+        backward_dtypes=("float32", "float16", "bfloat16"),
         dtypes=("float32", "float16", "bfloat16"),
+        # masks, dropout, ALiBi and packed varlen are not in the kernels: refused (varlen runs per sequence)
+        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap"}),
     )
 )

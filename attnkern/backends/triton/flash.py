@@ -1,25 +1,46 @@
-"""triton.flash: the FlashAttention-2 forward written in Triton.
+"""triton.flash: FlashAttention-2 forward and backward written in Triton.
 
-One program per (block of BLOCK_M queries, head). It loads its Q block once,
-then streams K/V blocks of BLOCK_N keys: S = Q K^T on tensor cores (float16 and
-bfloat16 inputs; float32 inputs by default in 3xTF32, input_precision "tf32x3":
-each operand split into two TF32 parts and three products summed, about as
-accurate as float32 FMAs, or in exact float32 products, "ieee"; plain TF32 never
-enters), an online softmax in float32 in the log2 domain
-(Q K^T is scaled by scale * log2(e) and exp2 is used), the row maximum and sum
+Forward (flash_forward). One program per (block of BLOCK_M queries, head). It
+loads its Q block once, then streams K/V blocks of BLOCK_N keys: S = Q K^T on
+tensor cores (float16 and bfloat16 inputs; float32 inputs by default in 3xTF32,
+input_precision "tf32x3": each operand split into two TF32 parts and three
+products summed, about as accurate as float32 FMAs, or in exact float32
+products, "ieee"; plain TF32 never enters), an online softmax in float32 in the
+log2 domain (scores scaled by scale * log2(e), exp2), the row maximum and sum
 kept per query row, and O += P V with P cast to the input dtype for the second
 matmul, accumulated in float32. The output is divided by the row sum once at the
 end, and with WITH_LSE each row's natural-log log-sum-exp is written too.
 
-The key loop has two stages so that the common case carries no masks: keys
-[0, full_end) are visible to every row of the block and inside nk (no bounds or
-causal checks), keys [full_end, end) are masked (the causal diagonal and the
-partial last block). Causal blocks stop at the diagonal (top-left aligned: query
-i sees keys j <= i, as torch's is_causal).
+The features (attnkern's Features) are compile-time switches, so that a plain
+call carries none of their code: grouped k/v heads (query row block bh reads k/v
+head bh // GROUP, no copy); key lengths (keys j >= the sequence's length are
+hidden; LENS holds one per sequence of ROWS_PER_SEQ query heads); the diagonal
+offset of the causal and window masks (bottom-right: length - nq); a causal mask
+or a window's right side (j <= i + off + right: causal is right = 0), a window's
+left side (j >= i + off - left); a softcap c (S = c tanh(R / c)). A row that sees
+no key gets 0 and lse -inf.
+
+Each program's key loop has three stages so that the blocks inside every row's
+visible range carry no masks: [lo, a) and [b, hi) are masked (the window's and
+the diagonal's edges, the partial last block), [a, b) is not (_key_range).
+
+Backward, in two kernels, deterministic (no atomics), as the Triton tutorial's
+fused attention: flash_backward_dq, one program per query block, recomputes P
+from the saved lse and writes dQ, and for the second kernel delta = rowsum(dO O)
+and the lse in float32 (below); flash_backward_dkdv, one program per key block
+and k/v head, recomputes P^T block by block over the query blocks of every
+query head that shares the k/v head (grouped-query attention sums there), and
+writes dK and dV. The saved lse may have been rounded to float16 or bfloat16,
+which would scale each recomputed row of P by up to exp(u |lse|), far beyond the
+gradients' bounds. The dQ kernel therefore also sums each row's recomputed P
+(one more reduction, no more products) and corrects the lse by the log of that
+sum, but only by up to the rounding the lse's dtype allows (u |lse|, plus a
+float32 margin): an lse that is exact stays as it is, so out and lse of whole
+rows of which k, v hold a block (ring attention) still give that block's share.
 
 Block sizes, warps and pipeline stages are chosen by triton.autotune per head
-size, mask, dtype and power-of-two bucket of the sequence lengths, among the
-three configs chosen by the kind of problem (_prune).
+size, mask, features, dtype and power-of-two bucket of the sequence lengths,
+among the configs chosen by the kind of problem (_prune).
 """
 
 from __future__ import annotations
@@ -30,6 +51,7 @@ import triton
 import triton.language as tl
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner, three per kind of problem so
 # that a new key compiles and times three configs: short sequences (a bucket of at most 512) get short
 # query blocks, which still fill the GPU's multiprocessors; long ones tall blocks (fewer K/V reloads),
@@ -38,16 +60,44 @@ SMALL = [(64, 32, 4, 3), (32, 32, 2, 3), (64, 64, 4, 2)]
 LARGE_16BIT = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
 LARGE_32BIT = [(64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 2)]
 CONFIGS = list(dict.fromkeys(SMALL + LARGE_16BIT + LARGE_32BIT))
+# the backward's (BLOCK_M, BLOCK_N, num_warps, num_stages): dQ programs hold a query block and
+# stream key blocks, dK/dV programs the reverse (their accumulators are dK and dV: two BLOCK_N x D
+# tiles); head sizes above 64 and float32 take smaller tiles. Chosen among those that compile for
+# sm_90 with no or few register spills (cuobjdump -res-usage, bfloat16, D = 64 and 128)
+DQ_CONFIGS = {"small": [(64, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3)],
+              "large": [(64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 2)]}
+DKDV_CONFIGS = {"small": [(32, 64, 8, 3), (64, 64, 8, 3), (16, 64, 4, 3)],
+                "large": [(32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 8, 2)]}
 
 
 def _prune(configs, named_args, **kwargs):
     """The configs of this kind of problem (SMALL, LARGE_16BIT or LARGE_32BIT)."""
+    named_args = {**named_args, **kwargs}
     itemsize = named_args["Q"].element_size()
     bucket = max(named_args["N_BUCKET_Q"], named_args["N_BUCKET_K"])
     group = SMALL if bucket <= 512 else LARGE_32BIT if itemsize == 4 else LARGE_16BIT
-    wanted = set(group)
+    return _kept(configs, group)
+
+
+def _kept(configs, wanted):
+    wanted = set(wanted)
     kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
     return kept or configs[:1]
+
+
+def _backward_kind(named_args, kwargs) -> str:
+    """"small" tiles for 16-bit inputs with head sizes up to 64, else "large" ones' smaller tiles."""
+    named_args = {**named_args, **kwargs}
+    big = named_args["Q"].element_size() == 4 or max(named_args["HEAD_DIM"], named_args["HEAD_DV"]) > 64
+    return "large" if big else "small"
+
+
+def _prune_dq(configs, named_args, **kwargs):
+    return _kept(configs, DQ_CONFIGS[_backward_kind(named_args, kwargs)])
+
+
+def _prune_dkdv(configs, named_args, **kwargs):
+    return _kept(configs, DKDV_CONFIGS[_backward_kind(named_args, kwargs)])
 
 
 def _bench(fn, quantiles=None):
@@ -55,10 +105,105 @@ def _bench(fn, quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
+def _configs(table):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in dict.fromkeys(table)]
+
+
+# what every kernel's autotuning key holds besides its own switches: the size buckets, head sizes,
+# the mask and the features
+_KEY = ["N_BUCKET_Q", "N_BUCKET_K", "HEAD_DIM", "HEAD_DV", "HAS_LEFT", "HAS_RIGHT", "HAS_LENS", "SOFTCAP",
+        "GROUP_GT1"]
+
+
+@triton.jit
+def _length(LENS, bh, nk, ROWS_PER_SEQ, HAS_LENS: tl.constexpr):
+    """The key length of query row block bh's sequence (nk without key lengths)."""
+    if HAS_LENS:
+        return tl.load(LENS + bh // ROWS_PER_SEQ).to(tl.int32)
+    else:
+        return nk
+
+
+@triton.jit
+def _tile(base, rows, row_ok, cols, n, N: tl.constexpr, EVEN: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """(pointers or offsets from base, mask) of a tile of rows `rows` (row_ok: those inside the
+    array) and columns `cols` of a C-contiguous array with n columns (N: n rounded up to a power
+    of two; EVEN: n == N, which drops the column mask and makes the row stride a constant), as
+    (rows, cols) or TRANSPOSED (cols, rows)."""
+    if EVEN:
+        stride = N
+    else:
+        stride = n
+    if TRANSPOSED:
+        ptrs = base + rows[None, :] * stride + cols[:, None]
+        mask = row_ok[None, :]
+        if not EVEN:
+            mask = mask & (cols[:, None] < n)
+    else:
+        ptrs = base + rows[:, None] * stride + cols[None, :]
+        mask = row_ok[:, None]
+        if not EVEN:
+            mask = mask & (cols[None, :] < n)
+    return ptrs, mask
+
+
+@triton.jit
+def _key_range(start_m, length, off, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """(lo, a, b, hi) for the query rows start_m + [0, BLOCK_M): the keys any row sees lie in
+    [lo, hi), those every row sees in [a, b) (a, b, lo multiples of BLOCK_N; lo <= a <= b <= hi
+    unless the range is empty). Values are kept >= 0 before integer division."""
+    lo = 0
+    hi = length
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + off - left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(start_m + BLOCK_M + off + right, 0))
+    a = lo
+    if HAS_LEFT:  # the last row's first key, rounded up
+        a = tl.maximum(start_m + BLOCK_M - 1 + off - left, lo)
+        a = ((a + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    b = length
+    if HAS_RIGHT:  # the first row's last key + 1
+        b = tl.minimum(b, tl.maximum(start_m + off + right + 1, 0))
+    b = (b // BLOCK_N) * BLOCK_N
+    hi_up = ((tl.maximum(hi, lo) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    a = tl.minimum(a, hi_up)
+    b = tl.maximum(b, a)
+    return lo, a, b, hi
+
+
+@triton.jit
+def _visible(rows, keys, length, off, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """(BLOCK_M, BLOCK_N): whether query row i sees key j."""
+    seen = keys[None, :] < length
+    if HAS_RIGHT:
+        seen = seen & (keys[None, :] <= rows[:, None] + off + right)
+    if HAS_LEFT:
+        seen = seen & (keys[None, :] >= rows[:, None] + off - left)
+    return seen
+
+
+@triton.jit
+def _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores in the log2 domain, and tanh(R / c) with a softcap (else 0.0): without a cap
+    R log2(e) = (q.k) qk_scale; with one, c tanh(R / c) log2(e) = cap_out tanh((q.k) cap_in)."""
+    dot = tl.dot(q, kt, input_precision=PRECISION)
+    if SOFTCAP:
+        # tanh x = 1 - 2 / (e^(2x) + 1): exact at both ends (e^(2x) overflowing to inf gives 1)
+        t = 1.0 - 2.0 / (tl.math.exp2(dot * cap_in) + 1.0)
+        return t * cap_out, t
+    else:
+        return dot * qk_scale, 0.0
+
+
 @triton.jit
 def _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e, nk, d, dv, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  cap_in, cap_out, length, off, left, right,
+                  MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr):
     """One K/V block of keys start_n + offs_n folded into the running (acc, l_i, m_i)."""
     keys = start_n + offs_n
     kt_ptrs = k_base + keys[None, :] * d + offs_d[:, None]  # K^T: (HEAD_DIM, BLOCK_N)
@@ -75,72 +220,269 @@ def _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, off
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=offs_e[None, :] < dv, other=0.0)
-    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+    s, _ = _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)
     if MASKED:
-        visible = keys[None, :] < nk
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= offs_m[:, None])
-        s = tl.where(visible, s, float("-inf"))
-    # every row has a visible key in the first block it sees, so m_new is finite
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+        s = tl.where(_visible(offs_m, keys, length, off, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+        # a row may see no key of this block, nor of any before: keep exp2's arguments finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new
 
 
-@triton.autotune(
-    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in CONFIGS],
-    key=["N_BUCKET_Q", "N_BUCKET_K", "HEAD_DIM", "HEAD_DV", "CAUSAL", "WITH_LSE"],
-    prune_configs_by={"early_config_prune": _prune},
-    do_bench=_bench,
-)
+@triton.autotune(configs=_configs(CONFIGS), key=_KEY + ["WITH_LSE"],
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)
 @triton.jit
-def flash_forward(Q, K, V, O, LSE, nq, nk, d, dv, qk_scale, N_BUCKET_Q, N_BUCKET_K,
-                  HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, CAUSAL: tl.constexpr, WITH_LSE: tl.constexpr,
+def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_out, left, right, bottom_right,
+                  ROWS_PER_SEQ, GROUP, N_BUCKET_Q, N_BUCKET_K,
+                  HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr, GROUP_GT1: tl.constexpr, WITH_LSE: tl.constexpr,
                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, O: (batch, nq, d|dv) rows; K, V: (batch, nk, d|dv); LSE: (batch, nq); all C-contiguous
+    # Q, O: (batch, nq, d|dv) rows; K, V: (batch / GROUP, nk, d|dv); LSE: (batch, nq); all C-contiguous
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(1)
+    bh_kv = bh
+    if GROUP_GT1:
+        bh_kv = bh // GROUP
+    bh64, bh_kv64 = bh.to(tl.int64), bh_kv.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_e = tl.arange(0, HEAD_DV)
-    q_base = Q + bh * nq * d
-    k_base = K + bh * nk * d
-    v_base = V + bh * nk * dv
+    q_base = Q + bh64 * nq * d
+    k_base = K + bh_kv64 * nk * d
+    v_base = V + bh_kv64 * nk * dv
     row_ok = offs_m < nq
     q = tl.load(q_base + offs_m[:, None] * d + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < d),
                 other=0.0)
+    length = _length(LENS, bh, nk, ROWS_PER_SEQ, HAS_LENS)
+    off = (length - nq) * bottom_right  # the diagonal: row i's own key is i + off
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DV], tl.float32)
-    if CAUSAL:
-        end = tl.minimum(nk, start_m + BLOCK_M)
-        full_end = tl.minimum(start_m, nk)  # keys before the block's first row: visible to all its rows
-    else:
-        end = nk
-        full_end = nk
-    full_end = (full_end // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
+    lo, a, b, hi = _key_range(start_m, length, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for start_n in range(lo, a, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
-                                      nk, d, dv, qk_scale, False, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
-    for start_n in range(full_end, end, BLOCK_N):
+                                      nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True,
+                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
+    for start_n in range(a, b, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
-                                      nk, d, dv, qk_scale, True, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
+                                      nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, False,
+                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
+    for start_n in range(b, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
+                                      nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True,
+                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
 
-    out = acc / l_i[:, None]
-    o_base = O + bh * nq * dv
+    empty = l_i == 0.0  # rows that see no key: out 0, lse -inf
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o_base = O + bh64 * nq * dv
     tl.store(o_base + offs_m[:, None] * dv + offs_e[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_e[None, :] < dv))
     if WITH_LSE:
-        # m_i and log2(l_i) are in the log2 domain: lse = ln(sum_j exp(scale q.k_j)) = (m + log2 l) ln 2
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-        tl.store(LSE + bh * nq + offs_m, lse.to(LSE.dtype.element_ty), mask=row_ok)
+        # m_i and log2(l_i) are in the log2 domain: lse = ln(sum_j exp(S_j)) = (m + log2 l) ln 2
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        tl.store(LSE + bh64 * nq + offs_m, lse.to(LSE.dtype.element_ty), mask=row_ok)
+
+
+@triton.autotune(configs=_configs(DQ_CONFIGS["small"] + DQ_CONFIGS["large"]), key=_KEY + ["LSE_ROUNDING"],
+                 prune_configs_by={"early_config_prune": _prune_dq}, do_bench=_bench)
+@triton.jit
+def flash_backward_dq(Q, K, V, O, DO, LSE, DQ, DELTA, LSE2, LENS, nq, nk, d, dv, scale, qk_scale, cap_in, cap_out,
+                      left, right, bottom_right, ROWS_PER_SEQ, GROUP, N_BUCKET_Q, N_BUCKET_K, LSE_ROUNDING,
+                      HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
+                      HAS_RIGHT: tl.constexpr, HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr,
+                      GROUP_GT1: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+                      EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # dQ of one query block; DELTA, LSE2 (batch, nq) float32: rowsum(dO O) and the lse in the log2
+    # domain (corrected within LSE_ROUNDING |lse|; +inf for rows that see no key) for the dK/dV kernel
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    bh_kv = bh
+    if GROUP_GT1:
+        bh_kv = bh // GROUP
+    bh64, bh_kv64 = bh.to(tl.int64), bh_kv.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_e = tl.arange(0, HEAD_DV)
+    row_ok = offs_m < nq
+    q_ptrs, qmask = _tile(bh64 * nq * d, offs_m, row_ok, offs_d, d, HEAD_DIM, EVEN_D, False)  # offsets
+    q = tl.load(Q + q_ptrs, mask=qmask, other=0.0)
+    o_ptrs, omask = _tile(bh64 * nq * dv, offs_m, row_ok, offs_e, dv, HEAD_DV, EVEN_DV, False)
+    do = tl.load(DO + o_ptrs, mask=omask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * tl.load(O + o_ptrs, mask=omask, other=0.0).to(tl.float32), 1)
+    lse = tl.load(LSE + bh64 * nq + offs_m, mask=row_ok, other=float("inf")).to(tl.float32)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no key seen: every P is 0
+    lse2 = lse * 1.4426950408889634
+    k_base = K + bh_kv64 * nk * d
+    v_base = V + bh_kv64 * nk * dv
+    length = _length(LENS, bh, nk, ROWS_PER_SEQ, HAS_LENS)
+    off = (length - nq) * bottom_right
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    lo, a, b, hi = _key_range(start_m, length, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for start_n in range(lo, a, BLOCK_N):
+        acc, l_i = _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
+                             nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True, HAS_LEFT,
+                             HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM, HEAD_DV, EVEN_D, EVEN_DV)
+    for start_n in range(a, b, BLOCK_N):
+        acc, l_i = _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
+                             nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, False, HAS_LEFT,
+                             HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM, HEAD_DV, EVEN_D, EVEN_DV)
+    for start_n in range(b, hi, BLOCK_N):
+        acc, l_i = _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
+                             nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True, HAS_LEFT,
+                             HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM, HEAD_DV, EVEN_D, EVEN_DV)
+
+    # the saved lse, corrected by ln(sum_j P_j) within its dtype's rounding: P, and so dQ, scale by
+    # exp(-correction)
+    fix = tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0))
+    bound = tl.where(lse == float("inf"), 0.0, tl.abs(lse2) * LSE_ROUNDING + 1e-6)
+    fix = tl.minimum(tl.maximum(fix, -bound), bound)
+    acc = acc * (tl.math.exp2(-fix) * scale)[:, None]
+    tl.store(DQ + q_ptrs, acc.to(DQ.dtype.element_ty), mask=qmask)
+    tl.store(DELTA + bh64 * nq + offs_m, delta, mask=row_ok)
+    tl.store(LSE2 + bh64 * nq + offs_m, lse2 + fix, mask=row_ok)
+
+
+@triton.jit
+def _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e, nk, d, dv,
+              qk_scale, cap_in, cap_out, length, off, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr,
+              HEAD_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr):
+    """One K/V block's share of dQ (unscaled) and of each row's sum of P."""
+    keys = start_n + offs_n
+    key_ok = keys < nk
+    kt_ptrs, kt_mask = _tile(k_base, keys, key_ok, offs_d, d, HEAD_DIM, EVEN_D, True)
+    kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0)
+    vt_ptrs, vt_mask = _tile(v_base, keys, key_ok, offs_e, dv, HEAD_DV, EVEN_DV, True)
+    vt = tl.load(vt_ptrs, mask=vt_mask, other=0.0)
+    s, t = _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(_visible(offs_m, keys, length, off, left, right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+    l_i += tl.sum(p, 1)
+    dp = tl.dot(do, vt, input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    acc = tl.dot(ds.to(q.dtype), tl.trans(kt), acc, input_precision=PRECISION)
+    return acc, l_i
+
+
+@triton.autotune(configs=_configs(DKDV_CONFIGS["small"] + DKDV_CONFIGS["large"]), key=_KEY,
+                 prune_configs_by={"early_config_prune": _prune_dkdv}, do_bench=_bench)
+@triton.jit
+def flash_backward_dkdv(Q, K, V, DO, DELTA, LSE2, DK, DV, LENS, nq, nk, d, dv, scale, qk_scale, cap_in, cap_out,
+                        left, right, bottom_right, ROWS_PER_SEQ, GROUP, N_BUCKET_Q, N_BUCKET_K,
+                        HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
+                        HAS_RIGHT: tl.constexpr, HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr,
+                        GROUP_GT1: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+                        EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # dK, dV of one block of BLOCK_N keys of k/v head bh_kv, summed over the GROUP query heads
+    # that read it and, for each, over the query blocks that see any of its keys
+    start_n = tl.program_id(0) * BLOCK_N
+    bh_kv = tl.program_id(1)
+    bh_kv64 = bh_kv.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_e = tl.arange(0, HEAD_DV)
+    key_ok = offs_n < nk
+    k_ptrs, kmask = _tile(bh_kv64 * nk * d, offs_n, key_ok, offs_d, d, HEAD_DIM, EVEN_D, False)
+    v_ptrs, vmask = _tile(bh_kv64 * nk * dv, offs_n, key_ok, offs_e, dv, HEAD_DV, EVEN_DV, False)
+    k = tl.load(K + k_ptrs, mask=kmask, other=0.0)
+    v = tl.load(V + v_ptrs, mask=vmask, other=0.0)
+    length = _length(LENS, bh_kv * GROUP, nk, ROWS_PER_SEQ, HAS_LENS)
+    off = (length - nq) * bottom_right
+
+    # the query rows that see any key of the block: i >= j - off - right, i <= j - off + left;
+    # all of its keys: those with the block below length, i >= last key - off - right, i <= first - off + left
+    lo = 0
+    hi = nq
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - off - right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(hi, tl.maximum(start_n + BLOCK_N - off + left, 0))
+    hi = tl.where(start_n < length, hi, lo)  # keys past the length: no rows
+    a = lo
+    if HAS_RIGHT:
+        a = tl.maximum(start_n + BLOCK_N - 1 - off - right, lo)
+        a = ((a + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    b = nq
+    if HAS_LEFT:
+        b = tl.minimum(b, tl.maximum(start_n - off + left + 1, 0))
+    b = (b // BLOCK_M) * BLOCK_M
+    b = tl.where(start_n + BLOCK_N <= length, b, 0)
+    hi_up = ((tl.maximum(hi, lo) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    a = tl.minimum(a, hi_up)
+    b = tl.maximum(b, a)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, HEAD_DV], tl.float32)
+    for g in range(0, GROUP):
+        bh64 = bh_kv64 * GROUP + g
+        q_base = Q + bh64 * nq * d
+        do_base = DO + bh64 * nq * dv
+        row_base = bh64 * nq
+        for start_m in range(lo, a, BLOCK_M):
+            dk, dv_acc = _dkdv_block(dk, dv_acc, k, v, q_base, do_base, DELTA + row_base, LSE2 + row_base, start_m,
+                                     offs_m, offs_n, offs_d, offs_e, nq, d, dv, qk_scale, cap_in, cap_out, length,
+                                     off, left, right, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM,
+                                     HEAD_DV, EVEN_D, EVEN_DV)
+        for start_m in range(a, b, BLOCK_M):
+            dk, dv_acc = _dkdv_block(dk, dv_acc, k, v, q_base, do_base, DELTA + row_base, LSE2 + row_base, start_m,
+                                     offs_m, offs_n, offs_d, offs_e, nq, d, dv, qk_scale, cap_in, cap_out, length,
+                                     off, left, right, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM,
+                                     HEAD_DV, EVEN_D, EVEN_DV)
+        for start_m in range(b, hi, BLOCK_M):
+            dk, dv_acc = _dkdv_block(dk, dv_acc, k, v, q_base, do_base, DELTA + row_base, LSE2 + row_base, start_m,
+                                     offs_m, offs_n, offs_d, offs_e, nq, d, dv, qk_scale, cap_in, cap_out, length,
+                                     off, left, right, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION, HEAD_DIM,
+                                     HEAD_DV, EVEN_D, EVEN_DV)
+    dk = dk * scale
+    tl.store(DK + k_ptrs, dk.to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + v_ptrs, dv_acc.to(DV.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def _dkdv_block(dk, dv_acc, k, v, q_base, do_base, delta_base, lse2_base, start_m, offs_m, offs_n, offs_d, offs_e,
+                nq, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, MASKED: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr):
+    """One query block's share of dK (unscaled) and dV, from P^T and dS^T (keys x queries)."""
+    rows = start_m + offs_m
+    row_ok = rows < nq
+    qt_ptrs, qt_mask = _tile(q_base, rows, row_ok, offs_d, d, HEAD_DIM, EVEN_D, True)
+    qt = tl.load(qt_ptrs, mask=qt_mask, other=0.0)
+    do_ptrs, do_mask = _tile(do_base, rows, row_ok, offs_e, dv, HEAD_DV, EVEN_DV, False)
+    do = tl.load(do_ptrs, mask=do_mask, other=0.0)
+    lse2 = tl.load(lse2_base + rows, mask=row_ok, other=float("inf"))  # rows past nq: P = 0
+    delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+    st, t = _scores(k, qt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)  # (BLOCK_N, BLOCK_M)
+    pt = tl.math.exp2(st - lse2[None, :])
+    if MASKED:
+        seen = tl.trans(_visible(rows, offs_n, length, off, left, right, HAS_LEFT, HAS_RIGHT))
+        pt = tl.where(seen, pt, 0.0)
+    dv_acc = tl.dot(pt.to(do.dtype), do, dv_acc, input_precision=PRECISION)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    dst = pt * (dpt - delta[None, :])
+    if SOFTCAP:
+        dst = dst * (1.0 - t * t)
+    dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
+    return dk, dv_acc
 
 
 def _bucket(n: int) -> int:
@@ -149,18 +491,71 @@ def _bucket(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
 
-def launch(q, k, v, out, lse, batch: int, nq: int, nk: int, d: int, dv: int, causal: bool, scale: float,
-           dtype_name: str, tensor_cores: int = 1) -> None:
-    """out (and lse, unless None) = the attention of (batch, n, d) arrays; q, k, v,
-    out, lse: torch tensors or objects with data_ptr() and a dtype Triton knows;
-    float32 products in 3xTF32 with tensor_cores, else exact."""
+def problem(batch: int, batch_kv: int, nq: int, nk: int, d: int, dv: int, causal: bool, scale: float, features,
+            dtype_name: str, tensor_cores: int) -> tuple[dict, dict]:
+    """(the kernels' runtime scalars, their compile-time switches) for a call; features: a
+    _registry.Features or None (plain)."""
+    left = right = -1
+    cap, align, lengths = 0.0, "top_left", None
+    if features is not None:
+        left, right, cap = features.window_left, features.window_right, features.softcap
+        align, lengths = features.align, features.key_lengths
+    if causal:
+        right = 0
+    group = batch // batch_kv
+    scalars = dict(nq=nq, nk=nk, d=d, dv=dv, qk_scale=scale * LOG2E,
+                   cap_in=2.0 * scale / cap * LOG2E if cap else 0.0, cap_out=cap * LOG2E,
+                   left=max(left, 0), right=max(right, 0), bottom_right=int(align == "bottom_right"),
+                   ROWS_PER_SEQ=batch // len(lengths) if lengths is not None else 1, GROUP=group,
+                   N_BUCKET_Q=_bucket(nq), N_BUCKET_K=_bucket(nk))
     hd, hdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
-    # 16-bit inputs ignore the precision; float32 never runs plain (one-pass) TF32
-    precision = ("tf32x3" if tensor_cores else "ieee") if dtype_name == "float32" else "tf32"
+    switches = dict(HEAD_DIM=hd, HEAD_DV=hdv, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_LENS=lengths is not None,
+                    SOFTCAP=cap > 0, GROUP_GT1=group > 1,
+                    # 16-bit inputs ignore the precision; float32 never runs plain (one-pass) TF32
+                    PRECISION=("tf32x3" if tensor_cores else "ieee") if dtype_name == "float32" else "tf32")
+    return scalars, switches
+
+
+_FORWARD_SCALARS = ("nq", "nk", "d", "dv", "qk_scale", "cap_in", "cap_out", "left", "right", "bottom_right",
+                    "ROWS_PER_SEQ", "GROUP", "N_BUCKET_Q", "N_BUCKET_K")
+_BACKWARD_SCALARS = ("nq", "nk", "d", "dv", "scale", "qk_scale", "cap_in", "cap_out", "left", "right",
+                     "bottom_right", "ROWS_PER_SEQ", "GROUP", "N_BUCKET_Q", "N_BUCKET_K")
+# the unit roundoff of the saved lse's dtype: how far the backward may correct it
+LSE_ROUNDING = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -23}
+
+
+def launch(q, k, v, out, lse, lens, batch: int, batch_kv: int, nq: int, nk: int, d: int, dv: int, causal: bool,
+           scale: float, dtype_name: str, tensor_cores: int = 1, features=None):
+    """out (and lse, unless None) = the attention of (batch, n, d) q and (batch_kv, n, d) k, v;
+    q, k, v, out, lse: torch tensors or objects with data_ptr() and a dtype Triton knows;
+    lens: the key lengths on the GPU (int64) where features has them, else None; float32
+    products in 3xTF32 with tensor_cores, else exact. Returns (the compiled kernel, its
+    arguments in the kernel's order, its grid) for prepared launches."""
+    scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
+    switches.update(WITH_LSE=lse is not None, EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
 
     def grid(meta):
         return (triton.cdiv(nq, meta["BLOCK_M"]), batch)
 
-    flash_forward[grid](q, k, v, out, out if lse is None else lse, nq, nk, d, dv, scale * LOG2E,
-                        _bucket(nq), _bucket(nk), HEAD_DIM=hd, HEAD_DV=hdv, CAUSAL=bool(causal),
-                        WITH_LSE=lse is not None, EVEN_D=hd == d, EVEN_DV=hdv == dv, PRECISION=precision)
+    pointers = (q, k, v, out, out if lse is None else lse, q if lens is None else lens)
+    kernel = flash_forward[grid](*pointers, *(scalars[n] for n in _FORWARD_SCALARS), **switches)
+    config = flash_forward.best_config
+    named = dict(zip(("Q", "K", "V", "O", "LSE", "LENS"), pointers), **scalars, **switches, **config.kwargs)
+    return kernel, [named[n] for n in flash_forward.fn.arg_names], grid(config.kwargs)
+
+
+def launch_backward(q, k, v, out, dout, lse, dq, dk, dv_, lens, delta, lse2, batch: int, batch_kv: int, nq: int,
+                    nk: int, d: int, dv: int, causal: bool, scale: float, dtype_name: str, tensor_cores: int = 1,
+                    features=None) -> None:
+    """dq, dk, dv_ of attention (launch's arguments) given out, its gradient dout and lse;
+    delta, lse2: (batch, nq) float32 scratch on the GPU."""
+    scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
+    scalars["scale"] = scale
+    switches.update(EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
+    rest = [scalars[n] for n in _BACKWARD_SCALARS]
+    lens = q if lens is None else lens
+    rounding = LSE_ROUNDING[dtype_name]  # lse has the inputs' dtype
+    flash_backward_dq[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), batch)](
+        q, k, v, out, dout, lse, dq, delta, lse2, lens, *rest, rounding, **switches)
+    flash_backward_dkdv[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), batch_kv)](
+        q, k, v, dout, delta, lse2, dk, dv_, lens, *rest, **switches)
