@@ -213,7 +213,7 @@ def summarize(data) -> str:
 # softmax reads it. The chain sits on the tile's critical path; its length sets
 # the slowdown, which a short pilot measures (see gpu_fmas_for_levels).
 GPU_INJECT_FILE = "attnkern/backends/cuda/flash_tf32.cu"
-GPU_INJECT_LINE = "        // masks only where the tile crosses nk or an mma tile's diagonal; s becomes P\n"
+GPU_INJECT_LINE = "        // masks only where the tile crosses a row's length, window or diagonal; s becomes P\n"
 GPU_REGEX = r"^cuda\.flash:float32:"
 GPU_PILOT_FMAS = (256,)
 
