@@ -403,9 +403,9 @@ def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False
     is present: ask for a cuda.* kernel to send them there. The first that takes
     the dtype and has what the call needs (the lse, a backward, the features)
     wins; if none does, the first available (choose() then says why)."""
-    def fits(k):
+    def fits(k):  # under autograd, its backward must take the dtype too
         return not k.not_supported_reasons(dtype=dtype, return_lse=return_lse, backward=backward,
-                                           features=features)
+                                           features=features) and (not backward or dtype in k.backward_dtypes)
 
     if device:  # cuda.flash, else triton.flash for a dtype cuda.flash does not take
         gpu = [k for k in map(_registry.get, ("cuda.flash", "triton.flash"))]

@@ -244,9 +244,6 @@ class Kernel:
             reasons.append(("lse", "cannot return the log-sum-exp"))
         if backward and self.backward is None:
             reasons.append(("backward", "has no backward pass"))
-        elif backward and dtype is not None and str(dtype) not in self.backward_dtypes:
-            reasons.append(("backward", f"its backward does not take {dtype} (it takes "
-                                        f"{', '.join(self.backward_dtypes)})"))
         missing = features - self.features
         if missing:
             reasons.append(("features", f"does not support {describe_features(missing)}"))
