@@ -982,175 +982,109 @@ static void ST(flash_block_feat)(const attn_problem *p, const TIN *q, const TIN 
 /* Flash-decoding (attn_decode_chunk): the query rows of one k/v row (its kv_group
  * heads times nq queries, contiguous in q, out and lse: row r is head r / nq, query
  * r % nq) form one block, so each K/V block is read from memory once for the whole
- * group and the register tiles' NR query lanes are filled by the group; the keys are
- * split into chunks, one work item per (k/v row, chunk), each leaving a partial
- * (O, m, l) that a second pass combines in chunk order. Each lane of a panel carries
- * its own mask: the keys [kmin, kmax) its span and key length let it see, its ALiBi
- * slope and its mask row. */
+ * group; the keys are split into chunks, one work item per (k/v row, chunk), each
+ * leaving a partial (O, m, l) that a second pass combines in chunk order.
+ * The products are query-major, as in tiled (S = Q K^T from packed Kt panels, O =
+ * O * alpha + P V from packed V panels): the keys fill the register tiles' vector
+ * lanes and the few query rows their MR rows, so a decode step costs about d FMAs per
+ * key and query row, not the NR-wide query panels of flash_block_t (mostly empty
+ * lanes for a handful of rows). Each row carries its own mask: the keys [kmin, kmax)
+ * its span and key length let it see, its ALiBi slope and its mask row. */
 typedef struct {
-    int64_t kmin[NR], kmax[NR];  /* lane c sees keys kmin[c] <= j < kmax[c] */
-    int64_t lo, hi;              /* keys in [lo, hi) are seen by every real lane */
-    int64_t first, last;         /* the keys some real lane sees: [first, last) */
-    int64_t ipos[NR], mrow[NR];  /* ALiBi's query position i + len - nq; the mask's row offset */
-    T slope[NR];                 /* ALiBi slope times log2(e) */
-    int64_t ncols;               /* real lanes (the last panel may have fewer than NR) */
-} ST(dlanes);
+    int64_t kmin[ATTN_DECODE_MAX_ROWS], kmax[ATTN_DECODE_MAX_ROWS]; /* row r sees kmin[r] <= j < kmax[r] */
+    int64_t ipos[ATTN_DECODE_MAX_ROWS];  /* ALiBi's query position i + len - nq */
+    int64_t mrow[ATTN_DECODE_MAX_ROWS];  /* the mask's offset of the row */
+    T slope[ATTN_DECODE_MAX_ROWS];       /* ALiBi slope times log2(e) */
+    int64_t first, last;                 /* the keys some row sees: [first, last) */
+    int64_t klen;                        /* the longest key length of the rows */
+} ST(drows);
 
-/* The lanes of the panel of rows [r0, r0 + NR) of k/v row bkv (R rows in all). */
-static void ST(decode_lanes)(const attn_problem *p, int64_t bkv, int64_t r0, int64_t R, ST(dlanes) *ln)
+/* The rows of k/v row bkv (R of them). */
+static void ST(decode_rows)(const attn_problem *p, int64_t bkv, int64_t R, ST(drows) *dr)
 {
-    ln->ncols = R - r0 < NR ? R - r0 : NR;
-    ln->lo = 0;
-    ln->hi = INT64_MAX;
-    ln->first = INT64_MAX;
-    ln->last = 0;
-    for (int64_t c = 0; c < NR; c++) {
-        ln->kmin[c] = 0;  /* padding lanes see every key; they are never written */
-        ln->kmax[c] = INT64_MAX;
-        ln->ipos[c] = ln->mrow[c] = 0;
-        ln->slope[c] = 0;
-        if (c >= ln->ncols)
-            continue;
-        int64_t bh = bkv * p->kv_group + (r0 + c) / p->nq, i = (r0 + c) % p->nq;
+    dr->first = INT64_MAX;
+    dr->last = dr->klen = 0;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t bh = bkv * p->kv_group + r / p->nq, i = r % p->nq;
         attn_span sp = attn_span_of(p, bh);
-        ln->kmin[c] = attn_clamp(i + sp.lo, sp.len);
-        ln->kmax[c] = attn_clamp(i + sp.hi + 1, sp.len);
-        ln->ipos[c] = i + sp.len - p->nq;
-        ln->mrow[c] = p->mask ? attn_mask_base(p, bh) + i * p->mask_stride[2] : 0;
-        ln->slope[c] = p->alibi ? (T)(p->alibi[bh] * ATTN_LOG2E) : 0;
-        ln->lo = ln->kmin[c] > ln->lo ? ln->kmin[c] : ln->lo;
-        ln->hi = ln->kmax[c] < ln->hi ? ln->kmax[c] : ln->hi;
-        if (ln->kmin[c] < ln->kmax[c]) {
-            ln->first = ln->kmin[c] < ln->first ? ln->kmin[c] : ln->first;
-            ln->last = ln->kmax[c] > ln->last ? ln->kmax[c] : ln->last;
+        dr->kmin[r] = attn_clamp(i + sp.lo, sp.len);
+        dr->kmax[r] = attn_clamp(i + sp.hi + 1, sp.len);
+        dr->ipos[r] = i + sp.len - p->nq;
+        dr->mrow[r] = p->mask ? attn_mask_base(p, bh) + i * p->mask_stride[2] : 0;
+        dr->slope[r] = p->alibi ? (T)(p->alibi[bh] * ATTN_LOG2E) : 0;
+        dr->klen = sp.len > dr->klen ? sp.len : dr->klen;
+        if (dr->kmin[r] < dr->kmax[r]) {
+            dr->first = dr->kmin[r] < dr->first ? dr->kmin[r] : dr->first;
+            dr->last = dr->kmax[r] > dr->last ? dr->kmax[r] : dr->last;
         }
     }
 }
 
-/* One decode panel over the keys [j0, j0 + kv): flash_panel_t's steps with each
- * lane's own mask (a tile inside every lane's keys, with no softcap, ALiBi or
- * attention mask, takes the column max from the registers). */
-static void ST(decode_panel)(const attn_problem *p, const ST(dlanes) *ln, const T *kr, const T *vr, int64_t kv,
-                             int64_t d, int64_t dv, const T *qt, T *st, T *ot, T *m, T *l, T *alpha, int64_t j0,
-                             T cap2)
+/* The online softmax of row r over its scores sr[0:kb) of the keys [j0, j0 + kb)
+ * (padded to kb_pad): softcap, mask and ALiBi, the keys outside the row's to -inf,
+ * then the new max, the rescale factor (0 for a row with no key seen yet, exactly 1
+ * where the max stays) and the probabilities with their sum. */
+static void ST(decode_softmax)(const attn_problem *p, const ST(drows) *dr, int64_t r, T *sr, int64_t j0,
+                               int64_t kb, int64_t kb_pad, T cap2, T *m, T *l, T *alpha)
 {
-    T mx[NR], mnew[NR], msub[NR], e[NR];
-    for (int c = 0; c < NR; c++)
-        mx[c] = -INFINITY;
-    const int plain = cap2 == 0 && !p->mask && !p->alibi;
-    for (int64_t k0 = 0; k0 < kv; k0 += MR) {
-        int mr = (int)(kv - k0 < MR ? kv - k0 : MR);
-        int64_t j = j0 + k0;
-        int edge = j < ln->lo || j + mr > ln->hi;
-        int rows = edge || !plain;
-        ST(call_qk)(mr, d, kr + k0 * d, d, qt, st + k0 * NR, NR, rows ? NULL : mx);
-        for (int r = 0; rows && r < mr; r++) {
-            T *sr = st + (k0 + r) * NR;
-            int64_t jj = j + r;
-            if (cap2 != 0)
-                ST(softcap_row)(sr, NULL, NR, cap2);
-            for (int64_t c = 0; p->mask && c < ln->ncols; c++)
-                sr[c] += (T)attn_mask_log2(p, ln->mrow[c] + jj * p->mask_stride[3]);
-            for (int64_t c = 0; p->alibi && c < ln->ncols; c++)
-                sr[c] -= ln->slope[c] * (T)llabs(ln->ipos[c] - jj);
-            for (int c = 0; edge && c < NR; c++)
-                if (jj < ln->kmin[c] || jj >= ln->kmax[c])
-                    sr[c] = -INFINITY;
-            for (int c = 0; c < NR; c += VW)
-                V(storeu)(mx + c, V(max)(V(loadu)(mx + c), V(load)(sr + c)));
-        }
-    }
-    for (int c = 0; c < NR; c += VW) {
-        VT vnew = V(max)(V(loadu)(m + c), V(loadu)(mx + c));
-        V(storeu)(mnew + c, vnew);
-        V(storeu)(e + c, ST(vexp2)(V(sub)(V(loadu)(m + c), vnew)));
-    }
-    for (int c = 0; c < NR; c++) {
-        alpha[c] = m[c] == -INFINITY ? 0 : (m[c] == mnew[c] ? 1 : e[c]);
-        m[c] = mnew[c];
-        msub[c] = mnew[c] == -INFINITY ? 0 : mnew[c];
-    }
-    VT m0 = V(loadu)(msub), m1 = V(loadu)(msub + VW), s0 = V(zero)(), s1 = V(zero)();
-    for (int64_t k = 0; k < kv; k++) {
-        T *sr = st + k * NR;
-        VT p0 = ST(vexp2)(V(sub)(V(load)(sr), m0)), p1 = ST(vexp2)(V(sub)(V(load)(sr + VW), m1));
-        V(store)(sr, p0);
-        V(store)(sr + VW, p1);
-        s0 = V(add)(s0, p0);
-        s1 = V(add)(s1, p1);
-    }
-    V(storeu)(l, V(fma)(V(loadu)(l), V(loadu)(alpha), s0));
-    V(storeu)(l + VW, V(fma)(V(loadu)(l + VW), V(loadu)(alpha + VW), s1));
-    for (int64_t c0 = 0; c0 < dv; c0 += MR) {
-        int mr = (int)(dv - c0 < MR ? dv - c0 : MR);
-        ST(call_pvt)(mr, kv, vr + c0, dv, st, ot + c0 * NR, alpha);
-    }
+    const int64_t lo = attn_clamp(dr->kmin[r] - j0, kb), hi = attn_clamp(dr->kmax[r] - j0, kb);
+    if (cap2 != 0)
+        ST(softcap_row)(sr, NULL, kb_pad, cap2);
+    for (int64_t t = lo; p->mask && t < hi; t++)
+        sr[t] += (T)attn_mask_log2(p, dr->mrow[r] + (j0 + t) * p->mask_stride[3]);
+    for (int64_t t = lo; p->alibi && t < hi; t++)
+        sr[t] -= dr->slope[r] * (T)llabs(dr->ipos[r] - (j0 + t));
+    for (int64_t t = 0; t < lo; t++)
+        sr[t] = -INFINITY;
+    for (int64_t t = hi; t < kb; t++)
+        sr[t] = -INFINITY;
+    T mb = ST(row_max)(sr, kb), mold = m[r], mnew = mb > mold ? mb : mold;
+    alpha[r] = mold == -INFINITY ? 0 : (mold == mnew ? 1 : (T)exp2((double)(mold - mnew)));
+    m[r] = mnew;
+    l[r] = l[r] * alpha[r] + ST(row_exp2_sum)(sr, kb, kb_pad, mnew == -INFINITY ? 0 : mnew);
 }
 
-/* The largest key length of k/v row bkv's query rows (nk without key lengths). */
-static int64_t ST(decode_klen)(const attn_problem *p, int64_t bkv)
-{
-    int64_t klen = p->seqlen_k ? 0 : p->nk;
-    for (int64_t g = 0; p->seqlen_k && g < p->kv_group; g++) {
-        int64_t len = p->seqlen_k[(bkv * p->kv_group + g) / p->heads];
-        klen = len > klen ? len : klen;
-    }
-    return klen;
-}
-
-/* Work item (k/v row bkv, keys [c0, c1)): the partial O^T panels, m and l of the
- * R rows (R_pad = round_up(R, NR)) into po, pm, pl; returns nonfinite bits of q (the
- * first chunk only) and of the keys and values of the chunk up to the group's
- * longest key length (the keys no row sees included, so the chunks scan them all). */
+/* Work item (k/v row bkv, keys [c0, c1)): the partial O (R rows of dv_pad), m and l
+ * of the R rows into po, pm, pl; returns nonfinite bits of q (the first chunk only)
+ * and of the keys and values of the chunk up to the rows' longest key length (the
+ * keys no row sees included, so that the chunks together scan them all). */
 static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v,
-                           const ST(workspace) *w, int64_t bkv, int64_t c0, int64_t c1, int64_t R, T *po, T *pm,
-                           T *pl)
+                           const ST(workspace) *w, const ST(drows) *dr, int64_t bkv, int64_t c0, int64_t c1,
+                           int64_t R, T *po, T *pm, T *pl)
 {
-    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k, R_pad = ST(round_up)(R, NR);
+    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k, dv_pad = ST(round_up)(dv, NR);
+    const int64_t lds = ST(round_up)(bk, NR);
     const int check = p->nonfinite != NULL;
     int bad = 0;
     const TIN *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
-    ST(pack_kt)(q + bkv * R * d, R, d, w->a);
-    if (check && c0 == 0 && ST(nonfinite)(w->a, R_pad * d))
+    if (check && c0 == 0 && ST(nonfinite_in)(q + bkv * R * d, R * d))  /* before scaling, which may overflow */
         bad |= ATTN_NONFINITE_Q;
-    const T c = ST(score_factor)(p), cap2 = (T)(p->softcap * ATTN_LOG2E);
-    for (int64_t i = 0; i < R_pad * d; i++)
-        w->a[i] *= c;
-    for (int64_t r = 0; r < R_pad; r++) {
+    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
+    ST(scale_rows)(q + bkv * R * d, R, d, ST(score_factor)(p), w->a);
+    for (int64_t r = 0; r < R; r++) {
         pm[r] = -INFINITY;
         pl[r] = 0;
     }
-    for (int64_t i = 0; i < R_pad * dv; i++)
+    for (int64_t i = 0; i < R * dv_pad; i++)
         po[i] = 0;
-    ST(dlanes) ln[ATTN_DECODE_MAX_ROWS / NR + 1];
-    int64_t first = INT64_MAX, last = 0;
-    for (int64_t r0 = 0; r0 < R; r0 += NR) {
-        ST(decode_lanes)(p, bkv, r0, R, &ln[r0 / NR]);
-        first = ln[r0 / NR].first < first ? ln[r0 / NR].first : first;
-        last = ln[r0 / NR].last > last ? ln[r0 / NR].last : last;
-    }
-    const int64_t ks = first > c0 ? first : c0, ke = last < c1 ? last : c1;
+    const int64_t ks = dr->first > c0 ? dr->first : c0, ke = dr->last < c1 ? dr->last : c1;
     for (int64_t j0 = ks; j0 < ke; j0 += bk) {
-        int64_t kb = ke - j0 < bk ? ke - j0 : bk;
-        const T *kr = ST(block_rows)(kh + j0 * d, kb, d, w->kt);
-        const T *vr = ST(block_rows)(vh + j0 * dv, kb, dv, w->vp);
-        for (int64_t r0 = 0; r0 < R; r0 += NR) {
-            const ST(dlanes) *pl_ = &ln[r0 / NR];
-            int64_t s = attn_clamp(pl_->first - j0, kb), e = attn_clamp(pl_->last - j0, kb);
-            if (s >= e)
-                continue;  /* no lane of the panel sees these keys */
-            ST(decode_panel)(p, pl_, kr + s * d, vr + s * dv, e - s, d, dv, w->a + r0 * d, w->s, po + r0 * dv,
-                             pm + r0, pl + r0, w->alpha + r0, j0 + s, cap2);
-        }
-        if (check) {  /* while they are in the caches */
-            bad |= ST(nonfinite)(kr, kb * d) ? ATTN_NONFINITE_K : 0;
-            bad |= ST(nonfinite)(vr, kb * dv) ? ATTN_NONFINITE_V : 0;
+        int64_t kb = ke - j0 < bk ? ke - j0 : bk, kb_pad = ST(round_up)(kb, NR);
+        ST(pack_kt)(kh + j0 * d, kb, d, w->kt);
+        ST(pack_v)(vh + j0 * dv, kb, dv, w->vp);
+        ST(rows_qk)(w->kt, kb, R, d, w->a, w->s, lds, 0, 0, 0);
+        for (int64_t r = 0; r < R; r++)
+            ST(decode_softmax)(p, dr, r, w->s + r * lds, j0, kb, kb_pad, cap2, pm, pl, w->alpha);
+        ST(rows_pv)(w->vp, kb, R, dv_pad, w->s, lds, w->alpha, po, 0, 0, 0);
+        if (check) {  /* the packed blocks, while they are in the caches (padding is zero) */
+            bad |= ST(nonfinite)(w->kt, kb_pad * d) ? ATTN_NONFINITE_K : 0;
+            bad |= ST(nonfinite)(w->vp, dv_pad * kb) ? ATTN_NONFINITE_V : 0;
         }
     }
     if (check) {  /* the chunk's keys no row read, up to the longest key length */
-        int64_t klen = ST(decode_klen)(p, bkv), a = c0, b = ks < ke ? ks : c1;
+        int64_t a = c0, b = ks < ke ? ks : c1;
         for (int pass = 0; pass < 2; pass++) {
-            int64_t hi = b < klen ? b : klen;
+            int64_t hi = b < dr->klen ? b : dr->klen;
             if (hi > a) {
                 bad |= ST(nonfinite_in)(kh + a * d, (hi - a) * d) ? ATTN_NONFINITE_K : 0;
                 bad |= ST(nonfinite_in)(vh + a * dv, (hi - a) * dv) ? ATTN_NONFINITE_V : 0;
@@ -1162,30 +1096,31 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
     return bad;
 }
 
-/* The combine of row r of k/v row bkv from its nch chunks' partials (stride per chunk
- * part, O^T of the row's panel at po's offset, m and l after it), in chunk order:
+/* The combine of row r of k/v row bkv from its nch chunks' partials (part: chunk ch's
+ * O at part + ch * stride, rows of dv_pad, then m and l), in chunk order:
  * M = max m, L = sum l 2^(m - M), O = sum O 2^(m - M); out = O / L. A row that sees
- * no key (or, with a mask, whose every score is -inf) gets 0 and lse -inf. */
+ * no key (or, with a mask, whose every score is -inf) gets 0 and lse -inf. Returns 1
+ * if the row's output is not finite. */
 static int ST(decode_combine)(const attn_problem *p, const T *part, int64_t stride, int64_t nch, int64_t bkv,
                               int64_t r, int64_t R, TIN *out, TIN *lse, T *acc)
 {
-    const int64_t dv = p->dv, R_pad = ST(round_up)(R, NR), oo = (r / NR * NR) * dv + r % NR;
+    const int64_t dv = p->dv, mo = R * ST(round_up)(dv, NR);
     T M = -INFINITY, L = 0;
     for (int64_t ch = 0; ch < nch; ch++) {
-        T m = part[ch * stride + R_pad * dv + r];
+        T m = part[ch * stride + mo + r];
         M = m > M ? m : M;
     }
     for (int64_t c = 0; c < dv; c++)
         acc[c] = 0;
     for (int64_t ch = 0; M != -INFINITY && ch < nch; ch++) {
-        const T *pc = part + ch * stride;
-        T m = pc[R_pad * dv + r];
+        const T *pc = part + ch * stride, *o = pc + r * ST(round_up)(dv, NR);
+        T m = pc[mo + r];
         if (m == -INFINITY)
             continue;  /* the chunk holds no key of the row */
         T f = (T)exp2((double)(m - M));
-        L += pc[R_pad * dv + R_pad + r] * f;
+        L += pc[mo + R + r] * f;
         for (int64_t c = 0; c < dv; c++)
-            acc[c] += pc[oo + c * NR] * f;
+            acc[c] += o[c] * f;
     }
     int64_t bh = bkv * p->kv_group + r / p->nq, i = r % p->nq;
     attn_span sp = attn_span_of(p, bh);
@@ -1209,9 +1144,10 @@ static int ST(decode_combine)(const attn_problem *p, const T *part, int64_t stri
 static int ST(flash_decode)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out, TIN *lse,
                             int64_t chunk)
 {
-    const int64_t R = p->kv_group * p->nq, R_pad = ST(round_up)(R, NR), dv_pad = ST(round_up)(p->dv, NR);
+    const int64_t R = p->kv_group * p->nq, dv_pad = ST(round_up)(p->dv, NR);
     const int64_t batch_kv = p->batch / p->kv_group, nch = (p->nk + chunk - 1) / chunk;
-    const int64_t stride = R_pad * p->dv + 2 * R_pad, nitems = batch_kv * nch;
+    /* each item's partial O starts aligned, as the register tiles' loads need */
+    const int64_t stride = ST(round_up)(R * dv_pad + 2 * R, NR), nitems = batch_kv * nch;
     T *part = attn_alloc(nitems, stride, sizeof(T));
     if (!part)
         return ATTN_ENOMEM;
@@ -1220,38 +1156,45 @@ static int ST(flash_decode)(const attn_problem *p, const TIN *q, const TIN *k, c
     {
         ATTN_NOTE_TEAM();
         ST(workspace) w = {0};
-        int ok = ST(ws_alloc)(&w, R_pad, p->block_k, ST(round_up)(p->block_k, MR), NR, p->d, dv_pad);
+        int ws_ok = ST(ws_alloc)(&w, R, p->block_k, R, ST(round_up)(p->block_k, NR), p->d, dv_pad);
         T *acc = attn_alloc(p->dv, 1, sizeof(T));
-        if (!ok || !acc) {
+        ST(drows) *dr = attn_alloc(1, 1, sizeof(ST(drows)));
+        int ok = ws_ok && acc && dr;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-        int mybad = 0;
+        int bad = 0;
+        int64_t rows_of = -1;  /* the k/v row dr describes */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < nitems; t++) {
-            if (!ok || !acc)
+            if (!ok)
                 continue;
             int64_t bkv = t / nch, c0 = t % nch * chunk, c1 = c0 + chunk < p->nk ? c0 + chunk : p->nk;
+            if (bkv != rows_of) {
+                ST(decode_rows)(p, bkv, R, dr);
+                rows_of = bkv;
+            }
             T *pt = part + t * stride;
-            mybad |= ST(decode_item)(p, q, k, v, &w, bkv, c0, c1, R, pt, pt + R_pad * p->dv,
-                                     pt + R_pad * p->dv + R_pad);
+            bad |= ST(decode_item)(p, q, k, v, &w, dr, bkv, c0, c1, R, pt, pt + R * dv_pad, pt + R * dv_pad + R);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < batch_kv * R; t++) {
-            if (!ok || !acc)
+            if (!ok)
                 continue;
             int64_t bkv = t / R;
             if (ST(decode_combine)(p, part + bkv * nch * stride, stride, nch, bkv, t % R, R, out, lse, acc))
-                mybad |= ATTN_NONFINITE_OUT;
+                bad |= ATTN_NONFINITE_OUT;
         }
         if (p->nonfinite)
-            ST(report)(p, mybad);
-        if (ok)
+            ST(report)(p, bad);
+        if (ws_ok)  /* a failed ws_alloc freed its buffers itself */
             ST(ws_free)(&w);
         attn_free(acc);
+        attn_free(dr);
     }
     attn_free(part);
-    attn_split_chunks = failed ? 0 : nch;
+    attn_split_chunks = failed ? 0 : (int)nch;
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
