@@ -1044,13 +1044,40 @@ static void ST(decode_softmax)(const attn_problem *p, const ST(drows) *dr, int64
     l[r] = l[r] * alpha[r] + ST(row_exp2_sum)(sr, kb, kb_pad, mnew == -INFINITY ? 0 : mnew);
 }
 
+/* pack_kt for the decode path: half inputs are first widened row by row into wide
+ * (contiguous conversions), then packed from float32 rows, whole squares through the
+ * unit's in-register float32 transpose where it has one (TRANSPOSE_F32): an element
+ * by element pack of half rows would cost more than reading them. */
+static void ST(decode_pack_k)(const TIN *k, int64_t kb, int64_t d, T *kt, T *wide)
+{
+#if defined(ATTN_SAME_IO)
+    (void)wide;
+    ST(pack_kt)(k, kb, d, kt);
+#else
+    const T *x = ST(block_rows)(k, kb, d, wide);
+    for (int64_t j0 = 0; j0 < kb; j0 += NR) {
+        T *panel = kt + j0 * d;
+        int64_t nc = kb - j0 < NR ? kb - j0 : NR, t0 = 0;
+#ifdef TRANSPOSE_F32
+        if (nc == NR)
+            for (; t0 + VW <= d; t0 += VW)
+                for (int64_t c0 = 0; c0 < NR; c0 += VW)
+                    TRANSPOSE_F32(x + (j0 + c0) * d + t0, d, panel + t0 * NR + c0, NR);
+#endif
+        for (int64_t t = t0; t < d; t++)
+            for (int64_t c = 0; c < NR; c++)
+                panel[t * NR + c] = c < nc ? x[(j0 + c) * d + t] : 0;
+    }
+#endif
+}
+
 /* Work item (k/v row bkv, keys [c0, c1)): the partial O (R rows of dv_pad), m and l
  * of the R rows into po, pm, pl; returns nonfinite bits of q (the first chunk only)
  * and of the keys and values of the chunk up to the rows' longest key length (the
  * keys no row sees included, so that the chunks together scan them all). */
 static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v,
-                           const ST(workspace) *w, const ST(drows) *dr, int64_t bkv, int64_t c0, int64_t c1,
-                           int64_t R, T *po, T *pm, T *pl)
+                           const ST(workspace) *w, T *wide, const ST(drows) *dr, int64_t bkv, int64_t c0,
+                           int64_t c1, int64_t R, T *po, T *pm, T *pl)
 {
     const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k, dv_pad = ST(round_up)(dv, NR);
     const int64_t lds = ST(round_up)(bk, NR);
@@ -1070,7 +1097,7 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
     const int64_t ks = dr->first > c0 ? dr->first : c0, ke = dr->last < c1 ? dr->last : c1;
     for (int64_t j0 = ks; j0 < ke; j0 += bk) {
         int64_t kb = ke - j0 < bk ? ke - j0 : bk, kb_pad = ST(round_up)(kb, NR);
-        ST(pack_kt)(kh + j0 * d, kb, d, w->kt);
+        ST(decode_pack_k)(kh + j0 * d, kb, d, w->kt, wide);
         ST(pack_v)(vh + j0 * dv, kb, dv, w->vp);
         ST(rows_qk)(w->kt, kb, R, d, w->a, w->s, lds, 0, 0, 0);
         for (int64_t r = 0; r < R; r++)
@@ -1159,7 +1186,14 @@ static int ST(flash_decode)(const attn_problem *p, const TIN *q, const TIN *k, c
         int ws_ok = ST(ws_alloc)(&w, R, p->block_k, R, ST(round_up)(p->block_k, NR), p->d, dv_pad);
         T *acc = attn_alloc(p->dv, 1, sizeof(T));
         ST(drows) *dr = attn_alloc(1, 1, sizeof(ST(drows)));
-        int ok = ws_ok && acc && dr;
+#ifdef ATTN_SAME_IO
+        T *wide = NULL;
+        int wide_ok = 1;
+#else
+        T *wide = attn_alloc(p->block_k, p->d, sizeof(T));  /* a K block widened, for decode_pack_k */
+        int wide_ok = wide != NULL;
+#endif
+        int ok = ws_ok && acc && dr && wide_ok;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1176,7 +1210,7 @@ static int ST(flash_decode)(const attn_problem *p, const TIN *q, const TIN *k, c
                 rows_of = bkv;
             }
             T *pt = part + t * stride;
-            bad |= ST(decode_item)(p, q, k, v, &w, dr, bkv, c0, c1, R, pt, pt + R * dv_pad, pt + R * dv_pad + R);
+            bad |= ST(decode_item)(p, q, k, v, &w, wide, dr, bkv, c0, c1, R, pt, pt + R * dv_pad, pt + R * dv_pad + R);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < batch_kv * R; t++) {
@@ -1192,6 +1226,7 @@ static int ST(flash_decode)(const attn_problem *p, const TIN *q, const TIN *k, c
             ST(ws_free)(&w);
         attn_free(acc);
         attn_free(dr);
+        attn_free(wide);
     }
     attn_free(part);
     attn_split_chunks = failed ? 0 : (int)nch;
