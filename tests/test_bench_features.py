@@ -51,11 +51,11 @@ def test_every_case_in_both_directions(tmp_path, capsys):
                 assert r["torch_error"] <= 7.6e-6, r
     # what runs today on native.flash is measured, not skipped
     measured = {r["case"] for r in rows if "ours_s" in r}
-    assert {"gqa", "mqa", "key-lengths", "window", "decode", "chunked-prefill", "softcap"} <= measured
+    assert {"gqa", "mqa", "key-lengths", "window", "decode", "decode-gqa", "chunked-prefill", "softcap"} <= measured
     with open(table) as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     printed = capsys.readouterr()
-    assert "torch/ours" in printed.out and "[11/11] dropout" in printed.err
+    assert "torch/ours" in printed.out and "[12/12] dropout" in printed.err
 
 
 def test_a_wrong_answer_fails_the_check(monkeypatch, capsys):
