@@ -25,7 +25,7 @@ from .timing import medians, take_turns
 KERNEL = "native.flash"
 DIRECTIONS = ("forward", "forward+backward")
 CASES = ("gqa", "mqa", "mask-bool", "mask-additive", "key-lengths", "varlen", "window", "decode",
-         "chunked-prefill", "softcap", "dropout")
+         "decode-gqa", "chunked-prefill", "softcap", "dropout")
 # each feature's names in kernel_info's features lists (docs/features.md)
 FEATURE_NAMES = {"mask": ("mask", "attn_mask"), "dropout": ("dropout",)}
 # the keyword or function attnkern must have for a feature, where older versions lack it
@@ -36,6 +36,7 @@ API_ONLY = ("varlen",)
 # what each case needs of native.flash (kernel_info's feature names)
 NEEDS = {"gqa": ("gqa",), "mqa": ("gqa",), "mask-bool": ("mask",), "mask-additive": ("mask",),
          "key-lengths": ("key_lengths",), "varlen": ("varlen",), "window": ("window",), "decode": ("bottom_right",),
+         "decode-gqa": ("gqa",),
          "chunked-prefill": ("bottom_right",), "softcap": ("softcap",), "dropout": ("dropout",)}
 
 HELP = "native.flash's features (GQA, masks, padding, varlen, windows, KV cache, softcap) against torch"
@@ -60,6 +61,8 @@ Cases, on (B, H, N, D) inputs drawn from a seeded normal distribution:
                    boolean band mask (N, N)
   decode           1 query over --cache cached keys, causal="bottom_right";
                    torch: no mask (the one query sees every key)
+  decode-gqa       1 query over --cache cached keys, k and v with --kv-heads
+                   heads (native.flash's decode path); torch: enable_gqa=True
   chunked-prefill  --chunk queries over --cache cached keys,
                    causal="bottom_right"; torch: the boolean bottom-right mask
                    (chunk, cache)
@@ -218,6 +221,12 @@ def build(name: str, a, rng) -> Case:
         return Case(name, f"({b}, {h}, {n}, {d}), causal window of {w} keys", "sdpa + boolean band mask",
                     ours(causal=True, window=(w - 1, 0)), (q, k, v), _torch_masked(band, scale), (q, k, v),
                     check, check)
+    if name == "decode-gqa":
+        q, _, _ = qkv((b, h), nq=1, nk=a.cache)
+        _, k, v = qkv((b, a.kv_heads), nq=1, nk=a.cache)
+        check = _ref_check(q, k, v, [0], scale)
+        return Case(name, f"({b}, {h}, 1 over {a.cache}, {d}), k/v {a.kv_heads} heads", "sdpa enable_gqa, no mask",
+                    ours(), (q, k, v), _sdpa(enable_gqa=True, scale=scale), (q, k, v), check, check)
     if name in ("decode", "chunked-prefill"):
         nq, n = (1 if name == "decode" else a.chunk), a.cache
         q, k, v = qkv((b, h), nq=nq, nk=n)

@@ -255,6 +255,36 @@ class KvCache(_Feature):
         return {"n": self.nk, "ours": qkv, "kw": {"causal": "bottom_right"}, "torch": qkv, "torch_fn": theirs}
 
 
+
+class Decode(_Feature):
+    """One decode step of a GQA model: 32 query heads, 1 query, over a KV cache of nk keys in
+    8 k/v heads, D = 128, float32 or bfloat16 (native.flash's decode path: flash-decoding,
+    docs/kernels.md); torch's SDPA with enable_gqa=True in the same dtype. Forward only."""
+
+    params = [KERNELS, DIRECTIONS, sizes([4096, 32768, 131072], 256), ["float32", "bfloat16"]]
+    param_names = _Feature.param_names + ["nk", "dtype"]
+    needs = ("gqa",)
+
+    def setup(self, kernel, direction, nk, dtype):
+        if direction != "forward":
+            raise NotImplementedError("decode is timed forward only (inference)")
+        if kernel != "torch.sdpa" and kernel in attnkern.kernels() and \
+                dtype not in attnkern.kernel_info(kernel).get("dtypes", ["float32"]):
+            raise NotImplementedError(f"{kernel} has no {dtype}")
+        super().setup(kernel, direction, nk, dtype)
+
+    def problem(self, nk, dtype):
+        q, k, v = _rand((1, 32, 1, 128), 0), _rand((1, 8, nk, 128), 1), _rand((1, 8, nk, 128), 2)
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            q, k, v = (x.astype(ml_dtypes.bfloat16) for x in (q, k, v))
+            tq, tk, tv = (x.to(torch.bfloat16) for x in (tq, tk, tv))
+        # torch's tensors are made here (NumPy has no bfloat16 torch takes); its call ignores setup's copies
+        return {"n": nk, "ours": (q, k, v), "kw": {}, "torch": (np.zeros(1, np.float32),) * 3,
+                "torch_fn": lambda *_: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)}
+
 class Softcap(_Feature):
     """causal, softcap=50; torch's math path with the cap (SDPA has none)."""
 

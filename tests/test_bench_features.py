@@ -51,11 +51,11 @@ def test_every_case_in_both_directions(tmp_path, capsys):
                 assert r["torch_error"] <= 7.6e-6, r
     # what runs today on native.flash is measured, not skipped
     measured = {r["case"] for r in rows if "ours_s" in r}
-    assert {"gqa", "mqa", "key-lengths", "window", "decode", "chunked-prefill", "softcap"} <= measured
+    assert {"gqa", "mqa", "key-lengths", "window", "decode", "decode-gqa", "chunked-prefill", "softcap"} <= measured
     with open(table) as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     printed = capsys.readouterr()
-    assert "torch/ours" in printed.out and "[11/11] dropout" in printed.err
+    assert "torch/ours" in printed.out and "[12/12] dropout" in printed.err
 
 
 def test_a_wrong_answer_fails_the_check(monkeypatch, capsys):
@@ -174,7 +174,7 @@ def test_asv_feature_classes_are_small_in_smoke_and_full_outside():
         sys.path.remove(str(REPO))
     classes = [c for c in vars(bf).values() if isinstance(c, type) and issubclass(c, bf._Feature)
                and c is not bf._Feature]
-    assert len(classes) == 8
+    assert len(classes) == 9
     assert bf.SlidingWindow.params[2] == (["256:64"] if bf.SMOKE else ["4096:256", "16384:1024"])
     for cls in classes:
         assert cls.params[:2] == [bf.KERNELS, bf.DIRECTIONS] and len(cls.params) == len(cls.param_names)

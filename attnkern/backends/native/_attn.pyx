@@ -56,6 +56,7 @@ cdef extern from "attn.h" nogil:
     int attn_max_threads()
     int attn_fork_state()
     int attn_last_team()
+    int attn_last_split()
     int attn_check_problem(int algo, int isa, const attn_problem *p)
     const char *attn_problem_error(int algo, int isa, const attn_problem *p)
     int attn_fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
@@ -126,6 +127,12 @@ def last_team():
     """The threads the last native kernel called from this Python thread ran on, as
     its OpenMP teams reported them (0 before the first call)."""
     return attn_last_team()
+
+
+def last_split():
+    """The key chunks the last native forward called from this Python thread split each
+    k/v row's keys into on flash's decode path (0: it did not take that path)."""
+    return attn_last_split()
 
 
 STATUS = {ATTN_OK: "ok", ATTN_ENOMEM: "nomem", ATTN_EINVAL: "invalid", ATTN_EISA: "isa",

@@ -152,6 +152,10 @@ int attn_fork_state(void);
 /* The number of threads the last kernel (forward, backward or ceiling loop) called from
  * this thread ran on, as its parallel regions' teams reported it; 0 before the first. */
 int attn_last_team(void);
+/* The number of key chunks the last forward called from this thread split each k/v row's
+ * keys into on flash's decode path (attn_decode_chunk in attn_common.h); 0: it did not
+ * take that path. */
+int attn_last_split(void);
 
 /* The argument checks of attn_forward_*, alone: ATTN_OK or the error code. */
 int attn_check_problem(int algo, int isa, const attn_problem *p);

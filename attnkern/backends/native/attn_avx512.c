@@ -147,7 +147,9 @@ static ATTN_INLINE __m512 vexp2_avx512_f32(__m512 x)
 #define VW 8
 #include "attn_kernels.h"
 
-/* float16 through F16C (vcvtph2ps / vcvtps2ph, rounding to nearest even) */
+/* float16 through F16C (vcvtph2ps / vcvtps2ph, rounding to nearest even); the
+ * float32 transpose packs the half path's widened K rows (attn_kernels.h's decode) */
+#define TRANSPOSE_F32 vtranspose_f32
 #define VT_F32 __m512
 #define VW_F32 16
 #define F16_LOAD(x) _cvtsh_ss(x)

@@ -18,6 +18,9 @@
  * sets it to 1 before a kernel, and thread 0 of each of the kernel's parallel regions
  * (the calling thread) writes its team's size, as the OpenMP runtime gave it. */
 extern _Thread_local int attn_team_size;
+/* The key chunks of the last forward's decode path from this thread (attn_last_split):
+ * the dispatch sets it to 0 before a kernel, the decode path to its chunk count. */
+extern _Thread_local int attn_split_chunks;
 #ifdef _OPENMP
 #define ATTN_NOTE_TEAM()                                 \
     do {                                                 \
@@ -79,6 +82,31 @@ static inline int attn_features_on(const attn_problem *p)
            p->dropout_p != 0 || p->cu_seqlens_q != NULL || p->alibi != NULL;
 }
 
+
+/* Decode (flash-decoding on the CPU): a problem with few query rows per k/v row
+ * (kv_group * nq <= ATTN_DECODE_MAX_ROWS, nq <= ATTN_DECODE_MAX_NQ) against a long
+ * cache runs one work item per (k/v row, key chunk): the k/v row's whole query group
+ * as one block over a chunk of keys, then a log-sum-exp combine of the chunks in key
+ * order. The chunk size depends only on the shape (never on the thread count), so
+ * the result is the same for every thread count: a multiple of ATTN_DECODE_CHUNK
+ * keys, large enough that the call has at most about ATTN_DECODE_ITEMS items (that
+ * bounds the partial results' memory). Dropout and varlen keep the ordinary path.
+ * Returns the chunk size, or 0 where the ordinary path runs. */
+#define ATTN_DECODE_CHUNK 512
+#define ATTN_DECODE_ITEMS 256
+#define ATTN_DECODE_MAX_NQ 16
+#define ATTN_DECODE_MAX_ROWS 128
+static inline int64_t attn_decode_chunk(const attn_problem *p)
+{
+    if (p->cu_seqlens_q || p->dropout_p != 0 || p->nq > ATTN_DECODE_MAX_NQ ||
+        p->kv_group * p->nq > ATTN_DECODE_MAX_ROWS || p->nk < 2 * ATTN_DECODE_CHUNK)
+        return 0;
+    int64_t batch_kv = p->batch / p->kv_group;
+    int64_t per_row = ATTN_DECODE_ITEMS / batch_kv > 1 ? ATTN_DECODE_ITEMS / batch_kv : 1;
+    int64_t chunk = (p->nk + per_row - 1) / per_row;
+    chunk = (chunk + ATTN_DECODE_CHUNK - 1) / ATTN_DECODE_CHUNK * ATTN_DECODE_CHUNK;
+    return chunk;
+}
 
 /* The attention mask's offset of folded row b (attn_problem's mask). */
 static inline int64_t attn_mask_base(const attn_problem *p, int64_t b)

@@ -105,6 +105,8 @@ int attn_fork_state(void) { return fork_state; }
 _Thread_local int attn_team_size = 0;
 
 int attn_last_team(void) { return attn_team_size; }
+_Thread_local int attn_split_chunks = 0;
+int attn_last_split(void) { return attn_split_chunks; }
 
 #define ATTN_TABLE(isa, dt)                                                        \
     { attn_naive_##dt##_##isa, attn_tiled_##dt##_##isa, attn_flash_##dt##_##isa }
@@ -521,6 +523,7 @@ static attn_problem run_problem(const attn_problem *p)
     if (fork_state == ATTN_FORK_ONE_THREAD)
         one.num_threads = 1;
     attn_team_size = 1;
+    attn_split_chunks = 0;
     return one;
 }
 
@@ -585,9 +588,10 @@ int attn_forward_half(int algo, int isa, int kind, const attn_problem *p, const 
         return ATTN_OK;
     attn_fn_half fn = table_half[isa][kind][algo];
     /* bfloat16 flash on avx512bf16 and amx has kernels of its own, without the
-     * features: a problem with features runs the unit's converting flash instead */
+     * features or the decode path: a problem with features or a decode shape
+     * (attn_decode_chunk) runs the unit's converting flash instead */
     int own_kernel = algo == ATTN_FLASH && kind == ATTN_BF16 && (isa == ATTN_ISA_AVX512BF16 || isa == ATTN_ISA_AMX);
-    if (own_kernel && attn_has_features(p)) {
+    if (own_kernel && (attn_has_features(p) || attn_decode_chunk(p))) {
         fn = converting_flash_bf16[isa];
         own_kernel = 0;
     }

@@ -978,8 +978,266 @@ static void ST(flash_block_feat)(const attn_problem *p, const TIN *q, const TIN 
     ST(flash_block_t)(p, q, k, v, out, lse, w, bh, i0, bq, 1);
 }
 
+/* ---------------------------------------------------------------- decode */
+/* Flash-decoding (attn_decode_chunk): the query rows of one k/v row (its kv_group
+ * heads times nq queries, contiguous in q, out and lse: row r is head r / nq, query
+ * r % nq) form one block, so each K/V block is read from memory once for the whole
+ * group; the keys are split into chunks, one work item per (k/v row, chunk), each
+ * leaving a partial (O, m, l) that a second pass combines in chunk order.
+ * The products are query-major, as in tiled (S = Q K^T from packed Kt panels, O =
+ * O * alpha + P V from packed V panels): the keys fill the register tiles' vector
+ * lanes and the few query rows their MR rows, so a decode step costs about d FMAs per
+ * key and query row, not the NR-wide query panels of flash_block_t (mostly empty
+ * lanes for a handful of rows). Each row carries its own mask: the keys [kmin, kmax)
+ * its span and key length let it see, its ALiBi slope and its mask row. */
+typedef struct {
+    int64_t kmin[ATTN_DECODE_MAX_ROWS], kmax[ATTN_DECODE_MAX_ROWS]; /* row r sees kmin[r] <= j < kmax[r] */
+    int64_t ipos[ATTN_DECODE_MAX_ROWS];  /* ALiBi's query position i + len - nq */
+    int64_t mrow[ATTN_DECODE_MAX_ROWS];  /* the mask's offset of the row */
+    T slope[ATTN_DECODE_MAX_ROWS];       /* ALiBi slope times log2(e) */
+    int64_t first, last;                 /* the keys some row sees: [first, last) */
+    int64_t klen;                        /* the longest key length of the rows */
+} ST(drows);
+
+/* The rows of k/v row bkv (R of them). */
+static void ST(decode_rows)(const attn_problem *p, int64_t bkv, int64_t R, ST(drows) *dr)
+{
+    dr->first = INT64_MAX;
+    dr->last = dr->klen = 0;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t bh = bkv * p->kv_group + r / p->nq, i = r % p->nq;
+        attn_span sp = attn_span_of(p, bh);
+        dr->kmin[r] = attn_clamp(i + sp.lo, sp.len);
+        dr->kmax[r] = attn_clamp(i + sp.hi + 1, sp.len);
+        dr->ipos[r] = i + sp.len - p->nq;
+        dr->mrow[r] = p->mask ? attn_mask_base(p, bh) + i * p->mask_stride[2] : 0;
+        dr->slope[r] = p->alibi ? (T)(p->alibi[bh] * ATTN_LOG2E) : 0;
+        dr->klen = sp.len > dr->klen ? sp.len : dr->klen;
+        if (dr->kmin[r] < dr->kmax[r]) {
+            dr->first = dr->kmin[r] < dr->first ? dr->kmin[r] : dr->first;
+            dr->last = dr->kmax[r] > dr->last ? dr->kmax[r] : dr->last;
+        }
+    }
+}
+
+/* The online softmax of row r over its scores sr[0:kb) of the keys [j0, j0 + kb)
+ * (padded to kb_pad): softcap, mask and ALiBi, the keys outside the row's to -inf,
+ * then the new max, the rescale factor (0 for a row with no key seen yet, exactly 1
+ * where the max stays) and the probabilities with their sum. */
+static void ST(decode_softmax)(const attn_problem *p, const ST(drows) *dr, int64_t r, T *sr, int64_t j0,
+                               int64_t kb, int64_t kb_pad, T cap2, T *m, T *l, T *alpha)
+{
+    const int64_t lo = attn_clamp(dr->kmin[r] - j0, kb), hi = attn_clamp(dr->kmax[r] - j0, kb);
+    if (cap2 != 0)
+        ST(softcap_row)(sr, NULL, kb_pad, cap2);
+    for (int64_t t = lo; p->mask && t < hi; t++)
+        sr[t] += (T)attn_mask_log2(p, dr->mrow[r] + (j0 + t) * p->mask_stride[3]);
+    for (int64_t t = lo; p->alibi && t < hi; t++)
+        sr[t] -= dr->slope[r] * (T)llabs(dr->ipos[r] - (j0 + t));
+    for (int64_t t = 0; t < lo; t++)
+        sr[t] = -INFINITY;
+    for (int64_t t = hi; t < kb; t++)
+        sr[t] = -INFINITY;
+    T mb = ST(row_max)(sr, kb), mold = m[r], mnew = mb > mold ? mb : mold;
+    alpha[r] = mold == -INFINITY ? 0 : (mold == mnew ? 1 : (T)exp2((double)(mold - mnew)));
+    m[r] = mnew;
+    l[r] = l[r] * alpha[r] + ST(row_exp2_sum)(sr, kb, kb_pad, mnew == -INFINITY ? 0 : mnew);
+}
+
+/* pack_kt for the decode path: half inputs are first widened row by row into wide
+ * (contiguous conversions), then packed from float32 rows, whole squares through the
+ * unit's in-register float32 transpose where it has one (TRANSPOSE_F32): an element
+ * by element pack of half rows would cost more than reading them. */
+static void ST(decode_pack_k)(const TIN *k, int64_t kb, int64_t d, T *kt, T *wide)
+{
+#if defined(ATTN_SAME_IO)
+    (void)wide;
+    ST(pack_kt)(k, kb, d, kt);
+#else
+    const T *x = ST(block_rows)(k, kb, d, wide);
+    for (int64_t j0 = 0; j0 < kb; j0 += NR) {
+        T *panel = kt + j0 * d;
+        int64_t nc = kb - j0 < NR ? kb - j0 : NR, t0 = 0;
+#ifdef TRANSPOSE_F32
+        if (nc == NR)
+            for (; t0 + VW <= d; t0 += VW)
+                for (int64_t c0 = 0; c0 < NR; c0 += VW)
+                    TRANSPOSE_F32(x + (j0 + c0) * d + t0, d, panel + t0 * NR + c0, NR);
+#endif
+        for (int64_t t = t0; t < d; t++)
+            for (int64_t c = 0; c < NR; c++)
+                panel[t * NR + c] = c < nc ? x[(j0 + c) * d + t] : 0;
+    }
+#endif
+}
+
+/* Work item (k/v row bkv, keys [c0, c1)): the partial O (R rows of dv_pad), m and l
+ * of the R rows into po, pm, pl; returns nonfinite bits of q (the first chunk only)
+ * and of the keys and values of the chunk up to the rows' longest key length (the
+ * keys no row sees included, so that the chunks together scan them all). */
+static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v,
+                           const ST(workspace) *w, T *wide, const ST(drows) *dr, int64_t bkv, int64_t c0,
+                           int64_t c1, int64_t R, T *po, T *pm, T *pl)
+{
+    const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k, dv_pad = ST(round_up)(dv, NR);
+    const int64_t lds = ST(round_up)(bk, NR);
+    const int check = p->nonfinite != NULL;
+    int bad = 0;
+    const TIN *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
+    if (check && c0 == 0 && ST(nonfinite_in)(q + bkv * R * d, R * d))  /* before scaling, which may overflow */
+        bad |= ATTN_NONFINITE_Q;
+    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
+    ST(scale_rows)(q + bkv * R * d, R, d, ST(score_factor)(p), w->a);
+    for (int64_t r = 0; r < R; r++) {
+        pm[r] = -INFINITY;
+        pl[r] = 0;
+    }
+    for (int64_t i = 0; i < R * dv_pad; i++)
+        po[i] = 0;
+    const int64_t ks = dr->first > c0 ? dr->first : c0, ke = dr->last < c1 ? dr->last : c1;
+    for (int64_t j0 = ks; j0 < ke; j0 += bk) {
+        int64_t kb = ke - j0 < bk ? ke - j0 : bk, kb_pad = ST(round_up)(kb, NR);
+        ST(decode_pack_k)(kh + j0 * d, kb, d, w->kt, wide);
+        ST(pack_v)(vh + j0 * dv, kb, dv, w->vp);
+        ST(rows_qk)(w->kt, kb, R, d, w->a, w->s, lds, 0, 0, 0);
+        for (int64_t r = 0; r < R; r++)
+            ST(decode_softmax)(p, dr, r, w->s + r * lds, j0, kb, kb_pad, cap2, pm, pl, w->alpha);
+        ST(rows_pv)(w->vp, kb, R, dv_pad, w->s, lds, w->alpha, po, 0, 0, 0);
+        if (check) {  /* the packed blocks, while they are in the caches (padding is zero) */
+            bad |= ST(nonfinite)(w->kt, kb_pad * d) ? ATTN_NONFINITE_K : 0;
+            bad |= ST(nonfinite)(w->vp, dv_pad * kb) ? ATTN_NONFINITE_V : 0;
+        }
+    }
+    if (check) {  /* the chunk's keys no row read, up to the longest key length */
+        int64_t a = c0, b = ks < ke ? ks : c1;
+        for (int pass = 0; pass < 2; pass++) {
+            int64_t hi = b < dr->klen ? b : dr->klen;
+            if (hi > a) {
+                bad |= ST(nonfinite_in)(kh + a * d, (hi - a) * d) ? ATTN_NONFINITE_K : 0;
+                bad |= ST(nonfinite_in)(vh + a * dv, (hi - a) * dv) ? ATTN_NONFINITE_V : 0;
+            }
+            a = ks < ke ? ke : c1;
+            b = c1;
+        }
+    }
+    return bad;
+}
+
+/* The combine of row r of k/v row bkv from its nch chunks' partials (part: chunk ch's
+ * O at part + ch * stride, rows of dv_pad, then m and l), in chunk order:
+ * M = max m, L = sum l 2^(m - M), O = sum O 2^(m - M); out = O / L. A row that sees
+ * no key (or, with a mask, whose every score is -inf) gets 0 and lse -inf. Returns 1
+ * if the row's output is not finite. */
+static int ST(decode_combine)(const attn_problem *p, const T *part, int64_t stride, int64_t nch, int64_t bkv,
+                              int64_t r, int64_t R, TIN *out, TIN *lse, T *acc)
+{
+    const int64_t dv = p->dv, mo = R * ST(round_up)(dv, NR);
+    T M = -INFINITY, L = 0;
+    for (int64_t ch = 0; ch < nch; ch++) {
+        T m = part[ch * stride + mo + r];
+        M = m > M ? m : M;
+    }
+    for (int64_t c = 0; c < dv; c++)
+        acc[c] = 0;
+    for (int64_t ch = 0; M != -INFINITY && ch < nch; ch++) {
+        const T *pc = part + ch * stride, *o = pc + r * ST(round_up)(dv, NR);
+        T m = pc[mo + r];
+        if (m == -INFINITY)
+            continue;  /* the chunk holds no key of the row */
+        T f = (T)exp2((double)(m - M));
+        L += pc[mo + R + r] * f;
+        for (int64_t c = 0; c < dv; c++)
+            acc[c] += o[c] * f;
+    }
+    int64_t bh = bkv * p->kv_group + r / p->nq, i = r % p->nq;
+    attn_span sp = attn_span_of(p, bh);
+    if (L == 0 && (ST(row_empty)(&sp, i) || (p->mask && M == -INFINITY))) {
+        L = 1;
+        for (int64_t c = 0; c < dv; c++)
+            acc[c] = 0;
+    }
+    TIN *o = out + (bkv * R + r) * dv;
+    int bad = 0;
+    for (int64_t c = 0; c < dv; c++) {
+        T y = acc[c] / L;
+        bad |= !(y * 0 == 0);
+        o[c] = STORE_OUT(y);
+    }
+    if (lse)
+        lse[bkv * R + r] = STORE_OUT(ST(lse_of)(M, L));
+    return bad;
+}
+
+static int ST(flash_decode)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out, TIN *lse,
+                            int64_t chunk)
+{
+    const int64_t R = p->kv_group * p->nq, dv_pad = ST(round_up)(p->dv, NR);
+    const int64_t batch_kv = p->batch / p->kv_group, nch = (p->nk + chunk - 1) / chunk;
+    /* each item's partial O starts aligned, as the register tiles' loads need */
+    const int64_t stride = ST(round_up)(R * dv_pad + 2 * R, NR), nitems = batch_kv * nch;
+    T *part = attn_alloc(nitems, stride, sizeof(T));
+    if (!part)
+        return ATTN_ENOMEM;
+    int failed = 0;
+#pragma omp parallel num_threads(p->num_threads)
+    {
+        ATTN_NOTE_TEAM();
+        ST(workspace) w = {0};
+        int ws_ok = ST(ws_alloc)(&w, R, p->block_k, R, ST(round_up)(p->block_k, NR), p->d, dv_pad);
+        T *acc = attn_alloc(p->dv, 1, sizeof(T));
+        ST(drows) *dr = attn_alloc(1, 1, sizeof(ST(drows)));
+#ifdef ATTN_SAME_IO
+        T *wide = NULL;
+        int wide_ok = 1;
+#else
+        T *wide = attn_alloc(p->block_k, p->d, sizeof(T));  /* a K block widened, for decode_pack_k */
+        int wide_ok = wide != NULL;
+#endif
+        int ok = ws_ok && acc && dr && wide_ok;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int bad = 0;
+        int64_t rows_of = -1;  /* the k/v row dr describes */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < nitems; t++) {
+            if (!ok)
+                continue;
+            int64_t bkv = t / nch, c0 = t % nch * chunk, c1 = c0 + chunk < p->nk ? c0 + chunk : p->nk;
+            if (bkv != rows_of) {
+                ST(decode_rows)(p, bkv, R, dr);
+                rows_of = bkv;
+            }
+            T *pt = part + t * stride;
+            bad |= ST(decode_item)(p, q, k, v, &w, wide, dr, bkv, c0, c1, R, pt, pt + R * dv_pad, pt + R * dv_pad + R);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < batch_kv * R; t++) {
+            if (!ok)
+                continue;
+            int64_t bkv = t / R;
+            if (ST(decode_combine)(p, part + bkv * nch * stride, stride, nch, bkv, t % R, R, out, lse, acc))
+                bad |= ATTN_NONFINITE_OUT;
+        }
+        if (p->nonfinite)
+            ST(report)(p, bad);
+        if (ws_ok)  /* a failed ws_alloc freed its buffers itself */
+            ST(ws_free)(&w);
+        attn_free(acc);
+        attn_free(dr);
+        attn_free(wide);
+    }
+    attn_free(part);
+    attn_split_chunks = failed ? 0 : (int)nch;
+    return failed ? ATTN_ENOMEM : ATTN_OK;
+}
+
 int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out, TIN *lse)
 {
+    int64_t chunk = attn_decode_chunk(p);
+    if (chunk)
+        return ST(flash_decode)(p, q, k, v, out, lse, chunk);
     /* the workspace's q-block buffers hold whole panels; s holds one panel's probabilities */
     return ST(for_each_qblock)(p, q, k, v, out, lse, ST(round_up)(p->block_q, NR),
                                ST(round_up)(p->block_k, MR), NR,
