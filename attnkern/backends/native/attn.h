@@ -191,6 +191,13 @@ int attn_backward_f32(int isa, const attn_problem *p, const float *q, const floa
 int attn_backward_f64(int isa, const attn_problem *p, const double *q, const double *k,
                       const double *v, const double *out, const double *dout, const double *lse,
                       double *dq, double *dk, double *dv);
+/* The same for bfloat16 or float16 arrays (kind: enum attn_half) with a float32 lse
+ * (as precise as the caller has it): every array widened to float32 once, the
+ * float32 backward of the ISA (float32 products and accumulators), dq, dk and dv
+ * rounded to kind. */
+int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t *q, const uint16_t *k,
+                       const uint16_t *v, const uint16_t *out, const uint16_t *dout, const float *lse,
+                       uint16_t *dq, uint16_t *dk, uint16_t *dv);
 
 /* Machine ceilings for the roofline (attnkern roofline). attn_fma_peak: iters
  * register-only FMAs on 12 float32 vectors of the ISA, on each of num_threads

@@ -641,6 +641,51 @@ int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *o
 ATTN_DEFINE_BACKWARD(f32, float)
 ATTN_DEFINE_BACKWARD(f64, double)
 
+/* n elements of bfloat16 or float16 bits (kind) widened to float32, and back. */
+static void widen_half(int kind, const uint16_t *x, int64_t n, float *y)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = kind == ATTN_BF16 ? attn_bf16_to_f32(x[i]) : attn_f16_to_f32(x[i]);
+}
+static void round_half(int kind, const float *x, int64_t n, uint16_t *y)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = kind == ATTN_BF16 ? attn_f32_to_bf16(x[i]) : attn_f32_to_f16(x[i]);
+}
+
+int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t *q, const uint16_t *k,
+                       const uint16_t *v, const uint16_t *out, const uint16_t *dout, const float *lse,
+                       uint16_t *dq, uint16_t *dk, uint16_t *dv)
+{
+    if (kind != ATTN_BF16 && kind != ATTN_F16)
+        return ATTN_EINVAL;
+    int err = attn_check_problem(ATTN_FLASH, isa, p);
+    if (err)
+        return err;
+    const int64_t rows = p->batch * p->nq, rows_kv = p->batch / p->kv_group * p->nk;
+    const int64_t n[8] = {rows * p->d, rows_kv * p->d, rows_kv * p->dv, rows * p->dv, rows * p->dv,
+                          rows * p->d, rows_kv * p->d, rows_kv * p->dv};
+    const uint16_t *in[5] = {q, k, v, out, dout};
+    uint16_t *grad[3] = {dq, dk, dv};
+    float *w[8] = {0};
+    int failed = 0;
+    for (int a = 0; a < 8; a++) {
+        w[a] = attn_alloc(n[a] > 0 ? n[a] : 1, 1, sizeof(float));
+        failed |= !w[a];
+    }
+    if (!failed) {
+        for (int a = 0; a < 5; a++)
+            widen_half(kind, in[a], n[a], w[a]);
+        err = attn_backward_f32(isa, p, w[0], w[1], w[2], w[3], w[4], lse, w[5], w[6], w[7]);
+        if (err == ATTN_OK)
+            for (int a = 0; a < 3; a++)
+                round_half(kind, w[5 + a], n[5 + a], grad[a]);
+    }
+    for (int a = 0; a < 8; a++)
+        attn_free(w[a]);
+    return failed ? ATTN_ENOMEM : err;
+}
+
 static int fma_peak(int isa, int64_t iters, int num_threads, double *checksum)
 {
     switch (isa) {
