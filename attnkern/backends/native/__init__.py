@@ -128,7 +128,7 @@ def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1
     if q.itemsize == 2:  # float16 or bfloat16 (the core passes no other 2-byte dtype)
         bits = (x.view(np.uint16) for x in (q, k, v, out, dout))
         grads = (x.view(np.uint16) for x in (dq, dk, dv))
-        _attn.backward_half(active_isa(), q.dtype.name, *bits, np.ascontiguousarray(lse, dtype=np.float32), *grads,
+        _attn.backward_half(active_isa(), q.dtype.name, *bits, None if lse is None else np.ascontiguousarray(lse, dtype=np.float32), *grads,
                             causal, scale, block_q, block_k, num_threads, **_keywords(features))
         return dq, dk, dv
     _attn.backward(active_isa(), q, k, v, out, dout, lse, dq, dk, dv, causal, scale, block_q, block_k,
@@ -194,6 +194,7 @@ register(
         threads_used=_team,
         backward=_flash_backward,
         backward_dtypes=(*_FLOAT, *_HALF),
+        backward_recomputes_lse=_HALF,
         dtypes=(*_FLOAT, *_HALF),
         features=ALL_FEATURES,
     )

@@ -471,7 +471,8 @@ def backward_half(str isa, str kind, const uint16_t[:, :, ::1] q, const uint16_t
                   const int64_t[::1] cu_seqlens_k=None, const double[::1] alibi=None,
                   int64_t alibi_seq_stride=0):
     """backward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views,
-    with a float32 lse: float32 arithmetic inside, dq, dk, dv rounded to kind."""
+    with a float32 lse, or None: recomputed in float32 from q and k (out must be q, k,
+    v's own output); float32 arithmetic inside, dq, dk, dv rounded to kind."""
     cdef int err, i = ISAS.index(isa), h = HALF_KINDS[kind]
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward",
                                    align, window_left, window_right, seqlen_k, softcap)
@@ -480,7 +481,7 @@ def backward_half(str isa, str kind, const uint16_t[:, :, ::1] q, const uint16_t
     cdef int64_t batch_kv = k.shape[0]
     if ((out.shape[0], out.shape[1], out.shape[2]) != (p.batch, p.nq, p.dv)
             or (dout.shape[0], dout.shape[1], dout.shape[2]) != (p.batch, p.nq, p.dv)
-            or (lse.shape[0], lse.shape[1]) != (p.batch, p.nq)
+            or (lse is not None and (lse.shape[0], lse.shape[1]) != (p.batch, p.nq))
             or (dq.shape[0], dq.shape[1], dq.shape[2]) != (p.batch, p.nq, p.d)
             or (dk.shape[0], dk.shape[1], dk.shape[2]) != (batch_kv, p.nk, p.d)
             or (dv.shape[0], dv.shape[1], dv.shape[2]) != (batch_kv, p.nk, p.dv)):
@@ -490,7 +491,8 @@ def backward_half(str isa, str kind, const uint16_t[:, :, ::1] q, const uint16_t
     cdef const uint16_t *vp = &v[0, 0, 0] if v.size else NULL
     cdef const uint16_t *op = &out[0, 0, 0] if out.size else NULL
     cdef const uint16_t *dop = &dout[0, 0, 0] if dout.size else NULL
-    cdef const float *lp = &lse[0, 0] if lse.size else NULL
+    cdef float dummy = 0
+    cdef const float *lp = NULL if lse is None else (&lse[0, 0] if lse.size else &dummy)
     cdef uint16_t *dqp = &dq[0, 0, 0] if dq.size else NULL
     cdef uint16_t *dkp = &dk[0, 0, 0] if dk.size else NULL
     cdef uint16_t *dvp = &dv[0, 0, 0] if dv.size else NULL

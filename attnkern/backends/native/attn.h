@@ -192,9 +192,11 @@ int attn_backward_f64(int isa, const attn_problem *p, const double *q, const dou
                       const double *v, const double *out, const double *dout, const double *lse,
                       double *dq, double *dk, double *dv);
 /* The same for bfloat16 or float16 arrays (kind: enum attn_half) with a float32 lse
- * (as precise as the caller has it): every array widened to float32 once, the
- * float32 backward of the ISA (float32 products and accumulators), dq, dk and dv
- * rounded to kind. */
+ * (as precise as the caller has it), or lse NULL: the backward computes the rows'
+ * lse in float32 from q and k first (one more Q K^T; right only where out is
+ * q, k, v's own output, not a block's share of longer rows). Every array is widened
+ * to float32 once, the float32 backward of the ISA runs (float32 products and
+ * accumulators), dq, dk and dv are rounded to kind. */
 int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t *q, const uint16_t *k,
                        const uint16_t *v, const uint16_t *out, const uint16_t *dout, const float *lse,
                        uint16_t *dq, uint16_t *dk, uint16_t *dv);

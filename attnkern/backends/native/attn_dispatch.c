@@ -667,7 +667,7 @@ int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t 
                           rows * p->d, rows_kv * p->d, rows_kv * p->dv};
     const uint16_t *in[5] = {q, k, v, out, dout};
     uint16_t *grad[3] = {dq, dk, dv};
-    float *w[8] = {0};
+    float *w[8] = {0}, *own_lse = NULL;
     int failed = 0;
     for (int a = 0; a < 8; a++) {
         w[a] = attn_alloc(n[a] > 0 ? n[a] : 1, 1, sizeof(float));
@@ -676,13 +676,23 @@ int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t 
     if (!failed) {
         for (int a = 0; a < 5; a++)
             widen_half(kind, in[a], n[a], w[a]);
-        err = attn_backward_f32(isa, p, w[0], w[1], w[2], w[3], w[4], lse, w[5], w[6], w[7]);
+        if (!lse) {  /* the rows' lse in float32: the forward's scores alone (no output columns) */
+            attn_problem scores = *p;
+            scores.dv = 0;
+            scores.nonfinite = NULL;
+            own_lse = attn_alloc(rows > 0 ? rows : 1, 1, sizeof(float));
+            err = own_lse ? attn_forward_f32(ATTN_FLASH, isa, &scores, w[0], w[1], w[2], NULL, own_lse) : ATTN_ENOMEM;
+            lse = own_lse;
+        }
+        if (err == ATTN_OK)
+            err = attn_backward_f32(isa, p, w[0], w[1], w[2], w[3], w[4], lse, w[5], w[6], w[7]);
         if (err == ATTN_OK)
             for (int a = 0; a < 3; a++)
                 round_half(kind, w[5 + a], n[5 + a], grad[a]);
     }
     for (int a = 0; a < 8; a++)
         attn_free(w[a]);
+    attn_free(own_lse);
     return failed ? ATTN_ENOMEM : err;
 }
 

@@ -1245,8 +1245,8 @@ int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
  *   dQ_gamma += dS K                             (5)
  * where D_i = dO_i . O_i and lse2 = lse * log2(e). dK and dV of a key block are
  * written by their task; dQ_gamma is the task's own partial dQ (G of them, each
- * row owned by one task), and a last pass sums the G partials in the order of
- * gamma: every element of dq, dk and dv is summed in an order fixed by the block
+ * row owned by one task; a row no key block of the group reaches is neither
+ * written nor read), and a last pass sums the G partials in the order of gamma: every element of dq, dk and dv is summed in an order fixed by the block
  * sizes, bit-identical for every thread count. Accuracy: each matmul of a block
  * pair starts from zero (a chain of at most block_q or block_k products), and its
  * dK and dV are added to the running sums with Kahan's compensation, so their
@@ -1392,10 +1392,11 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
 
 /* dK and dV of keys [j0, j0 + kb) of k/v row bkv, summed over its query rows
  * bkv * kv_group + g in the order of g, and their dS K added to the partial dQ
- * pdq (rows of d_pad, laid out as q's rows). */
+ * pdq (rows of d_pad, laid out as q's rows): a row whose seen flag is 0 is written
+ * (and flagged), so partials need no zeroing and untouched rows no summing. */
 static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, const T *v,
                              const T *dout, const T *lse2, const T *dvec, T *dk, T *dv_out, T *pdq,
-                             ST(bwd_ws) *w, int64_t bkv, int64_t j0, int64_t kb)
+                             uint8_t *seen, ST(bwd_ws) *w, int64_t bkv, int64_t j0, int64_t kb)
 {
     const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bq = p->block_q;
     const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
@@ -1477,9 +1478,18 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
             ST(gemm_ab)(w->dp, ldc, 1, kbh, w->pack, qb, d, w->tmp, d_pad);                /* (4) dK */
             ST(kahan_add)(w->acc2, w->c2, w->tmp, kbh * d_pad);
             ST(gemm_ab)(w->dp, 1, ldc, qb, w->packk, kbh, d, w->dqs, d_pad);               /* (5) dQ */
-            T *pr = pdq + (bh * nq + i0) * d_pad;
-            for (int64_t i = 0; i < qb * d_pad; i += VW)
-                V(storeu)(pr + i, V(add)(V(loadu)(pr + i), V(load)(w->dqs + i)));
+            for (int64_t r = 0; r < qb; r++) {
+                T *pr = pdq + (bh * nq + i0 + r) * d_pad;
+                const T *x = w->dqs + r * d_pad;
+                if (seen[bh * nq + i0 + r]) {
+                    for (int64_t c = 0; c < d_pad; c += VW)
+                        V(storeu)(pr + c, V(add)(V(loadu)(pr + c), V(load)(x + c)));
+                } else {
+                    for (int64_t c = 0; c < d_pad; c += VW)
+                        V(storeu)(pr + c, V(load)(x + c));
+                    seen[bh * nq + i0 + r] = 1;
+                }
+            }
         }
     }
     const T scale = (T)p->scale;
@@ -1494,7 +1504,7 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
 /* The number of key groups: enough (k/v row, group) tasks to balance threads
  * (ATTN_BWD_TASKS), at most one per key block, and partial dQ buffers within
  * ATTN_BWD_PARTIAL_BYTES. A function of the problem's sizes only. */
-#define ATTN_BWD_TASKS 64
+#define ATTN_BWD_TASKS 32
 #define ATTN_BWD_PARTIAL_BYTES ((int64_t)1 << 28)
 static int64_t ST(bwd_groups)(int64_t tasks, int64_t nkb, int64_t partial_bytes)
 {
@@ -1525,7 +1535,8 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     const int64_t G = ST(bwd_groups)(units, nkb, rows * d_pad * (int64_t)sizeof(T));
     T *lse2 = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
     T *pdq = attn_alloc(G * rows > 0 ? G * rows : 1, d_pad, sizeof(T));
-    int failed = !(lse2 && dvec && pdq);
+    uint8_t *seen = attn_alloc(G * rows > 0 ? G * rows : 1, 1, 1);  /* per partial row: written yet */
+    int failed = !(lse2 && dvec && pdq && seen);
     if (!failed) {
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
         for (int64_t i = 0; i < rows; i++) {
@@ -1563,12 +1574,12 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
                     bkv = u % batch_kv;
                 }
                 T *part = pdq + gamma * rows * d_pad + qo * d_pad;
-                for (int64_t g = 0; g < p->kv_group; g++)  /* the task's rows of its partial dQ */
-                    memset(part + (bkv * p->kv_group + g) * sp.nq * d_pad, 0, (size_t)(sp.nq * d_pad) * sizeof(T));
+                uint8_t *pseen = seen + gamma * rows + qo;
+                memset(pseen + bkv * p->kv_group * sp.nq, 0, (size_t)(p->kv_group * sp.nq));  /* the task's rows */
                 for (int64_t j0 = gamma * p->block_k; j0 < sp.nk; j0 += G * p->block_k) {
                     int64_t kb = sp.nk - j0 < p->block_k ? sp.nk - j0 : p->block_k;
                     ST(bwd_kv_block)(&sp, q + qo * d, k + ko * d, v + ko * dvn, dout + qo * dvn, lse2 + qo,
-                                     dvec + qo, dk + ko * d, dv + ko * dvn, part, &w, bkv, j0, kb);
+                                     dvec + qo, dk + ko * d, dv + ko * dvn, part, pseen, &w, bkv, j0, kb);
                 }
             }
             if (ok)
@@ -1579,16 +1590,23 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         const T scale = (T)p->scale;
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
         for (int64_t i = 0; i < rows; i++)
+        {
+            int64_t first = 0;  /* the first partial that holds row i */
+            while (first < G && !seen[first * rows + i])
+                first++;
             for (int64_t c = 0; c < d; c++) {
-                T acc = pdq[i * d_pad + c];
-                for (int64_t gm = 1; gm < G; gm++)
-                    acc += pdq[(gm * rows + i) * d_pad + c];
+                T acc = first < G ? pdq[(first * rows + i) * d_pad + c] : 0;
+                for (int64_t gm = first + 1; gm < G; gm++)
+                    if (seen[gm * rows + i])
+                        acc += pdq[(gm * rows + i) * d_pad + c];
                 dq[i * d + c] = acc * scale;
             }
+        }
     }
     attn_free(lse2);
     attn_free(dvec);
     attn_free(pdq);
+    attn_free(seen);
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
