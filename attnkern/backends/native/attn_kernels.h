@@ -1238,12 +1238,12 @@ int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
  * strided so that causal groups get equal work). For each of its key blocks, for
  * each of the k/v row's query rows (kv_group of them, in order) and each query
  * block that sees the key block:
- *   S^T = K Q^T, P^T = 2^(S^T - lse2)            (1)
+ *   S^T = K Q^T, P^T = e^(S^T - lse)             (1)
  *   dV += P^T dO                                 (2)
  *   dP^T = V dO^T, dS^T = P^T (dP^T - D)         (3)
  *   dK += dS^T Q                                 (4)
  *   dQ_gamma += dS K                             (5)
- * where D_i = dO_i . O_i and lse2 = lse * log2(e). dK and dV of a key block are
+ * where D_i = dO_i . O_i; scores stay natural-log values (exp_sub). dK and dV of a key block are
  * written by their task; dQ_gamma is the task's own partial dQ (G of them, each
  * row owned by one task; a row no key block of the group reaches is neither
  * written nor read), and a last pass sums the G partials in the order of gamma: every element of dq, dk and dv is summed in an order fixed by the block
@@ -1321,11 +1321,15 @@ static void ST(kahan_add)(T *s, T *comp, const T *x, int64_t n)
     }
 }
 
-/* x[0:n) = 2^(x - m[0:n)) elementwise (n a multiple of VW; m = +inf gives 0). */
-static void ST(exp2_sub)(T *x, const T *m, int64_t n)
+/* x[0:n) = e^(x - m[0:n)) = 2^((x - m) log2(e)) elementwise (n a multiple of VW;
+ * m = +inf gives 0). The scores x and the lse m are natural-log values: x - m is
+ * formed before the change of base, so it carries the rounding of x alone (log2-
+ * domain scores and lse, 1.44 times larger, would round to up to twice that). */
+static void ST(exp_sub)(T *x, const T *m, int64_t n)
 {
+    VT l2e = V(set1)((T)ATTN_LOG2E);
     for (int64_t j = 0; j < n; j += VW)
-        V(store)(x + j, ST(vexp2)(V(sub)(V(load)(x + j), V(loadu)(m + j))));
+        V(store)(x + j, ST(vexp2)(V(mul)(V(sub)(V(load)(x + j), V(loadu)(m + j)), l2e)));
 }
 
 /* x[0:n) *= g[0:n) (n a multiple of VW): dS times the softcap's derivative. */
@@ -1350,7 +1354,7 @@ typedef struct {
     T *acc1, *acc2, *c1, *c2; /* dV and dK of the key block and their Kahan compensations */
     T *tmp;      /* one block pair's dV or dK product */
     T *dqs;      /* one block pair's dQ product, queries x d_pad */
-    T *m, *dd;   /* per query column: lse2 and D, padded */
+    T *m, *dd;   /* per query column: lse and D, padded */
     T *g;        /* with a softcap: its derivative 1 - tanh^2 at each score */
     T *z;        /* with dropout: Z, then P * Z */
 } ST(bwd_ws);
@@ -1395,14 +1399,15 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
  * pdq (rows of d_pad, laid out as q's rows): a row whose seen flag is 0 is written
  * (and flagged), so partials need no zeroing and untouched rows no summing. */
 static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, const T *v,
-                             const T *dout, const T *lse2, const T *dvec, T *dk, T *dv_out, T *pdq,
+                             const T *dout, const T *lse, const T *dvec, T *dk, T *dv_out, T *pdq,
                              uint8_t *seen, ST(bwd_ws) *w, int64_t bkv, int64_t j0, int64_t kb)
 {
     const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bq = p->block_q;
     const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
-    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
+    const T cap = (T)p->softcap;
     const T *kr = k + (bkv * nk + j0) * d, *vr = v + (bkv * nk + j0) * dv;
-    ST(scale_rows)(kr, kb, d, ST(score_factor)(p), w->a);
+    /* natural-log scores (exp_sub): scale, or with a softcap c, scale / c for the tanh */
+    ST(scale_rows)(kr, kb, d, (T)(p->softcap > 0 ? p->scale / p->softcap : p->scale), w->a);
     for (int64_t i = 0; i < kb * dp_pad; i++)
         w->acc1[i] = w->c1[i] = 0;
     for (int64_t i = 0; i < kb * d_pad; i++)
@@ -1426,25 +1431,25 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
         for (int64_t i0 = kbh ? istart / bq * bq : nq; i0 < iend; i0 += bq) {
             int64_t qb = iend - i0 < bq ? iend - i0 : bq, qb_vw = ST(round_up)(qb, VW);
             for (int64_t i = 0; i < ldc; i++) {  /* padding columns: P = 0, D = 0 */
-                w->m[i] = i < qb ? lse2[bh * nq + i0 + i] : (T)INFINITY;
+                w->m[i] = i < qb ? lse[bh * nq + i0 + i] : (T)INFINITY;
                 w->dd[i] = i < qb ? dvec[bh * nq + i0 + i] : 0;
             }
             ST(gemm_abt)(w->pack, w->a, kbh, d, qh + i0 * d, qb, d, w->s, ldc);        /* (1) S^T */
             for (int64_t j = 0; j < kbh; j++) {
                 T *pj = w->s + j * ldc;
-                if (cap2 != 0)
-                    ST(softcap_row)(pj, w->g + j * ldc, qb_vw, cap2);
+                if (cap != 0)
+                    ST(softcap_row)(pj, w->g + j * ldc, qb_vw, cap);
                 if (p->mask) {
                     int64_t off = mbase + (j0 + j) * p->mask_stride[3] + i0 * p->mask_stride[2];
                     for (int64_t i = 0; i < qb; i++)
-                        pj[i] += (T)attn_mask_log2(p, off + i * p->mask_stride[2]);
+                        pj[i] += (T)(attn_mask_log2(p, off + i * p->mask_stride[2]) * ATTN_LN2);
                 }
                 if (p->alibi) {
-                    const T a2 = (T)(p->alibi[bh] * ATTN_LOG2E);
+                    const T a = (T)p->alibi[bh];
                     for (int64_t i = 0; i < qb; i++)
-                        pj[i] -= a2 * (T)llabs(i0 + i + sp.len - nq - (j0 + j));
+                        pj[i] -= a * (T)llabs(i0 + i + sp.len - nq - (j0 + j));
                 }
-                ST(exp2_sub)(pj, w->m, qb_vw);
+                ST(exp_sub)(pj, w->m, qb_vw);
                 /* query i0 + i sees key j0 + j only if j0 + j - hi <= i0 + i <= j0 + j - lo */
                 int64_t first = attn_clamp(j0 + j - sp.hi - i0, qb), past = attn_clamp(j0 + j - sp.lo + 1 - i0, qb);
                 for (int64_t i = 0; i < first; i++)
@@ -1471,7 +1476,7 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
             ST(kahan_add)(w->acc1, w->c1, w->tmp, kbh * dp_pad);
             for (int64_t j = 0; j < kbh; j++) {
                 ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
-                if (cap2 != 0)
+                if (cap != 0)
                     ST(mul_row)(w->dp + j * ldc, w->g + j * ldc, qb_vw);
             }
             ST(pack_v)(qh + i0 * d, qb, d, w->pack);
@@ -1501,42 +1506,52 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
     }
 }
 
-/* The number of key groups: enough (k/v row, group) tasks to balance threads
- * (ATTN_BWD_TASKS), at most one per key block, and partial dQ buffers within
- * ATTN_BWD_PARTIAL_BYTES. A function of the problem's sizes only. */
+/* The number of key groups of a (sequence of a) problem: enough (k/v row, group)
+ * tasks to balance threads (ATTN_BWD_TASKS), at most one per key block, and partial
+ * dQ buffers within ATTN_BWD_PARTIAL_BYTES. A function of the sequence's sizes
+ * only, so that a varlen batch sums each sequence as a call of its own would. */
 #define ATTN_BWD_TASKS 32
 #define ATTN_BWD_PARTIAL_BYTES ((int64_t)1 << 28)
-static int64_t ST(bwd_groups)(int64_t tasks, int64_t nkb, int64_t partial_bytes)
+static int64_t ST(bwd_groups)(const attn_problem *p, int64_t nq, int64_t nk)
 {
-    int64_t g = (ATTN_BWD_TASKS + tasks - 1) / (tasks > 0 ? tasks : 1);
+    const int64_t batch_kv = p->batch / p->kv_group, nkb = (nk + p->block_k - 1) / p->block_k;
+    const int64_t bytes = p->batch * nq * ST(round_up)(p->d, NR) * (int64_t)sizeof(T);
+    int64_t g = (ATTN_BWD_TASKS + batch_kv - 1) / batch_kv;
     if (g > nkb)
         g = nkb;
-    if (partial_bytes > 0 && g > ATTN_BWD_PARTIAL_BYTES / partial_bytes)
-        g = ATTN_BWD_PARTIAL_BYTES / partial_bytes;
+    if (bytes > 0 && g > ATTN_BWD_PARTIAL_BYTES / bytes)
+        g = ATTN_BWD_PARTIAL_BYTES / bytes;
     return g < 1 ? 1 : g;
 }
 
 int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v, const T *out,
                        const T *dout, const T *lse, T *dq, T *dk, T *dv)
 {
-    const int64_t nq = p->nq, nk = p->nk, d = p->d, dvn = p->dv, rows = p->batch * nq;
+    const int64_t d = p->d, dvn = p->dv, rows = p->batch * p->nq;
     const int64_t batch_kv = p->batch / p->kv_group, d_pad = ST(round_up)(d, NR);
     const int features = attn_features_on(p);
-    /* key blocks of the longest sequence, and the (sequence, k/v row) tasks */
-    int64_t nkb = (nk + p->block_k - 1) / p->block_k, units = batch_kv;
-    if (p->cu_seqlens_q) {
-        nkb = 0;
-        for (int64_t s = 0; s < p->nseq; s++) {
-            int64_t n = (p->cu_seqlens_k[s + 1] - p->cu_seqlens_k[s] + p->block_k - 1) / p->block_k;
-            nkb = n > nkb ? n : nkb;
+    /* per sequence s (one without varlen): its groups G[s], its tasks from items[s]
+     * (batch_kv * G[s]), its first row rstart[s] (of q, dq) and the first row poff[s]
+     * of its partials (G[s] blocks of its rows) */
+    const int64_t nseq = p->cu_seqlens_q ? p->nseq : 1;
+    int64_t *G = attn_alloc(nseq + 1, 4, sizeof(int64_t));
+    int64_t *items = G ? G + nseq : NULL, *rstart = G ? G + 2 * nseq + 1 : NULL, *poff = G ? G + 3 * nseq + 2 : NULL;
+    if (G) {
+        items[0] = rstart[0] = poff[0] = 0;
+        for (int64_t s = 0; s < nseq; s++) {
+            int64_t nq_s = p->cu_seqlens_q ? p->cu_seqlens_q[s + 1] - p->cu_seqlens_q[s] : p->nq;
+            int64_t nk_s = p->cu_seqlens_q ? p->cu_seqlens_k[s + 1] - p->cu_seqlens_k[s] : p->nk;
+            G[s] = ST(bwd_groups)(p, nq_s, nk_s);
+            items[s + 1] = items[s] + batch_kv * G[s];
+            rstart[s + 1] = rstart[s] + p->batch * nq_s;
+            poff[s + 1] = poff[s] + G[s] * p->batch * nq_s;
         }
-        units = batch_kv * p->nseq;
     }
-    const int64_t G = ST(bwd_groups)(units, nkb, rows * d_pad * (int64_t)sizeof(T));
-    T *lse2 = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
-    T *pdq = attn_alloc(G * rows > 0 ? G * rows : 1, d_pad, sizeof(T));
-    uint8_t *seen = attn_alloc(G * rows > 0 ? G * rows : 1, 1, 1);  /* per partial row: written yet */
-    int failed = !(lse2 && dvec && pdq && seen);
+    const int64_t prow = G ? poff[nseq] : 0;
+    T *lse_rows = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
+    T *pdq = attn_alloc(prow > 0 ? prow : 1, d_pad, sizeof(T));
+    uint8_t *seen = attn_alloc(prow > 0 ? prow : 1, 1, 1);  /* per partial row: written yet */
+    int failed = !(G && lse_rows && dvec && pdq && seen);
     if (!failed) {
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
         for (int64_t i = 0; i < rows; i++) {
@@ -1544,10 +1559,10 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
             for (int64_t c = 0; c < dvn; c++)
                 acc += dout[i * dvn + c] * out[i * dvn + c];
             dvec[i] = acc;
-            lse2[i] = (T)((double)lse[i] * ATTN_LOG2E);
-            /* a row that saw no key (lse -inf): P = 2^(s - inf) = 0, zero gradients */
-            if (features && lse2[i] == -INFINITY)
-                lse2[i] = INFINITY;
+            lse_rows[i] = lse[i];
+            /* a row that saw no key (lse -inf): P = e^(s - inf) = 0, zero gradients */
+            if (features && lse_rows[i] == -INFINITY)
+                lse_rows[i] = INFINITY;
         }
     }
     if (!failed) {
@@ -1561,24 +1576,23 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
                 failed = 1;
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < units * G; t++) {
+            for (int64_t t = 0; t < items[nseq]; t++) {
                 if (!ok)
                     continue;
-                /* task t: key group gamma of unit t / G, a k/v row (of a sequence with varlen:
-                 * a problem of its own at its offsets) */
-                const int64_t gamma = t % G, u = t / G;
+                /* task t: key group gamma of k/v row bkv of sequence s (with varlen a
+                 * problem of its own at its offsets) */
+                const int64_t s = attn_varlen_seq(items, nseq, t), u = t - items[s];
+                const int64_t gamma = u % G[s], bkv = u / G[s], srows = rstart[s + 1] - rstart[s];
                 attn_problem sp = *p;
-                int64_t qo = 0, ko = 0, bkv = u;
-                if (p->cu_seqlens_q) {
-                    sp = attn_varlen_sub(p, u / batch_kv, &qo, &ko);
-                    bkv = u % batch_kv;
-                }
-                T *part = pdq + gamma * rows * d_pad + qo * d_pad;
-                uint8_t *pseen = seen + gamma * rows + qo;
+                int64_t qo = 0, ko = 0;
+                if (p->cu_seqlens_q)
+                    sp = attn_varlen_sub(p, s, &qo, &ko);
+                T *part = pdq + (poff[s] + gamma * srows) * d_pad;
+                uint8_t *pseen = seen + poff[s] + gamma * srows;
                 memset(pseen + bkv * p->kv_group * sp.nq, 0, (size_t)(p->kv_group * sp.nq));  /* the task's rows */
-                for (int64_t j0 = gamma * p->block_k; j0 < sp.nk; j0 += G * p->block_k) {
+                for (int64_t j0 = gamma * p->block_k; j0 < sp.nk; j0 += G[s] * p->block_k) {
                     int64_t kb = sp.nk - j0 < p->block_k ? sp.nk - j0 : p->block_k;
-                    ST(bwd_kv_block)(&sp, q + qo * d, k + ko * d, v + ko * dvn, dout + qo * dvn, lse2 + qo,
+                    ST(bwd_kv_block)(&sp, q + qo * d, k + ko * d, v + ko * dvn, dout + qo * dvn, lse_rows + qo,
                                      dvec + qo, dk + ko * d, dv + ko * dvn, part, pseen, &w, bkv, j0, kb);
                 }
             }
@@ -1589,21 +1603,23 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     if (!failed) {  /* dq = scale * the partials' sum, in the order of gamma */
         const T scale = (T)p->scale;
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
-        for (int64_t i = 0; i < rows; i++)
-        {
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t s = attn_varlen_seq(rstart, nseq, i), srows = rstart[s + 1] - rstart[s];
+            const int64_t r0 = poff[s] + i - rstart[s];  /* row i in the sequence's first partial */
             int64_t first = 0;  /* the first partial that holds row i */
-            while (first < G && !seen[first * rows + i])
+            while (first < G[s] && !seen[r0 + first * srows])
                 first++;
             for (int64_t c = 0; c < d; c++) {
-                T acc = first < G ? pdq[(first * rows + i) * d_pad + c] : 0;
-                for (int64_t gm = first + 1; gm < G; gm++)
-                    if (seen[gm * rows + i])
-                        acc += pdq[(gm * rows + i) * d_pad + c];
+                T acc = first < G[s] ? pdq[(r0 + first * srows) * d_pad + c] : 0;
+                for (int64_t gm = first + 1; gm < G[s]; gm++)
+                    if (seen[r0 + gm * srows])
+                        acc += pdq[(r0 + gm * srows) * d_pad + c];
                 dq[i * d + c] = acc * scale;
             }
         }
     }
-    attn_free(lse2);
+    attn_free(G);
+    attn_free(lse_rows);
     attn_free(dvec);
     attn_free(pdq);
     attn_free(seen);
