@@ -192,10 +192,6 @@ class Kernel:
     # the input dtypes the backward takes, where there is one (the forward may take more:
     # native.flash and cuda.flash compute float16/bfloat16 forwards, not their gradients)
     backward_dtypes: tuple[str, ...] = ("float32", "float64")
-    # the input dtypes for which the backward also takes lse=None and then computes the
-    # rows' lse itself in float32 from q and k (right only where out is q, k, v's own
-    # output): autograd passes None there, its forward's lse being rounded to that dtype
-    backward_recomputes_lse: tuple[str, ...] = ()
     # the input dtypes it computes in (names as NumPy spells them; "bfloat16" is
     # ml_dtypes.bfloat16 on the host, torch.bfloat16 for tensors)
     dtypes: tuple[str, ...] = ("float32", "float64")

@@ -91,9 +91,8 @@ def backward(q, k, v, out, dout, lse, *, call, chosen, resolved):
     d, dv, batch_kv = call.q.shape[2], call.v.shape[2], call.k.shape[0]
     if dout is None or batch * nq * nk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    # lse None: the kernel's backward computes it (Kernel.backward_recomputes_lse)
     arrays = views((q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(),
-                    *(() if lse is None else (lse.contiguous(),))))
+                    lse.contiguous()))
     shapes = ((batch, nq, d), (batch_kv, nk, d), (batch_kv, nk, dv), (batch, nq, dv), (batch, nq, dv), (batch, nq))
     if call.device:
         from . import _gpu
@@ -106,6 +105,5 @@ def backward(q, k, v, out, dout, lse, *, call, chosen, resolved):
                         **call.feature_args(), **resolved)
         return tuple(grads)
     inputs = [np.ascontiguousarray(x).reshape(s) for x, s in zip(arrays, shapes)]
-    inputs += [None] * (6 - len(inputs))
     dq, dk, dv_ = chosen.backward(*inputs, call.causal, call.scale, **call.feature_args(), **resolved)
     return tuple(from_numpy(g).reshape(x.shape) for g, x in zip((dq, dk, dv_), (q, k, v)))

@@ -217,3 +217,22 @@ def test_amx_says_why_it_cannot_run_here():
     q = np.ones((1, 8, 4), BF16)
     with forced_isa("amx"), pytest.raises(RuntimeError, match="ATTNKERN_ISA='amx'.*not supported"):
         attnkern.attention(q, q, q, kernel="native.flash")
+
+
+def test_half_backward_keeps_the_lse_of_longer_rows():
+    """attention_backward with out and lse of whole rows and k, v one block of their keys
+    (a ring step): the given lse is not the block's own, so the half backward uses it as
+    given, and equals the float32 backward of the widened arrays rounded to bfloat16;
+    with the block's own (rounded) lse it uses its float32 recomputation instead."""
+    rng = np.random.default_rng(10)
+    q, k, v = random_qkv(rng, (2,), 40, 64, 16, 8, BF16)
+    dout = rng.standard_normal((2, 40, 8)).astype(BF16)
+    out, lse = attnkern.attention(q, k, v, kernel="native.flash", return_lse=True)
+    block = (q, k[:, :32], v[:, :32])
+    half = attnkern.attention_backward(*block, out, dout, lse, kernel="native.flash")
+    wide = attnkern.attention_backward(*(x.astype(np.float32) for x in (*block, out, dout, lse)), kernel="native.flash")
+    for h, w in zip(half, wide):
+        assert np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16))
+    own = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="native.flash")
+    plain = attnkern.attention_backward(*(x.astype(np.float32) for x in (q, k, v, out, dout, lse)), kernel="native.flash")
+    assert any(not np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16)) for h, w in zip(own, plain))

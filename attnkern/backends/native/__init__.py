@@ -123,12 +123,13 @@ def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1
     block from the forward's lse: memory O(threads * block_k * block_q) plus partial dq
     buffers, never N x N. dk and dv have k's rows (fewer than q's under grouped-query
     attention). float32 and float64 natively; bfloat16 and float16 widened to float32
-    (float32 products and accumulators), the gradients rounded to the inputs' dtype."""
+    (float32 products and accumulators; the rows' lse recomputed in float32 where the
+    given one is it rounded to the dtype), the gradients rounded to the inputs' dtype."""
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     if q.itemsize == 2:  # float16 or bfloat16 (the core passes no other 2-byte dtype)
         bits = (x.view(np.uint16) for x in (q, k, v, out, dout))
         grads = (x.view(np.uint16) for x in (dq, dk, dv))
-        _attn.backward_half(active_isa(), q.dtype.name, *bits, None if lse is None else np.ascontiguousarray(lse, dtype=np.float32), *grads,
+        _attn.backward_half(active_isa(), q.dtype.name, *bits, np.ascontiguousarray(lse, dtype=np.float32), *grads,
                             causal, scale, block_q, block_k, num_threads, **_keywords(features))
         return dq, dk, dv
     _attn.backward(active_isa(), q, k, v, out, dout, lse, dq, dk, dv, causal, scale, block_q, block_k,
@@ -194,7 +195,6 @@ register(
         threads_used=_team,
         backward=_flash_backward,
         backward_dtypes=(*_FLOAT, *_HALF),
-        backward_recomputes_lse=_HALF,
         dtypes=(*_FLOAT, *_HALF),
         features=ALL_FEATURES,
     )

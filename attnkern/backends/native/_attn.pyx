@@ -471,8 +471,9 @@ def backward_half(str isa, str kind, const uint16_t[:, :, ::1] q, const uint16_t
                   const int64_t[::1] cu_seqlens_k=None, const double[::1] alibi=None,
                   int64_t alibi_seq_stride=0):
     """backward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views,
-    with a float32 lse, or None: recomputed in float32 from q and k (out must be q, k,
-    v's own output); float32 arithmetic inside, dq, dk, dv rounded to kind."""
+    with a float32 lse (None: out is q, k, v's own output): float32 arithmetic inside, the
+    rows' lse recomputed in float32 where the given one is it rounded to kind (attn.h),
+    dq, dk, dv rounded to kind."""
     cdef int err, i = ISAS.index(isa), h = HALF_KINDS[kind]
     cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward",
                                    align, window_left, window_right, seqlen_k, softcap)
