@@ -1321,15 +1321,27 @@ static void ST(kahan_add)(T *s, T *comp, const T *x, int64_t n)
     }
 }
 
-/* x[0:n) = e^(x - m[0:n)) = 2^((x - m) log2(e)) elementwise (n a multiple of VW;
- * m = +inf gives 0). The scores x and the lse m are natural-log values: x - m is
- * formed before the change of base, so it carries the rounding of x alone (log2-
- * domain scores and lse, 1.44 times larger, would round to up to twice that). */
+/* x[0:n) = e^(x - m[0:n)) elementwise (n a multiple of VW; m = +inf gives 0). The
+ * scores x and the lse m are natural-log values and y = x - m is formed first, so it
+ * carries the rounding of x alone (log2-domain scores and lse, 1.44 times larger,
+ * would round to up to twice that). The change of base keeps its rounding error:
+ * y log2(e) = hi + lo exactly to first order (lo from an FMA and log2(e)'s own low
+ * part), and e^y = 2^hi (1 + lo ln 2), so a probability's relative error does not
+ * grow with |y|. */
 static void ST(exp_sub)(T *x, const T *m, int64_t n)
 {
-    VT l2e = V(set1)((T)ATTN_LOG2E);
-    for (int64_t j = 0; j < n; j += VW)
-        V(store)(x + j, ST(vexp2)(V(mul)(V(sub)(V(load)(x + j), V(loadu)(m + j)), l2e)));
+    const VT l2e = V(set1)((T)ATTN_LOG2E), l2e_lo = V(set1)((T)(ATTN_LOG2E - (double)(T)ATTN_LOG2E));
+    /* y below -1000 (a masked score, a padding column: -inf) gives exactly 0 through
+     * vexp2's clamp, with a finite lo; a NaN y stays NaN (the max's second operand) */
+    const VT ln2 = V(set1)((T)ATTN_LN2), floor = V(set1)((T)-1000);
+    for (int64_t j = 0; j < n; j += VW) {
+        VT y = V(max)(floor, V(sub)(V(load)(x + j), V(loadu)(m + j)));
+        VT hi = V(mul)(y, l2e);
+        VT lo = V(fma)(y, l2e_lo, V(fma)(y, l2e, V(sub)(V(zero)(), hi)));
+        VT e = ST(vexp2)(hi);
+        VT c = V(mul)(lo, ln2);
+        V(store)(x + j, V(fma)(e, c, e));
+    }
 }
 
 /* x[0:n) *= g[0:n) (n a multiple of VW): dS times the softcap's derivative. */
