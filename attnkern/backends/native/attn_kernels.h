@@ -1243,15 +1243,16 @@ int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
  *   dP^T = V dO^T, dS^T = P^T (dP^T - D)         (3)
  *   dK += dS^T Q                                 (4)
  *   dQ_gamma += dS K                             (5)
- * where D_i = dO_i . O_i; scores stay natural-log values (exp_sub). dK and dV of a key block are
+ * where D_i = dO_i . O_i; scores are the forward's own (exp_sub). dK and dV of a key block are
  * written by their task; dQ_gamma is the task's own partial dQ (G of them, each
  * row owned by one task; a row no key block of the group reaches is neither
- * written nor read), and a last pass sums the G partials in the order of gamma: every element of dq, dk and dv is summed in an order fixed by the block
- * sizes, bit-identical for every thread count. Accuracy: each matmul of a block
- * pair starts from zero (a chain of at most block_q or block_k products), and its
- * dK and dV are added to the running sums with Kahan's compensation, so their
- * rounding error does not grow with the number of query blocks. dQ and dK take
- * the scale last. */
+ * written nor read), and a last pass sums the G partials in the order of gamma:
+ * every element of dq, dk and dv is summed in an order fixed by the block sizes,
+ * bit-identical for every thread count. Accuracy: S^T is the forward's own (its
+ * rounding cancels against the lse's), each matmul sums at most ATTN_BWD_CHAIN
+ * products in one FMA chain, and dK and dV add the chains to their running sums
+ * with Kahan's compensation, so their rounding does not grow with N. dQ and dK
+ * take the scale last. */
 
 /* c[0:rows, 0:round_up(ncols, NR)) = a . b^T: a is rows x kdim (row stride lda),
  * b is ncols x kdim (row stride kdim), packed into pack first; c has row stride ldc. */
@@ -1295,20 +1296,26 @@ static ATTN_INLINE void ST(tile_ab)(int mr, int64_t kdim, const T *a, int64_t ar
 }
 
 /* c[0:rows, 0:round_up(ncols, NR)) = A . b with A[r][t] = a[r * ars + t * ats]
- * (rows x kdim) and b packed by pack_v (kdim rows, ncols columns); c has row stride ldc. */
-static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, const T *pack, int64_t kdim,
-                        int64_t ncols, T *c, int64_t ldc)
+ * (rows x kdim) and b kdim rows of panels packed by pack_v (kpanel rows a panel, ncols
+ * columns); c has row stride ldc. */
+static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, const T *pack, int64_t kpanel,
+                        int64_t kdim, int64_t ncols, T *c, int64_t ldc)
 {
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
         for (int64_t c0 = 0; c0 < ncols; c0 += NR) {
             if (mr == MR)
-                ST(tile_ab)(MR, kdim, a + r0 * ars, ars, ats, pack + c0 * kdim, c + r0 * ldc + c0, ldc);
+                ST(tile_ab)(MR, kdim, a + r0 * ars, ars, ats, pack + c0 * kpanel, c + r0 * ldc + c0, ldc);
             else
-                ST(tile_ab)(mr, kdim, a + r0 * ars, ars, ats, pack + c0 * kdim, c + r0 * ldc + c0, ldc);
+                ST(tile_ab)(mr, kdim, a + r0 * ars, ars, ats, pack + c0 * kpanel, c + r0 * ldc + c0, ldc);
         }
     }
 }
+
+/* dK and dV sum their products over at most ATTN_BWD_CHAIN queries in one FMA chain,
+ * then add the chain to their running sums with Kahan's compensation; dQ sums at most
+ * ATTN_BWD_CHAIN keys in one chain before adding it to its partial. */
+#define ATTN_BWD_CHAIN 64
 
 /* s[0:n) += x[0:n) with Kahan's compensation comp (n a multiple of VW). */
 static void ST(kahan_add)(T *s, T *comp, const T *x, int64_t n)
@@ -1321,26 +1328,30 @@ static void ST(kahan_add)(T *s, T *comp, const T *x, int64_t n)
     }
 }
 
-/* x[0:n) = e^(x - m[0:n)) elementwise (n a multiple of VW; m = +inf gives 0). The
- * scores x and the lse m are natural-log values and y = x - m is formed first, so it
- * carries the rounding of x alone (log2-domain scores and lse, 1.44 times larger,
- * would round to up to twice that). The change of base keeps its rounding error:
- * y log2(e) = hi + lo exactly to first order (lo from an FMA and log2(e)'s own low
- * part), and e^y = 2^hi (1 + lo ln 2), so a probability's relative error does not
- * grow with |y|. */
+/* x[0:n) = 2^(x - m2[0:n)) for scores x in the forward's log2 domain and the natural-log
+ * lse m (n a multiple of VW; m = +inf gives 0), to a few ulp of the result whatever the
+ * size of the scores: y = x ln 2 - m is formed in natural-log units by an FMA with ln 2's
+ * low part added (x rounded exactly as the forward rounded it, m as precise as stored;
+ * lse * log2(e) rounded to T would shift every probability of a row by up to its half
+ * ulp of about 10), and e^y = 2^(y log2 e) keeps the change of base's rounding error:
+ * y log2(e) = hi + lo to first order (an FMA and log2(e)'s low part), e^y = 2^hi (1 + lo ln 2). */
 static void ST(exp_sub)(T *x, const T *m, int64_t n)
 {
+    const VT ln2 = V(set1)((T)ATTN_LN2), ln2_lo = V(set1)((T)(ATTN_LN2 - (double)(T)ATTN_LN2));
     const VT l2e = V(set1)((T)ATTN_LOG2E), l2e_lo = V(set1)((T)(ATTN_LOG2E - (double)(T)ATTN_LOG2E));
-    /* y below -1000 (a masked score, a padding column: -inf) gives exactly 0 through
-     * vexp2's clamp, with a finite lo; a NaN y stays NaN (the max's second operand) */
-    const VT ln2 = V(set1)((T)ATTN_LN2), floor = V(set1)((T)-1000);
+    /* y below -1000 (a masked score, x = -inf, or a padding column, m = +inf) gives
+     * exactly 0 through vexp2's clamp with every term finite (ln 2's low part times x
+     * clamped at -1e30, where it is not what decides); a NaN stays NaN (the max's
+     * second operand) */
+    const VT floor = V(set1)((T)-1000), xfloor = V(set1)((T)-1e30);
     for (int64_t j = 0; j < n; j += VW) {
-        VT y = V(max)(floor, V(sub)(V(load)(x + j), V(loadu)(m + j)));
+        VT xv = V(load)(x + j);
+        VT y = V(fma)(V(max)(xfloor, xv), ln2_lo, V(fma)(xv, ln2, V(sub)(V(zero)(), V(loadu)(m + j))));
+        y = V(max)(floor, y);
         VT hi = V(mul)(y, l2e);
         VT lo = V(fma)(y, l2e_lo, V(fma)(y, l2e, V(sub)(V(zero)(), hi)));
         VT e = ST(vexp2)(hi);
-        VT c = V(mul)(lo, ln2);
-        V(store)(x + j, V(fma)(e, c, e));
+        V(store)(x + j, V(fma)(e, V(mul)(lo, ln2), e));
     }
 }
 
@@ -1359,7 +1370,7 @@ static void ST(ds_cols)(const T *p, T *dp, const T *dvec, int64_t n)
 }
 
 typedef struct {
-    T *a;        /* the key block's rows times the score factor */
+    T *a;        /* the query block's rows times the score factor, as the forward scales them */
     T *pack;     /* packed panels of the query block's operand of each matmul */
     T *packk;    /* the key block's K packed as pack_v panels, for dQ */
     T *s, *dp;   /* P^T and dP^T, then dS^T: keys x ldc (queries) */
@@ -1383,7 +1394,7 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
 {
     int64_t ldc = ST(round_up)(cols, NR), dmax = d > dv ? d : dv;
     int64_t wide = ST(round_up)(dmax, NR), tall = ST(round_up)(rows > cols ? rows : cols, NR);
-    w->a = attn_alloc(rows, d, sizeof(T));
+    w->a = attn_alloc(cols, d, sizeof(T));
     w->pack = attn_alloc(wide, tall, sizeof(T));
     w->packk = attn_alloc(wide, rows, sizeof(T));
     w->s = attn_alloc(rows, ldc, sizeof(T));
@@ -1416,10 +1427,8 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
 {
     const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bq = p->block_q;
     const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
-    const T cap = (T)p->softcap;
+    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
     const T *kr = k + (bkv * nk + j0) * d, *vr = v + (bkv * nk + j0) * dv;
-    /* natural-log scores (exp_sub): scale, or with a softcap c, scale / c for the tanh */
-    ST(scale_rows)(kr, kb, d, (T)(p->softcap > 0 ? p->scale / p->softcap : p->scale), w->a);
     for (int64_t i = 0; i < kb * dp_pad; i++)
         w->acc1[i] = w->c1[i] = 0;
     for (int64_t i = 0; i < kb * d_pad; i++)
@@ -1446,20 +1455,23 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                 w->m[i] = i < qb ? lse[bh * nq + i0 + i] : (T)INFINITY;
                 w->dd[i] = i < qb ? dvec[bh * nq + i0 + i] : 0;
             }
-            ST(gemm_abt)(w->pack, w->a, kbh, d, qh + i0 * d, qb, d, w->s, ldc);        /* (1) S^T */
+            /* (1) S^T = K (c Q)^T: the forward's scores bit for bit (its Q scaled by c, its
+             * register tiles' order), so that the lse's rounding of them cancels in P */
+            ST(scale_rows)(qh + i0 * d, qb, d, ST(score_factor)(p), w->a);
+            ST(gemm_abt)(w->pack, kr, kbh, d, w->a, qb, d, w->s, ldc);
             for (int64_t j = 0; j < kbh; j++) {
                 T *pj = w->s + j * ldc;
-                if (cap != 0)
-                    ST(softcap_row)(pj, w->g + j * ldc, qb_vw, cap);
+                if (cap2 != 0)
+                    ST(softcap_row)(pj, w->g + j * ldc, qb_vw, cap2);
                 if (p->mask) {
                     int64_t off = mbase + (j0 + j) * p->mask_stride[3] + i0 * p->mask_stride[2];
                     for (int64_t i = 0; i < qb; i++)
-                        pj[i] += (T)(attn_mask_log2(p, off + i * p->mask_stride[2]) * ATTN_LN2);
+                        pj[i] += (T)attn_mask_log2(p, off + i * p->mask_stride[2]);
                 }
                 if (p->alibi) {
-                    const T a = (T)p->alibi[bh];
+                    const T a2 = (T)(p->alibi[bh] * ATTN_LOG2E);
                     for (int64_t i = 0; i < qb; i++)
-                        pj[i] -= a * (T)llabs(i0 + i + sp.len - nq - (j0 + j));
+                        pj[i] -= a2 * (T)llabs(i0 + i + sp.len - nq - (j0 + j));
                 }
                 ST(exp_sub)(pj, w->m, qb_vw);
                 /* query i0 + i sees key j0 + j only if j0 + j - hi <= i0 + i <= j0 + j - lo */
@@ -1484,27 +1496,36 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                 pz = w->z;
             }
             ST(pack_v)(doh + i0 * dv, qb, dv, w->pack);
-            ST(gemm_ab)(pz, ldc, 1, kbh, w->pack, qb, dv, w->tmp, dp_pad);                 /* (2) dV */
-            ST(kahan_add)(w->acc1, w->c1, w->tmp, kbh * dp_pad);
+            for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {                         /* (2) dV */
+                int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
+                ST(gemm_ab)(pz + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, dv, w->tmp, dp_pad);
+                ST(kahan_add)(w->acc1, w->c1, w->tmp, kbh * dp_pad);
+            }
             for (int64_t j = 0; j < kbh; j++) {
                 ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
-                if (cap != 0)
+                if (cap2 != 0)
                     ST(mul_row)(w->dp + j * ldc, w->g + j * ldc, qb_vw);
             }
             ST(pack_v)(qh + i0 * d, qb, d, w->pack);
-            ST(gemm_ab)(w->dp, ldc, 1, kbh, w->pack, qb, d, w->tmp, d_pad);                /* (4) dK */
-            ST(kahan_add)(w->acc2, w->c2, w->tmp, kbh * d_pad);
-            ST(gemm_ab)(w->dp, 1, ldc, qb, w->packk, kbh, d, w->dqs, d_pad);               /* (5) dQ */
-            for (int64_t r = 0; r < qb; r++) {
-                T *pr = pdq + (bh * nq + i0 + r) * d_pad;
-                const T *x = w->dqs + r * d_pad;
-                if (seen[bh * nq + i0 + r]) {
-                    for (int64_t c = 0; c < d_pad; c += VW)
-                        V(storeu)(pr + c, V(add)(V(loadu)(pr + c), V(load)(x + c)));
-                } else {
-                    for (int64_t c = 0; c < d_pad; c += VW)
-                        V(storeu)(pr + c, V(load)(x + c));
-                    seen[bh * nq + i0 + r] = 1;
+            for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {                         /* (4) dK */
+                int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
+                ST(gemm_ab)(w->dp + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, d, w->tmp, d_pad);
+                ST(kahan_add)(w->acc2, w->c2, w->tmp, kbh * d_pad);
+            }
+            for (int64_t t0 = 0; t0 < kbh; t0 += ATTN_BWD_CHAIN) {                        /* (5) dQ */
+                int64_t nt = kbh - t0 < ATTN_BWD_CHAIN ? kbh - t0 : ATTN_BWD_CHAIN;
+                ST(gemm_ab)(w->dp + t0 * ldc, 1, ldc, qb, w->packk + t0 * NR, kbh, nt, d, w->dqs, d_pad);
+                for (int64_t r = 0; r < qb; r++) {
+                    T *pr = pdq + (bh * nq + i0 + r) * d_pad;
+                    const T *x = w->dqs + r * d_pad;
+                    if (seen[bh * nq + i0 + r]) {
+                        for (int64_t c = 0; c < d_pad; c += VW)
+                            V(storeu)(pr + c, V(add)(V(loadu)(pr + c), V(load)(x + c)));
+                    } else {
+                        for (int64_t c = 0; c < d_pad; c += VW)
+                            V(storeu)(pr + c, V(load)(x + c));
+                        seen[bh * nq + i0 + r] = 1;
+                    }
                 }
             }
         }
