@@ -121,7 +121,7 @@ def _register_autocast(torch, opname: str, device_type: str) -> None:
     the device, floating q, k, v (and a float attn_mask) are cast to the region's dtype
     (torch.get_autocast_dtype: bfloat16 on the CPU, float16 on CUDA unless set), then
     the op runs with autocast off. Where an input requires grad and no kernel's
-    backward takes that dtype (the native kernels' backward is float32/float64), the
+    backward takes that dtype (cuda.flash's backward is float32/float64), the
     op runs in float32 instead and its output is cast to the region's dtype: the
     forward and the backward both work, the gradients computed in float32 and
     returned in each input's own dtype (autograd's casts). torch.library's

@@ -96,17 +96,70 @@ def test_torch_half_tensors(dtype):
     assert np.array_equal(lse.view(torch.int16).numpy(), expected_lse.view(np.int16))
 
 
-def test_backward_refuses_half_precision():
-    q, k, v = random_qkv(1, (), 16, 16, 8, dtype=BF16)
-    out, lse = attnkern.attention(q, k, v, kernel="native.flash", return_lse=True)
-    with pytest.raises(TypeError, match="backward takes float32 and float64, not bfloat16"):
-        attnkern.attention_backward(q, k, v, out, out, lse, kernel="native.flash")
+HALF_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def test_torch_backward_refuses_half_precision():
-    q, k, v = (torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    with pytest.raises(TypeError, match="backward takes float32 and float64"):
-        attnkern.attention(q, k, v, kernel="native.flash").sum().backward()
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_meets_flashattentions_rule(dtype, causal):
+    """Half-precision gradients through autograd against the float64 gradient of the
+    rounded inputs, by FlashAttention's rule: error <= 2x torch SDPA's own error in
+    the same dtype + atol (u * max(1, max|ref|), one rounding of the result)."""
+    from attnkern_bench.accuracy import UNIT_ROUNDOFF, reference_backward
+
+    gen = torch.Generator().manual_seed(7)
+    tdt = HALF_TORCH[dtype]
+    for shape, blocks in (((1, 2, 200, 40), (64, 48)), ((2, 1, 96, 16), (256, 256))):
+        q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64).to(tdt) for _ in range(4))
+        ref = reference_backward(*(x.double().numpy() for x in (q, k, v, dout)), causal=causal)
+        ours = [x.clone().requires_grad_() for x in (q, k, v)]
+        attnkern.attention(*ours, causal=causal, kernel="native.flash", block_q=blocks[0],
+                           block_k=blocks[1]).backward(dout)
+        theirs = [x.clone().requires_grad_() for x in (q, k, v)]
+        torch.nn.functional.scaled_dot_product_attention(*theirs, is_causal=causal).backward(dout)
+        for name, a, t, r in zip(("dq", "dk", "dv"), ours, theirs, ref):
+            assert a.grad.dtype == tdt and a.grad.shape == a.shape
+            err = np.abs(a.grad.double().numpy() - r).max()
+            bound = 2 * np.abs(t.grad.double().numpy() - r).max() + UNIT_ROUNDOFF[dtype] * max(1, np.abs(r).max())
+            assert err <= bound, f"{name} {shape} causal={causal}: error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_half_backward_is_bit_identical_for_every_thread_count_and_as_attention_backward(isa):
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, (2,), 70, 90, 24, 16, BF16)
+    dout = rng.standard_normal((2, 70, 16)).astype(BF16)
+    with forced_isa(isa):
+        out, lse = attnkern.attention(q, k, v, causal=True, kernel="native.flash", return_lse=True)
+        results = [attnkern.attention_backward(q, k, v, out, dout, lse, causal=True, kernel="native.flash",
+                                               block_q=16, block_k=32, num_threads=t) for t in (1, 2, 3)]
+        for other in results[1:]:
+            for a, b in zip(results[0], other):
+                assert a.dtype == BF16 and np.array_equal(a.view(np.uint16), b.view(np.uint16))
+        # the caller's lse (rounded to bfloat16) against the float64 gradient
+        from attnkern_bench.accuracy import reference_backward
+        ref = reference_backward(*(x.astype(np.float64) for x in (q, k, v, dout)), causal=True)
+        for got, r in zip(results[0], ref):
+            assert np.abs(got.astype(np.float64) - r).max() <= 0.05 * max(1, np.abs(r).max())
+
+
+def test_torch_backward_in_bfloat16_and_under_autocast():
+    """bfloat16 CPU tensors train through native.flash's backward, also when
+    torch.autocast(cpu, bfloat16) makes them; gradients come back in bfloat16."""
+    torch.manual_seed(9)
+    lin = torch.nn.Linear(16, 48)
+    x = torch.randn(2, 30, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = lin(x).reshape(2, 30, 3, 16).unbind(2)
+        assert q.dtype == torch.bfloat16
+        out = attnkern.attention(q, k, v, causal=True, kernel="native.flash")
+    out.float().square().sum().backward()
+    grad = lin.weight.grad.clone()
+    lin.zero_grad()
+    q, k, v = lin(x).reshape(2, 30, 3, 16).unbind(2)
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum().backward()
+    assert torch.isfinite(grad).all()
+    assert (grad - lin.weight.grad).abs().max() <= 0.05 * lin.weight.grad.abs().max()
 
 
 def test_naive_refuses_half_precision():
@@ -164,3 +217,22 @@ def test_amx_says_why_it_cannot_run_here():
     q = np.ones((1, 8, 4), BF16)
     with forced_isa("amx"), pytest.raises(RuntimeError, match="ATTNKERN_ISA='amx'.*not supported"):
         attnkern.attention(q, q, q, kernel="native.flash")
+
+
+def test_half_backward_keeps_the_lse_of_longer_rows():
+    """attention_backward with out and lse of whole rows and k, v one block of their keys
+    (a ring step): the given lse is not the block's own, so the half backward uses it as
+    given, and equals the float32 backward of the widened arrays rounded to bfloat16;
+    with the block's own (rounded) lse it uses its float32 recomputation instead."""
+    rng = np.random.default_rng(10)
+    q, k, v = random_qkv(rng, (2,), 40, 64, 16, 8, BF16)
+    dout = rng.standard_normal((2, 40, 8)).astype(BF16)
+    out, lse = attnkern.attention(q, k, v, kernel="native.flash", return_lse=True)
+    block = (q, k[:, :32], v[:, :32])
+    half = attnkern.attention_backward(*block, out, dout, lse, kernel="native.flash")
+    wide = attnkern.attention_backward(*(x.astype(np.float32) for x in (*block, out, dout, lse)), kernel="native.flash")
+    for h, w in zip(half, wide):
+        assert np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16))
+    own = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="native.flash")
+    plain = attnkern.attention_backward(*(x.astype(np.float32) for x in (q, k, v, out, dout, lse)), kernel="native.flash")
+    assert any(not np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16)) for h, w in zip(own, plain))

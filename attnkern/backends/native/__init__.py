@@ -120,14 +120,18 @@ def _runner(algo: str):
 
 def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1, num_threads=1, features=None):
     """The gradients (dq, dk, dv) of sum(out * dout), recomputing the scores block by
-    block from the forward's lse: memory O(threads * block_q * block_k), never N x N.
-    dk and dv have k's rows (fewer than q's under grouped-query attention).
-    float32 and float64 only."""
-    if q.dtype.name not in _FLOAT:
-        raise TypeError(f"native.flash's backward takes float32 and float64, not {q.dtype.name} (its forward "
-                        f"takes {q.dtype.name}); for gradients, run attention in float32: convert with .astype "
-                        "(torch: .float())")
+    block from the forward's lse: memory O(threads * block_k * block_q) plus partial dq
+    buffers, never N x N. dk and dv have k's rows (fewer than q's under grouped-query
+    attention). float32 and float64 natively; bfloat16 and float16 widened to float32
+    (float32 products and accumulators; the rows' lse recomputed in float32 where the
+    given one is it rounded to the dtype), the gradients rounded to the inputs' dtype."""
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    if q.itemsize == 2:  # float16 or bfloat16 (the core passes no other 2-byte dtype)
+        bits = (x.view(np.uint16) for x in (q, k, v, out, dout))
+        grads = (x.view(np.uint16) for x in (dq, dk, dv))
+        _attn.backward_half(active_isa(), q.dtype.name, *bits, np.ascontiguousarray(lse, dtype=np.float32), *grads,
+                            causal, scale, block_q, block_k, num_threads, **_keywords(features))
+        return dq, dk, dv
     _attn.backward(active_isa(), q, k, v, out, dout, lse, dq, dk, dv, causal, scale, block_q, block_k,
                    num_threads, **_keywords(features))
     return dq, dk, dv
@@ -189,7 +193,8 @@ register(
         returns_lse=True,
         checks_finite=True,
         threads_used=_team,
-        backward=_flash_backward,  # float32 and float64 only
+        backward=_flash_backward,
+        backward_dtypes=(*_FLOAT, *_HALF),
         dtypes=(*_FLOAT, *_HALF),
         features=ALL_FEATURES,
     )

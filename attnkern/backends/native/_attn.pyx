@@ -74,6 +74,9 @@ cdef extern from "attn.h" nogil:
     int attn_backward_f64(int isa, const attn_problem *p, const double *q, const double *k,
                           const double *v, const double *out, const double *dout, const double *lse,
                           double *dq, double *dk, double *dv)
+    int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t *q, const uint16_t *k,
+                           const uint16_t *v, const uint16_t *out, const uint16_t *dout, const float *lse,
+                           uint16_t *dq, uint16_t *dk, uint16_t *dv)
 
 cdef extern from "attn_common.h" nogil:
     double ATTN_LOG2E
@@ -454,6 +457,48 @@ def backward(str isa, const real[:, :, ::1] q, const real[:, :, ::1] k, const re
             err = attn_backward_f32(i, &p, qp, kp, vp, op, dop, lp, dqp, dkp, dvp)
         else:
             err = attn_backward_f64(i, &p, qp, kp, vp, op, dop, lp, dqp, dkp, dvp)
+    if err != ATTN_OK:
+        _raise(err, "native.flash backward", &p, ALGORITHMS["flash"], isa)
+
+
+def backward_half(str isa, str kind, const uint16_t[:, :, ::1] q, const uint16_t[:, :, ::1] k,
+                  const uint16_t[:, :, ::1] v, const uint16_t[:, :, ::1] out, const uint16_t[:, :, ::1] dout,
+                  const float[:, ::1] lse, uint16_t[:, :, ::1] dq, uint16_t[:, :, ::1] dk, uint16_t[:, :, ::1] dv,
+                  bint causal, double scale, int block_q, int block_k, int num_threads, *, str align="top_left",
+                  int64_t window_left=-1, int64_t window_right=-1, const int64_t[::1] seqlen_k=None,
+                  double softcap=0, mask=None, int64_t mask_heads=1, double dropout_p=0, uint64_t dropout_seed=0,
+                  int64_t dropout_i0=0, int64_t dropout_j0=0, const int64_t[::1] cu_seqlens_q=None,
+                  const int64_t[::1] cu_seqlens_k=None, const double[::1] alibi=None,
+                  int64_t alibi_seq_stride=0):
+    """backward on the bits of bfloat16 or float16 arrays (kind), passed as uint16 views,
+    with a float32 lse (None: out is q, k, v's own output): float32 arithmetic inside, the
+    rows' lse recomputed in float32 where the given one is it rounded to kind (attn.h),
+    dq, dk, dv rounded to kind."""
+    cdef int err, i = ISAS.index(isa), h = HALF_KINDS[kind]
+    cdef attn_problem p = _problem(q, k, v, causal, scale, block_q, block_k, num_threads, "backward",
+                                   align, window_left, window_right, seqlen_k, softcap)
+    _extras(&p, mask, mask_heads, dropout_p, dropout_seed, dropout_i0, dropout_j0, cu_seqlens_q, cu_seqlens_k, alibi,
+            alibi_seq_stride)
+    cdef int64_t batch_kv = k.shape[0]
+    if ((out.shape[0], out.shape[1], out.shape[2]) != (p.batch, p.nq, p.dv)
+            or (dout.shape[0], dout.shape[1], dout.shape[2]) != (p.batch, p.nq, p.dv)
+            or (lse is not None and (lse.shape[0], lse.shape[1]) != (p.batch, p.nq))
+            or (dq.shape[0], dq.shape[1], dq.shape[2]) != (p.batch, p.nq, p.d)
+            or (dk.shape[0], dk.shape[1], dk.shape[2]) != (batch_kv, p.nk, p.d)
+            or (dv.shape[0], dv.shape[1], dv.shape[2]) != (batch_kv, p.nk, p.dv)):
+        raise ValueError("native backward: inconsistent shapes")
+    cdef const uint16_t *qp = &q[0, 0, 0] if q.size else NULL
+    cdef const uint16_t *kp = &k[0, 0, 0] if k.size else NULL
+    cdef const uint16_t *vp = &v[0, 0, 0] if v.size else NULL
+    cdef const uint16_t *op = &out[0, 0, 0] if out.size else NULL
+    cdef const uint16_t *dop = &dout[0, 0, 0] if dout.size else NULL
+    cdef float dummy = 0
+    cdef const float *lp = NULL if lse is None else (&lse[0, 0] if lse.size else &dummy)
+    cdef uint16_t *dqp = &dq[0, 0, 0] if dq.size else NULL
+    cdef uint16_t *dkp = &dk[0, 0, 0] if dk.size else NULL
+    cdef uint16_t *dvp = &dv[0, 0, 0] if dv.size else NULL
+    with nogil:
+        err = attn_backward_half(i, h, &p, qp, kp, vp, op, dop, lp, dqp, dkp, dvp)
     if err != ATTN_OK:
         _raise(err, "native.flash backward", &p, ALGORITHMS["flash"], isa)
 

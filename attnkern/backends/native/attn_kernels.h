@@ -708,21 +708,6 @@ static void ST(dropout_cols)(const attn_problem *p, int64_t b, int64_t i0, int64
         }
 }
 
-/* The same for query-major rows: x[r * ldx + t] *= Z of query i0 + r, key j0 + t. */
-static void ST(dropout_rows)(const attn_problem *p, int64_t b, int64_t i0, int64_t nr, int64_t j0, int64_t n,
-                             T *x, int64_t ldx)
-{
-    const T z = (T)(1.0 / (1.0 - p->dropout_p));
-    uint8_t keep[64];
-    for (int64_t r = 0; r < nr; r++)
-        for (int64_t t0 = 0; t0 < n; t0 += 64) {
-            int64_t m = n - t0 < 64 ? n - t0 : 64;
-            attn_dropout_keep(p, b, i0 + r + p->dropout_i0, j0 + t0 + p->dropout_j0, m, keep);
-            for (int64_t t = 0; t < m; t++)
-                x[r * ldx + t0 + t] *= keep[t] ? z : 0;
-        }
-}
-
 /* The call's mask and dropout as one panel sees them: the problem, the folded row bh,
  * the mask's offset of that row, and the number of real queries of the panel (the
  * last panel of a block may have fewer than NR). */
@@ -1246,18 +1231,28 @@ int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
 
 #ifndef ATTN_HALF_IO
 /* ------------------------------------------------------------- backward */
-/* The gradient of flash attention from the forward's lse (FlashAttention-2's
- * recomputation: no N x N buffer), in two passes so that every element of dq,
- * dk and dv is summed by one thread in a fixed order (bit-identical for every
- * thread count):
- *   pass 1, one task per (k/v row, key block): for each of the k/v row's query
- *     rows (kv_group of them, in order) and each of its query blocks that sees the
- *     key block, recompute S^T = K Q^T and P^T = 2^(S^T - lse2), then
- *     dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q;
- *   pass 2, one task per (batch entry, query block): for each key block it
- *     sees, recompute S = Q K^T, P and dP = dO V^T, dS = P (dP - D), dQ += dS K;
- * where D_i = dO_i . O_i and lse2 = lse * log2(e); dQ and dK take the scale last.
- * The matmuls use the forward's packed panels and register tiles. */
+/* The gradient of flash attention from the forward's lse in FlashAttention-2's
+ * order: five matmuls per (key block, query block) pair and no N x N buffer.
+ * One task per (k/v row, key group): a key group is the key blocks jb with
+ * jb % G == gamma (G from the problem's sizes only, never from the thread count;
+ * strided so that causal groups get equal work). For each of its key blocks, for
+ * each of the k/v row's query rows (kv_group of them, in order) and each query
+ * block that sees the key block:
+ *   S^T = K Q^T, P^T = e^(S^T - lse)             (1)
+ *   dV += P^T dO                                 (2)
+ *   dP^T = V dO^T, dS^T = P^T (dP^T - D)         (3)
+ *   dK += dS^T Q                                 (4)
+ *   dQ_gamma += dS K                             (5)
+ * where D_i = dO_i . O_i; scores are the forward's own (exp_sub). dK and dV of a key block are
+ * written by their task; dQ_gamma is the task's own partial dQ (G of them, each
+ * row owned by one task; a row no key block of the group reaches is neither
+ * written nor read), and a last pass sums the G partials in the order of gamma:
+ * every element of dq, dk and dv is summed in an order fixed by the block sizes,
+ * bit-identical for every thread count. Accuracy: S^T is the forward's own (its
+ * rounding cancels against the lse's), each matmul sums at most ATTN_BWD_CHAIN
+ * products in one FMA chain, and dK and dV add the chains to their running sums
+ * with Kahan's compensation, so their rounding does not grow with N. dQ and dK
+ * take the scale last. */
 
 /* c[0:rows, 0:round_up(ncols, NR)) = a . b^T: a is rows x kdim (row stride lda),
  * b is ncols x kdim (row stride kdim), packed into pack first; c has row stride ldc. */
@@ -1272,24 +1267,92 @@ static void ST(gemm_abt)(T *pack, const T *a, int64_t rows, int64_t lda, const T
         }
 }
 
-/* c[0:rows, 0:round_up(ncols, NR)) += a . b: a is rows x kdim (row stride lda),
- * b is kdim x ncols (row stride ncols), packed into pack first; ones holds rows 1s. */
-static void ST(gemm_ab_acc)(T *pack, const T *a, int64_t rows, int64_t lda, const T *b,
-                            int64_t kdim, int64_t ncols, T *c, int64_t ldc, const T *ones)
+/* o[r][0:NR) = sum_t a[r * ars + t * ats] * b[t][0:NR) for r < mr: one register
+ * tile of A B from zero, A read with row stride ars and column stride ats (A or
+ * A^T of a stored matrix), b a packed panel (kdim rows of NR contiguous columns). */
+static ATTN_INLINE void ST(tile_ab)(int mr, int64_t kdim, const T *a, int64_t ars, int64_t ats,
+                                    const T *b, T *o, int64_t ldo)
 {
-    ST(pack_v)(b, kdim, ncols, pack);
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-        for (int64_t c0 = 0; c0 < ncols; c0 += NR)
-            ST(call_pv)(mr, kdim, a + r0 * lda, lda, pack + c0 * kdim, c + r0 * ldc + c0, ldc, ones + r0);
+    VT acc[MR][2];
+    for (int r = 0; r < MR; r++)
+        acc[r][0] = acc[r][1] = V(zero)();
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < kdim; t++) {
+        VT b0 = V(load)(b + t * NR), b1 = V(load)(b + t * NR + VW);
+        for (int r = 0; r < MR; r++) {
+            if (r < mr) {
+                VT ar = V(set1)(a[r * ars + t * ats]);
+                acc[r][0] = V(fma)(ar, b0, acc[r][0]);
+                acc[r][1] = V(fma)(ar, b1, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+            V(store)(o + r * ldo, acc[r][0]);
+            V(store)(o + r * ldo + VW, acc[r][1]);
+        }
     }
 }
 
-/* x[0:n) = 2^(x - m[0:n)) elementwise (n a multiple of VW; m = +inf gives 0). */
-static void ST(exp2_sub)(T *x, const T *m, int64_t n)
+/* c[0:rows, 0:round_up(ncols, NR)) = A . b with A[r][t] = a[r * ars + t * ats]
+ * (rows x kdim) and b kdim rows of panels packed by pack_v (kpanel rows a panel, ncols
+ * columns); c has row stride ldc. */
+static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, const T *pack, int64_t kpanel,
+                        int64_t kdim, int64_t ncols, T *c, int64_t ldc)
 {
-    for (int64_t j = 0; j < n; j += VW)
-        V(store)(x + j, ST(vexp2)(V(sub)(V(load)(x + j), V(loadu)(m + j))));
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
+        for (int64_t c0 = 0; c0 < ncols; c0 += NR) {
+            if (mr == MR)
+                ST(tile_ab)(MR, kdim, a + r0 * ars, ars, ats, pack + c0 * kpanel, c + r0 * ldc + c0, ldc);
+            else
+                ST(tile_ab)(mr, kdim, a + r0 * ars, ars, ats, pack + c0 * kpanel, c + r0 * ldc + c0, ldc);
+        }
+    }
+}
+
+/* dK and dV sum their products over at most ATTN_BWD_CHAIN queries in one FMA chain,
+ * then add the chain to their running sums with Kahan's compensation; dQ sums at most
+ * ATTN_BWD_CHAIN keys in one chain before adding it to its partial. */
+#define ATTN_BWD_CHAIN 64
+
+/* s[0:n) += x[0:n) with Kahan's compensation comp (n a multiple of VW). */
+static void ST(kahan_add)(T *s, T *comp, const T *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += VW) {
+        VT sv = V(load)(s + i), y = V(sub)(V(load)(x + i), V(load)(comp + i));
+        VT t = V(add)(sv, y);
+        V(store)(comp + i, V(sub)(V(sub)(t, sv), y));
+        V(store)(s + i, t);
+    }
+}
+
+/* x[0:n) = 2^(x - m2[0:n)) for scores x in the forward's log2 domain and the natural-log
+ * lse m (n a multiple of VW; m = +inf gives 0), to a few ulp of the result whatever the
+ * size of the scores: y = x ln 2 - m is formed in natural-log units by an FMA with ln 2's
+ * low part added (x rounded exactly as the forward rounded it, m as precise as stored;
+ * lse * log2(e) rounded to T would shift every probability of a row by up to its half
+ * ulp of about 10), and e^y = 2^(y log2 e) keeps the change of base's rounding error:
+ * y log2(e) = hi + lo to first order (an FMA and log2(e)'s low part), e^y = 2^hi (1 + lo ln 2). */
+static void ST(exp_sub)(T *x, const T *m, int64_t n)
+{
+    const VT ln2 = V(set1)((T)ATTN_LN2), ln2_lo = V(set1)((T)(ATTN_LN2 - (double)(T)ATTN_LN2));
+    const VT l2e = V(set1)((T)ATTN_LOG2E), l2e_lo = V(set1)((T)(ATTN_LOG2E - (double)(T)ATTN_LOG2E));
+    /* y below -1000 (a masked score, x = -inf, or a padding column, m = +inf) gives
+     * exactly 0 through vexp2's clamp with every term finite (ln 2's low part times x
+     * clamped at -1e30, where it is not what decides); a NaN stays NaN (the max's
+     * second operand) */
+    const VT floor = V(set1)((T)-1000), xfloor = V(set1)((T)-1e30);
+    for (int64_t j = 0; j < n; j += VW) {
+        VT xv = V(load)(x + j);
+        VT y = V(fma)(V(max)(xfloor, xv), ln2_lo, V(fma)(xv, ln2, V(sub)(V(zero)(), V(loadu)(m + j))));
+        y = V(max)(floor, y);
+        VT hi = V(mul)(y, l2e);
+        VT lo = V(fma)(y, l2e_lo, V(fma)(y, l2e, V(sub)(V(zero)(), hi)));
+        VT e = ST(vexp2)(hi);
+        V(store)(x + j, V(fma)(e, V(mul)(lo, ln2), e));
+    }
 }
 
 /* x[0:n) *= g[0:n) (n a multiple of VW): dS times the softcap's derivative. */
@@ -1299,13 +1362,7 @@ static void ST(mul_row)(T *x, const T *g, int64_t n)
         V(store)(x + j, V(mul)(V(load)(x + j), V(load)(g + j)));
 }
 
-/* ds[0:n) = p * (dp - dd) with dd a scalar (row form) or per column (dvec). */
-static void ST(ds_row)(const T *p, T *dp, T dd, int64_t n)
-{
-    VT vd = V(set1)(dd);
-    for (int64_t j = 0; j < n; j += VW)
-        V(store)(dp + j, V(mul)(V(load)(p + j), V(sub)(V(load)(dp + j), vd)));
-}
+/* ds[0:n) = p * (dp - dvec) with D per column. */
 static void ST(ds_cols)(const T *p, T *dp, const T *dvec, int64_t n)
 {
     for (int64_t j = 0; j < n; j += VW)
@@ -1313,21 +1370,23 @@ static void ST(ds_cols)(const T *p, T *dp, const T *dvec, int64_t n)
 }
 
 typedef struct {
-    T *a;        /* scaled rows of the task's own block (K in pass 1, Q in pass 2) */
-    T *pack;     /* packed panels of the other operand of each matmul */
-    T *s, *dp;   /* scores/probabilities and dP/dS, rows x ldc */
-    T *acc1, *acc2; /* pass 1: dV and dK; pass 2: dQ */
-    T *m, *dd;   /* per column (pass 1) or per row (pass 2): lse2 and D, padded */
-    T *ones;
-    T *g;        /* with a softcap: its derivative 1 - tanh^2 at each score, rows x ldc */
-    T *z;        /* with dropout: pass 1's Z, then P * Z, rows x ldc */
+    T *a;        /* the query block's rows times the score factor, as the forward scales them */
+    T *pack;     /* packed panels of the query block's operand of each matmul */
+    T *packk;    /* the key block's K packed as pack_v panels, for dQ */
+    T *s, *dp;   /* P^T and dP^T, then dS^T: keys x ldc (queries) */
+    T *acc1, *acc2, *c1, *c2; /* dV and dK of the key block and their Kahan compensations */
+    T *tmp;      /* one block pair's dV or dK product */
+    T *dqs;      /* one block pair's dQ product, queries x d_pad */
+    T *m, *dd;   /* per query column: lse and D, padded */
+    T *g;        /* with a softcap: its derivative 1 - tanh^2 at each score */
+    T *z;        /* with dropout: Z, then P * Z */
 } ST(bwd_ws);
 
 static void ST(bwd_free)(ST(bwd_ws) *w)
 {
-    attn_free(w->a); attn_free(w->pack); attn_free(w->s); attn_free(w->dp);
-    attn_free(w->acc1); attn_free(w->acc2); attn_free(w->m); attn_free(w->dd); attn_free(w->ones);
-    attn_free(w->g); attn_free(w->z);
+    attn_free(w->a); attn_free(w->pack); attn_free(w->packk); attn_free(w->s); attn_free(w->dp);
+    attn_free(w->acc1); attn_free(w->acc2); attn_free(w->c1); attn_free(w->c2); attn_free(w->tmp);
+    attn_free(w->dqs); attn_free(w->m); attn_free(w->dd); attn_free(w->g); attn_free(w->z);
 }
 
 static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv, int softcap,
@@ -1335,41 +1394,46 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
 {
     int64_t ldc = ST(round_up)(cols, NR), dmax = d > dv ? d : dv;
     int64_t wide = ST(round_up)(dmax, NR), tall = ST(round_up)(rows > cols ? rows : cols, NR);
-    w->a = attn_alloc(rows, d, sizeof(T));
+    w->a = attn_alloc(cols, d, sizeof(T));
     w->pack = attn_alloc(wide, tall, sizeof(T));
+    w->packk = attn_alloc(wide, rows, sizeof(T));
     w->s = attn_alloc(rows, ldc, sizeof(T));
     w->dp = attn_alloc(rows, ldc, sizeof(T));
     w->acc1 = attn_alloc(rows, wide, sizeof(T));
     w->acc2 = attn_alloc(rows, wide, sizeof(T));
+    w->c1 = attn_alloc(rows, wide, sizeof(T));
+    w->c2 = attn_alloc(rows, wide, sizeof(T));
+    w->tmp = attn_alloc(rows, wide, sizeof(T));
+    w->dqs = attn_alloc(cols, wide, sizeof(T));
     w->m = attn_alloc(tall, 1, sizeof(T));
     w->dd = attn_alloc(tall, 1, sizeof(T));
-    w->ones = attn_alloc(tall, 1, sizeof(T));
     w->g = softcap ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
     w->z = dropout ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
-    if (!(w->a && w->pack && w->s && w->dp && w->acc1 && w->acc2 && w->m && w->dd && w->ones &&
-          (w->g || !softcap) && (w->z || !dropout))) {
+    if (!(w->a && w->pack && w->packk && w->s && w->dp && w->acc1 && w->acc2 && w->c1 && w->c2 && w->tmp &&
+          w->dqs && w->m && w->dd && (w->g || !softcap) && (w->z || !dropout))) {
         ST(bwd_free)(w);
         return 0;
     }
-    for (int64_t i = 0; i < tall; i++)
-        w->ones[i] = 1;
     return 1;
 }
 
-/* Pass 1: dK and dV of keys [j0, j0 + kb) of k/v row bkv, summed over its query
- * rows bkv * kv_group + g in the order of g. */
+/* dK and dV of keys [j0, j0 + kb) of k/v row bkv, summed over its query rows
+ * bkv * kv_group + g in the order of g, and their dS K added to the partial dQ
+ * pdq (rows of d_pad, laid out as q's rows): a row whose seen flag is 0 is written
+ * (and flagged), so partials need no zeroing and untouched rows no summing. */
 static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, const T *v,
-                             const T *dout, const T *lse2, const T *dvec, T *dk, T *dv_out,
-                             ST(bwd_ws) *w, int64_t bkv, int64_t j0, int64_t kb)
+                             const T *dout, const T *lse, const T *dvec, T *dk, T *dv_out, T *pdq,
+                             uint8_t *seen, ST(bwd_ws) *w, int64_t bkv, int64_t j0, int64_t kb)
 {
     const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bq = p->block_q;
     const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
     const T cap2 = (T)(p->softcap * ATTN_LOG2E);
-    ST(scale_rows)(k + (bkv * nk + j0) * d, kb, d, ST(score_factor)(p), w->a);
+    const T *kr = k + (bkv * nk + j0) * d, *vr = v + (bkv * nk + j0) * dv;
     for (int64_t i = 0; i < kb * dp_pad; i++)
-        w->acc1[i] = 0;
+        w->acc1[i] = w->c1[i] = 0;
     for (int64_t i = 0; i < kb * d_pad; i++)
-        w->acc2[i] = 0;
+        w->acc2[i] = w->c2[i] = 0;
+    int packed = 0;
     for (int64_t g = 0; g < p->kv_group; g++) {
         const int64_t bh = bkv * p->kv_group + g;
         const T *qh = q + bh * nq * d, *doh = dout + bh * nq * dv;
@@ -1381,13 +1445,20 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
          * see key j0 are skipped) */
         const int64_t kbh = attn_clamp(sp.len - j0, kb);
         const int64_t istart = attn_clamp(j0 - sp.hi, nq), iend = attn_clamp(j0 + kbh - sp.lo, nq);
+        if (kbh && istart < iend && packed != kbh) {  /* K for dQ, once per key block and length */
+            ST(pack_v)(kr, kbh, d, w->packk);
+            packed = kbh;
+        }
         for (int64_t i0 = kbh ? istart / bq * bq : nq; i0 < iend; i0 += bq) {
             int64_t qb = iend - i0 < bq ? iend - i0 : bq, qb_vw = ST(round_up)(qb, VW);
             for (int64_t i = 0; i < ldc; i++) {  /* padding columns: P = 0, D = 0 */
-                w->m[i] = i < qb ? lse2[bh * nq + i0 + i] : (T)INFINITY;
+                w->m[i] = i < qb ? lse[bh * nq + i0 + i] : (T)INFINITY;
                 w->dd[i] = i < qb ? dvec[bh * nq + i0 + i] : 0;
             }
-            ST(gemm_abt)(w->pack, w->a, kbh, d, qh + i0 * d, qb, d, w->s, ldc);        /* S^T */
+            /* (1) S^T = K (c Q)^T: the forward's scores bit for bit (its Q scaled by c, its
+             * register tiles' order), so that the lse's rounding of them cancels in P */
+            ST(scale_rows)(qh + i0 * d, qb, d, ST(score_factor)(p), w->a);
+            ST(gemm_abt)(w->pack, kr, kbh, d, w->a, qb, d, w->s, ldc);
             for (int64_t j = 0; j < kbh; j++) {
                 T *pj = w->s + j * ldc;
                 if (cap2 != 0)
@@ -1402,7 +1473,7 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                     for (int64_t i = 0; i < qb; i++)
                         pj[i] -= a2 * (T)llabs(i0 + i + sp.len - nq - (j0 + j));
                 }
-                ST(exp2_sub)(pj, w->m, qb_vw);
+                ST(exp_sub)(pj, w->m, qb_vw);
                 /* query i0 + i sees key j0 + j only if j0 + j - hi <= i0 + i <= j0 + j - lo */
                 int64_t first = attn_clamp(j0 + j - sp.hi - i0, qb), past = attn_clamp(j0 + j - sp.lo + 1 - i0, qb);
                 for (int64_t i = 0; i < first; i++)
@@ -1416,7 +1487,7 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                     w->z[i] = 1;
                 ST(dropout_cols)(p, bh, i0, qb, j0, kbh, w->z, ldc);
             }
-            ST(gemm_abt)(w->pack, v + (bkv * nk + j0) * dv, kbh, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* dP^T */
+            ST(gemm_abt)(w->pack, vr, kbh, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* (3) dP^T */
             if (w->z) {  /* dP * Z, and P * Z for dV */
                 for (int64_t i = 0; i < kbh * ldc; i++) {
                     w->dp[i] *= w->z[i];
@@ -1424,13 +1495,39 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                 }
                 pz = w->z;
             }
-            ST(gemm_ab_acc)(w->pack, pz, kbh, ldc, doh + i0 * dv, qb, dv, w->acc1, dp_pad, w->ones); /* dV */
+            ST(pack_v)(doh + i0 * dv, qb, dv, w->pack);
+            for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {                         /* (2) dV */
+                int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
+                ST(gemm_ab)(pz + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, dv, w->tmp, dp_pad);
+                ST(kahan_add)(w->acc1, w->c1, w->tmp, kbh * dp_pad);
+            }
             for (int64_t j = 0; j < kbh; j++) {
                 ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
                 if (cap2 != 0)
                     ST(mul_row)(w->dp + j * ldc, w->g + j * ldc, qb_vw);
             }
-            ST(gemm_ab_acc)(w->pack, w->dp, kbh, ldc, qh + i0 * d, qb, d, w->acc2, d_pad, w->ones); /* dK */
+            ST(pack_v)(qh + i0 * d, qb, d, w->pack);
+            for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {                         /* (4) dK */
+                int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
+                ST(gemm_ab)(w->dp + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, d, w->tmp, d_pad);
+                ST(kahan_add)(w->acc2, w->c2, w->tmp, kbh * d_pad);
+            }
+            for (int64_t t0 = 0; t0 < kbh; t0 += ATTN_BWD_CHAIN) {                        /* (5) dQ */
+                int64_t nt = kbh - t0 < ATTN_BWD_CHAIN ? kbh - t0 : ATTN_BWD_CHAIN;
+                ST(gemm_ab)(w->dp + t0 * ldc, 1, ldc, qb, w->packk + t0 * NR, kbh, nt, d, w->dqs, d_pad);
+                for (int64_t r = 0; r < qb; r++) {
+                    T *pr = pdq + (bh * nq + i0 + r) * d_pad;
+                    const T *x = w->dqs + r * d_pad;
+                    if (seen[bh * nq + i0 + r]) {
+                        for (int64_t c = 0; c < d_pad; c += VW)
+                            V(storeu)(pr + c, V(add)(V(loadu)(pr + c), V(load)(x + c)));
+                    } else {
+                        for (int64_t c = 0; c < d_pad; c += VW)
+                            V(storeu)(pr + c, V(load)(x + c));
+                        seen[bh * nq + i0 + r] = 1;
+                    }
+                }
+            }
         }
     }
     const T scale = (T)p->scale;
@@ -1442,72 +1539,52 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
     }
 }
 
-/* Pass 2: dQ of queries [i0, i0 + qb) of batch entry bh. */
-static void ST(bwd_q_block)(const attn_problem *p, const T *q, const T *k, const T *v,
-                            const T *dout, const T *lse2, const T *dvec, T *dq,
-                            ST(bwd_ws) *w, int64_t bh, int64_t i0, int64_t qb)
+/* The number of key groups of a (sequence of a) problem: enough (k/v row, group)
+ * tasks to balance threads (ATTN_BWD_TASKS), at most one per key block, and partial
+ * dQ buffers within ATTN_BWD_PARTIAL_BYTES. A function of the sequence's sizes
+ * only, so that a varlen batch sums each sequence as a call of its own would. */
+#define ATTN_BWD_TASKS 32
+#define ATTN_BWD_PARTIAL_BYTES ((int64_t)1 << 28)
+static int64_t ST(bwd_groups)(const attn_problem *p, int64_t nq, int64_t nk)
 {
-    const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bk = p->block_k, bkv = bh / p->kv_group;
-    const int64_t ldc = ST(round_up)(bk, NR), d_pad = ST(round_up)(d, NR);
-    /* the keys some row of the block sees, in key blocks at multiples of bk (flash_block) */
-    const attn_span sp = attn_span_of(p, bh);
-    const int64_t kfirst = attn_clamp(i0 + sp.lo, sp.len) / bk * bk;
-    const int64_t kend = attn_clamp(i0 + qb + sp.hi, sp.len);
-    const T *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
-    const T cap2 = (T)(p->softcap * ATTN_LOG2E);
-    const int64_t mbase = p->mask ? attn_mask_base(p, bh) : 0;
-    ST(scale_rows)(q + (bh * nq + i0) * d, qb, d, ST(score_factor)(p), w->a);
-    for (int64_t i = 0; i < qb * d_pad; i++)
-        w->acc1[i] = 0;
-    for (int64_t j0 = kfirst; j0 < kend; j0 += bk) {
-        int64_t kb = kend - j0 < bk ? kend - j0 : bk, kb_vw = ST(round_up)(kb, VW);
-        ST(gemm_abt)(w->pack, w->a, qb, d, kh + j0 * d, kb, d, w->s, ldc);          /* S */
-        ST(gemm_abt)(w->pack, dout + (bh * nq + i0) * dv, qb, dv, vh + j0 * dv, kb, dv, w->dp, ldc); /* dP */
-        if (p->dropout_p != 0)  /* dP * Z */
-            ST(dropout_rows)(p, bh, i0, qb, j0, kb, w->dp, ldc);
-        for (int64_t r = 0; r < qb; r++) {
-            /* row i0 + r sees the keys [j0 + first, j0 + past) of the block: the
-             * others get P = 2^-inf = 0 */
-            T *pr = w->s + r * ldc;
-            int64_t first = attn_clamp(i0 + r + sp.lo - j0, kb), past = attn_clamp(i0 + r + sp.hi + 1 - j0, kb);
-            if (cap2 != 0)
-                ST(softcap_row)(pr, w->g + r * ldc, kb_vw, cap2);
-            if (p->mask) {
-                int64_t off = mbase + (i0 + r) * p->mask_stride[2] + j0 * p->mask_stride[3];
-                for (int64_t j = 0; j < kb; j++)
-                    pr[j] += (T)attn_mask_log2(p, off + j * p->mask_stride[3]);
-            }
-            if (p->alibi) {
-                const T a2 = (T)(p->alibi[bh] * ATTN_LOG2E);
-                for (int64_t j = 0; j < kb; j++)
-                    pr[j] -= a2 * (T)llabs(i0 + r + sp.len - nq - (j0 + j));
-            }
-            for (int64_t j = 0; j < first; j++)
-                pr[j] = -INFINITY;
-            ST(row_exp2_sum)(pr, past, kb_vw, lse2[bh * nq + i0 + r]);
-            ST(ds_row)(pr, w->dp + r * ldc, dvec[bh * nq + i0 + r], kb_vw);
-            if (cap2 != 0)
-                ST(mul_row)(w->dp + r * ldc, w->g + r * ldc, kb_vw);
-        }
-        ST(gemm_ab_acc)(w->pack, w->dp, qb, ldc, kh + j0 * d, kb, d, w->acc1, d_pad, w->ones); /* dQ */
-    }
-    const T scale = (T)p->scale;
-    for (int64_t r = 0; r < qb; r++)
-        for (int64_t c = 0; c < d; c++)
-            dq[(bh * nq + i0 + r) * d + c] = w->acc1[r * d_pad + c] * scale;
+    const int64_t batch_kv = p->batch / p->kv_group, nkb = (nk + p->block_k - 1) / p->block_k;
+    const int64_t bytes = p->batch * nq * ST(round_up)(p->d, NR) * (int64_t)sizeof(T);
+    int64_t g = (ATTN_BWD_TASKS + batch_kv - 1) / batch_kv;
+    if (g > nkb)
+        g = nkb;
+    if (bytes > 0 && g > ATTN_BWD_PARTIAL_BYTES / bytes)
+        g = ATTN_BWD_PARTIAL_BYTES / bytes;
+    return g < 1 ? 1 : g;
 }
 
 int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v, const T *out,
                        const T *dout, const T *lse, T *dq, T *dk, T *dv)
 {
-    const int64_t nq = p->nq, nk = p->nk, dvn = p->dv, rows = p->batch * nq, batch_kv = p->batch / p->kv_group;
-    const int64_t nqb = (nq + p->block_q - 1) / p->block_q, nkb = (nk + p->block_k - 1) / p->block_k;
+    const int64_t d = p->d, dvn = p->dv, rows = p->batch * p->nq;
+    const int64_t batch_kv = p->batch / p->kv_group, d_pad = ST(round_up)(d, NR);
     const int features = attn_features_on(p);
-    T *lse2 = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
-    /* varlen: the work items of each pass, per sequence (attn_varlen_items) */
-    int64_t *kv_items = p->cu_seqlens_q ? attn_varlen_items(p, batch_kv, p->block_k, 1) : NULL;
-    int64_t *q_items = p->cu_seqlens_q ? attn_varlen_items(p, p->batch, p->block_q, 0) : NULL;
-    int failed = !(lse2 && dvec) || (p->cu_seqlens_q && !(kv_items && q_items));
+    /* per sequence s (one without varlen): its groups G[s], its tasks from items[s]
+     * (batch_kv * G[s]), its first row rstart[s] (of q, dq) and the first row poff[s]
+     * of its partials (G[s] blocks of its rows) */
+    const int64_t nseq = p->cu_seqlens_q ? p->nseq : 1;
+    int64_t *G = attn_alloc(nseq + 1, 4, sizeof(int64_t));
+    int64_t *items = G ? G + nseq : NULL, *rstart = G ? G + 2 * nseq + 1 : NULL, *poff = G ? G + 3 * nseq + 2 : NULL;
+    if (G) {
+        items[0] = rstart[0] = poff[0] = 0;
+        for (int64_t s = 0; s < nseq; s++) {
+            int64_t nq_s = p->cu_seqlens_q ? p->cu_seqlens_q[s + 1] - p->cu_seqlens_q[s] : p->nq;
+            int64_t nk_s = p->cu_seqlens_q ? p->cu_seqlens_k[s + 1] - p->cu_seqlens_k[s] : p->nk;
+            G[s] = ST(bwd_groups)(p, nq_s, nk_s);
+            items[s + 1] = items[s] + batch_kv * G[s];
+            rstart[s + 1] = rstart[s] + p->batch * nq_s;
+            poff[s + 1] = poff[s] + G[s] * p->batch * nq_s;
+        }
+    }
+    const int64_t prow = G ? poff[nseq] : 0;
+    T *lse_rows = attn_alloc(rows, 1, sizeof(T)), *dvec = attn_alloc(rows, 1, sizeof(T));
+    T *pdq = attn_alloc(prow > 0 ? prow : 1, d_pad, sizeof(T));
+    uint8_t *seen = attn_alloc(prow > 0 ? prow : 1, 1, 1);  /* per partial row: written yet */
+    int failed = !(G && lse_rows && dvec && pdq && seen);
     if (!failed) {
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
         for (int64_t i = 0; i < rows; i++) {
@@ -1515,10 +1592,10 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
             for (int64_t c = 0; c < dvn; c++)
                 acc += dout[i * dvn + c] * out[i * dvn + c];
             dvec[i] = acc;
-            lse2[i] = (T)((double)lse[i] * ATTN_LOG2E);
-            /* a row that saw no key (lse -inf): P = 2^(s - inf) = 0, zero gradients */
-            if (features && lse2[i] == -INFINITY)
-                lse2[i] = INFINITY;
+            lse_rows[i] = lse[i];
+            /* a row that saw no key (lse -inf): P = e^(s - inf) = 0, zero gradients */
+            if (features && lse_rows[i] == -INFINITY)
+                lse_rows[i] = INFINITY;
         }
     }
     if (!failed) {
@@ -1526,68 +1603,59 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         {
             ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, p->d, dvn, p->softcap > 0, p->dropout_p != 0);
+            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, d, dvn, p->softcap > 0, p->dropout_p != 0);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < (kv_items ? kv_items[p->nseq] : batch_kv * nkb); t++) {
+            for (int64_t t = 0; t < items[nseq]; t++) {
                 if (!ok)
                     continue;
-                if (kv_items) {  /* varlen: sequence s's keys, a problem of its own at its offsets */
-                    int64_t s = attn_varlen_seq(kv_items, p->nseq, t), u = t - kv_items[s], qo, ko;
-                    attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
-                    int64_t bkv = u % batch_kv, j0 = (u / batch_kv) * p->block_k;
+                /* task t: key group gamma of k/v row bkv of sequence s (with varlen a
+                 * problem of its own at its offsets) */
+                const int64_t s = attn_varlen_seq(items, nseq, t), u = t - items[s];
+                const int64_t gamma = u % G[s], bkv = u / G[s], srows = rstart[s + 1] - rstart[s];
+                attn_problem sp = *p;
+                int64_t qo = 0, ko = 0;
+                if (p->cu_seqlens_q)
+                    sp = attn_varlen_sub(p, s, &qo, &ko);
+                T *part = pdq + (poff[s] + gamma * srows) * d_pad;
+                uint8_t *pseen = seen + poff[s] + gamma * srows;
+                memset(pseen + bkv * p->kv_group * sp.nq, 0, (size_t)(p->kv_group * sp.nq));  /* the task's rows */
+                for (int64_t j0 = gamma * p->block_k; j0 < sp.nk; j0 += G[s] * p->block_k) {
                     int64_t kb = sp.nk - j0 < p->block_k ? sp.nk - j0 : p->block_k;
-                    ST(bwd_kv_block)(&sp, q + qo * p->d, k + ko * p->d, v + ko * dvn, dout + qo * dvn, lse2 + qo,
-                                     dvec + qo, dk + ko * p->d, dv + ko * dvn, &w, bkv, j0, kb);
-                    continue;
+                    ST(bwd_kv_block)(&sp, q + qo * d, k + ko * d, v + ko * dvn, dout + qo * dvn, lse_rows + qo,
+                                     dvec + qo, dk + ko * d, dv + ko * dvn, part, pseen, &w, bkv, j0, kb);
                 }
-                int64_t bkv = t % batch_kv, j0 = (t / batch_kv) * p->block_k;
-                int64_t kb = nk - j0 < p->block_k ? nk - j0 : p->block_k;
-                ST(bwd_kv_block)(p, q, k, v, dout, lse2, dvec, dk, dv, &w, bkv, j0, kb);
             }
             if (ok)
                 ST(bwd_free)(&w);
         }
     }
-    if (!failed) {
-#pragma omp parallel num_threads(p->num_threads)
-        {
-            ATTN_NOTE_TEAM();
-            ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_q, p->block_k, p->d, dvn, p->softcap > 0, 0);
-            if (!ok) {
-#pragma omp atomic write
-                failed = 1;
+    if (!failed) {  /* dq = scale * the partials' sum, in the order of gamma */
+        const T scale = (T)p->scale;
+#pragma omp parallel for schedule(static) num_threads(p->num_threads)
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t s = attn_varlen_seq(rstart, nseq, i), srows = rstart[s + 1] - rstart[s];
+            const int64_t r0 = poff[s] + i - rstart[s];  /* row i in the sequence's first partial */
+            int64_t first = 0;  /* the first partial that holds row i */
+            while (first < G[s] && !seen[r0 + first * srows])
+                first++;
+            for (int64_t c = 0; c < d; c++) {
+                T acc = first < G[s] ? pdq[(r0 + first * srows) * d_pad + c] : 0;
+                for (int64_t gm = first + 1; gm < G[s]; gm++)
+                    if (seen[r0 + gm * srows])
+                        acc += pdq[(r0 + gm * srows) * d_pad + c];
+                dq[i * d + c] = acc * scale;
             }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < (q_items ? q_items[p->nseq] : p->batch * nqb); t++) {
-                if (!ok)
-                    continue;
-                if (q_items) {  /* varlen: sequence s's queries */
-                    int64_t s = attn_varlen_seq(q_items, p->nseq, t), u = t - q_items[s], qo, ko;
-                    attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
-                    int64_t snqb = (sp.nq + p->block_q - 1) / p->block_q;
-                    int64_t bh = u % p->batch, i0 = (snqb - 1 - u / p->batch) * p->block_q;
-                    int64_t qb = sp.nq - i0 < p->block_q ? sp.nq - i0 : p->block_q;
-                    ST(bwd_q_block)(&sp, q + qo * p->d, k + ko * p->d, v + ko * dvn, dout + qo * dvn, lse2 + qo,
-                                    dvec + qo, dq + qo * p->d, &w, bh, i0, qb);
-                    continue;
-                }
-                int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
-                int64_t qb = nq - i0 < p->block_q ? nq - i0 : p->block_q;
-                ST(bwd_q_block)(p, q, k, v, dout, lse2, dvec, dq, &w, bh, i0, qb);
-            }
-            if (ok)
-                ST(bwd_free)(&w);
         }
     }
-    attn_free(lse2);
+    attn_free(G);
+    attn_free(lse_rows);
     attn_free(dvec);
-    attn_free(kv_items);
-    attn_free(q_items);
+    attn_free(pdq);
+    attn_free(seen);
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
 
