@@ -148,7 +148,7 @@ def _masked(mask, **kw):
 class GroupedHeads(_Feature):
     """Causal GQA, 8 query heads over kv_heads k/v heads (1: MQA); torch with enable_gqa=True."""
 
-    params = [KERNELS, DIRECTIONS, sizes([1024, 4096], 256), [2, 1]]
+    params = [KERNELS, DIRECTIONS, sizes([2048], 256), [2, 1]]
     param_names = _Feature.param_names + ["n", "kv_heads"]
     needs = ("gqa",)
 
@@ -162,7 +162,7 @@ class Masks(_Feature):
     """attn_mask: a boolean key-padding mask (4, 1, 1, N) of 4 sequences of N..N/4 keys, or an
     additive distance bias (1, 1, N, N), -|i - j| / 64; torch with the same mask."""
 
-    params = [KERNELS, DIRECTIONS, sizes([1024, 4096], 256), ["bool-padding", "additive"]]
+    params = [KERNELS, DIRECTIONS, sizes([2048], 256), ["bool-padding", "additive"]]
     param_names = _Feature.param_names + ["n", "mask"]
     needs = ("mask",)
 
@@ -182,7 +182,7 @@ class KeyLengths(_Feature):
     """key_lengths: 4 right-padded sequences of N, 3N/4, N/2, N/4 keys; torch with the
     boolean key-padding mask."""
 
-    params = [KERNELS, DIRECTIONS, sizes([1024, 4096], 256)]
+    params = [KERNELS, DIRECTIONS, sizes([2048], 256)]
     param_names = _Feature.param_names + ["n"]
     needs = ("key_lengths",)
 
@@ -197,7 +197,7 @@ class Varlen(_Feature):
     """attention_varlen: 4 sequences of N/2, N/4, N/8, N/8 tokens packed as (N, H, D); torch
     with the padded batch (4, H, N/2, D) and a key-padding (and causal) boolean mask."""
 
-    params = [KERNELS, DIRECTIONS, sizes([1024, 4096], 256), [False, True]]
+    params = [KERNELS, DIRECTIONS, sizes([2048], 256), [False, True]]
     param_names = _Feature.param_names + ["n", "causal"]
     needs = ("varlen",)
 
@@ -220,10 +220,11 @@ class Varlen(_Feature):
 
 
 class SlidingWindow(_Feature):
-    """causal=True, window=(W - 1, 0) at (N, W) = (4096, 256) and (16384, 1024), 4 heads;
+    """causal=True, window=(W - 1, 0) at (N, W) = (4096, 256), 4 heads (N = 16384 is the
+    window study's, attnkern features --window-study);
     torch with a boolean band mask (N x N: all of its scores are computed)."""
 
-    params = [KERNELS, DIRECTIONS, sizes(["4096:256", "16384:1024"], "256:64")]
+    params = [KERNELS, DIRECTIONS, sizes(["4096:256"], "256:64")]
     param_names = _Feature.param_names + ["n_window"]
     needs = ("window",)
     rounds = 1
@@ -261,7 +262,7 @@ class Decode(_Feature):
     8 k/v heads, D = 128, float32 or bfloat16 (native.flash's decode path: flash-decoding,
     docs/kernels.md); torch's SDPA with enable_gqa=True in the same dtype. Forward only."""
 
-    params = [KERNELS, DIRECTIONS, sizes([4096, 32768, 131072], 256), ["float32", "bfloat16"]]
+    params = [KERNELS, DIRECTIONS, sizes([4096, 65536], 256), ["float32", "bfloat16"]]
     param_names = _Feature.param_names + ["nk", "dtype"]
     needs = ("gqa",)
 
@@ -288,7 +289,7 @@ class Decode(_Feature):
 class Softcap(_Feature):
     """causal, softcap=50; torch's math path with the cap (SDPA has none)."""
 
-    params = [KERNELS, DIRECTIONS, sizes([1024, 4096], 256)]
+    params = [KERNELS, DIRECTIONS, sizes([2048], 256)]
     param_names = _Feature.param_names + ["n"]
     needs = ("softcap",)
 
@@ -305,7 +306,7 @@ class Softcap(_Feature):
 class Dropout(_Feature):
     """causal, dropout_p=0.1 (a fixed seed); torch's SDPA with dropout_p=0.1."""
 
-    params = [KERNELS, DIRECTIONS, sizes([1024, 4096], 256)]
+    params = [KERNELS, DIRECTIONS, sizes([2048], 256)]
     param_names = _Feature.param_names + ["n"]
     needs = ("dropout",)
 
