@@ -391,7 +391,7 @@ register(
         returns_lse=True,
         backward=_cuda_flash_backward,
         # every code path, forward and backward, has these features (docs/features.md)
-        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap"}),
+        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap", "mask"}),
         # float16/bfloat16: the tensor-core forward (flash_mma.cu), D = Dv a multiple of 16 up to 128
         dtypes=("float32", "float64", "float16", "bfloat16"),
         head_sizes=_flash_head_sizes,
