@@ -531,8 +531,9 @@ def test_features_half_cuda_cpp(kind, d, monkeypatch):
 
     configs = []
     real = cpp.flash_mma_kernel
-    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d_, config=None, featured=False: configs.append(
-        (type(config or cpp.tensor_core_config(d_, dtype)).__name__, featured)) or real(dtype, d_, config, featured))
+    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d_, config=None, featured=False, mask=0: configs.append(
+        (type(config or cpp.tensor_core_config(d_, dtype)).__name__, featured)) or real(dtype, d_, config, featured,
+                                                                                        mask))
     tdtype = getattr(torch, kind)
     for name, case in FEATURE_CASES.items():
         (q, k, v), kw = feature_inputs(case, d, np.float32, seed=len(name))

@@ -99,7 +99,8 @@ def flash_simt_launch(q, k, v, out, causal: bool, scale: float, lse=None, config
     config = config or simt_config(d)
     # its scores are in the log2 domain: the cap is c log2(e) there
     words = PLAIN_WORDS if feat is None else feat.words(1 / LOG2E)
-    return (flash_simt_kernel(d, config, feat is not None, 0 if feat is None else feat.mask_kind),
+    return (flash_simt_kernel(d, config, feat is not None,
+                              mask=0 if feat is None else feat.mask_kind),
             (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.int32(d), np.float32(scale * LOG2E), np.int32(bool(causal)),
@@ -356,8 +357,12 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     dtype = q.dtype.name
     config = config or tensor_core_config(d, dtype)
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
+    if feat is not None and feat.mask_kind > 1 and scale == 0:
+        raise ValueError("cuda.flash: an additive attn_mask with scale=0 is not supported on its tensor-core "
+                         "kernels (float16/bfloat16, float32 with tensor_cores=1); pass tensor_cores=0 in float32")
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
-    return (flash_mma_kernel(dtype, d, config, feat is not None, 0 if feat is None else feat.mask_kind),
+    return (flash_mma_kernel(dtype, d, config, feat is not None,
+                              mask=0 if feat is None else feat.mask_kind),
             (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),

@@ -70,7 +70,7 @@ class KernelFeatures(NamedTuple):
             lens, seq_rows = _device_lengths(host.tobytes()), max(batch // max(len(host), 1), 1)
         mask = features.mask
         if mask is not None and not isinstance(mask, GpuArray):
-            raise TypeError("cuda.flash takes attn_mask as a GPU array (on q's device) for GPU inputs")
+            mask = _device_mask(mask)
         kind = 0 if mask is None else MASK_KINDS[mask.dtype.name]
         return cls(int(features.kv_group), lens, seq_rows, int(features.align == "bottom_right"),
                    int(features.window_left), int(features.window_right), float(features.softcap), mask, kind,
@@ -90,6 +90,17 @@ class KernelFeatures(NamedTuple):
 
 # the attention mask's dtypes as the kernels name them (flash_common.cuh's MASK_*)
 MASK_KINDS = {"bool": 1, "float32": 2, "float16": 3, "bfloat16": 4, "float64": 5}
+
+
+def _device_mask(mask: np.ndarray) -> GpuArray:
+    """A host call's 4-D mask (broadcast dimensions of size 1) copied to the GPU, as
+    the 4-D GpuArray view the kernels take (byte strides, 0 where broadcast)."""
+    from .arrays import from_host
+
+    host = np.ascontiguousarray(mask)
+    flat = from_host(host.reshape(-1))
+    strides = tuple(0 if n == 1 else st for n, st in zip(host.shape, host.strides))
+    return GpuArray(host.shape, host.dtype, strides, flat.flat, ptr=flat.ptr, contiguous=True)
 
 
 _LENGTHS: dict = {}  # (device, int32 bytes) -> the lengths on that device (never written: shared by calls)
