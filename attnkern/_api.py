@@ -128,9 +128,9 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
         raise ValueError(f"scale must be finite, got {scale!r}")
     features = _features(q.shape, nk, group, causal, align, float(scale), window, key_lengths, softcap)
     if attn_mask is not None or dropout_p != 0.0 or alibi_slopes is not None:
-        if device and (dropout_p != 0.0 or alibi_slopes is not None):
-            raise TypeError("dropout and ALiBi run on the CPU kernels: pass host arrays (NumPy, CPU tensors); "
-                            "GPU arrays take attn_mask (cuda.flash)")
+        if device and dropout_p != 0.0:
+            raise TypeError("dropout runs on the CPU kernels: pass host arrays (NumPy, CPU tensors); GPU arrays "
+                            "take attn_mask and ALiBi (cuda.flash)")
         mask = _gpu_mask if device else _mask
         features = dataclasses.replace(features, **mask(attn_mask, q.shape, nk, q.dtype),
                                        **_dropout(dropout_p, dropout_seed, dropout_offset),

@@ -531,9 +531,9 @@ def test_features_half_cuda_cpp(kind, d, monkeypatch):
 
     configs = []
     real = cpp.flash_mma_kernel
-    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d_, config=None, featured=False, mask=0: configs.append(
+    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d_, config=None, featured=False, **kw: configs.append(
         (type(config or cpp.tensor_core_config(d_, dtype)).__name__, featured)) or real(dtype, d_, config, featured,
-                                                                                        mask))
+                                                                                        **kw))
     tdtype = getattr(torch, kind)
     for name, case in FEATURE_CASES.items():
         (q, k, v), kw = feature_inputs(case, d, np.float32, seed=len(name))
@@ -622,7 +622,7 @@ def test_mask_numba_forward(kind, dims, dtype):
 
 def test_mask_bad_input_on_gpu_arrays():
     """GPU q, k, v: a host mask, an integer mask, a float64 mask for float32 q, a mask
-    that does not broadcast, dropout and ALiBi each raise an error saying what to fix."""
+    that does not broadcast and dropout each raise an error saying what to fix."""
     q = cuda.to_device(np.ones((1, 2, 4, 8), np.float32))
     with pytest.raises(TypeError, match="attn_mask must be a GPU array"):
         attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=np.ones((4, 4), bool))
@@ -632,10 +632,8 @@ def test_mask_bad_input_on_gpu_arrays():
         attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=cuda.to_device(np.ones((4, 4), np.float64)))
     with pytest.raises(ValueError, match="does not broadcast"):
         attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=cuda.to_device(np.ones((3, 4), bool)))
-    with pytest.raises(TypeError, match="dropout and ALiBi run on the CPU kernels"):
+    with pytest.raises(TypeError, match="dropout runs on the CPU kernels"):
         attnkern.attention(q, q, q, kernel="cuda.flash", dropout_p=0.1, dropout_seed=1)
-    with pytest.raises(TypeError, match="dropout and ALiBi run on the CPU kernels"):
-        attnkern.attention(q, q, q, kernel="cuda.flash", alibi_slopes=np.ones(2))
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
@@ -677,3 +675,60 @@ def test_mask_cuda_cpp(kind):
                     check_features_forward(out.double().cpu().numpy(), lse.double().cpu().numpy(), *rounded,
                                            dict(kw, attn_mask=mask if mask.dtype == bool else mask.astype(np.float64)),
                                            tol)
+
+
+# ---------------------------------------------------------------- ALiBi (alibi_slopes)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_alibi_numba_forward(dtype):
+    """The Numba forward with ALiBi ((H,) and (B, H) slopes), alone and with bottom-right
+    causal masking, key lengths, a softcap and a mask, against the float64 reference."""
+    from attnkern_bench.accuracy import tolerance
+
+    if not SIMULATED and dtype == np.float32:
+        pytest.skip("float32 runs the CUDA C++ kernels on a GPU (test_alibi_cuda_cpp)")
+    nq, nk = (9, 19) if SIMULATED else (130, 300)
+    rng = np.random.default_rng(3)
+    tiles = dict(block_q=8, block_k=8) if SIMULATED else {}
+    for extra in ({"alibi_slopes": rng.random(4)},
+                  dict(alibi_slopes=rng.random((2, 4)), causal="bottom_right", key_lengths=[nk, nk // 3], softcap=3.0,
+                       attn_mask=make_mask("bool", "2d", nq, nk, dtype))):
+        (q, k, v), kw = feature_inputs(((2, 4), 2, nq, nk, extra), 8, dtype, seed=len(extra))
+        q, k, v = (x.astype(dtype) for x in (q, k, v))
+        out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **tiles, **kw)
+        check_features_forward(out.astype(np.float64), lse.astype(np.float64), q, k, v, kw, tolerance(dtype))
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
+def test_alibi_cuda_cpp(kind):
+    """ALiBi on the CUDA C++ kernels (float32: 3xTF32 and FMA; half: wgmma D 64 and
+    mma.sync D 96), slopes as a torch CUDA tensor, with and without the other features
+    and a mask, against the float64 reference."""
+    import torch
+
+    from attnkern_bench.accuracy import tolerance
+
+    tdtype = getattr(torch, kind)
+    half = kind != "float32"
+    nq, nk = 130, 300
+    rng = np.random.default_rng(4)
+    for d in ((64, 96) if half else (64, 36)):
+        for extra in ({"alibi_slopes": rng.random(4) * 0.5},
+                      dict(alibi_slopes=rng.random((2, 4)) * 0.5, causal="bottom_right", key_lengths=[nk, 77],
+                           softcap=3.0, scale=0.3)):
+            (q, k, v), kw = feature_inputs(((2, 4), 2, nq, nk, extra), d, np.float32, seed=d)
+            tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).cuda().to(tdtype) for x in (q, k, v))
+            mask = make_mask("neginf", "heads", nq, nk, np.float32, seed=d)
+            for with_mask in (False, True):
+                kw_ = dict(kw, attn_mask=mask) if with_mask else kw
+                targs = dict(kw_, alibi_slopes=torch.from_numpy(kw["alibi_slopes"]).cuda())
+                if with_mask:
+                    targs["attn_mask"] = torch.from_numpy(mask).cuda()
+                for tc in ((1,) if half else (1, 0)):
+                    extra_args = {} if half else {"tensor_cores": tc}
+                    out, lse = attnkern.attention(tq, tk, tv, kernel="cuda.flash", return_lse=True,
+                                                  check_finite=False, **extra_args, **targs)
+                    rounded = [x.double().cpu().numpy() for x in (tq, tk, tv)]
+                    ref_kw = dict(kw_, attn_mask=mask.astype(np.float64)) if with_mask else kw_
+                    check_features_forward(out.double().cpu().numpy(), lse.double().cpu().numpy(), *rounded, ref_kw,
+                                           tolerance(kind, rounds_p=True) if half else 2e-5)

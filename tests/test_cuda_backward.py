@@ -233,6 +233,9 @@ MASK_CASES = {
     "float-2d-everything": ("float", (7, 19), dict(causal="bottom_right", window=(5, 0), key_lengths=[19, 3],
                                                    softcap=3.0, scale=0.6)),
     "bool-queries": ("bool", (2, 1, 7, 1), dict(key_lengths=[19, 5])),
+    "alibi-float-everything": ("float", (7, 19), dict(causal="bottom_right", window=(5, 0), key_lengths=[19, 3],
+                                                      softcap=3.0, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])),
+    "alibi-batch-bool": ("bool", (2, 4, 7, 19), dict(alibi_slopes=np.linspace(0.1, 0.8, 8).reshape(2, 4))),
 }
 
 
@@ -250,6 +253,13 @@ def _mask_peer(q, k, v, dout, mask, kw):
     s = kw.get("scale", q.shape[-1] ** -0.5) * qt @ kr.transpose(-1, -2)
     if kw.get("softcap"):
         s = kw["softcap"] * torch.tanh(s / kw["softcap"])
+    if kw.get("alibi_slopes") is not None:  # -slope |i + len - nq - j|, len the sequence's key length
+        nq, nk = q.shape[-2], k.shape[-2]
+        lengths = torch.tensor(kw.get("key_lengths") or [nk] * q.shape[0], dtype=torch.float64)
+        i, j = torch.arange(nq, dtype=torch.float64), torch.arange(nk, dtype=torch.float64)
+        dist = (i[None, :, None] + lengths[:, None, None] - nq - j[None, None, :]).abs()[:, None]
+        slopes = torch.as_tensor(np.broadcast_to(kw["alibi_slopes"], q.shape[:2]).copy())[..., None, None]
+        s = s - (slopes * dist).to(s.dtype)
     s = (s + add.to(s.dtype)).masked_fill(~seen, -torch.inf)
     hidden = torch.isneginf(s).all(-1, keepdim=True)
     out = torch.softmax(s.masked_fill(hidden, 0), -1).masked_fill(hidden, 0) @ vr
@@ -261,7 +271,7 @@ def _mask_peer(q, k, v, dout, mask, kw):
 @pytest.mark.parametrize("name", MASK_CASES)
 def test_mask_gradients_by_flash_attentions_rule(name, dtype):
     """cuda.flash's forward and backward with an attention mask (alone and with the
-    other features) against the float64 reference by FlashAttention's rule; rows the
+    other features, ALiBi included) against the float64 reference by FlashAttention's rule; rows the
     mask hides entirely get 0 and no NaN; bit-identical across runs and tiles."""
     from test_features import err, inputs
 

@@ -57,11 +57,16 @@ static __device__ __forceinline__ float neg_inf() {
 #ifndef ATTNKERN_MASK
 #define ATTNKERN_MASK 0
 #endif
+// ATTNKERN_ALIBI 1 (with ATTNKERN_FEAT 1): the variant that adds ALiBi's -slope |i + len - nq - j|
+#ifndef ATTNKERN_ALIBI
+#define ATTNKERN_ALIBI 0
+#endif
 #define FEAT_PARAMS int kv_group, u64 lensp, int seq_rows, int bottom_right, int window_left, int window_right, \
                     float softcap, u64 maskp, int mask_kind, int mask_heads, u64 mask_sb, u64 mask_sh, u64 mask_si, \
-                    u64 mask_sj, float mask_unit
+                    u64 mask_sj, float mask_unit, u64 alibip, float alibi_unit
 #define FEAT_ARGS kv_group, lensp, seq_rows, bottom_right, window_left, window_right, softcap, maskp, mask_kind, \
-                  mask_heads, mask_sb, mask_sh, mask_si, mask_sj, mask_unit
+                  mask_heads, mask_sb, mask_sh, mask_si, mask_sj, mask_unit, alibip, \
+                  alibi_unit
 
 // One batch row's mask and cap: query row i sees key j iff lo(i) <= j < hi(i), with
 // lo(i) = i + off - wl (0 for wl = -1), hi(i) = min(len, i + off + wr + 1) (len for wr
@@ -78,6 +83,9 @@ struct Feat {
     int nq;
     u64 mask_at, msi, msj;
     float munit;
+#if ATTNKERN_ALIBI
+    float slope;  // ALiBi's slope of this batch row in the kernel's units
+#endif
 };
 #define MASK_BOOL 1
 #define MASK_F32 2
@@ -88,9 +96,13 @@ static __device__ __forceinline__ Feat make_feat(u64 b, int nq, int nk, int caus
 #if ATTNKERN_FEAT
     const int len = lensp ? ((const int*)lensp)[b / (u64)seq_rows] : nk;
     const u64 heads = (u64)max(mask_heads, 1);
-    return Feat{len, bottom_right ? len - nq : 0, window_left, causal ? 0 : window_right, b / (u64)kv_group,
-                softcap, softcap > 0.f ? -2.8853900817779268f / softcap : 0.f, (const void*)maskp, nq,
-                b / heads * mask_sb + b % heads * mask_sh, mask_si, mask_sj, mask_unit};
+    Feat f{len, bottom_right ? len - nq : 0, window_left, causal ? 0 : window_right, b / (u64)kv_group,
+           softcap, softcap > 0.f ? -2.8853900817779268f / softcap : 0.f, (const void*)maskp, nq,
+           b / heads * mask_sb + b % heads * mask_sh, mask_si, mask_sj, mask_unit};
+#if ATTNKERN_ALIBI
+    f.slope = ((const float*)alibip)[b] * alibi_unit;
+#endif
+    return f;
 #else
     return Feat{nk, 0, -1, causal ? 0 : -1, b, 0.f, 0.f, nullptr, nq, 0, 0, 0, 0.f};
 #endif
@@ -100,6 +112,9 @@ static __device__ __forceinline__ Feat make_feat(u64 b, int nq, int nk, int caus
 // -inf where a bool mask is false, else s plus the additive mask's value in the
 // kernel's units (-inf stays -inf); rows past nq read nothing
 static __device__ __forceinline__ float mask_score(const Feat& f, float s, int key, int row) {
+#if ATTNKERN_FEAT && ATTNKERN_ALIBI
+    s -= f.slope * fabsf((float)(row + f.len - f.nq - key));
+#endif
 #if ATTNKERN_FEAT && ATTNKERN_MASK
     if (row >= f.nq) return s;
     const u64 at = f.mask_at + (u64)row * f.msi + (u64)key * f.msj;
@@ -164,7 +179,7 @@ static __device__ __forceinline__ bool tile_unseen(const Feat& f, int j0, int bn
 // reads an attention mask: the tile needs masks
 static __device__ __forceinline__ bool tile_masked(const Feat& f, int j0, int bn, int first, int last) {
 #if ATTNKERN_FEAT
-    return ATTNKERN_MASK || j0 < key_lo(f, last) || j0 + bn > key_hi(f, first);
+    return ATTNKERN_MASK || ATTNKERN_ALIBI || j0 < key_lo(f, last) || j0 + bn > key_hi(f, first);
 #else
     return j0 + bn > f.len || (f.wr == 0 && j0 + bn - 1 > first);
 #endif
@@ -217,7 +232,7 @@ static __device__ __forceinline__ void softmax_tile(float (&s)[NS][4], float (&m
                 const int key = j0 + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
                 if (key_hidden(f, key, row))
                     s[n][e] = NEG_INF;
-                else if (ATTNKERN_MASK)
+                else if (ATTNKERN_MASK || ATTNKERN_ALIBI)
                     s[n][e] = mask_score(f, s[n][e], key, row);
             }
         }

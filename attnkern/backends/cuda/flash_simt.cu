@@ -154,7 +154,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                     const int key = j0 + kg + KG * j;
                     if (key_hidden(f, key, row))
                         x = NEG_INF;
-                    else if (ATTNKERN_MASK)
+                    else if (ATTNKERN_MASK || ATTNKERN_ALIBI)
                         x = mask_score(f, x, key, row);
                 }
                 s[i][j] = x;

@@ -51,6 +51,7 @@ class KernelFeatures(NamedTuple):
     mask: object = None
     mask_kind: int = 0
     mask_heads: int = 1
+    alibi: object = None  # ALiBi's slopes, one per batch row (a GpuArray of the kernels' float), or None
 
     def mask_strides(self) -> tuple:
         """The mask's four strides in elements (0: none or broadcast)."""
@@ -59,9 +60,9 @@ class KernelFeatures(NamedTuple):
         return tuple(st // self.mask.dtype.itemsize for st in self.mask.strides)
 
     @classmethod
-    def of(cls, features, batch: int) -> "KernelFeatures | None":
-        """None for None (a plain call), else the kernels' form; the key lengths are
-        copied to the GPU."""
+    def of(cls, features, batch: int, dtype=np.float32) -> "KernelFeatures | None":
+        """None for None (a plain call), else the kernels' form; the key lengths and
+        ALiBi's slopes (float64 for float64 q, else float32) are copied to the GPU."""
         if features is None:
             return None
         lens, seq_rows = None, max(batch, 1)
@@ -72,9 +73,15 @@ class KernelFeatures(NamedTuple):
         if mask is not None and not isinstance(mask, GpuArray):
             mask = _device_mask(mask)
         kind = 0 if mask is None else MASK_KINDS[mask.dtype.name]
+        alibi = None
+        if features.alibi is not None:
+            from .arrays import from_host
+
+            wide = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+            alibi = from_host(np.ascontiguousarray(features.alibi, dtype=wide))
         return cls(int(features.kv_group), lens, seq_rows, int(features.align == "bottom_right"),
                    int(features.window_left), int(features.window_right), float(features.softcap), mask, kind,
-                   int(features.mask_heads))
+                   int(features.mask_heads), alibi)
 
     def words(self, cap_unit: float) -> tuple:
         """The CUDA C++ kernels' FEAT_PARAMS: the softcap and an additive mask's
@@ -85,7 +92,8 @@ class KernelFeatures(NamedTuple):
                 np.int32(self.seq_rows), np.int32(self.bottom_right), np.int32(self.window_left),
                 np.int32(self.window_right), np.float32(self.softcap / cap_unit),
                 np.uint64(ptr), np.int32(self.mask_kind), np.int32(self.mask_heads),
-                *(np.uint64(st) for st in self.mask_strides()), np.float32(1.0 / cap_unit))
+                *(np.uint64(st) for st in self.mask_strides()), np.float32(1.0 / cap_unit),
+                np.uint64(0) if self.alibi is None else Addr(self.alibi), np.float32(1.0 / cap_unit))
 
 
 # the attention mask's dtypes as the kernels name them (flash_common.cuh's MASK_*)
@@ -122,9 +130,10 @@ def _device_lengths(raw: bytes):
 
 # the FEAT_PARAMS of a plain call (their values are ignored by the plain kernels)
 PLAIN_WORDS = (np.int32(1), np.uint64(0), np.int32(1), np.int32(0), np.int32(-1), np.int32(-1), np.float32(0),
-               np.uint64(0), np.int32(0), np.int32(1), *(np.uint64(0),) * 4, np.float32(0))
+               np.uint64(0), np.int32(0), np.int32(1), *(np.uint64(0),) * 4, np.float32(0), np.uint64(0), np.float32(0))
 # FEAT_PARAMS, as _linked_kernel spells them
-FEAT_TYPES = ("i32", "u64", "i32", "i32", "i32", "i32", "f32", "u64", "i32", "i32", "u64", "u64", "u64", "u64", "f32")
+FEAT_TYPES = ("i32", "u64", "i32", "i32", "i32", "i32", "f32", "u64", "i32", "i32", "u64", "u64", "u64", "u64", "f32",
+              "u64", "f32")
 
 
 # ---------------------------------------------------------------- launches
