@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _gpu, _registry, _torch_api, _torch_cuda, _torch_ops, _tuned
+from . import _gpu, _gpuarray, _registry, _torch_api, _torch_cuda, _torch_ops, _tuned
 
 
 def _half_dtypes() -> tuple[np.dtype, ...]:
@@ -128,10 +128,11 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
         raise ValueError(f"scale must be finite, got {scale!r}")
     features = _features(q.shape, nk, group, causal, align, float(scale), window, key_lengths, softcap)
     if attn_mask is not None or dropout_p != 0.0 or alibi_slopes is not None:
-        if device:
-            raise TypeError("attn_mask, dropout and ALiBi run on the CPU kernels: pass host arrays (NumPy, CPU "
-                            "tensors)")
-        features = dataclasses.replace(features, **_mask(attn_mask, q.shape, nk, q.dtype),
+        if device and dropout_p != 0.0:
+            raise TypeError("dropout runs on the CPU kernels: pass host arrays (NumPy, CPU tensors); GPU arrays "
+                            "take attn_mask and ALiBi (cuda.flash)")
+        mask = _gpu_mask if device else _mask
+        features = dataclasses.replace(features, **mask(attn_mask, q.shape, nk, q.dtype),
                                        **_dropout(dropout_p, dropout_seed, dropout_offset),
                                        **_alibi(alibi_slopes, q.shape))
     if device:
@@ -312,6 +313,38 @@ def _mask(attn_mask, q_shape, nk: int, dtype) -> dict:
     return {"mask": mask4, "mask_heads": target4[1]}
 
 
+def _gpu_mask(attn_mask, q_shape, nk: int, dtype) -> dict:
+    """_mask for GPU q: attn_mask a GPU array (torch CUDA tensor, CuPy, Numba) used
+    where it lies, never copied: Features' mask is a 4-D GpuArray view of it (the
+    shape padded with leading 1s, byte strides with 0 for every broadcast dimension).
+    bool, or float of q's dtype (float16/bfloat16 q: also float32), as on the CPU."""
+    if attn_mask is None:
+        return {}
+    mask = _gpu.mask_view(attn_mask, "attn_mask")
+    if mask is None:
+        raise TypeError("attn_mask must be a GPU array on q's device (torch CUDA tensor, CuPy, Numba device array) "
+                        "when q, k, v are GPU arrays")
+    half = dtype.name in ("float16", "bfloat16")
+    if mask.dtype != np.bool_ and not (mask.dtype == dtype or (half and mask.dtype == np.float32)):
+        wanted = f"{dtype} (q's dtype) or float32" if half else f"{dtype}, q's dtype"
+        raise TypeError(f"attn_mask has dtype {mask.dtype}; it must be bool (True: the key takes part) or an "
+                        f"additive float mask of {wanted}")
+    target = (*tuple(q_shape[:-2]), q_shape[-2], nk)
+    if mask.ndim > len(target) or any(m not in (1, t) for m, t in zip(mask.shape[::-1], target[::-1])):
+        raise ValueError(f"attn_mask of shape {mask.shape} does not broadcast to the attention weights' shape "
+                         f"{target} ((..., Nq, Nk) of these q, k: each dimension 1 or the weights' own, leading "
+                         "ones may be left out, as torch SDPA takes it)")
+    pad = 4 - mask.ndim
+    shape = (1,) * pad + mask.shape
+    strides = tuple(0 if n == 1 else st for n, st in zip(shape, (0,) * pad + tuple(mask.strides)))
+    if any(st < 0 or st % mask.dtype.itemsize for st in strides):
+        raise ValueError(f"attn_mask has strides {mask.strides}; GPU masks need non-negative strides that are "
+                         "multiples of the element size (make it contiguous)")
+    view = _gpuarray.GpuArray(shape, mask.dtype, strides, mask._flat, ptr=mask.ptr, owner=mask.owner,
+                              contiguous=mask.contiguous)
+    return {"mask": view, "mask_heads": ((1,) * (4 - len(target)) + target)[1]}
+
+
 def _alibi(alibi_slopes, q_shape) -> dict:
     """alibi_slopes (H,) or (B, H), FlashAttention's, as Features' alibi: one float64
     slope per folded query row (B * H of them)."""
@@ -334,6 +367,8 @@ def _alibi(alibi_slopes, q_shape) -> dict:
 
 def _check_mask(mask) -> None:
     """ValueError for a float mask with NaN or +infinity (-inf hides a key)."""
+    if isinstance(mask, _gpuarray.GpuArray):
+        return  # GPU masks are not scanned (docs/gpu.md)
     if mask is not None and mask.dtype != np.bool_ and (np.isnan(mask).any() or np.isposinf(mask).any()):
         raise ValueError("attn_mask contains NaN or +infinity; an additive mask holds finite values or -inf "
                          "(hides the key); or pass check_finite=False")

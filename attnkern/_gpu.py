@@ -85,6 +85,40 @@ def from_torch(x, name: str) -> GpuArray:
     return GpuArray(shape, dtype, strides, ptr=x.data_ptr() if contiguous else None, owner=x, contiguous=contiguous)
 
 
+def mask_view(x, name: str) -> GpuArray | None:
+    """A GpuArray over a GPU attention mask's memory as it lies (no copy), or None
+    where x is not a GPU array: bool masks included, strides (in bytes) always
+    set and kept as given (broadcast views with 0 strides take no memory), ptr the
+    address of its first element. The simulator takes contiguous masks only."""
+    if type(x).__module__.startswith("numba.cuda.simulator"):
+        if not x.is_c_contiguous():
+            raise ValueError(f"{name} must be C-contiguous under Numba's CUDA simulator")
+        dtype = np.dtype(x.dtype)
+        return GpuArray(x.shape, dtype, _c_strides(x.shape, dtype.itemsize), x.reshape(x.size), contiguous=True)
+    if type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False):
+        import torch
+
+        dtype = np.dtype(np.bool_) if x.dtype == torch.bool else _torch_dtype_map(torch).get(x.dtype)
+        if dtype is None:
+            raise TypeError(f"{name} has dtype {x.dtype}; it must be bool or a float mask of q's dtype")
+        x = x.detach()
+        device = x.get_device()
+        if raw_stream(device):
+            torch.cuda.current_stream(device).synchronize()
+        return GpuArray(tuple(x.shape), dtype, tuple(s * dtype.itemsize for s in x.stride()), ptr=x.data_ptr(),
+                        owner=x, contiguous=False)
+    try:
+        desc = x.__cuda_array_interface__
+    except AttributeError:
+        return None
+    shape, dtype = tuple(desc["shape"]), np.dtype(desc["typestr"])
+    strides = desc.get("strides") or _c_strides(shape, dtype.itemsize)
+    stream = desc.get("stream")
+    if stream not in (None, _LEGACY_DEFAULT_STREAM):
+        _numba_cuda("GPU masks").external_stream(stream).synchronize()
+    return GpuArray(shape, dtype, tuple(strides), ptr=desc["data"][0] or 0, owner=x, contiguous=False)
+
+
 def _c_strides(shape, itemsize):
     strides, step = [], itemsize
     for n in reversed(shape):

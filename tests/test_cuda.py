@@ -531,8 +531,9 @@ def test_features_half_cuda_cpp(kind, d, monkeypatch):
 
     configs = []
     real = cpp.flash_mma_kernel
-    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d_, config=None, featured=False: configs.append(
-        (type(config or cpp.tensor_core_config(d_, dtype)).__name__, featured)) or real(dtype, d_, config, featured))
+    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d_, config=None, featured=False, **kw: configs.append(
+        (type(config or cpp.tensor_core_config(d_, dtype)).__name__, featured)) or real(dtype, d_, config, featured,
+                                                                                        **kw))
     tdtype = getattr(torch, kind)
     for name, case in FEATURE_CASES.items():
         (q, k, v), kw = feature_inputs(case, d, np.float32, seed=len(name))
@@ -566,3 +567,168 @@ def test_window_skips_key_tiles():
         return start.elapsed_time(end)
 
     assert timed(causal=True, window=(255, 0)) < timed(causal=True) / 8
+
+
+# ---------------------------------------------------------------- attention masks (attn_mask)
+# (mask kind, mask shape as given for (B, H, nq, nk) = (2, 4, nq, nk)): bool, additive with
+# -inf, additive finite; full, per-head broadcast, 2-D, keys only, queries only
+MASK_CASES = [("bool", "full"), ("neginf", "heads"), ("float", "2d"), ("bool", "keys"), ("neginf", "queries")]
+
+
+def make_mask(kind, dims, nq, nk, dtype, seed=0):
+    """A mask for (2, 4, nq, nk) weights: bool (True about 70%; query row 1 hidden
+    entirely where the shape has rows), additive float of dtype (-inf where a bool is
+    False, or finite only)."""
+    rng = np.random.default_rng(seed)
+    shape = {"full": (2, 4, nq, nk), "heads": (4, 1, nk), "2d": (nq, nk), "keys": (nk,),
+             "queries": (2, 1, nq, 1)}[dims]
+    keep = rng.random(shape) < 0.7
+    if dims in ("full", "2d"):
+        keep[..., 1, :] = False  # a row no key takes part in: out 0, lse -inf
+    if kind == "bool":
+        return keep
+    if kind == "neginf":
+        return np.where(keep, rng.standard_normal(shape), -np.inf).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind, dims", MASK_CASES)
+def test_mask_numba_forward(kind, dims, dtype):
+    """The Numba forward (float64; float32 in the simulator) with an attention mask,
+    alone and with GQA, bottom-right causal masking, key lengths and a softcap, on
+    NumPy arrays and as GPU arrays (the mask too), against the float64 reference;
+    bit-identical run to run."""
+    from attnkern_bench.accuracy import tolerance
+
+    if not SIMULATED and dtype == np.float32:
+        pytest.skip("float32 runs the CUDA C++ kernels on a GPU (test_mask_cuda_cpp)")
+    nq, nk = (9, 19) if SIMULATED else (130, 300)
+    mask = make_mask(kind, dims, nq, nk, dtype)
+    tiles = dict(block_q=8, block_k=8) if SIMULATED else {}
+    for extra in ({}, dict(causal="bottom_right", key_lengths=[nk, nk // 3], softcap=3.0, scale=0.6)):
+        (q, k, v), kw = feature_inputs(((2, 4), 2, nq, nk, extra), 8, dtype, seed=len(extra))
+        q, k, v = (x.astype(dtype) for x in (q, k, v))
+        kw = dict(kw, attn_mask=mask)
+        out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **tiles, **kw)
+        check_features_forward(out.astype(np.float64), lse.astype(np.float64), q, k, v, kw, tolerance(dtype))
+        again = attnkern.attention(q, k, v, kernel="cuda.flash", **tiles, **kw)
+        assert again.tobytes() == out.tobytes()
+        on_gpu = attnkern.attention(*(cuda.to_device(x) for x in (q, k, v)), kernel="cuda.flash", check_finite=False,
+                                    **tiles, **dict(kw, attn_mask=cuda.to_device(mask)))
+        host = on_gpu.copy_to_host() if hasattr(on_gpu, "copy_to_host") else np.asarray(on_gpu)
+        np.testing.assert_array_equal(host, out)
+
+
+def test_mask_bad_input_on_gpu_arrays():
+    """GPU q, k, v: a host mask, an integer mask, a float64 mask for float32 q, a mask
+    that does not broadcast and dropout each raise an error saying what to fix."""
+    q = cuda.to_device(np.ones((1, 2, 4, 8), np.float32))
+    with pytest.raises(TypeError, match="attn_mask must be a GPU array"):
+        attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=np.ones((4, 4), bool))
+    with pytest.raises(TypeError, match="bool .* or an additive float mask of float32"):
+        attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=cuda.to_device(np.ones((4, 4), np.int32)))
+    with pytest.raises(TypeError, match="float32"):
+        attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=cuda.to_device(np.ones((4, 4), np.float64)))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=cuda.to_device(np.ones((3, 4), bool)))
+    with pytest.raises(TypeError, match="dropout runs on the CPU kernels"):
+        attnkern.attention(q, q, q, kernel="cuda.flash", dropout_p=0.1, dropout_seed=1)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
+def test_mask_cuda_cpp(kind):
+    """The CUDA C++ kernels' mask variants (float32: 3xTF32 and FMA kernels, D 64 and
+    36; float16/bfloat16: wgmma at D 64 and 128, mma.sync at D 96) on torch tensors with
+    torch masks: bool through an expanded (stride 0) view, additive float32 and (half q)
+    q's dtype, with and without the other features; bit-identical run to run."""
+    import torch
+
+    from attnkern_bench.accuracy import tolerance
+
+    tdtype = getattr(torch, kind)
+    half = kind != "float32"
+    nq, nk = 130, 300
+    heads = (64, 128, 96) if half else (64, 36)
+    runs = ((1,), ) if half else ((1,), (0,))
+    for d in heads:
+        for n, (mkind, dims) in enumerate(MASK_CASES):
+            mask = make_mask(mkind, dims, nq, nk, np.float32, seed=d + n)
+            tmask = torch.from_numpy(mask).cuda()
+            if mkind != "bool" and half and n % 2:
+                tmask = tmask.to(tdtype)  # q's own dtype (exactly what the reference gets below)
+                mask = tmask.double().cpu().numpy().astype(np.float32)
+            if dims == "2d":
+                tmask = tmask.expand(2, 4, nq, nk)  # strides 0: read where it lies
+            for extra in ({}, dict(causal="bottom_right", key_lengths=[nk, 77], softcap=3.0, scale=0.3)):
+                (q, k, v), kw = feature_inputs(((2, 4), 2, nq, nk, extra), d, np.float32, seed=n)
+                tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).cuda().to(tdtype) for x in (q, k, v))
+                for (tc,) in runs:
+                    args = dict(kernel="cuda.flash", check_finite=False, attn_mask=tmask, **kw)
+                    if not half:
+                        args["tensor_cores"] = tc
+                    out, lse = attnkern.attention(tq, tk, tv, return_lse=True, **args)
+                    assert torch.equal(out, attnkern.attention(tq, tk, tv, **args))
+                    rounded = [x.double().cpu().numpy() for x in (tq, tk, tv)]
+                    tol = tolerance(kind, rounds_p=True) if half else 2e-5
+                    check_features_forward(out.double().cpu().numpy(), lse.double().cpu().numpy(), *rounded,
+                                           dict(kw, attn_mask=mask if mask.dtype == bool else mask.astype(np.float64)),
+                                           tol)
+
+
+# ---------------------------------------------------------------- ALiBi (alibi_slopes)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_alibi_numba_forward(dtype):
+    """The Numba forward with ALiBi ((H,) and (B, H) slopes), alone and with bottom-right
+    causal masking, key lengths, a softcap and a mask, against the float64 reference."""
+    from attnkern_bench.accuracy import tolerance
+
+    if not SIMULATED and dtype == np.float32:
+        pytest.skip("float32 runs the CUDA C++ kernels on a GPU (test_alibi_cuda_cpp)")
+    nq, nk = (9, 19) if SIMULATED else (130, 300)
+    rng = np.random.default_rng(3)
+    tiles = dict(block_q=8, block_k=8) if SIMULATED else {}
+    for extra in ({"alibi_slopes": rng.random(4)},
+                  dict(alibi_slopes=rng.random((2, 4)), causal="bottom_right", key_lengths=[nk, nk // 3], softcap=3.0,
+                       attn_mask=make_mask("bool", "2d", nq, nk, dtype))):
+        (q, k, v), kw = feature_inputs(((2, 4), 2, nq, nk, extra), 8, dtype, seed=len(extra))
+        q, k, v = (x.astype(dtype) for x in (q, k, v))
+        out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **tiles, **kw)
+        check_features_forward(out.astype(np.float64), lse.astype(np.float64), q, k, v, kw, tolerance(dtype))
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
+def test_alibi_cuda_cpp(kind):
+    """ALiBi on the CUDA C++ kernels (float32: 3xTF32 and FMA; half: wgmma D 64 and
+    mma.sync D 96), slopes as a torch CUDA tensor, with and without the other features
+    and a mask, against the float64 reference."""
+    import torch
+
+    from attnkern_bench.accuracy import tolerance
+
+    tdtype = getattr(torch, kind)
+    half = kind != "float32"
+    nq, nk = 130, 300
+    rng = np.random.default_rng(4)
+    for d in ((64, 96) if half else (64, 36)):
+        for extra in ({"alibi_slopes": rng.random(4) * 0.5},
+                      dict(alibi_slopes=rng.random((2, 4)) * 0.5, causal="bottom_right", key_lengths=[nk, 77],
+                           softcap=3.0, scale=0.3)):
+            (q, k, v), kw = feature_inputs(((2, 4), 2, nq, nk, extra), d, np.float32, seed=d)
+            tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).cuda().to(tdtype) for x in (q, k, v))
+            mask = make_mask("neginf", "heads", nq, nk, np.float32, seed=d)
+            for with_mask in (False, True):
+                kw_ = dict(kw, attn_mask=mask) if with_mask else kw
+                targs = dict(kw_, alibi_slopes=torch.from_numpy(kw["alibi_slopes"]).cuda())
+                if with_mask:
+                    targs["attn_mask"] = torch.from_numpy(mask).cuda()
+                for tc in ((1,) if half else (1, 0)):
+                    extra_args = {} if half else {"tensor_cores": tc}
+                    out, lse = attnkern.attention(tq, tk, tv, kernel="cuda.flash", return_lse=True,
+                                                  check_finite=False, **extra_args, **targs)
+                    rounded = [x.double().cpu().numpy() for x in (tq, tk, tv)]
+                    ref_kw = dict(kw_, attn_mask=mask.astype(np.float64)) if with_mask else kw_
+                    check_features_forward(out.double().cpu().numpy(), lse.double().cpu().numpy(), *rounded, ref_kw,
+                                           tolerance(kind, rounds_p=True) if half else 2e-5)

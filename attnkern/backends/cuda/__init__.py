@@ -123,7 +123,7 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, ou
     softcap: every kernel below runs its featured variant), or None."""
     from . import arrays, cpp, launch, numba_kernels
 
-    feat = launch.KernelFeatures.of(features, q.shape[0])
+    feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
     if q.dtype.name in cpp.MMA_DTYPES:
         return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat)
     division = _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
@@ -273,7 +273,7 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
     grads = [g if g is not None and not host else arrays.device_empty(x.shape, q.dtype)
              for g, x in ((dq, q), (dk, k), (dv, v))]
     backward.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k,
-                            launch.KernelFeatures.of(features, q.shape[0]))
+                            launch.KernelFeatures.of(features, q.shape[0], q.dtype))
     if not host:
         return tuple(grads)
     result = []
@@ -391,7 +391,7 @@ register(
         returns_lse=True,
         backward=_cuda_flash_backward,
         # every code path, forward and backward, has these features (docs/features.md)
-        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap"}),
+        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap", "mask", "alibi"}),
         # float16/bfloat16: the tensor-core forward (flash_mma.cu), D = Dv a multiple of 16 up to 128
         dtypes=("float32", "float64", "float16", "bfloat16"),
         head_sizes=_flash_head_sizes,

@@ -26,7 +26,7 @@ from numba import config, cuda, int64, uint64
 
 from ..._gpuarray import GpuArray
 from .launch import LOG2E, round_up
-from .numba_kernels import feature_args, key_range
+from .numba_kernels import feature_args, key_range, mask_base, masked
 
 
 def flash_backward_padded_dims(d: int, dv: int) -> tuple[int, int]:
@@ -67,14 +67,18 @@ def flash_backward_delta_kernel(dtype: str):
 
 
 @functools.cache
-def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, featured: bool = False):
+def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, featured: bool = False,
+                           mask_kind: int = 0, alibi: bool = False):
     """cuda.flash's two backward kernels for one dtype, tile shape and padded
     head sizes: (dK/dV over key blocks of block_k threads, dQ over query blocks
     of block_q threads). Unsigned indices, as in flash_kernel. featured: the
     variant with the attention features (numba_kernels.feature_args): a dK/dV
     block per k/v row adds the kv_group query rows that share it in their order,
-    so dk and dv stay deterministic."""
+    so dk and dv stay deterministic. mask_kind: the attention mask's (launch.MASK_KINDS, 0: none)."""
     FEAT = bool(featured)  # a constant of the closure: the plain variant compiles none of it
+    MASKED, IS_BOOL = FEAT and mask_kind != 0, mask_kind == 1
+    ALIBI = FEAT and bool(alibi)  # ALiBi's -slope |i + len - nq - j|, after the softcap
+    NEG_INF = np.dtype(dtype).type(-np.inf)
     ftype = np.dtype(dtype).type
     ZERO = ftype(0)
     F_LOG2E = ftype(LOG2E)
@@ -87,7 +91,8 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
 
     @cuda.jit
     def flash_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, nq, nk, d, dvn, qscale, scale, causal, kv_group, lens,
-                            seq_rows, bottom_right, wl, wr, capl):
+                            seq_rows, bottom_right, wl, wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes,
+                            aunit):
         # flat arrays of (batch, n, d) rows; lse and delta: (batch, nq). Thread tid owns key k0 + tid
         # of k/v row b (featured: of the kv_group query rows b kv_group...; else of query row b).
         nq, nk, d, dvn = uint64(nq), uint64(nk), uint64(d), uint64(dvn)
@@ -134,6 +139,8 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
         for h in range(group):  # the query rows sharing this k/v row, in their order
             qb = b * group + uint64(h) if FEAT else b
             q_rows = qb * nq
+            mat = mask_base(qb, mheads, msb, msh) + key * uint64(msj) if MASKED else U_0
+            ab = slopes[qb] * aunit if ALIBI else ZERO  # ALiBi's slope (log2 domain)
             for i0 in range(i_first, i_end, U_BQ):
                 cuda.syncthreads()  # the previous tiles are consumed
                 for n in range(tid, SQ_SIZE, BK):
@@ -169,7 +176,11 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
                                 th = math.tanh(s / capl)
                                 s = capl * th
                                 slope = ftype(1) - th * th
-                            p = math.exp2(s - slse[i])
+                            if ALIBI:
+                                s -= ab * ftype(abs(int64(i0 + i) + int64(length) - int64(nq) - int64(key)))
+                            if MASKED:
+                                s = masked(s, mask, IS_BOOL, mat + (i0 + i) * uint64(msi), munit, NEG_INF)
+                            p = ZERO if MASKED and s == NEG_INF else math.exp2(s - slse[i])  # a hidden key: no NaN
                             dp = ZERO
                             for e in range(DVP):
                                 g = sdo[da + uint64(e)]
@@ -195,7 +206,7 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
 
     @cuda.jit
     def flash_backward_dq(q, k, v, dout, lse, delta, dq, nq, nk, d, dvn, qscale, scale, causal, kv_group, lens,
-                          seq_rows, bottom_right, wl, wr, capl):
+                          seq_rows, bottom_right, wl, wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit):
         # thread tid owns query row q0 + tid
         nq, nk, d, dvn = uint64(nq), uint64(nk), uint64(d), uint64(dvn)
         b = uint64(cuda.blockIdx.y)
@@ -215,6 +226,8 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
             _, last = key_range(min(q0 + U_BQ, nq) - U_1, off, int64(wl), wr_c, int64(length))
             j_first, kend = uint64(first) // U_BK * U_BK, uint64(last) if last > first else U_0
             lo, hi = key_range(row, off, int64(wl), wr_c, int64(length))
+        mat = mask_base(b, mheads, msb, msh) + row * uint64(msi) if MASKED else U_0
+        ab = slopes[b] * aunit if ALIBI else ZERO  # ALiBi's slope (log2 domain)
 
         sk = cuda.shared.array(SK_SIZE, ftype)
         sv = cuda.shared.array(SV_SIZE, ftype)
@@ -264,7 +277,11 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
                             th = math.tanh(s / capl)
                             s = capl * th
                             slope = ftype(1) - th * th
-                        p = math.exp2(s - lse2)
+                        if ALIBI:
+                            s -= ab * ftype(abs(int64(row) + int64(length) - int64(nq) - int64(j0 + j)))
+                        if MASKED:
+                            s = masked(s, mask, IS_BOOL, mat + (j0 + j) * uint64(msj), munit, NEG_INF)
+                        p = ZERO if MASKED and s == NEG_INF else math.exp2(s - lse2)  # a hidden key: no NaN
                         dp = ZERO
                         for e in range(DVP):
                             dp += doi[e] * sv[va + uint64(e)]
@@ -295,7 +312,9 @@ def flash_backward(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: flo
         return
     ftype = q.dtype.type
     dp, dvp = flash_backward_padded_dims(d, dvn)
-    dkdv_kernel, dq_kernel = flash_backward_kernels(q.dtype.name, block_q, block_k, dp, dvp, feat is not None)
+    dkdv_kernel, dq_kernel = flash_backward_kernels(q.dtype.name, block_q, block_k, dp, dvp, feat is not None,
+                                                    0 if feat is None else feat.mask_kind,
+                                                    feat is not None and feat.alibi is not None)
     delta = cuda.device_array(max(batch * nq, 1), dtype=q.dtype)
     extra = [a.flat if isinstance(a, GpuArray) else a for a in feature_args(feat, nk, ftype, delta)]
     sizes = (nq, nk, d, dvn, ftype(scale * LOG2E), ftype(scale), causal, *extra)

@@ -77,15 +77,19 @@ def simt_aligned(*ptrs) -> bool:
     return not any(p % 16 for p in ptrs[:4]) and not any(p % 4 for p in ptrs[4:])
 
 
-def flash_simt_kernel(d: int, config: SimtConfig | None = None, featured: bool = False):
+def flash_simt_kernel(d: int, config: SimtConfig | None = None, featured: bool = False, mask: int = 0,
+                      alibi: bool = False):
     """cuda.flash's register-blocked float32 kernel for head size d: the CUDA C++
     device function of flash_simt.cu in a numba-cuda kernel, built and launched as
     the tensor-core kernel is (flash_mma_kernel); featured: the variant that takes
-    the attention features (ATTNKERN_FEAT)."""
+    the attention features (ATTNKERN_FEAT); mask: the kind of attention mask the
+    featured variant reads (launch.MASK_KINDS, ATTNKERN_MASK; 0: none); alibi: the
+    variant that adds ALiBi (ATTNKERN_ALIBI)."""
     config = config or simt_config(d)
-    return _linked_kernel("flash_simt.cu", f"attnkern_flash_simt_{config.padded_d(d)}_{config}{'_f' * featured}",
+    return _linked_kernel("flash_simt.cu", f"attnkern_flash_simt_{config.padded_d(d)}_{config}{_suffix(featured, mask, alibi)}",
                           (("DP", config.padded_d(d)), ("BM", config.block_q), ("BN", config.block_k),
-                           ("TM", config.rows), ("TN", config.keys), ("FEAT", int(featured))),
+                           ("TM", config.rows), ("TN", config.keys), ("FEAT", int(featured)), ("MASK", mask),
+                           ("ALIBI", int(alibi))),
                           ("u64",) * 5 + ("i32", "i32", "i32", "f32", "i32", "i32") + FEAT_TYPES, config.threads,
                           config.shared_bytes(d))
 
@@ -98,7 +102,10 @@ def flash_simt_launch(q, k, v, out, causal: bool, scale: float, lse=None, config
     config = config or simt_config(d)
     # its scores are in the log2 domain: the cap is c log2(e) there
     words = PLAIN_WORDS if feat is None else feat.words(1 / LOG2E)
-    return (flash_simt_kernel(d, config, feat is not None), (-(-nq // config.block_q), batch), config.threads,
+    return (flash_simt_kernel(d, config, feat is not None,
+                              mask=0 if feat is None else feat.mask_kind,
+                              alibi=feat is not None and feat.alibi is not None),
+            (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.int32(d), np.float32(scale * LOG2E), np.int32(bool(causal)),
              np.int32(lse is not None), *words))
@@ -297,7 +304,13 @@ def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
     return WgmmaConfig() if wgmma_applies(d, d) else mma_config(d, dtype)
 
 
-def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None, featured: bool = False):
+def _suffix(featured: bool, mask: int, alibi: bool) -> str:
+    """A kernel name's tail for its variant: plain, featured (_f), with a mask (m<kind>), with ALiBi (a)."""
+    return ("_f" if featured else "") + (f"m{mask}" if mask else "") + ("a" if alibi else "")
+
+
+def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None, featured: bool = False,
+                     mask: int = 0, alibi: bool = False):
     """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_wgmma.cu for a
     WgmmaConfig, flash_mma.cu for an MmaConfig) or float32 (flash_tf32.cu, 3xTF32),
     head size d and a work division (default half_config(d, dtype), or mma_config(d,
@@ -311,18 +324,21 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
     launched below the dispatcher (RawKernel, registered for launch()); shared
     memory above the 48 KB a kernel gets without asking is dynamic, the kernel's
     limit raised to it. featured: the variant that takes the attention features
-    (ATTNKERN_FEAT; the plain one compiles without them)."""
+    (ATTNKERN_FEAT; the plain one compiles without them); mask: the kind of
+    attention mask the featured variant reads (launch.MASK_KINDS; 0: none); alibi:
+    the variant that adds ALiBi (ATTNKERN_ALIBI)."""
     config = config or tensor_core_config(d, dtype)
     params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES
-    suffix = "_f" if featured else ""
+    suffix = _suffix(featured, mask, alibi)
     if isinstance(config, WgmmaConfig):
         config.check(d)
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
-                               ("NWG", config.warpgroups), ("FEAT", int(featured))),
+                               ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
+                               ("ALIBI", int(alibi))),
                               params, config.threads, config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
-                ("FEAT", int(featured)))
+                ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)))
     if dtype == "float32":
         source, defines, itemsize = "flash_tf32.cu", (("D", d), *division), 4
     else:
@@ -347,8 +363,14 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     dtype = q.dtype.name
     config = config or tensor_core_config(d, dtype)
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
+    if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
+        raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
+                         "kernels (float16/bfloat16, float32 with tensor_cores=1); pass tensor_cores=0 in float32")
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
-    return (flash_mma_kernel(dtype, d, config, feat is not None), (-(-nq // config.block_q), batch), config.threads,
+    return (flash_mma_kernel(dtype, d, config, feat is not None,
+                              mask=0 if feat is None else feat.mask_kind,
+                              alibi=feat is not None and feat.alibi is not None),
+            (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
              *words))

@@ -51,27 +51,87 @@ static __device__ __forceinline__ float neg_inf() {
 #ifndef ATTNKERN_FEAT
 #define ATTNKERN_FEAT 0
 #endif
+// ATTNKERN_MASK, a MASK_* kind (with ATTNKERN_FEAT 1): the variant that also reads
+// an attention mask of that kind; with 0 the featured kernel ignores the mask's
+// parameters and compiles as it did without them
+#ifndef ATTNKERN_MASK
+#define ATTNKERN_MASK 0
+#endif
+// ATTNKERN_ALIBI 1 (with ATTNKERN_FEAT 1): the variant that adds ALiBi's -slope |i + len - nq - j|
+#ifndef ATTNKERN_ALIBI
+#define ATTNKERN_ALIBI 0
+#endif
 #define FEAT_PARAMS int kv_group, u64 lensp, int seq_rows, int bottom_right, int window_left, int window_right, \
-                    float softcap
-#define FEAT_ARGS kv_group, lensp, seq_rows, bottom_right, window_left, window_right, softcap
+                    float softcap, u64 maskp, int mask_kind, int mask_heads, u64 mask_sb, u64 mask_sh, u64 mask_si, \
+                    u64 mask_sj, float mask_unit, u64 alibip, float alibi_unit
+#define FEAT_ARGS kv_group, lensp, seq_rows, bottom_right, window_left, window_right, softcap, maskp, mask_kind, \
+                  mask_heads, mask_sb, mask_sh, mask_si, mask_sj, mask_unit, alibip, \
+                  alibi_unit
 
 // One batch row's mask and cap: query row i sees key j iff lo(i) <= j < hi(i), with
 // lo(i) = i + off - wl (0 for wl = -1), hi(i) = min(len, i + off + wr + 1) (len for wr
 // = -1); off = 0 (top-left) or len - nq (bottom-right), causal is wr = 0. cap: the
 // softcap in the units of the kernel's scores (0: none), cap_k = -2 log2(e) / cap.
+// The attention mask (read by ATTNKERN_MASK kernels) at element mask_at + row
+// msi + key msj (mask_at: this batch row's (b / heads, b % heads) entry; strides in
+// elements, 0 where broadcast), an additive one scaled by munit into the kernel's units.
 struct Feat {
     int len, off, wl, wr;
     u64 kv_row;  // the k/v row of this query row
     float cap, cap_k;
+    const void* mask;
+    int nq;
+    u64 mask_at, msi, msj;
+    float munit;
+#if ATTNKERN_ALIBI
+    float slope;  // ALiBi's slope of this batch row in the kernel's units
+#endif
 };
+#define MASK_BOOL 1
+#define MASK_F32 2
+#define MASK_F16 3
+#define MASK_BF16 4
 
 static __device__ __forceinline__ Feat make_feat(u64 b, int nq, int nk, int causal, FEAT_PARAMS) {
 #if ATTNKERN_FEAT
     const int len = lensp ? ((const int*)lensp)[b / (u64)seq_rows] : nk;
-    return Feat{len, bottom_right ? len - nq : 0, window_left, causal ? 0 : window_right, b / (u64)kv_group,
-                softcap, softcap > 0.f ? -2.8853900817779268f / softcap : 0.f};
+    const u64 heads = (u64)max(mask_heads, 1);
+    Feat f{len, bottom_right ? len - nq : 0, window_left, causal ? 0 : window_right, b / (u64)kv_group,
+           softcap, softcap > 0.f ? -2.8853900817779268f / softcap : 0.f, (const void*)maskp, nq,
+           b / heads * mask_sb + b % heads * mask_sh, mask_si, mask_sj, mask_unit};
+#if ATTNKERN_ALIBI
+    f.slope = ((const float*)alibip)[b] * alibi_unit;
+#endif
+    return f;
 #else
-    return Feat{nk, 0, -1, causal ? 0 : -1, b, 0.f, 0.f};
+    return Feat{nk, 0, -1, causal ? 0 : -1, b, 0.f, 0.f, nullptr, nq, 0, 0, 0, 0.f};
+#endif
+}
+
+// a visible key's score s with the attention mask (featured kernels with a mask):
+// -inf where a bool mask is false, else s plus the additive mask's value in the
+// kernel's units (-inf stays -inf); rows past nq read nothing
+static __device__ __forceinline__ float mask_score(const Feat& f, float s, int key, int row) {
+#if ATTNKERN_FEAT && ATTNKERN_ALIBI
+    s -= f.slope * fabsf((float)(row + f.len - f.nq - key));
+#endif
+#if ATTNKERN_FEAT && ATTNKERN_MASK
+    if (row >= f.nq) return s;
+    const u64 at = f.mask_at + (u64)row * f.msi + (u64)key * f.msj;
+    if (ATTNKERN_MASK == MASK_BOOL) return ((const unsigned char*)f.mask)[at] ? s : neg_inf();
+    float x;
+    if (ATTNKERN_MASK == MASK_F32) {
+        x = ((const float*)f.mask)[at];
+    } else {
+        const u16 h = ((const u16*)f.mask)[at];
+        if (ATTNKERN_MASK == MASK_F16)
+            asm("cvt.f32.f16 %0, %1;\n" : "=f"(x) : "h"(h));
+        else
+            x = __uint_as_float((u32)h << 16);
+    }
+    return s + x * f.munit;
+#else
+    return s;
 #endif
 }
 
@@ -115,10 +175,11 @@ static __device__ __forceinline__ bool tile_unseen(const Feat& f, int j0, int bn
 #endif
 }
 
-// whether some row of first..last misses some key of [j0, j0 + bn): the tile needs masks
+// whether some row of first..last misses some key of [j0, j0 + bn), or the kernel
+// reads an attention mask: the tile needs masks
 static __device__ __forceinline__ bool tile_masked(const Feat& f, int j0, int bn, int first, int last) {
 #if ATTNKERN_FEAT
-    return j0 < key_lo(f, last) || j0 + bn > key_hi(f, first);
+    return ATTNKERN_MASK || ATTNKERN_ALIBI || j0 < key_lo(f, last) || j0 + bn > key_hi(f, first);
 #else
     return j0 + bn > f.len || (f.wr == 0 && j0 + bn - 1 > first);
 #endif
@@ -169,7 +230,10 @@ static __device__ __forceinline__ void softmax_tile(float (&s)[NS][4], float (&m
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = j0 + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
-                if (key_hidden(f, key, row)) s[n][e] = NEG_INF;
+                if (key_hidden(f, key, row))
+                    s[n][e] = NEG_INF;
+                else if (ATTNKERN_MASK || ATTNKERN_ALIBI)
+                    s[n][e] = mask_score(f, s[n][e], key, row);
             }
         }
         mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));

@@ -152,7 +152,10 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 if (ATTNKERN_FEAT && f.cap > 0.f) x = capped(f, x);
                 if (mask) {
                     const int key = j0 + kg + KG * j;
-                    if (key_hidden(f, key, row)) x = NEG_INF;
+                    if (key_hidden(f, key, row))
+                        x = NEG_INF;
+                    else if (ATTNKERN_MASK || ATTNKERN_ALIBI)
+                        x = mask_score(f, x, key, row);
                 }
                 s[i][j] = x;
                 mx = fmaxf(mx, x);

@@ -36,7 +36,10 @@ class KernelFeatures(NamedTuple):
     them: k/v rows shared by kv_group query rows; lens, the key length of each
     sequence of seq_rows consecutive batch rows (an int32 GpuArray, or None: every
     key); bottom_right alignment (0 or 1); window sides (-1 unbounded, causal is
-    not folded in); the softcap c > 0 in natural units (0: none)."""
+    not folded in); the softcap c > 0 in natural units (0: none); the attention
+    mask (a 4-D GpuArray with byte strides, 0 where broadcast, or None), its kind
+    (MASK_KINDS: 0 none) and the heads of the folded batch row (b // mask_heads,
+    b % mask_heads)."""
 
     kv_group: int
     lens: object
@@ -45,26 +48,67 @@ class KernelFeatures(NamedTuple):
     window_left: int
     window_right: int
     softcap: float
+    mask: object = None
+    mask_kind: int = 0
+    mask_heads: int = 1
+    alibi: object = None  # ALiBi's slopes, one per batch row (a GpuArray of the kernels' float), or None
+
+    def mask_strides(self) -> tuple:
+        """The mask's four strides in elements (0: none or broadcast)."""
+        if self.mask is None:
+            return (0, 0, 0, 0)
+        return tuple(st // self.mask.dtype.itemsize for st in self.mask.strides)
 
     @classmethod
-    def of(cls, features, batch: int) -> "KernelFeatures | None":
-        """None for None (a plain call), else the kernels' form; the key lengths are
-        copied to the GPU."""
+    def of(cls, features, batch: int, dtype=np.float32) -> "KernelFeatures | None":
+        """None for None (a plain call), else the kernels' form; the key lengths and
+        ALiBi's slopes (float64 for float64 q, else float32) are copied to the GPU."""
         if features is None:
             return None
         lens, seq_rows = None, max(batch, 1)
         if features.key_lengths is not None:
             host = np.ascontiguousarray(features.key_lengths, dtype=np.int32)
             lens, seq_rows = _device_lengths(host.tobytes()), max(batch // max(len(host), 1), 1)
+        mask = features.mask
+        if mask is not None and not isinstance(mask, GpuArray):
+            mask = _device_mask(mask)
+        kind = 0 if mask is None else MASK_KINDS[mask.dtype.name]
+        alibi = None
+        if features.alibi is not None:
+            from .arrays import from_host
+
+            wide = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+            alibi = from_host(np.ascontiguousarray(features.alibi, dtype=wide))
         return cls(int(features.kv_group), lens, seq_rows, int(features.align == "bottom_right"),
-                   int(features.window_left), int(features.window_right), float(features.softcap))
+                   int(features.window_left), int(features.window_right), float(features.softcap), mask, kind,
+                   int(features.mask_heads), alibi)
 
     def words(self, cap_unit: float) -> tuple:
-        """The CUDA C++ kernels' FEAT_PARAMS: the softcap divided by cap_unit, the
-        size of one unit of the kernel's scores (its scores are c tanh(s / c))."""
+        """The CUDA C++ kernels' FEAT_PARAMS: the softcap and an additive mask's
+        values divided by cap_unit, the size of one unit of the kernel's scores
+        (its scores are c tanh(s / c))."""
+        ptr = 0 if self.mask is None else self.mask.ptr
         return (np.int32(self.kv_group), np.uint64(0) if self.lens is None else Addr(self.lens),
                 np.int32(self.seq_rows), np.int32(self.bottom_right), np.int32(self.window_left),
-                np.int32(self.window_right), np.float32(self.softcap / cap_unit))
+                np.int32(self.window_right), np.float32(self.softcap / cap_unit),
+                np.uint64(ptr), np.int32(self.mask_kind), np.int32(self.mask_heads),
+                *(np.uint64(st) for st in self.mask_strides()), np.float32(1.0 / cap_unit),
+                np.uint64(0) if self.alibi is None else Addr(self.alibi), np.float32(1.0 / cap_unit))
+
+
+# the attention mask's dtypes as the kernels name them (flash_common.cuh's MASK_*)
+MASK_KINDS = {"bool": 1, "float32": 2, "float16": 3, "bfloat16": 4, "float64": 5}
+
+
+def _device_mask(mask: np.ndarray) -> GpuArray:
+    """A host call's 4-D mask (broadcast dimensions of size 1) copied to the GPU, as
+    the 4-D GpuArray view the kernels take (byte strides, 0 where broadcast)."""
+    from .arrays import from_host
+
+    host = np.ascontiguousarray(mask)
+    flat = from_host(host.reshape(-1))
+    strides = tuple(0 if n == 1 else st for n, st in zip(host.shape, host.strides))
+    return GpuArray(host.shape, host.dtype, strides, flat.flat, ptr=flat.ptr, contiguous=True)
 
 
 _LENGTHS: dict = {}  # (device, int32 bytes) -> the lengths on that device (never written: shared by calls)
@@ -85,8 +129,11 @@ def _device_lengths(raw: bytes):
 
 
 # the FEAT_PARAMS of a plain call (their values are ignored by the plain kernels)
-PLAIN_WORDS = (np.int32(1), np.uint64(0), np.int32(1), np.int32(0), np.int32(-1), np.int32(-1), np.float32(0))
-FEAT_TYPES = ("i32", "u64", "i32", "i32", "i32", "i32", "f32")  # FEAT_PARAMS, as _linked_kernel spells them
+PLAIN_WORDS = (np.int32(1), np.uint64(0), np.int32(1), np.int32(0), np.int32(-1), np.int32(-1), np.float32(0),
+               np.uint64(0), np.int32(0), np.int32(1), *(np.uint64(0),) * 4, np.float32(0), np.uint64(0), np.float32(0))
+# FEAT_PARAMS, as _linked_kernel spells them
+FEAT_TYPES = ("i32", "u64", "i32", "i32", "i32", "i32", "f32", "u64", "i32", "i32", "u64", "u64", "u64", "u64", "f32",
+              "u64", "f32")
 
 
 # ---------------------------------------------------------------- launches

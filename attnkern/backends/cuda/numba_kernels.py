@@ -38,6 +38,7 @@ import math
 import numpy as np
 from numba import config, cuda, float64, int64, uint64
 
+from ..._gpuarray import GpuArray
 from .arrays import from_host, workspace
 from .launch import LN2, LOG2E, SHARED_BYTES, launch, round_up, take_dynamic_shared
 
@@ -263,9 +264,25 @@ def key_range(row, off, wl, wr, length):
     return lo, hi
 
 
+@cuda.jit(device=True)
+def masked(s, mask, is_bool, at, munit, neg_inf):
+    """A visible score s with the attention mask's element mask[at]: neg_inf where
+    a bool mask is false, else s plus the additive value times munit (the size of
+    a mask unit in the scores' units)."""
+    if is_bool:
+        return s if mask[at] else neg_inf
+    return s + mask[at] * munit
+
+
+@cuda.jit(device=True)
+def mask_base(b, heads, sb, sh):
+    """The mask element offset of folded batch row b: (b // heads) sb + (b % heads) sh."""
+    return b // uint64(heads) * uint64(sb) + b % uint64(heads) * uint64(sh)
+
+
 @functools.cache
 def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micro=MICRO, with_lse: bool = False,
-                 featured: bool = False):
+                 featured: bool = False, mask_kind: int = 0, alibi: bool = False):
     """cuda.flash's kernel for one dtype, tile shape and padded head sizes;
     micro: the (rows, keys) of scores each thread holds; with_lse: the variant
     that also writes each row's log-sum-exp (the other never touches lse);
@@ -297,6 +314,8 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
     U_0, U_1 = U(0), U(1)
     WITH_LSE = bool(with_lse)  # a constant of the closure: the variant without lse compiles no store
     FEAT = bool(featured)  # likewise: the plain variant compiles none of the features' work
+    MASKED, IS_BOOL = FEAT and mask_kind != 0, mask_kind == 1  # the attention mask's (launch.MASK_KINDS)
+    ALIBI = FEAT and bool(alibi)  # ALiBi's -slope |i + len - nq - j|
     F_LN2 = ftype(LN2)
     # one shared array holds the three tiles; past the static limit it is the launch's
     # dynamic shared memory (size 0 here; launch() passes the bytes and raises the limit)
@@ -307,7 +326,7 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
 
     @cuda.jit
     def flash_forward(q, k, v, out, lse, nq, nk, d, dv, qscale, causal, kv_group, lens, seq_rows, bottom_right, wl,
-                      wr, capl):
+                      wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit):
         # q, k, v, out: flat arrays of (batch, n, d) rows, lse of (batch, nq) (unused
         # unless WITH_LSE); every index below is unsigned; the features (after
         # causal) are read only by the featured variant
@@ -329,6 +348,8 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
             lo, _ = key_range(q0, off, int64(wl), wr_c, int64(length))
             _, hi = key_range(min(q0 + U_BQ, nq) - U_1, off, int64(wl), wr_c, int64(length))
             j_first, kend = uint64(lo) // U_BK * U_BK, uint64(hi) if hi > lo else U_0
+        mat = mask_base(b, mheads, msb, msh) if MASKED else U_0
+        slope = slopes[b] * aunit if ALIBI else ZERO
 
         smem = cuda.shared.array(SMEM_STATIC, ftype)
         sq = smem[:SKP_AT]
@@ -383,6 +404,12 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
                             s[r, c] = capl * math.tanh(s[r, c] / capl)
                         if int64(key) < lo or int64(key) >= hi:
                             s[r, c] = NEG_INF
+                        else:
+                            if ALIBI:  # after the softcap, before the mask, as the CPU's
+                                s[r, c] -= slope * ftype(abs(int64(row) + int64(length) - int64(nq) - int64(key)))
+                            if MASKED and row < nq:
+                                s[r, c] = masked(s[r, c], mask, IS_BOOL, mat + row * uint64(msi) + key * uint64(msj),
+                                                 munit, NEG_INF)
                     elif key >= nk or (causal and key > row):
                         s[r, c] = NEG_INF
                     mt = max(mt, s[r, c])
@@ -426,14 +453,26 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
 
 def feature_args(feat, nk: int, ftype, lens_like) -> tuple:
     """The Numba kernels' feature arguments (kv_group, lens, seq_rows, bottom_right,
-    wl, wr, capl) of a launch.KernelFeatures (the softcap in the log2 domain's
-    units); lens_like stands in for lens where the kernel does not read it (feat
-    None: a plain call), and without key lengths lens is one length, nk, for every row."""
+    wl, wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit) of a
+    launch.KernelFeatures (the softcap, mask and ALiBi units in the log2 domain's);
+    lens_like stands in for lens, mask and slopes where the kernel does not read them
+    (feat None: a plain call), and without key lengths lens is one length, nk,
+    for every row."""
     if feat is None:
-        return (1, lens_like, 1, False, -1, -1, ftype(0))
+        return (1, lens_like, 1, False, -1, -1, ftype(0), lens_like, 1, 0, 0, 0, 0, ftype(0), lens_like, ftype(0))
     lens = feat.lens if feat.lens is not None else from_host(np.array([nk], np.int32))
+    mask = lens_like if feat.mask is None else mask_flat(feat.mask)
     return (feat.kv_group, lens, feat.seq_rows if feat.lens is not None else 1 << 62, bool(feat.bottom_right),
-            feat.window_left, feat.window_right, ftype(feat.softcap * LOG2E))
+            feat.window_left, feat.window_right, ftype(feat.softcap * LOG2E), mask, feat.mask_heads,
+            *feat.mask_strides(), ftype(LOG2E), lens_like if feat.alibi is None else feat.alibi, ftype(LOG2E))
+
+
+def mask_flat(mask):
+    """A flat GpuArray over every element a 4-D mask view (byte strides) reaches."""
+    if mask.contiguous and mask._flat is not None:  # the simulator's
+        return GpuArray((mask.size,), mask.dtype, None, mask._flat)
+    extent = 1 + sum((n - 1) * st for n, st in zip(mask.shape, mask.strides)) // mask.dtype.itemsize
+    return GpuArray((extent,), mask.dtype, None, ptr=mask.ptr, owner=mask.owner, contiguous=True)
 
 
 def flash_launch(q, k, v, out, causal: bool, scale: float, block_q: int, block_k: int, micro=MICRO, lse=None,
@@ -442,7 +481,8 @@ def flash_launch(q, k, v, out, causal: bool, scale: float, block_q: int, block_k
     feat: a launch.KernelFeatures, or None (the plain kernel)."""
     batch, nq, d = q.shape
     dp, dvp = flash_padded_dims(block_k, d, v.shape[2], micro)
-    kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro, lse is not None, feat is not None)
+    kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro, lse is not None, feat is not None,
+                                   0 if feat is None else feat.mask_kind, feat is not None and feat.alibi is not None)
     # without lse the kernel never reads its lse argument: out stands in for it
     return (kernel, (-(-nq // block_q), batch), threads,
             (q, k, v, out, out if lse is None else lse, nq, k.shape[1], d, v.shape[2], q.dtype.type(scale * LOG2E),
