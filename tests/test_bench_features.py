@@ -175,6 +175,6 @@ def test_asv_feature_classes_are_small_in_smoke_and_full_outside():
     classes = [c for c in vars(bf).values() if isinstance(c, type) and issubclass(c, bf._Feature)
                and c is not bf._Feature]
     assert len(classes) == 9
-    assert bf.SlidingWindow.params[2] == (["256:64"] if bf.SMOKE else ["4096:256", "16384:1024"])
+    assert bf.SlidingWindow.params[2] == (["256:64"] if bf.SMOKE else ["4096:256"])
     for cls in classes:
         assert cls.params[:2] == [bf.KERNELS, bf.DIRECTIONS] and len(cls.params) == len(cls.param_names)

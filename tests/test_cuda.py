@@ -603,6 +603,9 @@ def test_mask_numba_forward(kind, dims, dtype):
 
     if not SIMULATED and dtype == np.float32:
         pytest.skip("float32 runs the CUDA C++ kernels on a GPU (test_mask_cuda_cpp)")
+    if SIMULATED and dtype == np.float32 and (kind, dims) != MASK_CASES[0]:
+        pytest.skip("the simulator runs float32 on the first case only (the same Numba code as float64's, "
+                    "typed float32; each simulated case costs seconds)")
     nq, nk = (9, 19) if SIMULATED else (130, 300)
     mask = make_mask(kind, dims, nq, nk, dtype)
     tiles = dict(block_q=8, block_k=8) if SIMULATED else {}
@@ -612,6 +615,8 @@ def test_mask_numba_forward(kind, dims, dtype):
         kw = dict(kw, attn_mask=mask)
         out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **tiles, **kw)
         check_features_forward(out.astype(np.float64), lse.astype(np.float64), q, k, v, kw, tolerance(dtype))
+        if SIMULATED and extra:  # the repeat and the GPU-array call once per case in the simulator (seconds each)
+            continue
         again = attnkern.attention(q, k, v, kernel="cuda.flash", **tiles, **kw)
         assert again.tobytes() == out.tobytes()
         on_gpu = attnkern.attention(*(cuda.to_device(x) for x in (q, k, v)), kernel="cuda.flash", check_finite=False,

@@ -13,6 +13,7 @@ rounding alone (seen: a few 1e-7 in float32 in the simulator and on an H100); a
 wrong term is an error of order 1e-2 or more.
 """
 
+import os
 import sys
 import zlib
 
@@ -38,6 +39,15 @@ FLASH = _registry.get("cuda.flash")
 
 from attnkern.backends import cuda as cuda_backend  # noqa: E402  (numba-cuda is there)
 from attnkern.backends.cuda import arrays  # noqa: E402
+
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _simulate_float32_once(first: bool, dtype) -> None:
+    """In the simulator float32 runs on a case's first entry only: the same Numba code
+    as float64's, typed float32, and each simulated case costs seconds."""
+    if SIMULATED and dtype == np.float32 and not first:
+        pytest.skip("the simulator runs float32 on the first case only")
 
 # (batch, nq, nk, d, dv): sizes that do not divide the tiles, nq > nk and nq < nk
 # (causal: keys no query sees get zero gradients), Dv != D, batch 2
@@ -186,6 +196,7 @@ def test_feature_gradients_by_flash_attentions_rule(name, dtype):
     bit-identical across runs and tiles (dk, dv of a group summed in a fixed order)."""
     from test_features import err, inputs, torch_peer
 
+    _simulate_float32_once(name == next(iter(FEATURE_CASES)), dtype)
     shape, kw = FEATURE_CASES[name]
     q, k, v, dout = inputs(shape, dtype, seed=zlib.crc32(name.encode()))
     ref = [attnkern.reference(q, k, v, **kw), *attnkern.reference_backward(q, k, v, dout, **kw)]
@@ -275,6 +286,7 @@ def test_mask_gradients_by_flash_attentions_rule(name, dtype):
     mask hides entirely get 0 and no NaN; bit-identical across runs and tiles."""
     from test_features import err, inputs
 
+    _simulate_float32_once(name == next(iter(MASK_CASES)), dtype)
     kind, mshape, kw = MASK_CASES[name]
     q, k, v, dout = inputs((2, 4, 2, 7, 19, 8, 6), dtype, seed=zlib.crc32(name.encode()))
     rng = np.random.default_rng(len(name))

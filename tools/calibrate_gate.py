@@ -53,12 +53,13 @@ def inject_slowdown(source: str, keys_percent: int) -> str:
     """attn_kernels.h with flash_panel computing the score tiles of the first
     `keys_percent`% of each panel's keys a second time (the same values, before the
     softmax reads them), so the extra work scales with the keys. Only tiles that need no
-    mask and no softcap (the panel's own `edge` test) are recomputed: the masked ones
-    were changed after their products."""
+    mask and no softcap (the panel's own `edge` test, in its plain or featured form) are
+    recomputed: the masked ones were changed after their products."""
     if source.count(INJECT_LINE) != 1:
         raise ValueError(f"the line the slowdown precedes moved: {INJECT_LINE!r}")
     extra = (f"    for (int64_t k0 = 0; k0 < (kv * {keys_percent} + 99) / 100; k0 += MR)"
-             " if (cap2 == 0 && !(j0 + k0 + MR - 1 - hi > q0 || j0 + k0 - lo < q0 + NR - 1))"
+             " if (cap2 == 0 && !(FEAT ? (j0 + k0 + MR - 1 - hi > q0 || j0 + k0 - lo < q0 + NR - 1)"
+             " : (causal && j0 + k0 + MR - 1 > q0)))"
              " ST(call_qk)((int)(kv - k0 < MR ? kv - k0 : MR), d, kr + k0 * d, d, qt, st + k0 * NR, NR, NULL);"
              "  /* injected slowdown */\n")
     return source.replace(INJECT_LINE, extra + INJECT_LINE)
