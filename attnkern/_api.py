@@ -128,9 +128,6 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
         raise ValueError(f"scale must be finite, got {scale!r}")
     features = _features(q.shape, nk, group, causal, align, float(scale), window, key_lengths, softcap)
     if attn_mask is not None or dropout_p != 0.0 or alibi_slopes is not None:
-        if device and dropout_p != 0.0:
-            raise TypeError("dropout runs on the CPU kernels: pass host arrays (NumPy, CPU tensors); GPU arrays "
-                            "take attn_mask and ALiBi (cuda.flash)")
         mask = _gpu_mask if device else _mask
         features = dataclasses.replace(features, **mask(attn_mask, q.shape, nk, q.dtype),
                                        **_dropout(dropout_p, dropout_seed, dropout_offset),
@@ -795,7 +792,7 @@ def _refusal(chosen: _registry.Kernel, reasons: dict, need: dict) -> Exception:
                          f"kernels: {', '.join(_registry.with_feature('backward'))} (or call it under "
                          "torch.no_grad(), or detach the inputs)")
     elif "features" in reasons:
-        able = ", ".join(_registry.supporting(need["features"], need["backward"])) or "none"
+        able = ", ".join(_registry.supporting(need["features"], need["backward"], dtype)) or "none"
         exc = ValueError(f"{name} {reasons['features']}; kernels that support this call's features"
                          f"{' (forward and backward)' if need['backward'] else ''}: {able} "
                          "(kernel_info(name)['features'], docs/features.md)")
@@ -829,6 +826,8 @@ def kernel_info(name: str) -> dict:
     features (the features of docs/features.md its forward takes: "gqa", "bottom_right",
     "window", "key_lengths", "softcap", "mask", "dropout", "alibi", "varlen": a packed
     varlen batch in one call), backward_features (those its backward takes),
+    feature_dtypes ({feature: [dtypes]}: features it has only in those dtypes, forward and
+    backward; every other feature it has in each of its dtypes),
     tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
     replace the defaults for calls that match their key};
     a tunable restricted to a set of values also has "choices"."""
@@ -847,6 +846,7 @@ def kernel_info(name: str) -> dict:
         "backward_dtypes": list(kernel.backward_dtypes) if kernel.backward is not None else [],
         "features": [n for n in _registry.FEATURES if n in kernel.features],
         "backward_features": [n for n in _registry.FEATURES if n in kernel.features_of_backward()],
+        "feature_dtypes": {n: list(kernel.feature_dtypes[n]) for n in _registry.FEATURES if n in kernel.feature_dtypes},
         "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
     }
 
