@@ -391,3 +391,22 @@ def test_dropout_under_torch_autograd_keeps_the_forwards_seed():
         torch.manual_seed(5)
         drawn.append(attnkern.attention(*tensors, kernel="cuda.flash", dropout_p=0.3, **tiles).detach())
     assert torch.equal(drawn[0], drawn[1])
+
+
+def test_dropout_in_varlen_sequences_uses_packed_counters():
+    """attention_varlen on cuda.flash runs a call per sequence with dropout's counter
+    offsets (packed query and key indices; a key offset of 6 splits a Philox group of
+    4 keys across two tiles' counters): forward and backward equal numpy.naive's and
+    native.flash's in float64, which take the same mask."""
+    rng = np.random.default_rng(8)
+    cu_q, cu_k = np.array([0, 5, 12]), np.array([0, 6, 15])
+    q, k, v, dout = (rng.standard_normal((n, 2, 8)) for n in (12, 15, 15, 12))
+    kw = dict(causal="bottom_right", dropout_p=0.35, dropout_seed=2**33 + 1)
+    out, lse = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="cuda.flash", return_lse=True, **TILES, **kw)
+    want = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="numpy.naive", **kw)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    grads = attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, kernel="cuda.flash", **TILES,
+                                               **kw)
+    for g, w in zip(grads, attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k,
+                                                              kernel="native.flash", **kw)):
+        np.testing.assert_allclose(g, w, atol=1e-12)

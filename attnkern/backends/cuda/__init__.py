@@ -389,7 +389,7 @@ register(
         name="cuda.flash",
         description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory "
                     "(float32: tensor cores in 3xTF32, or register-blocked float32 FMAs, CUDA C++; "
-                    "float16/bfloat16: tensor cores; float64: Numba); "
+                    "float16/bfloat16: tensor cores; float64, and float32 with dropout: Numba); "
                     "deterministic backward in two (dK/dV per key block, dQ per query block)",
         run=_cuda_flash,
         params=(
