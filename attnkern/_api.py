@@ -671,7 +671,18 @@ def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, fea
     return _torch_api.as_torch(result, call.device), call, chosen, resolved
 
 
-_torch_ops.install(_op_forward, _op_backward, _backward_takes)
+def _dropout_takes(kernel: str, dtype: str, device_type: str) -> bool:
+    """Whether the kernel (kernel="auto": one that auto picks for tensors on device_type)
+    has dropout in dtype (autocast's policy: cuda.flash has it in float32 and float64 only)."""
+    auto = ("cuda.flash", "triton.flash") if device_type == "cuda" else ("native.flash", "numpy.naive")
+    names = auto if kernel == "auto" else (kernel,)
+    try:
+        return any("dropout" in _registry.get(n).features_in(dtype) for n in names)
+    except ValueError:
+        return False  # an unknown kernel: the op itself refuses it
+
+
+_torch_ops.install(_op_forward, _op_backward, _backward_takes, _dropout_takes)
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,

@@ -396,17 +396,37 @@ def test_dropout_under_torch_autograd_keeps_the_forwards_seed():
 def test_dropout_in_varlen_sequences_uses_packed_counters():
     """attention_varlen on cuda.flash runs a call per sequence with dropout's counter
     offsets (packed query and key indices; a key offset of 6 splits a Philox group of
-    4 keys across two tiles' counters): forward and backward equal numpy.naive's and
-    native.flash's in float64, which take the same mask."""
+    4 keys across two calls' counters): forward, lse and backward against the float64
+    reference of each sequence with the same offsets, in float64."""
+    from test_varlen import per_sequence
+
     rng = np.random.default_rng(8)
     cu_q, cu_k = np.array([0, 5, 12]), np.array([0, 6, 15])
     q, k, v, dout = (rng.standard_normal((n, 2, 8)) for n in (12, 15, 15, 12))
     kw = dict(causal="bottom_right", dropout_p=0.35, dropout_seed=2**33 + 1)
     out, lse = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="cuda.flash", return_lse=True, **TILES, **kw)
-    want = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="numpy.naive", **kw)
-    np.testing.assert_allclose(out, want, atol=1e-12)
     grads = attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, kernel="cuda.flash", **TILES,
                                                **kw)
-    for g, w in zip(grads, attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k,
-                                                              kernel="native.flash", **kw)):
-        np.testing.assert_allclose(g, w, atol=1e-12)
+    ref_out, ref_lse, ref_grads = per_sequence(q, k, v, cu_q, cu_k, dout, **kw)
+    for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+        np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.skipif(SIMULATED, reason="CUDA autocast needs a GPU")
+def test_dropout_under_cuda_autocast_runs_in_float32():
+    """In a CUDA autocast region (float16) attention with dropout computes in float32 (cuda.flash
+    has no half dropout) and returns float16, with and without grad."""
+    from test_features import inputs
+
+    q, k, v, dout = inputs((2, 4, 2, 70, 90, 64, 64), np.float32, seed=4)
+    tensors = [torch.tensor(x, device="cuda", requires_grad=True) for x in (q, k, v)]
+    kw = dict(causal=True, dropout_p=0.2, dropout_seed=3)
+    want = attnkern.attention(*tensors, **kw)
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = attnkern.attention(*tensors, **kw)
+        with torch.no_grad():
+            plain = attnkern.attention(*tensors, **kw)
+    assert got.dtype == plain.dtype == torch.float16
+    assert torch.equal(got, want.half()) and torch.equal(plain, want.half())
+    got.float().backward(torch.from_numpy(dout).cuda())
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in tensors)

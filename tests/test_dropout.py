@@ -238,3 +238,17 @@ def test_cuda_flash_states_its_dropout_dtypes():
     assert "cuda.flash" in _registry.supporting(frozenset({"dropout"}), backward=True, dtype="float32")
     assert attnkern.kernel_info("cuda.flash")["feature_dtypes"] == {"dropout": ["float32", "float64"]}
     assert all(attnkern.kernel_info(k)["feature_dtypes"] == {} for k in attnkern.kernels() if k != "cuda.flash")
+
+
+def test_autocast_policy_computes_dropout_where_the_kernel_has_it():
+    """Under autocast the op computes in the region's dtype only where the kernel (auto:
+    those auto picks on that device) has dropout in it, else in float32: on CUDA,
+    cuda.flash has no float16/bfloat16 dropout."""
+    from attnkern import _api
+
+    assert not _api._dropout_takes("auto", "float16", "cuda")
+    assert not _api._dropout_takes("cuda.flash", "bfloat16", "cuda")
+    assert _api._dropout_takes("cuda.flash", "float32", "cuda")
+    assert _api._dropout_takes("auto", "bfloat16", "cpu")
+    assert not _api._dropout_takes("torch.sdpa", "bfloat16", "cpu")
+    assert not _api._dropout_takes("no.such.kernel", "float32", "cpu")
