@@ -847,7 +847,8 @@ def test_dropout_forward_matches_the_reference(name, dtype):
     assert not np.array_equal(other, out)
     if not SIMULATED or name == next(iter(cases)):
         gpu = [cuda.to_device(x) for x in (q, k, v)]
-        on_gpu = attnkern.attention(*gpu, kernel="cuda.flash", check_finite=False, **tiles, **kw)
+        gkw = dict(kw, attn_mask=cuda.to_device(kw["attn_mask"])) if "attn_mask" in kw else kw  # the mask there too
+        on_gpu = attnkern.attention(*gpu, kernel="cuda.flash", check_finite=False, **tiles, **gkw)
         host = on_gpu.copy_to_host() if hasattr(on_gpu, "copy_to_host") else np.asarray(on_gpu)
         np.testing.assert_array_equal(host, out)
 
