@@ -187,11 +187,11 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
                             if MASKED:
                                 s = masked(s, mask, IS_BOOL, mat + (i0 + i) * uint64(msi), munit, NEG_INF)
                             p = ZERO if MASKED and s == NEG_INF else math.exp2(s - slse[i])  # a hidden key: no NaN
-                            z = ftype(1)
+                            z = ZERO
                             if DROPOUT:
                                 z = dropout_factor(dseed, dthr, dscale, ZERO, qb, i0 + i + uint64(di0),
                                                    key + uint64(dj0))
-                            pz = p * z  # the dropped probability, what the forward multiplied V by
+                            pz = p * z if DROPOUT else p  # the dropped probability, what the forward multiplied V by
                             dp = ZERO
                             for e in range(DVP):
                                 g = sdo[da + uint64(e)]

@@ -284,10 +284,11 @@ def mask_base(b, heads, sb, sh):
 # Philox4x32-10 (attnkern._philox, attn_common.h's attn_philox), in uint64 arithmetic on
 # 32-bit values: each product of two 32-bit words fits 64 bits, its high half is the
 # mulhi; every operand is uint64 (Numba turns uint64 mixed with int64 into float64).
-PHILOX_M0, PHILOX_M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-PHILOX_W0, PHILOX_W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+# The constants are _philox's, as uint64 globals (compile-time constants to Numba).
+PHILOX_M0, PHILOX_M1 = np.uint64(_philox._M0), np.uint64(_philox._M1)
+PHILOX_W0, PHILOX_W1 = np.uint64(_philox._W0), np.uint64(_philox._W1)
 LOW32, SHIFT32 = np.uint64(0xFFFFFFFF), np.uint64(32)
-NO_GROUP = np.uint64(2**64 - 1)  # a counter group no key has: dropout_words' cache starts empty
+NO_GROUP = np.uint64(2**64 - 1)  # a key group (counter // 4) no key has: a cache of Philox words starts empty
 
 
 @cuda.jit(device=True, **INLINE)
