@@ -28,6 +28,8 @@ cuda.flash (one launch, FlashAttention-2 forward; no N x N buffer)
     Log-sum-exp: a variant compiled with_lse also writes each row's
     lse = (m + log2(l)) * ln 2 from its final max m and sum l (log2 domain);
     without it the kernel has no store of lse at all.
+    Dropout: a featured variant multiplies each tile of P by the Philox mask's
+    Z (philox4x32_10, attnkern._philox's stream) after the row sums.
 """
 
 from __future__ import annotations
