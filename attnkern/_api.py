@@ -128,9 +128,6 @@ def validate(q, k, v, *, causal, scale, check_finite, window=None, key_lengths=N
         raise ValueError(f"scale must be finite, got {scale!r}")
     features = _features(q.shape, nk, group, causal, align, float(scale), window, key_lengths, softcap)
     if attn_mask is not None or dropout_p != 0.0 or alibi_slopes is not None:
-        if device and dropout_p != 0.0:
-            raise TypeError("dropout runs on the CPU kernels: pass host arrays (NumPy, CPU tensors); GPU arrays "
-                            "take attn_mask and ALiBi (cuda.flash)")
         mask = _gpu_mask if device else _mask
         features = dataclasses.replace(features, **mask(attn_mask, q.shape, nk, q.dtype),
                                        **_dropout(dropout_p, dropout_seed, dropout_offset),
@@ -674,7 +671,18 @@ def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, fea
     return _torch_api.as_torch(result, call.device), call, chosen, resolved
 
 
-_torch_ops.install(_op_forward, _op_backward, _backward_takes)
+def _dropout_takes(kernel: str, dtype: str, device_type: str) -> bool:
+    """Whether the kernel (kernel="auto": one that auto picks for tensors on device_type)
+    has dropout in dtype (autocast's policy: cuda.flash has it in float32 and float64 only)."""
+    auto = ("cuda.flash", "triton.flash") if device_type == "cuda" else ("native.flash", "numpy.naive")
+    names = auto if kernel == "auto" else (kernel,)
+    try:
+        return any("dropout" in _registry.get(n).features_in(dtype) for n in names)
+    except ValueError:
+        return False  # an unknown kernel: the op itself refuses it
+
+
+_torch_ops.install(_op_forward, _op_backward, _backward_takes, _dropout_takes)
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, kernel="auto", window=None,
@@ -795,7 +803,7 @@ def _refusal(chosen: _registry.Kernel, reasons: dict, need: dict) -> Exception:
                          f"kernels: {', '.join(_registry.with_feature('backward'))} (or call it under "
                          "torch.no_grad(), or detach the inputs)")
     elif "features" in reasons:
-        able = ", ".join(_registry.supporting(need["features"], need["backward"])) or "none"
+        able = ", ".join(_registry.supporting(need["features"], need["backward"], dtype)) or "none"
         exc = ValueError(f"{name} {reasons['features']}; kernels that support this call's features"
                          f"{' (forward and backward)' if need['backward'] else ''}: {able} "
                          "(kernel_info(name)['features'], docs/features.md)")
@@ -829,6 +837,8 @@ def kernel_info(name: str) -> dict:
     features (the features of docs/features.md its forward takes: "gqa", "bottom_right",
     "window", "key_lengths", "softcap", "mask", "dropout", "alibi", "varlen": a packed
     varlen batch in one call), backward_features (those its backward takes),
+    feature_dtypes ({feature: [dtypes]}: features it has only in those dtypes, forward and
+    backward; every other feature it has in each of its dtypes),
     tuned: this machine's cached results of attnkern.tune, [{key, params, seconds}], which
     replace the defaults for calls that match their key};
     a tunable restricted to a set of values also has "choices"."""
@@ -847,6 +857,7 @@ def kernel_info(name: str) -> dict:
         "backward_dtypes": list(kernel.backward_dtypes) if kernel.backward is not None else [],
         "features": [n for n in _registry.FEATURES if n in kernel.features],
         "backward_features": [n for n in _registry.FEATURES if n in kernel.features_of_backward()],
+        "feature_dtypes": {n: list(kernel.feature_dtypes[n]) for n in _registry.FEATURES if n in kernel.feature_dtypes},
         "tuned": _tuned.entries_for(kernel.name) if kernel.params else [],
     }
 

@@ -213,6 +213,15 @@ class Kernel:
     # backward_features: those its backward takes (None: the same as the forward's)
     features: frozenset[str] = frozenset()
     backward_features: frozenset[str] | None = None
+    # feature name -> the only dtypes in which it has that feature (forward and backward);
+    # a feature not named here it has in every dtype it takes
+    feature_dtypes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def features_in(self, dtype: str | None) -> frozenset[str]:
+        """The features its forward has for inputs of dtype (None: in some dtype)."""
+        if dtype is None:
+            return self.features
+        return frozenset(f for f in self.features if dtype in self.feature_dtypes.get(f, (dtype,)))
 
     def features_of_backward(self) -> frozenset[str]:
         """The features its backward takes (none without a backward)."""
@@ -245,8 +254,13 @@ class Kernel:
         if backward and self.backward is None:
             reasons.append(("backward", "has no backward pass"))
         missing = features - self.features
+        limited = (features & self.features) - self.features_in(dtype)
         if missing:
             reasons.append(("features", f"does not support {describe_features(missing)}"))
+        elif limited:
+            only = "; ".join(f"{FEATURES[f]} only in {', '.join(self.feature_dtypes[f])}" for f in FEATURES
+                             if f in limited)
+            reasons.append(("features", f"does not support {describe_features(limited)} in {dtype} (it has {only})"))
         elif backward and self.backward is not None and features - self.features_of_backward():
             missing = features - self.features_of_backward()
             reasons.append(("features", f"its backward does not support {describe_features(missing)}"))
@@ -294,11 +308,12 @@ def with_feature(feature: str) -> list[str]:
     return [name for name, k in _KERNELS.items() if has(k)]
 
 
-def supporting(features: frozenset[str], backward: bool = False) -> list[str]:
+def supporting(features: frozenset[str], backward: bool = False, dtype: str | None = None) -> list[str]:
     """Names of the kernels that take all of features (FEATURES' names), forward and,
-    with backward, backward too; for error messages."""
+    with backward, backward too, and with dtype in that dtype; for error messages."""
     return [name for name, k in _KERNELS.items()
-            if features <= k.features and (not backward or features <= k.features_of_backward())]
+            if features <= k.features_in(dtype) and (not backward or features <= k.features_of_backward())
+            and (dtype is None or dtype in k.dtypes)]
 
 
 def kernels() -> tuple[str, ...]:

@@ -13,17 +13,19 @@ what the ops run (install): this layer only defines them, their fake (meta)
 implementations, their autograd formula and their autocast policy. torch is
 imported on first use."""
 
-_IMPL: dict = {}  # "forward" / "backward" / "backward_takes": the core's functions (install)
+_IMPL: dict = {}  # "forward" / "backward" / "backward_takes" / "dropout_takes": the core's functions (install)
 _OPS: list = []  # [True] once the ops are defined
 _LIBS: list = []  # the torch.library.Library objects holding the autocast registrations
 
 
-def install(forward, backward, backward_takes) -> None:
+def install(forward, backward, backward_takes, dropout_takes) -> None:
     """The core's implementations: forward(q, k, v, spec, *, check_finite, need_lse, need_backward)
     -> (out, lse) (lse empty without need_lse), backward(q, k, v, out, dout, lse, spec) -> (dq, dk, dv),
-    spec being a dict of SPEC's names, and backward_takes(kernel, dtype) -> whether the kernel's backward
-    (kernel="auto": any kernel's) takes that dtype (the autocast policy)."""
-    _IMPL.update(forward=forward, backward=backward, backward_takes=backward_takes)
+    spec being a dict of SPEC's names, backward_takes(kernel, dtype) -> whether the kernel's backward
+    (kernel="auto": any kernel's) takes that dtype, and dropout_takes(kernel, dtype, device_type) ->
+    whether the kernel (kernel="auto": one auto picks for tensors of that device) has dropout in that
+    dtype (both for the autocast policy)."""
+    _IMPL.update(forward=forward, backward=backward, backward_takes=backward_takes, dropout_takes=dropout_takes)
 
 
 # the encoded arguments of both ops after their tensors, in order (attention then takes check_finite,
@@ -124,7 +126,9 @@ def _register_autocast(torch, opname: str, device_type: str) -> None:
     backward takes that dtype (cuda.flash's backward is float32/float64), the
     op runs in float32 instead and its output is cast to the region's dtype: the
     forward and the backward both work, the gradients computed in float32 and
-    returned in each input's own dtype (autograd's casts). torch.library's
+    returned in each input's own dtype (autograd's casts). Likewise with dropout
+    where the kernel has no dropout in that dtype (cuda.flash: float32 and float64
+    only). torch.library's
     register_autocast takes one fixed dtype; this reads the region's."""
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
     op = getattr(torch.ops.attnkern, opname).default
@@ -134,7 +138,10 @@ def _register_autocast(torch, opname: str, device_type: str) -> None:
         compute = dtype
         # need_backward, the last argument: the core sets it where an input requires grad
         kernel, mask = args[3 + SPEC.index("kernel")], 3 + SPEC.index("attn_mask")
-        if args[-1] and not _IMPL["backward_takes"](kernel, str(dtype).removeprefix("torch.")):
+        name = str(dtype).removeprefix("torch.")
+        dropout = args[3 + SPEC.index("dropout_p")] > 0
+        no_backward = args[-1] and not _IMPL["backward_takes"](kernel, name)
+        if no_backward or (dropout and not _IMPL["dropout_takes"](kernel, name, device_type)):
             compute = torch.float32
 
         def cast(x):  # as autocast casts: floating tensors of the device, float64 excepted

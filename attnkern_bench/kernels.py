@@ -34,7 +34,8 @@ def command(args) -> int:
         if info["features"]:  # docs/features.md
             backward = "" if info["backward_features"] in ([], info["features"]) else (
                 f"; backward: {', '.join(info['backward_features'])}")
-            print(f"{'':<14}   features: {', '.join(info['features'])}{backward}")
+            limited = "".join(f"; {f} only in {', '.join(d)}" for f, d in info["feature_dtypes"].items())
+            print(f"{'':<14}   features: {', '.join(info['features'])}{backward}{limited}")
         for pname, p in info["params"].items():
             allowed = ", ".join(map(str, p["choices"])) if "choices" in p else f"{p['min']}..{p['max']}"
             print(f"{'':<14}   {pname}={p['default']} ({allowed}): {p['doc']}")

@@ -3,9 +3,13 @@
 (check_finite=False, after 10 untimed ones); the figure is the median of --runs
 samples, in ms per call. The plain rows are what the featured kernels must not
 slow down: run this script once with the tree before the features and once after,
-in the same device session, and compare the rows of the same name.
+in the same device session, and compare the rows of the same name. In float32 and
+float64 two rows show dropout's cost: the same featured call without and with
+dropout_p=0.1 (float32 without dropout runs the CUDA C++ kernels, with it the Numba
+kernel). --backward times attention_backward instead (out and lse computed once).
 
     python3 dev/gpu_features_speed.py [--runs 20] [--dtype bfloat16] [--dim 128] [--n 4096] [--plain-only]
+                                      [--backward]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--plain-only", action="store_true")
+    parser.add_argument("--backward", action="store_true", help="time attention_backward (float32, float64)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     h, n, d = args.heads, args.n, args.dim
@@ -60,13 +65,23 @@ def main() -> None:
             "causal softcap 50": dict(causal=True, softcap=50.0),
             "key_lengths n/2": dict(key_lengths=[n // 2]),
         })
+        if args.dtype in ("float32", "float64"):  # cuda.flash has dropout in these only
+            rows.update({
+                "causal key_lengths n": dict(causal=True, key_lengths=[n]),
+                "causal key_lengths n dropout 0.1": dict(causal=True, key_lengths=[n], dropout_p=0.1, dropout_seed=1),
+            })
     result = {}
     for name, kw in rows.items():
         k, v = kw.pop("k", kv), kw.pop("v", kv)
-        result[name] = median_ms(lambda: attnkern.attention(q, k, v, check_finite=False, **kw), args.runs)
+        if args.backward:
+            out, lse = attnkern.attention(q, k, v, return_lse=True, check_finite=False, **kw)
+            dout = torch.randn_like(out)
+            result[name] = median_ms(lambda: attnkern.attention_backward(q, k, v, out, dout, lse, **kw), args.runs)
+        else:
+            result[name] = median_ms(lambda: attnkern.attention(q, k, v, check_finite=False, **kw), args.runs)
         print(f"{name:28s} {result[name]:.4f} ms", flush=True)
     print(json.dumps({"attnkern": attnkern.__file__, "device": torch.cuda.get_device_name(), "shape": [1, h, n, d], "dtype": args.dtype,
-                      "ms": result}))
+                      "backward": args.backward, "ms": result}))
 
 
 if __name__ == "__main__":

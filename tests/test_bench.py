@@ -58,7 +58,9 @@ def test_kernels_command_lists_the_registry(capsys):
     infos = json.loads(capsys.readouterr().out)
     assert [i["name"] for i in infos] == list(attnkern.kernels())
     assert cli.main(["kernels"]) == 0
-    assert "block_q=256" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "block_q=256" in printed
+    assert "; dropout only in float32, float64" in printed  # cuda.flash's feature_dtypes
 
 
 def test_console_script_and_module_say_what_they_measure():

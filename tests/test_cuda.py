@@ -626,8 +626,8 @@ def test_mask_numba_forward(kind, dims, dtype):
 
 
 def test_mask_bad_input_on_gpu_arrays():
-    """GPU q, k, v: a host mask, an integer mask, a float64 mask for float32 q, a mask
-    that does not broadcast and dropout each raise an error saying what to fix."""
+    """GPU q, k, v: a host mask, an integer mask, a float64 mask for float32 q and a mask
+    that does not broadcast each raise an error saying what to fix."""
     q = cuda.to_device(np.ones((1, 2, 4, 8), np.float32))
     with pytest.raises(TypeError, match="attn_mask must be a GPU array"):
         attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=np.ones((4, 4), bool))
@@ -637,8 +637,6 @@ def test_mask_bad_input_on_gpu_arrays():
         attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=cuda.to_device(np.ones((4, 4), np.float64)))
     with pytest.raises(ValueError, match="does not broadcast"):
         attnkern.attention(q, q, q, kernel="cuda.flash", attn_mask=cuda.to_device(np.ones((3, 4), bool)))
-    with pytest.raises(TypeError, match="dropout runs on the CPU kernels"):
-        attnkern.attention(q, q, q, kernel="cuda.flash", dropout_p=0.1, dropout_seed=1)
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
@@ -737,3 +735,163 @@ def test_alibi_cuda_cpp(kind):
                     ref_kw = dict(kw_, attn_mask=mask.astype(np.float64)) if with_mask else kw_
                     check_features_forward(out.double().cpu().numpy(), lse.double().cpu().numpy(), *rounded, ref_kw,
                                            tolerance(kind, rounds_p=True) if half else 2e-5)
+
+
+# ---------------------------------------------------------------- dropout (dropout_p, dropout_seed)
+def test_philox_device_function_is_numpys_bit_for_bit():
+    """numba_kernels.philox4x32_10 (uint64 arithmetic on 32-bit words) gives the words of
+    attnkern._philox for random counters and 64-bit keys, the extremes included."""
+    from attnkern import _philox
+    from attnkern.backends.cuda import numba_kernels
+
+    philox = numba_kernels.philox4x32_10
+
+    @cuda.jit
+    def words(c, seeds, out):
+        t = cuda.grid(1)
+        if t < c.shape[0]:
+            w0, w1, w2, w3 = philox(c[t, 0], c[t, 1], c[t, 2], c[t, 3], seeds[t])
+            out[t, 0], out[t, 1], out[t, 2], out[t, 3] = w0, w1, w2, w3
+
+    n = 64 if SIMULATED else 1 << 16
+    rng = np.random.default_rng(11)
+    c = rng.integers(0, 2**32, (n, 4), dtype=np.uint64)
+    seeds = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+    c[0], seeds[0] = 0, 0
+    c[1], seeds[1] = 0xFFFFFFFF, 2**64 - 1
+    c[2], seeds[2] = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), 0x299F31D0A4093822
+    out = cuda.to_device(np.zeros((n, 4), np.uint64))
+    words[-(-n // 32), 32](cuda.to_device(c), cuda.to_device(seeds), out)
+    got = out.copy_to_host()
+    for t in range(n) if SIMULATED else range(0, n, 997):  # NumPy's Philox is per seed
+        want = [int(w) for w in _philox.philox4x32_10(*c[t], int(seeds[t]))]
+        assert [int(w) for w in got[t]] == want, t
+    assert [int(w) for w in got[2]] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]  # Random123's
+
+
+def kept_by_cuda_flash(p, seed, dtype, batch=2, nq=16, nk=24, **tiles):
+    """cuda.flash's keep mask and output, read back: q = 0 gives P = 1/nk, and v = the
+    identity out[b, i, j] = Z[b, i, j] / nk."""
+    q = np.zeros((batch, nq, 4), dtype)
+    k = np.ones((batch, nk, 4), dtype)
+    v = np.broadcast_to(np.eye(nk, dtype=dtype), (batch, nk, nk)).copy()
+    out = attnkern.attention(q, k, v, dropout_p=p, dropout_seed=seed, kernel="cuda.flash", **tiles)
+    return out * nk * (1 - p) > 0.5, out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropout_mask_is_the_cpus_and_scaled(dtype):
+    """The forward's keep mask equals attnkern._philox's (the CPU kernels' and the
+    reference's) element for element, every kept probability is scaled by exactly
+    1 / (1 - p) (in the dtype) and the keep rate lies within a binomial bound."""
+    from attnkern import _philox
+
+    tiles = dict(block_q=8, block_k=8) if SIMULATED else {}
+    shape = (2, 16, 24) if SIMULATED else (4, 256, 384)
+    for p, seed in ((0.3, 2**40 + 12345), (0.75, 2**64 - 3)):
+        kept, out = kept_by_cuda_flash(p, seed, dtype, *shape, **tiles)
+        b, i, j = np.ogrid[:shape[0], :shape[1], :shape[2]]
+        np.testing.assert_array_equal(kept, _philox.keep(seed, p, b, i, j))
+        want = dtype(1 / (1 - p)) / dtype(shape[2])
+        assert np.allclose(out[kept], want, rtol=8 * np.finfo(dtype).eps, atol=0) and not out[~kept].any()
+        n = kept.size
+        assert abs(kept.sum() - n * (1 - p)) <= 6 * np.sqrt(n * p * (1 - p))
+        if SIMULATED:
+            break
+
+
+# name: ((B, H), H_kv, nq, nk, keywords), each with dropout_p and dropout_seed
+DROPOUT_CASES_SMALL = {
+    "plain": ((1, 2), 2, 11, 13, dict(dropout_p=0.25, dropout_seed=1234)),
+    "everything": ((2, 4), 2, 9, 19, dict(causal="bottom_right", window=(5, 0), key_lengths=[19, 3], softcap=3.0,
+                                          scale=0.6, alibi_slopes=[0.5, 0.25, 0.125, 0.0625], dropout_p=0.4,
+                                          dropout_seed=2**63 + 5)),
+}
+DROPOUT_CASES = {
+    "plain": ((2, 4), 4, 200, 333, dict(dropout_p=0.1, dropout_seed=1234)),
+    "gqa-causal": ((2, 4), 2, 300, 300, dict(causal=True, dropout_p=0.5, dropout_seed=7)),
+    "everything": ((2, 4), 2, 130, 300, dict(causal="bottom_right", window=(70, 0), key_lengths=[300, 77],
+                                             softcap=3.0, scale=0.3, alibi_slopes=[0.5, 0.25, 0.125, 0.0625],
+                                             dropout_p=0.4, dropout_seed=2**63 + 5)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", DROPOUT_CASES_SMALL if SIMULATED else DROPOUT_CASES)
+def test_dropout_forward_matches_the_reference(name, dtype):
+    """cuda.flash's forward with dropout (and the other features, a mask included)
+    against the float64 reference, which applies the same Philox mask: elementwise;
+    lse that of the undropped softmax; bit-identical repeats, on NumPy and GPU arrays;
+    another seed gives another output."""
+    from attnkern_bench.accuracy import tolerance
+
+    cases = DROPOUT_CASES_SMALL if SIMULATED else DROPOUT_CASES
+    if SIMULATED and dtype == np.float32 and name != next(iter(cases)):
+        pytest.skip("the simulator runs float32 on the first case only")
+    (q, k, v), kw = feature_inputs(cases[name], 8 if SIMULATED else 64, dtype, seed=len(name))
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    if name == "everything":
+        kw = dict(kw, attn_mask=make_mask("bool", "2d", q.shape[-2], k.shape[-2], dtype))
+    tiles = dict(block_q=8, block_k=8) if SIMULATED else {}
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **tiles, **kw)
+    # the output grows by up to 1 / (1 - p): so may its rounding
+    check_features_forward(out.astype(np.float64), lse.astype(np.float64), q, k, v, kw,
+                           tolerance(dtype) / (1 - kw["dropout_p"]))
+    undropped = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **tiles,
+                                   **dict(kw, dropout_p=0.0))
+    assert not np.array_equal(out, undropped[0])
+    np.testing.assert_allclose(lse, undropped[1], rtol=10 * tolerance(dtype))
+    again = attnkern.attention(q, k, v, kernel="cuda.flash", **tiles, **kw)
+    assert again.tobytes() == out.tobytes()
+    other = attnkern.attention(q, k, v, kernel="cuda.flash", **tiles, **dict(kw, dropout_seed=kw["dropout_seed"] + 1))
+    assert not np.array_equal(other, out)
+    if not SIMULATED or name == next(iter(cases)):
+        gpu = [cuda.to_device(x) for x in (q, k, v)]
+        gkw = dict(kw, attn_mask=cuda.to_device(kw["attn_mask"])) if "attn_mask" in kw else kw  # the mask there too
+        on_gpu = attnkern.attention(*gpu, kernel="cuda.flash", check_finite=False, **tiles, **gkw)
+        host = on_gpu.copy_to_host() if hasattr(on_gpu, "copy_to_host") else np.asarray(on_gpu)
+        np.testing.assert_array_equal(host, out)
+
+
+def test_dropout_seed_none_draws_from_numpys_generator_on_gpu_arrays():
+    """dropout_seed=None on GPU arrays draws from NumPy's global generator, as on the
+    host: np.random.seed repeats it, and the draw is the seed the reference takes."""
+    q, k, v = (cuda.to_device(x) for x in random_qkv(np.random.default_rng(2), (2,), 9, 10, 8, 8, np.float64))
+    tiles = dict(block_q=8, block_k=8) if SIMULATED else {}
+
+    def run():
+        got = attnkern.attention(q, k, v, kernel="cuda.flash", dropout_p=0.5, **tiles)
+        return got.copy_to_host() if hasattr(got, "copy_to_host") else np.asarray(got)
+
+    np.random.seed(3)
+    a = run()
+    seed = np.random.RandomState(3).randint(0, 2**63 - 1, dtype=np.int64)
+    np.random.seed(3)
+    b = run()
+    assert np.array_equal(a, b) and not np.array_equal(a, run())
+    hq, hk, hv = (x.copy_to_host() for x in (q, k, v))
+    np.testing.assert_allclose(a, attnkern.reference(hq, hk, hv, dropout_p=0.5, dropout_seed=int(seed)), atol=1e-12)
+
+
+def test_dropout_in_half_precision_is_refused_naming_what_runs_it():
+    """cuda.flash has dropout in float32 and float64 only (its float16/bfloat16 kernels,
+    CUDA C++, have no Philox): kernel_info says so, and a half call is a ValueError
+    naming float32 and native.flash."""
+    info = attnkern.kernel_info("cuda.flash")
+    assert "dropout" in info["features"] and "dropout" in info["backward_features"]
+    assert info["feature_dtypes"] == {"dropout": ["float32", "float64"]}
+    q = np.ones((1, 2, 16, 16), np.float16)
+    with pytest.raises(ValueError, match=r"cuda.flash does not support dropout .* in float16 \(it has dropout .* "
+                                         r"only in float32, float64\).*native.flash"):
+        attnkern.attention(q, q, q, kernel="cuda.flash", dropout_p=0.1, dropout_seed=1)
+    if not SIMULATED:
+        import torch
+
+        t = torch.ones((1, 2, 16, 16), dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="dropout .* in bfloat16"):  # auto: cuda.flash refuses, nothing else has it
+            attnkern.attention(t, t, t, dropout_p=0.1, dropout_seed=1)
+        from attnkern.backends.cuda import _cuda_flash
+
+        with pytest.raises(ValueError, match="convert to float32"):  # the kernel's own check
+            _cuda_flash(*(np.ones((2, 16, 16), np.float16),) * 3, False, 0.25,
+                        features=attnkern._registry.Features(dropout_p=0.1, dropout_seed=1))

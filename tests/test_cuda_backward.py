@@ -273,7 +273,16 @@ def _mask_peer(q, k, v, dout, mask, kw):
         s = s - (slopes * dist).to(s.dtype)
     s = (s + add.to(s.dtype)).masked_fill(~seen, -torch.inf)
     hidden = torch.isneginf(s).all(-1, keepdim=True)
-    out = torch.softmax(s.masked_fill(hidden, 0), -1).masked_fill(hidden, 0) @ vr
+    probs = torch.softmax(s.masked_fill(hidden, 0), -1).masked_fill(hidden, 0)
+    if kw.get("dropout_p"):  # the same Philox mask's Z = keep / (1 - p), folded rows b H + h
+        from attnkern import _philox
+
+        (b, h), nq, nk = q.shape[:2], q.shape[-2], k.shape[-2]
+        rows = np.arange(b * h).reshape(b, h, 1, 1)
+        z = _philox.dropout_factor(kw["dropout_seed"], kw["dropout_p"], rows, np.arange(nq)[:, None],
+                                   np.arange(nk), q.dtype)
+        probs = probs * torch.from_numpy(z)
+    out = probs @ vr
     out.backward(torch.from_numpy(dout))
     return [x.detach().numpy() for x in (out, qt.grad, kt.grad, vt.grad)]
 
@@ -310,3 +319,142 @@ def test_mask_gradients_by_flash_attentions_rule(name, dtype):
     tiles = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", block_q=16, block_k=8, **kw)
     for a, b, c in zip(grads, again, tiles):
         assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+# ---------------------------------------------------------------- dropout
+# (mask or None, keywords) for (B, H) = (2, 4), H_kv = 2, nq = 7, nk = 19
+DROPOUT_CASES = {
+    "plain": (None, dict(dropout_p=0.3, dropout_seed=99)),
+    "everything": ("bool", dict(causal="bottom_right", window=(5, 0), key_lengths=[19, 3], softcap=3.0, scale=0.6,
+                                alibi_slopes=[0.5, 0.25, 0.125, 0.0625], dropout_p=0.5, dropout_seed=2**64 - 7)),
+}
+
+
+def _dropout_case(name, shape, dtype):
+    """q, k, v, dout and the keywords of DROPOUT_CASES[name] at shape (B, H, H_kv, nq, nk, D, Dv)."""
+    from test_features import inputs
+
+    kind, kw = DROPOUT_CASES[name]
+    q, k, v, dout = inputs(shape, dtype, seed=zlib.crc32(name.encode()))
+    nq, nk = shape[3:5]
+    if kind is not None:
+        kw = dict(kw, attn_mask=np.random.default_rng(1).random((nq, nk)) < 0.7)
+    if "key_lengths" in kw:
+        kw = dict(kw, key_lengths=[nk, nk // 6])
+    return q, k, v, dout, kw
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", DROPOUT_CASES)
+def test_dropout_gradients_by_flash_attentions_rule(name, dtype):
+    """cuda.flash's backward with dropout (the forward's Philox mask regenerated: dV =
+    (P Z)^T dO, dS = P (dO V^T Z - D)), alone and with every other feature, against the
+    float64 reference with the same mask by FlashAttention's rule (torch's own error
+    with that mask, in the dtype); bit-identical across runs and tiles; another seed
+    gives other gradients. Small shapes on a GPU too, as the other feature tests: at 300
+    keys the Numba backward's float32 sums exceed twice torch's error with or without
+    dropout (test_dropout_gradients_at_gpu_sizes bounds those as test_backward.py does)."""
+    from test_features import err
+
+    _simulate_float32_once(name == next(iter(DROPOUT_CASES)), dtype)
+    q, k, v, dout, kw = _dropout_case(name, (2, 4, 2, 7, 19, 8, 6), dtype)
+    ref = [attnkern.reference(q, k, v, **kw), *attnkern.reference_backward(q, k, v, dout, **kw)]
+    peer = _mask_peer(q, k, v, dout, kw.get("attn_mask", np.ones((q.shape[-2], k.shape[-2]), bool)), kw)
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **TILES, **kw)
+    grads = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **TILES, **kw)
+    for what, r, p, a in zip(("out", "dq", "dk", "dv"), ref, peer, (out, *grads)):
+        assert a.shape == r.shape and a.dtype == dtype and np.isfinite(a).all(), what
+        limit = 2 * err(p, r) + 4 * np.finfo(dtype).eps * max(1.0, np.abs(r).max())
+        assert err(a, r) <= limit, f"{what}: {err(a, r):.3g} > {limit:.3g}"
+    again = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **TILES, **kw)
+    tiles = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", block_q=16, block_k=8, **kw)
+    for a, b, c in zip(grads, again, tiles):
+        assert a.tobytes() == b.tobytes() == c.tobytes()
+    other = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **TILES,
+                                        **dict(kw, dropout_seed=kw["dropout_seed"] - 1))
+    assert not np.array_equal(other[2], grads[2])
+
+
+@pytest.mark.skipif(SIMULATED, reason="GPU sizes")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", DROPOUT_CASES)
+def test_dropout_gradients_at_gpu_sizes(name, dtype):
+    """At 130 queries over 300 keys, D = 64 (default tiles): out, dq, dk and dv with
+    dropout within attnkern_bench.accuracy's bounds (tests/test_backward.py's), widened
+    by 1 / (1 - p), the size of Z; bit-identical repeats."""
+    q, k, v, dout, kw = _dropout_case(name, (2, 4, 2, 130, 300, 64, 64), dtype)
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **kw)
+    grads = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **kw)
+    bound = tolerance(dtype) / (1 - kw["dropout_p"])
+    scale = kw.get("scale")
+    for what, a, r in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                          (attnkern.reference(q, k, v, **kw), *attnkern.reference_backward(q, k, v, dout, **kw))):
+        e = gradient_error(a, r, q, k, scale)
+        assert e <= bound, f"{what}: scaled error {e:.3g} > {bound:.3g}"
+    again = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **kw)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(grads, again))
+
+
+def test_dropout_under_torch_autograd_keeps_the_forwards_seed():
+    """torch autograd through cuda.flash with dropout: the backward regenerates the
+    forward's mask (the seed travels with the op), giving attention_backward's
+    gradients; dropout_seed=None draws from torch's generator (torch.manual_seed repeats it)."""
+    kw = dict(causal=True, dropout_p=0.3, dropout_seed=31)
+    shape = (1, 2, 2, 9, 11, 8, 8) if SIMULATED else (2, 4, 2, 200, 200, 64, 64)
+    from test_features import inputs
+
+    q, k, v, dout = inputs(shape, np.float32, seed=3)
+    tiles = TILES if SIMULATED else {}
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **tiles, **kw)
+    want = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **tiles, **kw)
+    device = "cpu" if SIMULATED else "cuda"  # the simulator runs host tensors through the copies
+    tensors = [torch.tensor(x, device=device, requires_grad=True) for x in (q, k, v)]
+    tout = attnkern.attention(*tensors, kernel="cuda.flash", **tiles, **kw)
+    tout.backward(torch.from_numpy(dout).to(device))
+    np.testing.assert_array_equal(tout.detach().cpu().numpy(), out)
+    for t, w in zip(tensors, want):
+        np.testing.assert_array_equal(t.grad.cpu().numpy(), w)
+    drawn = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        drawn.append(attnkern.attention(*tensors, kernel="cuda.flash", dropout_p=0.3, **tiles).detach())
+    assert torch.equal(drawn[0], drawn[1])
+
+
+def test_dropout_in_varlen_sequences_uses_packed_counters():
+    """attention_varlen on cuda.flash runs a call per sequence with dropout's counter
+    offsets (packed query and key indices; a key offset of 6 splits a Philox group of
+    4 keys across two calls' counters): forward, lse and backward against the float64
+    reference of each sequence with the same offsets, in float64."""
+    from test_varlen import per_sequence
+
+    rng = np.random.default_rng(8)
+    cu_q, cu_k = np.array([0, 5, 12]), np.array([0, 6, 15])
+    q, k, v, dout = (rng.standard_normal((n, 2, 8)) for n in (12, 15, 15, 12))
+    kw = dict(causal="bottom_right", dropout_p=0.35, dropout_seed=2**33 + 1)
+    out, lse = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="cuda.flash", return_lse=True, **TILES, **kw)
+    grads = attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, kernel="cuda.flash", **TILES,
+                                               **kw)
+    ref_out, ref_lse, ref_grads = per_sequence(q, k, v, cu_q, cu_k, dout, **kw)
+    for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+        np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.skipif(SIMULATED, reason="CUDA autocast needs a GPU")
+def test_dropout_under_cuda_autocast_runs_in_float32():
+    """In a CUDA autocast region (float16) attention with dropout computes in float32 (cuda.flash
+    has no half dropout) and returns float16, with and without grad."""
+    from test_features import inputs
+
+    q, k, v, dout = inputs((2, 4, 2, 70, 90, 64, 64), np.float32, seed=4)
+    tensors = [torch.tensor(x, device="cuda", requires_grad=True) for x in (q, k, v)]
+    kw = dict(causal=True, dropout_p=0.2, dropout_seed=3)
+    want = attnkern.attention(*tensors, **kw)
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = attnkern.attention(*tensors, **kw)
+        with torch.no_grad():
+            plain = attnkern.attention(*tensors, **kw)
+    assert got.dtype == plain.dtype == torch.float16
+    assert torch.equal(got, want.half()) and torch.equal(plain, want.half())
+    got.float().backward(torch.from_numpy(dout).cuda())
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in tensors)

@@ -212,3 +212,43 @@ def test_half_forward_with_dropout_mask_and_alibi(kind):
     ref = attnkern.reference(q, k, v, **kw)
     bound = kernel_tolerance("native.flash", dtype, None) / 0.7 * max(1.0, np.abs(ref).max()) * conditioning(q, k)
     assert np.abs(out.astype(np.float64) - ref).max() <= bound
+
+
+def test_cuda_flash_states_its_dropout_dtypes():
+    """cuda.flash has dropout in float32 and float64 only (its Numba kernels; the CUDA
+    C++ kernels of float16/bfloat16 have no Philox): the registry says so as data
+    (feature_dtypes), refuses half calls with dropout naming the dtypes, leaves it out
+    of the kernels named for a half call with dropout, and kernel_info shows it."""
+    from attnkern import _registry
+
+    flash = _registry.get("cuda.flash")
+    assert "dropout" in flash.features and "dropout" in flash.features_of_backward()
+    assert flash.feature_dtypes == {"dropout": ("float32", "float64")}
+    for dtype in ("float32", "float64"):
+        assert "dropout" in flash.features_in(dtype)
+        assert not [r for r in flash.not_supported_reasons(dtype=dtype, features=frozenset({"dropout"}), backward=True)
+                    if r[0] == "features"]
+    for dtype in ("float16", "bfloat16"):
+        assert flash.features_in(dtype) == flash.features - {"dropout"}
+        why = dict(flash.not_supported_reasons(dtype=dtype, features=frozenset({"dropout", "gqa"})))["features"]
+        assert why == (f"does not support dropout on the probabilities (dropout_p > 0) in {dtype} (it has dropout "
+                       "on the probabilities (dropout_p > 0) only in float32, float64)")
+        assert "cuda.flash" not in _registry.supporting(frozenset({"dropout"}), dtype=dtype)
+        assert not dict(flash.not_supported_reasons(dtype=dtype, features=frozenset({"gqa"}))).get("features")
+    assert "cuda.flash" in _registry.supporting(frozenset({"dropout"}), backward=True, dtype="float32")
+    assert attnkern.kernel_info("cuda.flash")["feature_dtypes"] == {"dropout": ["float32", "float64"]}
+    assert all(attnkern.kernel_info(k)["feature_dtypes"] == {} for k in attnkern.kernels() if k != "cuda.flash")
+
+
+def test_autocast_policy_computes_dropout_where_the_kernel_has_it():
+    """Under autocast the op computes in the region's dtype only where the kernel (auto:
+    those auto picks on that device) has dropout in it, else in float32: on CUDA,
+    cuda.flash has no float16/bfloat16 dropout."""
+    from attnkern import _api
+
+    assert not _api._dropout_takes("auto", "float16", "cuda")
+    assert not _api._dropout_takes("cuda.flash", "bfloat16", "cuda")
+    assert _api._dropout_takes("cuda.flash", "float32", "cuda")
+    assert _api._dropout_takes("auto", "bfloat16", "cpu")
+    assert not _api._dropout_takes("torch.sdpa", "bfloat16", "cpu")
+    assert not _api._dropout_takes("no.such.kernel", "float32", "cpu")

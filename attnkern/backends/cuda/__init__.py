@@ -124,9 +124,13 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, ou
     from . import arrays, cpp, launch, numba_kernels
 
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
+    dropout = feat is not None and feat.dropout_p > 0
+    if dropout and q.dtype.name not in DROPOUT_DTYPES:
+        raise ValueError(_dropout_dtype_error(q.dtype.name))
     if q.dtype.name in cpp.MMA_DTYPES:
         return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat)
-    division = _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
+    # dropout runs the Numba kernel: the CUDA C++ kernels have no Philox
+    division = None if dropout else _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
     host = isinstance(q, np.ndarray)
     dq, dk, dv, out = _to_device(q, k, v, out)
     lse_host = isinstance(lse, np.ndarray)
@@ -141,6 +145,18 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, ou
     if lse_host:
         lse[...] = arrays.to_host(dlse)
     return _from_device(out, host)
+
+
+# the dtypes in which cuda.flash has dropout: those its Numba kernels run (the CUDA C++
+# kernels, float16/bfloat16's only ones, have no Philox)
+DROPOUT_DTYPES = ("float32", "float64")
+
+
+def _dropout_dtype_error(dtype: str) -> str:
+    """The refusal of dropout in a dtype outside DROPOUT_DTYPES, naming what runs it."""
+    return (f"cuda.flash has dropout in {' and '.join(DROPOUT_DTYPES)} only, not {dtype} (its {dtype} kernels have "
+            f"no Philox mask): convert to float32 for cuda.flash (.float()), or run {dtype} with dropout on host "
+            "arrays with native.flash")
 
 
 def _cpp_kernel(block_q: int, block_k: int, d: int, dv: int, dtype, tensor_cores: int):
@@ -263,6 +279,8 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
     group of query rows sharing k/v rows summed in the rows' order)."""
     from . import arrays, backward, cpp, launch
 
+    if features is not None and features.dropout_p > 0 and q.dtype.name not in DROPOUT_DTYPES:
+        raise ValueError(_dropout_dtype_error(q.dtype.name))
     if q.dtype.name in cpp.MMA_DTYPES:
         raise TypeError(f"cuda.flash's backward takes float32 and float64, not {q.dtype.name}; "
                         "convert with .float() for training")
@@ -371,7 +389,7 @@ register(
         name="cuda.flash",
         description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory "
                     "(float32: tensor cores in 3xTF32, or register-blocked float32 FMAs, CUDA C++; "
-                    "float16/bfloat16: tensor cores; float64: Numba); "
+                    "float16/bfloat16: tensor cores; float64, and float32 with dropout: Numba); "
                     "deterministic backward in two (dK/dV per key block, dQ per query block)",
         run=_cuda_flash,
         params=(
@@ -390,8 +408,10 @@ register(
         device="cuda",
         returns_lse=True,
         backward=_cuda_flash_backward,
-        # every code path, forward and backward, has these features (docs/features.md)
-        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap", "mask", "alibi"}),
+        # every code path, forward and backward, has these features (docs/features.md); dropout
+        # only the Numba kernels, in float32 and float64 (float32 with dropout runs no CUDA C++)
+        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap", "mask", "alibi", "dropout"}),
+        feature_dtypes={"dropout": DROPOUT_DTYPES},
         # float16/bfloat16: the tensor-core forward (flash_mma.cu), D = Dv a multiple of 16 up to 128
         dtypes=("float32", "float64", "float16", "bfloat16"),
         head_sizes=_flash_head_sizes,

@@ -26,7 +26,8 @@ from numba import config, cuda, int64, uint64
 
 from ..._gpuarray import GpuArray
 from .launch import LOG2E, round_up
-from .numba_kernels import feature_args, key_range, mask_base, masked
+from .numba_kernels import (NO_GROUP, dropout_factor, feature_args, key_range, mask_base, masked, philox4x32_10,
+                            pick_word)
 
 
 def flash_backward_padded_dims(d: int, dv: int) -> tuple[int, int]:
@@ -68,16 +69,21 @@ def flash_backward_delta_kernel(dtype: str):
 
 @functools.cache
 def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, featured: bool = False,
-                           mask_kind: int = 0, alibi: bool = False):
+                           mask_kind: int = 0, alibi: bool = False, dropout: bool = False):
     """cuda.flash's two backward kernels for one dtype, tile shape and padded
     head sizes: (dK/dV over key blocks of block_k threads, dQ over query blocks
     of block_q threads). Unsigned indices, as in flash_kernel. featured: the
     variant with the attention features (numba_kernels.feature_args): a dK/dV
     block per k/v row adds the kv_group query rows that share it in their order,
-    so dk and dv stay deterministic. mask_kind: the attention mask's (launch.MASK_KINDS, 0: none)."""
+    so dk and dv stay deterministic. mask_kind: the attention mask's (launch.MASK_KINDS, 0: none).
+    dropout (featured only): the variant that regenerates the forward's Philox mask
+    (Z = keep / (1 - p)) for FlashAttention-2's dV = (P Z)^T dO and dS = P (dP Z - D),
+    dP = dO V^T: the dK/dV block one Philox call per (query, key), the dQ block one
+    per 4 consecutive keys of its query."""
     FEAT = bool(featured)  # a constant of the closure: the plain variant compiles none of it
     MASKED, IS_BOOL = FEAT and mask_kind != 0, mask_kind == 1
     ALIBI = FEAT and bool(alibi)  # ALiBi's -slope |i + len - nq - j|, after the softcap
+    DROPOUT = FEAT and bool(dropout)
     NEG_INF = np.dtype(dtype).type(-np.inf)
     ftype = np.dtype(dtype).type
     ZERO = ftype(0)
@@ -92,7 +98,7 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
     @cuda.jit
     def flash_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, nq, nk, d, dvn, qscale, scale, causal, kv_group, lens,
                             seq_rows, bottom_right, wl, wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes,
-                            aunit):
+                            aunit, dseed, dthr, dscale, di0, dj0):
         # flat arrays of (batch, n, d) rows; lse and delta: (batch, nq). Thread tid owns key k0 + tid
         # of k/v row b (featured: of the kv_group query rows b kv_group...; else of query row b).
         nq, nk, d, dvn = uint64(nq), uint64(nk), uint64(d), uint64(dvn)
@@ -181,11 +187,18 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
                             if MASKED:
                                 s = masked(s, mask, IS_BOOL, mat + (i0 + i) * uint64(msi), munit, NEG_INF)
                             p = ZERO if MASKED and s == NEG_INF else math.exp2(s - slse[i])  # a hidden key: no NaN
+                            z = ZERO
+                            if DROPOUT:
+                                z = dropout_factor(dseed, dthr, dscale, ZERO, qb, i0 + i + uint64(di0),
+                                                   key + uint64(dj0))
+                            pz = p * z if DROPOUT else p  # the dropped probability, what the forward multiplied V by
                             dp = ZERO
                             for e in range(DVP):
                                 g = sdo[da + uint64(e)]
-                                dvj[e] += p * g
+                                dvj[e] += pz * g
                                 dp += g * vj[e]
+                            if DROPOUT:
+                                dp *= z
                             ds = p * (dp - sdelta[i]) * slope
                             for t in range(DP):
                                 dkj[t] += ds * sq[qa + uint64(t)]
@@ -206,7 +219,8 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
 
     @cuda.jit
     def flash_backward_dq(q, k, v, dout, lse, delta, dq, nq, nk, d, dvn, qscale, scale, causal, kv_group, lens,
-                          seq_rows, bottom_right, wl, wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit):
+                          seq_rows, bottom_right, wl, wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit,
+                          dseed, dthr, dscale, di0, dj0):
         # thread tid owns query row q0 + tid
         nq, nk, d, dvn = uint64(nq), uint64(nk), uint64(d), uint64(dvn)
         b = uint64(cuda.blockIdx.y)
@@ -247,6 +261,7 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
         lse2 = lse[q_rows + row] * F_LOG2E if live else ZERO
         di = delta[q_rows + row] if live else ZERO
 
+        group, w0, w1, w2, w3 = NO_GROUP, U_0, U_0, U_0, U_0  # dropout: the Philox words of the last key group
         for j0 in range(j_first, kend, U_BK):
             cuda.syncthreads()
             for n in range(tid, SK_SIZE, BQ):
@@ -285,6 +300,12 @@ def flash_backward_kernels(dtype: str, block_q: int, block_k: int, dp: int, dvp:
                         dp = ZERO
                         for e in range(DVP):
                             dp += doi[e] * sv[va + uint64(e)]
+                        if DROPOUT:  # keys in order: one Philox call per group of 4 key counters
+                            jc = j0 + j + uint64(dj0)
+                            if (jc >> uint64(2)) != group:
+                                group = jc >> uint64(2)
+                                w0, w1, w2, w3 = philox4x32_10(group, row + uint64(di0), b, U_0, dseed)
+                            dp = dp * dscale if pick_word(w0, w1, w2, w3, jc) >= dthr else ZERO
                         ds = p * (dp - di) * slope
                         for t in range(DP):
                             dqi[t] += ds * sk[ka + uint64(t)]
@@ -314,7 +335,8 @@ def flash_backward(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: flo
     dp, dvp = flash_backward_padded_dims(d, dvn)
     dkdv_kernel, dq_kernel = flash_backward_kernels(q.dtype.name, block_q, block_k, dp, dvp, feat is not None,
                                                     0 if feat is None else feat.mask_kind,
-                                                    feat is not None and feat.alibi is not None)
+                                                    feat is not None and feat.alibi is not None,
+                                                    feat is not None and feat.dropout_p > 0)
     delta = cuda.device_array(max(batch * nq, 1), dtype=q.dtype)
     extra = [a.flat if isinstance(a, GpuArray) else a for a in feature_args(feat, nk, ftype, delta)]
     sizes = (nq, nk, d, dvn, ftype(scale * LOG2E), ftype(scale), causal, *extra)

@@ -39,7 +39,8 @@ class KernelFeatures(NamedTuple):
     not folded in); the softcap c > 0 in natural units (0: none); the attention
     mask (a 4-D GpuArray with byte strides, 0 where broadcast, or None), its kind
     (MASK_KINDS: 0 none) and the heads of the folded batch row (b // mask_heads,
-    b % mask_heads)."""
+    b % mask_heads); dropout's probability (0: none), seed and (query, key) counter
+    offsets (attnkern._philox), which only the Numba kernels take."""
 
     kv_group: int
     lens: object
@@ -52,6 +53,9 @@ class KernelFeatures(NamedTuple):
     mask_kind: int = 0
     mask_heads: int = 1
     alibi: object = None  # ALiBi's slopes, one per batch row (a GpuArray of the kernels' float), or None
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    dropout_offset: tuple = (0, 0)
 
     def mask_strides(self) -> tuple:
         """The mask's four strides in elements (0: none or broadcast)."""
@@ -81,7 +85,8 @@ class KernelFeatures(NamedTuple):
             alibi = from_host(np.ascontiguousarray(features.alibi, dtype=wide))
         return cls(int(features.kv_group), lens, seq_rows, int(features.align == "bottom_right"),
                    int(features.window_left), int(features.window_right), float(features.softcap), mask, kind,
-                   int(features.mask_heads), alibi)
+                   int(features.mask_heads), alibi, float(features.dropout_p), int(features.dropout_seed),
+                   tuple(int(x) for x in features.dropout_offset))
 
     def words(self, cap_unit: float) -> tuple:
         """The CUDA C++ kernels' FEAT_PARAMS: the softcap and an additive mask's

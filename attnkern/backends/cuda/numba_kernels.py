@@ -28,6 +28,8 @@ cuda.flash (one launch, FlashAttention-2 forward; no N x N buffer)
     Log-sum-exp: a variant compiled with_lse also writes each row's
     lse = (m + log2(l)) * ln 2 from its final max m and sum l (log2 domain);
     without it the kernel has no store of lse at all.
+    Dropout: a featured variant multiplies each tile of P by the Philox mask's
+    Z (philox4x32_10, attnkern._philox's stream) after the row sums.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import math
 import numpy as np
 from numba import config, cuda, float64, int64, uint64
 
+from ... import _philox
 from ..._gpuarray import GpuArray
 from .arrays import from_host, workspace
 from .launch import LN2, LOG2E, SHARED_BYTES, launch, round_up, take_dynamic_shared
@@ -280,15 +283,62 @@ def mask_base(b, heads, sb, sh):
     return b // uint64(heads) * uint64(sb) + b % uint64(heads) * uint64(sh)
 
 
+# Philox4x32-10 (attnkern._philox, attn_common.h's attn_philox), in uint64 arithmetic on
+# 32-bit values: each product of two 32-bit words fits 64 bits, its high half is the
+# mulhi; every operand is uint64 (Numba turns uint64 mixed with int64 into float64).
+# The constants are _philox's, as uint64 globals (compile-time constants to Numba).
+PHILOX_M0, PHILOX_M1 = np.uint64(_philox._M0), np.uint64(_philox._M1)
+PHILOX_W0, PHILOX_W1 = np.uint64(_philox._W0), np.uint64(_philox._W1)
+LOW32, SHIFT32 = np.uint64(0xFFFFFFFF), np.uint64(32)
+NO_GROUP = np.uint64(2**64 - 1)  # a key group (counter // 4) no key has: a cache of Philox words starts empty
+
+
+@cuda.jit(device=True, **INLINE)
+def philox4x32_10(c0, c1, c2, c3, seed):
+    """The four words of Philox4x32-10 for counter (c0, c1, c2, c3), each taken mod
+    2^32, and key (seed mod 2^32, seed // 2^32): uint64 values below 2^32."""
+    c0, c1, c2, c3 = uint64(c0) & LOW32, uint64(c1) & LOW32, uint64(c2) & LOW32, uint64(c3) & LOW32
+    k0, k1 = uint64(seed) & LOW32, uint64(seed) >> SHIFT32
+    for _ in range(10):
+        p0, p1 = PHILOX_M0 * c0, PHILOX_M1 * c2
+        c0, c1, c2, c3 = (p1 >> SHIFT32) ^ c1 ^ k0, p1 & LOW32, (p0 >> SHIFT32) ^ c3 ^ k1, p0 & LOW32
+        k0, k1 = (k0 + PHILOX_W0) & LOW32, (k1 + PHILOX_W1) & LOW32  # the last bump is unused
+    return c0, c1, c2, c3
+
+
+@cuda.jit(device=True, **INLINE)
+def pick_word(w0, w1, w2, w3, j):
+    """Word j % 4 of a Philox output."""
+    pick = uint64(j) & uint64(3)
+    if pick == uint64(0):
+        return w0
+    if pick == uint64(1):
+        return w1
+    return w2 if pick == uint64(2) else w3
+
+
+@cuda.jit(device=True, **INLINE)
+def dropout_factor(seed, thr, zscale, zero, b, i, j):
+    """Dropout's factor Z of folded batch row b, query counter i, key counter j:
+    zscale (1 / (1 - p)) where word j % 4 of Philox4x32-10((j // 4, i, b, 0), seed)
+    is >= thr (round(p 2^32)), else zero."""
+    j = uint64(j)
+    w0, w1, w2, w3 = philox4x32_10(j >> uint64(2), i, b, uint64(0), seed)
+    return zscale if pick_word(w0, w1, w2, w3, j) >= thr else zero
+
+
 @functools.cache
 def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micro=MICRO, with_lse: bool = False,
-                 featured: bool = False, mask_kind: int = 0, alibi: bool = False):
+                 featured: bool = False, mask_kind: int = 0, alibi: bool = False, dropout: bool = False):
     """cuda.flash's kernel for one dtype, tile shape and padded head sizes;
     micro: the (rows, keys) of scores each thread holds; with_lse: the variant
     that also writes each row's log-sum-exp (the other never touches lse);
     featured: the variant that takes the attention features (kv_group, lens per
     sequence of seq_rows batch rows, bottom_right, window sides, the softcap in the
     log2 domain's units: launch.KernelFeatures); the plain one ignores them.
+    dropout (featured only): the variant that multiplies each tile of P by the
+    Philox mask's Z after the row sums (so lse stays the undropped softmax's),
+    in a pass over the tile in shared memory, one Philox call per 4 keys of a row.
 
     Every index is an unsigned 64-bit integer, the global arrays are flat and
     the inner loops walk running offsets: for a signed index Numba emits a
@@ -316,6 +366,9 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
     FEAT = bool(featured)  # likewise: the plain variant compiles none of the features' work
     MASKED, IS_BOOL = FEAT and mask_kind != 0, mask_kind == 1  # the attention mask's (launch.MASK_KINDS)
     ALIBI = FEAT and bool(alibi)  # ALiBi's -slope |i + len - nq - j|
+    DROPOUT = FEAT and bool(dropout)
+    BK4 = BK // 4  # groups of 4 keys (one Philox call each) in a row of the P tile
+    U_BK4, U_4 = U(BK4), U(4)
     F_LN2 = ftype(LN2)
     # one shared array holds the three tiles; past the static limit it is the launch's
     # dynamic shared memory (size 0 here; launch() passes the bytes and raises the limit)
@@ -326,10 +379,11 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
 
     @cuda.jit
     def flash_forward(q, k, v, out, lse, nq, nk, d, dv, qscale, causal, kv_group, lens, seq_rows, bottom_right, wl,
-                      wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit):
+                      wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit, dseed, dthr, dscale, di0, dj0):
         # q, k, v, out: flat arrays of (batch, n, d) rows, lse of (batch, nq) (unused
         # unless WITH_LSE); every index below is unsigned; the features (after
-        # causal) are read only by the featured variant
+        # causal) are read only by the featured variant, dropout's (dseed...) by its
+        # dropout variant
         nq, nk, d, dv = uint64(nq), uint64(nk), uint64(d), uint64(dv)
         b = uint64(cuda.blockIdx.y)
         q0 = uint64(cuda.blockIdx.x) * U_BQ
@@ -428,6 +482,23 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
                 for c in range(CV):
                     o[r, c] *= alpha
             cuda.syncthreads()
+            if DROPOUT:
+                # P times Z, 4 consecutive keys of a row per step: their counters (query
+                # di0 + row, key dj0 + key) share one Philox call unless dj0 splits them
+                for n in range(tid, BQ * BK4, NT):
+                    i, jg = uint64(n) // U_BK4, uint64(n) % U_BK4
+                    at = i * U_SKP_LD + jg * U_4
+                    jc = j0 + jg * U_4 + uint64(dj0)
+                    group = NO_GROUP
+                    w0, w1, w2, w3 = U_0, U_0, U_0, U_0
+                    for c in range(4):
+                        if (jc >> uint64(2)) != group:
+                            group = jc >> uint64(2)
+                            w0, w1, w2, w3 = philox4x32_10(group, q0 + i + uint64(di0), b, U_0, dseed)
+                        skp[at] = skp[at] * dscale if pick_word(w0, w1, w2, w3, jc) >= dthr else ZERO
+                        at += U_1
+                        jc += U_1
+                cuda.syncthreads()
 
             # o += P[rows] V[:, columns], from P[ty, j] and sv[j, tx] along j
             tile_products(o, TM, CV, BK, skp, ty * U_SKP_LD, U_RG_SKP, U_1, sv, tx, U_KG, U_DVP, fa, fb)
@@ -453,18 +524,33 @@ def flash_kernel(dtype: str, block_q: int, block_k: int, dp: int, dvp: int, micr
 
 def feature_args(feat, nk: int, ftype, lens_like) -> tuple:
     """The Numba kernels' feature arguments (kv_group, lens, seq_rows, bottom_right,
-    wl, wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit) of a
-    launch.KernelFeatures (the softcap, mask and ALiBi units in the log2 domain's);
-    lens_like stands in for lens, mask and slopes where the kernel does not read them
-    (feat None: a plain call), and without key lengths lens is one length, nk,
-    for every row."""
+    wl, wr, capl, mask, mheads, msb, msh, msi, msj, munit, slopes, aunit, dseed,
+    dthr, dscale, di0, dj0) of a launch.KernelFeatures (the softcap, mask and ALiBi
+    units in the log2 domain's; dropout's seed, threshold, 1 / (1 - p) and counter
+    offsets); lens_like stands in for lens, mask and slopes where the kernel does not
+    read them (feat None: a plain call), and without key lengths lens is one length,
+    nk, for every row."""
     if feat is None:
-        return (1, lens_like, 1, False, -1, -1, ftype(0), lens_like, 1, 0, 0, 0, 0, ftype(0), lens_like, ftype(0))
+        return (1, lens_like, 1, False, -1, -1, ftype(0), lens_like, 1, 0, 0, 0, 0, ftype(0), lens_like, ftype(0),
+                *dropout_args(None, ftype))
     lens = feat.lens if feat.lens is not None else from_host(np.array([nk], np.int32))
     mask = lens_like if feat.mask is None else mask_flat(feat.mask)
     return (feat.kv_group, lens, feat.seq_rows if feat.lens is not None else 1 << 62, bool(feat.bottom_right),
             feat.window_left, feat.window_right, ftype(feat.softcap * LOG2E), mask, feat.mask_heads,
-            *feat.mask_strides(), ftype(LOG2E), lens_like if feat.alibi is None else feat.alibi, ftype(LOG2E))
+            *feat.mask_strides(), ftype(LOG2E), lens_like if feat.alibi is None else feat.alibi, ftype(LOG2E),
+            *dropout_args(feat, ftype))
+
+
+def dropout_args(feat, ftype) -> tuple:
+    """(dseed, dthr, dscale, di0, dj0): dropout's seed, keep threshold round(p 2^32),
+    Z = 1 / (1 - p) in the kernel's float (as the CPU kernels round it) and the
+    counter offsets of query and key (attnkern._philox); zeros without dropout."""
+    U = np.uint64
+    if feat is None or not feat.dropout_p > 0:
+        return (U(0), U(0), ftype(0), U(0), U(0))
+    i0, j0 = feat.dropout_offset
+    return (U(feat.dropout_seed), U(_philox.threshold(feat.dropout_p)), ftype(1.0 / (1.0 - feat.dropout_p)), U(i0),
+            U(j0))
 
 
 def mask_flat(mask):
@@ -482,7 +568,8 @@ def flash_launch(q, k, v, out, causal: bool, scale: float, block_q: int, block_k
     batch, nq, d = q.shape
     dp, dvp = flash_padded_dims(block_k, d, v.shape[2], micro)
     kernel, threads = flash_kernel(q.dtype.name, block_q, block_k, dp, dvp, micro, lse is not None, feat is not None,
-                                   0 if feat is None else feat.mask_kind, feat is not None and feat.alibi is not None)
+                                   0 if feat is None else feat.mask_kind, feat is not None and feat.alibi is not None,
+                                   feat is not None and feat.dropout_p > 0)
     # without lse the kernel never reads its lse argument: out stands in for it
     return (kernel, (-(-nq // block_q), batch), threads,
             (q, k, v, out, out if lse is None else lse, nq, k.shape[1], d, v.shape[2], q.dtype.type(scale * LOG2E),
