@@ -22,7 +22,7 @@ import numpy as np
 
 import attnkern
 
-from .common import SMOKE, THREADS, pin_threads, torch
+from .common import SMOKE, THREADS, host_dtype, pin_threads, torch
 
 KERNELS = ["native.flash", "torch.sdpa", "numpy.naive"]
 DIRECTIONS = ["forward", "forward+backward"]
@@ -278,9 +278,7 @@ class Decode(_Feature):
         q, k, v = _rand((1, 32, 1, 128), 0), _rand((1, 8, nk, 128), 1), _rand((1, 8, nk, 128), 2)
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
         if dtype == "bfloat16":
-            import ml_dtypes
-
-            q, k, v = (x.astype(ml_dtypes.bfloat16) for x in (q, k, v))
+            q, k, v = (x.astype(host_dtype(dtype)) for x in (q, k, v))
             tq, tk, tv = (x.to(torch.bfloat16) for x in (tq, tk, tv))
         # torch's tensors are made here (NumPy has no bfloat16 torch takes); its call ignores setup's copies
         return {"n": nk, "ours": (q, k, v), "kw": {}, "torch": (np.zeros(1, np.float32),) * 3,

@@ -11,17 +11,7 @@ import numpy as np
 
 import attnkern
 
-from .common import THREADS, axis, random_qkv, setup_kernel, torch
-
-
-def _host_dtype(dtype: str):
-    if dtype == "float16":
-        return np.float16
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise NotImplementedError("bfloat16 on the host needs ml_dtypes") from None
-    return ml_dtypes.bfloat16
+from .common import THREADS, axis, host_dtype, random_qkv, setup_kernel, torch
 
 
 class ForwardHalf:
@@ -41,7 +31,7 @@ class ForwardHalf:
 
     def setup(self, kernel, shape, dtype, causal):
         q, k, v = random_qkv(shape, np.float32)
-        host = _host_dtype(dtype)
+        host = host_dtype(dtype)
         q, k, v = (x.astype(host) for x in (q, k, v))
         if kernel == "torch.sdpa":
             if torch is None:
@@ -92,7 +82,7 @@ class ForwardHalfIsa:
         self.call = setup_kernel("native.flash", THREADS)
         if dtype not in attnkern.kernel_info("native.flash").get("dtypes", ["float32", "float64"]):
             raise NotImplementedError(f"native.flash does not take {dtype} in this commit")
-        host = _host_dtype(dtype)
+        host = host_dtype(dtype)
         self.q, self.k, self.v = (x.astype(host) for x in random_qkv(self.shape, np.float32))
 
     def teardown(self, isa, dtype, causal):

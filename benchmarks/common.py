@@ -70,6 +70,18 @@ def flops(shape: str, causal: bool) -> float:
     return f / 2 if causal else f
 
 
+def host_dtype(dtype: str):
+    """The NumPy dtype attnkern takes for a half-precision name on the host (bfloat16 is
+    ml_dtypes.bfloat16, in asv.conf.json's matrix); NotImplementedError skips where it is missing."""
+    if dtype == "float16":
+        return np.float16
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise NotImplementedError("bfloat16 on the host needs ml_dtypes") from None
+    return ml_dtypes.bfloat16
+
+
 def random_qkv(shape: str, dtype=np.float32, seed: int = 0):
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal(parse_shape(shape)).astype(dtype) for _ in range(3))
