@@ -385,3 +385,85 @@ def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None) -> 
                          "(pass a fresh contiguous tensor: .contiguous() or .clone())")
     kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse, feat=feat)
     launch(kernel, grid, block, *args)
+
+
+# ---------------------------------------------------------------- cuda.flash's backward on tensor cores
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """How flash_bwd_mma.cu divides its work: the dQ kernel's `dq_warps` warps of 16
+    query rows each, streaming K/V tiles of `dq_keys` keys; the dK/dV kernel's
+    `kv_warps` warps of 16 keys each, streaming Q/dO tiles of `kv_rows` query rows."""
+
+    dq_warps: int = 4
+    dq_keys: int = 64
+    kv_warps: int = 4
+    kv_rows: int = 64
+
+    def shared_bytes(self, d: int, part: int) -> int:
+        """Shared memory of one block of part 1 (dQ) or 2 (dK/dV) at head size d: its
+        own two operands of 16 warps rows, two buffers of two streamed tiles (rows
+        padded to d + 8 elements), and for part 2 the streamed rows' lse and delta."""
+        warps, rows = (self.dq_warps, self.dq_keys) if part == 1 else (self.kv_warps, self.kv_rows)
+        return (2 * 16 * warps + 4 * rows) * (d + 8) * 2 + (16 * rows if part == 2 else 0)
+
+    def __str__(self) -> str:
+        return f"q{self.dq_warps}x{self.dq_keys}kv{self.kv_warps}x{self.kv_rows}"
+
+
+def bwd_config(d: int) -> BwdConfig:
+    """flash_bwd_mma.cu's default division at head size d: 64 query rows a dQ block
+    against 64-key tiles; 64 keys a dK/dV block against 64-row Q/dO tiles, 32 above
+    d = 64 (the dK and dV accumulators of 16 keys x d take d registers a thread;
+    ptxas: at most 254 registers and no spills for sm_80 and sm_90a)."""
+    return BwdConfig(kv_rows=64 if d <= 64 else 32)
+
+
+BWD_PARAMS = ("u64",) * 11 + ("i32", "i32", "f32", "f32", "i32")
+
+
+def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featured: bool = False, mask: int = 0,
+                      alibi: bool = False):
+    """(dQ kernel, dK/dV kernel) of flash_bwd_mma.cu for float16/bfloat16 at head size
+    d (D = Dv a multiple of 16 up to 128), compiled as flash_mma_kernel compiles the
+    forward (_linked_kernel); featured, mask, alibi: the variant (as the forward's)."""
+    config = config or bwd_config(d)
+    suffix = _suffix(featured, mask, alibi)
+    common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("FEAT", int(featured)), ("MASK", mask),
+              ("ALIBI", int(alibi)))
+    params = BWD_PARAMS + FEAT_TYPES
+    return tuple(
+        _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config}{suffix}",
+                       (*common, ("PART", part), ("NW", warps), ("BN", rows)), params, 32 * warps,
+                       config.shared_bytes(d, part))
+        for part, warps, rows in ((1, config.dq_warps, config.dq_keys), (2, config.kv_warps, config.kv_rows)))
+
+
+def flash_bwd_half(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: float, feat=None,
+                   config: BwdConfig | None = None) -> None:
+    """dq, dk, dv (GpuArrays to fill, the input dtype) of cuda.flash on float16 or
+    bfloat16 GpuArrays (batch, n, d) on tensor cores (flash_bwd_mma.cu): the dQ
+    kernel, which also writes delta = rowsum(dO O) and the lse corrected in float32,
+    then the dK/dV kernel; k, v, dk, dv have batch / kv_group rows. lse: the
+    forward's, of the input dtype; feat: a launch.KernelFeatures or None."""
+    from .arrays import workspace
+
+    batch, nq, d = q.shape
+    nk = k.shape[1]
+    if not mma_aligned(*(a.ptr for a in (q, k, v, out, dout, dq, dk, dv)), lse.ptr):
+        raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses "
+                         "(pass a fresh contiguous tensor: .contiguous() or .clone())")
+    if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
+        raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
+                         "kernels (float16/bfloat16)")
+    config = config or bwd_config(d)
+    dq_kernel, kv_kernel = flash_bwd_kernels(q.dtype.name, d, config, feat is not None,
+                                             0 if feat is None else feat.mask_kind,
+                                             feat is not None and feat.alibi is not None)
+    scratch = workspace(2 * max(batch * nq, 1), np.float32, q.owner)  # the corrected lse, then delta
+    words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
+    args = (Addr(q), Addr(k), Addr(v), Addr(out), Addr(dout), Addr(lse), Addr(dq), Addr(dk), Addr(dv),
+            np.uint64(scratch.ptr), np.uint64(scratch.ptr + 4 * batch * nq), np.int32(nq), np.int32(nk),
+            np.float32(scale * LOG2E), np.float32(scale), np.int32(bool(causal)), *words)
+    launch(dq_kernel, (-(-nq // (16 * config.dq_warps)), batch), 32 * config.dq_warps, *args)
+    launch(kv_kernel, (-(-nk // (16 * config.kv_warps)), k.shape[0]), 32 * config.kv_warps, *args)
