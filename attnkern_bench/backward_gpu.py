@@ -10,7 +10,8 @@ turns, medians reported, with the ratio to the fastest torch backend and the
 backward's TFLOP/s: 2.5 times the forward's 4 B H N^2 D FLOPs (five N x N x D
 products against two), halved for causal. A backend that refuses the call (its
 dtype, head size or GPU) is reported as skipped. Before timing, cuda.flash's
-gradients are checked against torch's math backend in float64 on the same inputs.
+gradients are checked against torch's math backend in float64 on the same inputs
+(up to N = 4096).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def run(sizes, batch: int, heads: int, dim: int, dtype: str, causal_modes, repea
             g = torch.Generator(device="cuda").manual_seed(n)
             q, k, v, dout = (torch.randn(batch, heads, n, dim, device="cuda", generator=g).to(tdtype)
                              for _ in range(4))
-            error = check(torch, attnkern, q, k, v, dout, causal)
+            # float64 N x N buffers of torch's math backend: checked up to N = 4096
+            error = check(torch, attnkern, q, k, v, dout, causal) if n <= 4096 else float("nan")
             fns = {"cuda.flash": _attnkern_fns(attnkern, q, k, v, dout, causal)}
             for backend in BACKENDS:
                 if backend == "MATH" and n > 8192:

@@ -16,9 +16,10 @@
 // delta_i = dO_i . O_i in float32, recomputes S = Q K^T and dP = dO V^T per K/V
 // tile (double-buffered with cp.async), P = 2^(s c - lse_i log2 e) from the
 // forward's lse, dS = P (dP - delta) and dQ += dS K. The forward's lse of a half
-// dtype is rounded to it (a bfloat16 lse would scale a row's P by up to 2^(2^-8 |lse|)):
-// the kernel also sums each row's P, divides dQ by that sum at the end and writes
-// the corrected lse, lse + ln(sum), in float32 (log2 domain) with delta for part 2.
+// dtype is rounded to it (a bfloat16 lse would scale a row's P by up to e^(2^-8 |lse|)):
+// as triton.flash's backward, the kernel also sums each row's P, corrects the lse
+// by the log of that sum within the rounding of its dtype, scales dQ to match, and
+// writes the corrected lse in float32 (log2 domain) with delta for part 2.
 //
 // Part 2 (grid: key blocks of 16 NW keys x k/v rows) holds its K and V rows in
 // shared memory, streams the query tiles that see its keys (and, under GQA, those
@@ -299,15 +300,21 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     }
     cp_async_wait_all();  // a block whose rows see no key still loaded Q and dO
 
-    // dQ = scale sum_j dS_ij K_j / l_i, l_i the row sum of the P computed from the rounded lse;
-    // the corrected lse (log2 domain; +inf where the row sees no key) for part 2
+    // The saved lse corrected by log2 of the row sum l of the P computed from it, but only within
+    // the rounding of its dtype (u |lse| and a float32 margin): an exact lse stays as it is, so
+    // out and lse of whole rows of which k, v hold one block (ring attention) still give that
+    // block's share. dQ = scale 2^-fix sum_j dS_ij K_j; the lse (log2 domain, +inf where the row
+    // sees no key) goes to part 2.
     float factor[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(lsum[h]);
-        factor[h] = l > 0.f ? scale / l : 0.f;
+        const float bound = lse2[h] == INF ? 0.f : fabsf(lse2[h]) * (ATTNKERN_BF16 ? 0.00390625f : 0.00048828125f)
+                                                   + 1e-6f;
+        const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
+        factor[h] = scale * ex2(-fix);
         const int r = r0 + 8 * h;
-        if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[b * (u64)nq + r] = l > 0.f ? lse2[h] + lg2(l) : INF;
+        if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[b * (u64)nq + r] = lse2[h] + fix;
     }
     store_rows((u16*)dqp + b * (u64)nq * D, dq, factor, r0, nq);
 }
