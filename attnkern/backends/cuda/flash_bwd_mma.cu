@@ -46,12 +46,6 @@
 
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 
-// a compile-time flag for generic lambdas (no <type_traits> under NVRTC here)
-template <bool B>
-struct Flag {
-    static constexpr bool value = B;
-};
-
 static __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
@@ -137,9 +131,9 @@ static __device__ __forceinline__ void accumulate(float (&acc)[D / 8][4], const 
 // = 0); slope: the softcap's derivative 1 - tanh^2 (1 without a softcap). As the
 // forward: scores in units of |scale| (Q's sign folded in: sgn), capped, then the
 // mask and ALiBi in those units, c = |scale| log2 e.
-template <bool MASK>
-static __device__ __forceinline__ float prob(float x, int key, int row, float lse2, const Feat& f, float sgn,
-                                             float c, float& slope) {
+// (MASK: whether the tile needs masks; the callers pass a constant, which inlining folds)
+static __device__ __forceinline__ float prob(bool MASK, float x, int key, int row, float lse2, const Feat& f,
+                                             float sgn, float c, float& slope) {
     slope = 1.f;
 #if ATTNKERN_FEAT
     float s = x * sgn;
@@ -277,7 +271,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         products<NS>(s, qs + (u32)(warp * 16 * LD) * 2u, kb, lane);
         products<NS>(dp, dos + (u32)(warp * 16 * LD) * 2u, vb, lane);
         u32 dsf[NS][2];
-        const auto grads = [&](auto mask) {
+        const auto grads = [&](bool mask) {
 #pragma unroll
             for (int n = 0; n < NS; ++n) {
                 float ds[4];
@@ -285,7 +279,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
                 for (int e = 0; e < 4; ++e) {
                     const int key = j0 + n * 8 + 2 * (lane & 3) + (e & 1), row = r0 + (e >> 1) * 8;
                     float slope;
-                    const float p = prob<decltype(mask)::value>(s[n][e], key, row, lse2[e >> 1], f, sgn, c, slope);
+                    const float p = prob(mask, s[n][e], key, row, lse2[e >> 1], f, sgn, c, slope);
                     lsum[e >> 1] += p;
                     ds[e] = p * (dp[n][e] - delta[e >> 1]) * slope;
                 }
@@ -293,9 +287,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             }
         };
         if (tile_masked(f, j0, BN, wr0, wr0 + 15))
-            grads(Flag<true>());
+            grads(true);
         else
-            grads(Flag<false>());
+            grads(false);
         accumulate<NS>(dq, dsf, kb, lane);
     }
     cp_async_wait_all();  // a block whose rows see no key still loaded Q and dO
@@ -402,7 +396,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         products<NQ>(s, ks + (u32)(warp * 16 * LD) * 2u, qb, lane);
         products<NQ>(dp, vs + (u32)(warp * 16 * LD) * 2u, dob, lane);
         u32 pf[NQ][2], dsf[NQ][2];
-        const auto grads = [&](auto mask) {
+        const auto grads = [&](bool mask) {
 #pragma unroll
             for (int n = 0; n < NQ; ++n) {
                 float p[4], ds[4];
@@ -410,7 +404,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
                 for (int e = 0; e < 4; ++e) {
                     const int i = n * 8 + 2 * (lane & 3) + (e & 1), key = kw0 + g + (e >> 1) * 8;
                     float slope;
-                    p[e] = prob<decltype(mask)::value>(s[n][e], key, i0 + i, tl[i], f, sgn, c, slope);
+                    p[e] = prob(mask, s[n][e], key, i0 + i, tl[i], f, sgn, c, slope);
                     ds[e] = p[e] * (dp[n][e] - tl[BN + i]) * slope;
                 }
                 pack_tile(pf[n], p);
@@ -418,9 +412,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             }
         };
         if (tile_masked(f, kw0, 16, i0, last))
-            grads(Flag<true>());
+            grads(true);
         else
-            grads(Flag<false>());
+            grads(false);
         accumulate<NQ>(dv, pf, dob, lane);
         accumulate<NQ>(dk, dsf, qb, lane);
     }
