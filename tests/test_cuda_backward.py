@@ -24,6 +24,7 @@ import torch
 import attnkern
 from attnkern import _registry
 from attnkern_bench.accuracy import (
+    UNIT_ROUNDOFF,
     gradient_error,
     lse_error,
     lse_tolerance,
@@ -543,7 +544,6 @@ def test_half_backward_masks(dtype, name):
     """Attention masks (bool, additive with -inf, with the features and ALiBi) on CUDA tensors:
     each gradient within twice the error of torch ops in the same dtype plus 2u of the largest."""
     from test_features import err
-    from attnkern_bench.accuracy import UNIT_ROUNDOFF
 
     kind, mshape, kw = MASK_CASES[name]
     q, k, v, dout = _half_case(torch, dtype, (2, 4), 70, 190, 64, zlib.crc32(name.encode()) % 1000, kv_heads=2)
@@ -567,6 +567,24 @@ def test_half_backward_masks(dtype, name):
         limit = 2 * err(p, r) + 2 * u * max(1.0, np.abs(r).max())
         assert err(a, r) <= limit, f"{what}: {err(a, r):.3g} > {limit:.3g}"
     assert (grads[0][torch.isneginf(lse)] == 0).all()
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_backward_block_shares(dtype):
+    """out and lse of whole rows with k, v holding one block of keys (ring attention): dk and dv
+    of each block are the whole call's, dq the sum of the blocks' (the lse is corrected only within
+    its dtype's rounding, never rescaled to the block: a block holding half the weight stays half)."""
+    q, k, v, dout = _half_case(torch, dtype, (1, 2), 300, 256, 64, 7)
+    out, lse, whole = _half_backward(q, k, v, dout)
+    blocks = [attnkern.attention_backward(q, k[..., s, :].contiguous(), v[..., s, :].contiguous(), out, dout, lse,
+                                          kernel="cuda.flash") for s in (slice(0, 128), slice(128, 256))]
+    pieces = (blocks[0][0].float() + blocks[1][0].float(), torch.cat([b[1] for b in blocks], -2),
+              torch.cat([b[2] for b in blocks], -2))
+    for name, piece, w in zip(("dq", "dk", "dv"), pieces, whole):
+        # the lse's rounding moves each P by up to a relative u |lse| (|lse| < 8 here)
+        limit = 16 * UNIT_ROUNDOFF[dtype] * float(w.abs().max())
+        assert float((piece.float() - w.float()).abs().max()) <= limit, name
 
 
 @half_gpu
