@@ -11,8 +11,14 @@ pip install -q --no-index --no-deps --target /tmp/site whl/*.whl
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 if [ "$what" != bench ]; then
-    ATTNKERN_TEST_GPU=1 timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_cuda_backward.py -x -q \
-        -p no:cacheprovider -k "${2:-half}" 2>&1 | tail -40
+    ATTNKERN_TEST_GPU=1 timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_cuda_backward.py -q \
+        -p no:cacheprovider -k "${2:-half}" > "$OUT/tests.log" 2>&1
+    grep -aE "passed|failed|^FAILED|^E  " "$OUT/tests.log" | head -30
+fi
+if [ "$what" = versions ]; then
+    (cd /tmp && timeout ${BENCH_TIMEOUT:-200} python3 "$OLDPWD/dev/gpu_bwd_versions.py" --json "$OUT/versions.json" \
+        ${VERSIONS_ARGS:-})
+    exit
 fi
 if [ "$what" != tests ]; then
     cd /tmp
