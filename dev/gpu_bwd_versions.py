@@ -20,16 +20,11 @@ from attnkern import _gpu
 from attnkern.backends.cuda import cpp
 
 CONFIGS = {
-    64: ["q4x64kv4x64", "q4x32kv4x64", "q8x64kv4x64", "q4x64kv8x64", "q4x128kv4x64", "q4x64kv4x32", "q4x64kv4x128"],
-    128: ["q4x64kv4x32", "q4x32kv4x32", "q8x64kv4x32", "q4x64kv8x32", "q4x64kv4x64", "q8x32kv8x32"],
+    64: ["q4x64kv4x64", "q4x32m2kv4x32m2", "q4x32m2kv4x64", "q4x64kv4x32m2", "q8x64kv4x64", "q4x64kv8x64",
+         "q8x32m2kv8x32m2", "q4x128kv4x64", "q4x64kv4x128"],
+    128: ["q4x64kv4x32", "q4x16m2kv4x32", "q8x64kv4x32", "q4x64kv8x32", "q4x64kv4x64", "q8x32kv8x32",
+          "q8x16m2kv4x32"],
 }
-
-
-def parse(name: str) -> cpp.BwdConfig:
-    q, kv = name[1:].split("kv")
-    a, b = q.split("x")
-    c, d = kv.split("x")
-    return cpp.BwdConfig(int(a), int(b), int(c), int(d))
 
 
 def main():
@@ -53,7 +48,7 @@ def main():
                     arrays.append(_gpu.as_array(lse, "lse").reshape(16, n))
                     base = None
                     for name in CONFIGS[d]:
-                        config = parse(name)
+                        config = cpp.BwdConfig.parse(name)
                         grads = [torch.empty_like(x) for x in (q, k, v)]
                         views = [_gpu.as_array(x, "g").reshape(16, n, d) for x in grads]
 

@@ -391,24 +391,44 @@ def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None) -> 
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
-    """How flash_bwd_mma.cu divides its work: the dQ kernel's `dq_warps` warps of 16
-    query rows each, streaming K/V tiles of `dq_keys` keys; the dK/dV kernel's
-    `kv_warps` warps of 16 keys each, streaming Q/dO tiles of `kv_rows` query rows."""
+    """How flash_bwd_mma.cu divides its work: the dQ kernel's `dq_warps` warps of
+    `dq_mt` 16-row mma tiles of query rows each, streaming K/V tiles of `dq_keys` keys;
+    the dK/dV kernel's `kv_warps` warps of `kv_mt` 16-key mma tiles each, streaming Q/dO
+    tiles of `kv_rows` query rows (each B fragment read from shared memory feeds the
+    warp's mt tiles)."""
 
     dq_warps: int = 4
     dq_keys: int = 64
     kv_warps: int = 4
     kv_rows: int = 64
+    dq_mt: int = 1
+    kv_mt: int = 1
+
+    def part(self, part: int) -> tuple[int, int, int]:
+        """(warps, mma tiles a warp, streamed rows) of part 1 (dQ) or 2 (dK/dV)."""
+        return (self.dq_warps, self.dq_mt, self.dq_keys) if part == 1 else (self.kv_warps, self.kv_mt, self.kv_rows)
 
     def shared_bytes(self, d: int, part: int) -> int:
         """Shared memory of one block of part 1 (dQ) or 2 (dK/dV) at head size d: its
-        own two operands of 16 warps rows, two buffers of two streamed tiles (rows
+        own two operands of 16 mt warps rows, two buffers of two streamed tiles (rows
         padded to d + 8 elements), and for part 2 the streamed rows' lse and delta."""
-        warps, rows = (self.dq_warps, self.dq_keys) if part == 1 else (self.kv_warps, self.kv_rows)
-        return (2 * 16 * warps + 4 * rows) * (d + 8) * 2 + (16 * rows if part == 2 else 0)
+        warps, mt, rows = self.part(part)
+        return (2 * 16 * mt * warps + 4 * rows) * (d + 8) * 2 + (16 * rows if part == 2 else 0)
 
     def __str__(self) -> str:
-        return f"q{self.dq_warps}x{self.dq_keys}kv{self.kv_warps}x{self.kv_rows}"
+        m = lambda mt: f"m{mt}" if mt != 1 else ""  # noqa: E731
+        return f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}"
+
+    @classmethod
+    def parse(cls, name: str) -> "BwdConfig":
+        """The division str() names (q4x64kv4x32m2: 4 warps x 64 keys, then 4 warps of 2 tiles x 32 rows)."""
+        import re
+
+        found = re.fullmatch(r"q(\d+)x(\d+)(?:m(\d))?kv(\d+)x(\d+)(?:m(\d))?", name)
+        if found is None:
+            raise ValueError(f"not a flash_bwd_mma.cu division: {name!r} (e.g. q4x64kv4x32m2)")
+        w1, k1, m1, w2, r2, m2 = found.groups()
+        return cls(int(w1), int(k1), int(w2), int(r2), int(m1 or 1), int(m2 or 1))
 
 
 def bwd_config(d: int) -> BwdConfig:
@@ -434,9 +454,9 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     params = BWD_PARAMS + FEAT_TYPES
     return tuple(
         _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config}{suffix}",
-                       (*common, ("PART", part), ("NW", warps), ("BN", rows)), params, 32 * warps,
+                       (*common, ("PART", part), ("NW", warps), ("MT", mt), ("BN", rows)), params, 32 * warps,
                        config.shared_bytes(d, part))
-        for part, warps, rows in ((1, config.dq_warps, config.dq_keys), (2, config.kv_warps, config.kv_rows)))
+        for part, (warps, mt, rows) in ((1, config.part(1)), (2, config.part(2))))
 
 
 def flash_bwd_half(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: float, feat=None,
@@ -466,5 +486,5 @@ def flash_bwd_half(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: flo
     args = (Addr(q), Addr(k), Addr(v), Addr(out), Addr(dout), Addr(lse), Addr(dq), Addr(dk), Addr(dv),
             np.uint64(scratch.ptr), np.uint64(scratch.ptr + 4 * batch * nq), np.int32(nq), np.int32(nk),
             np.float32(scale * LOG2E), np.float32(scale), np.int32(bool(causal)), *words)
-    launch(dq_kernel, (-(-nq // (16 * config.dq_warps)), batch), 32 * config.dq_warps, *args)
-    launch(kv_kernel, (-(-nk // (16 * config.kv_warps)), k.shape[0]), 32 * config.kv_warps, *args)
+    launch(dq_kernel, (-(-nq // (16 * config.dq_mt * config.dq_warps)), batch), 32 * config.dq_warps, *args)
+    launch(kv_kernel, (-(-nk // (16 * config.kv_mt * config.kv_warps)), k.shape[0]), 32 * config.kv_warps, *args)

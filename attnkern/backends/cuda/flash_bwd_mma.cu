@@ -6,7 +6,9 @@
 //   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 128
 //   ATTNKERN_BF16     1 for bfloat16, 0 for float16
 //   ATTNKERN_PART     1: the dQ kernel, 2: the dK/dV kernel
-//   ATTNKERN_NW       warps per block (16 rows a warp: query rows in part 1, keys in part 2)
+//   ATTNKERN_NW       warps per block
+//   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
+//                     each B fragment read from shared memory feeds MT mma tiles
 //   ATTNKERN_BN       part 1: keys per streamed K/V tile; part 2: query rows per streamed Q/dO tile
 //   ATTNKERN_FEAT, ATTNKERN_MASK, ATTNKERN_ALIBI, ATTNKERN_NAME, ATTNKERN_DYNAMIC as in flash_mma.cu.
 //
@@ -35,8 +37,9 @@
 #define D ATTNKERN_D
 #define NW ATTNKERN_NW
 #define BN ATTNKERN_BN
+#define MT ATTNKERN_MT
 #define NTHREADS (32 * NW)
-#define BW (16 * NW)    // rows of this block's own operand: query rows (part 1) or keys (part 2)
+#define BW (16 * MT * NW)  // rows of this block's own operand: query rows (part 1) or keys (part 2)
 #define LD (D + 8)      // shared row stride, in elements: ldmatrix reads free of bank conflicts
 #define TILE (BN * LD)  // elements of one streamed tile
 
@@ -89,39 +92,50 @@ static __device__ __forceinline__ void load_rows(const u16* src, u32 dst, int r0
     }
 }
 
-// S (or dP) += A B^T for 16 rows of A (at a, shared, BW-row operand) and NC 8-column
-// tiles of B (at bsm, shared, rows of the streamed tile): k steps over D
+// S (or dP) += A B^T for the warp's MT 16-row mma tiles of A (at a, shared, rows of the
+// block's own operand) and NC 8-column tiles of B (at bsm, shared, rows of the streamed
+// tile): k steps over D; each B fragment feeds the MT tiles
 template <int NC>
-static __device__ __forceinline__ void products(float (&s)[NC][4], u32 a, u32 bsm, int lane) {
+static __device__ __forceinline__ void products(float (&s)[MT][NC][4], u32 a, u32 bsm, int lane) {
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
-        u32 af[4];
-        ldsm_x4(a + (u32)((lane & 15) * LD + kc * 16 + (lane >> 4) * 8) * 2u, af[0], af[1], af[2], af[3]);
+        u32 af[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+            ldsm_x4(a + (u32)((16 * i + (lane & 15)) * LD + kc * 16 + (lane >> 4) * 8) * 2u, af[i][0], af[i][1],
+                    af[i][2], af[i][3]);
 #pragma unroll
         for (int n = 0; n < NC; n += 2) {
             u32 b0, b1, b2, b3;
             ldsm_x4(bsm + (u32)((n * 8 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + kc * 16 + ((lane >> 3) & 1) * 8) * 2u,
                     b0, b1, b2, b3);
-            mma(s[n], af, b0, b1);
-            mma(s[n + 1], af, b2, b3);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                mma(s[i][n], af[i], b0, b1);
+                mma(s[i][n + 1], af[i], b2, b3);
+            }
         }
     }
 }
 
-// acc (16 x D) += A (16 x 8 NC, in the accumulator layout of NC 8-column tiles,
-// packed to the input dtype) times the streamed tile's rows (8 NC x D, at bsm)
+// acc (MT tiles of 16 x D) += A (16 x 8 NC each, in the accumulator layout of NC 8-column
+// tiles, packed to the input dtype) times the streamed tile's rows (8 NC x D, at bsm)
 template <int NC>
-static __device__ __forceinline__ void accumulate(float (&acc)[D / 8][4], const u32 (&pf)[NC][2], u32 bsm, int lane) {
+static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], const u32 (&pf)[MT][NC][2], u32 bsm,
+                                                  int lane) {
 #pragma unroll
     for (int cc = 0; cc < NC / 2; ++cc) {
-        const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
 #pragma unroll
         for (int j = 0; j < D / 8; j += 2) {
             u32 b0, b1, b2, b3;
             ldsm_x4_t(bsm + (u32)((cc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j * 8 + (lane >> 4) * 8) * 2u,
                       b0, b1, b2, b3);
-            mma(acc[j], af, b0, b1);
-            mma(acc[j + 1], af, b2, b3);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const u32 af[4] = {pf[i][2 * cc][0], pf[i][2 * cc][1], pf[i][2 * cc + 1][0], pf[i][2 * cc + 1][1]};
+                mma(acc[i][j], af, b0, b1);
+                mma(acc[i][j + 1], af, b2, b3);
+            }
         }
     }
 }
@@ -215,11 +229,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     }
     cp_async_commit();
 
-    // delta of the warp's 16 rows from global memory, two lanes a row (half the columns each)
-    const int wr0 = q0 + warp * 16, r0 = wr0 + g;
-    float delta[2], lse2[2];
-    {
-        const int row = wr0 + (lane >> 1);
+    // delta of each of the warp's mma tiles (16 rows) from global memory, two lanes a row (half
+    // the columns each); the lse of the lane's rows r0 + 16 i and r0 + 16 i + 8 (log2 domain)
+    const int wr0 = q0 + warp * 16 * MT, r0 = wr0 + g;
+    float delta[MT][2], lse2[MT][2];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const int row = wr0 + 16 * i + (lane >> 1);
         float acc = 0.f;
         if (row < nq) {
             const u16* orow = (const u16*)op + (b * (u64)nq + row) * D + (lane & 1) * (D / 2);
@@ -237,20 +253,24 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         if (!(lane & 1) && row < nq) ((float*)deltap)[b * (u64)nq + row] = acc;
-        delta[0] = __shfl_sync(0xffffffffu, acc, 2 * g);
-        delta[1] = __shfl_sync(0xffffffffu, acc, 2 * g + 16);
+        delta[i][0] = __shfl_sync(0xffffffffu, acc, 2 * g);
+        delta[i][1] = __shfl_sync(0xffffffffu, acc, 2 * g + 16);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = r0 + 8 * h;
+            const int r = r0 + 16 * i + 8 * h;
             const float x = r < nq ? half_to_float(((const u16*)lsep)[b * (u64)nq + r]) : NEG_INF;
-            lse2[h] = x == NEG_INF ? INF : x * 1.4426950408889634f;  // no key seen: P = 0
+            lse2[i][h] = x == NEG_INF ? INF : x * 1.4426950408889634f;  // no key seen: P = 0
         }
     }
 
-    float dq[D / 8][4];
+    float dq[MT][D / 8][4];
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
-    float lsum[2] = {0.f, 0.f};  // the lane's share of each row's sum of P
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) dq[i][j][0] = dq[i][j][1] = dq[i][j][2] = dq[i][j][3] = 0.f;
+    float lsum[MT][2];  // the lane's share of each row's sum of P
+#pragma unroll
+    for (int i = 0; i < MT; ++i) lsum[i][0] = lsum[i][1] = 0.f;
 
     for (int jt = jt0; jt < jt1; ++jt) {
         const int j0 = jt * BN;
@@ -262,34 +282,39 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             load_rows(v, vs0 + ((jt + 1) & 1) * TILE * 2, j0 + BN, BN, LOAD_LEN, tid);
             cp_async_commit();
         }
-        if (tile_unseen(f, j0, BN, wr0, wr0 + 15)) continue;
-        float s[NS][4], dp[NS][4];
+        if (tile_unseen(f, j0, BN, wr0, wr0 + 16 * MT - 1)) continue;
+        float s[MT][NS][4], dp[MT][NS][4];
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+        for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-        products<NS>(s, qs + (u32)(warp * 16 * LD) * 2u, kb, lane);
-        products<NS>(dp, dos + (u32)(warp * 16 * LD) * 2u, vb, lane);
-        u32 dsf[NS][2];
-        const auto grads = [&](bool mask) {
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][n][e] = dp[i][n][e] = 0.f;
+        products<NS>(s, qs + (u32)(warp * 16 * MT * LD) * 2u, kb, lane);
+        products<NS>(dp, dos + (u32)(warp * 16 * MT * LD) * 2u, vb, lane);
+        u32 dsf[MT][NS][2];
+        const auto grads = [&](int i, bool mask) {
 #pragma unroll
             for (int n = 0; n < NS; ++n) {
                 float ds[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = j0 + n * 8 + 2 * (lane & 3) + (e & 1), row = r0 + (e >> 1) * 8;
+                    const int key = j0 + n * 8 + 2 * (lane & 3) + (e & 1), row = r0 + 16 * i + (e >> 1) * 8;
                     float slope;
-                    const float p = prob(mask, s[n][e], key, row, lse2[e >> 1], f, sgn, c, slope);
-                    lsum[e >> 1] += p;
-                    ds[e] = p * (dp[n][e] - delta[e >> 1]) * slope;
+                    const float p = prob(mask, s[i][n][e], key, row, lse2[i][e >> 1], f, sgn, c, slope);
+                    lsum[i][e >> 1] += p;
+                    ds[e] = p * (dp[i][n][e] - delta[i][e >> 1]) * slope;
                 }
-                pack_tile(dsf[n], ds);
+                pack_tile(dsf[i][n], ds);
             }
         };
-        if (tile_masked(f, j0, BN, wr0, wr0 + 15))
-            grads(true);
-        else
-            grads(false);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            if (tile_masked(f, j0, BN, wr0 + 16 * i, wr0 + 16 * i + 15))
+                grads(i, true);
+            else
+                grads(i, false);
+        }
         accumulate<NS>(dq, dsf, kb, lane);
     }
     cp_async_wait_all();  // a block whose rows see no key still loaded Q and dO
@@ -299,18 +324,20 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     // out and lse of whole rows of which k, v hold one block (ring attention) still give that
     // block's share. dQ = scale 2^-fix sum_j dS_ij K_j; the lse (log2 domain, +inf where the row
     // sees no key) goes to part 2.
-    float factor[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const float l = quad_sum(lsum[h]);
-        const float bound = lse2[h] == INF ? 0.f : fabsf(lse2[h]) * (ATTNKERN_BF16 ? 0.00390625f : 0.00048828125f)
-                                                   + 1e-6f;
-        const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
-        factor[h] = scale * ex2(-fix);
-        const int r = r0 + 8 * h;
-        if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[b * (u64)nq + r] = lse2[h] + fix;
+    for (int i = 0; i < MT; ++i) {
+        float factor[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float l = quad_sum(lsum[i][h]), x = lse2[i][h];
+            const float bound = x == INF ? 0.f : fabsf(x) * (ATTNKERN_BF16 ? 0.00390625f : 0.00048828125f) + 1e-6f;
+            const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
+            factor[h] = scale * ex2(-fix);
+            const int r = r0 + 16 * i + 8 * h;
+            if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[b * (u64)nq + r] = x + fix;
+        }
+        store_rows((u16*)dqp + b * (u64)nq * D, dq[i], factor, r0 + 16 * i, nq);
     }
-    store_rows((u16*)dqp + b * (u64)nq * D, dq, factor, r0, nq);
 }
 #else
 // ---------------------------------------------------------------- dK, dV
@@ -325,7 +352,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u64 bkv = blockIdx.y;
-    const int k0 = blockIdx.x * BW, kw0 = k0 + warp * 16;  // the block's and the warp's first key
+    const int k0 = blockIdx.x * BW, kw0 = k0 + warp * 16 * MT;  // the block's and the warp's first key
     const int group = ATTNKERN_FEAT ? kv_group : 1;
     const u64 b0 = bkv * (u64)group;  // the group's first query row
     const Feat f0 = make_feat(b0, nq, nk, causal, FEAT_ARGS);
@@ -372,11 +399,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     if (total > 0) load(0);
     cp_async_commit();
 
-    float dk[D / 8][4], dv[D / 8][4];
+    float dk[MT][D / 8][4], dv[MT][D / 8][4];
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[i][j][e] = dv[i][j][e] = 0.f;
 
     for (int u = 0; u < total; ++u) {
         const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
@@ -385,43 +414,51 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         if (u + 1 < total) load(u + 1);
         const Feat f = ATTNKERN_FEAT ? make_feat(b0 + h, nq, nk, causal, FEAT_ARGS) : f0;
         const int last = min(i0 + BN, nq) - 1;
-        if (tile_unseen(f, kw0, 16, i0, last)) continue;
+        if (tile_unseen(f, kw0, 16 * MT, i0, last)) continue;
         const u32 qb = qs0 + buf * TILE * 2, dob = dos0 + buf * TILE * 2;
         const float* tl = sl + buf * 2 * BN;
-        float s[NQ][4], dp[NQ][4];
+        float s[MT][NQ][4], dp[MT][NQ][4];
 #pragma unroll
-        for (int n = 0; n < NQ; ++n)
+        for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-        products<NQ>(s, ks + (u32)(warp * 16 * LD) * 2u, qb, lane);
-        products<NQ>(dp, vs + (u32)(warp * 16 * LD) * 2u, dob, lane);
-        u32 pf[NQ][2], dsf[NQ][2];
-        const auto grads = [&](bool mask) {
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][n][e] = dp[i][n][e] = 0.f;
+        products<NQ>(s, ks + (u32)(warp * 16 * MT * LD) * 2u, qb, lane);
+        products<NQ>(dp, vs + (u32)(warp * 16 * MT * LD) * 2u, dob, lane);
+        u32 pf[MT][NQ][2], dsf[MT][NQ][2];
+        const auto grads = [&](int m, bool mask) {
 #pragma unroll
             for (int n = 0; n < NQ; ++n) {
                 float p[4], ds[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int i = n * 8 + 2 * (lane & 3) + (e & 1), key = kw0 + g + (e >> 1) * 8;
+                    const int i = n * 8 + 2 * (lane & 3) + (e & 1), key = kw0 + 16 * m + g + (e >> 1) * 8;
                     float slope;
-                    p[e] = prob(mask, s[n][e], key, i0 + i, tl[i], f, sgn, c, slope);
-                    ds[e] = p[e] * (dp[n][e] - tl[BN + i]) * slope;
+                    p[e] = prob(mask, s[m][n][e], key, i0 + i, tl[i], f, sgn, c, slope);
+                    ds[e] = p[e] * (dp[m][n][e] - tl[BN + i]) * slope;
                 }
-                pack_tile(pf[n], p);
-                pack_tile(dsf[n], ds);
+                pack_tile(pf[m][n], p);
+                pack_tile(dsf[m][n], ds);
             }
         };
-        if (tile_masked(f, kw0, 16, i0, last))
-            grads(true);
-        else
-            grads(false);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            if (tile_masked(f, kw0 + 16 * m, 16, i0, last))
+                grads(m, true);
+            else
+                grads(m, false);
+        }
         accumulate<NQ>(dv, pf, dob, lane);
         accumulate<NQ>(dk, dsf, qb, lane);
     }
     cp_async_wait_all();
 
     const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
-    store_rows((u16*)dkp + bkv * (u64)nk * D, dk, sc, kw0 + g, nk);
-    store_rows((u16*)dvp + bkv * (u64)nk * D, dv, one, kw0 + g, nk);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        store_rows((u16*)dkp + bkv * (u64)nk * D, dk[m], sc, kw0 + 16 * m + g, nk);
+        store_rows((u16*)dvp + bkv * (u64)nk * D, dv[m], one, kw0 + 16 * m + g, nk);
+    }
 }
 #endif
