@@ -469,9 +469,9 @@ def test_dropout_under_cuda_autocast_runs_in_float32():
 half_gpu = pytest.mark.skipif(SIMULATED, reason="the float16/bfloat16 backward is CUDA C++ (a GPU only)")
 # (lead, nq, nk, d): every head size the kernels take (multiples of 16 up to 128), partial
 # blocks, nq > nk and nq < nk, a long one
-HALF_SHAPES = [((2, 3), 77, 77, 64), ((1,), 45, 130, 32), ((4,), 200, 33, 128), ((1, 2), 1030, 1030, 64),
-               ((), 1, 5, 16), ((2,), 129, 129, 48), ((1,), 300, 300, 80), ((2,), 150, 97, 96),
-               ((1,), 257, 257, 112), ((1,), 300, 300, 128), ((1, 2), 1100, 1100, 128)]
+HALF_SHAPES = [((2, 3), 77, 77, 64), ((1, 1), 45, 130, 32), ((4, 1), 200, 33, 128), ((1, 2), 1030, 1030, 64),
+               ((1, 1), 1, 5, 16), ((2, 1), 129, 129, 48), ((1, 1), 300, 300, 80), ((2, 1), 150, 97, 96),
+               ((1, 1), 257, 257, 112), ((1, 1), 300, 300, 128), ((1, 2), 1100, 1100, 128)]
 
 
 def _half_case(torch, dtype, lead, nq, nk, d, seed, kv_heads=None):
@@ -557,7 +557,7 @@ def test_half_backward_masks(dtype, name):
     if kw.get("key_lengths"):
         kw["key_lengths"] = [10 * n for n in kw["key_lengths"]]
     host = [x.double().cpu().numpy() for x in (q, k, v, dout)]
-    refs = attnkern.reference_backward(*host, **kw)
+    refs = attnkern.reference_backward(*host, **dict(kw, attn_mask=mask if kind == "bool" else mask.astype(np.float64)))
     peer = _mask_peer(q, k, v, dout, mask, kw)[1:]
     _, lse, grads = _half_backward(q, k, v, dout, **dict(kw, attn_mask=torch.from_numpy(mask).cuda()))
     u = UNIT_ROUNDOFF[dtype]

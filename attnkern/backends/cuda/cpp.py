@@ -433,10 +433,12 @@ class BwdConfig:
 
 def bwd_config(d: int) -> BwdConfig:
     """flash_bwd_mma.cu's default division at head size d: 64 query rows a dQ block
-    against 64-key tiles; 64 keys a dK/dV block against 64-row Q/dO tiles, 32 above
-    d = 64 (the dK and dV accumulators of 16 keys x d take d registers a thread;
-    ptxas: at most 254 registers and no spills for sm_80 and sm_90a)."""
-    return BwdConfig(kv_rows=64 if d <= 64 else 32)
+    (4 warps of one mma tile) against 64-key tiles; 64 keys a dK/dV block against
+    Q/dO tiles of 128 rows up to d = 64, 64 above (the dK and dV accumulators of 16
+    keys x d take d registers a thread; ptxas: 251-255 registers, no spills, for
+    sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
+    (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower."""
+    return BwdConfig(kv_rows=128 if d <= 64 else 64)
 
 
 BWD_PARAMS = ("u64",) * 11 + ("i32", "i32", "f32", "f32", "i32")
