@@ -17,6 +17,7 @@ import os
 import sys
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -491,9 +492,24 @@ def _half_backward(q, k, v, dout, **kw):
 
 
 def test_half_backward_registered():
-    """kernel_info lists the dtypes whose backward runs (float16/bfloat16 on tensor cores)."""
+    """kernel_info lists the dtypes whose backward runs (float16/bfloat16 on tensor cores); the
+    tensor-core backward's divisions are named and parsed one to one, each within the GPU's
+    shared memory; the simulator, which runs no CUDA C++, refuses half precision clearly."""
+    from attnkern.backends.cuda import cpp
+
     info = attnkern.kernel_info("cuda.flash")
     assert info["backward_dtypes"] == ["float32", "float64", "float16", "bfloat16"]
+    for d in range(16, 129, 16):
+        config = cpp.bwd_config(d)
+        assert cpp.BwdConfig.parse(str(config)) == config
+        assert max(config.shared_bytes(d, part) for part in (1, 2)) <= 227 * 1024
+    assert str(cpp.BwdConfig(4, 32, 8, 64, 2, 1)) == "q4x32m2kv8x64"
+    with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
+        cpp.BwdConfig.parse("q4kv4")
+    if SIMULATED:
+        x = np.zeros((1, 2, 16), ml_dtypes.bfloat16)
+        with pytest.raises(RuntimeError, match="simulator cannot run"):
+            attnkern.attention_backward(x, x, x, x, x, x[..., 0], kernel="cuda.flash")
 
 
 @half_gpu

@@ -403,7 +403,8 @@ register(
         description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory "
                     "(float32: tensor cores in 3xTF32, or register-blocked float32 FMAs, CUDA C++; "
                     "float16/bfloat16: tensor cores; float64, and float32 with dropout: Numba); "
-                    "deterministic backward in two (dK/dV per key block, dQ per query block)",
+                    "deterministic backward in two (dQ per query block, dK/dV per key block; float16/bfloat16 "
+                    "on tensor cores, CUDA C++; float32/float64: Numba)",
         run=_cuda_flash,
         params=(
             Param("block_q", 0, 0, 128, "queries per thread block; 0: the kernel's default (float32 CUDA C++ "
