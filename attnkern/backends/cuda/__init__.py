@@ -408,11 +408,13 @@ register(
         run=_cuda_flash,
         params=(
             Param("block_q", 0, 0, 128, "queries per thread block; 0: the kernel's default (float32 CUDA C++ "
-                  "kernels: 128 on tensor cores, else 64; Numba kernel: the largest tile that fits; backward: "
-                  "64, halved until it fits)", choices=(0, *_TILE_SIZES)),
+                  "kernels: 128 on tensor cores, else 64; Numba kernel: the largest tile that fits; float32/float64 "
+                  "backward: 64, halved until it fits; float16/bfloat16 run fixed divisions)",
+                  choices=(0, *_TILE_SIZES)),
             Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the kernel's default (float32 CUDA C++ "
                   "kernels: 64, but 32 without tensor cores above D = 64; Numba kernel: the largest tile that "
-                  "fits; backward: 64, halved until it fits)", choices=(0, *_TILE_SIZES)),
+                  "fits; float32/float64 backward: 64, halved until it fits; float16/bfloat16 run fixed divisions)",
+                  choices=(0, *_TILE_SIZES)),
             Param("tensor_cores", 1, 0, 1, "float32 forward: 1 computes Q K^T and P V on tensor cores in 3xTF32 "
                   "(each operand split into two TF32 parts, three products: about float32 FMAs' accuracy) where "
                   "that kernel has the tile (64 or 128 x 32 or 64) and head size (D = Dv a multiple of 16 up to "
