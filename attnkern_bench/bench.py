@@ -89,6 +89,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     gpu = p.add_argument_group("cuda")
     gpu.add_argument("--back-to-back", type=int, default=1, help="calls per timed sample")
     gpu.add_argument("--sweep", action="store_true", help="also time every cuda.flash tile that fits")
+    gpu.add_argument("--backward", action="store_true",
+                     help="time cuda.flash's forward+backward and backward alone against every torch SDPA backend "
+                          "(cuDNN, flash, efficient, math), with ratios to the fastest and the backward's TFLOP/s")
     p.add_argument("--json", help="write the rows (and memory) to this JSON file")
     p.add_argument("--csv", help="write the rows to this CSV file")
 
@@ -97,6 +100,14 @@ def command(args) -> int:
     cuda = args.device == "cuda"
     if args.dtype == "float64" and cuda:
         raise SystemExit("--device cuda measures float32, float16 and bfloat16")
+    if args.backward:
+        if not cuda:
+            raise SystemExit("--backward times the GPU backward: pass --device cuda")
+        from . import backward_gpu
+
+        backward_gpu.run(args.sizes or [1024, 4096, 16384], args.batch, args.heads or 16, args.dim, args.dtype,
+                         harness.causal_modes(args.causal), args.repeat or 10, args.back_to_back, args.json)
+        return 0
     names = args.kernels or (CUDA_KERNELS if cuda else CPU_KERNELS)
     target = harness.CudaTarget(args.dtype) if cuda else harness.CpuTarget(args.threads, args.dtype)
     if not cuda:

@@ -95,3 +95,35 @@ class TrainingStepCuda:
     track_peak_gpu_mib.unit = "MiB beyond the inputs"
 
 
+
+
+class BackwardGpu:
+    """Forward + backward per dtype on the GPU at (1, 16, 4096, D): cuda.flash (float16/bfloat16
+    on tensor cores, flash_bwd_mma.cu; float32 Numba), triton.flash and torch's SDPA (its default
+    backend). Skipped without a CUDA GPU, and for a kernel whose backward a commit lacks in the dtype."""
+
+    params = [["cuda.flash", "triton.flash", "torch.sdpa"], axis(["1x16x4096x64", "1x16x4096x128"]),
+              ["bfloat16", "float16", "float32"], [False, True]]
+    param_names = ["kernel", "shape", "dtype", "causal"]
+    rounds = 2
+    repeat = (3, 20, 2.0)
+    warmup_time = 0.5
+    timeout = 300
+
+    def setup(self, kernel, shape, dtype, causal):
+        if torch is None or not torch.cuda.is_available():
+            raise NotImplementedError("no CUDA GPU")
+        if kernel not in TORCH_PEERS:
+            info = attnkern.kernel_info(kernel) if kernel in attnkern.kernels() else {}
+            if dtype not in info.get("backward_dtypes", []):
+                raise NotImplementedError(f"{kernel}'s backward does not take {dtype} in this commit")
+        self.step = _step(kernel, causal, "cuda")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        tdtype = getattr(torch, dtype)
+        self.q, self.k, self.v = (torch.from_numpy(x).cuda().to(tdtype).requires_grad_() for x in random_qkv(shape))
+        self.grad = torch.from_numpy(random_qkv(shape, seed=1)[0]).cuda().to(tdtype)
+        self.step(self.q, self.k, self.v, self.grad)  # compile outside the samples
+
+    def time_forward_backward(self, kernel, shape, dtype, causal):
+        self.step(self.q, self.k, self.v, self.grad)
+        torch.cuda.synchronize()

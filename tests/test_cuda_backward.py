@@ -17,6 +17,7 @@ import os
 import sys
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -24,6 +25,7 @@ import torch
 import attnkern
 from attnkern import _registry
 from attnkern_bench.accuracy import (
+    UNIT_ROUNDOFF,
     gradient_error,
     lse_error,
     lse_tolerance,
@@ -258,7 +260,9 @@ def _mask_peer(q, k, v, dout, mask, kw):
     seen = torch.from_numpy(visible(q.shape, k.shape[-2], kw.get("causal", False), kw.get("window"),
                                     kw.get("key_lengths")))
     add = torch.from_numpy(np.where(mask, 0.0, -np.inf) if mask.dtype == bool else mask.astype(np.float64))
-    qt, kt, vt = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    # NumPy arrays, or torch tensors (CUDA ones: the peer runs there, in their dtype)
+    qt, kt, vt = (torch.as_tensor(x).detach().clone().requires_grad_() for x in (q, k, v))
+    seen, add = seen.to(qt.device), add.to(qt.device)
     group = q.shape[-3] // k.shape[-3]
     kr, vr = kt.repeat_interleave(group, -3), vt.repeat_interleave(group, -3)
     s = kw.get("scale", q.shape[-1] ** -0.5) * qt @ kr.transpose(-1, -2)
@@ -266,10 +270,11 @@ def _mask_peer(q, k, v, dout, mask, kw):
         s = kw["softcap"] * torch.tanh(s / kw["softcap"])
     if kw.get("alibi_slopes") is not None:  # -slope |i + len - nq - j|, len the sequence's key length
         nq, nk = q.shape[-2], k.shape[-2]
-        lengths = torch.tensor(kw.get("key_lengths") or [nk] * q.shape[0], dtype=torch.float64)
-        i, j = torch.arange(nq, dtype=torch.float64), torch.arange(nk, dtype=torch.float64)
+        lengths = torch.tensor(kw.get("key_lengths") or [nk] * q.shape[0], dtype=torch.float64, device=qt.device)
+        i, j = (torch.arange(n, dtype=torch.float64, device=qt.device) for n in (nq, nk))
         dist = (i[None, :, None] + lengths[:, None, None] - nq - j[None, None, :]).abs()[:, None]
-        slopes = torch.as_tensor(np.broadcast_to(kw["alibi_slopes"], q.shape[:2]).copy())[..., None, None]
+        slopes = torch.as_tensor(np.broadcast_to(kw["alibi_slopes"], q.shape[:2]).copy(),
+                                 device=qt.device)[..., None, None]
         s = s - (slopes * dist).to(s.dtype)
     s = (s + add.to(s.dtype)).masked_fill(~seen, -torch.inf)
     hidden = torch.isneginf(s).all(-1, keepdim=True)
@@ -283,8 +288,8 @@ def _mask_peer(q, k, v, dout, mask, kw):
                                    np.arange(nk), q.dtype)
         probs = probs * torch.from_numpy(z)
     out = probs @ vr
-    out.backward(torch.from_numpy(dout))
-    return [x.detach().numpy() for x in (out, qt.grad, kt.grad, vt.grad)]
+    out.backward(torch.as_tensor(dout))
+    return [x.detach().double().cpu().numpy() for x in (out, qt.grad, kt.grad, vt.grad)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -458,3 +463,149 @@ def test_dropout_under_cuda_autocast_runs_in_float32():
     assert torch.equal(got, want.half()) and torch.equal(plain, want.half())
     got.float().backward(torch.from_numpy(dout).cuda())
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in tensors)
+# ---------------------------------------------------------------- float16/bfloat16 on tensor cores (a GPU only)
+# flash_bwd_mma.cu: the simulator runs no CUDA C++, so these run with ATTNKERN_TEST_GPU=1 on a GPU.
+# Bounds: FlashAttention's rule (test_triton.check_gradients: at most twice the error of torch's
+# own gradients in the same dtype against float64, plus two roundings of the largest gradient).
+half_gpu = pytest.mark.skipif(SIMULATED, reason="the float16/bfloat16 backward is CUDA C++ (a GPU only)")
+# (lead, nq, nk, d): every head size the kernels take (multiples of 16 up to 128), partial
+# blocks, nq > nk and nq < nk, a long one
+HALF_SHAPES = [((2, 3), 77, 77, 64), ((1, 1), 45, 130, 32), ((4, 1), 200, 33, 128), ((1, 2), 1030, 1030, 64),
+               ((1, 1), 1, 5, 16), ((2, 1), 129, 129, 48), ((1, 1), 300, 300, 80), ((2, 1), 150, 97, 96),
+               ((1, 1), 257, 257, 112), ((1, 1), 300, 300, 128), ((1, 2), 1100, 1100, 128)]
+
+
+def _half_case(torch, dtype, lead, nq, nk, d, seed, kv_heads=None):
+    from test_triton import _inputs
+
+    q = _inputs(torch, dtype, lead, nq, nk, d, d, seed)[0]
+    kv_lead = lead if kv_heads is None else (*lead[:-1], kv_heads)
+    _, k, v = _inputs(torch, dtype, kv_lead, nq, nk, d, d, seed + 1)
+    dout = _inputs(torch, dtype, lead, nq, nk, d, d, seed + 2)[0]
+    return q, k, v, dout
+
+
+def _half_backward(q, k, v, dout, **kw):
+    """cuda.flash's forward (lse) and attention_backward on CUDA tensors: (out, lse, grads)."""
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **kw)
+    return out, lse, attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **kw)
+
+
+def test_half_backward_registered():
+    """kernel_info lists the dtypes whose backward runs (float16/bfloat16 on tensor cores); the
+    tensor-core backward's divisions are named and parsed one to one, each within the GPU's
+    shared memory; the simulator, which runs no CUDA C++, refuses half precision clearly."""
+    from attnkern.backends.cuda import cpp
+
+    info = attnkern.kernel_info("cuda.flash")
+    assert info["backward_dtypes"] == ["float32", "float64", "float16", "bfloat16"]
+    for d in range(16, 129, 16):
+        config = cpp.bwd_config(d)
+        assert cpp.BwdConfig.parse(str(config)) == config
+        assert max(config.shared_bytes(d, part) for part in (1, 2)) <= 227 * 1024
+    assert str(cpp.BwdConfig(4, 32, 8, 64, 2, 1)) == "q4x32m2kv8x64"
+    with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
+        cpp.BwdConfig.parse("q4kv4")
+    if SIMULATED:
+        x = np.zeros((1, 2, 16), ml_dtypes.bfloat16)
+        with pytest.raises(RuntimeError, match="simulator cannot run"):
+            attnkern.attention_backward(x, x, x, x, x, x[..., 0], kernel="cuda.flash")
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_half_backward_by_flash_attentions_rule(dtype, causal):
+    """Every head size, causal both alignments: within FlashAttention's rule; bit-identical
+    run to run; torch autograd through attention gives the same gradients."""
+    from test_triton import check_gradients
+
+    for i, (lead, nq, nk, d) in enumerate(HALF_SHAPES):
+        q, k, v, dout = _half_case(torch, dtype, lead, nq, nk, d, 10 * i)
+        scale = 0.8 / d ** 0.5
+        _, _, grads = _half_backward(q, k, v, dout, causal=causal, scale=scale)
+        check_gradients(grads, q, k, v, dout, causal, scale, {}, (dtype, lead, nq, nk, d))
+        again = _half_backward(q, k, v, dout, causal=causal, scale=scale)[2]
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        attnkern.attention(*leaves, kernel="cuda.flash", causal=causal, scale=scale).backward(dout)
+        for g, a, leaf in zip(grads, again, leaves):
+            assert torch.equal(g, a) and torch.equal(g, leaf.grad)
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_backward_features(dtype):
+    """GQA and MQA (dk, dv summed over the group in order), bottom-right, windows, key lengths
+    (a sequence with none: rows that see no key get 0), softcap, a negative scale: FlashAttention's rule."""
+    from test_triton import FEATURE_CASES, check_gradients
+
+    cases = [*FEATURE_CASES, ((1, 4), 1, 90, 90, 32, True, {"scale": -0.3})]
+    for i, (lead, h_kv, nq, nk, d, causal, feats) in enumerate(cases):
+        q, k, v, dout = _half_case(torch, dtype, lead, nq, nk, d, 100 + 10 * i, kv_heads=h_kv)
+        feats = dict(feats)
+        scale = feats.pop("scale", 1 / d ** 0.5)
+        _, lse, grads = _half_backward(q, k, v, dout, causal=causal, scale=scale, **feats)
+        check_gradients(grads, q, k, v, dout, causal, scale, feats, (dtype, i))
+        assert (grads[0][torch.isneginf(lse)] == 0).all()
+        for b, n in enumerate(feats.get("key_lengths", [])):
+            assert not grads[1][b, :, n:].any() and not grads[2][b, :, n:].any(), "padding gets no gradient"
+        assert all(torch.equal(g, a) for g, a in zip(grads, _half_backward(q, k, v, dout, causal=causal,
+                                                                            scale=scale, **feats)[2]))
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", MASK_CASES)
+def test_half_backward_masks(dtype, name):
+    """Attention masks (bool, additive with -inf, with the features and ALiBi) on CUDA tensors:
+    each gradient within twice the error of torch ops in the same dtype plus 2u of the largest."""
+    from test_features import err
+
+    kind, mshape, kw = MASK_CASES[name]
+    q, k, v, dout = _half_case(torch, dtype, (2, 4), 70, 190, 64, zlib.crc32(name.encode()) % 1000, kv_heads=2)
+    rng = np.random.default_rng(len(name))
+    keep = rng.random(tuple({7: 70, 19: 190}.get(n, n) for n in mshape)) < 0.7  # MASK_CASES' nq, nk scaled
+    if keep.ndim == 4 and keep.shape[2] > 1:
+        keep[0, 0, 2] = False  # a row that sees no key
+    mask = keep if kind == "bool" else (np.where(keep, rng.standard_normal(keep.shape), -np.inf) if kind == "neginf"
+                                        else rng.standard_normal(keep.shape)).astype(np.float32)
+    kw = dict(kw, attn_mask=mask)
+    if kw.get("key_lengths"):
+        kw["key_lengths"] = [10 * n for n in kw["key_lengths"]]
+    host = [x.double().cpu().numpy() for x in (q, k, v, dout)]
+    refs = attnkern.reference_backward(*host, **dict(kw, attn_mask=mask if kind == "bool" else mask.astype(np.float64)))
+    peer = _mask_peer(q, k, v, dout, mask, kw)[1:]
+    _, lse, grads = _half_backward(q, k, v, dout, **dict(kw, attn_mask=torch.from_numpy(mask).cuda()))
+    u = UNIT_ROUNDOFF[dtype]
+    for what, r, p, a in zip(("dq", "dk", "dv"), refs, peer, grads):
+        a = a.double().cpu().numpy()
+        assert np.isfinite(a).all(), what
+        limit = 2 * err(p, r) + 2 * u * max(1.0, np.abs(r).max())
+        assert err(a, r) <= limit, f"{what}: {err(a, r):.3g} > {limit:.3g}"
+    assert (grads[0][torch.isneginf(lse)] == 0).all()
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_backward_block_shares(dtype):
+    """out and lse of whole rows with k, v holding one block of keys (ring attention): dk and dv
+    of each block are the whole call's, dq the sum of the blocks' (the lse is corrected only within
+    its dtype's rounding, never rescaled to the block: a block holding half the weight stays half)."""
+    q, k, v, dout = _half_case(torch, dtype, (1, 2), 300, 256, 64, 7)
+    out, lse, whole = _half_backward(q, k, v, dout)
+    blocks = [attnkern.attention_backward(q, k[..., s, :].contiguous(), v[..., s, :].contiguous(), out, dout, lse,
+                                          kernel="cuda.flash") for s in (slice(0, 128), slice(128, 256))]
+    pieces = (blocks[0][0].float() + blocks[1][0].float(), torch.cat([b[1] for b in blocks], -2),
+              torch.cat([b[2] for b in blocks], -2))
+    for name, piece, w in zip(("dq", "dk", "dv"), pieces, whole):
+        # the lse's rounding moves each P by up to a relative u |lse| (|lse| < 8 here)
+        limit = 16 * UNIT_ROUNDOFF[dtype] * float(w.abs().max())
+        assert float((piece.float() - w.float()).abs().max()) <= limit, name
+
+
+@half_gpu
+def test_half_backward_refusals():
+    """Head sizes the tensor-core backward lacks are refused with what to use instead."""
+    q = torch.randn(1, 2, 8, 40, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16 up to 128"):
+        attnkern.attention_backward(q, q, q, q, q, q[..., 0], kernel="cuda.flash")

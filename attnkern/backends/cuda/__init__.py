@@ -273,25 +273,38 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
                          dk=None, dv=None, features=None):
     """(dq, dk, dv) of cuda.flash, from the forward's out and lse and the
     output's gradient dout. GpuArrays: dq, dk, dv are the caller's, filled and
-    returned; NumPy arrays: copied to the GPU, the gradients copied back. The
-    backward runs float32 FMAs: tensor_cores applies to the forward only.
+    returned; NumPy arrays: copied to the GPU, the gradients copied back.
+    float16/bfloat16 run the tensor-core kernels (cpp.flash_bwd_half; block_q,
+    block_k and tensor_cores do not apply); float32 and float64 the Numba kernels
+    (backward.py; FMAs in the input's dtype: tensor_cores applies to the forward only).
     features: a _registry.Features or None, as for the forward (dk and dv of a
     group of query rows sharing k/v rows summed in the rows' order)."""
+    from numba import config
+
     from . import arrays, backward, cpp, launch
 
     if features is not None and features.dropout_p > 0 and q.dtype.name not in DROPOUT_DTYPES:
         raise ValueError(_dropout_dtype_error(q.dtype.name))
-    if q.dtype.name in cpp.MMA_DTYPES:
-        raise TypeError(f"cuda.flash's backward takes float32 and float64, not {q.dtype.name}; "
-                        "convert with .float() for training")
-    block_q, block_k = _flash_backward_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
+    half = q.dtype.name in cpp.MMA_DTYPES
+    if half:
+        if config.ENABLE_CUDASIM:
+            raise RuntimeError("cuda.flash: the float16/bfloat16 backward runs CUDA C++ on tensor cores, which "
+                               "Numba's CUDA simulator cannot run; use float32 there")
+        why = _flash_head_sizes(q.shape[2], v.shape[2], q.dtype.name)
+        if why is not None:
+            raise ValueError(f"cuda.flash backward: {why}")
+    else:
+        block_q, block_k = _flash_backward_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
     host = isinstance(q, np.ndarray)
     if host:
         q, k, v, out, dout, lse = (arrays.from_host(np.ascontiguousarray(x)) for x in (q, k, v, out, dout, lse))
     grads = [g if g is not None and not host else arrays.device_empty(x.shape, q.dtype)
              for g, x in ((dq, q), (dk, k), (dv, v))]
-    backward.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k,
-                            launch.KernelFeatures.of(features, q.shape[0], q.dtype))
+    feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
+    if half:
+        cpp.flash_bwd_half(q, k, v, out, dout, lse, *grads, causal, scale, feat)
+    else:
+        backward.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k, feat)
     if not host:
         return tuple(grads)
     result = []
@@ -390,15 +403,18 @@ register(
         description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory "
                     "(float32: tensor cores in 3xTF32, or register-blocked float32 FMAs, CUDA C++; "
                     "float16/bfloat16: tensor cores; float64, and float32 with dropout: Numba); "
-                    "deterministic backward in two (dK/dV per key block, dQ per query block)",
+                    "deterministic backward in two (dQ per query block, dK/dV per key block; float16/bfloat16 "
+                    "on tensor cores, CUDA C++; float32/float64: Numba)",
         run=_cuda_flash,
         params=(
             Param("block_q", 0, 0, 128, "queries per thread block; 0: the kernel's default (float32 CUDA C++ "
-                  "kernels: 128 on tensor cores, else 64; Numba kernel: the largest tile that fits; backward: "
-                  "64, halved until it fits)", choices=(0, *_TILE_SIZES)),
+                  "kernels: 128 on tensor cores, else 64; Numba kernel: the largest tile that fits; float32/float64 "
+                  "backward: 64, halved until it fits; float16/bfloat16 run fixed divisions)",
+                  choices=(0, *_TILE_SIZES)),
             Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the kernel's default (float32 CUDA C++ "
                   "kernels: 64, but 32 without tensor cores above D = 64; Numba kernel: the largest tile that "
-                  "fits; backward: 64, halved until it fits)", choices=(0, *_TILE_SIZES)),
+                  "fits; float32/float64 backward: 64, halved until it fits; float16/bfloat16 run fixed divisions)",
+                  choices=(0, *_TILE_SIZES)),
             Param("tensor_cores", 1, 0, 1, "float32 forward: 1 computes Q K^T and P V on tensor cores in 3xTF32 "
                   "(each operand split into two TF32 parts, three products: about float32 FMAs' accuracy) where "
                   "that kernel has the tile (64 or 128 x 32 or 64) and head size (D = Dv a multiple of 16 up to "
@@ -412,8 +428,10 @@ register(
         # only the Numba kernels, in float32 and float64 (float32 with dropout runs no CUDA C++)
         features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap", "mask", "alibi", "dropout"}),
         feature_dtypes={"dropout": DROPOUT_DTYPES},
-        # float16/bfloat16: the tensor-core forward (flash_mma.cu), D = Dv a multiple of 16 up to 128
+        # float16/bfloat16: the tensor-core forward (flash_mma.cu, flash_wgmma.cu) and backward
+        # (flash_bwd_mma.cu), D = Dv a multiple of 16 up to 128
         dtypes=("float32", "float64", "float16", "bfloat16"),
+        backward_dtypes=("float32", "float64", "float16", "bfloat16"),
         head_sizes=_flash_head_sizes,
         search_space=_flash_search_space,
     )

@@ -385,3 +385,108 @@ def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None) -> 
                          "(pass a fresh contiguous tensor: .contiguous() or .clone())")
     kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse, feat=feat)
     launch(kernel, grid, block, *args)
+
+
+# ---------------------------------------------------------------- cuda.flash's backward on tensor cores
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """How flash_bwd_mma.cu divides its work: the dQ kernel's `dq_warps` warps of
+    `dq_mt` 16-row mma tiles of query rows each, streaming K/V tiles of `dq_keys` keys;
+    the dK/dV kernel's `kv_warps` warps of `kv_mt` 16-key mma tiles each, streaming Q/dO
+    tiles of `kv_rows` query rows (each B fragment read from shared memory feeds the
+    warp's mt tiles)."""
+
+    dq_warps: int = 4
+    dq_keys: int = 64
+    kv_warps: int = 4
+    kv_rows: int = 64
+    dq_mt: int = 1
+    kv_mt: int = 1
+
+    def part(self, part: int) -> tuple[int, int, int]:
+        """(warps, mma tiles a warp, streamed rows) of part 1 (dQ) or 2 (dK/dV)."""
+        return (self.dq_warps, self.dq_mt, self.dq_keys) if part == 1 else (self.kv_warps, self.kv_mt, self.kv_rows)
+
+    def shared_bytes(self, d: int, part: int) -> int:
+        """Shared memory of one block of part 1 (dQ) or 2 (dK/dV) at head size d: its
+        own two operands of 16 mt warps rows, two buffers of two streamed tiles (rows
+        padded to d + 8 elements), and for part 2 the streamed rows' lse and delta."""
+        warps, mt, rows = self.part(part)
+        return (2 * 16 * mt * warps + 4 * rows) * (d + 8) * 2 + (16 * rows if part == 2 else 0)
+
+    def __str__(self) -> str:
+        m = lambda mt: f"m{mt}" if mt != 1 else ""  # noqa: E731
+        return f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}"
+
+    @classmethod
+    def parse(cls, name: str) -> "BwdConfig":
+        """The division str() names (q4x64kv4x32m2: 4 warps x 64 keys, then 4 warps of 2 tiles x 32 rows)."""
+        import re
+
+        found = re.fullmatch(r"q(\d+)x(\d+)(?:m(\d))?kv(\d+)x(\d+)(?:m(\d))?", name)
+        if found is None:
+            raise ValueError(f"not a flash_bwd_mma.cu division: {name!r} (e.g. q4x64kv4x32m2)")
+        w1, k1, m1, w2, r2, m2 = found.groups()
+        return cls(int(w1), int(k1), int(w2), int(r2), int(m1 or 1), int(m2 or 1))
+
+
+def bwd_config(d: int) -> BwdConfig:
+    """flash_bwd_mma.cu's default division at head size d: 64 query rows a dQ block
+    (4 warps of one mma tile) against 64-key tiles; 64 keys a dK/dV block against
+    Q/dO tiles of 128 rows up to d = 64, 64 above (the dK and dV accumulators of 16
+    keys x d take d registers a thread; ptxas: 251-255 registers, no spills, for
+    sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
+    (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower."""
+    return BwdConfig(kv_rows=128 if d <= 64 else 64)
+
+
+BWD_PARAMS = ("u64",) * 11 + ("i32", "i32", "f32", "f32", "i32")
+
+
+def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featured: bool = False, mask: int = 0,
+                      alibi: bool = False):
+    """(dQ kernel, dK/dV kernel) of flash_bwd_mma.cu for float16/bfloat16 at head size
+    d (D = Dv a multiple of 16 up to 128), compiled as flash_mma_kernel compiles the
+    forward (_linked_kernel); featured, mask, alibi: the variant (as the forward's)."""
+    config = config or bwd_config(d)
+    suffix = _suffix(featured, mask, alibi)
+    common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("FEAT", int(featured)), ("MASK", mask),
+              ("ALIBI", int(alibi)))
+    params = BWD_PARAMS + FEAT_TYPES
+    return tuple(
+        _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config}{suffix}",
+                       (*common, ("PART", part), ("NW", warps), ("MT", mt), ("BN", rows)), params, 32 * warps,
+                       config.shared_bytes(d, part))
+        for part, (warps, mt, rows) in ((1, config.part(1)), (2, config.part(2))))
+
+
+def flash_bwd_half(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: float, feat=None,
+                   config: BwdConfig | None = None) -> None:
+    """dq, dk, dv (GpuArrays to fill, the input dtype) of cuda.flash on float16 or
+    bfloat16 GpuArrays (batch, n, d) on tensor cores (flash_bwd_mma.cu): the dQ
+    kernel, which also writes delta = rowsum(dO O) and the lse corrected in float32,
+    then the dK/dV kernel; k, v, dk, dv have batch / kv_group rows. lse: the
+    forward's, of the input dtype; feat: a launch.KernelFeatures or None."""
+    from .arrays import workspace
+
+    batch, nq, d = q.shape
+    nk = k.shape[1]
+    # q, k, v, out, dout are read 16 bytes at a time; dq, dk, dv written 4 at a time
+    if any(a.ptr % 16 for a in (q, k, v, out, dout)) or any(a.ptr % 4 for a in (dq, dk, dv)):
+        raise ValueError("cuda.flash backward: float16/bfloat16 q, k, v, out and dout must start at 16-byte "
+                         "aligned addresses (pass fresh contiguous tensors: .contiguous() or .clone())")
+    if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
+        raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
+                         "kernels (float16/bfloat16)")
+    config = config or bwd_config(d)
+    dq_kernel, kv_kernel = flash_bwd_kernels(q.dtype.name, d, config, feat is not None,
+                                             0 if feat is None else feat.mask_kind,
+                                             feat is not None and feat.alibi is not None)
+    scratch = workspace(2 * max(batch * nq, 1), np.float32, q.owner)  # the corrected lse, then delta
+    words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
+    args = (Addr(q), Addr(k), Addr(v), Addr(out), Addr(dout), Addr(lse), Addr(dq), Addr(dk), Addr(dv),
+            np.uint64(scratch.ptr), np.uint64(scratch.ptr + 4 * batch * nq), np.int32(nq), np.int32(nk),
+            np.float32(scale * LOG2E), np.float32(scale), np.int32(bool(causal)), *words)
+    launch(dq_kernel, (-(-nq // (16 * config.dq_mt * config.dq_warps)), batch), 32 * config.dq_warps, *args)
+    launch(kv_kernel, (-(-nk // (16 * config.kv_mt * config.kv_warps)), k.shape[0]), 32 * config.kv_warps, *args)

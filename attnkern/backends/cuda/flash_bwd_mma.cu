@@ -1,0 +1,464 @@
+// cuda.flash's backward for float16 and bfloat16: FlashAttention-2's backward on
+// tensor cores (mma.sync m16n8k16, float32 accumulation; sm_80 and later).
+//
+// Compiled like flash_mma.cu (cpp.py, flash_bwd_kernels): flash_common.cuh first,
+// then this file, with the constants
+//   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 128
+//   ATTNKERN_BF16     1 for bfloat16, 0 for float16
+//   ATTNKERN_PART     1: the dQ kernel, 2: the dK/dV kernel
+//   ATTNKERN_NW       warps per block
+//   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
+//                     each B fragment read from shared memory feeds MT mma tiles
+//   ATTNKERN_BN       part 1: keys per streamed K/V tile; part 2: query rows per streamed Q/dO tile
+//   ATTNKERN_FEAT, ATTNKERN_MASK, ATTNKERN_ALIBI, ATTNKERN_NAME, ATTNKERN_DYNAMIC as in flash_mma.cu.
+//
+// Two kernels, no atomics, every sum in a fixed order (bit-identical run to run):
+//
+// Part 1 (grid: query blocks of 16 NW rows x batch rows) runs first. It computes
+// delta_i = dO_i . O_i in float32, recomputes S = Q K^T and dP = dO V^T per K/V
+// tile (double-buffered with cp.async), P = 2^(s c - lse_i log2 e) from the
+// forward's lse, dS = P (dP - delta) and dQ += dS K. The forward's lse of a half
+// dtype is rounded to it (a bfloat16 lse would scale a row's P by up to e^(2^-8 |lse|)):
+// as triton.flash's backward, the kernel also sums each row's P, corrects the lse
+// by the log of that sum within the rounding of its dtype, scales dQ to match, and
+// writes the corrected lse in float32 (log2 domain) with delta for part 2.
+//
+// Part 2 (grid: key blocks of 16 NW keys x k/v rows) holds its K and V rows in
+// shared memory, streams the query tiles that see its keys (and, under GQA, those
+// of every query row of the group, in order), and computes the transposed
+// products: S^T = K Q^T and dP^T = V dO^T (keys as the mma's rows, so P^T and dS^T
+// are A operands as they stand in the accumulators, with no trip through shared
+// memory), dV += P^T dO and dK += dS^T Q.
+//
+// Tiles or warps that no visible (row, key) pair touches are skipped, and masks
+// are applied only on tiles that cross a row's window, length or causal diagonal
+// (flash_common.cuh's key_tiles, tile_unseen, tile_masked), so causal costs about half.
+
+#define D ATTNKERN_D
+#define NW ATTNKERN_NW
+#define BN ATTNKERN_BN
+#define MT ATTNKERN_MT
+#define NTHREADS (32 * NW)
+#define BW (16 * MT * NW)  // rows of this block's own operand: query rows (part 1) or keys (part 2)
+#define LD (D + 8)      // shared row stride, in elements: ldmatrix reads free of bank conflicts
+#define TILE (BN * LD)  // elements of one streamed tile
+
+// shared memory, in elements: [own A 2 x BW rows] [streamed 2 buffers x 2 tiles] [part 2: lse, delta 2 x 2 x BN floats]
+#define OWN_ELEMS (2 * BW * LD)
+#define SMEM_ELEMS (OWN_ELEMS + 4 * TILE + (ATTNKERN_PART == 2 ? 8 * BN : 0))
+
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+
+static __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+static __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
+#if ATTNKERN_BF16
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+#endif
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ float half_to_float(u16 h) {
+#if ATTNKERN_BF16
+    return __uint_as_float((u32)h << 16);
+#else
+    float x;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(x) : "h"(h));
+    return x;
+#endif
+}
+
+// rows r0.. r0 + rows - 1 of src (D elements each) into shared memory at dst, rows
+// at or past n zero-filled, never read
+static __device__ __forceinline__ void load_rows(const u16* src, u32 dst, int r0, int rows, int n, int tid) {
+    constexpr int CPR = D / 8;  // 16-byte chunks per row
+    for (int c = tid; c < rows * CPR; c += NTHREADS) {
+        const int row = c / CPR, col = (c % CPR) * 8;
+        const bool live = r0 + row < n;
+        cp_async16(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? r0 + row : 0) * D + col, live ? 16 : 0);
+    }
+}
+
+// S (or dP) += A B^T for the warp's MT 16-row mma tiles of A (at a, shared, rows of the
+// block's own operand) and NC 8-column tiles of B (at bsm, shared, rows of the streamed
+// tile): k steps over D; each B fragment feeds the MT tiles
+template <int NC>
+static __device__ __forceinline__ void products(float (&s)[MT][NC][4], u32 a, u32 bsm, int lane) {
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        u32 af[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+            ldsm_x4(a + (u32)((16 * i + (lane & 15)) * LD + kc * 16 + (lane >> 4) * 8) * 2u, af[i][0], af[i][1],
+                    af[i][2], af[i][3]);
+#pragma unroll
+        for (int n = 0; n < NC; n += 2) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4(bsm + (u32)((n * 8 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + kc * 16 + ((lane >> 3) & 1) * 8) * 2u,
+                    b0, b1, b2, b3);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                mma(s[i][n], af[i], b0, b1);
+                mma(s[i][n + 1], af[i], b2, b3);
+            }
+        }
+    }
+}
+
+// acc (MT tiles of 16 x D) += A (16 x 8 NC each, in the accumulator layout of NC 8-column
+// tiles, packed to the input dtype) times the streamed tile's rows (8 NC x D, at bsm)
+template <int NC>
+static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], const u32 (&pf)[MT][NC][2], u32 bsm,
+                                                  int lane) {
+#pragma unroll
+    for (int cc = 0; cc < NC / 2; ++cc) {
+#pragma unroll
+        for (int j = 0; j < D / 8; j += 2) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(bsm + (u32)((cc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j * 8 + (lane >> 4) * 8) * 2u,
+                      b0, b1, b2, b3);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const u32 af[4] = {pf[i][2 * cc][0], pf[i][2 * cc][1], pf[i][2 * cc + 1][0], pf[i][2 * cc + 1][1]};
+                mma(acc[i][j], af, b0, b1);
+                mma(acc[i][j + 1], af, b2, b3);
+            }
+        }
+    }
+}
+
+// P of one score x = q.k (the raw product) of row `row` and key `key`, from the
+// row's lse in the log2 domain (+inf for rows that see no key or lie past nq: P
+// = 0); slope: the softcap's derivative 1 - tanh^2 (1 without a softcap). As the
+// forward: scores in units of |scale| (Q's sign folded in: sgn), capped, then the
+// mask and ALiBi in those units, c = |scale| log2 e.
+// (MASK: whether the tile needs masks; the callers pass a constant, which inlining folds)
+static __device__ __forceinline__ float prob(bool MASK, float x, int key, int row, float lse2, const Feat& f,
+                                             float sgn, float c, float& slope) {
+    slope = 1.f;
+#if ATTNKERN_FEAT
+    float s = x * sgn;
+    if (f.cap > 0.f) {
+        s = capped(f, s);
+        const float th = s * (1.f / f.cap);
+        slope = 1.f - th * th;
+    }
+    if (MASK) {
+        if (key_hidden(f, key, row)) return 0.f;
+        if (ATTNKERN_MASK || ATTNKERN_ALIBI) {
+            s = mask_score(f, s, key, row);
+            if (s == neg_inf()) return 0.f;
+        }
+    }
+    return ex2(fmaf(s, c, -lse2));
+#else
+    if (MASK && key_hidden(f, key, row)) return 0.f;
+    return ex2(fmaf(x * sgn, c, -lse2));
+#endif
+}
+
+// two floats as an A-fragment register of the input dtype
+static __device__ __forceinline__ void pack_tile(u32 (&out)[2], const float (&x)[4]) {
+    out[0] = pack2(x[0], x[1]);
+    out[1] = pack2(x[2], x[3]);
+}
+
+// 16 rows x D of acc (an m16n8 accumulator layout) times factor[0] (row g) and
+// factor[1] (row g + 8), stored rounded to the input dtype at rows r0, r0 + 8 below n
+static __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[D / 8][4], const float (&factor)[2],
+                                                  int r0, int n) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (r0 < n) *(u32*)(dst + (u64)r0 * D + col) = pack2(acc[j][0] * factor[0], acc[j][1] * factor[0]);
+        if (r0 + 8 < n) *(u32*)(dst + (u64)(r0 + 8) * D + col) = pack2(acc[j][2] * factor[1], acc[j][3] * factor[1]);
+    }
+}
+
+#if ATTNKERN_PART == 1
+// ---------------------------------------------------------------- dQ (and delta, the corrected lse)
+extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
+                                         u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
+                                         float scale, int causal, FEAT_PARAMS) {
+    constexpr int NS = BN / 8;  // 8-key tiles of a K/V tile
+#if ATTNKERN_DYNAMIC
+    extern __shared__ __align__(128) u16 smem[];
+#else
+    __shared__ __align__(128) u16 smem[SMEM_ELEMS];
+#endif
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const u64 b = blockIdx.y;
+    const int q0 = block_first_row(causal, BW);
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    const u16* q = (const u16*)qp + b * (u64)nq * D;
+    const u16* dout = (const u16*)dop + b * (u64)nq * D;
+    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
+    const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
+    const u32 qs = smem_u32(smem), dos = qs + BW * LD * 2, ks0 = qs + OWN_ELEMS * 2, vs0 = ks0 + 2 * TILE * 2;
+    const float NEG_INF = neg_inf(), INF = -NEG_INF;
+    const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
+
+    load_rows(q, qs, q0, BW, nq, tid);
+    load_rows(dout, dos, q0, BW, nq, tid);
+    int jt0, jt1;
+#if ATTNKERN_FEAT
+    key_tiles(f, q0, BW, nq, BN, jt0, jt1);
+#define LOAD_LEN f.len
+#else
+    jt0 = 0;
+    jt1 = ((causal ? min(nk, q0 + BW) : nk) + BN - 1) / BN;
+#define LOAD_LEN nk
+#endif
+    if (jt0 < jt1) {
+        load_rows(k, ks0 + (jt0 & 1) * TILE * 2, jt0 * BN, BN, LOAD_LEN, tid);
+        load_rows(v, vs0 + (jt0 & 1) * TILE * 2, jt0 * BN, BN, LOAD_LEN, tid);
+    }
+    cp_async_commit();
+
+    // delta of each of the warp's mma tiles (16 rows) from global memory, two lanes a row (half
+    // the columns each); the lse of the lane's rows r0 + 16 i and r0 + 16 i + 8 (log2 domain)
+    const int wr0 = q0 + warp * 16 * MT, r0 = wr0 + g;
+    float delta[MT][2], lse2[MT][2];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const int row = wr0 + 16 * i + (lane >> 1);
+        float acc = 0.f;
+        if (row < nq) {
+            const u16* orow = (const u16*)op + (b * (u64)nq + row) * D + (lane & 1) * (D / 2);
+            const u16* drow = dout + (u64)row * D + (lane & 1) * (D / 2);
+#pragma unroll
+            for (int e = 0; e < D / 2; e += 8) {
+                const u32x4 x = *(const u32x4*)(orow + e), y = *(const u32x4*)(drow + e);
+                const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    acc = fmaf(half_to_float((u16)xs[h]), half_to_float((u16)ys[h]), acc);
+                    acc = fmaf(half_to_float((u16)(xs[h] >> 16)), half_to_float((u16)(ys[h] >> 16)), acc);
+                }
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        if (!(lane & 1) && row < nq) ((float*)deltap)[b * (u64)nq + row] = acc;
+        delta[i][0] = __shfl_sync(0xffffffffu, acc, 2 * g);
+        delta[i][1] = __shfl_sync(0xffffffffu, acc, 2 * g + 16);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 16 * i + 8 * h;
+            const float x = r < nq ? half_to_float(((const u16*)lsep)[b * (u64)nq + r]) : NEG_INF;
+            lse2[i][h] = x == NEG_INF ? INF : x * 1.4426950408889634f;  // no key seen: P = 0
+        }
+    }
+
+    float dq[MT][D / 8][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) dq[i][j][0] = dq[i][j][1] = dq[i][j][2] = dq[i][j][3] = 0.f;
+    float lsum[MT][2];  // the lane's share of each row's sum of P
+#pragma unroll
+    for (int i = 0; i < MT; ++i) lsum[i][0] = lsum[i][1] = 0.f;
+
+    for (int jt = jt0; jt < jt1; ++jt) {
+        const int j0 = jt * BN;
+        const u32 kb = ks0 + (jt & 1) * TILE * 2, vb = vs0 + (jt & 1) * TILE * 2;
+        cp_async_wait_all();
+        __syncthreads();  // tile jt (and Q, dO) in; every warp is done with tile jt - 1
+        if (jt + 1 < jt1) {
+            load_rows(k, ks0 + ((jt + 1) & 1) * TILE * 2, j0 + BN, BN, LOAD_LEN, tid);
+            load_rows(v, vs0 + ((jt + 1) & 1) * TILE * 2, j0 + BN, BN, LOAD_LEN, tid);
+            cp_async_commit();
+        }
+        if (tile_unseen(f, j0, BN, wr0, wr0 + 16 * MT - 1)) continue;
+        float s[MT][NS][4], dp[MT][NS][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][n][e] = dp[i][n][e] = 0.f;
+        products<NS>(s, qs + (u32)(warp * 16 * MT * LD) * 2u, kb, lane);
+        products<NS>(dp, dos + (u32)(warp * 16 * MT * LD) * 2u, vb, lane);
+        u32 dsf[MT][NS][2];
+        const auto grads = [&](int i, bool mask) {
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+                float ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = j0 + n * 8 + 2 * (lane & 3) + (e & 1), row = r0 + 16 * i + (e >> 1) * 8;
+                    float slope;
+                    const float p = prob(mask, s[i][n][e], key, row, lse2[i][e >> 1], f, sgn, c, slope);
+                    lsum[i][e >> 1] += p;
+                    ds[e] = p * (dp[i][n][e] - delta[i][e >> 1]) * slope;
+                }
+                pack_tile(dsf[i][n], ds);
+            }
+        };
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            if (tile_masked(f, j0, BN, wr0 + 16 * i, wr0 + 16 * i + 15))
+                grads(i, true);
+            else
+                grads(i, false);
+        }
+        accumulate<NS>(dq, dsf, kb, lane);
+    }
+    cp_async_wait_all();  // a block whose rows see no key still loaded Q and dO
+
+    // The saved lse corrected by log2 of the row sum l of the P computed from it, but only within
+    // the rounding of its dtype (u |lse| and a float32 margin): an exact lse stays as it is, so
+    // out and lse of whole rows of which k, v hold one block (ring attention) still give that
+    // block's share. dQ = scale 2^-fix sum_j dS_ij K_j; the lse (log2 domain, +inf where the row
+    // sees no key) goes to part 2.
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        float factor[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float l = quad_sum(lsum[i][h]), x = lse2[i][h];
+            const float bound = x == INF ? 0.f : fabsf(x) * (ATTNKERN_BF16 ? 0.00390625f : 0.00048828125f) + 1e-6f;
+            const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
+            factor[h] = scale * ex2(-fix);
+            const int r = r0 + 16 * i + 8 * h;
+            if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[b * (u64)nq + r] = x + fix;
+        }
+        store_rows((u16*)dqp + b * (u64)nq * D, dq[i], factor, r0 + 16 * i, nq);
+    }
+}
+#else
+// ---------------------------------------------------------------- dK, dV
+extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
+                                         u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
+                                         float scale, int causal, FEAT_PARAMS) {
+    constexpr int NQ = BN / 8;  // 8-row tiles of a Q/dO tile
+#if ATTNKERN_DYNAMIC
+    extern __shared__ __align__(128) u16 smem[];
+#else
+    __shared__ __align__(128) u16 smem[SMEM_ELEMS];
+#endif
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const u64 bkv = blockIdx.y;
+    const int k0 = blockIdx.x * BW, kw0 = k0 + warp * 16 * MT;  // the block's and the warp's first key
+    const int group = ATTNKERN_FEAT ? kv_group : 1;
+    const u64 b0 = bkv * (u64)group;  // the group's first query row
+    const Feat f0 = make_feat(b0, nq, nk, causal, FEAT_ARGS);
+    const u16* k = (const u16*)kp + bkv * (u64)nk * D;
+    const u16* v = (const u16*)vp + bkv * (u64)nk * D;
+    const u32 ks = smem_u32(smem), vs = ks + BW * LD * 2, qs0 = ks + OWN_ELEMS * 2, dos0 = qs0 + 2 * TILE * 2;
+    float* sl = (float*)(smem + OWN_ELEMS + 4 * TILE);  // [buffer][lse2 BN, delta BN]
+    const float INF = -neg_inf();
+    const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
+
+    load_rows(k, ks, k0, BW, f0.len, tid);  // keys past the length: zero, never read
+    load_rows(v, vs, k0, BW, f0.len, tid);
+
+    // the query tiles whose rows see a key of k0..k0 + BW - 1 (the same for every row of the group):
+    // hi(i) > k0 and lo(i) < k0 + BW
+    int it0, it1;
+#if ATTNKERN_FEAT
+    {
+        const int first = f0.wr >= 0 ? max(0, k0 - f0.off - f0.wr) : 0;
+        const int end = f0.wl >= 0 ? min(nq, k0 + BW - f0.off + f0.wl) : nq;
+        const bool any = end > first && k0 < f0.len;
+        it0 = any ? first / BN : 0;
+        it1 = any ? (end + BN - 1) / BN : 0;
+    }
+#else
+    it0 = causal ? k0 / BN : 0;
+    it1 = (nq + BN - 1) / BN;
+#endif
+    const int nt = it1 - it0, total = group * nt;  // tiles: query rows of the group in order, then row tiles
+
+    // tile u's Q and dO rows (cp.async) and lse, delta (plain loads) into buffer u & 1
+    const auto load = [&](int u) {
+        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
+        const u64 qb = (b0 + h) * (u64)nq;
+        load_rows((const u16*)qp + qb * D, qs0 + buf * TILE * 2, i0, BN, nq, tid);
+        load_rows((const u16*)dop + qb * D, dos0 + buf * TILE * 2, i0, BN, nq, tid);
+        cp_async_commit();
+        for (int i = tid; i < BN; i += NTHREADS) {
+            const bool live = i0 + i < nq;
+            sl[buf * 2 * BN + i] = live ? ((const float*)lsefp)[qb + i0 + i] : INF;
+            sl[buf * 2 * BN + BN + i] = live ? ((const float*)deltap)[qb + i0 + i] : 0.f;
+        }
+    };
+    if (total > 0) load(0);
+    cp_async_commit();
+
+    float dk[MT][D / 8][4], dv[MT][D / 8][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[i][j][e] = dv[i][j][e] = 0.f;
+
+    for (int u = 0; u < total; ++u) {
+        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
+        cp_async_wait_all();
+        __syncthreads();  // tile u in (and K, V); every warp is done with tile u - 1
+        if (u + 1 < total) load(u + 1);
+        const Feat f = ATTNKERN_FEAT ? make_feat(b0 + h, nq, nk, causal, FEAT_ARGS) : f0;
+        const int last = min(i0 + BN, nq) - 1;
+        if (tile_unseen(f, kw0, 16 * MT, i0, last)) continue;
+        const u32 qb = qs0 + buf * TILE * 2, dob = dos0 + buf * TILE * 2;
+        const float* tl = sl + buf * 2 * BN;
+        float s[MT][NQ][4], dp[MT][NQ][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][n][e] = dp[i][n][e] = 0.f;
+        products<NQ>(s, ks + (u32)(warp * 16 * MT * LD) * 2u, qb, lane);
+        products<NQ>(dp, vs + (u32)(warp * 16 * MT * LD) * 2u, dob, lane);
+        u32 pf[MT][NQ][2], dsf[MT][NQ][2];
+        const auto grads = [&](int m, bool mask) {
+#pragma unroll
+            for (int n = 0; n < NQ; ++n) {
+                float p[4], ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = n * 8 + 2 * (lane & 3) + (e & 1), key = kw0 + 16 * m + g + (e >> 1) * 8;
+                    float slope;
+                    p[e] = prob(mask, s[m][n][e], key, i0 + i, tl[i], f, sgn, c, slope);
+                    ds[e] = p[e] * (dp[m][n][e] - tl[BN + i]) * slope;
+                }
+                pack_tile(pf[m][n], p);
+                pack_tile(dsf[m][n], ds);
+            }
+        };
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            if (tile_masked(f, kw0 + 16 * m, 16, i0, last))
+                grads(m, true);
+            else
+                grads(m, false);
+        }
+        accumulate<NQ>(dv, pf, dob, lane);
+        accumulate<NQ>(dk, dsf, qb, lane);
+    }
+    cp_async_wait_all();
+
+    const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        store_rows((u16*)dkp + bkv * (u64)nk * D, dk[m], sc, kw0 + 16 * m + g, nk);
+        store_rows((u16*)dvp + bkv * (u64)nk * D, dv[m], one, kw0 + 16 * m + g, nk);
+    }
+}
+#endif

@@ -1,0 +1,88 @@
+"""Time flash_bwd_mma.cu's work divisions (cpp.BwdConfig) side by side on the GPU.
+
+For each (dtype, D, N, causal) at (1, 16, N, D): the forward's out and lse once, then each
+division's backward (cpp.flash_bwd_half on the same arrays) timed with CUDA events, the median of
+--runs samples of 5 back-to-back calls, and its gradients compared with the default division's
+(every division sums in another order only where its tiles differ: reported as the max difference,
+which must be of the dtype's rounding). JSON rows to --json.
+
+    python3 dev/gpu_bwd_versions.py --dims 64 128 --sizes 4096 8192 --json out.json
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import attnkern
+from attnkern import _gpu
+from attnkern.backends.cuda import cpp
+
+CONFIGS = {
+    64: ["q4x64kv4x64", "q4x32m2kv4x32m2", "q4x32m2kv4x64", "q4x64kv4x32m2", "q8x64kv4x64", "q4x64kv8x64",
+         "q8x32m2kv8x32m2", "q4x128kv4x64", "q4x64kv4x128"],
+    128: ["q4x64kv4x32", "q4x16m2kv4x32", "q8x64kv4x32", "q4x64kv8x32", "q4x64kv4x64", "q8x32kv8x32",
+          "q8x16m2kv4x32"],
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16"])
+    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--json")
+    a = p.parse_args()
+    rows = []
+    for dtype in a.dtypes:
+        for d in a.dims:
+            for n in a.sizes:
+                for causal in (False, True):
+                    g = torch.Generator(device="cuda").manual_seed(n + d)
+                    q, k, v, dout = (torch.randn(1, 16, n, d, device="cuda", generator=g).to(getattr(torch, dtype))
+                                     for _ in range(4))
+                    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, return_lse=True)
+                    arrays = [_gpu.as_array(x, "x").reshape(16, n, d) for x in (q, k, v, out, dout)]
+                    arrays.append(_gpu.as_array(lse, "lse").reshape(16, n))
+                    base = None
+                    for name in CONFIGS[d]:
+                        config = cpp.BwdConfig.parse(name)
+                        grads = [torch.empty_like(x) for x in (q, k, v)]
+                        views = [_gpu.as_array(x, "g").reshape(16, n, d) for x in grads]
+
+                        def call():
+                            cpp.flash_bwd_half(*arrays, *views, causal, d ** -0.5, None, config)
+
+                        try:
+                            call()
+                        except Exception as exc:  # a division whose shared memory does not fit
+                            print(f"{dtype} D={d} N={n} causal={causal} {name}: {type(exc).__name__} {exc}"[:200])
+                            continue
+                        torch.cuda.synchronize()
+                        if base is None:
+                            base = [x.clone() for x in grads]
+                        diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(grads, base))
+                        samples = []
+                        for _ in range(a.runs):
+                            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            s.record()
+                            for _ in range(5):
+                                call()
+                            e.record()
+                            e.synchronize()
+                            samples.append(s.elapsed_time(e) / 5)
+                        ms = statistics.median(samples)
+                        tflops = 2.5 * 4 * 16 * n * n * d / (2 if causal else 1) / ms / 1e9
+                        rows.append({"dtype": dtype, "d": d, "n": n, "causal": causal, "config": name, "ms": ms,
+                                     "tflops": tflops, "max_diff_vs_default": diff})
+                        print(f"{dtype} D={d:>3} N={n:>5} causal={causal!s:>5} {name:>14}: {ms:7.3f} ms "
+                              f"{tflops:6.1f} TFLOP/s  diff {diff:.2e}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
