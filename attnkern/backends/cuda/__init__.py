@@ -116,11 +116,14 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
     )
 
 
-def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, out=None, lse=None, features=None):
+def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0, out=None, lse=None,
+                features=None):
     """lse: None, or a (batch, nq) array of q's dtype to fill with each row's
     log-sum-exp: a GpuArray, or a NumPy array (filled from a copy on the GPU).
     features: a _registry.Features (grouped k/v, alignment, window, key lengths,
-    softcap: every kernel below runs its featured variant), or None."""
+    softcap: every kernel below runs its featured variant), or None. fastmath: 1
+    runs the CUDA C++ kernels' fastmath variant (ATTNKERN_FAST in flash_common.cuh);
+    the Numba kernel (float64, and float32 where no CUDA C++ kernel runs) has one form."""
     from . import arrays, cpp, launch, numba_kernels
 
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
@@ -128,7 +131,7 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, ou
     if dropout and q.dtype.name not in DROPOUT_DTYPES:
         raise ValueError(_dropout_dtype_error(q.dtype.name))
     if q.dtype.name in cpp.MMA_DTYPES:
-        return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat)
+        return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat, fastmath)
     # dropout runs the Numba kernel: the CUDA C++ kernels have no Philox
     division = None if dropout else _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
     host = isinstance(q, np.ndarray)
@@ -137,7 +140,8 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, ou
     dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
     ptrs = [a.ptr for a in (dq, dk, dv, out)] + ([] if dlse is None else [dlse.ptr])
     if division is not None and _cpp_aligned(division)(*ptrs):
-        kernel, grid, block, args = _cpp_launch(division)(dq, dk, dv, out, causal, scale, dlse, division, feat)
+        kernel, grid, block, args = _cpp_launch(division)(dq, dk, dv, out, causal, scale, dlse, division, feat,
+                                                          bool(fastmath))
         launch.launch(kernel, grid, block, *args)
     else:  # the Numba kernel, also for float32 arrays the CUDA C++ kernels cannot take at their addresses
         block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
@@ -192,7 +196,7 @@ def _cpp_aligned(division):
     return cpp.tf32_aligned if isinstance(division, cpp.MmaConfig) else cpp.simt_aligned
 
 
-def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None):
+def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0):
     """cuda.flash on float16/bfloat16: the tensor-core kernel (cpp.flash_mma),
     whose tiles are fixed (128 query rows x 64 or 32 keys): block_q and block_k do not apply."""
     from numba import config
@@ -210,14 +214,14 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None):
     dq, dk, dv_, out = _to_device(q, k, v, out)
     lse_host = isinstance(lse, np.ndarray)
     dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
-    cpp.flash_mma(dq, dk, dv_, out, causal, scale, lse=dlse, feat=feat)
+    cpp.flash_mma(dq, dk, dv_, out, causal, scale, lse=dlse, feat=feat, fast=bool(fastmath))
     if lse_host:
         lse[...] = arrays.to_host(dlse)
     return _from_device(out, host)
 
 
 def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
-                   block_q: int, block_k: int, tensor_cores: int, with_lse: bool):
+                   block_q: int, block_k: int, tensor_cores: int, with_lse: bool, fastmath: int = 0):
     """cuda.flash's launch for (batch, n, d) GPU arrays of these sizes and dtype,
     with everything but the addresses fixed: (launch.Prepared taking the addresses
     of q, k, v, out[, lse], the test the addresses must pass or None), or None where
@@ -234,10 +238,11 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
         if dtype.name in cpp.MMA_DTYPES:
             if _flash_head_sizes(d, dv, dtype.name) is not None:
                 return None
-            kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse)
+            kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse, fast=bool(fastmath))
             aligned = cpp.mma_aligned
         elif (division := _cpp_kernel(block_q, block_k, d, dv, dtype, tensor_cores)) is not None:
-            kernel, grid, block, args = _cpp_launch(division)(*roles[:4], causal, scale, lse, division)
+            kernel, grid, block, args = _cpp_launch(division)(*roles[:4], causal, scale, lse, division,
+                                                              fast=bool(fastmath))
             aligned = _cpp_aligned(division)
         else:
             block_q, block_k = _flash_tiles(block_q, block_k, d, dv, dtype.itemsize)
@@ -269,12 +274,12 @@ def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize:
     return bq, bk
 
 
-def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, tensor_cores=1, dq=None,
-                         dk=None, dv=None, features=None):
+def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0,
+                         dq=None, dk=None, dv=None, features=None):
     """(dq, dk, dv) of cuda.flash, from the forward's out and lse and the
     output's gradient dout. GpuArrays: dq, dk, dv are the caller's, filled and
     returned; NumPy arrays: copied to the GPU, the gradients copied back. The
-    backward runs float32 FMAs: tensor_cores applies to the forward only.
+    backward runs float32 FMAs: tensor_cores and fastmath apply to the forward only.
     features: a _registry.Features or None, as for the forward (dk and dv of a
     group of query rows sharing k/v rows summed in the rows' order)."""
     from . import arrays, backward, cpp, launch
@@ -403,6 +408,11 @@ register(
                   "(each operand split into two TF32 parts, three products: about float32 FMAs' accuracy) where "
                   "that kernel has the tile (64 or 128 x 32 or 64) and head size (D = Dv a multiple of 16 up to "
                   "128); 0 runs float32 FMAs", choices=(0, 1)),
+            Param("fastmath", 0, 0, 1, "forward, CUDA C++ kernels (float32, float16, bfloat16): 1 compiles them "
+                  "with the hardware's approximations (ex2.approx.ftz, lg2.approx.ftz, rcp.approx.ftz, __fdividef; "
+                  "denormals flushed); 0 with CUDA's accurate exp2f, log2f and IEEE division. The Numba kernel "
+                  "(float64, and float32 where no CUDA C++ kernel runs) and the backward ignore it",
+                  choices=(0, 1), switch=True),
         ),
         unavailable_reason=unavailable,
         device="cuda",
