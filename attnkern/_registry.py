@@ -137,7 +137,7 @@ class Param:
         return self.default() if callable(self.default) else self.default
 
     def check(self, kernel: str, value) -> int:
-        if self.switch and (isinstance(value, bool) or type(value).__name__ == "bool_"):  # NumPy's too
+        if self.switch and (isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")):  # NumPy's too
             return int(value)
         try:
             if isinstance(value, bool):
