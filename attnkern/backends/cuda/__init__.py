@@ -38,22 +38,40 @@ def unavailable():
     return "no usable CUDA GPU"  # pragma: no cover - is_available() and a context disagree
 
 
-def _to_device(q, k, v, out):
-    """q, k, v as GpuArrays (copies of NumPy arrays), and an output there: `out`
-    when the caller gave one (attention() does for GPU inputs), else a new one."""
+def _staged(inputs: list, outputs: list, run) -> list:
+    """run(*device inputs, *device outputs) on GPU copies of the NumPy arrays
+    `inputs`, with GPU arrays of the (shape, dtype) specs `outputs`; returns the
+    outputs as NumPy arrays. Through the GPU's pinned staging buffers (staging.py),
+    or pageable copies where staging is off (staging.STAGING, the simulator)."""
+    from . import arrays, staging
+
+    inputs = [np.ascontiguousarray(x) for x in inputs]
+    if staging.enabled():
+        with staging.for_current_device().call(inputs, outputs) as (dev_in, dev_out, results):
+            run(*dev_in, *dev_out)
+        return results
+    dev_in = [arrays.from_host(x) for x in inputs]
+    dev_out = [arrays.device_empty(shape, dtype) for shape, dtype in outputs]
+    run(*dev_in, *dev_out)
+    return [arrays.to_host(x) for x in dev_out]
+
+
+def _host_forward(q, k, v, lse, run):
+    """A forward kernel's call on NumPy q, k, v: run(q, k, v, out, lse) on their GPU
+    copies (lse None where the caller wants none); returns out, and fills the
+    caller's NumPy lse."""
+    outputs = [((q.shape[0], q.shape[1], v.shape[2]), q.dtype)] + ([] if lse is None else [(lse.shape, q.dtype)])
+    results = _staged([q, k, v], outputs, lambda dq, dk, dv, out, dlse=None: run(dq, dk, dv, out, dlse))
+    if lse is not None:
+        lse[...] = results[1]
+    return results[0]
+
+
+def _device_out(q, v, out):
+    """`out` when the caller gave one (attention() does for GPU inputs), else a new GPU array."""
     from . import arrays
 
-    if isinstance(q, np.ndarray):
-        q, k, v = (arrays.from_host(x) for x in (q, k, v))
-    if out is None:
-        out = arrays.device_empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
-    return q, k, v, out
-
-
-def _from_device(out, host: bool):
-    from . import arrays
-
-    return arrays.to_host(out) if host else out
+    return out if out is not None else arrays.device_empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
 
 
 def _cuda_naive(q, k, v, causal, scale, tile=16, out=None):
@@ -66,10 +84,12 @@ def _cuda_naive(q, k, v, causal, scale, tile=16, out=None):
             f"cuda.naive: out of GPU memory: its score matrix needs {need / 2**30:.1f} GiB and "
             f"{free / 2**30:.1f} GiB are free; use cuda.flash (no N x N buffer)"
         )
-    host = isinstance(q, np.ndarray)
-    dq, dk, dv, out = _to_device(q, k, v, out)
-    numba_kernels.naive(dq, dk, dv, out, causal, scale, tile)
-    return _from_device(out, host)
+    if isinstance(q, np.ndarray):
+        return _host_forward(q, k, v, None, lambda dq, dk, dv, out, _: numba_kernels.naive(dq, dk, dv, out, causal,
+                                                                                            scale, tile))
+    out = _device_out(q, v, out)
+    numba_kernels.naive(q, k, v, out, causal, scale, tile)
+    return out
 
 
 def _device_free_memory() -> int:
@@ -124,8 +144,12 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fa
     softcap: every kernel below runs its featured variant), or None. fastmath: 1
     runs the CUDA C++ kernels' fastmath variant (ATTNKERN_FAST in flash_common.cuh);
     the Numba kernel (float64, and float32 where no CUDA C++ kernel runs) has one form."""
-    from . import arrays, cpp, launch, numba_kernels
+    from . import cpp, launch, numba_kernels
 
+    if isinstance(q, np.ndarray):
+        return _host_forward(q, k, v, lse, lambda dq, dk, dv, dout, dlse: _cuda_flash(
+            dq, dk, dv, causal, scale, block_q, block_k, tensor_cores, fastmath, out=dout, lse=dlse,
+            features=features))
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
     dropout = feat is not None and feat.dropout_p > 0
     if dropout and q.dtype.name not in DROPOUT_DTYPES:
@@ -134,21 +158,16 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fa
         return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat, fastmath)
     # dropout runs the Numba kernel: the CUDA C++ kernels have no Philox
     division = None if dropout else _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
-    host = isinstance(q, np.ndarray)
-    dq, dk, dv, out = _to_device(q, k, v, out)
-    lse_host = isinstance(lse, np.ndarray)
-    dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
-    ptrs = [a.ptr for a in (dq, dk, dv, out)] + ([] if dlse is None else [dlse.ptr])
+    out = _device_out(q, v, out)
+    ptrs = [a.ptr for a in (q, k, v, out)] + ([] if lse is None else [lse.ptr])
     if division is not None and _cpp_aligned(division)(*ptrs):
-        kernel, grid, block, args = _cpp_launch(division)(dq, dk, dv, out, causal, scale, dlse, division, feat,
+        kernel, grid, block, args = _cpp_launch(division)(q, k, v, out, causal, scale, lse, division, feat,
                                                           bool(fastmath))
         launch.launch(kernel, grid, block, *args)
     else:  # the Numba kernel, also for float32 arrays the CUDA C++ kernels cannot take at their addresses
         block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
-        numba_kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse, feat=feat)
-    if lse_host:
-        lse[...] = arrays.to_host(dlse)
-    return _from_device(out, host)
+        numba_kernels.flash(q, k, v, out, causal, scale, block_q, block_k, lse=lse, feat=feat)
+    return out
 
 
 # the dtypes in which cuda.flash has dropout: those its Numba kernels run (the CUDA C++
@@ -201,7 +220,7 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0):
     whose tiles are fixed (128 query rows x 64 or 32 keys): block_q and block_k do not apply."""
     from numba import config
 
-    from . import arrays, cpp
+    from . import cpp
 
     d, dv = q.shape[2], v.shape[2]
     if config.ENABLE_CUDASIM:
@@ -210,14 +229,9 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0):
     why = _flash_head_sizes(d, dv, q.dtype.name)
     if why is not None:
         raise ValueError(f"cuda.flash: {why}")
-    host = isinstance(q, np.ndarray)
-    dq, dk, dv_, out = _to_device(q, k, v, out)
-    lse_host = isinstance(lse, np.ndarray)
-    dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
-    cpp.flash_mma(dq, dk, dv_, out, causal, scale, lse=dlse, feat=feat, fast=bool(fastmath))
-    if lse_host:
-        lse[...] = arrays.to_host(dlse)
-    return _from_device(out, host)
+    out = _device_out(q, v, out)
+    cpp.flash_mma(q, k, v, out, causal, scale, lse=lse, feat=feat, fast=bool(fastmath))
+    return out
 
 
 def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
@@ -290,23 +304,20 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
         raise TypeError(f"cuda.flash's backward takes float32 and float64, not {q.dtype.name}; "
                         "convert with .float() for training")
     block_q, block_k = _flash_backward_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
-    host = isinstance(q, np.ndarray)
-    if host:
-        q, k, v, out, dout, lse = (arrays.from_host(np.ascontiguousarray(x)) for x in (q, k, v, out, dout, lse))
-    grads = [g if g is not None and not host else arrays.device_empty(x.shape, q.dtype)
-             for g, x in ((dq, q), (dk, k), (dv, v))]
-    backward.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k,
-                            launch.KernelFeatures.of(features, q.shape[0], q.dtype))
-    if not host:
-        return tuple(grads)
-    result = []
-    for given, g in zip((dq, dk, dv), grads):
-        g = arrays.to_host(g)
-        if given is not None:  # NumPy arrays to fill
-            given[...] = g
-            g = given
-        result.append(g)
-    return tuple(result)
+    feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
+    if isinstance(q, np.ndarray):
+        grads = _staged([q, k, v, out, dout, lse], [(x.shape, q.dtype) for x in (q, k, v)],
+                        lambda *a: backward.flash_backward(*a, causal, scale, block_q, block_k, feat))
+        result = []
+        for given, g in zip((dq, dk, dv), grads):
+            if given is not None:  # NumPy arrays to fill
+                given[...] = g
+                g = given
+            result.append(g)
+        return tuple(result)
+    grads = [g if g is not None else arrays.device_empty(x.shape, q.dtype) for g, x in ((dq, q), (dk, k), (dv, v))]
+    backward.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k, feat)
+    return tuple(grads)
 
 
 def _flash_head_sizes(d: int, dv: int, dtype: str) -> str | None:
