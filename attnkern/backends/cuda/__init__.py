@@ -42,11 +42,12 @@ def _staged(inputs: list, outputs: list, run) -> list:
     """run(*device inputs, *device outputs) on GPU copies of the NumPy arrays
     `inputs`, with GPU arrays of the (shape, dtype) specs `outputs`; returns the
     outputs as NumPy arrays. Through the GPU's pinned staging buffers (staging.py),
-    or pageable copies where staging is off (staging.STAGING, the simulator)."""
+    or pageable copies where staging is off (staging.STAGING, the simulator) or
+    the call needs more than staging.KEEP_BYTES."""
     from . import arrays, staging
 
     inputs = [np.ascontiguousarray(x) for x in inputs]
-    if staging.enabled():
+    if staging.enabled(staging.staged_bytes(inputs, outputs)):
         with staging.for_current_device().call(inputs, outputs) as (dev_in, dev_out, results):
             run(*dev_in, *dev_out)
         return results

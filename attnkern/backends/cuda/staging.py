@@ -11,8 +11,8 @@ default stream (where the kernels run) before copying the next input: the DMA of
 q runs while the host copies k into the pinned buffer, and so on. The kernel is
 queued behind the copies; the outputs come back with asynchronous device-to-host
 copies into the pinned buffer, one wait, then a copy into new NumPy arrays that
-the caller owns. Buffers larger than KEEP_BYTES are allocated for the call and
-freed after it; the kept ones are freed at exit (or by release()).
+the caller owns. A call needing more than KEEP_BYTES copies from pageable memory
+as before; the kept buffers are freed at exit (or by release()).
 
 One lock per GPU serialises the calls that use its buffers (from the first copy to
 the last read of the outputs), so threads calling at once never share them.
@@ -30,7 +30,10 @@ import threading
 import numpy as np
 
 ALIGN = 256  # bytes: every array starts at a multiple (the kernels' vector loads need 16)
-KEEP_BYTES = 1 << 28  # buffers up to 256 MiB each are kept between calls; larger ones are freed after the call
+# buffers up to 1 GiB each are kept between calls; a call that needs more copies from
+# pageable memory (cuda.flash's _staged: allocating pinned memory per call costs more
+# than it saves), or, through Staging.call, gets buffers freed after it
+KEEP_BYTES = 1 << 30
 STAGING = True  # False: the pageable copies (cuda.to_device, copy_to_host), for comparison (attnkern transfer)
 
 
@@ -166,12 +169,19 @@ def for_current_device(driver=None) -> Staging:
         return _STAGING[device]
 
 
-def enabled() -> bool:
-    """Whether calls on NumPy arrays stage through pinned memory here (not in
-    Numba's simulator, which has no pinned memory or device addresses)."""
+def staged_bytes(inputs: list[np.ndarray], outputs: list[tuple]) -> int:
+    """The bytes of buffer a call with these inputs and (shape, dtype) outputs takes."""
+    return layout([x.nbytes for x in inputs] + [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
+                                                for s, d in outputs])[1]
+
+
+def enabled(nbytes: int = 0) -> bool:
+    """Whether a call of nbytes (staged_bytes) stages through pinned memory here:
+    not in Numba's simulator (no pinned memory or device addresses), nor above
+    KEEP_BYTES."""
     from numba import config
 
-    return STAGING and not config.ENABLE_CUDASIM
+    return STAGING and not config.ENABLE_CUDASIM and nbytes <= KEEP_BYTES
 
 
 def release() -> None:
