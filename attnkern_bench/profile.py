@@ -103,7 +103,8 @@ def chosen_metrics(available: set[str] | None) -> dict[str, str]:
     out = {}
     for figure, candidates in METRICS.items():
         for metric in candidates:
-            if available is None or metric.split(".")[0] in available:
+            # launch__ figures are not counters: ncu's raw page always has them
+            if available is None or metric.startswith("launch__") or metric.split(".")[0] in available:
                 out[figure] = metric
                 break
     return out
@@ -249,7 +250,8 @@ def command(args) -> int:
         with tempfile.TemporaryDirectory(prefix="attnkern-profile-") as tmp:
             status = os.path.join(tmp, "status.txt")
             cmd = [ncu, "--profile-from-start", "off", "--csv", "--page", "raw", "--cache-control", "all",
-                   "--clock-control", "base", "--metrics", ",".join(metrics.values()), sys.executable, "-m",
+                   "--clock-control", "base", "--metrics",
+                   ",".join(m for m in metrics.values() if not m.startswith("launch__")), sys.executable, "-m",
                    "attnkern_bench.profile", status, "x".join(map(str, args.shape)), args.dtype,
                    str(int(args.causal)), *args.kernels]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,

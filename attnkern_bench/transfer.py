@@ -135,8 +135,12 @@ def command(args) -> int:
     if not info["available"]:
         print(f"attnkern transfer: no GPU to measure: {info['reason']}", file=sys.stderr)
         return 2
-    from numba import cuda
+    from numba import config, cuda
 
+    if config.ENABLE_CUDASIM:
+        print("attnkern transfer: Numba's CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1); it has no pinned memory "
+              "or copies to time: run it on a GPU", file=sys.stderr)
+        return 2
     name = cuda.get_current_device().name
     name = name.decode() if isinstance(name, bytes) else name
     print(f"# {name}: copies, GB/s (median of {args.repeats})")

@@ -28,15 +28,17 @@ import time
 import numpy as np
 
 
-def gpu_part(n: int, runs: int) -> list[dict]:
+CONFIGS = ["float32:64:1", "float32:128:1", "float32:64:0", "float16:64:1", "bfloat16:128:1", "bfloat16:32:1"]
+
+
+def gpu_part(n: int, runs: int, configs: list[str]) -> list[dict]:
     import torch
 
     import attnkern
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    configs = [("float32", 64, 1), ("float32", 128, 1), ("float32", 64, 0), ("float16", 64, 1),
-               ("bfloat16", 128, 1), ("bfloat16", 32, 1)]
+    configs = [(c.split(":")[0], int(c.split(":")[1]), int(c.split(":")[2])) for c in configs]
     out = []
     rows = np.linspace(0, n - 1, 256).astype(int)
     for dtype, d, tc in configs:
@@ -112,9 +114,11 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--runs", type=int, default=15)
-    p.add_argument("--no-cpu", action="store_true")
+    p.add_argument("--configs", type=lambda s: s.split(","), default=CONFIGS,
+                   help="dtype:D:tensor_cores, comma-separated (default: " + ",".join(CONFIGS) + ")")
+    p.add_argument("--no-cpu", action="store_true", help="skip numba.flash on the CPU")
     args = p.parse_args()
-    result = {"gpu": gpu_part(args.n, args.runs)}
+    result = {"gpu": gpu_part(args.n, args.runs, args.configs)}
     if not args.no_cpu:
         result["cpu"] = cpu_part(args.runs)
     with open(args.out, "w") as f:

@@ -200,10 +200,10 @@ def test_cuda_flash_variants_on_the_gpu(dtype, d, tensor_cores, monkeypatch):
     tq, tk, tv = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in (q, k, v))
     host = [t.float().cpu().numpy() for t in (tq, tk, tv)]  # the inputs as rounded to dtype
     for fastmath in (0, 1):
+        names.clear()  # the kernels this variant's calls compile (causal is an argument: compiled once)
         for causal in (False, True):
             # the featured variant (a softcap) once, in the fastmath variant: each compile costs seconds
             for extra in ({}, {"softcap": 20.0}) if fastmath else ({},):
-                names.clear()
                 kw = dict(causal=causal, kernel="cuda.flash", fastmath=fastmath, return_lse=True, **extra)
                 if dtype == "float32":
                     kw["tensor_cores"] = tensor_cores
