@@ -221,3 +221,12 @@ def test_staged_calls_match_pageable_ones_bit_for_bit(kernel, monkeypatch):
             for a, b in zip(grads, again):
                 assert np.array_equal(a, b)
     assert staging.for_current_device().capacity > 0
+
+
+@pytest.mark.skipif(not SIMULATED, reason="what the simulator refuses")
+def test_transfer_command_needs_a_gpu(capsys):
+    from attnkern_bench import cli
+
+    assert cli.main(["transfer", "--device", "cuda"]) == 2
+    assert "simulator" in capsys.readouterr().err
+    assert not staging.enabled()  # the simulator never stages
