@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ASV := $(VENV)/bin/asv
-.PHONY: setup system-packages test test-fast bench history site compare features gate calibrate-gate sanitize test-sanitize fuzz clean
+.PHONY: setup system-packages test test-fast bench history gpu-history site compare features gate calibrate-gate sanitize test-sanitize fuzz clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -61,6 +61,15 @@ HISTORY_ARGS ?=
 history: setup
 	$(PY) tools/history.py --commits $(N) $(HISTORY_ARGS)
 	$(MAKE) site
+
+# GPU history (tools/gpu_history.py): a folder for the device machine that runs the suite's GPU
+# classes on COMMIT; then, with the folder's results/ brought back, RESULTS=<it>/results merges
+# them into .asv/results and publishes the site with the GPU machine beside this one.
+COMMIT ?= HEAD
+GPU_HISTORY_ARGS ?=
+gpu-history: setup
+	$(if $(RESULTS),$(PY) tools/gpu_history.py merge $(RESULTS) && $(MAKE) site,\
+		$(PY) tools/gpu_history.py prepare $(COMMIT) --out .gpu-history $(GPU_HISTORY_ARGS))
 
 # Publish the site from all stored results, loading its JavaScript from local copies.
 site: setup

@@ -49,7 +49,9 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     for attention() to use. Returns a result with .params, .seconds, .trials,
     .history, .default_seconds and .speedup. Options of the search: repeats,
     cache (False: only report), measure (a custom measure(params, n)), progress
-    (a function taking a line of text). Needs Optuna (pip install 'attnkern[tune]').
+    (a function taking a line of text), max_error (a bound on the absolute error
+    against the float64 reference under which fastmath=1 may be chosen; without
+    it fastmath stays 0). Needs Optuna (pip install 'attnkern[tune]').
     See attnkern.tuning."""
     from .tuning import tune as search
 

@@ -130,20 +130,23 @@ class Param:
     high: int
     doc: str
     choices: tuple[int, ...] | None = None
+    # an on/off switch: takes True/False as well as 0/1 (stored as 0/1); other tunables refuse bools
+    switch: bool = False
 
     def default_value(self) -> int:
         return self.default() if callable(self.default) else self.default
 
     def check(self, kernel: str, value) -> int:
+        if self.switch and (isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")):  # NumPy's too
+            return int(value)
         try:
             if isinstance(value, bool):
                 raise TypeError
             value = operator.index(value)  # ints and NumPy integers, not floats
         except TypeError:
-            raise TypeError(
-                f"{kernel}: {self.name} must be an integer in [{self.low}, {self.high}], "
-                f"got {value!r} of type {type(value).__name__}"
-            ) from None
+            what = "True/False or 0/1" if self.switch else f"an integer in [{self.low}, {self.high}]"
+            raise TypeError(f"{kernel}: {self.name} must be {what}, got {value!r} of type {type(value).__name__}") \
+                from None
         if self.choices is not None and value not in self.choices:
             raise ValueError(
                 f"{kernel}: {self.name}={value} is not allowed; choose one of "
@@ -353,6 +356,8 @@ def param_info(p: Param) -> dict:
     info = {"default": p.default_value(), "min": p.low, "max": p.high, "doc": p.doc}
     if p.choices is not None:
         info["choices"] = list(p.choices)
+    if p.switch:
+        info["switch"] = True
     return info
 
 

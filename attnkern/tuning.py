@@ -103,6 +103,8 @@ def space(kernel: str, nq: int, nk: int, d: int, dv: int, itemsize: int) -> dict
             lattice[name] = [v for v in (16, 32, 64, 128, 256, 512) if p["min"] <= v <= p["max"]]
         elif name == "block_k":
             lattice[name] = [v for v in (32, 64, 128, 256, 512, 1024) if p["min"] <= v <= p["max"]]
+        elif name == "fastmath":  # searched only under an error bound the caller gives (tune's max_error)
+            continue
         elif "choices" in p:  # 0 is "auto" among tile sizes, but a value of an on/off switch
             lattice[name] = [v for v in p["choices"] if v or set(p["choices"]) == {0, 1}]
     return lattice
@@ -159,8 +161,19 @@ def _distance(params: dict, default: dict, lattice: dict) -> int:
 
 def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict, budget: int, seed: int = 0,
            repeats: int = 5, quick: int = 2, prune: float = 1.25, progress: Callable[[str], None] | None = None,
-           valid=None):
-    """(chosen Trial, default Trial, history): the adaptive search described above."""
+           valid=None, allowed=None):
+    """(chosen Trial, default Trial, history): the adaptive search described above.
+    valid: the configurations the kernel runs (the grid's); allowed: a further test,
+    asked only of configurations the search is about to time (tune's error bound on
+    fastmath, which runs the kernel)."""
+    if allowed is not None:
+        structural = valid
+        valid_or_all = (lambda p: True) if structural is None else structural
+
+        def usable(p):
+            return valid_or_all(p) and allowed(p)
+    else:
+        structural = usable = valid
     optuna = require("optuna", "tune", "attnkern's tuner")
     from optuna.distributions import IntDistribution
 
@@ -172,7 +185,7 @@ def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict
     study.enqueue_trial({n: lattice[n].index(default[n]) for n in names})
     seen: dict[tuple, Trial] = {}
     history: list[Trial] = []
-    budget = min(budget, len(grid(lattice, valid)))
+    budget = min(budget, len(grid(lattice, structural)))
     order = np.random.default_rng(seed)
     moves: dict[tuple, tuple] = {}  # configuration -> (tunable, step) that reached it from the best
     asks = 0
@@ -180,7 +193,7 @@ def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict
         asks += 1
         best = min((h for h in history if not h.pruned), key=lambda h: h.median, default=None)
         local = _untried_neighbours(best, lattice, seen, order, moves) if best and len(history) % 3 else []
-        local = [pm for pm in local if valid is None or valid(pm[0])]
+        local = [pm for pm in local if usable is None or usable(pm[0])]
         if local:  # exploit: a lattice step from the best so far (the model learns of it too)
             (params, move), t = local[0], None
             moves[tuple(params[n] for n in names)] = move
@@ -191,7 +204,7 @@ def search(lattice: dict, measure: Callable[[dict, int], list], *, default: dict
         if key in seen:  # the sampler proposed a configuration already timed: its value, no new trial
             study.tell(t, seen[key].median)
             continue
-        if valid is not None and not valid(params):  # the kernel refuses it: a failed trial, not a timed one
+        if usable is not None and not usable(params):  # refused: a failed trial, not a timed one
             study.tell(t, state=optuna.trial.TrialState.FAIL)
             continue
         samples = list(measure(params, quick))
@@ -294,10 +307,72 @@ def problem(kernel, q_shape, k_shape, dtype, causal) -> tuple[int, int, int, int
     return nq, nk, d, d, np.dtype(dtype).itemsize
 
 
+def live_error(kernel: str, q_shape, k_shape=None, *, dtype="float32", causal=False, seed=0, device=None):
+    """error(params): the largest absolute difference between attnkern.attention with
+    these tunables and the float64 reference, on seeded random inputs (standard
+    normal, drawn in float64 and rounded to dtype; a different draw from
+    live_measure's)."""
+    from ._reference import reference
+
+    lead, nq, d = tuple(q_shape[:-2]), q_shape[-2], q_shape[-1]
+    nk = (k_shape or q_shape)[-2]
+    rng = np.random.default_rng([seed, 1])
+    q, k, v = (rng.standard_normal((*lead, n, d)).astype(dtype) for n in (nq, nk, nk))
+    expected = reference(q, k, v, causal=causal)
+    to_host = np.asarray
+    if (device or kernel_info(kernel)["device"]) == "cuda":
+        torch = require("torch", "torch", "tuning a GPU kernel")
+        q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
+        to_host = lambda out: out.float().cpu().numpy()  # noqa: E731 - float: NumPy has no bfloat16
+
+    def error(params) -> float:
+        out = attention(q, k, v, causal=causal, kernel=kernel, **params)
+        return float(np.max(np.abs(to_host(out).astype(np.float64) - expected)))
+
+    return error
+
+
+def _check_max_error(max_error) -> float | None:
+    if max_error is None:
+        return None
+    if isinstance(max_error, bool) or not isinstance(max_error, (int, float)) or not 0 < max_error < math.inf:
+        raise ValueError(f"max_error must be a positive finite number (the largest absolute error against the "
+                         f"float64 reference a fastmath configuration may have), got {max_error!r}")
+    return float(max_error)
+
+
+def _with_fastmath(lattice: dict, kernel: str, max_error: float | None, error):
+    """The lattice with the fastmath switch, and the test the search asks of a
+    configuration before timing it: fastmath is absent (the kernel's accurate
+    default, 0) unless the caller allowed an error bound; with one, a fastmath=1
+    configuration is timed only where its measured error (`error`, once per
+    configuration) is within it. Returns (lattice, allowed or None, errors measured)."""
+    errors: dict[tuple, float] = {}
+    lattice = {name: values for name, values in lattice.items() if name != "fastmath"}
+    if max_error is None or "fastmath" not in kernel_info(kernel)["params"]:
+        return lattice, None, errors
+    lattice["fastmath"] = [0, 1]
+
+    def allowed(p):
+        if not p["fastmath"]:
+            return True
+        key = tuple(sorted(p.items()))
+        if key not in errors:
+            errors[key] = error(p)
+        return errors[key] <= max_error
+
+    return lattice, allowed, errors
+
+
 def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causal=False, budget=None, seed=0,
-         repeats=5, cache=True, measure=None, progress=None) -> TuneResult:
+         repeats=5, cache=True, measure=None, progress=None, max_error=None, error=None) -> TuneResult:
     """Searches `kernel`'s tunables for this problem (see the module docstring); with
-    cache, stores the result for attention() to use on this machine."""
+    cache, stores the result for attention() to use on this machine. fastmath (an
+    approximate variant of some kernels) is searched only when the caller passes
+    max_error, the largest absolute error against the float64 reference it accepts:
+    each fastmath configuration's error is measured (error(params), default
+    live_error) and the configuration is tried only where it is within max_error.
+    Without max_error the result never has fastmath=1."""
     info = kernel_info(kernel)
     if not info["available"]:
         raise RuntimeError(f"cannot tune {kernel}: {info['reason']}")
@@ -308,21 +383,29 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
     q_shape, k_shape = tuple(q_shape), tuple(k_shape) if k_shape else None
     if len(q_shape) < 2 or (k_shape and (len(k_shape) != len(q_shape) or k_shape[-1] != q_shape[-1])):
         raise ValueError(f"q_shape must be (..., N, D) and k_shape like it, got {q_shape} and {k_shape}")
+    max_error = _check_max_error(max_error)
     nq, nk, d, dv, itemsize = problem(kernel, q_shape, k_shape, dtype, causal)
     lattice = space(kernel, nq, nk, d, dv, itemsize)
+    error = error or (live_error(kernel, q_shape, k_shape, dtype=dtype, causal=causal, seed=seed)
+                      if max_error is not None else None)
+    valid = validity(kernel, nq, nk, d, dv, itemsize)
+    lattice, allowed, errors = _with_fastmath(lattice, kernel, max_error, error)
     if not lattice:
         raise ValueError(f"{kernel} has no tunables to search")
-    valid = validity(kernel, nq, nk, d, dv, itemsize)
     size = len(grid(lattice, valid))
     budget = budget or max(6, math.ceil(0.15 * size))
-    default = default_params(kernel, lattice, nq, nk, d, dv, itemsize)
+    default = {**default_params(kernel, {n: v for n, v in lattice.items() if n != "fastmath"}, nq, nk, d, dv,
+                                itemsize), **({"fastmath": 0} if "fastmath" in lattice else {})}
     measure = measure or live_measure(kernel, q_shape, k_shape, dtype=dtype, causal=causal, seed=seed)
     start = time.perf_counter()
     chosen, default_trial, history = search(lattice, measure, default=default, budget=budget, seed=seed,
-                                            repeats=repeats, progress=progress, valid=valid)
+                                            repeats=repeats, progress=progress, valid=valid, allowed=allowed)
     result = TuneResult(kernel, chosen.params, chosen.median, len(history), history, default, default_trial.median,
                         size, budget, seed, {"q_shape": list(q_shape), "k_shape": list(k_shape or q_shape),
-                                             "dtype": str(np.dtype(dtype)), "causal": bool(causal)},
+                                             "dtype": str(np.dtype(dtype)), "causal": bool(causal),
+                                             **({"max_error": max_error, "fastmath_errors": [
+                                                 {"params": dict(key), "error": e} for key, e in errors.items()]}
+                                                if max_error is not None else {})},
                         _tuned.machine(info["device"]), time.perf_counter() - start)
     if cache:
         result.cache_key = _tuned.store(kernel, info["device"], str(np.dtype(dtype)), bool(causal),

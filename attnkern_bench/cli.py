@@ -9,6 +9,8 @@
     attnkern study                      forward and backward time and memory of attention training
     attnkern report                     a two-page PDF and an HTML page of the results above
     attnkern ring                       ring attention over W processes: memory, overlap, balance
+    attnkern transfer --device cuda     GPU copies from pageable and pinned memory; cuda.flash on NumPy arrays
+    attnkern profile --device cuda      hardware counters of each GPU kernel launch (ncu), beside the byte model
 
 `attnkern <command> --help` says what each measures and how.
 """
@@ -20,11 +22,12 @@ import sys
 
 import attnkern
 
-from . import bench, features, kernels, report, ring, roofline, study, tuner
+from . import bench, features, kernels, profile, report, ring, roofline, study, transfer, tuner
 
 # each subcommand's module: HELP, DESCRIPTION, configure(parser) and command(args) -> exit status
 COMMANDS = {"bench": bench, "features": features, "kernels": kernels, "tune": tuner, "roofline": roofline,
-            "report": report, "study": study, "ring": ring}
+            "report": report, "study": study, "ring": ring, "transfer": transfer,
+            "profile": profile}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -214,6 +214,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", metavar="FILE", help="replay searches against a recorded grid")
     p.add_argument("--seeds", type=int, default=20, help="seeds of --replay")
     p.add_argument("--plots", metavar="DIR", help="write plots here (a heatmap of a grid, best so far of a replay)")
+    p.add_argument("--max-error", type=float, metavar="E",
+                   help="also try fastmath=1 where the kernel has it, in configurations whose largest absolute "
+                        "error against the float64 reference is at most E (default: fastmath stays 0)")
     p.add_argument("--json", help="write the result to this file")
 
 
@@ -256,7 +259,7 @@ def command(args) -> int:
         return 0
     result = tune(args.shape, args.k_shape, kernel=args.kernel, dtype=args.dtype, causal=args.causal,
                         budget=args.budget, seed=args.seed, repeats=args.repeats, cache=not args.no_cache,
-                        progress=stderr)
+                        progress=stderr, max_error=args.max_error)
     print(f"# {args.kernel} q {'x'.join(map(str, args.shape))} {args.dtype}{' causal' if args.causal else ''} on "
           f"{result.machine['cpu']} ({result.machine['isa']}, {result.machine['cpus']} CPUs)")
     print(f"# {result.trials} of {result.grid_size} configurations timed in {result.wall_seconds:.1f} s")
@@ -264,6 +267,10 @@ def command(args) -> int:
     print(f"{'default':<9} {fmt(result.default):<40} {result.default_seconds * 1e3:>10.3f}")
     print(f"{'tuned':<9} {fmt(result.params):<40} {result.seconds * 1e3:>10.3f}   "
           f"({result.speedup:.2f}x the default)")
+    for e in result.problem.get("fastmath_errors", []):
+        verdict = "within" if e["error"] <= result.problem["max_error"] else "over"
+        print(f"# fastmath error {e['error']:.3g} ({verdict} --max-error {result.problem['max_error']:g}): "
+              f"{fmt(e['params'])}")
     print(f"# cached as {result.cache_key}" if result.cache_key else "# not cached (--no-cache)")
     if args.json:
         with open(args.json, "w") as f:

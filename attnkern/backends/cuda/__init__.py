@@ -38,22 +38,41 @@ def unavailable():
     return "no usable CUDA GPU"  # pragma: no cover - is_available() and a context disagree
 
 
-def _to_device(q, k, v, out):
-    """q, k, v as GpuArrays (copies of NumPy arrays), and an output there: `out`
-    when the caller gave one (attention() does for GPU inputs), else a new one."""
+def _staged(inputs: list, outputs: list, run) -> list:
+    """run(*device inputs, *device outputs) on GPU copies of the NumPy arrays
+    `inputs`, with GPU arrays of the (shape, dtype) specs `outputs`; returns the
+    outputs as NumPy arrays. Through the GPU's pinned staging buffers (staging.py),
+    or pageable copies where staging is off (staging.STAGING, the simulator) or
+    the call needs more than staging.KEEP_BYTES."""
+    from . import arrays, staging
+
+    inputs = [np.ascontiguousarray(x) for x in inputs]
+    if staging.enabled(staging.staged_bytes(inputs, outputs)):
+        with staging.for_current_device().call(inputs, outputs) as (dev_in, dev_out, results):
+            run(*dev_in, *dev_out)
+        return results
+    dev_in = [arrays.from_host(x) for x in inputs]
+    dev_out = [arrays.device_empty(shape, dtype) for shape, dtype in outputs]
+    run(*dev_in, *dev_out)
+    return [arrays.to_host(x) for x in dev_out]
+
+
+def _host_forward(q, k, v, lse, run):
+    """A forward kernel's call on NumPy q, k, v: run(q, k, v, out, lse) on their GPU
+    copies (lse None where the caller wants none); returns out, and fills the
+    caller's NumPy lse."""
+    outputs = [((q.shape[0], q.shape[1], v.shape[2]), q.dtype)] + ([] if lse is None else [(lse.shape, q.dtype)])
+    results = _staged([q, k, v], outputs, lambda dq, dk, dv, out, dlse=None: run(dq, dk, dv, out, dlse))
+    if lse is not None:
+        lse[...] = results[1]
+    return results[0]
+
+
+def _device_out(q, v, out):
+    """`out` when the caller gave one (attention() does for GPU inputs), else a new GPU array."""
     from . import arrays
 
-    if isinstance(q, np.ndarray):
-        q, k, v = (arrays.from_host(x) for x in (q, k, v))
-    if out is None:
-        out = arrays.device_empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
-    return q, k, v, out
-
-
-def _from_device(out, host: bool):
-    from . import arrays
-
-    return arrays.to_host(out) if host else out
+    return out if out is not None else arrays.device_empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
 
 
 def _cuda_naive(q, k, v, causal, scale, tile=16, out=None):
@@ -66,10 +85,12 @@ def _cuda_naive(q, k, v, causal, scale, tile=16, out=None):
             f"cuda.naive: out of GPU memory: its score matrix needs {need / 2**30:.1f} GiB and "
             f"{free / 2**30:.1f} GiB are free; use cuda.flash (no N x N buffer)"
         )
-    host = isinstance(q, np.ndarray)
-    dq, dk, dv, out = _to_device(q, k, v, out)
-    numba_kernels.naive(dq, dk, dv, out, causal, scale, tile)
-    return _from_device(out, host)
+    if isinstance(q, np.ndarray):
+        return _host_forward(q, k, v, None, lambda dq, dk, dv, out, _: numba_kernels.naive(dq, dk, dv, out, causal,
+                                                                                            scale, tile))
+    out = _device_out(q, v, out)
+    numba_kernels.naive(q, k, v, out, causal, scale, tile)
+    return out
 
 
 def _device_free_memory() -> int:
@@ -116,35 +137,38 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
     )
 
 
-def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, out=None, lse=None, features=None):
+def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0, out=None, lse=None,
+                features=None):
     """lse: None, or a (batch, nq) array of q's dtype to fill with each row's
     log-sum-exp: a GpuArray, or a NumPy array (filled from a copy on the GPU).
     features: a _registry.Features (grouped k/v, alignment, window, key lengths,
-    softcap: every kernel below runs its featured variant), or None."""
-    from . import arrays, cpp, launch, numba_kernels
+    softcap: every kernel below runs its featured variant), or None. fastmath: 1
+    runs the CUDA C++ kernels' fastmath variant (ATTNKERN_FAST in flash_common.cuh);
+    the Numba kernel (float64, and float32 where no CUDA C++ kernel runs) has one form."""
+    from . import cpp, launch, numba_kernels
 
+    if isinstance(q, np.ndarray):
+        return _host_forward(q, k, v, lse, lambda dq, dk, dv, dout, dlse: _cuda_flash(
+            dq, dk, dv, causal, scale, block_q, block_k, tensor_cores, fastmath, out=dout, lse=dlse,
+            features=features))
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
     dropout = feat is not None and feat.dropout_p > 0
     if dropout and q.dtype.name not in DROPOUT_DTYPES:
         raise ValueError(_dropout_dtype_error(q.dtype.name))
     if q.dtype.name in cpp.MMA_DTYPES:
-        return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat)
+        return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat, fastmath)
     # dropout runs the Numba kernel: the CUDA C++ kernels have no Philox
     division = None if dropout else _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
-    host = isinstance(q, np.ndarray)
-    dq, dk, dv, out = _to_device(q, k, v, out)
-    lse_host = isinstance(lse, np.ndarray)
-    dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
-    ptrs = [a.ptr for a in (dq, dk, dv, out)] + ([] if dlse is None else [dlse.ptr])
+    out = _device_out(q, v, out)
+    ptrs = [a.ptr for a in (q, k, v, out)] + ([] if lse is None else [lse.ptr])
     if division is not None and _cpp_aligned(division)(*ptrs):
-        kernel, grid, block, args = _cpp_launch(division)(dq, dk, dv, out, causal, scale, dlse, division, feat)
+        kernel, grid, block, args = _cpp_launch(division)(q, k, v, out, causal, scale, lse, division, feat,
+                                                          bool(fastmath))
         launch.launch(kernel, grid, block, *args)
     else:  # the Numba kernel, also for float32 arrays the CUDA C++ kernels cannot take at their addresses
         block_q, block_k = _flash_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
-        numba_kernels.flash(dq, dk, dv, out, causal, scale, block_q, block_k, lse=dlse, feat=feat)
-    if lse_host:
-        lse[...] = arrays.to_host(dlse)
-    return _from_device(out, host)
+        numba_kernels.flash(q, k, v, out, causal, scale, block_q, block_k, lse=lse, feat=feat)
+    return out
 
 
 # the dtypes in which cuda.flash has dropout: those its Numba kernels run (the CUDA C++
@@ -192,12 +216,12 @@ def _cpp_aligned(division):
     return cpp.tf32_aligned if isinstance(division, cpp.MmaConfig) else cpp.simt_aligned
 
 
-def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None):
+def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0):
     """cuda.flash on float16/bfloat16: the tensor-core kernel (cpp.flash_mma),
     whose tiles are fixed (128 query rows x 64 or 32 keys): block_q and block_k do not apply."""
     from numba import config
 
-    from . import arrays, cpp
+    from . import cpp
 
     d, dv = q.shape[2], v.shape[2]
     if config.ENABLE_CUDASIM:
@@ -206,18 +230,13 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None):
     why = _flash_head_sizes(d, dv, q.dtype.name)
     if why is not None:
         raise ValueError(f"cuda.flash: {why}")
-    host = isinstance(q, np.ndarray)
-    dq, dk, dv_, out = _to_device(q, k, v, out)
-    lse_host = isinstance(lse, np.ndarray)
-    dlse = arrays.device_empty(lse.shape, q.dtype) if lse_host else lse
-    cpp.flash_mma(dq, dk, dv_, out, causal, scale, lse=dlse, feat=feat)
-    if lse_host:
-        lse[...] = arrays.to_host(dlse)
-    return _from_device(out, host)
+    out = _device_out(q, v, out)
+    cpp.flash_mma(q, k, v, out, causal, scale, lse=lse, feat=feat, fast=bool(fastmath))
+    return out
 
 
 def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
-                   block_q: int, block_k: int, tensor_cores: int, with_lse: bool):
+                   block_q: int, block_k: int, tensor_cores: int, with_lse: bool, fastmath: int = 0):
     """cuda.flash's launch for (batch, n, d) GPU arrays of these sizes and dtype,
     with everything but the addresses fixed: (launch.Prepared taking the addresses
     of q, k, v, out[, lse], the test the addresses must pass or None), or None where
@@ -234,10 +253,11 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
         if dtype.name in cpp.MMA_DTYPES:
             if _flash_head_sizes(d, dv, dtype.name) is not None:
                 return None
-            kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse)
+            kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse, fast=bool(fastmath))
             aligned = cpp.mma_aligned
         elif (division := _cpp_kernel(block_q, block_k, d, dv, dtype, tensor_cores)) is not None:
-            kernel, grid, block, args = _cpp_launch(division)(*roles[:4], causal, scale, lse, division)
+            kernel, grid, block, args = _cpp_launch(division)(*roles[:4], causal, scale, lse, division,
+                                                              fast=bool(fastmath))
             aligned = _cpp_aligned(division)
         else:
             block_q, block_k = _flash_tiles(block_q, block_k, d, dv, dtype.itemsize)
@@ -269,14 +289,15 @@ def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize:
     return bq, bk
 
 
-def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, tensor_cores=1, dq=None,
-                         dk=None, dv=None, features=None):
+def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0,
+                         dq=None, dk=None, dv=None, features=None):
     """(dq, dk, dv) of cuda.flash, from the forward's out and lse and the
     output's gradient dout. GpuArrays: dq, dk, dv are the caller's, filled and
-    returned; NumPy arrays: copied to the GPU, the gradients copied back.
-    float16/bfloat16 run the tensor-core kernels (cpp.flash_bwd_half; block_q,
-    block_k and tensor_cores do not apply); float32 and float64 the Numba kernels
-    (backward.py; FMAs in the input's dtype: tensor_cores applies to the forward only).
+    returned; NumPy arrays: copied to the GPU (through the pinned staging buffers),
+    the gradients copied back. float16/bfloat16 run the tensor-core kernels
+    (cpp.flash_bwd_half; block_q, block_k and tensor_cores do not apply); float32 and
+    float64 the Numba kernels (backward.py; FMAs in the input's dtype: tensor_cores and
+    fastmath apply to the forward only).
     features: a _registry.Features or None, as for the forward (dk and dv of a
     group of query rows sharing k/v rows summed in the rows' order)."""
     from numba import config
@@ -295,26 +316,26 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
             raise ValueError(f"cuda.flash backward: {why}")
     else:
         block_q, block_k = _flash_backward_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
-    host = isinstance(q, np.ndarray)
-    if host:
-        q, k, v, out, dout, lse = (arrays.from_host(np.ascontiguousarray(x)) for x in (q, k, v, out, dout, lse))
-    grads = [g if g is not None and not host else arrays.device_empty(x.shape, q.dtype)
-             for g, x in ((dq, q), (dk, k), (dv, v))]
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
-    if half:
-        cpp.flash_bwd_half(q, k, v, out, dout, lse, *grads, causal, scale, feat)
-    else:
-        backward.flash_backward(q, k, v, out, dout, lse, *grads, causal, scale, block_q, block_k, feat)
-    if not host:
-        return tuple(grads)
-    result = []
-    for given, g in zip((dq, dk, dv), grads):
-        g = arrays.to_host(g)
-        if given is not None:  # NumPy arrays to fill
-            given[...] = g
-            g = given
-        result.append(g)
-    return tuple(result)
+
+    def run(*a):
+        if half:
+            cpp.flash_bwd_half(*a, causal, scale, feat)
+        else:
+            backward.flash_backward(*a, causal, scale, block_q, block_k, feat)
+
+    if isinstance(q, np.ndarray):
+        grads = _staged([q, k, v, out, dout, lse], [(x.shape, q.dtype) for x in (q, k, v)], run)
+        result = []
+        for given, g in zip((dq, dk, dv), grads):
+            if given is not None:  # NumPy arrays to fill
+                given[...] = g
+                g = given
+            result.append(g)
+        return tuple(result)
+    grads = [g if g is not None else arrays.device_empty(x.shape, q.dtype) for g, x in ((dq, q), (dk, k), (dv, v))]
+    run(q, k, v, out, dout, lse, *grads)
+    return tuple(grads)
 
 
 def _flash_head_sizes(d: int, dv: int, dtype: str) -> str | None:
@@ -419,6 +440,11 @@ register(
                   "(each operand split into two TF32 parts, three products: about float32 FMAs' accuracy) where "
                   "that kernel has the tile (64 or 128 x 32 or 64) and head size (D = Dv a multiple of 16 up to "
                   "128); 0 runs float32 FMAs", choices=(0, 1)),
+            Param("fastmath", 0, 0, 1, "forward, CUDA C++ kernels (float32, float16, bfloat16): 1 compiles them "
+                  "with the hardware's approximations (ex2.approx.ftz, lg2.approx.ftz, rcp.approx.ftz, __fdividef; "
+                  "denormals flushed); 0 with CUDA's accurate exp2f, log2f and IEEE division. The Numba kernel "
+                  "(float64, and float32 where no CUDA C++ kernel runs) and the backward ignore it",
+                  choices=(0, 1), switch=True),
         ),
         unavailable_reason=unavailable,
         device="cuda",

@@ -78,33 +78,35 @@ def simt_aligned(*ptrs) -> bool:
 
 
 def flash_simt_kernel(d: int, config: SimtConfig | None = None, featured: bool = False, mask: int = 0,
-                      alibi: bool = False):
+                      alibi: bool = False, fast: bool = False):
     """cuda.flash's register-blocked float32 kernel for head size d: the CUDA C++
     device function of flash_simt.cu in a numba-cuda kernel, built and launched as
     the tensor-core kernel is (flash_mma_kernel); featured: the variant that takes
     the attention features (ATTNKERN_FEAT); mask: the kind of attention mask the
     featured variant reads (launch.MASK_KINDS, ATTNKERN_MASK; 0: none); alibi: the
-    variant that adds ALiBi (ATTNKERN_ALIBI)."""
+    variant that adds ALiBi (ATTNKERN_ALIBI); fast: the fastmath variant (ATTNKERN_FAST)."""
     config = config or simt_config(d)
-    return _linked_kernel("flash_simt.cu", f"attnkern_flash_simt_{config.padded_d(d)}_{config}{_suffix(featured, mask, alibi)}",
+    return _linked_kernel("flash_simt.cu",
+                          f"attnkern_flash_simt_{config.padded_d(d)}_{config}{_suffix(featured, mask, alibi, fast)}",
                           (("DP", config.padded_d(d)), ("BM", config.block_q), ("BN", config.block_k),
                            ("TM", config.rows), ("TN", config.keys), ("FEAT", int(featured)), ("MASK", mask),
-                           ("ALIBI", int(alibi))),
+                           ("ALIBI", int(alibi)), ("FAST", int(fast))),
                           ("u64",) * 5 + ("i32", "i32", "i32", "f32", "i32", "i32") + FEAT_TYPES, config.threads,
                           config.shared_bytes(d))
 
 
 def flash_simt_launch(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None,
-                      feat=None):
+                      feat=None, fast: bool = False):
     """(kernel, grid, block, args) of the float32 kernel: launch() takes them, or
-    Prepared; feat: a launch.KernelFeatures, or None (the plain kernel)."""
+    Prepared; feat: a launch.KernelFeatures, or None (the plain kernel); fast: the
+    fastmath variant."""
     batch, nq, d = q.shape
     config = config or simt_config(d)
     # its scores are in the log2 domain: the cap is c log2(e) there
     words = PLAIN_WORDS if feat is None else feat.words(1 / LOG2E)
     return (flash_simt_kernel(d, config, feat is not None,
                               mask=0 if feat is None else feat.mask_kind,
-                              alibi=feat is not None and feat.alibi is not None),
+                              alibi=feat is not None and feat.alibi is not None, fast=fast),
             (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.int32(d), np.float32(scale * LOG2E), np.int32(bool(causal)),
@@ -112,11 +114,11 @@ def flash_simt_launch(q, k, v, out, causal: bool, scale: float, lse=None, config
 
 
 def flash_simt(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtConfig | None = None,
-               feat=None) -> None:
+               feat=None, fast: bool = False) -> None:
     """out = softmax(q k^T * scale) v on float32 GpuArrays (batch, n, d), d = dv a
     multiple of 4 up to 128, at simt_aligned addresses; lse: None, or a GpuArray
     (batch, nq) to fill; feat: a launch.KernelFeatures or None."""
-    kernel, grid, block, args = flash_simt_launch(q, k, v, out, causal, scale, lse, config, feat)
+    kernel, grid, block, args = flash_simt_launch(q, k, v, out, causal, scale, lse, config, feat, fast)
     launch(kernel, grid, block, *args)
 
 
@@ -304,13 +306,14 @@ def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
     return WgmmaConfig() if wgmma_applies(d, d) else mma_config(d, dtype)
 
 
-def _suffix(featured: bool, mask: int, alibi: bool) -> str:
-    """A kernel name's tail for its variant: plain, featured (_f), with a mask (m<kind>), with ALiBi (a)."""
-    return ("_f" if featured else "") + (f"m{mask}" if mask else "") + ("a" if alibi else "")
+def _suffix(featured: bool, mask: int, alibi: bool, fast: bool = False) -> str:
+    """A kernel name's tail for its variant: plain, featured (_f), with a mask (m<kind>), with ALiBi (a),
+    fastmath (_fm)."""
+    return ("_f" if featured else "") + (f"m{mask}" if mask else "") + ("a" if alibi else "") + ("_fm" if fast else "")
 
 
 def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None, featured: bool = False,
-                     mask: int = 0, alibi: bool = False):
+                     mask: int = 0, alibi: bool = False, fast: bool = False):
     """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_wgmma.cu for a
     WgmmaConfig, flash_mma.cu for an MmaConfig) or float32 (flash_tf32.cu, 3xTF32),
     head size d and a work division (default half_config(d, dtype), or mma_config(d,
@@ -326,19 +329,20 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
     limit raised to it. featured: the variant that takes the attention features
     (ATTNKERN_FEAT; the plain one compiles without them); mask: the kind of
     attention mask the featured variant reads (launch.MASK_KINDS; 0: none); alibi:
-    the variant that adds ALiBi (ATTNKERN_ALIBI)."""
+    the variant that adds ALiBi (ATTNKERN_ALIBI); fast: the fastmath variant
+    (ATTNKERN_FAST: the approximate ex2, lg2 and reciprocal, flushing denormals)."""
     config = config or tensor_core_config(d, dtype)
     params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES
-    suffix = _suffix(featured, mask, alibi)
+    suffix = _suffix(featured, mask, alibi, fast)
     if isinstance(config, WgmmaConfig):
         config.check(d)
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
                                ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
-                               ("ALIBI", int(alibi))),
+                               ("ALIBI", int(alibi)), ("FAST", int(fast))),
                               params, config.threads, config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
-                ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)))
+                ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), ("FAST", int(fast)))
     if dtype == "float32":
         source, defines, itemsize = "flash_tf32.cu", (("D", d), *division), 4
     else:
@@ -354,11 +358,11 @@ def mma_aligned(*ptrs) -> bool:
 
 
 def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
-                     config: MmaConfig | WgmmaConfig | None = None, feat=None):
+                     config: MmaConfig | WgmmaConfig | None = None, feat=None, fast: bool = False):
     """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared.
     The grid is (query blocks, batch); config: the work division (default
     half_config(d), or mma_config(d) for float32); feat: a launch.KernelFeatures,
-    or None (the plain kernel)."""
+    or None (the plain kernel); fast: the fastmath variant."""
     batch, nq, d = q.shape
     dtype = q.dtype.name
     config = config or tensor_core_config(d, dtype)
@@ -369,21 +373,21 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     return (flash_mma_kernel(dtype, d, config, feat is not None,
                               mask=0 if feat is None else feat.mask_kind,
-                              alibi=feat is not None and feat.alibi is not None),
+                              alibi=feat is not None and feat.alibi is not None, fast=fast),
             (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
              *words))
 
 
-def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None) -> None:
+def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None, fast: bool = False) -> None:
     """out = softmax(q k^T * scale) v on float16 or bfloat16 GpuArrays (batch, n, d)
     on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill;
-    feat: a launch.KernelFeatures or None."""
+    feat: a launch.KernelFeatures or None; fast: the fastmath variant."""
     if not mma_aligned(*(a.ptr for a in ((q, k, v, out) if lse is None else (q, k, v, out, lse)))):
         raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses "
                          "(pass a fresh contiguous tensor: .contiguous() or .clone())")
-    kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse, feat=feat)
+    kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse, feat=feat, fast=fast)
     launch(kernel, grid, block, *args)
 
 

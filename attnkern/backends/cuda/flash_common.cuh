@@ -24,6 +24,19 @@ static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.asyn
 
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
+// ATTNKERN_FAST 1 compiles the fastmath variant (the fastmath tunable): the per-row
+// operations take the hardware's approximations with denormals flushed to zero
+// (lg2.approx.ftz, rcp.approx.ftz, __fdividef); with 0 (the default) they are CUDA's
+// accurate forms: log2f (within 1 ulp, where lg2.approx has an absolute error of about
+// 2^-22 near 1), 1.f / x (rcp.rn, correctly rounded) and x / y (div.rn).
+// The per-score 2^x is ex2.approx.ftz.f32 in both variants (within 2 ulp): exp2f, which
+// keeps subnormal results, measured 2-5% slower in float32 and 10-16% in float16/bfloat16
+// with the same largest output errors (gpu-measuring.md); what it adds are probabilities
+// below 2^-126 of the row's largest, which cannot change a row sum that is at least 1.
+#ifndef ATTNKERN_FAST
+#define ATTNKERN_FAST 0
+#endif
+
 static __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -31,9 +44,33 @@ static __device__ __forceinline__ float ex2(float x) {
 }
 
 static __device__ __forceinline__ float lg2(float x) {
+#if ATTNKERN_FAST
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+#else
+    return log2f(x);
+#endif
+}
+
+// 1 / x: rcp.approx.ftz (within 1 ulp) in the fastmath variant, else correctly rounded
+static __device__ __forceinline__ float recip(float x) {
+#if ATTNKERN_FAST
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return 1.f / x;
+#endif
+}
+
+// x / y: __fdividef (2 ulp) in the fastmath variant, else correctly rounded
+static __device__ __forceinline__ float divide(float x, float y) {
+#if ATTNKERN_FAST
+    return __fdividef(x, y);
+#else
+    return x / y;
+#endif
 }
 
 static __device__ __forceinline__ float neg_inf() {
@@ -189,12 +226,12 @@ static __device__ __forceinline__ bool tile_masked(const Feat& f, int j0, int bn
 // e = 2^(-2 log2(e) |x|), the sign restored (absolute error a few ulp of 1)
 static __device__ __forceinline__ float capped(const Feat& f, float s) {
     const float e = ex2(fabsf(s) * f.cap_k);
-    return copysignf(f.cap * __fdividef(1.f - e, 1.f + e), s);
+    return copysignf(f.cap * divide(1.f - e, 1.f + e), s);
 }
 
 // 1 / l for a row sum l, 0 where a featured row saw no key (its output is 0, never NaN)
 static __device__ __forceinline__ float row_inverse(float l) {
-    return ATTNKERN_FEAT && l == 0.f ? 0.f : 1.f / l;
+    return ATTNKERN_FEAT && l == 0.f ? 0.f : recip(l);
 }
 
 // whether pred holds on any lane of the (converged) warp

@@ -108,7 +108,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_note_fork)
 
 
-def _numba_flash(q, k, v, causal, scale, block_q=256, block_k=512, num_threads=1, lse=None):
+def _numba_flash(q, k, v, causal, scale, block_q=256, block_k=512, num_threads=1, fastmath=0, lse=None):
     import numba
 
     from . import flash
@@ -126,7 +126,8 @@ def _numba_flash(q, k, v, causal, scale, block_q=256, block_k=512, num_threads=1
     try:
         # chunks of one task, handed out as threads free up: the causal blocks differ in cost
         with numba.parallel_chunksize(1), _parallel_lock(), _ONE_BLAS_THREAD:
-            flash.flash_forward(q, k, v, out, causal, scale, block_q, block_k,
+            forward = flash.flash_forward_fast if fastmath else flash.flash_forward
+            forward(q, k, v, out, causal, scale, block_q, block_k,
                                 lse if lse is not None else np.empty((0, 0), q.dtype), lse is not None)
     finally:
         numba.set_num_threads(before)
@@ -144,6 +145,9 @@ register(
             Param("block_k", 512, 1, 4096, "keys per streamed K/V block"),
             Param("num_threads", lambda: min(cpu_count(), _numba_max_threads()), 1, _numba_max_threads(),
                   "threads; default: the CPUs this process may use (at most NUMBA_NUM_THREADS)"),
+            Param("fastmath", 0, 0, 1, "1 compiles the kernel with all of LLVM's fast-math flags (approximate "
+                  "functions and reciprocals: the normalisation multiplies by 1 / sum); 0 only reorders sums "
+                  "(vectorised) and fuses multiply-adds", choices=(0, 1), switch=True),
         ),
         unavailable_reason=_numba_unavailable,
         returns_lse=True,

@@ -18,6 +18,8 @@ compiled on first use per dtype and cached on disk (cache=True).
 
 from __future__ import annotations
 
+import types as types_module
+
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
@@ -37,9 +39,15 @@ EXP2_F64 = (1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
             7.054911620801121e-09, 4.44553827187081e-10, 2.5678435993488196e-11,
             1.3691488853904124e-12)
 
-# fastmath lets LLVM vectorise the reductions and contract a*b+c into FMAs; the
-# compiled code, and with it the rounding, is the same on every call.
-_JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
+# "reassoc" lets LLVM vectorise the reductions and "contract" fuse a*b+c into FMAs:
+# neither approximates anything, and the compiled code, with it the rounding, is the
+# same on every call. numba.flash's fastmath=1 compiles flash_forward_fast with all of
+# LLVM's fast-math flags (also approximate functions and reciprocals, no NaN/inf/-0
+# guarantees): the final normalisation becomes a multiply by 1 / sum, np.exp2 and
+# np.log2 approximate.
+_ACCURATE_FLAGS = {"contract", "reassoc"}
+_JIT = dict(nogil=True, cache=True, fastmath=_ACCURATE_FLAGS, error_model="numpy")
+_JIT_FAST = dict(_JIT, fastmath=True)
 
 
 # a float type's integer type of the same width, and back
@@ -119,6 +127,8 @@ def exp2_inplace(x, n, shift):
     returns their sum."""
 
 
+# the polynomial 2^x calls no library function and clamps -inf with max before use,
+# so it is compiled one way (all fast-math flags, as it was measured) for both variants
 @overload(exp2_inplace, jit_options=dict(fastmath=True, error_model="numpy"))
 def _exp2_inplace_typed(x, n, shift):
     # chosen when Numba types the call, so each dtype compiles only its own version
@@ -152,8 +162,7 @@ def _row_max(x, n, init):
 _CHUNK = 64
 
 
-@njit(parallel=True, **_JIT)
-def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
+def _flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
     """out[b] = softmax(q[b] k[b]^T * scale) v[b] for (batch, n, d) C-contiguous arrays;
     with want_lse, lse[b, i] = the natural-log log-sum-exp of row i's scaled, masked scores."""
     batch, nq, d = q.shape
@@ -223,8 +232,22 @@ def flash_forward(q, k, v, out, causal, scale, block_q, block_k, lse, want_lse):
                         acc[i, e] += pv[i, e]
             j0 += nkeys
         for i in range(rows):
-            inv = 1 / lsum[i]
+            # a division (correctly rounded); fastmath's "arcp" turns it into a multiply by 1 / sum
             for e in range(dv):
-                out[b, i0 + i, e] = acc[i, e] * inv
+                out[b, i0 + i, e] = acc[i, e] / lsum[i]
             if want_lse:  # m is in the log2 domain
                 lse[b, i0 + i] = (m[i] + np.log2(lsum[i])) * LN2
+
+
+def _renamed(f, name: str):
+    """f under another name: Numba's disk cache is keyed by the function's qualified
+    name, and the two variants of one function must not share entries."""
+    g = types_module.FunctionType(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__)
+    g.__qualname__ = name
+    g.__doc__ = f.__doc__
+    return g
+
+
+# fastmath=0 (accurate) and fastmath=1 (all of LLVM's fast-math flags)
+flash_forward = njit(parallel=True, **_JIT)(_renamed(_flash_forward, "flash_forward"))
+flash_forward_fast = njit(parallel=True, **_JIT_FAST)(_renamed(_flash_forward, "flash_forward_fast"))
