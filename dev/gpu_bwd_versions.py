@@ -14,9 +14,9 @@ import json
 import statistics
 
 import torch
+from numba import cuda
 
 import attnkern
-from attnkern import _gpu
 from attnkern.backends.cuda import cpp
 
 CONFIGS = {
@@ -44,13 +44,13 @@ def main():
                     q, k, v, dout = (torch.randn(1, 16, n, d, device="cuda", generator=g).to(getattr(torch, dtype))
                                      for _ in range(4))
                     out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, return_lse=True)
-                    arrays = [_gpu.as_array(x, "x").reshape(16, n, d) for x in (q, k, v, out, dout)]
-                    arrays.append(_gpu.as_array(lse, "lse").reshape(16, n))
+                    arrays = [cuda.as_cuda_array(x).reshape(16, n, d) for x in (q, k, v, out, dout)]
+                    arrays.append(cuda.as_cuda_array(lse).reshape(16, n))
                     base = None
                     for name in CONFIGS[d]:
                         config = cpp.BwdConfig.parse(name)
                         grads = [torch.empty_like(x) for x in (q, k, v)]
-                        views = [_gpu.as_array(x, "g").reshape(16, n, d) for x in grads]
+                        views = [cuda.as_cuda_array(x).reshape(16, n, d) for x in grads]
 
                         def call():
                             cpp.flash_bwd_half(*arrays, *views, causal, d ** -0.5, None, config)
