@@ -44,6 +44,19 @@ INJECT_LINE = "    /* rescale factors 2^(m_old - m_new): exactly 1 where the max
 # causal mask, whose diagonal tiles are not repeated). The calibration reports what
 # each level measured.
 KEYS_FOR_LEVEL = {2: 5, 5: 12, 10: 24}
+# The AVX-512-only slowdown (the avx512-counted signal's calibration): attn_avx512.c's
+# 2^x, which the softmax of every score vector runs (forward and backward), does
+# `fmas` more FMAs p * 1 + (-0) on its polynomial, the constants hidden from the
+# compiler (an empty asm), so the work stays and the result is exactly p. No other
+# translation unit includes attn_avx512.c except attn_avx512bf16.c (the AVX-512 path
+# of float32 on CPUs with AVX512_BF16): Valgrind's AVX2 path is unchanged.
+AVX512_INJECT_FILE = "attnkern/backends/native/attn_avx512.c"
+AVX512_INJECT_LINE = "    return _mm512_maskz_scalef_ps(live, p, n);\n"
+# FMAs per 2^x vector for each target slowdown (percent), set so that the counted
+# instructions of native.flash's AVX-512 code grow by about that much at the gate's
+# shapes (forward and backward, causal and not); the calibration reports what each
+# level measured.
+AVX512_FMAS_FOR_LEVEL = {2: 9, 3: 15}
 ASV_REGEX = r"(^|\.)Forward\.time_forward\('native\.flash', '(1x8x1024x64|1x4x1024x128)'"
 PAIRED_REGEX = r"^native\.flash:"
 FACTORS = ("1.1", "1.2", "1.3")
@@ -63,6 +76,19 @@ def inject_slowdown(source: str, keys_percent: int) -> str:
              " ST(call_qk)((int)(kv - k0 < MR ? kv - k0 : MR), d, kr + k0 * d, d, qt, st + k0 * NR, NR, NULL);"
              "  /* injected slowdown */\n")
     return source.replace(INJECT_LINE, extra + INJECT_LINE)
+
+
+def inject_avx512_slowdown(source: str, fmas: int) -> str:
+    """attn_avx512.c with `fmas` extra FMAs in its 2^x (see AVX512_INJECT_FILE)."""
+    if source.count(AVX512_INJECT_LINE) != 1:
+        raise ValueError(f"the line the AVX-512 slowdown precedes moved: {AVX512_INJECT_LINE!r}")
+    extra = ("    {  /* injected slowdown */\n"
+             "        __m512 one_ = _mm512_set1_ps(1.0f), nzero_ = _mm512_set1_ps(-0.0f);\n"
+             '        __asm__("" : "+v"(one_), "+v"(nzero_));\n'
+             f"        for (int r_ = 0; r_ < {int(fmas)}; r_++)\n"
+             "            p = _mm512_fmadd_ps(p, one_, nzero_);\n"
+             "    }\n")
+    return source.replace(AVX512_INJECT_LINE, extra + AVX512_INJECT_LINE)
 
 
 def git(repo, *args) -> str:
