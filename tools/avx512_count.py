@@ -41,6 +41,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,15 +203,20 @@ def count_source(src: Path, cfgs, work: Path, threads: int = 1) -> dict[str, dic
 
 
 def count_commits(repo: Path, shas: dict[str, str], cfgs, log=print) -> dict[str, dict[str, dict]]:
-    """{side: counts} for {side: commit}, each built from its own sources."""
-    result = {}
+    """{side: counts} for {side: commit}, each built from its own sources; the sides
+    at once (a build is one gcc process at a time, and the counts do not depend on
+    the machine's load)."""
     with tempfile.TemporaryDirectory(prefix="attnkern-avx512count-") as tmp:
-        for side, sha in shas.items():
+        def one(side, sha):
             t0 = time.perf_counter()
             src = export_sources(repo, sha, Path(tmp) / side / "src")
-            result[side] = count_source(src, cfgs, Path(tmp) / side / "build")
+            counts = count_source(src, cfgs, Path(tmp) / side / "build")
             log(f"avx512-counted {side} {sha[:10]}: built and counted in {time.perf_counter() - t0:.0f} s")
-    return result
+            return counts
+
+        with ThreadPoolExecutor(max_workers=len(shas)) as pool:
+            futures = {side: pool.submit(one, side, sha) for side, sha in shas.items()}
+            return {side: future.result() for side, future in futures.items()}
 
 
 def rows(counted: dict[str, dict[str, dict]], threshold: float) -> list[dict]:
