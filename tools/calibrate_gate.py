@@ -521,8 +521,10 @@ def main(argv=None) -> int:
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
         shas = make_history(clone, args.levels, args.avx512_levels if "avx512" in args.methods else ())
         data.setdefault("shas", shas)  # those of the first run; a re-measure's are under shas_<methods>
-        comparisons = [("noop", seed) for seed in range(args.aa)] if {"paired", "asv"} & set(args.methods) else []
+        comparisons = [("noop", seed) for seed in range(args.aa)]
         comparisons += [(f"slow{lvl}", seed) for seed in range(args.trials) for lvl in args.levels]
+        if not {"paired", "asv"} & set(args.methods):
+            comparisons = []
         data["shas_" + "_".join(args.methods)] = shas
         if "counted" in args.methods:
             data["counted"] = counted_runs(clone, {k: v for k, v in shas.items() if not k.startswith("avx512")},
