@@ -412,7 +412,8 @@ def parse_args(argv=None):
                         f"cuda: {' '.join(GPU_SHAPES)})")
     parser.add_argument("--count-shapes", nargs="+", help=f"BxHxNxD shapes counted (default "
                         f"{' '.join(COUNT_SHAPES)}; cuda: the timed shapes)")
-    parser.add_argument("--no-count", action="store_true", help="skip the counted signal")
+    parser.add_argument("--no-count", action="store_true",
+                        help="skip the counted signals (Valgrind's and, with AVX-512, avx512-counted)")
     parser.add_argument("--no-time", action="store_true", help="skip the timed signal")
     parser.add_argument("--no-avx512-count", action="store_true",
                         help="skip the avx512-counted signal (native.flash's AVX-512 code, where the CPU has it)")
@@ -551,8 +552,9 @@ def main(argv=None) -> int:
               f"median ratio and 95% bootstrap interval; slower when the interval lies above {args.time_threshold:+.1%}")
     else:
         print(f"# counted: instructions of one call, 1 thread, under valgrind; slower above {args.count_threshold:+.1%}")
-        print(f"# avx512-counted: instructions of native.flash's AVX-512 code in one call, 1 thread, run natively "
-              f"(trace-pc instrumentation); slower above {args.count_threshold:+.1%}")
+        if avx512_rows:
+            print(f"# avx512-counted: instructions of native.flash's AVX-512 code in one call, 1 thread, run "
+                  f"natively (trace-pc instrumentation, tools/avx512_count.py); slower above {args.count_threshold:+.1%}")
         print(f"# time: {args.rounds} paired rounds, {args.threads} threads, median ratio and 95% bootstrap interval; "
               f"slower when the interval lies above {args.time_threshold:+.1%}")
     print_table(rows)
