@@ -102,6 +102,13 @@ def build(src: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     header = (src / "attn.h").read_text()
     fields = [f"-DACNT_HAS_{f}" for f in OPTIONAL_FIELDS if re.search(rf"\b{f}\b", header)]
+    # the C API of older commits (see harness.c)
+    if re.search(r"attn_forward_f32\([^;]*\bfloat \*lse\)", header):
+        fields.append("-DACNT_FORWARD_LSE")
+    if re.search(r"\battn_backward_f32\(", header):
+        fields.append("-DACNT_HAS_BACKWARD")
+    if re.search(r"\battn_isa_reason\(", header):
+        fields.append("-DACNT_HAS_ISA_REASON")
     base = ["gcc", *COMMON_FLAGS, f"-I{src}"]
     steps = [
         [*base, *AVX512_FLAGS, "-fsanitize-coverage=trace-pc", "-c", str(src / "attn_avx512.c"), "-o", "avx512.o"],
@@ -166,11 +173,17 @@ def block_weights(binary: Path) -> dict[int, int]:
     return weights
 
 
+class NotInCommit(CountError):
+    """The commit's C API has no such pass (a backward before there was one)."""
+
+
 def run_config(binary: Path, kind: str, shape: str, causal: bool, threads: int = 1) -> dict[int, int]:
     """{block: hits} of one counted call."""
     with tempfile.NamedTemporaryFile(prefix="avx512count-", suffix=".txt") as f:
         proc = subprocess.run([str(binary), "fwd" if kind == "forward" else "bwd", shape, str(int(causal)),
                                str(threads), f.name], capture_output=True, text=True)
+        if proc.returncode == 5:
+            raise NotInCommit(proc.stderr.strip().removeprefix("harness: "))
         if proc.returncode != 0:
             raise CountError(f"{binary} {kind} {shape} causal={causal} failed ({proc.returncode}): "
                              f"{proc.stderr[-1000:]}")
@@ -178,11 +191,16 @@ def run_config(binary: Path, kind: str, shape: str, causal: bool, threads: int =
 
 
 def count(binary: Path, cfgs, threads: int = 1) -> dict[str, dict]:
-    """{key: {"instructions", "blocks" (hook calls), "block_sites"}} for each configuration."""
+    """{key: {"instructions", "blocks" (hook calls), "block_sites"}} for each configuration
+    ({key: {"error"}} for a pass the commit does not have)."""
     weights = block_weights(binary)
     out = {}
     for kind, shape, causal in cfgs:
-        hits = run_config(binary, kind, shape, causal, threads)
+        try:
+            hits = run_config(binary, kind, shape, causal, threads)
+        except NotInCommit as exc:
+            out[config_key(kind, shape, causal)] = {"error": str(exc)}
+            continue
         # an instrumented function called from a shared library (OpenMP's outlined
         # parallel regions, from libgomp) whose last block tail-calls the hook: its
         # return, one instruction, at an address outside this executable
@@ -224,6 +242,10 @@ def rows(counted: dict[str, dict[str, dict]], threshold: float) -> list[dict]:
     out = []
     for key, base in counted["baseline"].items():
         cand = counted["candidate"][key]
+        if "error" in base or "error" in cand:
+            out.append({"benchmark": key, "signal": "avx512-counted", "verdict": "skipped",
+                        "note": base.get("error") or cand.get("error")})
+            continue
         ratio = cand["instructions"] / base["instructions"]
         verdict = "slower" if ratio > 1 + threshold else "faster" if ratio < 1 - threshold else "same"
         out.append({"benchmark": key, "signal": "avx512-counted", "unit": "instructions",
@@ -259,7 +281,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="attnkern-avx512count-") as tmp:
             counts = count_source(Path(args.source_dir), cfgs, Path(tmp))
         for key, c in counts.items():
-            print(f"{key:<40} {c['instructions']:>14,} instructions {c['blocks']:>12,} blocks")
+            print(f"{key:<40} skipped: {c['error']}" if "error" in c else
+                  f"{key:<40} {c['instructions']:>14,} instructions {c['blocks']:>12,} blocks")
         if args.json:
             Path(args.json).write_text(json.dumps({"counts": counts}, indent=1))
         return 0

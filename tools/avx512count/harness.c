@@ -12,6 +12,12 @@
  * One configuration per run: fixed inputs (a seeded generator), the kernel called once
  * uncounted (first-call effects), the table cleared, the kernel called once more and
  * the table written to OUT as lines "hex_address hits", the blocks' hits of that call.
+ * Exit status 5: this commit's C API has no such pass (no backward).
+ *
+ * The C API of older commits differs; the tool reads the commit's attn.h and defines
+ * ACNT_FORWARD_LSE (attn_forward_f32 takes lse), ACNT_HAS_BACKWARD (attn_backward_f32
+ * exists), ACNT_HAS_ISA_REASON (attn_isa_reason exists) and ACNT_HAS_<field> for the
+ * attn_problem fields whose neutral value is not 0.
  */
 #include <math.h>
 #include <stdint.h>
@@ -81,10 +87,20 @@ int main(int argc, char **argv)
         return 2;
     }
     if (!attn_isa_supported(ATTN_ISA_AVX512)) {
+#ifdef ACNT_HAS_ISA_REASON
         fprintf(stderr, "harness: no AVX-512 here: %s\n", attn_isa_reason(ATTN_ISA_AVX512));
+#else
+        fprintf(stderr, "harness: no AVX-512 here\n");
+#endif
         return 3;
     }
     int backward = !strcmp(argv[1], "bwd");
+#ifndef ACNT_HAS_BACKWARD
+    if (backward) {
+        fprintf(stderr, "harness: this commit's C API has no attn_backward_f32\n");
+        return 5;
+    }
+#endif
     attn_problem p;
     memset(&p, 0, sizeof p); /* no features: every field the tool does not know stays 0 */
     p.batch = b * h, p.nq = n, p.nk = n, p.d = d, p.dv = d;
@@ -108,11 +124,18 @@ int main(int argc, char **argv)
     int64_t nq_all = p.batch * n * d;
     float *q = normal_array(nq_all), *k = normal_array(nq_all), *v = normal_array(nq_all);
     float *out = normal_array(nq_all), *lse = normal_array(p.batch * n);
-    int rc = attn_forward_f32(ATTN_FLASH, ATTN_ISA_AVX512, &p, q, k, v, out, lse);
+#ifdef ACNT_FORWARD_LSE
+#define FORWARD() attn_forward_f32(ATTN_FLASH, ATTN_ISA_AVX512, &p, q, k, v, out, lse)
+#else
+#define FORWARD() attn_forward_f32(ATTN_FLASH, ATTN_ISA_AVX512, &p, q, k, v, out)
+#endif
+    int rc = FORWARD();
     if (rc == ATTN_OK && !backward) {
         clear_hits();
-        rc = attn_forward_f32(ATTN_FLASH, ATTN_ISA_AVX512, &p, q, k, v, out, lse);
-    } else if (rc == ATTN_OK) {
+        rc = FORWARD();
+    }
+#ifdef ACNT_HAS_BACKWARD
+    else if (rc == ATTN_OK) {
         float *dout = normal_array(nq_all), *dq = normal_array(nq_all), *dk = normal_array(nq_all);
         float *dv = normal_array(nq_all);
         rc = attn_backward_f32(ATTN_ISA_AVX512, &p, q, k, v, out, dout, lse, dq, dk, dv);
@@ -120,6 +143,7 @@ int main(int argc, char **argv)
         if (rc == ATTN_OK)
             rc = attn_backward_f32(ATTN_ISA_AVX512, &p, q, k, v, out, dout, lse, dq, dk, dv);
     }
+#endif
     if (rc != ATTN_OK) {
         fprintf(stderr, "harness: the kernel returned status %d\n", rc);
         return 4;
