@@ -223,9 +223,11 @@ def avx512_runs(clone: Path, shas: dict, aa: int) -> dict:
 def summarize_avx512(data) -> str:
     """The avx512-counted calibration table of docs/regression-gate.md: one row per
     kind of comparison (its trials together)."""
-    runs = data["avx512"]
+    runs, paired = data["avx512"], data.get("paired", {})
+    timed = any(name in paired for name in runs if name.startswith("avx512"))
     lines = ["| comparison | flagged (a configuration above +1%) | forward ratios | backward ratios | "
-             "minutes per comparison |", "|---|---|---|---|---|"]
+             "minutes per comparison |" + (" paired timing: flagged, medians |" if timed else ""),
+             "|---|---|---|---|---|" + ("---|" if timed else "")]
     for name in ["noop", *[n for n in runs if n != "noop"]]:
         trials = runs.get(name, [])
         if not trials:
@@ -239,8 +241,14 @@ def summarize_avx512(data) -> str:
         elif name.startswith("slow"):
             label = f"flash_panel {name[4:]}% (score tiles twice)"
         minutes = statistics.median(t["seconds"] for t in trials) / 60
-        lines.append(f"| {label} | {sum(1 for t in trials if t['flagged'])}/{len(trials)} | "
-                     f"{min(fwd):.4f} to {max(fwd):.4f} | {min(bwd):.4f} to {max(bwd):.4f} | {minutes:.1f} |")
+        row = (f"| {label} | {sum(1 for t in trials if t['flagged'])}/{len(trials)} | "
+               f"{min(fwd):.4f} to {max(fwd):.4f} | {min(bwd):.4f} to {max(bwd):.4f} | {minutes:.1f} |")
+        if timed:
+            times = paired.get(name, [])
+            medians = [r["ratio"] for t in times for r in t["rows"] if r.get("ratio")]
+            row += (f" {sum(1 for t in times if t['flagged'])}/{len(times)}, {min(medians):.3f} to "
+                    f"{max(medians):.3f} |" if medians else " |")
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -525,6 +533,10 @@ def main(argv=None) -> int:
         data.setdefault("shas", shas)  # those of the first run; a re-measure's are under shas_<methods>
         comparisons = [("noop", seed) for seed in range(args.aa)]
         comparisons += [(f"slow{lvl}", seed) for seed in range(args.trials) for lvl in args.levels]
+        # with avx512 and paired, the AVX-512-only commits are timed too (by paired alone:
+        # what time they cost on this machine, whose native.flash runs the AVX-512 code)
+        if "avx512" in args.methods and "paired" in args.methods:
+            comparisons += [(f"avx512slow{lvl}", seed) for seed in range(args.trials) for lvl in args.avx512_levels]
         if not {"paired", "asv"} & set(args.methods):
             comparisons = []
         data["shas_" + "_".join(args.methods)] = shas
@@ -543,7 +555,7 @@ def main(argv=None) -> int:
             print(f"== comparison {i + 1}/{len(comparisons)}: base -> {name} (seed {seed})", flush=True)
             if "paired" in args.methods:
                 data["paired"].setdefault(name, []).append(paired_trial(clone, shas["base"], shas[name], seed, tmp))
-            if asv is not None:
+            if asv is not None and not name.startswith("avx512"):
                 data["asv"].setdefault(name, []).append(asv_trial(asv, shas["base"], shas[name]))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(data, indent=1))
