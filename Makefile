@@ -92,8 +92,9 @@ features: setup
 	$(PY) -m attnkern features --window-study --json bench-results/window-study.json \
 		--csv bench-results/window-study.csv
 
-# The regression gate: HEAD against BASE, counted instructions and paired timing
-# (docs/regression-gate.md). Exits non-zero if a kernel got slower.
+# The regression gate: HEAD against BASE, counted instructions (Valgrind's AVX2 path and,
+# where the CPU has AVX-512, native.flash's AVX-512 code: tools/avx512_count.py) and
+# paired timing (docs/regression-gate.md). Exits non-zero if a kernel got slower.
 # DEVICE=cuda gates the GPU kernels instead; it runs with GPU_PYTHON (a Python
 # whose torch has CUDA, with numba-cuda, Triton and the build requirements), not
 # .venv, whose torch is the CPU build.

@@ -6,6 +6,8 @@ injected into native.flash, for each method:
             at factors 1.1, 1.2 and 1.3 (`asv compare` over the same results)
   paired    tools/gate.py's paired, alternating timing (no counting)
   counted   tools/gate.py's instruction counts under Valgrind
+  avx512    tools/gate.py's avx512-counted signal (tools/avx512_count.py): the
+            AVX-512 code's instructions, counted natively; where the CPU has AVX-512
 
     .venv/bin/python tools/calibrate_gate.py --out docs/data/gate-calibration.json
 
@@ -16,6 +18,13 @@ masked after their product, are left alone). The fraction of keys sets its size;
 the counted ratio measures what each level really costs. Everything
 runs in a temporary clone; the main repository is not touched. Takes about an
 hour with the defaults; the raw data and a Markdown table are written.
+
+The avx512 method has its own slowdown, confined to attn_avx512.c (which the AVX2
+path Valgrind counts never runs): extra FMAs in its 2^x (inject_avx512_slowdown).
+It is measured with both kinds of injected commits, A/A comparisons building both
+sides afresh each time (about a minute each):
+
+    .venv/bin/python tools/calibrate_gate.py --methods avx512
 """
 
 from __future__ import annotations
@@ -44,6 +53,19 @@ INJECT_LINE = "    /* rescale factors 2^(m_old - m_new): exactly 1 where the max
 # causal mask, whose diagonal tiles are not repeated). The calibration reports what
 # each level measured.
 KEYS_FOR_LEVEL = {2: 5, 5: 12, 10: 24}
+# The AVX-512-only slowdown (the avx512-counted signal's calibration): attn_avx512.c's
+# 2^x, which the softmax of every score vector runs (forward and backward), does
+# `fmas` more FMAs p * 1 + (-0) on its polynomial, the constants hidden from the
+# compiler (an empty asm), so the work stays and the result is exactly p. No other
+# translation unit includes attn_avx512.c except attn_avx512bf16.c (the AVX-512 path
+# of float32 on CPUs with AVX512_BF16): Valgrind's AVX2 path is unchanged.
+AVX512_INJECT_FILE = "attnkern/backends/native/attn_avx512.c"
+AVX512_INJECT_LINE = "    return _mm512_maskz_scalef_ps(live, p, n);\n"
+# FMAs per 2^x vector for each target slowdown (percent), set so that the counted
+# instructions of native.flash's AVX-512 code grow by about that much at the gate's
+# shapes (forward and backward, causal and not); the calibration reports what each
+# level measured.
+AVX512_FMAS_FOR_LEVEL = {2: 9, 3: 15}
 ASV_REGEX = r"(^|\.)Forward\.time_forward\('native\.flash', '(1x8x1024x64|1x4x1024x128)'"
 PAIRED_REGEX = r"^native\.flash:"
 FACTORS = ("1.1", "1.2", "1.3")
@@ -65,6 +87,19 @@ def inject_slowdown(source: str, keys_percent: int) -> str:
     return source.replace(INJECT_LINE, extra + INJECT_LINE)
 
 
+def inject_avx512_slowdown(source: str, fmas: int) -> str:
+    """attn_avx512.c with `fmas` extra FMAs in its 2^x (see AVX512_INJECT_FILE)."""
+    if source.count(AVX512_INJECT_LINE) != 1:
+        raise ValueError(f"the line the AVX-512 slowdown precedes moved: {AVX512_INJECT_LINE!r}")
+    extra = ("    {  /* injected slowdown */\n"
+             "        __m512 one_ = _mm512_set1_ps(1.0f), nzero_ = _mm512_set1_ps(-0.0f);\n"
+             '        __asm__("" : "+v"(one_), "+v"(nzero_));\n'
+             f"        for (int r_ = 0; r_ < {int(fmas)}; r_++)\n"
+             "            p = _mm512_fmadd_ps(p, one_, nzero_);\n"
+             "    }\n")
+    return source.replace(AVX512_INJECT_LINE, extra + AVX512_INJECT_LINE)
+
+
 def git(repo, *args) -> str:
     env = dict(os.environ, GIT_AUTHOR_NAME="calibration", GIT_AUTHOR_EMAIL="gate@attnkern",
                GIT_COMMITTER_NAME="calibration", GIT_COMMITTER_EMAIL="gate@attnkern")
@@ -72,9 +107,10 @@ def git(repo, *args) -> str:
                           text=True).stdout.strip()
 
 
-def make_history(clone: Path, levels) -> dict[str, str]:
-    """Commits off HEAD: a README no-op (identical library code) and one
-    injected slowdown per level. Returns {name: sha}."""
+def make_history(clone: Path, levels, avx512_levels=()) -> dict[str, str]:
+    """Commits off HEAD: a README no-op (identical library code), one
+    injected slowdown per level, and one AVX-512-only slowdown per avx512 level
+    (named avx512slowN). Returns {name: sha}."""
     base = git(clone, "rev-parse", "HEAD")
     shas = {"base": base}
     git(clone, "checkout", "-q", "-b", "noop", base)
@@ -88,6 +124,13 @@ def make_history(clone: Path, levels) -> dict[str, str]:
         path.write_text(inject_slowdown(path.read_text(), KEYS_FOR_LEVEL[level]))
         git(clone, "commit", "-q", "-am", f"flash: {KEYS_FOR_LEVEL[level]}% of score tiles twice (~{level}% slower)")
         shas[f"slow{level}"] = git(clone, "rev-parse", "HEAD")
+    for level in avx512_levels:
+        fmas = AVX512_FMAS_FOR_LEVEL[level]
+        git(clone, "checkout", "-q", "-b", f"avx512slow{level}", base)
+        path = clone / AVX512_INJECT_FILE
+        path.write_text(inject_avx512_slowdown(path.read_text(), fmas))
+        git(clone, "commit", "-q", "-am", f"avx512: {fmas} more FMAs in 2^x (~{level}% more instructions)")
+        shas[f"avx512slow{level}"] = git(clone, "rev-parse", "HEAD")
     git(clone, "checkout", "-q", base)
     return shas
 
@@ -155,6 +198,58 @@ def counted_runs(clone: Path, shas: dict, cache: Path) -> dict:
         out.setdefault(name, []).append({"seconds": time.perf_counter() - t0,
                                          "Ir": {k: v["Ir"] for k, v in counts.items()}})
     return out
+
+
+def avx512_runs(clone: Path, shas: dict, aa: int) -> dict:
+    """The avx512-counted signal's comparisons: `aa` A/A ones (base against the
+    no-op commit, both built afresh each time) and one per injected commit (its
+    counts are deterministic: one comparison decides). {name: [comparison]}, each
+    with its seconds, ratios per configuration and the configurations flagged."""
+    cfgs = gate.avx512_count.configs(gate.COUNT_SHAPES)
+    out = {}
+    for name in ["noop"] * aa + [n for n in shas if n not in ("base", "noop")]:
+        print(f"== avx512-counted: base -> {name}", flush=True)
+        t0 = time.perf_counter()
+        counted = gate.avx512_count.count_commits(clone, {"baseline": shas["base"], "candidate": shas[name]}, cfgs)
+        rows = gate.avx512_count.rows(counted, 0.01)
+        out.setdefault(name, []).append({
+            "seconds": time.perf_counter() - t0,
+            "ratios": {r["benchmark"]: r["ratio"] for r in rows},
+            "instructions": {r["benchmark"]: [r["baseline"], r["candidate"]] for r in rows},
+            "flagged": [r["benchmark"] for r in rows if r["verdict"] == "slower"]})
+    return out
+
+
+def summarize_avx512(data) -> str:
+    """The avx512-counted calibration table of docs/regression-gate.md: one row per
+    kind of comparison (its trials together)."""
+    runs, paired = data["avx512"], data.get("paired", {})
+    timed = any(name in paired for name in runs if name.startswith("avx512"))
+    lines = ["| comparison | flagged (a configuration above +1%) | forward ratios | backward ratios | "
+             "minutes per comparison |" + (" paired timing: flagged, medians |" if timed else ""),
+             "|---|---|---|---|---|" + ("---|" if timed else "")]
+    for name in ["noop", *[n for n in runs if n != "noop"]]:
+        trials = runs.get(name, [])
+        if not trials:
+            continue
+        fwd = [r for t in trials for k, r in t["ratios"].items() if ".backward" not in k]
+        bwd = [r for t in trials for k, r in t["ratios"].items() if ".backward" in k]
+        label = "A/A (no-op commit)"
+        if name.startswith("avx512slow"):
+            lvl = int(name[len("avx512slow"):])
+            label = f"AVX-512-only {lvl}% ({AVX512_FMAS_FOR_LEVEL[lvl]} FMAs in 2^x)"
+        elif name.startswith("slow"):
+            label = f"flash_panel {name[4:]}% (score tiles twice)"
+        minutes = statistics.median(t["seconds"] for t in trials) / 60
+        row = (f"| {label} | {sum(1 for t in trials if t['flagged'])}/{len(trials)} | "
+               f"{min(fwd):.4f} to {max(fwd):.4f} | {min(bwd):.4f} to {max(bwd):.4f} | {minutes:.1f} |")
+        if timed:
+            times = paired.get(name, [])
+            medians = [r["ratio"] for t in times for r in t["rows"] if r.get("ratio")]
+            row += (f" {sum(1 for t in times if t['flagged'])}/{len(times)}, {min(medians):.3f} to "
+                    f"{max(medians):.3f} |" if medians else " |")
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def summarize(data) -> str:
@@ -385,7 +480,11 @@ def main(argv=None) -> int:
     parser.add_argument("--aa", type=int, default=5, help="A/A comparisons per method (default 5)")
     parser.add_argument("--trials", type=int, default=3, help="comparisons per injected level (default 3)")
     parser.add_argument("--levels", type=int, nargs="+", default=sorted(KEYS_FOR_LEVEL), choices=sorted(KEYS_FOR_LEVEL))
-    parser.add_argument("--methods", nargs="+", default=["counted", "paired", "asv"], choices=["counted", "paired", "asv"])
+    parser.add_argument("--methods", nargs="+", default=["counted", "paired", "asv", "avx512"],
+                        choices=["counted", "paired", "asv", "avx512"],
+                        help="avx512 needs an AVX-512 CPU and gcc; it is left out (with a note) elsewhere")
+    parser.add_argument("--avx512-levels", type=int, nargs="+", default=sorted(AVX512_FMAS_FOR_LEVEL),
+                        choices=sorted(AVX512_FMAS_FOR_LEVEL), help="the AVX-512-only slowdowns (percent)")
     parser.add_argument("--summarize", metavar="JSON", help="only print the table of an earlier run's data")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: calibrate the GPU gate on cuda.flash float32 (methods paired and counted)")
@@ -401,17 +500,26 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.summarize:
         data = json.loads(Path(args.summarize).read_text())
-        print(summarize_gpu(data) if data.get("device") == "cuda" else summarize(data))
+        if data.get("device") == "cuda":
+            print(summarize_gpu(data))
+        else:
+            print("\n\n".join(([summarize(data)] if all(m in data for m in ("counted", "paired", "asv")) else [])
+                              + ([summarize_avx512(data)] if "avx512" in data else [])))
         return 0
     if args.device == "cuda":
         if args.out == parser.get_default("out"):
             args.out = str(REPO / "docs" / "data" / "gate-calibration-gpu.json")
         args.methods = [m for m in args.methods if m != "asv"] or ["paired"]
         return calibrate_gpu(args)
+    if "avx512" in args.methods and (why := gate.avx512_count.missing()):
+        print(f"avx512: skipped: {why}")
+        args.methods = [m for m in args.methods if m != "avx512"]
+        if not args.methods:
+            return 0
     cache = REPO / ".gate" / "builds"
     data = {"cpu": gate.cpu_name(), "levels": args.levels, "time_threshold": 0.02, "started": time.ctime(),
             "keys_for_level": KEYS_FOR_LEVEL, "asv_regex": ASV_REGEX, "paired_regex": PAIRED_REGEX}
-    if Path(args.out).exists() and set(args.methods) != {"counted", "paired", "asv"}:
+    if Path(args.out).exists() and set(args.methods) < {"counted", "paired", "asv", "avx512"}:
         # re-measure some methods: the others' data stay
         old = json.loads(Path(args.out).read_text())
         data = {**old, **{k: v for k, v in data.items() if k not in ("levels",)},
@@ -421,13 +529,24 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         clone = tmp / "attnkern"
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-        shas = make_history(clone, args.levels)
-        data["shas"] = shas
+        shas = make_history(clone, args.levels, args.avx512_levels if "avx512" in args.methods else ())
+        data.setdefault("shas", shas)  # those of the first run; a re-measure's are under shas_<methods>
         comparisons = [("noop", seed) for seed in range(args.aa)]
         comparisons += [(f"slow{lvl}", seed) for seed in range(args.trials) for lvl in args.levels]
+        # with avx512 and paired, the AVX-512-only commits are timed too (by paired alone:
+        # what time they cost on this machine, whose native.flash runs the AVX-512 code)
+        if "avx512" in args.methods and "paired" in args.methods:
+            comparisons += [(f"avx512slow{lvl}", seed) for seed in range(args.trials) for lvl in args.avx512_levels]
+        if not {"paired", "asv"} & set(args.methods):
+            comparisons = []
         data["shas_" + "_".join(args.methods)] = shas
         if "counted" in args.methods:
-            data["counted"] = counted_runs(clone, shas, cache)
+            data["counted"] = counted_runs(clone, {k: v for k, v in shas.items() if not k.startswith("avx512")},
+                                           cache)
+        if "avx512" in args.methods:
+            data["avx512"] = avx512_runs(clone, shas, args.aa)
+            data["avx512_fmas_for_level"] = {lvl: AVX512_FMAS_FOR_LEVEL[lvl] for lvl in args.avx512_levels}
+            Path(args.out).write_text(json.dumps(data, indent=1))
         asv = asv_setup(tmp, clone) if "asv" in args.methods else None
         for method in ("paired", "asv"):
             if method in args.methods:
@@ -436,7 +555,7 @@ def main(argv=None) -> int:
             print(f"== comparison {i + 1}/{len(comparisons)}: base -> {name} (seed {seed})", flush=True)
             if "paired" in args.methods:
                 data["paired"].setdefault(name, []).append(paired_trial(clone, shas["base"], shas[name], seed, tmp))
-            if asv is not None:
+            if asv is not None and not name.startswith("avx512"):
                 data["asv"].setdefault(name, []).append(asv_trial(asv, shas["base"], shas[name]))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(data, indent=1))
@@ -444,6 +563,8 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(data, indent=1))
     if all(m in data for m in ("counted", "paired", "asv")):
         print(summarize(data))
+    if "avx512" in data:
+        print(summarize_avx512(data))
     return 0
 
 

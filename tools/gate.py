@@ -15,6 +15,13 @@ counted   Instructions executed by one single-threaded call of each kernel
           path (it does not emulate AVX-512), and instructions are not time:
           memory stalls and vector width changes show only in the second signal.
 
+avx512-counted  Where this CPU has AVX-512 and gcc is here (tools/avx512_count.py):
+          the instructions native.flash's AVX-512 code (attn_avx512.c) executes
+          in one single-threaded forward and backward, run natively in a harness
+          built by gcc with -fsanitize-coverage=trace-pc from each commit's
+          sources, its blocks' hits weighted by their instructions. Deterministic
+          like `counted`, same threshold; it sees what Valgrind's AVX2 path cannot.
+
 time      Wall time of both builds in paired, alternating turns on this machine:
           one worker process per build (benchmarks/turns.py), each with its own
           wheel, the same inputs and thread counts, idle OpenMP threads sleeping;
@@ -63,6 +70,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.append(str(REPO))  # attnkern_bench from the source tree where no attnkern is installed (a GPU runner's Python)
 import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
+sys.path.insert(0, str(REPO / "tools"))
+import avx512_count  # noqa: E402  (tools/avx512_count.py: the AVX-512 path's counted signal)
 import gpu_counting  # noqa: E402  (benchmarks/gpu_counting.py: the GPU's counted signal, through ncu)
 import turns  # noqa: E402  (benchmarks/turns.py: paired timing in worker processes)
 from attnkern_bench.machine import cpu_name  # noqa: E402  (the builds compared run in workers)
@@ -195,6 +204,30 @@ def count_both(configs, sites, log) -> dict[str, dict[str, dict]]:
     with ThreadPoolExecutor(max_workers=len(sites)) as pool:
         futures = {side: pool.submit(count_side, side, site) for side, site in sites.items()}
         return {side: future.result() for side, future in futures.items()}
+
+
+def count_avx512(repo: Path, shas: dict, names: dict, keep, args, log) -> list[dict]:
+    """The avx512-counted rows of native.flash (tools/avx512_count.py), or one
+    skipped row saying why the signal cannot run: the CPU has no AVX-512, gcc or
+    objdump is missing, a side is a wheel or an installed site (the harness is
+    built from a commit's sources), or native.flash is not compared."""
+    if "native.flash" not in args.kernels:
+        return []
+    cfgs = [c for c in avx512_count.configs(args.count_shapes)
+            if keep is None or keep.search(avx512_count.config_key(*c))]
+    if not cfgs:
+        return []
+    why = avx512_count.missing()
+    if why is None and set(shas) != set(names):
+        why = "needs both sides as commits (it builds their sources), not a wheel or an installed site"
+    if why:
+        return [{"benchmark": "native.flash", "signal": "avx512-counted", "verdict": "skipped", "note": why}]
+    log(f"counting native.flash's AVX-512 code natively (trace-pc) in {len(cfgs)} configurations ...")
+    try:
+        counted = avx512_count.count_commits(repo, shas, cfgs, log)
+    except avx512_count.CountError as exc:
+        raise GateError(f"avx512-counted: {exc}") from exc
+    return avx512_count.rows(counted, args.count_threshold)
 
 
 def count_gpu(keys, sites, log) -> dict[str, dict[str, dict]] | str:
@@ -334,23 +367,23 @@ def rows_of(counted, timed, args, gpu_counted=None) -> list[dict]:
 
 
 def print_table(rows) -> None:
-    head = f"{'benchmark':<36} {'signal':<8} {'baseline':>12} {'candidate':>12} {'ratio':>7} {'95% interval':>17}  verdict"
+    head = f"{'benchmark':<36} {'signal':<14} {'baseline':>12} {'candidate':>12} {'ratio':>7} {'95% interval':>17}  verdict"
     print(head)
     print("-" * len(head))
     for r in rows:
         if r["verdict"] == "skipped":
-            print(f"{r['benchmark']:<36} {r['signal']:<8} {'':>12} {'':>12} {'':>7} {'':>17}  skipped: {r['note']}")
+            print(f"{r['benchmark']:<36} {r['signal']:<14} {'':>12} {'':>12} {'':>7} {'':>17}  skipped: {r['note']}")
             continue
         if r.get("unit") == "bytes":
             b, c, iv = f"{r['baseline'] / 1e6:.2f} MB", f"{r['candidate'] / 1e6:.2f} MB", "counted"
         elif r["signal"] != "time":
             b, c = f"{r['baseline'] / 1e6:.3f}M", f"{r['candidate'] / 1e6:.3f}M"
-            iv = "exact" if r["signal"] == "counted" else "counted"
+            iv = "exact" if r["signal"] in ("counted", "avx512-counted") else "counted"
         else:
             b, c = f"{r['baseline'] * 1e3:.3f} ms", f"{r['candidate'] * 1e3:.3f} ms"
             iv = f"[{r['interval'][0]:.3f}, {r['interval'][1]:.3f}]"
         mark = {"slower": "SLOWER", "faster": "faster", "same": "same"}[r["verdict"]]
-        print(f"{r['benchmark']:<36} {r['signal']:<8} {b:>12} {c:>12} {r['ratio']:>7.3f} {iv:>17}  {mark}")
+        print(f"{r['benchmark']:<36} {r['signal']:<14} {b:>12} {c:>12} {r['ratio']:>7.3f} {iv:>17}  {mark}")
 
 
 def parse_args(argv=None):
@@ -379,8 +412,11 @@ def parse_args(argv=None):
                         f"cuda: {' '.join(GPU_SHAPES)})")
     parser.add_argument("--count-shapes", nargs="+", help=f"BxHxNxD shapes counted (default "
                         f"{' '.join(COUNT_SHAPES)}; cuda: the timed shapes)")
-    parser.add_argument("--no-count", action="store_true", help="skip the counted signal")
+    parser.add_argument("--no-count", action="store_true",
+                        help="skip the counted signals (Valgrind's and, with AVX-512, avx512-counted)")
     parser.add_argument("--no-time", action="store_true", help="skip the timed signal")
+    parser.add_argument("--no-avx512-count", action="store_true",
+                        help="skip the avx512-counted signal (native.flash's AVX-512 code, where the CPU has it)")
     parser.add_argument("--count-threshold", type=float, default=0.01,
                         help="relative change of instructions (CPU: Valgrind's, cuda: SASS) (default 0.01)")
     parser.add_argument("--dram-threshold", type=float, default=0.05,
@@ -496,10 +532,15 @@ def main(argv=None) -> int:
                                               if k.split(":")[0] in GPU_NOT_COUNTED})
         else:
             counted = count_both([(k, s, bool(int(c))) for k, s, c in (x.split(":") for x in count_cfg)], sites, log)
+    avx512_rows = []
+    if not gpu and not args.no_count and not args.no_avx512_count:
+        avx512_rows = count_avx512(repo, shas, names, keep, args, log)
     timed = None
     if not args.no_time and time_cfg:
         timed = time_both(time_cfg, sites, args, log)
     rows = rows_of(counted, timed, args, gpu_counted)
+    # the counted signals first, then the timed one
+    rows = [r for r in rows if r["signal"] != "time"] + avx512_rows + [r for r in rows if r["signal"] == "time"]
     minutes = (time.perf_counter() - started) / 60
     where = gpu_name() if gpu else cpu_name()
     short = {side: n[:10] if re.fullmatch("[0-9a-f]{40}", n) else n for side, n in names.items()}
@@ -511,6 +552,9 @@ def main(argv=None) -> int:
               f"median ratio and 95% bootstrap interval; slower when the interval lies above {args.time_threshold:+.1%}")
     else:
         print(f"# counted: instructions of one call, 1 thread, under valgrind; slower above {args.count_threshold:+.1%}")
+        if avx512_rows:
+            print(f"# avx512-counted: instructions of native.flash's AVX-512 code in one call, 1 thread, run "
+                  f"natively (trace-pc instrumentation, tools/avx512_count.py); slower above {args.count_threshold:+.1%}")
         print(f"# time: {args.rounds} paired rounds, {args.threads} threads, median ratio and 95% bootstrap interval; "
               f"slower when the interval lies above {args.time_threshold:+.1%}")
     print_table(rows)
