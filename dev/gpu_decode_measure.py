@@ -40,26 +40,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnkern
 import attnkern.backends.triton as triton_backend
+from attnkern_bench.roofline import cuda_copy_gbs
 
 H, H_KV, NQ, D = 32, 8, 1, 128
 QUEUED = 10  # calls a kernel-time sample queues
-
-
-def copy_bandwidth(runs: int) -> float:
-    """Bytes a second of a device-to-device copy of 1 GiB (read + write)."""
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst.copy_(src)
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    return 2 * n / statistics.median(times)
 
 
 def sleep_cycles_per_s() -> float:
@@ -170,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("ATTNKERN_BENCH_SMOKE") == "1":
         args.batches, args.nk, args.runs = [1], [4096], 2
-    copy_bw = copy_bandwidth(10)
+    copy_bw = cuda_copy_gbs(torch, 10) * 1e9  # attnkern roofline's measure: bytes read and written
     hz = sleep_cycles_per_s()
     device = torch.cuda.get_device_name()
     print(f"{device}: device-to-device copy {copy_bw / 1e9:.0f} GB/s; H={H}, H_kv={H_KV}, Nq={NQ}, D={D}, bfloat16")
