@@ -146,7 +146,7 @@ def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
     else:
         prepared = prepared_flash(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
                                   resolved["block_q"], resolved["block_k"], resolved["tensor_cores"], with_lse,
-                                  resolved["fastmath"])
+                                  resolved["fastmath"], resolved.get("split_k", 0))
     sizes = (call.q.size, call.k.size, call.v.size, math.prod(call.out_shape))
     scan = launch.FiniteScan.prepare(call.q.dtype, sizes) if check else None
     if prepared is None or (check and scan is None):

@@ -53,10 +53,9 @@ def cpu_ceilings(threads: int, stream_mib: int = 512, repeat: int = 5) -> dict:
             "peak_gflops": fma, "bandwidth_gbs": triad, "stream_mib": stream_mib}
 
 
-def cuda_ceilings(repeat: int = 10) -> dict:
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = False
+def cuda_copy_gbs(torch, repeat: int = 10) -> float:
+    """GB/s of a device-to-device copy of 1 GiB (bytes read and written), the median of
+    `repeat` copies between CUDA events."""
     n = 256 * 2**20  # 1 GiB of float32
     src, dst = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
     dst.copy_(src)
@@ -68,8 +67,15 @@ def cuda_ceilings(repeat: int = 10) -> dict:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    copy = 2 * 4 * n / statistics.median(times) / 1e9
     del src, dst
+    return 2 * 4 * n / statistics.median(times) / 1e9
+
+
+def cuda_ceilings(repeat: int = 10) -> dict:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    copy = cuda_copy_gbs(torch, repeat)
     name = torch.cuda.get_device_name()
     sheet = DATASHEET.get(name, {})
     sgemm = cuda_sgemm_gflops(torch)

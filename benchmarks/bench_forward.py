@@ -109,6 +109,43 @@ def gpu_setup(bench, kernel, shape, dtype, causal, **params):
     torch.cuda.synchronize()
 
 
+class DecodeGpu:
+    """Decode on the GPU, as ForwardGpu but with a KV cache's shapes, which its q = k = v
+    shape axis cannot name: Nq query rows per head of H heads over H_kv k/v heads of Nk keys
+    ("BxHxH_kvxNqxNkxD"), bfloat16, causal="bottom_right" (torch: enable_gqa=True; at Nq = 1
+    bottom-right masks nothing); cuda.flash and triton.flash take their split-K decode paths.
+    dev/gpu_decode_measure.py times more shapes and every SDPA backend. Skipped without a CUDA
+    GPU, and for a kernel a commit lacks."""
+
+    params = [["cuda.flash", "triton.flash", "torch.sdpa"], axis(["1x32x8x1x16384x128", "8x32x8x1x131072x128"])]
+    param_names = ["kernel", "shape"]
+    rounds = 2
+    repeat = (3, 20, 2.0)
+    warmup_time = 0.5
+    timeout = 300
+
+    def setup(self, kernel, shape):
+        if torch is None or not torch.cuda.is_available():
+            raise NotImplementedError("no CUDA GPU")
+        b, h, h_kv, nq, nk, d = (int(x) for x in shape.split("x"))
+        if kernel == "torch.sdpa":
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            self.call = lambda q, k, v: sdpa(q, k, v, is_causal=nq > 1, enable_gqa=True)
+        else:
+            kernel_call(kernel)  # NotImplementedError (skip) where missing or unavailable
+            self.call = lambda q, k, v: attnkern.attention(q, k, v, causal="bottom_right", kernel=kernel,
+                                                           check_finite=False)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.q, self.k, self.v = (torch.randn(b, heads, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
+                                  for heads, n in ((h, nq), (h_kv, nk), (h_kv, nk)))
+        self.call(self.q, self.k, self.v)
+        torch.cuda.synchronize()
+
+    def time_decode(self, kernel, shape):
+        self.call(self.q, self.k, self.v)
+        torch.cuda.synchronize()
+
+
 class Float32GpuPaths:
     """float32 on the GPU with and without tensor cores: cuda.flash's 3xTF32 kernel
     (tensor_cores=1) against its float32 FMA kernel (0), triton.flash's 3xTF32 against its

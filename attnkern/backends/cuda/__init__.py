@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 
 import numpy as np
 
 from ..._gpuarray import GpuArray
 from ..._registry import Kernel, Param, SearchSpace, register
+from .._split import DECODE_MAX_SPLITS, decode_splits
 
 
 @functools.cache
@@ -137,26 +139,54 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
     )
 
 
-def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0, out=None, lse=None,
-                features=None):
+_LAST = threading.local()  # per thread: the key chunks of the last cuda.flash call (0: no split)
+
+
+def last_split() -> int:
+    """The number of key chunks cuda.flash's last call on this thread ran on its split-K
+    decode path (cpp.flash_decode), or 0 where it ran a regular kernel."""
+    return getattr(_LAST, "splits", 0)
+
+
+def _decode_splits(q, k, v, features, split_k: int) -> int:
+    """The chunks cuda.flash's decode path runs this call in (_split.decode_splits), 0 for
+    the regular kernels; a ValueError where split_k >= 2 forces it on a call it cannot take."""
+    from . import cpp
+
+    batch, nq, d = q.shape
+    group = features.kv_group if features is not None else 1
+    why = cpp.decode_refusal(q.dtype.name, nq, group, d, v.shape[2], features)
+    if why is not None:
+        if split_k > 1:
+            raise ValueError(f"cuda.flash: split_k={split_k} asks for the split-K decode path, but {why}; "
+                             "pass split_k=0 (automatic) or 1 (off)")
+        return 0
+    return decode_splits(k.shape[0], nq, k.shape[1], split_k, max_chunk=cpp.DECODE_CHUNK_KEYS)
+
+
+def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0, split_k=0, out=None,
+                lse=None, features=None):
     """lse: None, or a (batch, nq) array of q's dtype to fill with each row's
     log-sum-exp: a GpuArray, or a NumPy array (filled from a copy on the GPU).
     features: a _registry.Features (grouped k/v, alignment, window, key lengths,
     softcap: every kernel below runs its featured variant), or None. fastmath: 1
     runs the CUDA C++ kernels' fastmath variant (ATTNKERN_FAST in flash_common.cuh);
-    the Numba kernel (float64, and float32 where no CUDA C++ kernel runs) has one form."""
+    the Numba kernel (float64, and float32 where no CUDA C++ kernel runs) has one form.
+    split_k: the split-K decode path's key chunks (0: by shape, 1: off; _decode_splits)."""
     from . import cpp, launch, numba_kernels
 
     if isinstance(q, np.ndarray):
         return _host_forward(q, k, v, lse, lambda dq, dk, dv, dout, dlse: _cuda_flash(
-            dq, dk, dv, causal, scale, block_q, block_k, tensor_cores, fastmath, out=dout, lse=dlse,
+            dq, dk, dv, causal, scale, block_q, block_k, tensor_cores, fastmath, split_k, out=dout, lse=dlse,
             features=features))
+    _LAST.splits = 0
+    splits = _decode_splits(q, k, v, features, split_k)
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
     dropout = feat is not None and feat.dropout_p > 0
     if dropout and q.dtype.name not in DROPOUT_DTYPES:
         raise ValueError(_dropout_dtype_error(q.dtype.name))
     if q.dtype.name in cpp.MMA_DTYPES:
-        return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat, fastmath)
+        return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat, fastmath, splits)
     # dropout runs the Numba kernel: the CUDA C++ kernels have no Philox
     division = None if dropout else _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
     out = _device_out(q, v, out)
@@ -216,9 +246,10 @@ def _cpp_aligned(division):
     return cpp.tf32_aligned if isinstance(division, cpp.MmaConfig) else cpp.simt_aligned
 
 
-def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0):
+def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0, splits=0):
     """cuda.flash on float16/bfloat16: the tensor-core kernel (cpp.flash_mma),
-    whose tiles are fixed (128 query rows x 64 or 32 keys): block_q and block_k do not apply."""
+    whose tiles are fixed (128 query rows x 64 or 32 keys): block_q and block_k do not apply;
+    with splits, the split-K decode path (cpp.flash_decode) where the addresses suit it."""
     from numba import config
 
     from . import cpp
@@ -231,12 +262,16 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0):
     if why is not None:
         raise ValueError(f"cuda.flash: {why}")
     out = _device_out(q, v, out)
-    cpp.flash_mma(q, k, v, out, causal, scale, lse=lse, feat=feat, fast=bool(fastmath))
+    if splits and cpp.decode_aligned(*[a.ptr for a in (q, k, v, out) + (() if lse is None else (lse,))]):
+        _LAST.splits = cpp.flash_decode(q, k, v, out, causal, scale, lse, feat, splits, bool(fastmath))
+    else:
+        cpp.flash_mma(q, k, v, out, causal, scale, lse=lse, feat=feat, fast=bool(fastmath))
     return out
 
 
 def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
-                   block_q: int, block_k: int, tensor_cores: int, with_lse: bool, fastmath: int = 0):
+                   block_q: int, block_k: int, tensor_cores: int, with_lse: bool, fastmath: int = 0,
+                   split_k: int = 0):
     """cuda.flash's launch for (batch, n, d) GPU arrays of these sizes and dtype,
     with everything but the addresses fixed: (launch.Prepared taking the addresses
     of q, k, v, out[, lse], the test the addresses must pass or None), or None where
@@ -253,6 +288,9 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
         if dtype.name in cpp.MMA_DTYPES:
             if _flash_head_sizes(d, dv, dtype.name) is not None:
                 return None
+            if cpp.decode_refusal(dtype.name, nq, 1, d, dv, None) is None and decode_splits(
+                    batch, nq, nk, split_k, max_chunk=cpp.DECODE_CHUNK_KEYS):
+                return None  # the decode path's two launches and scratch memory: the general path
             kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse, fast=bool(fastmath))
             aligned = cpp.mma_aligned
         elif (division := _cpp_kernel(block_q, block_k, d, dv, dtype, tensor_cores)) is not None:
@@ -290,14 +328,14 @@ def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize:
 
 
 def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0,
-                         dq=None, dk=None, dv=None, features=None):
+                         split_k=0, dq=None, dk=None, dv=None, features=None):
     """(dq, dk, dv) of cuda.flash, from the forward's out and lse and the
     output's gradient dout. GpuArrays: dq, dk, dv are the caller's, filled and
     returned; NumPy arrays: copied to the GPU (through the pinned staging buffers),
     the gradients copied back. float16/bfloat16 run the tensor-core kernels
     (cpp.flash_bwd_half; block_q, block_k and tensor_cores do not apply); float32 and
-    float64 the Numba kernels (backward.py; FMAs in the input's dtype: tensor_cores and
-    fastmath apply to the forward only).
+    float64 the Numba kernels (backward.py; FMAs in the input's dtype: tensor_cores,
+    fastmath and split_k apply to the forward only).
     features: a _registry.Features or None, as for the forward (dk and dv of a
     group of query rows sharing k/v rows summed in the rows' order)."""
     from numba import config
@@ -445,6 +483,12 @@ register(
                   "denormals flushed); 0 with CUDA's accurate exp2f, log2f and IEEE division. The Numba kernel "
                   "(float64, and float32 where no CUDA C++ kernel runs) and the backward ignore it",
                   choices=(0, 1), switch=True),
+            Param("split_k", 0, 0, DECODE_MAX_SPLITS,
+                  "float16/bfloat16 forward: the split-K decode path's key chunks (one block per chunk and k/v "
+                  "head, the group's query heads packed into its rows, a log-sum-exp combine): 0 by shape (nq <= "
+                  "16, kv_group nq <= 128, nk >= 1024: at least 264 blocks and chunks of about 1280 keys or "
+                  "fewer, but >= 256), 1 off, N >= 2 forced (at most one chunk per 64 keys); masks, ALiBi and "
+                  "dropout run the regular kernels"),
         ),
         unavailable_reason=unavailable,
         device="cuda",

@@ -13,6 +13,9 @@ import os
 import numpy as np
 from numba import config, cuda
 
+from ..._gpuarray import GpuArray
+from .._split import decode_chunk, rows_refusal
+
 from .launch import (FEAT_TYPES, LOG2E, PLAIN_WORDS, SHARED_BYTES, Addr, RawKernel, dynamic_raw_kernel, launch,
                      register_raw, round_up, shared_limit)
 
@@ -494,3 +497,88 @@ def flash_bwd_half(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: flo
             np.float32(scale * LOG2E), np.float32(scale), np.int32(bool(causal)), *words)
     launch(dq_kernel, (-(-nq // (16 * config.dq_mt * config.dq_warps)), batch), 32 * config.dq_warps, *args)
     launch(kv_kernel, (-(-nk // (16 * config.kv_mt * config.kv_warps)), k.shape[0]), 32 * config.kv_warps, *args)
+
+
+# ---------------------------------------------------------------- cuda.flash's split-K decode
+
+# The decode variant's K/V tile: 32 keys, so that a block of one warp (up to 16 query rows) takes
+# 4 x 32 x (D + 8) x 2 bytes of shared memory (34.8 KB at D = 128) and six blocks fit an SM, each
+# with a tile in flight while it computes another (read at each call: dev/gpu_decode_measure.py
+# --decode-tiles compares 16, 32 and 64). The automatic split (_split.decode_splits) aims at
+# _split.DECODE_TARGET_BLOCKS blocks and chunks of about DECODE_CHUNK_KEYS keys, whichever gives
+# more chunks. On an H200 (docs/gpu-decode.md, B 1/4/8 x H_kv 8): 50 chunks at Nk = 64k (1311
+# keys) and 50-150 at 128k ran at 85-96% of the copy bandwidth at B = 4 and 8, where 13-25 chunks
+# ran at 68-74% (a block count just above one wave of six blocks on each of 132 SMs leaves a tail)
+DECODE_TILE = 32
+DECODE_CHUNK_KEYS = 1280
+
+def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) -> str | None:
+    """Why the decode path cannot run this call, or None: it takes float16 and bfloat16
+    at D = Dv a multiple of 16 up to 128, _split.rows_refusal's query rows, and the
+    features GQA, bottom-right, window, key lengths and softcap (feat: its mask, alibi
+    and dropout_p are read; masks, ALiBi and dropout run the regular kernels)."""
+    if dtype not in MMA_DTYPES:
+        return f"it takes float16 and bfloat16, not {dtype}"
+    if not mma_head_size_ok(d, dv):
+        return f"it needs D = Dv, a multiple of 16 up to 128 (got D={d}, Dv={dv})"
+    why = rows_refusal(nq, kv_group)
+    if why is None and feat is not None and (feat.mask is not None or feat.alibi is not None
+                                             or getattr(feat, "dropout_p", 0) > 0):
+        why = "it has no attention mask, ALiBi or dropout"
+    return why
+
+
+def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False):
+    """The decode variant of flash_mma.cu (ATTNKERN_DECODE) for warps 16-row mma tiles
+    of a group's query rows and K/V tiles of block_k keys: Q's fragments in registers,
+    one mma tile a warp, the features compiled in (PLAIN_WORDS for a plain call), two
+    more parameters (query rows a head, keys a chunk); fast: the fastmath variant."""
+    shared = 4 * block_k * (d + 8) * 2
+    return _linked_kernel("flash_mma.cu", f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}{'_fm' if fast else ''}",
+                          (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", block_k), ("MT", 1),
+                           ("NW", warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0), ("ALIBI", 0), ("DECODE", 1),
+                           ("FAST", int(fast))),
+                          ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("i32", "i32"),
+                          32 * warps, shared)
+
+
+def flash_combine_kernel(dtype: str, d: int, fast: bool = False):
+    """flash_combine.cu: the decode partials merged into the output rows (and lse); fast:
+    the fastmath variant."""
+    return _linked_kernel("flash_combine.cu", f"attnkern_flash_combine_{dtype}_{d}{'_fm' if fast else ''}",
+                          (("D", d), ("BF16", int(dtype == "bfloat16")), ("FAST", int(fast))),
+                          ("u64",) * 4 + ("i32",) * 4, 128, 0)
+
+
+def decode_aligned(*ptrs) -> bool:
+    """Whether the decode path can take arrays at these addresses (q, k, v, out[, lse]):
+    16-byte aligned inputs, out 8-byte aligned (the combine's 4-element stores)."""
+    return mma_aligned(*ptrs) and not ptrs[3] % 8
+
+
+def flash_decode(q, k, v, out, causal: bool, scale: float, lse, feat, splits: int, fast: bool = False) -> int:
+    """cuda.flash's split-K decode on float16/bfloat16 GpuArrays (decode_refusal None,
+    decode_aligned addresses): the keys in `splits` chunks (decode_chunk), one block
+    per (chunk, k/v row) holding the group's kv_group nq query rows, each writing a
+    float32 partial and its lse to scratch memory (arrays.workspace), then the
+    combine (flash_combine.cu) in split order; fast: their fastmath variants. K/V tiles of DECODE_TILE keys (read at
+    each call: dev/gpu_decode_measure.py compares tiles). Returns the chunks run."""
+    from .arrays import workspace
+
+    batch, nq, d = q.shape
+    batch_kv, nk = k.shape[0], k.shape[1]
+    rows = batch // batch_kv * nq  # a group's query rows
+    chunk, splits = decode_chunk(nk, splits)
+    parts = batch_kv * splits * rows
+    scratch = workspace(parts * (d + 1), np.float32, q.owner)
+    part_o = GpuArray((parts * d,), np.float32, None, ptr=scratch.ptr, owner=scratch)
+    part_lse = GpuArray((parts,), np.float32, None, ptr=scratch.ptr + parts * d * 4, owner=scratch)
+    words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
+    dtype = q.dtype.name
+    launch(flash_decode_kernel(dtype, d, -(-rows // 16), DECODE_TILE, fast), (splits, batch_kv), 32 * -(-rows // 16),
+           Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
+           np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(0), *words, np.int32(nq), np.int32(chunk))
+    launch(flash_combine_kernel(dtype, d, fast), -(-(batch * nq) // 4), 128, Addr(part_o), Addr(part_lse), Addr(out),
+           Addr(out if lse is None else lse), np.int32(batch * nq), np.int32(splits), np.int32(rows),
+           np.int32(lse is not None))
+    return splits

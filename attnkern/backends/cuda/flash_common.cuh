@@ -98,6 +98,12 @@ static __device__ __forceinline__ float neg_inf() {
 #ifndef ATTNKERN_ALIBI
 #define ATTNKERN_ALIBI 0
 #endif
+// ATTNKERN_DECODE 1 (flash_mma.cu, with ATTNKERN_FEAT 1): the split-K decode variant, whose
+// block rows are the (query head, query row) pairs of one k/v head's group: row r is query
+// row r % nq of head r / nq (QUERY_ROW)
+#ifndef ATTNKERN_DECODE
+#define ATTNKERN_DECODE 0
+#endif
 #define FEAT_PARAMS int kv_group, u64 lensp, int seq_rows, int bottom_right, int window_left, int window_right, \
                     float softcap, u64 maskp, int mask_kind, int mask_heads, u64 mask_sb, u64 mask_sh, u64 mask_si, \
                     u64 mask_sj, float mask_unit, u64 alibip, float alibi_unit
@@ -171,6 +177,15 @@ static __device__ __forceinline__ float mask_score(const Feat& f, float s, int k
     return s;
 #endif
 }
+
+// the query row (as the masks count them) of a kernel's row r: r itself, or in the decode
+// variant, whose rows pack the query heads of a group, r % nq (a macro: the other kernels compile
+// to the code they had without the decode variant)
+#if ATTNKERN_DECODE
+#define QUERY_ROW(f, r) ((r) % (f).nq)
+#else
+#define QUERY_ROW(f, r) (r)
+#endif
 
 // the first key row i sees, and one past its last (hi <= lo: it sees none)
 static __device__ __forceinline__ int key_lo(const Feat& f, int row) {
@@ -266,7 +281,7 @@ static __device__ __forceinline__ void softmax_tile(float (&s)[NS][4], float (&m
         if (MASK) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = j0 + n * 8 + 2 * t + (e & 1), row = r0 + (e >> 1) * 8;
+                const int key = j0 + n * 8 + 2 * t + (e & 1), row = QUERY_ROW(f, r0 + (e >> 1) * 8);
                 if (key_hidden(f, key, row))
                     s[n][e] = NEG_INF;
                 else if (ATTNKERN_MASK || ATTNKERN_ALIBI)
@@ -337,6 +352,32 @@ static __device__ __forceinline__ float quad_sum(float x) {
 // (m c + log2 l) ln 2, m c being the scaled max in the log2 domain
 static __device__ __forceinline__ float row_lse(float m, float c, float l) {
     return (m * c + lg2(l)) * 0.6931471805599453f;
+}
+
+// The decode variant's partial (flash_mma.cu, ATTNKERN_DECODE): a lane's two rows r0
+// and r0 + 8 of the accumulator (8 DH columns), divided by their row sums, in
+// float32 where they are below nq, and their log-sum-exp in the log2 domain (-inf
+// where a row saw no key) from the lane with t = 0.
+// (store_half_rows' steps with float32 stores: kept apart so that the half-precision
+// kernels compile to the code they had, which a shared template with the stores as
+// lambdas did not)
+template <int DH>
+static __device__ __forceinline__ void store_partial_rows(float* out, float* lse, const float (&o)[DH / 8][4],
+                                                          const float (&l)[2], const float (&m)[2], float c, int r0,
+                                                          int nq) {
+    const int t = threadIdx.x & 3, r1 = r0 + 8;
+    const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
+    const float inv0 = row_inverse(l0), inv1 = row_inverse(l1);
+#pragma unroll
+    for (int j = 0; j < DH / 8; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (r0 < nq) *(float2*)(out + (u64)r0 * DH + col) = make_float2(o[j][0] * inv0, o[j][1] * inv0);
+        if (r1 < nq) *(float2*)(out + (u64)r1 * DH + col) = make_float2(o[j][2] * inv1, o[j][3] * inv1);
+    }
+    if (t == 0) {
+        if (r0 < nq) lse[r0] = l0 == 0.f ? neg_inf() : m[0] * c + lg2(l0);
+        if (r1 < nq) lse[r1] = l1 == 0.f ? neg_inf() : m[1] * c + lg2(l1);
+    }
 }
 
 // the first query row of this block of bm rows: with causal masking block x does

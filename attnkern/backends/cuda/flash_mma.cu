@@ -34,6 +34,16 @@
 // cross nk or an mma tile's causal diagonal; with causal masking a block stops at
 // its last row, a warp skips tiles entirely above its rows, and the blocks with
 // the most tiles are issued first.
+//
+// ATTNKERN_DECODE 1 compiles the split-K decode variant (flash-decoding; with
+// ATTNKERN_FEAT 1, MT 1, QSMEM 0): a block's rows are the nq = kv_group qrows
+// query rows of one k/v head's group (head h, row i as block row h qrows + i: in
+// q's layout these rows are consecutive, so the group is one (nq, D) slab), the
+// grid is (splits, k/v rows), and block x reads only keys [x chunk, (x + 1) chunk)
+// (chunk a multiple of BN): one K/V read serves the whole group. It writes its
+// rows' partial result, normalised by its own row sums, in float32 to op and its
+// partial log-sum-exp (log2 domain, -inf where a row saw no key of the chunk) to
+// lsep, at partial (k/v row, x); flash_combine.cu merges the partials.
 
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
@@ -89,8 +99,14 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
     }
 }
 
+#if ATTNKERN_DECODE
+#define DECODE_PARAMS , int qrows, int chunk
+#else
+#define DECODE_PARAMS
+#endif
+
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
-                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS) {
+                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS DECODE_PARAMS) {
     constexpr int KC = D / 16;  // 16-wide chunks of the head size: the k steps of Q K^T
     constexpr int NS = BN / 8;  // 8-key tiles of a score row block
     constexpr int NO = D / 8;   // 8-column tiles of the output
@@ -102,10 +118,17 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #endif
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
-    const u64 b = blockIdx.y;
+    const u64 b = blockIdx.y;  // the batch row; in the decode variant the k/v row
+#if ATTNKERN_DECODE
+    const int q0 = 0;
+    const u16* q = (const u16*)qp + b * (u64)nq * D;
+    // the group's first query head (its heads share the key length: a sequence's heads are whole groups)
+    const Feat f = make_feat(b * (u64)kv_group, qrows, nk, causal, FEAT_ARGS);
+#else
     const int q0 = block_first_row(causal, BM);
     const u16* q = (const u16*)qp + b * (u64)nq * D;
     const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+#endif
     const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
     const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
     const int wr0 = q0 + warp * 16 * MT;  // this warp's first row; its mma tile i has rows wr0 + 16 i...
@@ -157,11 +180,19 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
 #if ATTNKERN_FEAT
 #define LOAD_LEN f.len
-#define TILE_MASKED(i) tile_masked(f, j0, BN, wr0 + 16 * (i), wr0 + 16 * (i) + 15)
     // the key tiles [jt0, jt1) some row of the block sees; keys past the row's length are
     // zero-filled, never read
     int jt0, jt1;
+#if ATTNKERN_DECODE
+    // every warp may hold every query row: the bounds of rows 0 and qrows - 1 serve, within this block's chunk
+#define TILE_MASKED(i) tile_masked(f, j0, BN, 0, qrows - 1)
+    key_tiles(f, 0, qrows, qrows, BN, jt0, jt1);
+    jt0 = max(jt0, (int)blockIdx.x * (chunk / BN));
+    jt1 = max(jt0, min(jt1, ((int)blockIdx.x + 1) * (chunk / BN)));
+#else
+#define TILE_MASKED(i) tile_masked(f, j0, BN, wr0 + 16 * (i), wr0 + 16 * (i) + 15)
     key_tiles(f, q0, BM, nq, BN, jt0, jt1);
+#endif
 
     load_tile(k, ks0 + (jt0 & 1) * TILE, jt0 * BN, f.len, tid);
     load_tile(v, vs0 + (jt0 & 1) * TILE, jt0 * BN, f.len, tid);
@@ -191,7 +222,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             cp_async_commit();
         }
         // a warp none of whose rows sees a key of the tile has nothing to add
-#if ATTNKERN_FEAT
+#if ATTNKERN_DECODE
+        if (tile_unseen(f, j0, BN, 0, qrows - 1)) continue;
+#elif ATTNKERN_FEAT
         if (tile_unseen(f, j0, BN, wr0, wr0 + 16 * MT - 1)) continue;
 #else
         if (causal && j0 > wr0 + 16 * MT - 1) continue;
@@ -280,6 +313,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     }
 
     if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
+#if ATTNKERN_DECODE
+    // the partial of (k/v row b, split x): rows normalised by their own sums, float32
+    const u64 part = b * gridDim.x + blockIdx.x;
+    store_partial_rows<D>((float*)op + part * (u64)nq * D, (float*)lsep + part * (u64)nq, o[0], l[0], m[0], c,
+                          wr0 + g, nq);
+    return;
+#endif
     u16* out = (u16*)op + b * (u64)nq * D;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {

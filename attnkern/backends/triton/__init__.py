@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 
 import numpy as np
 
 from ..._registry import Kernel, Param, register
+from .._split import DECODE_MAX_SPLITS, decode_splits, rows_refusal
 
 
 @functools.cache
@@ -71,15 +73,41 @@ def _lens(features, device):
     return torch.from_numpy(features.key_lengths).to(device)
 
 
-def _run(q, k, v, causal, scale, tensor_cores=1, out=None, lse=None, features=None):
+_LAST = threading.local()  # per thread: the key chunks of the last triton.flash forward (0: no split)
+
+
+def last_split() -> int:
+    """The number of key chunks triton.flash's last forward on this thread ran on its split-K
+    decode path (flash.launch_decode), or 0 where it ran the regular kernel."""
+    return getattr(_LAST, "splits", 0)
+
+
+def _splits(batch: int, batch_kv: int, nq: int, nk: int, split_k: int) -> int:
+    """The decode path's key chunks for this call (_split.decode_splits), 0 for the regular
+    kernel; a ValueError where split_k >= 2 forces it on a call it cannot take."""
+    why = rows_refusal(nq, batch // batch_kv)
+    if why is not None:
+        if split_k > 1:
+            raise ValueError(f"triton.flash: split_k={split_k} asks for the split-K decode path, but {why}; "
+                             "pass split_k=0 (automatic) or 1 (off)")
+        return 0
+    return decode_splits(batch_kv, nq, nk, split_k)
+
+
+def _run(q, k, v, causal, scale, tensor_cores=1, split_k=0, out=None, lse=None, features=None):
     """out (batch, nq, dv) = attention of (batch, n, d) q and (batch / kv_group, n, d) k, v:
     GpuArrays (out, and lse (batch, nq) when given, are GpuArrays to fill) or NumPy arrays
     (copied to the GPU; the result is returned as a NumPy array, lse filled in place).
-    float32 products: 3xTF32 on tensor cores with tensor_cores, else exact float32."""
+    float32 products: 3xTF32 on tensor cores with tensor_cores, else exact float32.
+    split_k: the decode path's key chunks (0: by shape, 1: off; _splits)."""
     from . import flash
 
     (batch, nq, d), (batch_kv, nk, dv) = q.shape, v.shape
     shape = (batch, batch_kv, nq, nk, d, dv, causal, scale, q.dtype.name, tensor_cores, features)
+    _LAST.splits = 0
+    splits = _splits(batch, batch_kv, nq, nk, split_k)
+    if splits:
+        return _run_decode(q, k, v, out, lse, features, shape, splits)
     if isinstance(q, np.ndarray):
         import torch
 
@@ -96,8 +124,38 @@ def _run(q, k, v, causal, scale, tensor_cores=1, out=None, lse=None, features=No
     return out
 
 
-def _backward(q, k, v, out, dout, lse, causal, scale, tensor_cores=1, dq=None, dk=None, dv=None, features=None):
-    """(dq, dk, dv) of attention (as _run) given its out, lse and the output's gradient dout:
+def _run_decode(q, k, v, out, lse, features, shape, splits: int):
+    """_run on the split-K decode path (flash.launch_decode) in `splits` chunks, its
+    scratch memory from torch's caching allocator on torch's current stream (Triton's)."""
+    import torch
+
+    from . import flash
+
+    host = isinstance(q, np.ndarray)
+    if host:
+        tq, tk, tv = (_host_to_torch(torch, x) for x in (q, k, v))
+        tout = torch.empty((shape[0], shape[2], shape[5]), dtype=tq.dtype, device=tq.device)
+        tlse = torch.empty((shape[0], shape[2]), dtype=tq.dtype, device=tq.device) if lse is not None else None
+    else:
+        tq, tk, tv, tout = (_arg(x) for x in (q, k, v, out))
+        tlse = None if lse is None else _arg(lse)
+    device = _device(tq)
+
+    def scratch(n):
+        return torch.empty(n, dtype=torch.float32, device=device)
+
+    _LAST.splits = flash.launch_decode(tq, tk, tv, tout, tlse, _lens(features, device), scratch, splits, *shape)
+    if not host:
+        return out
+    if tlse is not None:
+        lse[...] = _torch_to_host(tlse, lse.dtype)
+    return _torch_to_host(tout, q.dtype)
+
+
+def _backward(q, k, v, out, dout, lse, causal, scale, tensor_cores=1, split_k=0, dq=None, dk=None, dv=None,
+              features=None):
+    """(dq, dk, dv) of attention (as _run) given its out, lse and the output's gradient dout
+    (split_k applies to the forward only):
     GpuArrays (dq, dk, dv are GpuArrays to fill, and are returned) or NumPy arrays (copied
     to the GPU and back)."""
     import torch
@@ -139,6 +197,9 @@ def prepared(call, resolved: dict, with_lse: bool):
     output and lse): a Triton whose launcher takes other arguments gets no fast path."""
     if call.needs:
         return None
+    (batch, nq, _), (batch_kv, nk, _) = call.q.shape, call.v.shape
+    if _splits(batch, batch_kv, nq, nk, resolved.get("split_k", 0)):
+        return None  # the decode path's two launches and scratch memory: the general path
     import torch
 
     from . import flash
@@ -209,7 +270,11 @@ register(
         run=_run,
         params=(Param("tensor_cores", 1, 0, 1, "float32: 1 computes the products on tensor cores in 3xTF32 "
                       "(Triton's input_precision 'tf32x3': about float32 FMAs' accuracy); 0 in exact float32 "
-                      "('ieee'); forward and backward", choices=(0, 1)),),
+                      "('ieee'); forward and backward", choices=(0, 1)),
+                Param("split_k", 0, 0, DECODE_MAX_SPLITS, "forward: the split-K decode path's key chunks (one "
+                      "program per chunk and k/v head, the group's query heads packed into its rows, a "
+                      "log-sum-exp combine): 0 by shape (nq <= 16, kv_group nq <= 128, nk >= 1024: about 264 "
+                      "programs, chunks of >= 256 keys), 1 off, N >= 2 forced (at most one chunk per 64 keys)")),
         unavailable_reason=_unavailable,
         device="cuda",
         returns_lse=True,

@@ -485,6 +485,116 @@ def _dkdv_block(dk, dv_acc, k, v, q_base, do_base, delta_base, lse2_base, start_
     return dk, dv_acc
 
 
+@triton.jit
+def flash_decode_partial(Q, K, V, PO, PLSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_out, left, right,
+                         bottom_right, ROWS_PER_SEQ, GROUP, chunk,
+                         HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
+                         HAS_RIGHT: tl.constexpr, HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr,
+                         EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The split-K decode's first kernel: one program per (key chunk, k/v head). Its rows are the
+    # GROUP nq query rows of the k/v head's group (head h's row i as row h nq + i: consecutive in
+    # Q), so one K/V read serves them all. It writes each row's partial (normalised by its own
+    # sum, float32) to PO and its lse in the log2 domain (-inf: no key of the chunk seen) to
+    # PLSE, both at (k/v head, chunk, row).
+    split = tl.program_id(0)
+    kv = tl.program_id(1)
+    kv64 = kv.to(tl.int64)
+    rows = GROUP * nq
+    offs_m = tl.arange(0, BLOCK_M)
+    qrow = offs_m % nq  # the query row each row is, as the masks count
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_e = tl.arange(0, HEAD_DV)
+    row_ok = offs_m < rows
+    q = tl.load(Q + kv64 * rows * d + offs_m[:, None] * d + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < d), other=0.0)
+    k_base = K + kv64 * nk * d
+    v_base = V + kv64 * nk * dv
+    length = _length(LENS, kv * GROUP, nk, ROWS_PER_SEQ, HAS_LENS)
+    off = (length - nq) * bottom_right
+    # this chunk's keys that some query row sees (the first row's window start, the last row's end)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, length)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, ((tl.maximum(off - left, 0)) // BLOCK_N) * BLOCK_N)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(nq + off + right, 0))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DV], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, qrow, offs_n, offs_d, offs_e,
+                                      nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True,
+                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
+    empty = l_i == 0.0
+    part = (kv64 * tl.num_programs(0) + split) * rows
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    tl.store(PO + (part + offs_m[:, None]) * HEAD_DV + offs_e[None, :], out, mask=row_ok[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(PLSE + part + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def flash_decode_combine(PO, PLSE, O, LSE, splits, rows, dv, HEAD_DV: tl.constexpr, WITH_LSE: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    # The split-K decode's second kernel: output row r (of k/v head r // rows) from its chunks'
+    # partials, weighted by 2^(lse - max), BLOCK_S chunks at a time in chunk order (deterministic)
+    r = tl.program_id(0)
+    kv = r // rows
+    base = kv.to(tl.int64) * splits * rows + r % rows  # partial (kv, 0, row); chunk s at + s rows
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_e = tl.arange(0, HEAD_DV)
+    mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        mx = tl.maximum(mx, tl.load(PLSE + base + (s0 + offs_s) * rows, mask=s0 + offs_s < splits,
+                                    other=float("-inf")))
+    m = tl.max(mx, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([HEAD_DV], tl.float32)
+    den = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        ok = s0 + offs_s < splits
+        w = tl.math.exp2(tl.load(PLSE + base + (s0 + offs_s) * rows, mask=ok, other=float("-inf")) - m_use)
+        part = tl.load(PO + (base + (s0 + offs_s[:, None]) * rows) * HEAD_DV + offs_e[None, :], mask=ok[:, None],
+                       other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+        den += w
+    total = tl.sum(den, 0)
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)
+    tl.store(O + r.to(tl.int64) * dv + offs_e, out.to(O.dtype.element_ty), mask=offs_e < dv)
+    if WITH_LSE:
+        lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+        tl.store(LSE + r, lse.to(LSE.dtype.element_ty))
+
+
+def launch_decode(q, k, v, out, lse, lens, scratch, splits: int, batch: int, batch_kv: int, nq: int, nk: int, d: int,
+                  dv: int, causal: bool, scale: float, dtype_name: str, tensor_cores: int = 1, features=None) -> int:
+    """The split-K decode (flash_decode_partial, flash_decode_combine) of launch's call in
+    `splits` chunks (_split.decode_chunk; its query rows per group within
+    _split.DECODE_MAX_ROWS); scratch(n) returns n float32 on the GPU. Returns the chunks run."""
+    from .._split import DECODE_BLOCK_K, decode_chunk
+
+    scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
+    switches.update(EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
+    del switches["GROUP_GT1"]  # a block's rows are its k/v head's group: no per-row k/v head to find
+    chunk, splits = decode_chunk(nk, splits)
+    rows = batch // batch_kv * nq
+    hdv = switches["HEAD_DV"]
+    parts = batch_kv * splits * rows
+    buf = scratch(parts * (hdv + 1))
+    po, plse = buf[:parts * hdv], buf[parts * hdv:]
+    flash_decode_partial[(splits, batch_kv)](
+        q, k, v, po, plse, q if lens is None else lens, *(scalars[n] for n in _DECODE_SCALARS), chunk,
+        **switches, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=DECODE_BLOCK_K, num_warps=4,
+        num_stages=3)
+    flash_decode_combine[(batch * nq,)](po, plse, out, out if lse is None else lse, splits, rows, dv, HEAD_DV=hdv,
+                                        WITH_LSE=lse is not None, BLOCK_S=16, num_warps=4)
+    return splits
+
+
 def _bucket(n: int) -> int:
     """The power of two at or above n (at least 16): the autotuner's key, so that
     nearby sequence lengths share one tuned config."""
@@ -520,6 +630,8 @@ _FORWARD_SCALARS = ("nq", "nk", "d", "dv", "qk_scale", "cap_in", "cap_out", "lef
                     "ROWS_PER_SEQ", "GROUP", "N_BUCKET_Q", "N_BUCKET_K")
 _BACKWARD_SCALARS = ("nq", "nk", "d", "dv", "scale", "qk_scale", "cap_in", "cap_out", "left", "right",
                      "bottom_right", "ROWS_PER_SEQ", "GROUP", "N_BUCKET_Q", "N_BUCKET_K")
+_DECODE_SCALARS = ("nq", "nk", "d", "dv", "qk_scale", "cap_in", "cap_out", "left", "right", "bottom_right",
+                   "ROWS_PER_SEQ", "GROUP")
 # the unit roundoff of the saved lse's dtype: how far the backward may correct it
 LSE_ROUNDING = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -23}
 

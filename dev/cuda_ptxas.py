@@ -1,0 +1,72 @@
+"""Compile cuda.flash's CUDA C++ sources here, without a GPU, and print ptxas's
+registers, spills and shared memory per kernel (nvcc or the pip ptxas/NVRTC on PATH).
+
+    python dev/cuda_ptxas.py [--arch sm_90a] [--arch sm_80]
+
+Each source is built as cpp._linked_kernel builds it (the ATTNKERN_* constants,
+flash_common.cuh, the source) with a __global__ wrapper that passes its parameters
+on, so the numbers are those of the device function inlined into a kernel (numba-cuda
+links it into its own wrapper; registers can differ by a few)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+HERE = os.path.join(os.path.dirname(__file__), "..", "attnkern", "backends", "cuda")
+FEAT = ("int", "u64", "int", "int", "int", "int", "float", "u64", "int", "int", "u64", "u64", "u64", "u64", "float",
+        "u64", "float")
+MMA = ("u64",) * 5 + ("int", "int", "float", "int", "int") + FEAT
+
+# (source, name, defines, parameter types): the decode kernels and their combine, at D = 128 and 64
+KERNELS = [
+    *(("flash_mma.cu", f"decode_bf16_d{d}_w{w}_k{bk}",
+       dict(D=d, BF16=1, BN=bk, MT=1, NW=w, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1), MMA + ("int", "int"))
+      for d in (128, 64) for w in (1, 2, 4, 8) for bk in (64, 32)),
+    *(("flash_combine.cu", f"combine_bf16_d{d}", dict(D=d, BF16=1), ("u64",) * 4 + ("int",) * 4) for d in (128, 64)),
+    ("flash_mma.cu", "mma_bf16_d128_plain", dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=0, MASK=0, ALIBI=0),
+     MMA),
+    ("flash_mma.cu", "mma_bf16_d128_feat", dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=1, MASK=0, ALIBI=0),
+     MMA),
+]
+
+
+def source(path: str, name: str, defines: dict, params: tuple) -> str:
+    text = "".join(f"#define ATTNKERN_{k} {v}\n" for k, v in {**defines, "NAME": name, "DYNAMIC": 1}.items())
+    for part in ("flash_common.cuh", path):
+        with open(os.path.join(HERE, part)) as f:
+            text += f.read() + "\n"
+    args = ", ".join(f"{t} a{i}" for i, t in enumerate(params))
+    names = ", ".join(f"a{i}" for i in range(len(params)))
+    return text + f'extern "C" __global__ void k_{name}({args}) {{ {name}({names}); }}\n'
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", help="e.g. sm_90a (default: sm_90a and sm_80)")
+    parser.add_argument("--only", default="", help="a substring of the kernels' names")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.arch or ["sm_90a", "sm_80"]:
+            for path, name, defines, params in KERNELS:
+                if args.only not in name:
+                    continue
+                cu = os.path.join(tmp, name + ".cu")
+                with open(cu, "w") as f:
+                    f.write(source(path, name, defines, params))
+                run = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-o",
+                                      os.path.join(tmp, name + ".cubin"), cu], capture_output=True, text=True)
+                if run.returncode:
+                    print(f"{arch} {name}: FAILED\n{run.stderr}")
+                    continue
+                regs = re.search(r"Used (\d+) registers", run.stderr)
+                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+                print(f"{arch} {name}: {regs.group(1) if regs else '?'} registers, "
+                      f"spills {spill.group(1) if spill else '?'}/{spill.group(2) if spill else '?'} bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Times decode attention on the GPU: cuda.flash and triton.flash (their split-K decode
+paths, and cuda.flash's regular kernel with split_k=1) against every torch SDPA backend
+(cuDNN, flash, memory-efficient, math), at H = 32 query heads over H_kv = 8, Nq = 1,
+D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
+
+    python3 dev/gpu_decode_measure.py [--batches 1 4 8] [--nk 4096 16384 65536 131072]
+                                      [--runs 9] [--json decode.json]
+    ATTNKERN_BENCH_SMOKE=1 python3 dev/gpu_decode_measure.py    # one small shape, 2 runs
+
+attnkern runs attention(q, k, v, causal="bottom_right", check_finite=False) on torch
+tensors; torch runs scaled_dot_product_attention(q, k, v) (Nq = 1: bottom-right causal
+masks nothing, and torch's is_causal is top-left) inside sdpa_kernel(backend), with
+enable_gqa=True where the backend takes it, else with k and v repeated to H heads
+beforehand (outside the timing; the row says "repeated": that backend then reads 4x
+the bytes). Every contender's output is first compared with cuda.flash's (max abs
+difference, reported).
+
+Two times per contender, each the median of --runs samples taken in turns (one sample
+of every contender, then the next round):
+- kernel: 10 calls queued behind torch.cuda._sleep (the GPU busy while Python enqueues
+  them), between two CUDA events, divided by 10: the GPU time of a call. A sample whose
+  enqueueing outlasted the sleep is flagged (cpu_bound), its time then includes Python.
+- call: one call between two CUDA events after a synchronize: what one isolated call
+  costs, Python's launch overhead included.
+Bandwidth: bytes of K and V (B H_kv Nk D 2 bytes each) plus q and out, over the kernel
+time, and as a fraction of the device-to-device copy bandwidth (a 1 GiB
+tensor.copy_, read and write counted, median of 10)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attnkern
+import attnkern.backends.triton as triton_backend
+from attnkern_bench.roofline import cuda_copy_gbs
+
+H, H_KV, NQ, D = 32, 8, 1, 128
+QUEUED = 10  # calls a kernel-time sample queues
+
+
+def sleep_cycles_per_s() -> float:
+    """The GPU clock as torch.cuda._sleep counts it (cycles a second)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(10_000_000)
+    a.record()
+    torch.cuda._sleep(20_000_000)
+    b.record()
+    b.synchronize()
+    return 20_000_000 / (a.elapsed_time(b) / 1e3)
+
+
+def contenders(q, k, v, splits=(), tiles=(), backends=("cudnn", "flash", "efficient", "math")):
+    """name -> (call, note): attnkern's kernels (and cuda.flash with each split_k of splits,
+    and with each K/V tile of its decode kernel of tiles: cpp.DECODE_TILE) and each torch
+    SDPA backend of backends that runs here."""
+    out = {
+        "cuda.flash": (lambda: attnkern.attention(q, k, v, causal="bottom_right", kernel="cuda.flash",
+                                                  check_finite=False), "split-K decode"),
+        "cuda.flash[split_k=1]": (lambda: attnkern.attention(q, k, v, causal="bottom_right", kernel="cuda.flash",
+                                                             split_k=1, check_finite=False), "regular kernel"),
+        "triton.flash": (lambda: attnkern.attention(q, k, v, causal="bottom_right", kernel="triton.flash",
+                                                    check_finite=False), "split-K decode"),
+    }
+    for n in splits:
+        out[f"cuda.flash[split_k={n}]"] = (
+            lambda n=n: attnkern.attention(q, k, v, causal="bottom_right", kernel="cuda.flash", split_k=n,
+                                           check_finite=False), "split-K decode, forced")
+    for tile in tiles:
+        def tiled(tile=tile):
+            from attnkern.backends.cuda import cpp
+
+            was, cpp.DECODE_TILE = cpp.DECODE_TILE, tile
+            try:
+                return out["cuda.flash"][0]()
+            finally:
+                cpp.DECODE_TILE = was
+
+        out[f"cuda.flash[tile={tile}]"] = (tiled, "split-K decode, K/V tile forced")
+    rep = None
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
+        if name not in backends:
+            continue
+        def gqa(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        try:
+            gqa()
+            torch.cuda.synchronize()
+            out[f"torch.{name}"] = (gqa, "enable_gqa=True")
+            continue
+        except RuntimeError:
+            pass
+        if rep is None:
+            rep = (k.repeat_interleave(H // H_KV, dim=1), v.repeat_interleave(H // H_KV, dim=1))
+
+        def repeated(backend=backend, kr=rep[0], vr=rep[1]):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, kr, vr)
+
+        try:
+            repeated()
+            torch.cuda.synchronize()
+            out[f"torch.{name}"] = (repeated, "k, v repeated")
+        except RuntimeError as exc:
+            print(f"  torch.{name}: does not run: {str(exc).splitlines()[0][:100]}")
+    return out
+
+
+def kernel_sample(fn, sleep_cycles: int, sleep_s: float) -> tuple[float, bool]:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(sleep_cycles)
+    t0 = time.perf_counter()
+    a.record()
+    for _ in range(QUEUED):
+        fn()
+    b.record()
+    host = time.perf_counter() - t0
+    b.synchronize()
+    gpu = a.elapsed_time(b) / 1e3
+    return gpu / QUEUED, host > sleep_s  # the GPU may have waited for Python: the sleep was too short
+
+
+def call_sample(fn) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--nk", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
+    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--splits", type=int, nargs="*", default=[], help="cuda.flash's split_k values to add")
+    parser.add_argument("--decode-tiles", type=int, nargs="*", default=[],
+                        help="cuda.flash decode K/V tiles to add (cpp.DECODE_TILE: 16, 32 or 64)")
+    parser.add_argument("--torch", nargs="*", default=["cudnn", "flash", "efficient", "math"],
+                        help="torch SDPA backends to time")
+    args = parser.parse_args()
+    if os.environ.get("ATTNKERN_BENCH_SMOKE") == "1":
+        args.batches, args.nk, args.runs = [1], [4096], 2
+    copy_bw = cuda_copy_gbs(torch, 10) * 1e9  # attnkern roofline's measure: bytes read and written
+    hz = sleep_cycles_per_s()
+    device = torch.cuda.get_device_name()
+    print(f"{device}: device-to-device copy {copy_bw / 1e9:.0f} GB/s; H={H}, H_kv={H_KV}, Nq={NQ}, D={D}, bfloat16")
+    rows = []
+    for batch in args.batches:
+        for nk in args.nk:
+            g = torch.Generator(device="cuda").manual_seed(batch * nk)
+            q = torch.randn(batch, H, NQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
+            k = torch.randn(batch, H_KV, nk, D, device="cuda", generator=g, dtype=torch.bfloat16)
+            v = torch.randn(batch, H_KV, nk, D, device="cuda", generator=g, dtype=torch.bfloat16)
+            useful = 2 * (2 * batch * H_KV * nk * D) + 2 * (2 * batch * H * NQ * D)
+            named = contenders(q, k, v, args.splits, args.decode_tiles, args.torch)
+            base = named["cuda.flash"][0]().float()
+            diffs, splits = {}, {}
+            for n, (fn, _) in named.items():  # each output against cuda.flash's, and the chunks it ran
+                diffs[n] = float((fn().float() - base).abs().max())
+                if n.startswith("cuda.flash"):
+                    splits[n] = attnkern.backends.cuda.last_split()
+                elif n == "triton.flash":
+                    splits[n] = triton_backend.last_split()
+            # sleep long enough to cover enqueueing QUEUED calls (2 ms each at most) and the GPU work before
+            sleep_s = QUEUED * 2e-3
+            sleep = int(hz * sleep_s)
+            kern = {n: [] for n in named}
+            calls = {n: [] for n in named}
+            flagged = {n: 0 for n in named}
+            for fn, _ in named.values():  # warm up
+                fn()
+            for _ in range(args.runs):
+                for n, (fn, _) in named.items():
+                    t, cpu = kernel_sample(fn, sleep, sleep_s)
+                    kern[n].append(t)
+                    flagged[n] += cpu
+                    calls[n].append(call_sample(fn))
+            for n, (fn, note) in named.items():
+                t = statistics.median(kern[n])
+                row = dict(device=device, B=batch, H=H, H_kv=H_KV, Nq=NQ, Nk=nk, D=D, dtype="bfloat16", kernel=n,
+                           note=note, kernel_us=t * 1e6, call_us=statistics.median(calls[n]) * 1e6,
+                           GBps=useful / t / 1e9, of_copy=useful / t / copy_bw, cpu_bound=flagged[n],
+                           max_abs_diff_vs_cuda_flash=diffs[n], splits=splits.get(n), runs=args.runs,
+                           copy_GBps=copy_bw / 1e9)
+                rows.append(row)
+                print(f"B={batch} Nk={nk:6d} {n:24s} kernel {row['kernel_us']:8.1f} us  call {row['call_us']:8.1f} us"
+                      f"  {row['GBps']:6.0f} GB/s ({row['of_copy']:4.0%} of copy)"
+                      f"{'  cpu-bound ' + str(flagged[n]) if flagged[n] else ''}  [{note}] chunks {splits.get(n)}"
+                      f" diff {diffs[n]:.2g}")
+            fastest_torch = min((r for r in rows[-len(named):] if r["kernel"].startswith("torch.")),
+                                key=lambda r: r["kernel_us"])
+            ours = next(r for r in rows[-len(named):] if r["kernel"] == "cuda.flash")
+            print(f"  cuda.flash vs torch's fastest ({fastest_torch['kernel']}): "
+                  f"{fastest_torch['kernel_us'] / ours['kernel_us']:.2f}x")
+            del q, k, v, named
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The split-K decode paths of cuda.flash (flash_mma.cu's decode variant and
+flash_combine.cu) and triton.flash (flash_decode_partial, flash_decode_combine):
+a few query rows a head (nq <= 16, kv_group nq <= 128) over a long cache run one block
+per (key chunk, k/v head) with the group's query heads packed into its rows, then a
+log-sum-exp combine of the chunks in key order (attnkern/backends/_split.py).
+
+Without a GPU (CI, the simulator): the split's choice (a function of the shape), the
+tunable split_k's checks and refusals. With ATTNKERN_TEST_GPU=1 on a GPU: every case
+against the float64 reference on fresh random inputs (out and lse, tolerances of
+attnkern_bench.accuracy: the kernels round P to the input dtype), that the path ran
+(last_split()), GQA, bottom-right and top-left causal, key lengths (0 and lengths that
+are not a multiple of the chunk), windows, softcap, Nk up to 128k, forced splits
+(2, odd, more than the keys allow) against the regular kernel (split_k=1), and
+bit-identical repeats."""
+
+import os
+
+import numpy as np
+import pytest
+
+import attnkern
+from attnkern.backends import _split
+from attnkern_bench.accuracy import conditioning, lse_tolerance, tolerance
+from conftest import require_cuda_kernels
+
+require_cuda_kernels()
+
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def test_split_depends_on_the_shape_only():
+    """About 264 blocks (k/v rows x chunks), chunks of at least 256 keys, whole 64-key
+    tiles; short caches and many query rows keep the regular kernels; split_k forces."""
+    cases = [((8, 1, 65536, 0), 33), ((32, 1, 131072, 0), 9), ((64, 1, 4096, 0), 5), ((8, 1, 4096, 0), 16),
+             ((512, 1, 8192, 0), 1), ((8, 1, 1000, 0), 0), ((8, 17, 65536, 0), 0), ((8, 16, 65536, 1), 0),
+             ((8, 1, 1000, 7), 7), ((8, 1, 100, 1000), 2), ((8, 40, 100, 3), 2)]
+    for (batch_kv, nq, nk, split_k), want in cases:
+        assert _split.decode_splits(batch_kv, nq, nk, split_k) == want, (batch_kv, nq, nk, split_k)
+    # cuda.flash's: chunks of about 1280 keys where that gives more (never below 256 keys)
+    for (batch_kv, nk), want in (((64, 131072), 103), ((8, 131072), 103), ((8, 16384), 33), ((64, 16384), 13),
+                                 ((8, 4096), 16), ((512, 4096), 4)):
+        assert _split.decode_splits(batch_kv, 1, nk, 0, max_chunk=1280) == want, (batch_kv, nk)
+    for nk, splits in ((4096, 16), (5000, 7), (65, 2), (131072, 33), (1000, 7)):
+        chunk, got = _split.decode_chunk(nk, splits)
+        assert chunk % _split.DECODE_BLOCK_K == 0 and (got - 1) * chunk < nk <= got * chunk and got <= splits
+
+
+@pytest.mark.parametrize("kernel", ["cuda.flash", "triton.flash"])
+def test_split_k_is_checked(kernel):
+    info = attnkern.kernel_info(kernel)
+    assert info["params"]["split_k"]["min"] == 0 and info["params"]["split_k"]["max"] == _split.DECODE_MAX_SPLITS
+    if not info["available"]:
+        pytest.skip(f"{kernel}: {info['reason']}")
+    q = np.zeros((1, 4, 1, 16), np.float32)
+    k = np.zeros((1, 2, 2048, 16), np.float32)
+    for bad in (-1, 5000):
+        with pytest.raises(ValueError, match="split_k"):
+            attnkern.attention(q, k, k, kernel=kernel, split_k=bad)
+    with pytest.raises(TypeError, match="split_k"):
+        attnkern.attention(q, k, k, kernel=kernel, split_k=2.0)
+
+
+def test_split_k_forced_where_the_decode_path_cannot_run():
+    """cuda.flash's decode path is float16/bfloat16 only, with at most 16 query rows a head
+    and 128 a group: split_k >= 2 elsewhere is a ValueError that says so; 0 and 1 run the
+    regular kernels (float32 in the simulator too)."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 100, 16)).astype(np.float32)  # small: the simulator runs the regular kernel
+    with pytest.raises(ValueError, match="split_k=4 asks for the split-K decode path.*float16 and bfloat16"):
+        attnkern.attention(q, k, k, kernel="cuda.flash", split_k=4)
+    for split_k in (0, 1):
+        out = attnkern.attention(q, k, k, kernel="cuda.flash", split_k=split_k, block_q=8, block_k=32)
+        assert attnkern.backends.cuda.last_split() == 0
+        ref = attnkern.reference(q.astype(np.float64), k.astype(np.float64), k.astype(np.float64))
+        assert np.abs(out - ref).max() < 1e-5
+    wide = np.zeros((1, 4, 17, 16), np.float16)
+    with pytest.raises(ValueError, match="up to 16 query rows a head"):
+        attnkern.attention(wide, k.astype(np.float16), k.astype(np.float16), kernel="cuda.flash", split_k=2)
+
+
+# ------------------------------------------------------------------ on a GPU
+
+gpu = pytest.mark.skipif(SIMULATED, reason="the decode paths are CUDA C++ and Triton: they need a GPU "
+                                           "(ATTNKERN_TEST_GPU=1)")
+
+# (B, H, H_kv, Nq, Nk, D) and attention()'s keywords
+CASES = {
+    "mha-nq1": ((1, 8, 8, 1, 4096, 128), {}),
+    "gqa4-nq1-br": ((2, 32, 8, 1, 16384, 128), dict(causal="bottom_right")),
+    "gqa4-nq4-odd": ((1, 8, 2, 4, 5000, 128), dict(causal="bottom_right")),
+    "gqa8-nq16": ((1, 16, 2, 16, 20000, 64), dict(causal="bottom_right")),
+    "lengths": ((3, 8, 2, 3, 9000, 128), dict(causal="bottom_right", key_lengths=[9000, 0, 1234])),
+    "window": ((1, 8, 2, 5, 8192, 128), dict(causal="bottom_right", window=(700, 0))),
+    "softcap-scale": ((1, 4, 2, 2, 4096, 128), dict(softcap=3.0, scale=0.4)),
+    "top-left": ((1, 4, 1, 8, 2048, 128), dict(causal=True)),
+    "d64-mqa": ((2, 8, 1, 2, 3000, 64), dict(causal="bottom_right", key_lengths=[3000, 1700])),
+}
+KERNELS = ["cuda.flash", "triton.flash"]
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _inputs(shape, dtype, seed):
+    torch = _torch()
+    b, h, hkv, nq, nk, d = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tdtype = getattr(torch, dtype)
+    return tuple(torch.randn(b, heads, n, d, generator=g, device="cuda").to(tdtype)
+                 for heads, n in ((h, nq), (hkv, nk), (hkv, nk)))
+
+
+def _last_split(kernel):
+    if kernel == "cuda.flash":
+        return attnkern.backends.cuda.last_split()
+    import attnkern.backends.triton as tr
+
+    return tr.last_split()
+
+
+def _auto_splits(kernel, batch_kv, nq, nk):
+    """The chunks the automatic split runs (each backend's own target and least chunk)."""
+    if kernel == "cuda.flash":
+        from attnkern.backends.cuda import cpp
+
+        asked = _split.decode_splits(batch_kv, nq, nk, 0, max_chunk=cpp.DECODE_CHUNK_KEYS)
+    else:
+        asked = _split.decode_splits(batch_kv, nq, nk, 0)
+    return _split.decode_chunk(nk, asked)[1]
+
+
+def _host(x):
+    return x.double().cpu().numpy()
+
+
+def _check(out, lse, q, k, v, feats):
+    """out and lse of a half-precision call against the float64 reference."""
+    qh, kh, vh = (_host(x) for x in (q, k, v))
+    ref, ref_lse = attnkern.reference(qh, kh, vh, return_lse=True, **feats)
+    per = max(1.0, np.abs(vh).max()) * conditioning(qh, kh, feats.get("scale"))
+    err = np.abs(_host(out) - ref).max() / per
+    bound = tolerance(str(q.dtype).removeprefix("torch."), rounds_p=True)
+    assert err <= bound, f"out: scaled error {err:.3g} > {bound:.3g}"
+    lse = _host(lse)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty)
+    assert (_host(out)[np.broadcast_to(empty[..., None], ref.shape)] == 0).all()
+    lerr = (np.abs(lse - ref_lse) / np.maximum(1.0, np.abs(ref_lse)))[~empty].max(initial=0.0)
+    assert lerr <= lse_tolerance(str(q.dtype).removeprefix("torch.")), f"lse: {lerr:.3g}"
+    return err
+
+
+def _run(kernel, q, k, v, feats, **params):
+    out, lse = attnkern.attention(q, k, v, kernel=kernel, return_lse=True, **feats, **params)
+    return out, lse, _last_split(kernel)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_matches_the_reference_and_takes_the_split_path(kernel, name, dtype):
+    shape, feats = CASES[name]
+    q, k, v = _inputs(shape, dtype, seed=len(name))
+    out, lse, splits = _run(kernel, q, k, v, feats)
+    assert splits == _auto_splits(kernel, shape[0] * shape[2], shape[3], shape[4]) >= 1, "not the decode path"
+    _check(out, lse, q, k, v, feats)
+    again = _run(kernel, q, k, v, feats)
+    assert again[2] == splits
+    torch = _torch()
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), "not bit-identical run to run"
+
+
+@gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_forced_splits_agree_with_the_regular_kernel(kernel):
+    """split_k = 1 (the regular kernel), 2, an odd count, and more chunks than 64-key
+    tiles (clamped): all within the bound of the reference, and of each other."""
+    shape, feats = CASES["lengths"]
+    q, k, v = _inputs(shape, "bfloat16", seed=7)
+    results = {}
+    for split_k in (1, 2, 13, 1024):
+        out, lse, splits = _run(kernel, q, k, v, feats, split_k=split_k)
+        want = 0 if split_k == 1 else min(split_k, -(-shape[4] // 64))
+        assert splits == _split.decode_chunk(shape[4], want)[1] if want else splits == 0, (split_k, splits)
+        _check(out, lse, q, k, v, feats)
+        results[split_k] = out.double()
+    per = 2 * tolerance("bfloat16", rounds_p=True) * max(1.0, float(v.abs().max()))
+    for split_k, out in results.items():
+        assert float((out - results[1]).abs().max()) <= per, split_k
+
+
+@gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_long_cache(kernel):
+    """Nk = 128k, H = 32 over H_kv = 8, Nq = 1 and 4, bf16: the case the path is for."""
+    torch = _torch()
+    for nq in (1, 4):
+        shape = (1, 32, 8, nq, 131072, 128)
+        q, k, v = _inputs(shape, "bfloat16", seed=nq)
+        feats = dict(causal="bottom_right")
+        out, lse, splits = _run(kernel, q, k, v, feats)
+        assert splits == _auto_splits(kernel, 8, nq, 131072) >= 32
+        _check(out, lse, q, k, v, feats)
+        off, _, _ = _run(kernel, q, k, v, feats, split_k=1)
+        assert float((out.double() - off.double()).abs().max()) <= 2 * tolerance("bfloat16", rounds_p=True) * float(
+            v.abs().max())
+        del q, k, v, out, off
+        torch.cuda.empty_cache()
+
+
+@gpu
+def test_masks_and_float32_keep_the_regular_kernels():
+    """cuda.flash: an attention mask, ALiBi or dropout, and float32, run the regular
+    kernels by default (last_split() 0) and forcing the split there is a ValueError."""
+    torch = _torch()
+    q, k, v = _inputs((1, 4, 4, 1, 4096, 64), "bfloat16", seed=3)
+    mask = torch.ones(1, 1, 1, 4096, dtype=torch.bool, device="cuda")
+    attnkern.attention(q, k, v, kernel="cuda.flash", attn_mask=mask)
+    assert attnkern.backends.cuda.last_split() == 0
+    with pytest.raises(ValueError, match="no attention mask, ALiBi or dropout"):
+        attnkern.attention(q, k, v, kernel="cuda.flash", attn_mask=mask, split_k=4)
+    attnkern.attention(q.float(), k.float(), v.float(), kernel="cuda.flash")
+    assert attnkern.backends.cuda.last_split() == 0
