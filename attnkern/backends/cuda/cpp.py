@@ -379,16 +379,31 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
                               alibi=feat is not None and feat.alibi is not None, fast=fast),
             (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
-             np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
-             *words))
+             np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)),
+             np.int32(_with_lse(q, out, lse)), *words))
+
+
+def _with_lse(q, out, lse) -> int:
+    """The kernels' with_lse: 0 no lse, 1 lse in out's dtype, 2 (half inputs, float32
+    out and lse) the rows before their rounding to the half dtype (store_rows)."""
+    if lse is None:
+        return 0
+    wide = q.dtype.itemsize == 2 and out.dtype == np.float32
+    if wide != (lse.dtype == np.float32) or (not wide and out.dtype != q.dtype):
+        raise ValueError(f"cuda.flash: out and lse must both be of q's dtype or, for half q, both float32; "
+                         f"got q {q.dtype}, out {out.dtype}, lse {lse.dtype}")
+    return 2 if wide else 1
 
 
 def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None, fast: bool = False) -> None:
     """out = softmax(q k^T * scale) v on float16 or bfloat16 GpuArrays (batch, n, d)
-    on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill;
+    on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill
+    (or out and lse both float32: the results before their rounding to q's dtype);
     feat: a launch.KernelFeatures or None; fast: the fastmath variant."""
-    if not mma_aligned(*(a.ptr for a in ((q, k, v, out) if lse is None else (q, k, v, out, lse)))):
-        raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses "
+    if not mma_aligned(*(a.ptr for a in ((q, k, v, out) if lse is None else (q, k, v, out, lse)))) \
+            or (out.dtype == np.float32 and out.ptr % 8):
+        raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses, "
+                         "a float32 out at an 8-byte aligned one "
                          "(pass a fresh contiguous tensor: .contiguous() or .clone())")
     kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse, feat=feat, fast=fast)
     launch(kernel, grid, block, *args)
