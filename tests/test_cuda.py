@@ -895,3 +895,27 @@ def test_dropout_in_half_precision_is_refused_naming_what_runs_it():
         with pytest.raises(ValueError, match="convert to float32"):  # the kernel's own check
             _cuda_flash(*(np.ones((2, 16, 16), np.float16),) * 3, False, 0.25,
                         features=attnkern._registry.Features(dropout_p=0.1, dropout_seed=1))
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True), (64, True)])
+def test_half_kernel_writes_its_rows_unrounded_in_float32(dtype, d, causal):
+    """flash_half_float32 (ring attention's blocks): float32 out and lse that round to the
+    half kernel's own out and lse bit for bit, and lie closer to float64 than they do."""
+    import torch
+
+    from attnkern._gpu import from_torch
+    from attnkern.backends.cuda import flash_half_float32
+
+    gen = torch.Generator().manual_seed(d)
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.randn(6, 200, d, generator=gen).to(tdt).cuda() for _ in range(3))
+    half_out, half_lse = attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", return_lse=True)
+    out = torch.empty(6, 200, d, device="cuda")
+    lse = torch.empty(6, 200, device="cuda")
+    assert flash_half_float32(*(from_torch(x, "x") for x in (q, k, v, out, lse)), causal, d ** -0.5)
+    torch.cuda.synchronize()
+    assert torch.equal(out.to(tdt), half_out) and torch.equal(lse.to(tdt), half_lse)
+    ref = attnkern.reference(*(x.double().cpu().numpy() for x in (q, k, v)), causal=causal)
+    assert np.abs(out.double().cpu().numpy() - ref).max() < np.abs(half_out.double().cpu().numpy() - ref).max()
