@@ -50,8 +50,14 @@ class RingStats:
     compute_s: seconds in the local kernels and the merges; wait_s: seconds spent
     waiting for transfers after the local work was done (the communication that was
     not hidden); bytes_sent: payload this rank sent; steps: ring steps; per_step:
-    [(compute_s, wait_s, bytes_sent)] per step, forward then backward."""
+    [(compute_s, wait_s, bytes_sent)] per step, forward then backward. On a GPU the
+    clocks wait for the device (after each step's kernels, and after each wait for a
+    transfer, which on NCCL only orders the stream), so keeping stats costs overlap
+    across steps. serial=True (set before the call) waits for each step's key/value
+    transfer before computing: wait_s is then the transfers' whole time, not what
+    the overlap left exposed (a profile of the ring, not a way to run it)."""
 
+    serial: bool = False
     compute_s: float = 0.0
     wait_s: float = 0.0
     bytes_sent: int = 0
@@ -253,10 +259,15 @@ class _Ring:
         incoming = self.unpack(buffers[slot])
         return incoming, self.exchange(block, incoming, pending)
 
-    def wait(self, pending: list) -> float:
+    def wait(self, pending: list, like=None) -> float:
+        """Waits for the transfers in pending; seconds waited. With stats kept and like a
+        GPU tensor, also for the device: an NCCL request's wait() only makes the current
+        stream wait, and the next step's clock would count the rest as compute."""
         start = time.perf_counter()
         for request in pending:
             request.wait()
+        if pending and like is not None:
+            self.sync(like)
         pending.clear()
         return time.perf_counter() - start
 
@@ -342,6 +353,7 @@ class _Ring:
         for step in range(self.world):
             owner = (self.rank - step) % self.world
             incoming, sent = self.kv_exchange(step, block, buffers, pending)
+            transfer = self.wait(pending, q) if self.stats is not None and self.stats.serial else 0.0
             start = time.perf_counter()
             keys, values = block
             for qrows, krows, causal in self.pairs(owner):
@@ -356,7 +368,7 @@ class _Ring:
                     self.stats.kernel_calls += 1
             self.sync(q)
             compute = time.perf_counter() - start
-            waited = self.wait(pending)
+            waited = transfer + self.wait(pending, q)
             self.record(compute, waited, sent)
             block = incoming
         return out, lse  # in the accumulator's dtype: the caller rounds them, once
@@ -380,6 +392,7 @@ class _Ring:
         for step in range(self.world):
             owner = (self.rank - step) % self.world
             incoming, sent = self.kv_exchange(step, block, buffers, kv_pending)
+            transfer = self.wait(kv_pending, q) if self.stats is not None and self.stats.serial else 0.0
             start = time.perf_counter()
             keys, values = block
             part = torch.zeros(size, dtype=acc, device=q.device)
@@ -399,7 +412,7 @@ class _Ring:
             self.sync(q)
             compute = time.perf_counter() - start
             # this block's partial sums arrive from the previous rank (none at step 0: our own block)
-            waited = self.wait(grad_pending)
+            waited = transfer + self.wait(grad_pending, q)
             if grads_in is not None:
                 part += grads_in
             if self.world == 1:
@@ -407,10 +420,10 @@ class _Ring:
             else:  # on to the next rank; the last hop takes them home to their owner
                 grads_in = torch.empty_like(part)
                 sent += self.exchange([part], [grads_in], grad_pending)
-            waited += self.wait(kv_pending)
+            waited += self.wait(kv_pending, q)
             self.record(compute, waited, sent)
             block = incoming
-        waited = self.wait(grad_pending)  # our own block's dk, dv, back from their trip round the ring
+        waited = self.wait(grad_pending, q)  # our own block's dk, dv, back from their trip round the ring
         if self.stats is not None:
             self.stats.wait_s += waited
         dk, dv = self.unpack(grads_in)
