@@ -246,7 +246,8 @@ def _check_half_rings(runs, full, cases):
                 ref = exact[j]
                 bound = 2 * np.abs(theirs[j - 2].grad.double().numpy() - ref).max() + u * max(1, np.abs(ref).max())
                 assert errors[w][j] <= bound, f"{name} {where}: W={w} error {errors[w][j]:.3g} > {bound:.3g}"
-                assert errors[w][j] <= 1.5 * errors[1][j], f"{name} {where}: W={w} {errors[w][j]:.3g}, W=1 {errors[1][j]:.3g}"
+                assert errors[w][j] <= 1.5 * errors[1][j], \
+                    f"{name} {where}: W={w} {errors[w][j]:.3g}, W=1 {errors[1][j]:.3g}"
             i += 1
 
 

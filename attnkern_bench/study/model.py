@@ -142,7 +142,8 @@ class Account:
 
     def as_dict(self) -> dict:
         peak = self.peak_stage()
-        return {"kernel": self.kernel, "dtype": self.dtype, "batch": self.batch, "heads": self.heads, "seq_len": self.seq,
+        return {"kernel": self.kernel, "dtype": self.dtype, "batch": self.batch, "heads": self.heads,
+                "seq_len": self.seq,
                 "d_model": self.dim, "causal": self.causal, "terms": [asdict(t) for t in self.terms.values()],
                 "stages": [{**asdict(s), "bytes": self.live_bytes(s.live)} for s in self.stages],
                 "saved_for_backward": list(self.saved), "before_backward_bytes": self.before_backward,
