@@ -240,7 +240,9 @@ def _check_half_rings(runs, full, cases):
             u = UNIT_ROUNDOFF[dtype]
             out_err = errors[w][0]
             assert out_err <= 1.5 * errors[1][0], f"{where}: out error W={w} {out_err:.3g}, W=1 {errors[1][0]:.3g}"
-            assert out_err <= u * np.abs(exact[0]).max(), f"{where}: out error {out_err:.3g}"  # one rounding
+            # one rounding; cuda.flash's half kernel also rounds P to the dtype before P V (twice the bound)
+            bound = (2 if kernel == "cuda.flash" else 1) * u * np.abs(exact[0]).max()
+            assert out_err <= bound, f"{where}: out error {out_err:.3g} > {bound:.3g}"
             assert errors[w][1] <= lse_tolerance(dtype) * np.abs(exact[1]).max(), where
             for j, name in enumerate(("dq", "dk", "dv")[:len(exact) - 2], start=2):
                 ref = exact[j]
