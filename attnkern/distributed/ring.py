@@ -13,7 +13,9 @@ in float32 (float64 for float64 inputs), which is exact for the first block and
 never overflows. Half-precision inputs (bfloat16, float16) are rounded once, at
 the end: every block's out and lse reach the merge in float32 (cuda.flash's
 half kernel writes them so; other kernels compute the block on float32 copies
-of it), and the backward's dq, dk, dv are summed in float32 and cast once. The transfer of the next key/value shard (isend to rank r+1,
+of it), and the backward's dq, dk, dv are summed in float32 and cast once.
+
+The transfer of the next key/value shard (isend to rank r+1,
 irecv from r-1, into one of two buffers) is started before the current block
 is computed, so the two overlap; the first step sends the shards themselves. On NCCL
 a step's transfers are one batch_isend_irecv, on gloo plain isend/irecv pairs (Ring.exchange
