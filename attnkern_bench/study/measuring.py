@@ -284,7 +284,7 @@ def run_study(cfg: Settings, emit: Callable[[dict], None] = lambda row: None) ->
         acc = settings_account(cfg, kernel, n, d)
         row["predicted_before_backward_mib"] = acc.before_backward / MIB
         row["predicted_forward_peak_mib"] = acc.peak("forward") / MIB
-        row["predicted_peak_mib"] = acc.peak() / MIB
+        row["predicted_peak_mib"] = (acc.peak() if spec["backward"] else acc.peak("forward")) / MIB
         if row.get("peak_memory_mib"):
             row["predicted_over_measured"] = row["predicted_peak_mib"] / row["peak_memory_mib"]
         rows.append(row)
