@@ -206,8 +206,8 @@ def test_study_refuses_unknown_and_skips_unfit_kernels(capsys, monkeypatch):
 @needs_flash
 def test_study_runs_in_bfloat16_and_a_kernel_without_its_backward_forward_only(tmp_path, monkeypatch, capsys):
     """--dtype bfloat16 end to end on the CPU (the rows' processes make bfloat16 inputs);
-    a kernel with no backward in the dtype (cuda.flash in bfloat16, on the GPU; stood in
-    for here by native.flash with has_backward answering no) is measured forward only."""
+    a kernel with no backward in the dtype (stood in for by native.flash with has_backward
+    answering no) is measured forward only."""
     from attnkern_bench import study
 
     real = model.has_backward

@@ -83,8 +83,9 @@ the H heads has size d.
           d, its larger N for that d are recorded as skipped, not tried
           (--no-skip-larger tries them). --memory-cap studies the boundary of a
           smaller device on a bigger one.
-Kernels (--kernels; default torch.naive, torch.sdpa and attnkern's flash kernel
-with a backward for the device: native.flash on cpu, cuda.flash on cuda):
+Kernels (--kernels; default torch.naive, torch.sdpa and attnkern's flash kernels
+with a backward for the device: native.flash on cpu, cuda.flash and triton.flash
+on cuda):
   torch.naive   softmax(q k^T * scale) v in torch ops under autograd, the N x N
                 scores materialised (attnkern.backends.torch.naive_attention)
   torch.sdpa    torch.nn.functional.scaled_dot_product_attention (torch picks its
@@ -128,11 +129,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", action="store_true", help="causal mask (default none)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="q, k, v, dout and the gradients' dtype (default float32); a kernel without a backward "
-                        "in it (cuda.flash in bfloat16/float16) is measured forward only, its backward columns "
+                        "in it (kernel_info's backward_dtypes) is measured forward only, its backward columns "
                         "empty and the reason in the error column")
     p.add_argument("--kernels", nargs="+", help="torch.naive, torch.sdpa and attnkern kernels with a backward "
                                                 "(default torch.naive torch.sdpa, then native.flash on cpu, "
-                                                "cuda.flash on cuda)")
+                                                "cuda.flash and triton.flash on cuda)")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations before the timed ones (default 10)")
     p.add_argument("--iters", type=int, default=100, help="timed iterations (default 100)")
     p.add_argument("--threads", type=int, help="cpu: threads of torch and of attnkern's kernels (default: the CPUs "
