@@ -14,9 +14,10 @@ work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 fail=0
 for variant in "mma D=64 BN=64 MT=1 NW=8" "mma D=128 BN=32 MT=1 NW=8 FEAT=1 MASK=1" \
         "mma D=64 BN=64 MT=2 NW=4 BF16=0 FEAT=1 ALIBI=1" "wgmma D=64 BN=128 NWG=3" "wgmma D=128 BN=64 NWG=2 FEAT=1 FAST=1" \
+        "mma D=128 BN=32 MT=1 NW=8 WIDE=1" "wgmma D=64 BN=128 NWG=3 WIDE=1" \
         "tf32 D=64 BN=64 MT=1 NW=8" "tf32 D=128 BN=32 MT=1 NW=8 FEAT=1"; do
     set -- $variant; kind=$1; shift
-    declare -A def=([BF16]=1 [QSMEM]=0 [FEAT]=0 [MASK]=0 [ALIBI]=0 [FAST]=0 [NAME]=attend [DYNAMIC]=1)
+    declare -A def=([BF16]=1 [QSMEM]=0 [FEAT]=0 [MASK]=0 [ALIBI]=0 [FAST]=0 [WIDE]=0 [NAME]=attend [DYNAMIC]=1)
     for kv in "$@"; do def[${kv%=*}]=${kv#*=}; done
     { for k in "${!def[@]}"; do echo "#define ATTNKERN_$k ${def[$k]}"; done
       cat "$src/flash_common.cuh" "$src/flash_$kind.cu"; } > "$work/t.cu"

@@ -312,6 +312,7 @@ class _Ring:
         arrays = [from_torch(x, name) for x, name in ((q3, "q"), (k3, "k"), (v3, "v"), (out, "out"), (lse, "lse"))]
         if not cuda.flash_half_float32(*arrays, causal, self.scale):
             return None
+        lse.mul_(math.log(2))  # the kernel's lse is in the log2 domain
         return out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
 
     @property

@@ -272,8 +272,9 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0, sp
 def flash_half_float32(q, k, v, out, lse, causal: bool, scale: float) -> bool:
     """cuda.flash's float16/bfloat16 kernel on GpuArrays q, k, v (batch, n, d), writing out
     (batch, nq, dv) and lse (batch, nq) in float32: each row as the kernel has it before
-    rounding it to q's dtype, for callers that merge rows computed over different keys
-    (attnkern.distributed's ring). False, with nothing written, where that kernel does
+    rounding it to q's dtype, and its lse in the log2 domain (log2 of the row's sum of
+    2^(scores log2 e): the natural lse times log2 e), for callers that merge rows computed
+    over different keys (attnkern.distributed's ring). False, with nothing written, where that kernel does
     not take these head sizes (or Numba's simulator runs, which cannot run it)."""
     from numba import config
 

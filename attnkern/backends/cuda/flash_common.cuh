@@ -104,6 +104,12 @@ static __device__ __forceinline__ float neg_inf() {
 #ifndef ATTNKERN_DECODE
 #define ATTNKERN_DECODE 0
 #endif
+// ATTNKERN_WIDE 1 (flash_mma.cu, flash_wgmma.cu): the variant that writes its rows in float32
+// before their rounding to the half dtype, and their lse in float32 in the log2 domain
+// (store_partial_rows): for callers that merge rows computed over different keys (ring attention)
+#ifndef ATTNKERN_WIDE
+#define ATTNKERN_WIDE 0
+#endif
 #define FEAT_PARAMS int kv_group, u64 lensp, int seq_rows, int bottom_right, int window_left, int window_right, \
                     float softcap, u64 maskp, int mask_kind, int mask_heads, u64 mask_sb, u64 mask_sh, u64 mask_si, \
                     u64 mask_sj, float mask_unit, u64 alibip, float alibi_unit
@@ -433,41 +439,5 @@ static __device__ __forceinline__ void store_half_rows(u16* out, u16* lse, const
         if (r0 < nq) lse[r0] = pack1(row_lse(m[0], c, l0));
         if (r1 < nq) lse[r1] = pack1(row_lse(m[1], c, l1));
     }
-}
-
-// The same rows in float32, before their rounding to the half dtype: out (nq, DH) and lse
-// (nq) of float32 (out 8-byte aligned), for callers that merge partial results of a row
-// computed over different keys (ring attention), where a rounded out and lse would each
-// add a rounding per merge.
-template <int DH>
-static __device__ __forceinline__ void store_float_rows(float* out, float* lse, const float (&o)[DH / 8][4],
-                                                        const float (&l)[2], const float (&m)[2], float c, int r0,
-                                                        int nq) {
-    const int t = threadIdx.x & 3, r1 = r0 + 8;
-    const float l0 = quad_sum(l[0]), l1 = quad_sum(l[1]);
-    const float inv0 = row_inverse(l0), inv1 = row_inverse(l1);
-#pragma unroll
-    for (int j = 0; j < DH / 8; ++j) {
-        const int col = j * 8 + 2 * t;
-        if (r0 < nq) *(float2*)(out + (u64)r0 * DH + col) = make_float2(o[j][0] * inv0, o[j][1] * inv0);
-        if (r1 < nq) *(float2*)(out + (u64)r1 * DH + col) = make_float2(o[j][2] * inv1, o[j][3] * inv1);
-    }
-    if (t == 0) {
-        if (r0 < nq) lse[r0] = row_lse(m[0], c, l0);
-        if (r1 < nq) lse[r1] = row_lse(m[1], c, l1);
-    }
-}
-
-// A block's rows of batch entry b: with_lse 0 (out only) or 1 (out and lse) in the half
-// dtype, 2 (out and lse) in float32.
-template <int DH>
-static __device__ __forceinline__ void store_rows(u64 op, u64 lsep, int with_lse, u64 b,
-                                                  const float (&o)[DH / 8][4], const float (&l)[2],
-                                                  const float (&m)[2], float c, int r0, int nq) {
-    if (with_lse == 2)
-        store_float_rows<DH>((float*)op + b * (u64)nq * DH, (float*)lsep + b * (u64)nq, o, l, m, c, r0, nq);
-    else
-        store_half_rows<DH>((u16*)op + b * (u64)nq * DH, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o, l, m,
-                            c, r0, nq);
 }
 #endif
