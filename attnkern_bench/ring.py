@@ -50,14 +50,29 @@ FIELDS = ["world_size", "kernel", "seq", "dim", "layout", "causal", "backward", 
           "ranks_per_core"]
 
 
-def chunk_inputs(seed: int, lead, chunk: int, d: int, dtype, chunks) -> list[np.ndarray]:
-    """q, k, v and dout rows of the given chunks of the sequence, concatenated; chunk c
-    is drawn from seed (seed, c) alone, so every layout and W sees the same problem."""
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def chunk_inputs(seed: int, lead, chunk: int, d: int, dtype: str, chunks) -> list:
+    """q, k, v and dout rows of the given chunks of the sequence, concatenated, as torch
+    CPU tensors of dtype (a name: bfloat16 and float16 are the float32 draws rounded);
+    chunk c is drawn from seed (seed, c) alone, so every layout and W sees the same problem."""
+    import torch
+
     parts = []
     for c in chunks:
         rng = np.random.default_rng([seed, c])
-        parts.append([rng.standard_normal((*lead, chunk, d)).astype(dtype) for _ in range(4)])
-    return [np.ascontiguousarray(np.concatenate([p[i] for p in parts], axis=-2)) for i in range(4)]
+        parts.append([rng.standard_normal((*lead, chunk, d)).astype(np.float64 if dtype == "float64" else np.float32)
+                      for _ in range(4)])
+    return [torch.from_numpy(np.ascontiguousarray(np.concatenate([p[i] for p in parts], axis=-2))).to(
+        getattr(torch, dtype)) for i in range(4)]
+
+
+def ring_tolerance(dtype: str) -> float:
+    """The check's bound: the kernels' for float32/float64; for the half dtypes the bound
+    of a kernel that rounds the probabilities (cuda.flash's tensor cores; the CPU blocks
+    run on float32 copies and meet the tighter one)."""
+    return tolerance(dtype, rounds_p=dtype in ("bfloat16", "float16"))
 
 
 def _status(key: str) -> int:
@@ -119,7 +134,7 @@ def measure_rank(config: dict) -> list[dict]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = np.dtype(config["dtype"])
+    dtype = config["dtype"]
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if config["device"] == "cuda" else "cpu")
     params = {"num_threads": config["threads"]} if config.get("threads") else {}
     rows = []
@@ -148,8 +163,7 @@ def _measure_layout(config, layout, rank, world, dtype, device, params) -> list[
     mine = chunks_of(layout, rank, world)
     rows = []
     for causal in config["causal"]:
-        q, k, v, dout = (torch.from_numpy(x).to(device) for x in chunk_inputs(config["seed"], lead, chunk, d, dtype,
-                                                                                mine))
+        q, k, v, dout = (x.to(device) for x in chunk_inputs(config["seed"], lead, chunk, d, dtype, mine))
         def call(stats=None):
             if config["backward"]:
                 tensors = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -172,6 +186,7 @@ def _measure_layout(config, layout, rank, world, dtype, device, params) -> list[
             times.append(time.perf_counter() - start)
             stats_list.append(stats)
         peak.__exit__(None, None, None)
+        steps = _profile_steps(call, stats_list, config.get("profile_steps", False), world)
         error = _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_error, sample_rows)
         first = stats_list[0].per_step
         rows.append({
@@ -184,9 +199,41 @@ def _measure_layout(config, layout, rank, world, dtype, device, params) -> list[
             "peak_bytes": peak.bytes,
             "shard_bytes": sum(x.numel() * x.element_size() for x in (q, k, v, dout)),
             "max_error": error,
+            **steps,
         })
         del q, k, v, dout, out
     return rows
+
+
+def _profile_steps(call, stats_list, enabled: bool, world: int) -> dict:
+    """With --profile-steps: each ring step's (compute, exposed communication) in the timed
+    calls (medians over them; the forward's steps, then the backward's), and the same
+    steps of one more call that waits for each step's transfer before computing
+    (RingStats.serial): (compute, transfer), the communication's whole time."""
+    if not enabled:
+        return {}
+    from attnkern.distributed import RingStats
+
+    overlapped = [[statistics.median(s.per_step[i][j] for s in stats_list) for j in (0, 1)]
+                  for i in range(len(stats_list[0].per_step))]
+    serial = RingStats(serial=True)
+    call(serial)
+    return {"steps": overlapped, "steps_serial": [[c, w] for c, w, _ in serial.per_step]}
+
+
+def steps_table(rows: list[dict]) -> str:
+    """Per ring step and rank, in ms: compute and exposed communication as the ring ran
+    (overlapped), and compute and transfer with each transfer waited for first (serial)."""
+    lines = ["# per step (ms): overlapped compute/exposed | serial compute/transfer; forward steps, then backward"]
+    for r in rows:
+        if "steps" not in r:
+            continue
+        head = (f"W{r['world_size']} {r['kernel']} N={r['seq']} D={r['dim']} {r['layout']} "
+                f"{'causal' if r['causal'] else 'full'}")
+        for rank, (over, serial) in enumerate(zip(r["steps"], r["steps_serial"])):
+            cells = [f"{a * 1e3:.2f}/{b * 1e3:.2f}|{c * 1e3:.2f}/{d * 1e3:.2f}" for (a, b), (c, d) in zip(over, serial)]
+            lines.append(f"{head} rank {rank}: " + "  ".join(cells))
+    return "\n".join(lines)
 
 
 def _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_error, sample_rows):
@@ -194,8 +241,9 @@ def _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_err
     reference on the whole sequence."""
     from attnkern.distributed import chunk_count, chunks_of
 
-    lead, d, dtype = (config["batch"], config["heads"]), config["dim"], np.dtype(config["dtype"])
-    q, k, v, _ = chunk_inputs(config["seed"], lead, chunk, d, dtype, range(chunk_count(layout, world)))
+    lead, d, dtype = (config["batch"], config["heads"]), config["dim"], config["dtype"]
+    q, k, v = (x.double().numpy() for x in chunk_inputs(config["seed"], lead, chunk, d, dtype,
+                                                         range(chunk_count(layout, world)))[:3])
     local = sample_rows(np.random.default_rng(rank), out.shape[-2], config["check_rows"])
     starts = [c * chunk for c in chunks_of(layout, rank, world)]
     positions = np.array([starts[i // chunk] + i % chunk for i in local])
@@ -205,7 +253,7 @@ def _check(out, config, layout, causal, rank, world, chunk, attnkern, scaled_err
 
 def collect(world_size: int, per_rank: list[list[dict]], config: dict) -> list[dict]:
     """The table's rows for one world size from every rank's measurements."""
-    itemsize = np.dtype(config["dtype"]).itemsize
+    itemsize = ITEMSIZE[config["dtype"]]
     cores = len(os.sched_getaffinity(0))
     table = []
     for i, first in enumerate(per_rank[0]):
@@ -226,6 +274,8 @@ def collect(world_size: int, per_rank: list[list[dict]], config: dict) -> list[d
             "shard_bytes": max(r["shard_bytes"] for r in ranks),
             "max_error": max(r["max_error"] for r in ranks),
             "ranks_per_core": world_size / cores if config["device"] == "cpu" else 1.0,
+            **({"steps": [r["steps"] for r in ranks], "steps_serial": [r["steps_serial"] for r in ranks]}
+               if "steps" in first else {}),
         })
     return table
 
@@ -252,17 +302,29 @@ def run(config: dict, progress=None) -> tuple[list[dict], list[str]]:
     return rows, failures
 
 
+def _problem(r: dict) -> tuple:
+    return r["kernel"], r["seq"], r["dim"], r["layout"], r["causal"], r.get("backward")
+
+
 def table(rows: list[dict]) -> str:
+    """The rows, with each problem's speed-up and error against its smallest W's row."""
+    base: dict = {}
+    for r in sorted(rows, key=lambda r: r["world_size"]):
+        base.setdefault(_problem(r), r)
     lines = [f"{'W':>2} {'kernel':<12} {'N':>6} {'D':>4} {'layout':<10} {'mask':<7} {'time ms':>9} {'compute':>9} {'exposed':>8} {'overlap':>8} "
-             f"{'imbal.':>6} {'busy per rank (ms)':<24} {'KiB/step':>9} {'model':>9} {'peak MiB':>9} {'error':>8}"]
+             f"{'imbal.':>6} {'busy per rank (ms)':<24} {'KiB/step':>9} {'model':>9} {'peak MiB':>9} {'error':>8} "
+             f"{'speed-up':>8} {'err/Wmin':>8}"]
     for r in rows:
+        b = base[_problem(r)]
+        speedup = b["time_s"] / r["time_s"] if r["time_s"] > 0 else float("nan")
+        error_ratio = r["max_error"] / b["max_error"] if b["max_error"] > 0 else float("nan")
         busy = " ".join(f"{b * 1e3:.0f}" for b in r["busy_s"])
         lines.append(
             f"{r['world_size']:>2} {r['kernel']:<12} {r['seq']:>6} {r['dim']:>4} {r['layout']:<10} {'causal' if r['causal'] else 'full':<7} "
             f"{r['time_s'] * 1e3:>9.1f} {r['compute_s'] * 1e3:>9.1f} {r['exposed_s'] * 1e3:>8.1f} "
             f"{r['overlap']:>8.1%} {r['imbalance']:>6.2f} {busy:<24} {r['bytes_per_step'] / 1024:>9.0f} "
             f"{(r['bytes_model'] if r['world_size'] > 1 else 0) / 1024:>9.0f} {r['peak_bytes'] / 2**20:>9.1f} "
-            f"{r['max_error']:>8.1e}")
+            f"{r['max_error']:>8.1e} {speedup:>8.2f} {error_ratio:>8.2f}")
     return "\n".join(lines)
 
 
@@ -378,10 +440,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, nargs="+", default=[64])
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--dtype", choices=list(ITEMSIZE), default="float32",
+                   help="bfloat16, float16: every block's out and lse merged in float32, rounded once at the end")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--layout", choices=["both", "contiguous", "zigzag"], default="both")
     p.add_argument("--backward", action="store_true", help="time forward and backward (torch autograd)")
+    p.add_argument("--profile-steps", action="store_true",
+                   help="also report each ring step's compute and exposed communication per rank, and the same "
+                        "from one more call that waits for each transfer before computing (the transfer's whole "
+                        "time): compute against communication per step")
     p.add_argument("--kernel", nargs="+", default=["auto"],
                    help="local kernels (each must return the lse, and have a backward for --backward; torch.sdpa "
                         "runs torch's fused kernel on CPU or CUDA tensors)")
@@ -415,7 +482,7 @@ def command(args) -> int:
         "layouts": ["contiguous", "zigzag"] if args.layout == "both" else [args.layout],
         "backward": args.backward, "kernels": args.kernel, "threads": args.threads, "device": args.device,
         "repeat": args.repeat, "check_rows": args.check_rows, "seed": args.seed, "timeout": args.timeout,
-        "deadline": args.deadline, "world_sizes": args.world_sizes,
+        "deadline": args.deadline, "world_sizes": args.world_sizes, "profile_steps": args.profile_steps,
     }
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     worlds = [int(os.environ["WORLD_SIZE"])] if under_torchrun else args.world_sizes
@@ -440,6 +507,8 @@ def command(args) -> int:
              f"{'forward+backward' if args.backward else 'forward'}, {where}")
     print(f"# {title}")
     print(table(rows))
+    if args.profile_steps:
+        print(steps_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"title": title, "settings": config, "rows": rows, "failures": failures}, f, indent=1)
@@ -453,7 +522,7 @@ def command(args) -> int:
     if args.plot and rows:
         plot(rows, title, args.plot)
         print(f"# plot: {args.plot}")
-    bad = [r for r in rows if not r["max_error"] <= tolerance(args.dtype)]
+    bad = [r for r in rows if not r["max_error"] <= ring_tolerance(args.dtype)]
     if bad:
         print(f"# {len(bad)} configuration(s) failed the check against float64", file=sys.stderr)
     for line in failures:

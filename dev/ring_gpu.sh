@@ -3,8 +3,9 @@
 # Ring attention on the GPUs of one machine over NCCL: the tests, attnkern ring's
 # measurements with cuda.flash and torch.sdpa as local kernels, and torch's own
 # context_parallel on the same problems. Results go to $OUT (default ./ring-gpu).
-# SEQS, DIMS: the problems (default N 32768 65536, D 64 128); TESTS: pytest's -k
-# (default nccl); CONTEXT_PARALLEL=0 skips torch's comparison.
+# SEQS, DIMS: the problems (default N 32768 65536, D 64 128); DTYPE: float32 (default),
+# bfloat16 or float16; PROFILE=1 adds attnkern ring's --profile-steps (per-step compute and
+# communication); TESTS: pytest's -k (default nccl); CONTEXT_PARALLEL=0 skips torch's comparison.
 # Needs attnkern installed with its CUDA backend, and two or more GPUs for W > 1.
 set -u
 OUT=${OUT:-ring-gpu}
@@ -21,6 +22,7 @@ rm -rf /tmp/ring-tests && cp -r tests /tmp/ring-tests
 echo "== attnkern ring"
 timeout 300 python3 -m attnkern ring --device cuda --world-sizes $WORLDS --seq ${SEQS:-32768 65536} \
     --dim ${DIMS:-64 128} --heads 16 --kernel cuda.flash torch.sdpa --layout zigzag --causal both \
+    --dtype "${DTYPE:-float32}" ${PROFILE:+--profile-steps} \
     --repeat 2 --json "$OUT/ring-gpu.json" --plot "$OUT/ring-gpu.png" 2>&1 | grep -v "^\[\|^frame" \
     | tee "$OUT/ring-gpu.txt"
 if [ "$GPUS" -ge 2 ] && [ "${CONTEXT_PARALLEL:-1}" = 1 ]; then

@@ -895,3 +895,35 @@ def test_dropout_in_half_precision_is_refused_naming_what_runs_it():
         with pytest.raises(ValueError, match="convert to float32"):  # the kernel's own check
             _cuda_flash(*(np.ones((2, 16, 16), np.float16),) * 3, False, 0.25,
                         features=attnkern._registry.Features(dropout_p=0.1, dropout_seed=1))
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True), (64, True)])
+def test_half_kernel_writes_its_rows_unrounded_in_float32(dtype, d, causal):
+    """flash_half_float32 (ring attention's blocks, the ATTNKERN_WIDE variant): a float32 out
+    that rounds to the half kernel's own out bit for bit, and a log2-domain lse that, in
+    natural units, rounds to within one rounding of the half lse; both closer to float64."""
+    import torch
+
+    from attnkern._gpu import from_torch
+    from attnkern.backends.cuda import flash_half_float32
+    from attnkern_bench.accuracy import reference_lse
+
+    gen = torch.Generator().manual_seed(d)
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.randn(6, 200, d, generator=gen).to(tdt).cuda() for _ in range(3))
+    half_out, half_lse = attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", return_lse=True)
+    out = torch.empty(6, 200, d, device="cuda")
+    lse = torch.empty(6, 200, device="cuda")
+    assert flash_half_float32(*(from_torch(x, "x") for x in (q, k, v, out, lse)), causal, d ** -0.5)
+    torch.cuda.synchronize()
+    lse = lse * np.log(2)
+    assert torch.equal(out.to(tdt), half_out)
+    assert torch.allclose(lse.to(tdt).float(), half_lse.float(), rtol=2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10,
+                          atol=0)
+    host = [x.double().cpu().numpy() for x in (q, k, v)]
+    ref = attnkern.reference(*host, causal=causal)
+    assert np.abs(out.double().cpu().numpy() - ref).max() < np.abs(half_out.double().cpu().numpy() - ref).max()
+    ref_lse = reference_lse(*host[:2], causal=causal)
+    assert np.abs(lse.double().cpu().numpy() - ref_lse).max() < np.abs(half_lse.double().cpu().numpy() - ref_lse).max()

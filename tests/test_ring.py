@@ -188,6 +188,105 @@ def test_ring_command_measures_and_writes_json(tmp_path):
     assert bad.returncode != 0 and "not a file written by attnkern ring --json" in bad.stderr, bad.stderr
 
 
+HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# (local kernel, dtype, backward) on the CPU: torch.sdpa has no backward kernel in attnkern
+HALF_CPU = [(kernel, dtype, kernel == "native.flash") for kernel in ("native.flash", "torch.sdpa") for dtype in HALF]
+
+
+def _half_rings(q, k, v, dout, cases, device="cpu"):
+    """On each rank: zigzag rings of the half inputs, causal and not, for each case;
+    out, lse and the gradients widened to float64 for the comparison, and their dtypes."""
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    results = []
+    for kernel, dtype, backward in cases:
+        for causal in (False, True):
+            tensors = [torch.from_numpy(shard(x, "zigzag")).to(device, HALF[dtype]).requires_grad_(backward)
+                       for x in (q, k, v)]
+            out, lse = ring_attention(*tensors, causal=causal, layout="zigzag", kernel=kernel, return_lse=True)
+            grads = []
+            if backward:
+                out.backward(torch.from_numpy(shard(dout, "zigzag")).to(device, HALF[dtype]))
+                grads = [t.grad for t in tensors]
+            results.append([x.detach().cpu().double().numpy() for x in (out, lse, *grads)]
+                           + [str(x.dtype) for x in (out, lse, *grads)])
+    return results
+
+
+def _check_half_rings(runs, full, cases):
+    """runs: {W: every rank's _half_rings}; W = max(runs) against W = 1 and float64."""
+    from attnkern_bench.accuracy import UNIT_ROUNDOFF, lse_tolerance, reference_backward, reference_lse
+
+    w = max(runs)
+    i = 0
+    for kernel, dtype, backward in cases:
+        rounded = [torch.from_numpy(x).to(HALF[dtype]) for x in full]
+        q, k, v, dout = (x.double().numpy() for x in rounded)
+        for causal in (False, True):
+            exact = [attnkern.reference(q, k, v, causal=causal), reference_lse(q, k, causal=causal)]
+            if backward:
+                exact += list(reference_backward(q, k, v, dout, causal=causal))
+                theirs = [x.clone().requires_grad_() for x in rounded[:3]]
+                torch.nn.functional.scaled_dot_product_attention(*theirs, is_causal=causal).backward(rounded[3])
+            errors = {}
+            for world, per_rank in runs.items():
+                parts = [r[i] for r in per_rank]
+                count = len(parts[0]) // 2
+                assert all(name == str(HALF[dtype]) for p in parts for name in p[count:]), parts[0][count:]
+                got = [unshard([p[j] if j != 1 else p[1][..., None] for p in parts], "zigzag") for j in range(count)]
+                got[1] = got[1][..., 0]
+                errors[world] = [np.abs(g - e).max() for g, e in zip(got, exact)]
+            where = f"{kernel} {dtype} causal={causal}"
+            u = UNIT_ROUNDOFF[dtype]
+            out_err = errors[w][0]
+            assert out_err <= 1.5 * errors[1][0], f"{where}: out error W={w} {out_err:.3g}, W=1 {errors[1][0]:.3g}"
+            # one rounding; cuda.flash's half kernel also rounds P to the dtype before P V (twice the bound)
+            bound = (2 if kernel == "cuda.flash" else 1) * u * np.abs(exact[0]).max()
+            assert out_err <= bound, f"{where}: out error {out_err:.3g} > {bound:.3g}"
+            assert errors[w][1] <= lse_tolerance(dtype) * np.abs(exact[1]).max(), where
+            for j, name in enumerate(("dq", "dk", "dv")[:len(exact) - 2], start=2):
+                ref = exact[j]
+                bound = 2 * np.abs(theirs[j - 2].grad.double().numpy() - ref).max() + u * max(1, np.abs(ref).max())
+                assert errors[w][j] <= bound, f"{name} {where}: W={w} error {errors[w][j]:.3g} > {bound:.3g}"
+                assert errors[w][j] <= 1.5 * errors[1][j], \
+                    f"{name} {where}: W={w} {errors[w][j]:.3g}, W=1 {errors[1][j]:.3g}"
+            i += 1
+
+
+def test_half_precision_rings_round_once():
+    """bfloat16 and float16 rings on W = 2 ranks are as accurate as on one (every block's
+    out and lse merged in float32, gradients summed in float32, one rounding at the end):
+    the error against float64 on the whole sequence within 1.5x of W = 1's and within the
+    one-rounding bound; gradients also by FlashAttention's rule against torch SDPA's in the
+    same dtype. Kernels' half out and lse merged as they are (the lse of a bfloat16 block
+    rounded by up to 0.016) give 3x W = 1's error here."""
+    rng = np.random.default_rng(21)
+    full = [rng.standard_normal((*LEAD, 96, D)) for _ in range(4)]
+    runs = {w: launch(_half_rings, w, *full, HALF_CPU, deadline=DEADLINE, start_method=START) for w in (1, 2)}
+    _check_half_rings(runs, full, HALF_CPU)
+
+
+def test_ring_command_takes_half_precision_and_profiles_steps(tmp_path):
+    """attnkern ring --dtype bfloat16 checks the half ring against float64 (within the
+    one-rounding bound: its blocks merge in float32) and --profile-steps reports each
+    step's compute and communication, overlapped and serial, per rank (the backward's
+    steps follow with --backward)."""
+    out = tmp_path / "ring.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnkern", "ring", "--world-sizes", "2", "--seq", "64", "--heads", "2", "--dim", "16",
+         "--repeat", "1", "--dtype", "bfloat16", "--layout", "zigzag", "--causal", "yes", "--profile-steps",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=DEADLINE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["bytes_per_step"] == row["bytes_model"] == 2 * 32 * 2 * 16 * 2  # bfloat16 shards travel as they are
+    assert 0 < row["max_error"] <= tolerance("bfloat16")
+    # 2 forward steps per rank, each (compute, communication) in seconds
+    assert [len(s) for s in row["steps"]] == [len(s) for s in row["steps_serial"]] == [2, 2]
+    assert all(c > 0 and w >= 0 for rank in row["steps_serial"] for c, w in rank)
+    assert "speed-up" in proc.stdout and proc.stdout.count("zigzag causal rank") == 2
+
+
 def _gpu_world() -> int:
     """GPUs the NCCL tests may use: only with ATTNKERN_TEST_GPU=1 (else CUDA is simulated)."""
     if os.environ.get("ATTNKERN_TEST_GPU") != "1" or not torch.cuda.is_available():
@@ -228,3 +327,18 @@ def test_nccl_ranks_on_gpus_match_attention_on_the_whole_sequence(world_size):
             assert np.abs(lse - pick(exact_lse[..., None])[..., 0]).max() <= TOL[dtype] * np.abs(exact_lse).max()
             for g, exact in zip(grads, exact_grads):
                 assert np.abs(g - pick(exact)).max() <= TOL[dtype] * np.abs(exact).max(), where
+
+
+HALF_GPU = [(kernel, dtype, kernel == "cuda.flash") for kernel in ("cuda.flash", "torch.sdpa") for dtype in HALF]
+
+
+@pytest.mark.skipif(_gpu_world() < 2, reason="needs 2 GPUs (ATTNKERN_TEST_GPU=1)")
+def test_nccl_half_precision_rings_round_once():
+    """The CPU test's checks on 2 GPUs over NCCL against 1: cuda.flash's half kernel
+    writing float32 rows (D = 64, which it takes), torch.sdpa's fused kernel on float32
+    copies."""
+    rng = np.random.default_rng(22)
+    full = [rng.standard_normal((2, 2, 256, 64)) for _ in range(4)]
+    runs = {w: launch(_half_rings, w, *full, HALF_GPU, "cuda", backend="nccl", pin=False, deadline=DEADLINE)
+            for w in (1, 2)}
+    _check_half_rings(runs, full, HALF_GPU)

@@ -201,3 +201,31 @@ def test_study_refuses_unknown_and_skips_unfit_kernels(capsys, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     with pytest.raises(SystemExit, match="--plots needs matplotlib"):
         cli.main(["study", "--plots", "somewhere", "--seqs", "32"])
+
+
+@needs_flash
+def test_study_runs_in_bfloat16_and_a_kernel_without_its_backward_forward_only(tmp_path, monkeypatch, capsys):
+    """--dtype bfloat16 end to end on the CPU (the rows' processes make bfloat16 inputs);
+    a kernel with no backward in the dtype (stood in for by native.flash with has_backward
+    answering no) is measured forward only."""
+    from attnkern_bench import study
+
+    real = model.has_backward
+    fake = lambda name, dtype: name != "native.flash" and real(name, dtype)  # noqa: E731
+    monkeypatch.setattr(measuring, "has_backward", fake)
+    monkeypatch.setattr(study, "has_backward", fake)
+    js = tmp_path / "s.json"
+    argv = ["study", "--dtype", "bfloat16", "--batch", "2", "--seqs", "32", "--dims", "16", "--iters", "1",
+            "--warmup", "0", "--kernels", "torch.sdpa", "native.flash", "--json", str(js)]
+    assert cli.main(argv) == 0
+    result = json.loads(js.read_text())
+    sdpa, flash = result["rows"]
+    assert sdpa["dtype"] == flash["dtype"] == "bfloat16" and "bfloat16" in result["setup"]
+    assert sdpa["status"] == "ok" and sdpa["backward_ms"] > 0 and sdpa["gflops"] > 0
+    assert flash["status"] == "ok" and flash["forward_ms"] > 0 and flash["backward_ms"] is None
+    assert flash["error"] == "forward only: no bfloat16 backward" and "gflops" not in flash
+    assert "native.flash: forward only (no bfloat16 backward)" in capsys.readouterr().out
+    # the account sizes half tensors at 2 bytes, torch.sdpa's lse and row sums at 4
+    acc = model.account("torch.sdpa", 2, 1, 64, 16, dtype="bfloat16")
+    assert acc.terms["q, k, v"].nbytes == 3 * 2 * 64 * 16 * 2 and acc.terms["lse"].nbytes == 2 * 64 * 4
+    assert model.account("native.flash", 2, 1, 64, 16, dtype="float16").terms["lse"].nbytes == 2 * 64 * 2

@@ -10,7 +10,12 @@ of attnkern's kernels on the local block (return_lse=True) and merges the block'
     out' = out * exp(lse - lse') + out_b * exp(lse_b - lse')
 
 in float32 (float64 for float64 inputs), which is exact for the first block and
-never overflows. The transfer of the next key/value shard (isend to rank r+1,
+never overflows. Half-precision inputs (bfloat16, float16) are rounded once, at
+the end: every block's out and lse reach the merge in float32 (cuda.flash's
+half kernel writes them so; other kernels compute the block on float32 copies
+of it), and the backward's dq, dk, dv are summed in float32 and cast once.
+
+The transfer of the next key/value shard (isend to rank r+1,
 irecv from r-1, into one of two buffers) is started before the current block
 is computed, so the two overlap; the first step sends the shards themselves. On NCCL
 a step's transfers are one batch_isend_irecv, on gloo plain isend/irecv pairs (Ring.exchange
@@ -47,8 +52,14 @@ class RingStats:
     compute_s: seconds in the local kernels and the merges; wait_s: seconds spent
     waiting for transfers after the local work was done (the communication that was
     not hidden); bytes_sent: payload this rank sent; steps: ring steps; per_step:
-    [(compute_s, wait_s, bytes_sent)] per step, forward then backward."""
+    [(compute_s, wait_s, bytes_sent)] per step, forward then backward. On a GPU the
+    clocks wait for the device (after each step's kernels, and after each wait for a
+    transfer, which on NCCL only orders the stream), so keeping stats costs overlap
+    across steps. serial=True (set before the call) waits for each step's key/value
+    transfer before computing: wait_s is then the transfers' whole time, not what
+    the overlap left exposed (a profile of the ring, not a way to run it)."""
 
+    serial: bool = False
     compute_s: float = 0.0
     wait_s: float = 0.0
     bytes_sent: int = 0
@@ -101,7 +112,7 @@ def ring_attention(q, k, v, *, causal=False, scale=None, group=None, layout="con
         out, lse = _function().apply(tq, tk, tv, ring)
     else:
         with torch.no_grad():
-            out, lse = ring.forward(tq, tk, tv)
+            out, lse = (x.to(tq.dtype) for x in ring.forward(tq, tk, tv))
     if numpy_in:
         from .._torch_api import to_numpy
 
@@ -141,6 +152,7 @@ class _Ring:
     n: int
     d: int
     dv: int
+    dtype: str
     stats: RingStats | None
 
     @classmethod
@@ -182,7 +194,7 @@ class _Ring:
             scale = 1.0 / math.sqrt(d)
         return cls(group=group, rank=rank, world=world, layout=layout, causal=bool(causal), scale=float(scale),
                    kernel=kernel, params=dict(params), chunk=n // per_rank, lead=tuple(q.shape[:-2]), n=n, d=d,
-                   dv=dv, stats=stats)
+                   dv=dv, dtype=str(q.dtype).removeprefix("torch."), stats=stats)
 
     # -- the ring ---------------------------------------------------------------------------
 
@@ -249,10 +261,15 @@ class _Ring:
         incoming = self.unpack(buffers[slot])
         return incoming, self.exchange(block, incoming, pending)
 
-    def wait(self, pending: list) -> float:
+    def wait(self, pending: list, like=None) -> float:
+        """Waits for the transfers in pending; seconds waited. With stats kept and like a
+        GPU tensor, also for the device: an NCCL request's wait() only makes the current
+        stream wait, and the next step's clock would count the rest as compute."""
         start = time.perf_counter()
         for request in pending:
             request.wait()
+        if pending and like is not None:
+            self.sync(like)
         pending.clear()
         return time.perf_counter() - start
 
@@ -264,13 +281,52 @@ class _Ring:
 
     def local(self, q, k, v, causal):
         """(out, lse) of one block on the local kernel. torch.sdpa on CUDA tensors is torch's
-        fused kernel called directly (attnkern's torch.sdpa is a CPU kernel)."""
+        fused kernel called directly (attnkern's torch.sdpa is a CPU kernel). Half blocks come
+        back in float32: from cuda.flash's half kernel where it takes them (it writes its rows
+        before their rounding), else from the kernel on float32 copies (see widen)."""
+        if self.half:
+            wide = self.wide_local(q, k, v, causal)
+            if wide is not None:
+                return wide
+            q, k, v = (self.widen(x) for x in (q, k, v))
         if self.kernel == "torch.sdpa" and q.is_cuda:
             from ..backends.torch import sdpa_with_lse
 
             return sdpa_with_lse(q, k, v, causal, self.scale)
         return attention(*_dense(q, k, v), causal=causal, scale=self.scale, kernel=self.kernel,
                          check_finite=False, return_lse=True, **self.params)
+
+    def wide_local(self, q, k, v, causal):
+        """float32 (out, lse) of a half block from a kernel that computes it in half precision
+        and returns its results before rounding (cuda.flash on the GPU), or None."""
+        if not q.is_cuda or self.kernel not in ("auto", "cuda.flash") or self.params:
+            return None
+        import torch
+
+        from .._gpu import from_torch
+        from ..backends import cuda
+
+        q3, k3, v3 = (x.contiguous().reshape(-1, *x.shape[-2:]) for x in (q, k, v))
+        out = torch.empty(*q3.shape[:-1], v3.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.empty(q3.shape[:-1], dtype=torch.float32, device=q.device)
+        arrays = [from_torch(x, name) for x, name in ((q3, "q"), (k3, "k"), (v3, "v"), (out, "out"), (lse, "lse"))]
+        if not cuda.flash_half_float32(*arrays, causal, self.scale):
+            return None
+        lse.mul_(math.log(2))  # the kernel's lse is in the log2 domain
+        return out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
+
+    @property
+    def half(self) -> bool:
+        return self.dtype in ("float16", "bfloat16")
+
+    def widen(self, x):
+        """x in float32 where the ring runs in half precision: the products of half inputs
+        are exact in float32, so a block computed on the copies is the half problem's, with
+        float32 results that the merge needs (a kernel's half path rounds out and lse to the
+        dtype: a bfloat16 lse near 8 by up to 0.016, which weighs the block 1.6% off)."""
+        import torch
+
+        return x.to(torch.float32) if self.half else x
 
     def record(self, compute: float, waited: float, sent: int):
         if self.stats is not None:
@@ -300,6 +356,7 @@ class _Ring:
         for step in range(self.world):
             owner = (self.rank - step) % self.world
             incoming, sent = self.kv_exchange(step, block, buffers, pending)
+            transfer = self.wait(pending, q) if self.stats is not None and self.stats.serial else 0.0
             start = time.perf_counter()
             keys, values = block
             for qrows, krows, causal in self.pairs(owner):
@@ -314,17 +371,21 @@ class _Ring:
                     self.stats.kernel_calls += 1
             self.sync(q)
             compute = time.perf_counter() - start
-            waited = self.wait(pending)
+            waited = transfer + self.wait(pending, q)
             self.record(compute, waited, sent)
             block = incoming
-        return out.to(q.dtype), lse.to(q.dtype)
+        return out, lse  # in the accumulator's dtype: the caller rounds them, once
 
     # -- backward -----------------------------------------------------------------------------
 
     def backward(self, q, k, v, out, dout, lse):
+        """(dq, dk, dv) in q's dtype, given the forward's out and lse in the accumulator's
+        dtype (for half inputs the float32 results before their rounding)."""
         import torch
 
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dtype = q.dtype
+        q, dout = self.widen(q), self.widen(dout)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         block, buffers = (k, v), [None, None]
         size = math.prod(self.lead) * self.n * (self.d + self.dv)
@@ -334,10 +395,13 @@ class _Ring:
         for step in range(self.world):
             owner = (self.rank - step) % self.world
             incoming, sent = self.kv_exchange(step, block, buffers, kv_pending)
+            transfer = self.wait(kv_pending, q) if self.stats is not None and self.stats.serial else 0.0
             start = time.perf_counter()
             keys, values = block
             part = torch.zeros(size, dtype=acc, device=q.device)
             dkeys, dvalues = self.unpack(part)
+            if self.half:  # the block's backward on float32 copies: float32 gradients, summed unrounded
+                keys, values = self.widen(keys), self.widen(values)
             for qrows, krows, causal in self.pairs(owner):
                 bq, bk, bv = attention_backward(
                     *_dense(q[..., qrows, :], keys[..., krows, :], values[..., krows, :], out[..., qrows, :],
@@ -351,7 +415,7 @@ class _Ring:
             self.sync(q)
             compute = time.perf_counter() - start
             # this block's partial sums arrive from the previous rank (none at step 0: our own block)
-            waited = self.wait(grad_pending)
+            waited = transfer + self.wait(grad_pending, q)
             if grads_in is not None:
                 part += grads_in
             if self.world == 1:
@@ -359,14 +423,14 @@ class _Ring:
             else:  # on to the next rank; the last hop takes them home to their owner
                 grads_in = torch.empty_like(part)
                 sent += self.exchange([part], [grads_in], grad_pending)
-            waited += self.wait(kv_pending)
+            waited += self.wait(kv_pending, q)
             self.record(compute, waited, sent)
             block = incoming
-        waited = self.wait(grad_pending)  # our own block's dk, dv, back from their trip round the ring
+        waited = self.wait(grad_pending, q)  # our own block's dk, dv, back from their trip round the ring
         if self.stats is not None:
             self.stats.wait_s += waited
         dk, dv = self.unpack(grads_in)
-        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+        return dq.to(dtype), dk.to(dtype).contiguous(), dv.to(dtype).contiguous()
 
 
 def _dense(*blocks):
@@ -437,16 +501,17 @@ def _function():
         @staticmethod
         def forward(ctx, q, k, v, ring):
             out, lse = ring.forward(q.detach(), k.detach(), v.detach())
-            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.save_for_backward(q, k, v, out, lse)  # unrounded: the backward's D = rowsum(dout * out) and P
             ctx.ring = ring
-            ctx.mark_non_differentiable(lse)
-            return out, lse
+            out_q, lse_q = out.to(q.dtype), lse.to(q.dtype)
+            ctx.mark_non_differentiable(lse_q)
+            return out_q, lse_q
 
         @staticmethod
         def backward(ctx, dout, _dlse):
             q, k, v, out, lse = ctx.saved_tensors
             if dout is None:
-                dout = torch.zeros_like(out)
+                dout = torch.zeros_like(q[..., :out.shape[-1]])
             dq, dk, dv = ctx.ring.backward(q.detach(), k.detach(), v.detach(), out, dout.contiguous(), lse)
             return dq, dk, dv, None
 

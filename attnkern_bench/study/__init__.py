@@ -28,7 +28,7 @@ import sys
 from dataclasses import asdict
 
 from .measuring import capacity_bytes, predicted_smallest_oom, run_study, smallest_oom
-from .model import CSV_COLUMNS, MIB, Settings, account, default_kernels, kernel_problem
+from .model import CSV_COLUMNS, MIB, Settings, default_kernels, has_backward, kernel_problem, settings_account
 from .output import (
     account_focus,
     account_text,
@@ -48,7 +48,7 @@ Times the forward and the backward of attention and measures their memory over a
 grid of sequence lengths N (--seqs) and head sizes d (--dims): the study of
 attention training that motivates FlashAttention-2's recomputation.
 
-For each N, d and kernel (N ascending), on float32 q, k, v of shape
+For each N, d and kernel (N ascending), on q, k, v of --dtype (float32) and shape
 (--batch, --heads, N, d) that require grad, and an upstream gradient dout of the
 output's shape made with them. --heads is 1 by default: one head, so d is the
 model width d_model, as in the assignment this follows; with --heads H each of
@@ -83,8 +83,9 @@ the H heads has size d.
           d, its larger N for that d are recorded as skipped, not tried
           (--no-skip-larger tries them). --memory-cap studies the boundary of a
           smaller device on a bigger one.
-Kernels (--kernels; default torch.naive, torch.sdpa and attnkern's flash kernel
-with a backward for the device: native.flash on cpu, cuda.flash on cuda):
+Kernels (--kernels; default torch.naive, torch.sdpa and attnkern's flash kernels
+with a backward for the device: native.flash on cpu, cuda.flash and triton.flash
+on cuda):
   torch.naive   softmax(q k^T * scale) v in torch ops under autograd, the N x N
                 scores materialised (attnkern.backends.torch.naive_attention)
   torch.sdpa    torch.nn.functional.scaled_dot_product_attention (torch picks its
@@ -126,9 +127,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "--seqs 256 512 1024 --dims 16 64 --iters 5 --warmup 1)")
     p.add_argument("--heads", type=int, default=1, help="heads H, each of size d (default 1)")
     p.add_argument("--causal", action="store_true", help="causal mask (default none)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="q, k, v, dout and the gradients' dtype (default float32); a kernel without a backward "
+                        "in it (kernel_info's backward_dtypes) is measured forward only, its backward columns "
+                        "empty and the reason in the error column")
     p.add_argument("--kernels", nargs="+", help="torch.naive, torch.sdpa and attnkern kernels with a backward "
                                                 "(default torch.naive torch.sdpa, then native.flash on cpu, "
-                                                "cuda.flash on cuda)")
+                                                "cuda.flash and triton.flash on cuda)")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations before the timed ones (default 10)")
     p.add_argument("--iters", type=int, default=100, help="timed iterations (default 100)")
     p.add_argument("--threads", type=int, help="cpu: threads of torch and of attnkern's kernels (default: the CPUs "
@@ -169,16 +174,19 @@ def command(args) -> int:
     names = args.kernels or default_kernels(args.device)
     kernels = []
     for name in names:
-        why = kernel_problem(name, args.device)
+        why = kernel_problem(name, args.device, args.dtype)
         if why is None:
             kernels.append(name)
+            if not has_backward(name, args.dtype):
+                print(f"# {name}: forward only (no {args.dtype} backward)")
         else:
             print(f"# skipping {name}: {why}")
     if not kernels:
         raise SystemExit("no kernel to study")
     cfg = Settings(batch=args.batch, heads=args.heads, dims=list(args.dims), seqs=sorted(args.seqs),
                    causal=args.causal, kernels=kernels, device=args.device, warmup=args.warmup, iters=args.iters,
-                   threads=args.threads or cpu_count(), memory_cap_gib=args.memory_cap, skip_larger=args.skip_larger)
+                   threads=args.threads or cpu_count(), memory_cap_gib=args.memory_cap, skip_larger=args.skip_larger,
+                   dtype=args.dtype)
     if cfg.device == "cuda":
         from ..harness import CudaTarget
 
@@ -191,7 +199,7 @@ def command(args) -> int:
 
         device = f"{CpuTarget(cfg.threads).describe()}, torch {torch.__version__}"
         how = "wall clock; memory: resident set above the baseline, a fresh process per row"
-    setup = (f"batch {cfg.batch}, heads {cfg.heads}, float32, causal {cfg.causal}; median of {cfg.iters} timed "
+    setup = (f"batch {cfg.batch}, heads {cfg.heads}, {cfg.dtype}, causal {cfg.causal}; median of {cfg.iters} timed "
              f"iterations after {cfg.warmup} warm-up ({how})"
              + (f"; memory cap {cfg.memory_cap_gib:g} GiB" if cfg.memory_cap_gib is not None else ""))
     print(f"# {device}")
@@ -215,7 +223,7 @@ def command(args) -> int:
     for line in result["oom_lines"]:
         print(f"#   {line}")
     n, d = account_focus(cfg, rows)
-    accounts = [account(k, cfg.batch, cfg.heads, n, d, cfg.causal, cfg.device, cfg.threads) for k in kernels]
+    accounts = [settings_account(cfg, k, n, d) for k in kernels]
     scaling = scaling_rows(cfg, max(cfg.dims))
     result["account"] = {"breakdown": [a.as_dict() for a in accounts], "scaling": scaling}
     if args.account:

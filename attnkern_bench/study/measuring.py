@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..counts import attention_flops
 from ..timing import CudaEventClock, WallClock, medians
-from .model import MIB, Settings, account, backward_flops
+from .model import MIB, Settings, backward_flops, has_backward, settings_account
 
 # ---------------------------------------------------------------- measuring one row
 
@@ -123,13 +123,20 @@ def _measure(spec, meter, clock, sync, after_warmup, before_timing, got: dict, s
     b, h, n, d, causal, device = spec["batch"], spec["heads"], spec["seq"], spec["dim"], spec["causal"], spec["device"]
     fn = attention_fn(spec["kernel"], device, spec["threads"])
 
+    dtype, with_grad = getattr(torch, spec.get("dtype", "float32")), spec.get("backward", True)
+
     def inputs(rows):
         gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(b, h, rows, d, device=device, generator=gen, requires_grad=True) for _ in range(3))
-        return q, k, v, torch.randn(b, h, rows, d, device=device, generator=gen)
+        q, k, v = (torch.randn(b, h, rows, d, device=device, generator=gen).to(dtype).requires_grad_(with_grad)
+                   for _ in range(3))
+        return q, k, v, torch.randn(b, h, rows, d, device=device, generator=gen).to(dtype)
+
+    def run_backward(out, dout):
+        if with_grad:
+            out.backward(dout)
 
     q, k, v, dout = inputs(min(n, 64))  # load code, start threads, make library handles and workspaces
-    fn(q, k, v, causal).backward(dout)
+    run_backward(fn(q, k, v, causal), dout)
     del q, k, v, dout
     sync()
     after_warmup()
@@ -140,7 +147,7 @@ def _measure(spec, meter, clock, sync, after_warmup, before_timing, got: dict, s
     out = fn(q, k, v, causal)
     before = meter.in_use() - base
     grad_fn = out.grad_fn.name() if out.grad_fn is not None else ""
-    out.backward(dout)
+    run_backward(out, dout)
     peak = meter.peak() - base
     del out
     got.update(memory_before_backward_mib=before / MIB, peak_memory_mib=peak / MIB, grad_fn=grad_fn)
@@ -152,7 +159,7 @@ def _measure(spec, meter, clock, sync, after_warmup, before_timing, got: dict, s
         state["out"] = fn(q, k, v, causal)
 
     def backward():
-        state.pop("out").backward(dout)
+        run_backward(state.pop("out"), dout)
 
     times: dict[str, list[float]] = {"forward": [], "backward": []}
     for i in range(spec["warmup"] + spec["iters"]):
@@ -162,7 +169,7 @@ def _measure(spec, meter, clock, sync, after_warmup, before_timing, got: dict, s
             times["forward"].append(tf)
             times["backward"].append(tb)
     med = medians(times) if spec["iters"] else {"forward": math.nan, "backward": math.nan}
-    got.update(forward_ms=med["forward"] * 1e3, backward_ms=med["backward"] * 1e3)
+    got.update(forward_ms=med["forward"] * 1e3, backward_ms=med["backward"] * 1e3 if with_grad else None)
 
 
 def _cpu_main() -> None:
@@ -252,9 +259,10 @@ def run_study(cfg: Settings, emit: Callable[[dict], None] = lambda row: None) ->
     for step, (n, d, kernel) in enumerate(grid, 1):
         print(f"[{step}/{len(grid)}] N={n} d={d} {kernel}", file=sys.stderr, flush=True)
         spec = {"kernel": kernel, "batch": cfg.batch, "heads": cfg.heads, "seq": n, "dim": d, "causal": cfg.causal,
-                "device": cfg.device, "warmup": cfg.warmup, "iters": cfg.iters, "threads": cfg.threads}
+                "device": cfg.device, "warmup": cfg.warmup, "iters": cfg.iters, "threads": cfg.threads,
+                "dtype": cfg.dtype, "backward": has_backward(kernel, cfg.dtype)}
         row = {"batch": cfg.batch, "heads": cfg.heads, "seq_len": n, "d_model": d, "kernel": kernel,
-               "causal": cfg.causal, "device": cfg.device}
+               "causal": cfg.causal, "device": cfg.device, "dtype": cfg.dtype}
         first_oom = ooms.get((kernel, d))
         if cfg.skip_larger and first_oom is not None and n > first_oom:
             result = {"status": "skipped", "error": f"larger than an OOM configuration (N={first_oom}, d={d})"}
@@ -265,16 +273,18 @@ def run_study(cfg: Settings, emit: Callable[[dict], None] = lambda row: None) ->
         else:
             result = measure_in_fresh_process(spec, cap)
         row.update(result)
+        if row["status"] == "ok" and not spec["backward"]:
+            row["error"] = f"forward only: no {cfg.dtype} backward"
         if row["status"] == "oom":
             ooms[(kernel, d)] = min(n, ooms.get((kernel, d), n))
-        if row["status"] == "ok":
+        if row["status"] == "ok" and spec["backward"]:
             flops = attention_flops(cfg.batch, cfg.heads, n, n, d, cfg.causal)
             flops += backward_flops(cfg.batch, cfg.heads, n, n, d, cfg.causal)
             row["gflops"] = flops / ((row["forward_ms"] + row["backward_ms"]) / 1e3) / 1e9
-        acc = account(kernel, cfg.batch, cfg.heads, n, d, cfg.causal, cfg.device, cfg.threads)
+        acc = settings_account(cfg, kernel, n, d)
         row["predicted_before_backward_mib"] = acc.before_backward / MIB
         row["predicted_forward_peak_mib"] = acc.peak("forward") / MIB
-        row["predicted_peak_mib"] = acc.peak() / MIB
+        row["predicted_peak_mib"] = (acc.peak() if spec["backward"] else acc.peak("forward")) / MIB
         if row.get("peak_memory_mib"):
             row["predicted_over_measured"] = row["predicted_peak_mib"] / row["peak_memory_mib"]
         rows.append(row)
@@ -310,6 +320,6 @@ def predicted_smallest_oom(cfg: Settings, capacity: int) -> dict[str, tuple[int,
     out = {}
     for kernel in cfg.kernels:
         over = [(n, d) for n in sorted(cfg.seqs) for d in sorted(cfg.dims)
-                if account(kernel, cfg.batch, cfg.heads, n, d, cfg.causal, cfg.device, cfg.threads).peak() > capacity]
+                if settings_account(cfg, kernel, n, d).peak() > capacity]
         out[kernel] = over[0] if over else None
     return out

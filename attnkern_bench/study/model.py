@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from ..counts import attention_flops
 
 MIB = 2**20
-ITEMSIZE = 4  # float32: the study's only dtype
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # the study's dtypes
 TORCH_KERNELS = ("torch.naive", "torch.sdpa")  # torch with autograd; attnkern's registry entries of these names
 # (no backward) are not what runs here
 CSV_COLUMNS = ("batch", "seq_len", "d_model", "kernel", "causal", "status", "error", "forward_ms", "backward_ms",
@@ -34,14 +34,17 @@ class Settings:
     threads: int = 1
     memory_cap_gib: float | None = None
     skip_larger: bool = True
+    dtype: str = "float32"
 
 
 def default_kernels(device: str) -> list[str]:
-    return [*TORCH_KERNELS, "cuda.flash" if device == "cuda" else "native.flash"]
+    return [*TORCH_KERNELS, *(("cuda.flash", "triton.flash") if device == "cuda" else ("native.flash",))]
 
 
-def kernel_problem(name: str, device: str) -> str | None:
-    """Why `name` cannot take part on `device` (None: it can); an unknown name exits."""
+def kernel_problem(name: str, device: str, dtype: str = "float32") -> str | None:
+    """Why `name` cannot take part on `device` in `dtype` (None: it can); an unknown name
+    exits. A kernel without a backward for dtype (but with one for float32) takes part
+    with its forward alone (has_backward)."""
     if name in TORCH_KERNELS:
         return None
     import attnkern
@@ -56,7 +59,18 @@ def kernel_problem(name: str, device: str) -> str | None:
         return "has no backward pass"
     if not info["available"]:
         return info["reason"]
+    if dtype not in info["dtypes"]:
+        return f"does not take {dtype} (it takes {', '.join(info['dtypes'])})"
     return None
+
+
+def has_backward(name: str, dtype: str) -> bool:
+    """Whether the study can run `name`'s backward in dtype (torch's always)."""
+    if name in TORCH_KERNELS:
+        return True
+    import attnkern
+
+    return dtype in attnkern.kernel_info(name)["backward_dtypes"]
 
 
 def backward_flops(b: int, h: int, nq: int, nk: int, d: int, causal: bool = False) -> float:
@@ -103,6 +117,7 @@ class Account:
     after_forward: tuple[str, ...]  # live once the forward returns: what "before backward" measures
     saved: tuple[str, ...]  # saved by autograd for the backward, beyond the inputs
     notes: list[str] = field(default_factory=list)
+    dtype: str = "float32"
 
     def live_bytes(self, names) -> int:
         return sum(self.terms[n].nbytes for n in names)
@@ -127,7 +142,8 @@ class Account:
 
     def as_dict(self) -> dict:
         peak = self.peak_stage()
-        return {"kernel": self.kernel, "batch": self.batch, "heads": self.heads, "seq_len": self.seq,
+        return {"kernel": self.kernel, "dtype": self.dtype, "batch": self.batch, "heads": self.heads,
+                "seq_len": self.seq,
                 "d_model": self.dim, "causal": self.causal, "terms": [asdict(t) for t in self.terms.values()],
                 "stages": [{**asdict(s), "bytes": self.live_bytes(s.live)} for s in self.stages],
                 "saved_for_backward": list(self.saved), "before_backward_bytes": self.before_backward,
@@ -137,12 +153,21 @@ class Account:
                 "notes": self.notes}
 
 
+def settings_account(cfg: Settings, kernel: str, seq: int, dim: int) -> Account:
+    """account() of kernel at (seq, dim) with the rest from the study's settings."""
+    return account(kernel, cfg.batch, cfg.heads, seq, dim, cfg.causal, cfg.device, cfg.threads, cfg.dtype)
+
+
 def account(kernel: str, batch: int, heads: int, seq: int, dim: int, causal: bool = False, device: str = "cpu",
-            threads: int = 1, itemsize: int = ITEMSIZE) -> Account:
+            threads: int = 1, dtype: str = "float32") -> Account:
     """The memory model of one forward and backward of `kernel` at (batch, heads,
-    seq, dim): torch.naive's graph, a fused torch.sdpa, or an attnkern flash kernel."""
+    seq, dim) in dtype: torch.naive's graph, a fused torch.sdpa, or an attnkern flash
+    kernel. Every tensor is of dtype, but for torch.sdpa's lse and the backward's
+    row sums (float32 always) and native.flash's half backward (float32 copies)."""
+    itemsize = ITEMSIZE[dtype]
     b, h, n, d = batch, heads, seq, dim
     bhnd, bhn, bhn2 = b * h * n * d * itemsize, b * h * n * itemsize, b * h * n * n * itemsize
+    bhn4 = b * h * n * 4  # a float32 value per row
     terms = [Term("q, k, v", "3 B*H*N*d", 3 * bhnd, 1, "the inputs, requires_grad"),
              Term("dout", "B*H*N*d", bhnd, 1, "the upstream gradient, made with the inputs"),
              Term("out", "B*H*N*d", bhnd, 1)]
@@ -216,33 +241,39 @@ def account(kernel: str, batch: int, heads: int, seq: int, dim: int, causal: boo
         lse_note = "log-sum-exp per query row, saved for the backward"
         if kernel == "torch.sdpa" and device == "cuda":
             # the memory-efficient kernel (float32 on the GPU) pads lse to 32 rows
-            lse = Term("lse", "B*H*ceil(N/32)*32", b * h * -(-n // 32) * 32 * itemsize, 1, lse_note)
+            lse = Term("lse", "B*H*ceil(N/32)*32", b * h * -(-n // 32) * 32 * 4, 1, lse_note + " (float32)")
+        elif kernel == "torch.sdpa":
+            lse = Term("lse", "B*H*N", bhn4, 1, lse_note + " (float32)")
         else:
             lse = Term("lse", "B*H*N", bhn, 1, lse_note)
         terms += [lse, Term("dq, dk, dv", "3 B*H*N*d", 3 * bhnd, 1)]
         fwd_extra: tuple[str, ...] = ()
         bwd_extra: tuple[str, ...] = ()
         if kernel == "torch.sdpa":
-            terms.append(Term("delta = rowsum(dout * out)", "B*H*N", bhn, 1))
+            terms.append(Term("delta = rowsum(dout * out)", "B*H*N", bhn4, 1, "float32"))
             bwd_extra = ("delta = rowsum(dout * out)",)
             notes.append("torch.sdpa: modelled as torch's fused kernels (flash on the CPU, memory-efficient for "
                          "float32 on the GPU): out and lse saved; their work buffers are not modelled"
                          + (" (on an H100 with torch 2.11 the backward took B*H*N*max(d, 64)*4 bytes more, "
                             "an O(N) float32 buffer)" if device == "cuda" else ""))
         elif device == "cuda":
-            terms.append(Term("delta = rowsum(dout * out)", "B*H*N", bhn, 1,
-                              "a Numba allocation: outside torch's counters"))
+            terms.append(Term("delta = rowsum(dout * out)", "B*H*N", bhn4, 1,
+                              "float32, a Numba allocation: outside torch's counters"))
             bwd_extra = ("delta = rowsum(dout * out)",)
             notes.append(f"{kernel}: tiles live in shared memory; delta is allocated through Numba, which "
                          "torch.cuda.max_memory_allocated does not see")
         else:
             fwd_ws, bwd_ws = _native_work_elements(kernel, d, threads)
-            terms += [Term("work buffers (forward)", f"{threads} threads x blocks", fwd_ws * itemsize, 1,
-                           "per thread, O(block_q * block_k); padding ignored"),
-                      Term("lse2, D (backward)", "2 B*H*N", 2 * bhn, 1, "lse * log2(e) and rowsum(dout * out)"),
-                      Term("work buffers (backward)", f"{threads} threads x blocks", bwd_ws * itemsize, 1,
-                           "per thread, O(block_q * block_k); padding ignored")]
+            terms += [Term("work buffers (forward)", f"{threads} threads x blocks", fwd_ws * 4, 1,
+                           "float32, per thread, O(block_q * block_k); padding ignored"),
+                      Term("lse2, D (backward)", "2 B*H*N", 2 * bhn4, 1, "lse * log2(e) and rowsum(dout * out)"),
+                      Term("work buffers (backward)", f"{threads} threads x blocks", bwd_ws * 4, 1,
+                           "float32, per thread, O(block_q * block_k); padding ignored")]
             fwd_extra, bwd_extra = ("work buffers (forward)",), ("lse2, D (backward)", "work buffers (backward)")
+            if itemsize != 4:
+                terms.append(Term("float32 copies (half backward)", "8 B*H*N*d float32", 8 * b * h * n * d * 4, 1,
+                                  "q, k, v, out, dout widened once and dq, dk, dv computed in float32"))
+                bwd_extra += ("float32 copies (half backward)",)
         fwd = [Stage("forward", "out, lse", (*inputs, "out", "lse", *fwd_extra))]
         after = (*inputs, "out", "lse")
         bwd = [Stage("backward", "dq, dk, dv", (*inputs, "out", "lse", *bwd_extra, "dq, dk, dv")),
@@ -250,7 +281,7 @@ def account(kernel: str, batch: int, heads: int, seq: int, dim: int, causal: boo
         saved = ("out", "lse")
         notes.append(f"{kernel}: saves q, k, v, out and the lse (O(N)); the backward recomputes P block by block: "
                      "no N x N tensor")
-    return Account(kernel, b, h, n, d, causal, {t.name: t for t in terms}, fwd + bwd, after, saved, notes)
+    return Account(kernel, b, h, n, d, causal, {t.name: t for t in terms}, fwd + bwd, after, saved, notes, dtype)
 
 
 def _native_work_elements(kernel: str, d: int, threads: int) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import math
 import os
 
 from .measuring import smallest_oom
-from .model import CSV_COLUMNS, MIB, Account, Settings, account
+from .model import CSV_COLUMNS, MIB, Account, Settings, settings_account
 
 # ---------------------------------------------------------------- output
 
@@ -39,7 +39,7 @@ def account_text(acc: Account, markdown: bool = False) -> list[str]:
     peak = acc.peak_stage()
     split = acc.by_order(peak.live)
     title = (f"{acc.kernel} at B={acc.batch} H={acc.heads} N={acc.seq} d={acc.dim}"
-             f"{' causal' if acc.causal else ''}, float32")
+             f"{' causal' if acc.causal else ''}, {acc.dtype}")
     saved = set(acc.saved)
     rows = [(t.name, t.formula, f"{t.nbytes / MIB:.3f}", f"N^{t.order}" if t.order == 2 else "N",
              ", ".join(r for r, on in (("saved", t.name in saved), ("at peak", t.name in peak.live)) if on), t.note)
@@ -69,7 +69,7 @@ def scaling_rows(cfg: Settings, dim: int) -> list[dict]:
     out = []
     for kernel in cfg.kernels:
         for n in sorted(cfg.seqs):
-            acc = account(kernel, cfg.batch, cfg.heads, n, dim, cfg.causal, cfg.device, cfg.threads)
+            acc = settings_account(cfg, kernel, n, dim)
             stage = acc.peak_stage()
             split = acc.by_order(stage.live)
             out.append({"kernel": kernel, "seq_len": n, "d_model": dim, "peak_mib": acc.peak() / MIB,
@@ -144,7 +144,7 @@ def write_markdown(path: str, result: dict, cfg: Settings) -> None:
     lines += ["## Memory account", ""]
     n, d = account_focus(cfg, rows)
     for kernel in cfg.kernels:
-        lines += account_text(account(kernel, cfg.batch, cfg.heads, n, d, cfg.causal, cfg.device, cfg.threads),
+        lines += account_text(settings_account(cfg, kernel, n, d),
                               markdown=True)
     lines += [f"### Scaling with N (d={max(cfg.dims)})", ""]
     lines += scaling_text(scaling_rows(cfg, max(cfg.dims)), markdown=True)
@@ -189,7 +189,7 @@ def write_plots(directory: str, rows: list[dict], cfg: Settings, with_account: b
             if ax.has_data():
                 ax.legend(fontsize=7)
         fig.suptitle(f"attention forward/backward, B={cfg.batch} H={cfg.heads} d={d}"
-                     f"{' causal' if cfg.causal else ''}, float32, {cfg.device}")
+                     f"{' causal' if cfg.causal else ''}, {cfg.dtype}, {cfg.device}")
         path = os.path.join(directory, f"study_d{d}.png")
         fig.savefig(path, dpi=100)
         paths.append(path)

@@ -269,6 +269,23 @@ def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0, sp
     return out
 
 
+def flash_half_float32(q, k, v, out, lse, causal: bool, scale: float) -> bool:
+    """cuda.flash's float16/bfloat16 kernel on GpuArrays q, k, v (batch, n, d), writing out
+    (batch, nq, dv) and lse (batch, nq) in float32: each row as the kernel has it before
+    rounding it to q's dtype, and its lse in the log2 domain (log2 of the row's sum of
+    2^(scores log2 e): the natural lse times log2 e), for callers that merge rows computed
+    over different keys (attnkern.distributed's ring). False, with nothing written, where that kernel does
+    not take these head sizes (or Numba's simulator runs, which cannot run it)."""
+    from numba import config
+
+    from . import cpp
+
+    if config.ENABLE_CUDASIM or _flash_head_sizes(q.shape[2], v.shape[2], q.dtype.name) is not None:
+        return False
+    cpp.flash_mma(q, k, v, out, causal, scale, lse=lse)
+    return True
+
+
 def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
                    block_q: int, block_k: int, tensor_cores: int, with_lse: bool, fastmath: int = 0,
                    split_k: int = 0):

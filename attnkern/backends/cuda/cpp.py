@@ -316,7 +316,7 @@ def _suffix(featured: bool, mask: int, alibi: bool, fast: bool = False) -> str:
 
 
 def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None, featured: bool = False,
-                     mask: int = 0, alibi: bool = False, fast: bool = False):
+                     mask: int = 0, alibi: bool = False, fast: bool = False, wide: bool = False):
     """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_wgmma.cu for a
     WgmmaConfig, flash_mma.cu for an MmaConfig) or float32 (flash_tf32.cu, 3xTF32),
     head size d and a work division (default half_config(d, dtype), or mma_config(d,
@@ -333,23 +333,27 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
     (ATTNKERN_FEAT; the plain one compiles without them); mask: the kind of
     attention mask the featured variant reads (launch.MASK_KINDS; 0: none); alibi:
     the variant that adds ALiBi (ATTNKERN_ALIBI); fast: the fastmath variant
-    (ATTNKERN_FAST: the approximate ex2, lg2 and reciprocal, flushing denormals)."""
+    (ATTNKERN_FAST: the approximate ex2, lg2 and reciprocal, flushing denormals);
+    wide: the half kernels' variant that writes float32 rows and a log2-domain lse
+    before any rounding (ATTNKERN_WIDE; the other variants compile without it)."""
     config = config or tensor_core_config(d, dtype)
     params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES
-    suffix = _suffix(featured, mask, alibi, fast)
+    suffix = _suffix(featured, mask, alibi, fast) + ("_w" if wide else "")
+    widen = (("WIDE", 1),) if wide else ()
     if isinstance(config, WgmmaConfig):
         config.check(d)
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
                                ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
-                               ("ALIBI", int(alibi)), ("FAST", int(fast))),
+                               ("ALIBI", int(alibi)), ("FAST", int(fast)), *widen),
                               params, config.threads, config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
                 ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), ("FAST", int(fast)))
     if dtype == "float32":
         source, defines, itemsize = "flash_tf32.cu", (("D", d), *division), 4
     else:
-        source, defines, itemsize = "flash_mma.cu", (("D", d), ("BF16", int(dtype == "bfloat16")), *division), 2
+        source, defines, itemsize = "flash_mma.cu", (("D", d), ("BF16", int(dtype == "bfloat16")), *division,
+                                                     *widen), 2
     return _linked_kernel(source, f"attnkern_flash_mma_{dtype}_{d}_{config}{suffix}", defines, params,
                           config.threads, config.shared_bytes(d, itemsize))
 
@@ -361,11 +365,13 @@ def mma_aligned(*ptrs) -> bool:
 
 
 def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
-                     config: MmaConfig | WgmmaConfig | None = None, feat=None, fast: bool = False):
+                     config: MmaConfig | WgmmaConfig | None = None, feat=None, fast: bool = False,
+                     wide: bool = False):
     """(kernel, grid, block, args) of flash_mma(): launch() takes them, or Prepared.
     The grid is (query blocks, batch); config: the work division (default
     half_config(d), or mma_config(d) for float32); feat: a launch.KernelFeatures,
-    or None (the plain kernel); fast: the fastmath variant."""
+    or None (the plain kernel); fast: the fastmath variant; wide: the float32-rows
+    variant (out and lse float32, lse in the log2 domain)."""
     batch, nq, d = q.shape
     dtype = q.dtype.name
     config = config or tensor_core_config(d, dtype)
@@ -376,7 +382,7 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     return (flash_mma_kernel(dtype, d, config, feat is not None,
                               mask=0 if feat is None else feat.mask_kind,
-                              alibi=feat is not None and feat.alibi is not None, fast=fast),
+                              alibi=feat is not None and feat.alibi is not None, fast=fast, wide=wide),
             (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
@@ -386,11 +392,20 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
 def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None, fast: bool = False) -> None:
     """out = softmax(q k^T * scale) v on float16 or bfloat16 GpuArrays (batch, n, d)
     on tensor cores; lse: None, or a GpuArray (batch, nq) of out's dtype to fill;
-    feat: a launch.KernelFeatures or None; fast: the fastmath variant."""
-    if not mma_aligned(*(a.ptr for a in ((q, k, v, out) if lse is None else (q, k, v, out, lse)))):
-        raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses "
+    or out and lse both float32: the rows before their rounding to q's dtype and
+    their lse in the log2 domain (the ATTNKERN_WIDE variant); feat: a
+    launch.KernelFeatures or None; fast: the fastmath variant."""
+    wide = out.dtype == np.float32
+    if wide and (lse is None or lse.dtype != np.float32 or feat is not None):
+        raise ValueError("cuda.flash: a float32 out of half inputs needs a float32 lse and no features")
+    if not wide and (out.dtype != q.dtype or (lse is not None and lse.dtype != q.dtype)):
+        raise ValueError(f"cuda.flash: out and lse must be of q's dtype {q.dtype}, or both float32")
+    if not mma_aligned(*(a.ptr for a in ((q, k, v, out) if lse is None else (q, k, v, out, lse)))) \
+            or (wide and out.ptr % 8):
+        raise ValueError("cuda.flash: float16/bfloat16 inputs must start at 16-byte aligned addresses, "
+                         "a float32 out at an 8-byte aligned one "
                          "(pass a fresh contiguous tensor: .contiguous() or .clone())")
-    kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse, feat=feat, fast=fast)
+    kernel, grid, block, args = flash_mma_launch(q, k, v, out, causal, scale, lse, feat=feat, fast=fast, wide=wide)
     launch(kernel, grid, block, *args)
 
 

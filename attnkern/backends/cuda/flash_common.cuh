@@ -104,6 +104,12 @@ static __device__ __forceinline__ float neg_inf() {
 #ifndef ATTNKERN_DECODE
 #define ATTNKERN_DECODE 0
 #endif
+// ATTNKERN_WIDE 1 (flash_mma.cu, flash_wgmma.cu): the variant that writes its rows in float32
+// before their rounding to the half dtype, and their lse in float32 in the log2 domain
+// (store_partial_rows): for callers that merge rows computed over different keys (ring attention)
+#ifndef ATTNKERN_WIDE
+#define ATTNKERN_WIDE 0
+#endif
 #define FEAT_PARAMS int kv_group, u64 lensp, int seq_rows, int bottom_right, int window_left, int window_right, \
                     float softcap, u64 maskp, int mask_kind, int mask_heads, u64 mask_sb, u64 mask_sh, u64 mask_si, \
                     u64 mask_sj, float mask_unit, u64 alibip, float alibi_unit

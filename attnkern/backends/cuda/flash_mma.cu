@@ -320,10 +320,19 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                           wr0 + g, nq);
     return;
 #endif
+#if ATTNKERN_WIDE
+    // float32 rows and log2-domain lse, unrounded (out and lse are float32 arrays; lse given)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        store_partial_rows<D>((float*)op + b * (u64)nq * D, (float*)lsep + b * (u64)nq, o[i], l[i], m[i], c,
+                              wr0 + 16 * i + g, nq);
+    }
+#else
     u16* out = (u16*)op + b * (u64)nq * D;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         store_half_rows<D>(out, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o[i], l[i], m[i], c, wr0 + 16 * i + g,
                            nq);
     }
+#endif
 }

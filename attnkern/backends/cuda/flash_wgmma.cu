@@ -282,6 +282,11 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     }
 
     if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
+#if ATTNKERN_WIDE
+    // float32 rows and log2-domain lse, unrounded (out and lse are float32 arrays; lse given)
+    store_partial_rows<D>((float*)op + b * (u64)nq * D, (float*)lsep + b * (u64)nq, o, l, m, c, wr0 + g, nq);
+#else
     u16* out = (u16*)op + b * (u64)nq * D;
     store_half_rows<D>(out, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o, l, m, c, wr0 + g, nq);
+#endif
 }
