@@ -222,7 +222,7 @@ class Kernel:
 
     def features_in(self, dtype: str | None) -> frozenset[str]:
         """The features its forward has for inputs of dtype (None: in some dtype)."""
-        if dtype is None:
+        if dtype is None or not self.feature_dtypes:  # the common case: no per-dtype limits
             return self.features
         return frozenset(f for f in self.features if dtype in self.feature_dtypes.get(f, (dtype,)))
 
