@@ -16,7 +16,8 @@ the step at B on the site's regressions page for the counted benchmark
 Slow (several minutes: wheel builds, Valgrind, a virtualenv on first use); run
 with `pytest -m slow`, and by `make test`. The site tests come first in this file:
 the gate tests after them take A's and B's wheels from that `asv run` instead of
-building them again (reuse_asv_builds), and build C and D themselves.
+building them again (reuse_asv_builds); C, whose change is the README's alone, takes
+B's build (the gate's source_key), and D is built by the gate.
 """
 
 import contextlib
@@ -214,8 +215,8 @@ def reuse_asv_builds(cache, shas):
     in a virtualenv with the build tools of this interpreter, which the gate builds
     with (checked: a wheel from other versions is not reused, as its instruction
     counts could differ from the gate's own build of the next commit). A commit
-    asv did not build (C, or every commit when the gate tests run alone) is built
-    by the gate itself, which keeps its build step under test."""
+    asv did not build (D, or every commit when the gate tests run alone) is built
+    by the gate itself, which keeps its build step under test; C takes B's build."""
     for sha in shas:
         site = cache / sha / "site"
         if site.is_dir():
@@ -282,6 +283,8 @@ def test_gate_passes_a_no_op_commit(history):
     out = proc.stdout + proc.stderr
     print(proc.stdout)
     assert proc.returncode == 0, out
+    # C changes no build input: the gate takes B's build instead of building C
+    assert f"{c[:10]} builds what {b[:10]} built" in out, out
     rows = gate_rows(history, c)
     assert rows and all(r["verdict"] == "same" for r in rows), rows
     assert all(r["ratio"] == 1.0 for r in rows if r["signal"] == "counted"), rows

@@ -138,12 +138,33 @@ def install_wheel(wheel: Path, site: Path) -> Path:
     return site
 
 
+# What a build is made from: commits that agree on these (a change to docs, tests or
+# tools only) build the same package, so one build serves them all.
+BUILD_INPUTS = ("attnkern", "meson.build", "pyproject.toml")
+
+
+def source_key(repo: Path, sha: str) -> str | None:
+    """The git object ids of commit `sha`'s BUILD_INPUTS, or None where git cannot say."""
+    proc = subprocess.run(["git", "rev-parse", *(f"{sha}:{path}" for path in BUILD_INPUTS)], cwd=repo,
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
 def build(repo: Path, sha: str, cache: Path, log) -> Path:
     """attnkern of commit `sha` installed (no dependencies) into its own
-    directory, from a wheel built like asv builds it; cached by commit."""
+    directory, from a wheel built like asv builds it; cached by commit, and a
+    commit whose BUILD_INPUTS equal a cached commit's takes that build."""
     site = cache / sha / "site"
     if (site / "attnkern").is_dir():
         return site
+    key = source_key(repo, sha)
+    if key is not None and cache.is_dir():
+        for other in sorted(cache.iterdir()):
+            if (other.name != sha and len(other.name) == 40 and (other / "site" / "attnkern").is_dir()
+                    and source_key(repo, other.name) == key):
+                log(f"{sha[:10]} builds what {other.name[:10]} built (same {', '.join(BUILD_INPUTS)}): "
+                    "taking that build")
+                return other / "site"
     log(f"building {sha[:10]} ...")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="attnkern-gate-wheel-") as tmp:
