@@ -30,7 +30,7 @@ GPU, so graphs never mix them) and runs
 
     asv run --python=same --set-commit-hash <sha> --machine <it> -b '<GPU selection>'
 
-(--bench, default the classes ForwardGpu and Float32GpuPaths; --attributes
+(--bench, default the classes ForwardGpu, DecodeGpu, BackwardGpu and Float32GpuPaths; --attributes
 overrides asv's sampling, e.g. "rounds=1 repeat=5" for a short run). Its results
 land in results/<machine>/: machine.json and one JSON per commit and environment.
 
@@ -58,7 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / ".asv" / "results"
 DEFAULT_MACHINE = "auto"  # run.sh names the machine after its GPU: nvidia-h100-80gb-hbm3, nvidia-h200, ...
-DEFAULT_BENCH = r"(ForwardGpu|Float32GpuPaths)\."
+DEFAULT_BENCH = r"(ForwardGpu|DecodeGpu|BackwardGpu|Float32GpuPaths)\."
 RESULT_VERSION = 2  # asv 0.6's result file format
 
 
@@ -129,8 +129,20 @@ def prepare(args) -> int:
     for pattern, where, what in (("numpy-2.4.*-cp312-*.whl", args.numpy_wheel, "--numpy-wheel"),
                                  ("asv-*.whl", args.asv_wheels, "--asv-wheels")):
         found = sorted(Path(where).glob(pattern)) if where else []
+        if not found and where:
+            # Not there yet: fetch the cp312 wheels once into that folder (this machine has the network,
+            # the device has none).
+            spec = "numpy==2.4.*" if what == "--numpy-wheel" else "asv==0.6.6"
+            print(f"[gpu-history] downloading {spec} (cp312 wheels) into {where}", file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+                            "--python-version", "3.12", "--implementation", "cp",
+                            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+                            "--platform", "manylinux2014_x86_64", "-d", str(where), spec]
+                           + (["--no-deps"] if what == "--numpy-wheel" else []), check=False)
+            found = sorted(Path(where).glob(pattern))
         if not found:
-            print(f"gpu_history.py: no {pattern} in {where!r}: pass {what} (docs/gpu-device.md)", file=sys.stderr)
+            print(f"gpu_history.py: no {pattern} in {where!r} and none could be downloaded: pass {what} "
+                  f"(a folder of cp312 wheels)", file=sys.stderr)
             return 2
     if out.exists():
         shutil.rmtree(out)
