@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
@@ -33,6 +34,9 @@ def _half_dtypes() -> tuple[np.dtype, ...]:
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64), *_half_dtypes())
 _DTYPE_NAMES = "float32, float64, float16 and bfloat16 (ml_dtypes.bfloat16 or torch.bfloat16)"
+# dtype -> its name: NumPy's dtype.name is computed in Python on every access, and a plain call asks for it
+# on its hot path (choose)
+_NAME = {d: d.name for d in _DTYPES}
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,8 @@ class Call:
         where the call has any, else nothing (kernels without features never see it)."""
         return {"features": self.features} if self.needs else {}
 
-    @property
-    def empty(self) -> bool:
+    @functools.cached_property
+    def empty(self) -> bool:  # asked several times a call: computed once
         return math.prod(self.out_shape) == 0
 
 
@@ -499,7 +503,9 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     raise ValueError and a non-finite result (scores overflowing the dtype) raises
     FloatingPointError.
     """
-    torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
+    # NumPy arrays (the common host call) need no look at the module of each argument
+    torch_inputs = not (type(q) is type(k) is type(v) is np.ndarray) and (_is_torch(q) or _is_torch(k) or
+                                                                         _is_torch(v))
     if dropout_p and dropout_seed is None:
         dropout_seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
@@ -769,7 +775,7 @@ def _is_torch(x) -> bool:
 def choose(call: Call, kernel, params: dict, *, return_lse: bool = False, backward: bool = False):
     """The kernel for a validated call and its resolved tunables; raises if it cannot
     run here, cannot take the call's arrays or lacks what is asked of it."""
-    dtype = call.q.dtype.name
+    dtype = _NAME.get(call.q.dtype) or call.q.dtype.name
     chosen = (_auto(call.device, dtype, return_lse, backward, call.needs) if kernel == "auto"
               else _registry.get(kernel))
     # the head sizes of a call with no work are not checked: no kernel runs
