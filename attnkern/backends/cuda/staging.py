@@ -30,10 +30,13 @@ import threading
 import numpy as np
 
 ALIGN = 256  # bytes: every array starts at a multiple (the kernels' vector loads need 16)
-# buffers up to 1 GiB each are kept between calls; a call that needs more copies from
+# buffers up to 64 MiB each are kept between calls; a call that needs more copies from
 # pageable memory (cuda.flash's _staged: allocating pinned memory per call costs more
-# than it saves), or, through Staging.call, gets buffers freed after it
-KEEP_BYTES = 1 << 30
+# than it saves), or, through Staging.call, gets buffers freed after it. Above that size
+# the host's copies into and out of the pinned buffer cost what the faster DMA saves:
+# on an H200 host (`attnkern transfer`) a call moving 16 MiB ran 1.28x faster staged, one
+# moving 256 MiB 0.93x as fast, so large calls take the pageable copies
+KEEP_BYTES = 64 << 20
 STAGING = True  # False: the pageable copies (cuda.to_device, copy_to_host), for comparison (attnkern transfer)
 
 
