@@ -45,12 +45,13 @@ def _torch():
 class _Plan:
     """A call shape's prepared work; launch None: the general path's."""
 
-    __slots__ = ("launch", "scan", "aligned", "stream", "out_shape", "lse_shape", "until")
+    __slots__ = ("launch", "scan", "aligned", "stream", "out_shape", "lse_shape", "until", "scratch")
 
     def __init__(self, launch=None, scan=None, aligned=None, stream=None, out_shape=(), lse_shape=(),
-                 until=math.inf):
+                 until=math.inf, scratch=0):
         self.launch, self.scan, self.aligned, self.stream = launch, scan, aligned, stream
         self.out_shape, self.lse_shape, self.until = out_shape, lse_shape, until
+        self.scratch = scratch  # float32 elements of scratch memory a launch takes (its last address), or 0
 
 
 def usable() -> bool:
@@ -95,7 +96,8 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
     if q.requires_grad or k.requires_grad or v.requires_grad:  # autograd: the general path
         return None
     # only argument types whose equality is their identity for the call (True is not 1 here)
-    if (causal is not True and causal is not False) or type(kernel) is not str:
+    if (causal is not True and causal is not False and not (type(causal) is str and causal == "bottom_right")
+            or type(kernel) is not str):
         return None
     if scale is not None and type(scale) is not float and type(scale) is not int:
         return None
@@ -118,6 +120,8 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
     if plan.launch is None:
         return None
     if plan.stream(device):  # not the legacy default stream: its queued work must come first
+        if plan.scratch:  # torch would hand the scratch memory out again on that stream: the general path
+            return None
         torch.cuda.current_stream(device).synchronize()
     out = q.new_empty(plan.out_shape)
     ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()]
@@ -126,17 +130,25 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
         ptrs.append(lse.data_ptr())
     if plan.aligned is not None and not plan.aligned(*ptrs):
         return None
-    plan.launch(*ptrs)
+    if plan.scratch:
+        # from torch's caching allocator on the legacy default stream, the launches' stream: a later
+        # reuse of this memory is queued after them
+        scratch = q.new_empty(plan.scratch, dtype=torch.float32)
+        plan.launch(*ptrs, scratch.data_ptr())
+    else:
+        plan.launch(*ptrs)
     if plan.scan is not None and plan.scan(*ptrs[:4]):
         return None
     return (out, lse) if with_lse else out
 
 
 def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
-    from .backends.cuda import launch, prepared_flash
+    from .backends.cuda import PREPARED_FEATURES, launch, prepared_flash
 
-    # featured calls (GQA: k/v with fewer rows) take the general path
-    if call.empty or chosen.name not in ("cuda.flash", "triton.flash") or call.needs:
+    # featured calls take the general path, but cuda.flash's with grouped k/v heads and bottom-right
+    # causal masking (a KV-cache decode step), which prepared_flash prepares on the split-K decode path
+    if call.empty or chosen.name not in ("cuda.flash", "triton.flash") or (call.needs and (
+            chosen.name != "cuda.flash" or not call.needs <= PREPARED_FEATURES)):
         return _Plan()
     (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
     if chosen.name == "triton.flash":
@@ -146,7 +158,8 @@ def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
     else:
         prepared = prepared_flash(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
                                   resolved["block_q"], resolved["block_k"], resolved["tensor_cores"], with_lse,
-                                  resolved["fastmath"], resolved.get("split_k", 0))
+                                  resolved["fastmath"], resolved.get("split_k", 0),
+                                  call.features if call.needs else None)
     sizes = (call.q.size, call.k.size, call.v.size, math.prod(call.out_shape))
     scan = launch.FiniteScan.prepare(call.q.dtype, sizes) if check else None
     if prepared is None or (check and scan is None):
@@ -154,4 +167,5 @@ def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
     looked_up = len(params) < len(chosen.params)  # tunables from the tuning cache or defaults
     return _Plan(prepared[0], scan, prepared[1], raw_stream, call.out_shape,
                  call.out_shape[:-1],
-                 time.monotonic() + RECHECK_S if looked_up else math.inf)
+                 time.monotonic() + RECHECK_S if looked_up else math.inf,
+                 prepared[2] if len(prepared) > 2 else 0)

@@ -286,18 +286,30 @@ def flash_half_float32(q, k, v, out, lse, causal: bool, scale: float) -> bool:
     return True
 
 
+# the features a prepared launch takes (on the decode path only): grouped k/v heads, bottom-right causal
+PREPARED_FEATURES = frozenset({"gqa", "bottom_right"})
+
+
 def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
                    block_q: int, block_k: int, tensor_cores: int, with_lse: bool, fastmath: int = 0,
-                   split_k: int = 0):
+                   split_k: int = 0, features=None):
     """cuda.flash's launch for (batch, n, d) GPU arrays of these sizes and dtype,
     with everything but the addresses fixed: (launch.Prepared taking the addresses
-    of q, k, v, out[, lse], the test the addresses must pass or None), or None where
-    the kernel is not compiled yet or the call is one _cuda_flash refuses (its error
-    is raised there)."""
+    of q, k, v, out[, lse], the test the addresses must pass or None), or for a call
+    on the split-K decode path (launch(q, k, v, out[, lse], scratch), its test,
+    the float32 elements of scratch memory it takes); None where the kernel is not
+    compiled yet, the call is one _cuda_flash refuses (its error is raised there),
+    or it has features (a _registry.Features) beyond PREPARED_FEATURES or off the
+    decode path."""
     from . import cpp, launch, numba_kernels
 
     dtype = np.dtype(dtype)
-    shapes = [(batch, nq, d), (batch, nk, d), (batch, nk, dv), (batch, nq, dv)] + ([(batch, nq)] if with_lse else [])
+    group = 1 if features is None else features.kv_group
+    if features is not None and not features.needs() <= PREPARED_FEATURES:
+        return None
+    batch_kv = batch // group
+    shapes = [(batch, nq, d), (batch_kv, nk, d), (batch_kv, nk, dv), (batch, nq, dv)] + (
+        [(batch, nq)] if with_lse else [])
     roles = [GpuArray(shape, dtype, None, ptr=0) for shape in shapes]
     lse = roles[4] if with_lse else None
     aligned = None
@@ -305,9 +317,12 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
         if dtype.name in cpp.MMA_DTYPES:
             if _flash_head_sizes(d, dv, dtype.name) is not None:
                 return None
-            if cpp.decode_refusal(dtype.name, nq, 1, d, dv, None) is None and decode_splits(
-                    batch, nq, nk, split_k, max_chunk=cpp.DECODE_CHUNK_KEYS):
-                return None  # the decode path's two launches and scratch memory: the general path
+            feat = launch.KernelFeatures.of(features, batch, dtype)
+            if cpp.decode_refusal(dtype.name, nq, group, d, dv, feat) is None and (splits := decode_splits(
+                    batch_kv, nq, nk, split_k, max_chunk=cpp.DECODE_CHUNK_KEYS)):
+                return _prepared_decode(roles, causal, scale, feat, splits, bool(fastmath))
+            if features is not None:
+                return None  # the regular kernels' featured calls: the general path
             kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse, fast=bool(fastmath))
             aligned = cpp.mma_aligned
         elif (division := _cpp_kernel(block_q, block_k, d, dv, dtype, tensor_cores)) is not None:
@@ -321,6 +336,39 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
         return None
     raw = launch.raw_kernel(kernel)
     return None if raw is None else (launch.Prepared(raw, grid, block, args, roles), aligned)
+
+
+def _prepared_decode(roles: list, causal: bool, scale: float, feat, splits: int, fast: bool):
+    """prepared_flash's answer for a call on the split-K decode path: its two launches
+    (cpp.flash_decode_launches) prepared, taking the addresses of the roles (q, k, v,
+    out[, lse]) and of the call's float32 scratch memory; or None where they are not
+    compiled yet. A launch records its chunks for last_split(), as _cuda_flash does."""
+    from . import cpp, launch
+
+    q, k = roles[0], roles[1]
+    batch, nq, d = q.shape
+    chunk, splits, elems = cpp.decode_scratch(batch, k.shape[0], nq, k.shape[1], d, splits)
+    part_o, part_lse = cpp.scratch_views(GpuArray((elems,), np.float32, None, ptr=0), elems, d)
+    everything = roles + [part_o, part_lse]
+    steps = []
+    for kernel, grid, block, args in cpp.flash_decode_launches(*roles[:4], roles[4] if len(roles) > 4 else None,
+                                                               part_o, part_lse, causal, scale, feat, splits, chunk,
+                                                               fast):
+        raw = launch.raw_kernel(kernel)
+        if raw is None:
+            return None
+        steps.append(launch.Prepared(raw, grid, block, args, everything))
+    first, second = steps
+    lse_at = part_lse.ptr  # the lse's offset in the scratch (its base was 0)
+
+    def run(*ptrs):  # q, k, v, out[, lse], scratch
+        base = ptrs[-1]
+        full = (*ptrs[:-1], base, base + lse_at)
+        first(*full)
+        second(*full)
+        _LAST.splits = splits
+
+    return run, cpp.decode_aligned, elems
 
 
 def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:

@@ -517,15 +517,21 @@ def flash_bwd_half(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: flo
 # ---------------------------------------------------------------- cuda.flash's split-K decode
 
 # The decode variant's K/V tile: 32 keys, so that a block of one warp (up to 16 query rows) takes
-# 4 x 32 x (D + 8) x 2 bytes of shared memory (34.8 KB at D = 128) and six blocks fit an SM, each
-# with a tile in flight while it computes another (read at each call: dev/gpu_decode_measure.py
-# --decode-tiles compares 16, 32 and 64). The automatic split (_split.decode_splits) aims at
-# _split.DECODE_TARGET_BLOCKS blocks and chunks of about DECODE_CHUNK_KEYS keys, whichever gives
-# more chunks. On an H200 (docs/gpu-decode.md, B 1/4/8 x H_kv 8): 50 chunks at Nk = 64k (1311
-# keys) and 50-150 at 128k ran at 85-96% of the copy bandwidth at B = 4 and 8, where 13-25 chunks
-# ran at 68-74% (a block count just above one wave of six blocks on each of 132 SMs leaves a tail)
+# 2 STAGES x 32 x (D + 8) x 2 bytes of shared memory, and its pipeline depth: STAGES K/V buffers,
+# STAGES - 1 tiles loading while one is computed (a one-warp block has nothing else to hide memory
+# latency with). Both are read at each call (dev/gpu_decode_measure.py --decode-configs compares
+# them; DECODE_STAGES = 2 is the double buffering of the other kernels, this path's before
+# 2026-11-26). The automatic split (_split.decode_splits) aims at _split.DECODE_TARGET_BLOCKS blocks
+# and chunks of about DECODE_CHUNK_KEYS keys, whichever gives more chunks. On an H200
+# (docs/gpu-decode.md, B 1/4/8 x H_kv 8): 50 chunks at Nk = 64k (1311 keys) and 50-150 at 128k ran
+# at 85-96% of the copy bandwidth at B = 4 and 8, where 13-25 chunks ran at 68-74% (a block count
+# just above one wave of blocks leaves a tail). DECODE_COMBINE_UNROLL: the combine's partials
+# read at once per warp (1: one after another, as before 2026-11-26; the same bits).
 DECODE_TILE = 32
+DECODE_STAGES = 3
 DECODE_CHUNK_KEYS = 1280
+DECODE_COMBINE_UNROLL = 8
+
 
 def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) -> str | None:
     """Why the decode path cannot run this call, or None: it takes float16 and bfloat16
@@ -543,25 +549,26 @@ def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) ->
     return why
 
 
-def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False):
+def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False, stages: int = 2):
     """The decode variant of flash_mma.cu (ATTNKERN_DECODE) for warps 16-row mma tiles
-    of a group's query rows and K/V tiles of block_k keys: Q's fragments in registers,
-    one mma tile a warp, the features compiled in (PLAIN_WORDS for a plain call), two
-    more parameters (query rows a head, keys a chunk); fast: the fastmath variant."""
-    shared = 4 * block_k * (d + 8) * 2
-    return _linked_kernel("flash_mma.cu", f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}{'_fm' if fast else ''}",
-                          (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", block_k), ("MT", 1),
-                           ("NW", warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0), ("ALIBI", 0), ("DECODE", 1),
-                           ("FAST", int(fast))),
+    of a group's query rows, K/V tiles of block_k keys in `stages` buffers: Q's fragments
+    in registers, one mma tile a warp, the features compiled in (PLAIN_WORDS for a plain
+    call), two more parameters (query rows a head, keys a chunk); fast: the fastmath variant."""
+    shared = 2 * stages * block_k * (d + 8) * 2
+    return _linked_kernel("flash_mma.cu",
+                          f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}s{stages}{'_fm' if fast else ''}",
+                          (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", block_k), ("STAGES", stages),
+                           ("MT", 1), ("NW", warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0), ("ALIBI", 0),
+                           ("DECODE", 1), ("FAST", int(fast))),
                           ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("i32", "i32"),
                           32 * warps, shared)
 
 
-def flash_combine_kernel(dtype: str, d: int, fast: bool = False):
-    """flash_combine.cu: the decode partials merged into the output rows (and lse); fast:
-    the fastmath variant."""
-    return _linked_kernel("flash_combine.cu", f"attnkern_flash_combine_{dtype}_{d}{'_fm' if fast else ''}",
-                          (("D", d), ("BF16", int(dtype == "bfloat16")), ("FAST", int(fast))),
+def flash_combine_kernel(dtype: str, d: int, fast: bool = False, unroll: int = 1):
+    """flash_combine.cu: the decode partials merged into the output rows (and lse), `unroll`
+    splits' partials read at once; fast: the fastmath variant."""
+    return _linked_kernel("flash_combine.cu", f"attnkern_flash_combine_{dtype}_{d}_u{unroll}{'_fm' if fast else ''}",
+                          (("D", d), ("BF16", int(dtype == "bfloat16")), ("FAST", int(fast)), ("UNROLL", unroll)),
                           ("u64",) * 4 + ("i32",) * 4, 128, 0)
 
 
@@ -571,29 +578,57 @@ def decode_aligned(*ptrs) -> bool:
     return mma_aligned(*ptrs) and not ptrs[3] % 8
 
 
+def decode_scratch(batch: int, batch_kv: int, nq: int, nk: int, d: int, splits: int) -> tuple[int, int, int]:
+    """(keys a chunk, chunks, float32 elements of scratch) of a decode call asking for
+    `splits` chunks (decode_chunk): the partials (D floats a row) then their lse."""
+    chunk, splits = decode_chunk(nk, splits)
+    parts = batch_kv * splits * (batch // batch_kv * nq)
+    return chunk, splits, parts * (d + 1)
+
+
+def flash_decode_launches(q, k, v, out, lse, part_o, part_lse, causal: bool, scale: float, feat, splits: int,
+                          chunk: int, fast: bool = False) -> list:
+    """The decode path's two launches, (kernel, grid, block, args) each (launch() takes them,
+    or Prepared): the partials of `splits` chunks of `chunk` keys into part_o and part_lse
+    (decode_scratch's float32 scratch: parts x D, then parts), then their combine into out
+    (and lse unless None). With the tile, stages and unroll of DECODE_TILE, DECODE_STAGES
+    and DECODE_COMBINE_UNROLL as they are now."""
+    batch, nq, d = q.shape
+    batch_kv, nk = k.shape[0], k.shape[1]
+    rows = batch // batch_kv * nq  # a group's query rows
+    warps = -(-rows // 16)
+    words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
+    dtype = q.dtype.name
+    return [
+        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES), (splits, batch_kv), 32 * warps,
+         (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
+          np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(0), *words, np.int32(nq), np.int32(chunk))),
+        (flash_combine_kernel(dtype, d, fast, DECODE_COMBINE_UNROLL), -(-(batch * nq) // 4), 128,
+         (Addr(part_o), Addr(part_lse), Addr(out), Addr(out if lse is None else lse), np.int32(batch * nq),
+          np.int32(splits), np.int32(rows), np.int32(lse is not None))),
+    ]
+
+
+def scratch_views(base: GpuArray, parts_elems: int, d: int) -> tuple[GpuArray, GpuArray]:
+    """(part_o, part_lse): the two float32 arrays of a decode call's scratch (decode_scratch)."""
+    parts = parts_elems // (d + 1)
+    return (GpuArray((parts * d,), np.float32, None, ptr=base.ptr, owner=base),
+            GpuArray((parts,), np.float32, None, ptr=base.ptr + parts * d * 4, owner=base))
+
+
 def flash_decode(q, k, v, out, causal: bool, scale: float, lse, feat, splits: int, fast: bool = False) -> int:
     """cuda.flash's split-K decode on float16/bfloat16 GpuArrays (decode_refusal None,
     decode_aligned addresses): the keys in `splits` chunks (decode_chunk), one block
     per (chunk, k/v row) holding the group's kv_group nq query rows, each writing a
     float32 partial and its lse to scratch memory (arrays.workspace), then the
-    combine (flash_combine.cu) in split order; fast: their fastmath variants. K/V tiles of DECODE_TILE keys (read at
-    each call: dev/gpu_decode_measure.py compares tiles). Returns the chunks run."""
+    combine (flash_combine.cu) in split order; fast: their fastmath variants
+    (flash_decode_launches). Returns the chunks run."""
     from .arrays import workspace
 
     batch, nq, d = q.shape
-    batch_kv, nk = k.shape[0], k.shape[1]
-    rows = batch // batch_kv * nq  # a group's query rows
-    chunk, splits = decode_chunk(nk, splits)
-    parts = batch_kv * splits * rows
-    scratch = workspace(parts * (d + 1), np.float32, q.owner)
-    part_o = GpuArray((parts * d,), np.float32, None, ptr=scratch.ptr, owner=scratch)
-    part_lse = GpuArray((parts,), np.float32, None, ptr=scratch.ptr + parts * d * 4, owner=scratch)
-    words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
-    dtype = q.dtype.name
-    launch(flash_decode_kernel(dtype, d, -(-rows // 16), DECODE_TILE, fast), (splits, batch_kv), 32 * -(-rows // 16),
-           Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
-           np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(0), *words, np.int32(nq), np.int32(chunk))
-    launch(flash_combine_kernel(dtype, d, fast), -(-(batch * nq) // 4), 128, Addr(part_o), Addr(part_lse), Addr(out),
-           Addr(out if lse is None else lse), np.int32(batch * nq), np.int32(splits), np.int32(rows),
-           np.int32(lse is not None))
+    chunk, splits, elems = decode_scratch(batch, k.shape[0], nq, k.shape[1], d, splits)
+    part_o, part_lse = scratch_views(workspace(elems, np.float32, q.owner), elems, d)
+    for kernel, grid, block, args in flash_decode_launches(q, k, v, out, lse, part_o, part_lse, causal, scale, feat,
+                                                           splits, chunk, fast):
+        launch(kernel, grid, block, *args)
     return splits

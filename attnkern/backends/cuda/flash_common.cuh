@@ -24,6 +24,10 @@ static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.asyn
 
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
+// waits until at most N of this thread's commit groups are in flight
+template <int N>
+static __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // ATTNKERN_FAST 1 compiles the fastmath variant (the fastmath tunable): the per-row
 // operations take the hardware's approximations with denormals flushed to zero
 // (lg2.approx.ftz, rcp.approx.ftz, __fdividef); with 0 (the default) they are CUDA's

@@ -43,7 +43,9 @@
 // (chunk a multiple of BN): one K/V read serves the whole group. It writes its
 // rows' partial result, normalised by its own row sums, in float32 to op and its
 // partial log-sum-exp (log2 domain, -inf where a row saw no key of the chunk) to
-// lsep, at partial (k/v row, x); flash_combine.cu merges the partials.
+// lsep, at partial (k/v row, x); flash_combine.cu merges the partials. Its K/V tiles go
+// through ATTNKERN_STAGES buffers (2: double buffering, as the other variants), STAGES - 1
+// of them loading while one is computed; the depth changes no arithmetic (the same bits).
 
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
@@ -53,9 +55,17 @@
 #define BM (16 * MT * NW)
 #define NTHREADS (32 * NW)
 #define LD (D + 8)  // shared row stride, in elements
-// shared memory, in elements: [Q (BM rows) if QSMEM] [K: 2 tiles] [V: 2 tiles]
+// K/V buffers: two (double buffering), or in the decode variant ATTNKERN_STAGES (STAGES - 1
+// tiles in flight while one is computed: a block of one warp has little else to hide memory
+// latency with)
+#if ATTNKERN_DECODE
+#define STAGES ATTNKERN_STAGES
+#else
+#define STAGES 2
+#endif
+// shared memory, in elements: [Q (BM rows) if QSMEM] [K: STAGES tiles] [V: STAGES tiles]
 #define Q_ELEMS (QSMEM ? BM * LD : 0)
-#define SMEM_ELEMS (Q_ELEMS + 4 * BN * LD)
+#define SMEM_ELEMS (Q_ELEMS + 2 * STAGES * BN * LD)
 
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 
@@ -135,7 +145,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const float NEG_INF = neg_inf();
     const float c = fabsf(scale_log2);
     const u32 sign = scale_log2 < 0.f ? 0x80008000u : 0u;  // negates both halves of a Q pair
-    const u32 qs0 = smem_u32(smem), ks0 = qs0 + Q_ELEMS * 2, vs0 = ks0 + 2 * TILE;
+    const u32 qs0 = smem_u32(smem), ks0 = qs0 + Q_ELEMS * 2, vs0 = ks0 + STAGES * TILE;
 
 #if QSMEM
     // Q's BM rows into shared memory (rows past nq zero), the sign applied on the way;
@@ -194,9 +204,22 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     key_tiles(f, q0, BM, nq, BN, jt0, jt1);
 #endif
 
+#if ATTNKERN_DECODE
+    // tiles jt0 .. jt0 + STAGES - 2 in flight, one commit group each (empty past the chunk);
+    // tile jt lives in buffer (jt - jt0) % STAGES
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (jt0 + s < jt1) {
+            load_tile(k, ks0 + (u32)s * TILE, (jt0 + s) * BN, f.len, tid);
+            load_tile(v, vs0 + (u32)s * TILE, (jt0 + s) * BN, f.len, tid);
+        }
+        cp_async_commit();
+    }
+#else
     load_tile(k, ks0 + (jt0 & 1) * TILE, jt0 * BN, f.len, tid);
     load_tile(v, vs0 + (jt0 & 1) * TILE, jt0 * BN, f.len, tid);
     cp_async_commit();
+#endif
     const int jt_end = jt1;
     for (int jt = jt0; jt < jt_end; ++jt) {
 #else
@@ -213,6 +236,18 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     for (int jt = 0; jt < jt_end; ++jt) {
 #endif
         const int j0 = jt * BN;
+#if ATTNKERN_DECODE
+        const u32 slot = (u32)((jt - jt0) % STAGES);
+        const u32 kb = ks0 + slot * TILE, vb = vs0 + slot * TILE;
+        cp_async_wait_group<STAGES - 2>();  // the groups of the tiles after jt may stay in flight
+        __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
+        if (jt + STAGES - 1 < jt_end) {
+            const u32 next = (u32)((jt - jt0 + STAGES - 1) % STAGES);  // tile jt - 1's buffers
+            load_tile(k, ks0 + next * TILE, j0 + (STAGES - 1) * BN, LOAD_LEN, tid);
+            load_tile(v, vs0 + next * TILE, j0 + (STAGES - 1) * BN, LOAD_LEN, tid);
+        }
+        cp_async_commit();  // a group every tile (empty at the end), so that the wait above counts tiles
+#else
         const u32 kb = ks0 + (jt & 1) * TILE, vb = vs0 + (jt & 1) * TILE;
         cp_async_wait_all();
         __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
@@ -221,6 +256,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             load_tile(v, vs0 + ((jt + 1) & 1) * TILE, j0 + BN, LOAD_LEN, tid);
             cp_async_commit();
         }
+#endif
         // a warp none of whose rows sees a key of the tile has nothing to add
 #if ATTNKERN_DECODE
         if (tile_unseen(f, j0, BN, 0, qrows - 1)) continue;
