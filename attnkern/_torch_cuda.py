@@ -143,12 +143,12 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
 
 
 def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
-    from .backends.cuda import PREPARED_FEATURES, launch, prepared_flash
+    from .backends._split import PREPARED_FEATURES
+    from .backends.cuda import launch, prepared_flash
 
-    # featured calls take the general path, but cuda.flash's with grouped k/v heads and bottom-right
-    # causal masking (a KV-cache decode step), which prepared_flash prepares on the split-K decode path
-    if call.empty or chosen.name not in ("cuda.flash", "triton.flash") or (call.needs and (
-            chosen.name != "cuda.flash" or not call.needs <= PREPARED_FEATURES)):
+    # featured calls take the general path, but those with grouped k/v heads and bottom-right causal
+    # masking only (a KV-cache decode step), which the backends prepare on their split-K decode paths
+    if call.empty or chosen.name not in ("cuda.flash", "triton.flash") or not call.needs <= PREPARED_FEATURES:
         return _Plan()
     (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
     if chosen.name == "triton.flash":

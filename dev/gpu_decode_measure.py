@@ -3,9 +3,17 @@ paths, and cuda.flash's regular kernel with split_k=1) against every torch SDPA 
 (cuDNN, flash, memory-efficient, math), at H = 32 query heads over H_kv = 8, Nq = 1,
 D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
 
-    python3 dev/gpu_decode_measure.py [--batches 1 4 8] [--nk 4096 16384 65536 131072]
-                                      [--runs 9] [--json decode.json]
+    python3 dev/gpu_decode_measure.py [--batches 1 4 8] [--nk 4096 16384 65536 131072] [--nq 1 4]
+                                      [--runs 9] [--json decode.json] [--before]
+                                      [--decode-configs 32x2 32x4 16x4] [--regular]
     ATTNKERN_BENCH_SMOKE=1 python3 dev/gpu_decode_measure.py    # one small shape, 2 runs
+
+--before adds cuda.flash as it ran before 2026-11-26 (every call on the general path,
+_torch_cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
+combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1) and triton.flash on
+the general path, in turns with today's code in one process. --decode-configs TILExSTAGES
+adds cuda.flash's decode kernel with other K/V tiles and pipeline depths (cpp.DECODE_TILE,
+cpp.DECODE_STAGES; on the general path, so its call time is the general path's).
 
 attnkern runs attention(q, k, v, causal="bottom_right", check_finite=False) on torch
 tensors; torch runs scaled_dot_product_attention(q, k, v) (Nq = 1: bottom-right causal
@@ -42,7 +50,7 @@ import attnkern
 import attnkern.backends.triton as triton_backend
 from attnkern_bench.roofline import cuda_copy_gbs
 
-H, H_KV, NQ, D = 32, 8, 1, 128
+H, H_KV, D = 32, 8, 128
 QUEUED = 10  # calls a kernel-time sample queues
 
 
@@ -57,38 +65,57 @@ def sleep_cycles_per_s() -> float:
     return 20_000_000 / (a.elapsed_time(b) / 1e3)
 
 
-def contenders(q, k, v, splits=(), tiles=(), backends=("cudnn", "flash", "efficient", "math")):
-    """name -> (call, note): attnkern's kernels (and cuda.flash with each split_k of splits,
-    and with each K/V tile of its decode kernel of tiles: cpp.DECODE_TILE) and each torch
-    SDPA backend of backends that runs here."""
-    out = {
-        "cuda.flash": (lambda: attnkern.attention(q, k, v, causal="bottom_right", kernel="cuda.flash",
-                                                  check_finite=False), "split-K decode"),
-        "cuda.flash[split_k=1]": (lambda: attnkern.attention(q, k, v, causal="bottom_right", kernel="cuda.flash",
-                                                             split_k=1, check_finite=False), "regular kernel"),
-        "triton.flash": (lambda: attnkern.attention(q, k, v, causal="bottom_right", kernel="triton.flash",
-                                                    check_finite=False), "split-K decode"),
-    }
+def _with(fn, fast_path=True, **constants):
+    """fn with cpp's constants set (DECODE_TILE=...) and _torch_cuda.FAST_PATH as given for its call."""
+    from attnkern import _torch_cuda
+    from attnkern.backends.cuda import cpp
+
+    def call():
+        saved = {n: getattr(cpp, n) for n in constants}
+        was = _torch_cuda.FAST_PATH
+        for n, x in constants.items():
+            setattr(cpp, n, x)
+        _torch_cuda.FAST_PATH = fast_path
+        try:
+            return fn()
+        finally:
+            for n, x in saved.items():
+                setattr(cpp, n, x)
+            _torch_cuda.FAST_PATH = was
+
+    return call
+
+
+def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "efficient", "math"), before=False,
+               regular=False):
+    """name -> (call, note): attnkern's kernels (with before, also as they ran before
+    2026-11-26; cuda.flash with each split_k of splits, each (tile, stages) of configs and with
+    regular its regular kernel) and each torch SDPA backend of backends that runs here."""
+    def ours(kernel, **params):
+        return lambda: attnkern.attention(q, k, v, causal="bottom_right", kernel=kernel, check_finite=False,
+                                          **params)
+
+    out = {"cuda.flash": (ours("cuda.flash"), "split-K decode"),
+           "triton.flash": (ours("triton.flash"), "split-K decode")}
+    if before:
+        out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1),
+                                     "general path, double-buffered decode kernel, serial combine")
+        out["triton.flash[before]"] = (_with(ours("triton.flash"), False), "general path")
+    if regular:
+        out["cuda.flash[split_k=1]"] = (ours("cuda.flash", split_k=1), "regular kernel")
     for n in splits:
-        out[f"cuda.flash[split_k={n}]"] = (
-            lambda n=n: attnkern.attention(q, k, v, causal="bottom_right", kernel="cuda.flash", split_k=n,
-                                           check_finite=False), "split-K decode, forced")
-    for tile in tiles:
-        def tiled(tile=tile):
-            from attnkern.backends.cuda import cpp
-
-            was, cpp.DECODE_TILE = cpp.DECODE_TILE, tile
-            try:
-                return out["cuda.flash"][0]()
-            finally:
-                cpp.DECODE_TILE = was
-
-        out[f"cuda.flash[tile={tile}]"] = (tiled, "split-K decode, K/V tile forced")
+        out[f"cuda.flash[split_k={n}]"] = (ours("cuda.flash", split_k=n), "split-K decode, forced")
+    for tile, stages in configs:
+        out[f"cuda.flash[{tile}x{stages}]"] = (_with(ours("cuda.flash"), False, DECODE_TILE=tile,
+                                                     DECODE_STAGES=stages),
+                                               "split-K decode, K/V tile x stages forced, general path")
     rep = None
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
         if name not in backends:
             continue
+        # no mask: at Nq = 1 bottom-right masks nothing (torch's is_causal is top-left); at Nq > 1 it
+        # hides at most Nq - 1 of Nk keys from a row, which the difference to cuda.flash then shows
         def gqa(backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -147,8 +174,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--json", default=None)
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="cuda.flash's split_k values to add")
-    parser.add_argument("--decode-tiles", type=int, nargs="*", default=[],
-                        help="cuda.flash decode K/V tiles to add (cpp.DECODE_TILE: 16, 32 or 64)")
+    parser.add_argument("--decode-configs", nargs="*", default=[],
+                        help="cuda.flash decode kernels to add, TILExSTAGES (cpp.DECODE_TILE 16/32/64, "
+                             "cpp.DECODE_STAGES 2-4), e.g. 32x2 16x4")
+    parser.add_argument("--nq", type=int, nargs="+", default=[1], help="query rows a head")
+    parser.add_argument("--before", action="store_true", help="add cuda.flash and triton.flash as before 2026-11-26")
+    parser.add_argument("--regular", action="store_true", help="add cuda.flash's regular kernel (split_k=1)")
+    parser.add_argument("--math-max-nk", type=int, default=16384, help="torch's math backend up to this Nk")
     parser.add_argument("--torch", nargs="*", default=["cudnn", "flash", "efficient", "math"],
                         help="torch SDPA backends to time")
     args = parser.parse_args()
@@ -157,60 +189,65 @@ def main() -> None:
     copy_bw = cuda_copy_gbs(torch, 10) * 1e9  # attnkern roofline's measure: bytes read and written
     hz = sleep_cycles_per_s()
     device = torch.cuda.get_device_name()
-    print(f"{device}: device-to-device copy {copy_bw / 1e9:.0f} GB/s; H={H}, H_kv={H_KV}, Nq={NQ}, D={D}, bfloat16")
+    print(f"{device}: device-to-device copy {copy_bw / 1e9:.0f} GB/s; H={H}, H_kv={H_KV}, D={D}, bfloat16")
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.decode_configs]
     rows = []
-    for batch in args.batches:
-        for nk in args.nk:
-            g = torch.Generator(device="cuda").manual_seed(batch * nk)
-            q = torch.randn(batch, H, NQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
-            k = torch.randn(batch, H_KV, nk, D, device="cuda", generator=g, dtype=torch.bfloat16)
-            v = torch.randn(batch, H_KV, nk, D, device="cuda", generator=g, dtype=torch.bfloat16)
-            useful = 2 * (2 * batch * H_KV * nk * D) + 2 * (2 * batch * H * NQ * D)
-            named = contenders(q, k, v, args.splits, args.decode_tiles, args.torch)
-            base = named["cuda.flash"][0]().float()
-            diffs, splits = {}, {}
-            for n, (fn, _) in named.items():  # each output against cuda.flash's, and the chunks it ran
-                diffs[n] = float((fn().float() - base).abs().max())
-                if n.startswith("cuda.flash"):
-                    splits[n] = attnkern.backends.cuda.last_split()
-                elif n == "triton.flash":
-                    splits[n] = triton_backend.last_split()
-            # sleep long enough to cover enqueueing QUEUED calls (2 ms each at most) and the GPU work before
-            sleep_s = QUEUED * 2e-3
-            sleep = int(hz * sleep_s)
-            kern = {n: [] for n in named}
-            calls = {n: [] for n in named}
-            flagged = {n: 0 for n in named}
-            for fn, _ in named.values():  # warm up
-                fn()
-            for _ in range(args.runs):
-                for n, (fn, _) in named.items():
-                    t, cpu = kernel_sample(fn, sleep, sleep_s)
-                    kern[n].append(t)
-                    flagged[n] += cpu
-                    calls[n].append(call_sample(fn))
-            for n, (fn, note) in named.items():
-                t = statistics.median(kern[n])
-                row = dict(device=device, B=batch, H=H, H_kv=H_KV, Nq=NQ, Nk=nk, D=D, dtype="bfloat16", kernel=n,
-                           note=note, kernel_us=t * 1e6, call_us=statistics.median(calls[n]) * 1e6,
-                           GBps=useful / t / 1e9, of_copy=useful / t / copy_bw, cpu_bound=flagged[n],
-                           max_abs_diff_vs_cuda_flash=diffs[n], splits=splits.get(n), runs=args.runs,
-                           copy_GBps=copy_bw / 1e9)
-                rows.append(row)
-                print(f"B={batch} Nk={nk:6d} {n:24s} kernel {row['kernel_us']:8.1f} us  call {row['call_us']:8.1f} us"
-                      f"  {row['GBps']:6.0f} GB/s ({row['of_copy']:4.0%} of copy)"
-                      f"{'  cpu-bound ' + str(flagged[n]) if flagged[n] else ''}  [{note}] chunks {splits.get(n)}"
-                      f" diff {diffs[n]:.2g}")
-            fastest_torch = min((r for r in rows[-len(named):] if r["kernel"].startswith("torch.")),
-                                key=lambda r: r["kernel_us"])
-            ours = next(r for r in rows[-len(named):] if r["kernel"] == "cuda.flash")
-            print(f"  cuda.flash vs torch's fastest ({fastest_torch['kernel']}): "
-                  f"{fastest_torch['kernel_us'] / ours['kernel_us']:.2f}x")
-            del q, k, v, named
-            torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    for batch, nq, nk in ((b, n, k) for n in args.nq for b in args.batches for k in args.nk):
+        g = torch.Generator(device="cuda").manual_seed(batch * nk)
+        q = torch.randn(batch, H, nq, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        k = torch.randn(batch, H_KV, nk, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        v = torch.randn(batch, H_KV, nk, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        useful = 2 * (2 * batch * H_KV * nk * D) + 2 * (2 * batch * H * nq * D)
+        backends = [b for b in args.torch if b != "math" or nk <= args.math_max_nk]
+        named = contenders(q, k, v, args.splits, configs, backends, args.before, args.regular)
+        base = named["cuda.flash"][0]().float()
+        diffs, splits = {}, {}
+        for n, (fn, _) in named.items():  # each output against cuda.flash's, and the chunks it ran
+            diffs[n] = float((fn().float() - base).abs().max())
+            if n.startswith("cuda.flash"):
+                splits[n] = attnkern.backends.cuda.last_split()
+            elif n.startswith("triton.flash"):
+                splits[n] = triton_backend.last_split()
+        # sleep long enough to cover enqueueing QUEUED calls (2 ms each at most) and the GPU work before
+        sleep_s = QUEUED * 2e-3
+        sleep = int(hz * sleep_s)
+        kern = {n: [] for n in named}
+        calls = {n: [] for n in named}
+        flagged = {n: 0 for n in named}
+        for fn, _ in named.values():  # warm up
+            fn()
+        for _ in range(args.runs):
+            for n, (fn, _) in named.items():
+                t, cpu = kernel_sample(fn, sleep, sleep_s)
+                kern[n].append(t)
+                flagged[n] += cpu
+                calls[n].append(call_sample(fn))
+        for n, (fn, note) in named.items():
+            t = statistics.median(kern[n])
+            row = dict(device=device, B=batch, H=H, H_kv=H_KV, Nq=nq, Nk=nk, D=D, dtype="bfloat16", kernel=n,
+                       note=note, kernel_us=t * 1e6, call_us=statistics.median(calls[n]) * 1e6,
+                       GBps=useful / t / 1e9, of_copy=useful / t / copy_bw, cpu_bound=flagged[n],
+                       max_abs_diff_vs_cuda_flash=diffs[n], splits=splits.get(n), runs=args.runs,
+                       copy_GBps=copy_bw / 1e9)
+            rows.append(row)
+            print(f"B={batch} Nq={nq:2d} Nk={nk:6d} {n:24s} kernel {row['kernel_us']:8.1f} us  "
+                  f"call {row['call_us']:8.1f} us  {row['GBps']:6.0f} GB/s ({row['of_copy']:4.0%} of copy)"
+                  f"{'  cpu-bound ' + str(flagged[n]) if flagged[n] else ''}  [{note}] chunks {splits.get(n)}"
+                  f" diff {diffs[n]:.2g}")
+        fastest_torch = min((r for r in rows[-len(named):] if r["kernel"].startswith("torch.")),
+                            key=lambda r: r["kernel_us"])
+        fastest_call = min((r for r in rows[-len(named):] if r["kernel"].startswith("torch.")),
+                           key=lambda r: r["call_us"])
+        for mine in ("cuda.flash", "triton.flash"):
+            ours = next(r for r in rows[-len(named):] if r["kernel"] == mine)
+            print(f"  {mine} vs torch's fastest: kernel {fastest_torch['kernel_us'] / ours['kernel_us']:.2f}x "
+                  f"({fastest_torch['kernel']}), call {fastest_call['call_us'] / ours['call_us']:.2f}x "
+                  f"({fastest_call['kernel']})")
+        del q, k, v, named
+        torch.cuda.empty_cache()
+        if args.json:  # after each shape: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ are not a multiple of the chunk), windows, softcap, Nk up to 128k, forced splits
 (2, odd, more than the keys allow) against the regular kernel (split_k=1), and
 bit-identical repeats."""
 
+import importlib
 import os
 
 import numpy as np
@@ -224,3 +225,86 @@ def test_masks_and_float32_keep_the_regular_kernels():
         attnkern.attention(q, k, v, kernel="cuda.flash", attn_mask=mask, split_k=4)
     attnkern.attention(q.float(), k.float(), v.float(), kernel="cuda.flash")
     assert attnkern.backends.cuda.last_split() == 0
+
+
+def _general(fn):
+    """fn() with every call on the general path (no prepared launch of _torch_cuda)."""
+    from attnkern import _torch_cuda
+
+    _torch_cuda.FAST_PATH = False
+    try:
+        return fn()
+    finally:
+        _torch_cuda.FAST_PATH = True
+
+
+@gpu
+@pytest.mark.parametrize("nq", [1, 4])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_prepared_decode_matches_the_general_path(kernel, nq):
+    """Torch CUDA tensors with grouped k/v heads and bottom-right causal masking (a decode
+    step): the first call of a shape leaves a prepared plan with scratch memory, later calls
+    (new tensors, lse or not) take it, run the decode path (last_split) and give the general
+    path's bits; a call on another stream, and a call with a feature the plan lacks (a
+    window), take the general path."""
+    torch = _torch()
+    from attnkern import _torch_cuda
+
+    shape = (2, 32, 8, nq, 16384, 128)
+    feats = dict(causal="bottom_right")
+
+    def call(q, k, v, **kw):
+        return attnkern.attention(q, k, v, kernel=kernel, **feats, **kw)
+
+    module = importlib.import_module("attnkern.backends." + kernel.split(".")[0])  # its _LAST: last_split()
+    for with_lse in (False, True):
+        for seed in range(3):  # the first call plans; the others take the plan, on new tensors
+            q, k, v = _inputs(shape, "bfloat16", seed=10 + seed)
+            module._LAST.splits = 0
+            got = call(q, k, v, return_lse=with_lse, check_finite=seed == 2)
+            assert _last_split(kernel) == _auto_splits(kernel, 16, nq, 16384)
+            want = _general(lambda: call(q, k, v, return_lse=with_lse, check_finite=seed == 2))
+            for a, b in zip(got if with_lse else (got,), want if with_lse else (want,)):
+                assert torch.equal(a, b), "the prepared launch differs from the general path"
+    plans = [p for key, p in _torch_cuda._LOCAL.plans.items() if key[9] == kernel and key[7] == "bottom_right"
+             and key[0][2] == nq]
+    assert plans and all(p.launch is not None and p.scratch > 0 for p in plans), "no prepared decode plan"
+    out, lse = call(q, k, v, return_lse=True)
+    _check(out, lse, q, k, v, feats)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = call(q, k, v)
+    side.synchronize()
+    assert torch.equal(on_side, out)
+    windowed = call(q, k, v, window=(1000, 0))
+    assert torch.equal(windowed, _general(lambda: call(q, k, v, window=(1000, 0))))
+
+
+@gpu
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_decode_pipeline_depth_changes_no_bits(tile):
+    """The decode kernel's K/V buffers (cpp.DECODE_STAGES 2, 3, 4) and the combine's reads in
+    flight (DECODE_COMBINE_UNROLL 1, 8) change no arithmetic: the same bits at one tile,
+    within the bound of the reference at each tile, and bit-identical run to run."""
+    torch = _torch()
+    from attnkern.backends.cuda import cpp
+
+    shape, feats = CASES["lengths"]
+    q, k, v = _inputs(shape, "bfloat16", seed=tile)
+    saved = cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL
+    results = {}
+    try:
+        cpp.DECODE_TILE = tile
+        for stages, unroll in ((2, 1), (2, 8), (3, 8), (4, 8), (4, 1)):
+            cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL = stages, unroll
+            out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats))
+            assert splits >= 2
+            again = _general(lambda: _run("cuda.flash", q, k, v, feats))
+            assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+            results[stages, unroll] = out, lse
+    finally:
+        cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL = saved
+    first_out, first_lse = results[2, 1]
+    _check(first_out, first_lse, q, k, v, feats)
+    for key, (out, lse) in results.items():
+        assert torch.equal(out, first_out) and torch.equal(lse, first_lse), key

@@ -15,6 +15,9 @@ DECODE_MIN_CHUNK = 256  # keys a chunk at least (automatic): its partial (Dv flo
 # blocks the automatic split aims at (triton.flash's): twice the H100's and H200's 132 SMs (a constant: see above)
 DECODE_TARGET_BLOCKS = 264
 DECODE_MAX_SPLITS = 1024  # split_k's upper bound
+# the features a decode call may have and still take the GPU frontend's prepared launches
+# (_torch_cuda): grouped k/v heads and bottom-right causal masking, a KV-cache decode step's
+PREPARED_FEATURES = frozenset({"gqa", "bottom_right"})
 
 
 def rows_refusal(nq: int, kv_group: int) -> str | None:

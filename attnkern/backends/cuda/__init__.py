@@ -20,7 +20,7 @@ import numpy as np
 
 from ..._gpuarray import GpuArray
 from ..._registry import Kernel, Param, SearchSpace, register
-from .._split import DECODE_MAX_SPLITS, decode_splits
+from .._split import DECODE_MAX_SPLITS, PREPARED_FEATURES, decode_splits
 
 
 @functools.cache
@@ -284,10 +284,6 @@ def flash_half_float32(q, k, v, out, lse, causal: bool, scale: float) -> bool:
         return False
     cpp.flash_mma(q, k, v, out, causal, scale, lse=lse)
     return True
-
-
-# the features a prepared launch takes (on the decode path only): grouped k/v heads, bottom-right causal
-PREPARED_FEATURES = frozenset({"gqa", "bottom_right"})
 
 
 def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,

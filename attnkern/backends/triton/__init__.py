@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from ..._registry import Kernel, Param, register
-from .._split import DECODE_MAX_SPLITS, decode_splits, rows_refusal
+from .._split import DECODE_MAX_SPLITS, PREPARED_FEATURES, decode_splits, rows_refusal
 
 
 @functools.cache
@@ -195,11 +195,14 @@ def prepared(call, resolved: dict, with_lse: bool):
     cuda.flash's launches and of the NaN scan), not Triton's Python dispatch and the
     autotuner's. The launch is checked once against Triton's own dispatch (bit-identical
     output and lse): a Triton whose launcher takes other arguments gets no fast path."""
-    if call.needs:
-        return None
     (batch, nq, _), (batch_kv, nk, _) = call.q.shape, call.v.shape
-    if _splits(batch, batch_kv, nq, nk, resolved.get("split_k", 0)):
-        return None  # the decode path's two launches and scratch memory: the general path
+    if not call.needs <= PREPARED_FEATURES:
+        return None
+    splits = _splits(batch, batch_kv, nq, nk, resolved.get("split_k", 0))
+    if splits:
+        return _prepared_decode(call, resolved, with_lse, splits)
+    if call.needs:
+        return None  # the regular kernel's featured calls: the general path
     import torch
 
     from . import flash
@@ -227,6 +230,80 @@ def prepared(call, resolved: dict, with_lse: bool):
             return go, _aligned
         return None
     return None
+
+
+def _prepared_decode(call, resolved: dict, with_lse: bool, splits: int):
+    """prepared's answer for a call on the split-K decode path (features within
+    PREPARED_FEATURES): (launch(q, k, v, out[, lse], scratch), aligned, the float32 elements
+    of scratch memory a launch takes), its two kernels (flash.launch_decode) launched through
+    Triton's C launcher on the legacy default stream, or None where that launcher takes
+    other arguments. Checked once against Triton's own dispatch, bit for bit, as prepared is."""
+    import torch
+
+    from . import flash
+
+    (batch, nq, d), (batch_kv, nk, dv) = call.q.shape, call.v.shape
+    q, k, v = (x.owner for x in (call.q, call.k, call.v))
+    features = call.features if call.needs else None
+    shape = (batch, batch_kv, nq, nk, d, dv, call.causal, call.scale, call.q.dtype.name, resolved["tensor_cores"],
+             features)
+    outs = [torch.empty((batch, nq, dv), dtype=q.dtype, device=q.device) for _ in range(2)]
+    lses = [torch.empty((batch, nq), dtype=q.dtype, device=q.device) if with_lse else None for _ in range(2)]
+    bufs, launches = [], []
+
+    def scratch(n):
+        bufs.append(torch.empty(n, dtype=torch.float32, device=q.device))
+        return bufs[-1]
+
+    splits = flash.launch_decode(q, k, v, outs[0], lses[0], None, scratch, splits, *shape, record=launches)
+    (partial, first, grid1), (combine, second, grid2) = launches
+    base, elems = bufs[0].data_ptr(), bufs[0].numel()
+    lse_at = first[4].data_ptr() - base  # the partials' lse follow them in the scratch memory
+    # the roles of each kernel's pointer arguments: 0 q, 1 k, 2 v, 3 out, 4 lse (else out), 5 the
+    # partials, 6 their lse; the partial kernel's key lengths are q's (unused without them)
+    roles = (((0, 0), (1, 1), (2, 2), (3, 5), (4, 6), (5, 0)), ((0, 5), (1, 6), (2, 3), (3, 4 if with_lse else 3)))
+    kernels = ((partial, first, grid1, flash.flash_decode_partial), (combine, second, grid2, flash.flash_decode_combine))
+    ptrs = [x.data_ptr() for x in (q, k, v, outs[1])] + ([lses[1].data_ptr()] if with_lse else [])
+    for every in (True, False):  # as in prepared: every argument, or (Triton 3.0, 3.1) the non-constexpr ones
+        steps = []
+        for kernel, args, grid, jit in kernels:
+            constexprs = set(getattr(jit, "constexprs", ()))
+            keep = [i for i in range(len(args)) if every or i not in constexprs]
+            steps.append(_launcher_at(kernel, grid, [args[i] for i in keep], roles[len(steps)]))
+
+        def run(*given, steps=steps):  # q, k, v, out[, lse], scratch
+            full = (*given[:4], given[4] if with_lse else given[3], given[-1], given[-1] + lse_at)
+            for step in steps:
+                step(full)
+            _LAST.splits = splits
+
+        outs[1].fill_(float("nan"))
+        again = scratch(elems)
+        torch.cuda.synchronize(q.device)
+        try:
+            run(*ptrs, again.data_ptr())
+        except TypeError:
+            continue
+        torch.cuda.synchronize(q.device)
+        if torch.equal(outs[0], outs[1]) and (not with_lse or torch.equal(lses[0], lses[1])):
+            return run, _aligned, elems
+        return None
+    return None
+
+
+def _launcher_at(kernel, grid, args, roles):
+    """A launch of a compiled kernel through Triton's C launcher with arguments args, those at
+    the positions of roles ((position, role) pairs) replaced by the addresses full[role]."""
+    run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+    gx, gy = grid[0], grid[1]
+    args = list(args)
+
+    def go(full):
+        for at, role in roles:
+            args[at] = full[role]
+        run(gx, gy, 1, 0, function, metadata, None, None, None, *args)
+
+    return go
 
 
 def _launcher(kernel, grid, tail):

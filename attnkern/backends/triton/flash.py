@@ -571,10 +571,13 @@ def flash_decode_combine(PO, PLSE, O, LSE, splits, rows, dv, HEAD_DV: tl.constex
 
 
 def launch_decode(q, k, v, out, lse, lens, scratch, splits: int, batch: int, batch_kv: int, nq: int, nk: int, d: int,
-                  dv: int, causal: bool, scale: float, dtype_name: str, tensor_cores: int = 1, features=None) -> int:
+                  dv: int, causal: bool, scale: float, dtype_name: str, tensor_cores: int = 1, features=None,
+                  record=None) -> int:
     """The split-K decode (flash_decode_partial, flash_decode_combine) of launch's call in
     `splits` chunks (_split.decode_chunk; its query rows per group within
-    _split.DECODE_MAX_ROWS); scratch(n) returns n float32 on the GPU. Returns the chunks run."""
+    _split.DECODE_MAX_ROWS); scratch(n) returns n float32 on the GPU. Returns the chunks run;
+    record (a list) receives each launch's (compiled kernel, its arguments in the kernel's
+    order, grid), for prepared launches."""
     from .._split import DECODE_BLOCK_K, decode_chunk
 
     scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
@@ -586,12 +589,18 @@ def launch_decode(q, k, v, out, lse, lens, scratch, splits: int, batch: int, bat
     parts = batch_kv * splits * rows
     buf = scratch(parts * (hdv + 1))
     po, plse = buf[:parts * hdv], buf[parts * hdv:]
-    flash_decode_partial[(splits, batch_kv)](
-        q, k, v, po, plse, q if lens is None else lens, *(scalars[n] for n in _DECODE_SCALARS), chunk,
-        **switches, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=DECODE_BLOCK_K, num_warps=4,
-        num_stages=3)
-    flash_decode_combine[(batch * nq,)](po, plse, out, out if lse is None else lse, splits, rows, dv, HEAD_DV=hdv,
-                                        WITH_LSE=lse is not None, BLOCK_S=16, num_warps=4)
+    first = [q, k, v, po, plse, q if lens is None else lens, *(scalars[n] for n in _DECODE_SCALARS), chunk]
+    blocks = dict(BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=DECODE_BLOCK_K)
+    kernel = flash_decode_partial[(splits, batch_kv)](*first, **switches, **blocks, num_warps=4, num_stages=3)
+    if record is not None:
+        named = dict(zip(flash_decode_partial.arg_names, first), **switches, **blocks)
+        record.append((kernel, [named[n] for n in flash_decode_partial.arg_names], (splits, batch_kv)))
+    second = [po, plse, out, out if lse is None else lse, splits, rows, dv]
+    switches = dict(HEAD_DV=hdv, WITH_LSE=lse is not None, BLOCK_S=16)
+    kernel = flash_decode_combine[(batch * nq,)](*second, **switches, num_warps=4)
+    if record is not None:
+        named = dict(zip(flash_decode_combine.arg_names, second), **switches)
+        record.append((kernel, [named[n] for n in flash_decode_combine.arg_names], (batch * nq, 1)))
     return splits
 
 
