@@ -5,12 +5,13 @@ D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
 
     python3 dev/gpu_decode_measure.py [--batches 1 4 8] [--nk 4096 16384 65536 131072] [--nq 1 4]
                                       [--runs 9] [--json decode.json] [--before]
-                                      [--decode-configs 32x2 32x4 16x4] [--regular]
+                                      [--decode-configs 32x2 32x4 16x4] [--regular] [--rules]
     ATTNKERN_BENCH_SMOKE=1 python3 dev/gpu_decode_measure.py    # one small shape, 2 runs
 
 --before adds cuda.flash as it ran before 2026-11-26 (every call on the general path,
 _torch_cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
-combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1) and triton.flash on
+combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1; the 264-block split,
+cpp.DECODE_SPLIT_RULE = "blocks") and triton.flash on
 the general path, in turns with today's code in one process. --decode-configs TILExSTAGES
 adds cuda.flash's decode kernel with other K/V tiles and pipeline depths (cpp.DECODE_TILE,
 cpp.DECODE_STAGES; on the general path, so its call time is the general path's).
@@ -87,10 +88,11 @@ def _with(fn, fast_path=True, **constants):
 
 
 def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "efficient", "math"), before=False,
-               regular=False):
+               regular=False, rules=()):
     """name -> (call, note): attnkern's kernels (with before, also as they ran before
-    2026-11-26; cuda.flash with each split_k of splits, each (tile, stages) of configs and with
-    regular its regular kernel) and each torch SDPA backend of backends that runs here."""
+    2026-11-26; cuda.flash with each split_k of splits, each (tile, stages) of configs, each
+    (name, cpp constants) of rules and with regular its regular kernel) and each torch SDPA
+    backend of backends that runs here."""
     def ours(kernel, **params):
         return lambda: attnkern.attention(q, k, v, causal="bottom_right", kernel=kernel, check_finite=False,
                                           **params)
@@ -98,11 +100,14 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
     out = {"cuda.flash": (ours("cuda.flash"), "split-K decode"),
            "triton.flash": (ours("triton.flash"), "split-K decode")}
     if before:
-        out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1),
-                                     "general path, double-buffered decode kernel, serial combine")
+        out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1,
+                                           DECODE_SPLIT_RULE="blocks"),
+                                     "general path, double-buffered decode kernel, serial combine, 264-block split")
         out["triton.flash[before]"] = (_with(ours("triton.flash"), False), "general path")
     if regular:
         out["cuda.flash[split_k=1]"] = (ours("cuda.flash", split_k=1), "regular kernel")
+    for n, constants in rules:
+        out[f"cuda.flash[{n}]"] = (_with(ours("cuda.flash"), False, **constants), "split rule forced, general path")
     for n in splits:
         out[f"cuda.flash[split_k={n}]"] = (ours("cuda.flash", split_k=n), "split-K decode, forced")
     for tile, stages in configs:
@@ -178,6 +183,9 @@ def main() -> None:
                         help="cuda.flash decode kernels to add, TILExSTAGES (cpp.DECODE_TILE 16/32/64, "
                              "cpp.DECODE_STAGES 2-4), e.g. 32x2 16x4")
     parser.add_argument("--nq", type=int, nargs="+", default=[1], help="query rows a head")
+    parser.add_argument("--rules", action="store_true",
+                        help="add cuda.flash with the split rule before 2026-11-26 (cpp.DECODE_SPLIT_RULE='blocks') "
+                             "and with 64-key chunks allowed (cpp.DECODE_MIN_CHUNK=64)")
     parser.add_argument("--before", action="store_true", help="add cuda.flash and triton.flash as before 2026-11-26")
     parser.add_argument("--regular", action="store_true", help="add cuda.flash's regular kernel (split_k=1)")
     parser.add_argument("--math-max-nk", type=int, default=16384, help="torch's math backend up to this Nk")
@@ -199,7 +207,9 @@ def main() -> None:
         v = torch.randn(batch, H_KV, nk, D, device="cuda", generator=g, dtype=torch.bfloat16)
         useful = 2 * (2 * batch * H_KV * nk * D) + 2 * (2 * batch * H * nq * D)
         backends = [b for b in args.torch if b != "math" or nk <= args.math_max_nk]
-        named = contenders(q, k, v, args.splits, configs, backends, args.before, args.regular)
+        rules = ([("blocks", dict(DECODE_SPLIT_RULE="blocks")), ("min64", dict(DECODE_MIN_CHUNK=64))]
+                 if args.rules else [])
+        named = contenders(q, k, v, args.splits, configs, backends, args.before, args.regular, rules)
         base = named["cuda.flash"][0]().float()
         diffs, splits = {}, {}
         for n, (fn, _) in named.items():  # each output against cuda.flash's, and the chunks it ran

@@ -41,6 +41,14 @@ def test_split_depends_on_the_shape_only():
     for (batch_kv, nk), want in (((64, 131072), 103), ((8, 131072), 103), ((8, 16384), 33), ((64, 16384), 13),
                                  ((8, 4096), 16), ((512, 4096), 4)):
         assert _split.decode_splits(batch_kv, 1, nk, 0, max_chunk=1280) == want, (batch_kv, nk)
+    # the whole-waves rule (cuda.flash's, with 528 blocks at once): chunks of about 1280 keys, their
+    # blocks rounded to whole waves, never a block more than the waves hold; chunks of >= 128 keys
+    for (batch_kv, nk), want in (((8, 131072), 132), ((64, 131072), 99), ((8, 16384), 66), ((8, 4096), 32),
+                                 ((32, 4096), 16), ((64, 16384), 16), ((1024, 4096), 3), ((600, 2048), 1)):
+        got = _split.decode_splits(batch_kv, 1, nk, 0, min_chunk=128, max_chunk=1280, slots=528)
+        assert got == want, (batch_kv, nk, got)
+        blocks = batch_kv * _split.decode_chunk(nk, got)[1]
+        assert blocks <= max(1, round(batch_kv * nk / (528 * 1280))) * 528 or got == 1, (batch_kv, nk)
     for nk, splits in ((4096, 16), (5000, 7), (65, 2), (131072, 33), (1000, 7)):
         chunk, got = _split.decode_chunk(nk, splits)
         assert chunk % _split.DECODE_BLOCK_K == 0 and (got - 1) * chunk < nk <= got * chunk and got <= splits
@@ -121,12 +129,12 @@ def _last_split(kernel):
     return tr.last_split()
 
 
-def _auto_splits(kernel, batch_kv, nq, nk):
-    """The chunks the automatic split runs (each backend's own target and least chunk)."""
+def _auto_splits(kernel, batch_kv, nq, nk, d):
+    """The chunks the automatic split runs (each backend's own rule)."""
     if kernel == "cuda.flash":
         from attnkern.backends.cuda import cpp
 
-        asked = _split.decode_splits(batch_kv, nq, nk, 0, max_chunk=cpp.DECODE_CHUNK_KEYS)
+        asked = cpp.decode_auto_splits(batch_kv, nq, nk, d, 0)
     else:
         asked = _split.decode_splits(batch_kv, nq, nk, 0)
     return _split.decode_chunk(nk, asked)[1]
@@ -166,7 +174,7 @@ def test_decode_matches_the_reference_and_takes_the_split_path(kernel, name, dty
     shape, feats = CASES[name]
     q, k, v = _inputs(shape, dtype, seed=len(name))
     out, lse, splits = _run(kernel, q, k, v, feats)
-    assert splits == _auto_splits(kernel, shape[0] * shape[2], shape[3], shape[4]) >= 1, "not the decode path"
+    assert splits == _auto_splits(kernel, shape[0] * shape[2], shape[3], shape[4], shape[5]) >= 1, "not the decode path"
     _check(out, lse, q, k, v, feats)
     again = _run(kernel, q, k, v, feats)
     assert again[2] == splits
@@ -203,7 +211,7 @@ def test_long_cache(kernel):
         q, k, v = _inputs(shape, "bfloat16", seed=nq)
         feats = dict(causal="bottom_right")
         out, lse, splits = _run(kernel, q, k, v, feats)
-        assert splits == _auto_splits(kernel, 8, nq, 131072) >= 32
+        assert splits == _auto_splits(kernel, 8, nq, 131072, 128) >= 32
         _check(out, lse, q, k, v, feats)
         off, _, _ = _run(kernel, q, k, v, feats, split_k=1)
         assert float((out.double() - off.double()).abs().max()) <= 2 * tolerance("bfloat16", rounds_p=True) * float(
@@ -262,12 +270,14 @@ def test_prepared_decode_matches_the_general_path(kernel, nq):
             q, k, v = _inputs(shape, "bfloat16", seed=10 + seed)
             module._LAST.splits = 0
             got = call(q, k, v, return_lse=with_lse, check_finite=seed == 2)
-            assert _last_split(kernel) == _auto_splits(kernel, 16, nq, 16384)
+            assert _last_split(kernel) == _auto_splits(kernel, 16, nq, 16384, 128)
             want = _general(lambda: call(q, k, v, return_lse=with_lse, check_finite=seed == 2))
             for a, b in zip(got if with_lse else (got,), want if with_lse else (want,)):
                 assert torch.equal(a, b), "the prepared launch differs from the general path"
-    plans = [p for key, p in _torch_cuda._LOCAL.plans.items() if key[9] == kernel and key[7] == "bottom_right"
-             and key[0][2] == nq]
+    # this test's call shape (other tests' plans, e.g. of split_k=1 on the regular kernel, have none)
+    plans = [p for key, p in _torch_cuda._LOCAL.plans.items()
+             if key[0] == q.shape and key[3] == q.dtype and key[9] == kernel and key[7] == "bottom_right"
+             and not key[12]]
     assert plans and all(p.launch is not None and p.scratch > 0 for p in plans), "no prepared decode plan"
     out, lse = call(q, k, v, return_lse=True)
     _check(out, lse, q, k, v, feats)

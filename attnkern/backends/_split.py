@@ -29,14 +29,17 @@ def rows_refusal(nq: int, kv_group: int) -> str | None:
 
 
 def decode_splits(batch_kv: int, nq: int, nk: int, split_k: int, target: int = DECODE_TARGET_BLOCKS,
-                  min_chunk: int = DECODE_MIN_CHUNK, max_chunk: int = 0) -> int:
+                  min_chunk: int = DECODE_MIN_CHUNK, max_chunk: int = 0, slots: int = 0) -> int:
     """The number of key chunks a decode path splits nk keys into, 0 for the regular
     kernels: split_k >= 2 as given (at most one chunk a DECODE_BLOCK_K keys); split_k =
-    1 never; split_k = 0 (automatic) where nq <= DECODE_MAX_NQ and nk >= DECODE_MIN_NK,
+    1 never; split_k = 0 (automatic) where nq <= DECODE_MAX_NQ and nk >= DECODE_MIN_NK:
     enough chunks for batch_kv x chunks >= target blocks (by default DECODE_TARGET_BLOCKS)
-    and, with max_chunk, chunks of at most about max_chunk keys, but chunks of at least
-    min_chunk keys (1 chunk where batch_kv alone fills the target: one K/V read still
-    serves all the query heads of a group)."""
+    and, with max_chunk, chunks of at most about max_chunk keys; or with slots (the blocks
+    the GPU runs at once), whole waves: the blocks of chunks of about max_chunk keys
+    rounded to a whole number of waves of `slots` blocks (at least one), and as many chunks
+    as those waves hold (decode_chunk's rounding may drop a few: never a block more); in
+    both, chunks of at least min_chunk keys (1 chunk where batch_kv alone fills the
+    target: one K/V read still serves all the query heads of a group)."""
     tiles = -(-nk // DECODE_BLOCK_K)
     if split_k == 1 or tiles == 0:
         return 0
@@ -44,7 +47,11 @@ def decode_splits(batch_kv: int, nq: int, nk: int, split_k: int, target: int = D
         return min(split_k, tiles)
     if nq > DECODE_MAX_NQ or nk < DECODE_MIN_NK:
         return 0
-    want = max(-(-target // batch_kv), -(-nk // max_chunk) if max_chunk else 1)
+    if slots:
+        waves = max(1, int(batch_kv * nk / (slots * max_chunk) + 0.5))
+        want = waves * slots // batch_kv
+    else:
+        want = max(-(-target // batch_kv), -(-nk // max_chunk) if max_chunk else 1)
     return max(1, min(want, nk // min_chunk))
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..._gpuarray import GpuArray
 from ..._registry import Kernel, Param, SearchSpace, register
-from .._split import DECODE_MAX_SPLITS, PREPARED_FEATURES, decode_splits
+from .._split import DECODE_MAX_SPLITS, PREPARED_FEATURES
 
 
 @functools.cache
@@ -161,7 +161,7 @@ def _decode_splits(q, k, v, features, split_k: int) -> int:
             raise ValueError(f"cuda.flash: split_k={split_k} asks for the split-K decode path, but {why}; "
                              "pass split_k=0 (automatic) or 1 (off)")
         return 0
-    return decode_splits(k.shape[0], nq, k.shape[1], split_k, max_chunk=cpp.DECODE_CHUNK_KEYS)
+    return cpp.decode_auto_splits(k.shape[0], nq, k.shape[1], d, split_k)
 
 
 def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0, split_k=0, out=None,
@@ -314,8 +314,8 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
             if _flash_head_sizes(d, dv, dtype.name) is not None:
                 return None
             feat = launch.KernelFeatures.of(features, batch, dtype)
-            if cpp.decode_refusal(dtype.name, nq, group, d, dv, feat) is None and (splits := decode_splits(
-                    batch_kv, nq, nk, split_k, max_chunk=cpp.DECODE_CHUNK_KEYS)):
+            if cpp.decode_refusal(dtype.name, nq, group, d, dv, feat) is None and (splits := cpp.decode_auto_splits(
+                    batch_kv, nq, nk, d, split_k)):
                 return _prepared_decode(roles, causal, scale, feat, splits, bool(fastmath))
             if features is not None:
                 return None  # the regular kernels' featured calls: the general path
@@ -547,9 +547,9 @@ register(
             Param("split_k", 0, 0, DECODE_MAX_SPLITS,
                   "float16/bfloat16 forward: the split-K decode path's key chunks (one block per chunk and k/v "
                   "head, the group's query heads packed into its rows, a log-sum-exp combine): 0 by shape (nq <= "
-                  "16, kv_group nq <= 128, nk >= 1024: at least 264 blocks and chunks of about 1280 keys or "
-                  "fewer, but >= 256), 1 off, N >= 2 forced (at most one chunk per 64 keys); masks, ALiBi and "
-                  "dropout run the regular kernels"),
+                  "16, kv_group nq <= 128, nk >= 1024: chunks of about 1280 keys, their blocks rounded to whole "
+                  "waves of the blocks the GPU holds at once, chunks >= 128 keys), 1 off, N >= 2 forced (at most "
+                  "one chunk per 64 keys); masks, ALiBi and dropout run the regular kernels"),
         ),
         unavailable_reason=unavailable,
         device="cuda",

@@ -14,7 +14,7 @@ import numpy as np
 from numba import config, cuda
 
 from ..._gpuarray import GpuArray
-from .._split import decode_chunk, rows_refusal
+from .._split import decode_chunk, decode_splits, rows_refusal
 
 from .launch import (FEAT_TYPES, LOG2E, PLAIN_WORDS, SHARED_BYTES, Addr, RawKernel, dynamic_raw_kernel, launch,
                      register_raw, round_up, shared_limit)
@@ -521,16 +521,38 @@ def flash_bwd_half(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: flo
 # STAGES - 1 tiles loading while one is computed (a one-warp block has nothing else to hide memory
 # latency with). Both are read at each call (dev/gpu_decode_measure.py --decode-configs compares
 # them; DECODE_STAGES = 2 is the double buffering of the other kernels, this path's before
-# 2026-11-26). The automatic split (_split.decode_splits) aims at _split.DECODE_TARGET_BLOCKS blocks
-# and chunks of about DECODE_CHUNK_KEYS keys, whichever gives more chunks. On an H200
-# (docs/gpu-decode.md, B 1/4/8 x H_kv 8): 50 chunks at Nk = 64k (1311 keys) and 50-150 at 128k ran
-# at 85-96% of the copy bandwidth at B = 4 and 8, where 13-25 chunks ran at 68-74% (a block count
-# just above one wave of blocks leaves a tail). DECODE_COMBINE_UNROLL: the combine's partials
-# read at once per warp (1: one after another, as before 2026-11-26; the same bits).
+# 2026-11-26). The automatic split (decode_auto_splits) fills whole waves of blocks with chunks
+# of about DECODE_CHUNK_KEYS keys: on an H200 (docs/gpu-decode.md) a block count just above a
+# wave left a tail. DECODE_COMBINE_UNROLL: the combine's partials read at once per warp (1: one
+# after another, as before 2026-11-26; the same bits).
 DECODE_TILE = 32
 DECODE_STAGES = 3
 DECODE_CHUNK_KEYS = 1280
 DECODE_COMBINE_UNROLL = 8
+# The automatic split's rule: "waves" (whole waves of the blocks resident at once: decode_slots;
+# chunks of at least DECODE_MIN_CHUNK keys) or "blocks" (at least 264 blocks, chunks of at least
+# 256 keys: the rule before 2026-11-26, which left a wave part-filled, e.g. 824 blocks on 528
+# slots at B = 1, H_kv = 8, Nk = 128k). Read at each call, as the constants above.
+DECODE_SPLIT_RULE = "waves"
+DECODE_MIN_CHUNK = 128
+DECODE_SMS = 132  # the H100's and H200's SMs: a constant, so that the split depends on the shape only
+DECODE_SM_SHARED = 228 * 1024  # shared memory of an SM (H100, H200), 1 KB of it reserved a block
+
+
+def decode_slots(d: int) -> int:
+    """The decode blocks DECODE_SMS SMs hold at once at head size d: as many as their shared
+    memory (DECODE_STAGES K and V tiles of DECODE_TILE keys, rows of d + 8 elements) allows,
+    at most 32 an SM."""
+    shared = 2 * DECODE_STAGES * DECODE_TILE * (d + 8) * 2
+    return DECODE_SMS * max(1, min(32, DECODE_SM_SHARED // (shared + 1024)))
+
+
+def decode_auto_splits(batch_kv: int, nq: int, nk: int, d: int, split_k: int) -> int:
+    """The chunks cuda.flash's decode path asks for (_split.decode_splits) under DECODE_SPLIT_RULE."""
+    if DECODE_SPLIT_RULE == "waves":
+        return decode_splits(batch_kv, nq, nk, split_k, min_chunk=DECODE_MIN_CHUNK, max_chunk=DECODE_CHUNK_KEYS,
+                             slots=decode_slots(d))
+    return decode_splits(batch_kv, nq, nk, split_k, max_chunk=DECODE_CHUNK_KEYS)
 
 
 def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) -> str | None:

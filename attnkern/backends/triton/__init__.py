@@ -262,7 +262,8 @@ def _prepared_decode(call, resolved: dict, with_lse: bool, splits: int):
     # the roles of each kernel's pointer arguments: 0 q, 1 k, 2 v, 3 out, 4 lse (else out), 5 the
     # partials, 6 their lse; the partial kernel's key lengths are q's (unused without them)
     roles = (((0, 0), (1, 1), (2, 2), (3, 5), (4, 6), (5, 0)), ((0, 5), (1, 6), (2, 3), (3, 4 if with_lse else 3)))
-    kernels = ((partial, first, grid1, flash.flash_decode_partial), (combine, second, grid2, flash.flash_decode_combine))
+    kernels = ((partial, first, grid1, flash.flash_decode_partial),
+               (combine, second, grid2, flash.flash_decode_combine))
     ptrs = [x.data_ptr() for x in (q, k, v, outs[1])] + ([lses[1].data_ptr()] if with_lse else [])
     for every in (True, False):  # as in prepared: every argument, or (Triton 3.0, 3.1) the non-constexpr ones
         steps = []
