@@ -129,12 +129,12 @@ def _last_split(kernel):
     return tr.last_split()
 
 
-def _auto_splits(kernel, batch_kv, nq, nk, d):
+def _auto_splits(kernel, batch_kv, nq, nk, d, kv_group):
     """The chunks the automatic split runs (each backend's own rule)."""
     if kernel == "cuda.flash":
         from attnkern.backends.cuda import cpp
 
-        asked = cpp.decode_auto_splits(batch_kv, nq, nk, d, 0)
+        asked = cpp.decode_auto_splits(batch_kv, nq, nk, d, 0, kv_group)
     else:
         asked = _split.decode_splits(batch_kv, nq, nk, 0)
     return _split.decode_chunk(nk, asked)[1]
@@ -174,7 +174,8 @@ def test_decode_matches_the_reference_and_takes_the_split_path(kernel, name, dty
     shape, feats = CASES[name]
     q, k, v = _inputs(shape, dtype, seed=len(name))
     out, lse, splits = _run(kernel, q, k, v, feats)
-    assert splits == _auto_splits(kernel, shape[0] * shape[2], shape[3], shape[4], shape[5]) >= 1, "not the decode path"
+    assert splits == _auto_splits(kernel, shape[0] * shape[2], shape[3], shape[4], shape[5],
+                                 shape[1] // shape[2]) >= 1, "not the decode path"
     _check(out, lse, q, k, v, feats)
     again = _run(kernel, q, k, v, feats)
     assert again[2] == splits
@@ -211,7 +212,7 @@ def test_long_cache(kernel):
         q, k, v = _inputs(shape, "bfloat16", seed=nq)
         feats = dict(causal="bottom_right")
         out, lse, splits = _run(kernel, q, k, v, feats)
-        assert splits == _auto_splits(kernel, 8, nq, 131072, 128) >= 32
+        assert splits == _auto_splits(kernel, 8, nq, 131072, 128, 4) >= 32
         _check(out, lse, q, k, v, feats)
         off, _, _ = _run(kernel, q, k, v, feats, split_k=1)
         assert float((out.double() - off.double()).abs().max()) <= 2 * tolerance("bfloat16", rounds_p=True) * float(
@@ -270,7 +271,7 @@ def test_prepared_decode_matches_the_general_path(kernel, nq):
             q, k, v = _inputs(shape, "bfloat16", seed=10 + seed)
             module._LAST.splits = 0
             got = call(q, k, v, return_lse=with_lse, check_finite=seed == 2)
-            assert _last_split(kernel) == _auto_splits(kernel, 16, nq, 16384, 128)
+            assert _last_split(kernel) == _auto_splits(kernel, 16, nq, 16384, 128, 4)
             want = _general(lambda: call(q, k, v, return_lse=with_lse, check_finite=seed == 2))
             for a, b in zip(got if with_lse else (got,), want if with_lse else (want,)):
                 assert torch.equal(a, b), "the prepared launch differs from the general path"
@@ -294,8 +295,9 @@ def test_prepared_decode_matches_the_general_path(kernel, nq):
 @pytest.mark.parametrize("tile", [16, 32, 64])
 def test_decode_pipeline_depth_changes_no_bits(tile):
     """The decode kernel's K/V buffers (cpp.DECODE_STAGES 2, 3, 4) and the combine's reads in
-    flight (DECODE_COMBINE_UNROLL 1, 8) change no arithmetic: the same bits at one tile,
-    within the bound of the reference at each tile, and bit-identical run to run."""
+    flight (DECODE_COMBINE_UNROLL 1, 8) change no arithmetic: the same bits at one tile and
+    one split (forced: the automatic one counts the blocks a config fits on the GPU), within
+    the bound of the reference at each tile, and bit-identical run to run."""
     torch = _torch()
     from attnkern.backends.cuda import cpp
 
@@ -307,9 +309,9 @@ def test_decode_pipeline_depth_changes_no_bits(tile):
         cpp.DECODE_TILE = tile
         for stages, unroll in ((2, 1), (2, 8), (3, 8), (4, 8), (4, 1)):
             cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL = stages, unroll
-            out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats))
+            out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats, split_k=13))
             assert splits >= 2
-            again = _general(lambda: _run("cuda.flash", q, k, v, feats))
+            again = _general(lambda: _run("cuda.flash", q, k, v, feats, split_k=13))
             assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
             results[stages, unroll] = out, lse
     finally:

@@ -161,7 +161,7 @@ def _decode_splits(q, k, v, features, split_k: int) -> int:
             raise ValueError(f"cuda.flash: split_k={split_k} asks for the split-K decode path, but {why}; "
                              "pass split_k=0 (automatic) or 1 (off)")
         return 0
-    return cpp.decode_auto_splits(k.shape[0], nq, k.shape[1], d, split_k)
+    return cpp.decode_auto_splits(k.shape[0], nq, k.shape[1], d, split_k, group)
 
 
 def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fastmath=0, split_k=0, out=None,
@@ -315,7 +315,7 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
                 return None
             feat = launch.KernelFeatures.of(features, batch, dtype)
             if cpp.decode_refusal(dtype.name, nq, group, d, dv, feat) is None and (splits := cpp.decode_auto_splits(
-                    batch_kv, nq, nk, d, split_k)):
+                    batch_kv, nq, nk, d, split_k, group)):
                 return _prepared_decode(roles, causal, scale, feat, splits, bool(fastmath))
             if features is not None:
                 return None  # the regular kernels' featured calls: the general path

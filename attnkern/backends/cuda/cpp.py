@@ -537,21 +537,27 @@ DECODE_SPLIT_RULE = "waves"
 DECODE_MIN_CHUNK = 128
 DECODE_SMS = 132  # the H100's and H200's SMs: a constant, so that the split depends on the shape only
 DECODE_SM_SHARED = 228 * 1024  # shared memory of an SM (H100, H200), 1 KB of it reserved a block
+DECODE_SM_REGISTERS = 65536  # 32-bit registers of an SM
+DECODE_REGISTERS = 168  # a decode thread's registers at D = 128 (ptxas, sm_90a: 164-172; fewer at D = 64)
 
 
-def decode_slots(d: int) -> int:
-    """The decode blocks DECODE_SMS SMs hold at once at head size d: as many as their shared
-    memory (DECODE_STAGES K and V tiles of DECODE_TILE keys, rows of d + 8 elements) allows,
+def decode_slots(d: int, warps: int = 1) -> int:
+    """The decode blocks of `warps` warps that DECODE_SMS SMs hold at once at head size d: as
+    many as their shared memory (DECODE_STAGES K and V tiles of DECODE_TILE keys, rows of
+    d + 8 elements), their registers (DECODE_REGISTERS a thread) and 64 warps an SM allow,
     at most 32 an SM."""
     shared = 2 * DECODE_STAGES * DECODE_TILE * (d + 8) * 2
-    return DECODE_SMS * max(1, min(32, DECODE_SM_SHARED // (shared + 1024)))
+    per_sm = min(32, DECODE_SM_SHARED // (shared + 1024), DECODE_SM_REGISTERS // (DECODE_REGISTERS * 32 * warps),
+                 64 // warps)
+    return DECODE_SMS * max(1, per_sm)
 
 
-def decode_auto_splits(batch_kv: int, nq: int, nk: int, d: int, split_k: int) -> int:
-    """The chunks cuda.flash's decode path asks for (_split.decode_splits) under DECODE_SPLIT_RULE."""
+def decode_auto_splits(batch_kv: int, nq: int, nk: int, d: int, split_k: int, kv_group: int = 1) -> int:
+    """The chunks cuda.flash's decode path asks for (_split.decode_splits) under DECODE_SPLIT_RULE,
+    for kv_group query heads a k/v head (a block's rows: kv_group nq, a warp per 16)."""
     if DECODE_SPLIT_RULE == "waves":
         return decode_splits(batch_kv, nq, nk, split_k, min_chunk=DECODE_MIN_CHUNK, max_chunk=DECODE_CHUNK_KEYS,
-                             slots=decode_slots(d))
+                             slots=decode_slots(d, -(-kv_group * nq // 16)))
     return decode_splits(batch_kv, nq, nk, split_k, max_chunk=DECODE_CHUNK_KEYS)
 
 
