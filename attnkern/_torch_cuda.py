@@ -13,8 +13,12 @@ parameters laid out once, the addresses written in per call), the output shapes
 and, with check_finite, the scan of q, k, v and the output prepared likewise.
 Later calls check what the plan cannot know (tensor types, grad, devices,
 contiguity, torch's current stream, alignment), allocate the outputs with torch
-and launch. Anything else, any other kernel and any call with no work (an empty
-dimension) returns None: the general path runs. A non-finite flag also returns
+and launch. A call on a split-K decode path (grouped k/v heads and bottom-right
+causal masking at most: backends._split.PREPARED_FEATURES) has two launches and
+scratch memory, allocated with torch per call on the legacy default stream (on
+another stream such a call takes the general path). Anything else, any other
+kernel and any call with no work (an empty dimension) returns None: the general
+path runs. A non-finite flag also returns
 None: the general path runs the call again and raises its error, worded in one
 place. Plans are per thread (their parameter memory is written per call); one
 whose tunables were not all given is rebuilt after a second, as the general
