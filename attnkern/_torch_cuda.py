@@ -59,15 +59,17 @@ class _Plan:
 
 
 def usable() -> bool:
-    """Whether the fast path can run here: numba-cuda with a GPU (asked once)."""
+    """Whether the fast path can run here: numba-cuda with a GPU (asked once), and neither
+    FAST_PATH nor the cuda backend's public switch (attnkern.backends.cuda.FAST_PATH, which
+    the measurement sets) turned it off."""
     if not _USABLE:
         from .backends import cuda
 
-        _USABLE.append(cuda.unavailable() is None)
-    return FAST_PATH and _USABLE[0]
+        _USABLE.extend((cuda.unavailable() is None, cuda))
+    return FAST_PATH and _USABLE[0] and _USABLE[1].FAST_PATH
 
 
-_USABLE = []
+_USABLE = []  # [whether numba-cuda has a GPU, the cuda backend module]
 
 
 class Pending:

@@ -9,7 +9,7 @@ D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
     ATTNKERN_BENCH_SMOKE=1 python3 dev/gpu_decode_measure.py    # one small shape, 2 runs
 
 --before adds cuda.flash as it ran before 2026-11-26 (every call on the general path,
-_torch_cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
+attnkern.backends.cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
 combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1; the 264-block split,
 cpp.DECODE_SPLIT_RULE = "blocks") and triton.flash on
 the general path, in turns with today's code in one process. --decode-configs TILExSTAGES
@@ -67,22 +67,23 @@ def sleep_cycles_per_s() -> float:
 
 
 def _with(fn, fast_path=True, **constants):
-    """fn with cpp's constants set (DECODE_TILE=...) and _torch_cuda.FAST_PATH as given for its call."""
-    from attnkern import _torch_cuda
+    """fn with cpp's constants set (DECODE_TILE=...) and the prepared launches on or off
+    (attnkern.backends.cuda.FAST_PATH) for its call."""
+    from attnkern.backends import cuda as backend
     from attnkern.backends.cuda import cpp
 
     def call():
         saved = {n: getattr(cpp, n) for n in constants}
-        was = _torch_cuda.FAST_PATH
+        was = backend.FAST_PATH
         for n, x in constants.items():
             setattr(cpp, n, x)
-        _torch_cuda.FAST_PATH = fast_path
+        backend.FAST_PATH = fast_path
         try:
             return fn()
         finally:
             for n, x in saved.items():
                 setattr(cpp, n, x)
-            _torch_cuda.FAST_PATH = was
+            backend.FAST_PATH = was
 
     return call
 
