@@ -27,12 +27,11 @@ KERNELS = [
        dict(D=d, BF16=1, BN=bk, STAGES=st, MT=1, NW=w, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0),
        MMA + ("int", "int"))
       for d in (128, 64) for w in (1, 2, 4, 8) for bk in (64, 32, 16) for st in (2, 3, 4)),
-    *(("flash_combine.cu", f"combine_bf16_d{d}_u{u}", dict(D=d, BF16=1, FAST=0, UNROLL=u), ("u64",) * 4 + ("int",) * 4)
-      for d in (128, 64) for u in (1, 8)),
-    ("flash_mma.cu", "mma_bf16_d128_plain", dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=0, MASK=0, ALIBI=0, FAST=0),
-     MMA),
-    ("flash_mma.cu", "mma_bf16_d128_feat", dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=1, MASK=0, ALIBI=0, FAST=0),
-     MMA),
+    *(("flash_combine.cu", f"combine_bf16_d{d}_u{u}", dict(D=d, BF16=1, FAST=0, UNROLL=u),
+       ("u64",) * 4 + ("int",) * 4) for d in (128, 64) for u in (1, 8)),
+    *(("flash_mma.cu", f"mma_bf16_d128_{name}",
+       dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=feat, MASK=0, ALIBI=0, FAST=0), MMA)
+      for name, feat in (("plain", 0), ("feat", 1))),
 ]
 
 
