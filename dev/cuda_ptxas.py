@@ -20,8 +20,9 @@ HERE = os.path.join(os.path.dirname(__file__), "..", "attnkern", "backends", "cu
 FEAT = ("int", "u64", "int", "int", "int", "int", "float", "u64", "int", "int", "u64", "u64", "u64", "u64", "float",
         "u64", "float")
 MMA = ("u64",) * 5 + ("int", "int", "float", "int", "int") + FEAT
+BWD = ("u64",) * 11 + ("int", "int", "float", "float", "int") + FEAT
 
-# (source, name, defines, parameter types): the decode kernels and their combine, at D = 128 and 64
+# (source, name, defines, parameter types): the decode kernels and their combine, at D = 128 and 64; the backward
 KERNELS = [
     *(("flash_mma.cu", f"decode_bf16_d{d}_w{w}_k{bk}_s{st}",
        dict(D=d, BF16=1, BN=bk, STAGES=st, MT=1, NW=w, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0),
@@ -32,6 +33,14 @@ KERNELS = [
     *(("flash_mma.cu", f"mma_bf16_d128_{name}",
        dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=feat, MASK=0, ALIBI=0, FAST=0), MMA)
       for name, feat in (("plain", 0), ("feat", 1))),
+    # the backward (flash_bwd_mma.cu) in float32 (3xTF32) at the default divisions (cpp.bwd_config)
+    *(("flash_bwd_mma.cu", f"bwd{part}_tf32_d{d}{'_feat' if feat else ''}",
+       dict(D=d, BF16=0, TF32=1, PART=part, NW=nw, MT=1, BN=bn, FEAT=feat, MASK=4 * feat, ALIBI=feat), BWD)
+      for d, parts in ((64, ((4, 64), (4, 32))), (128, ((8, 32), (8, 8))), (32, ((4, 64), (4, 32))))
+      for part, (nw, bn) in zip((1, 2), parts) for feat in (0, 1)),
+    *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}",
+       dict(D=d, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=bn, FEAT=0, MASK=0, ALIBI=0), BWD)
+      for d, bns in ((64, (64, 128)), (128, (64, 64))) for part, bn in zip((1, 2), bns)),
 ]
 
 

@@ -1,7 +1,7 @@
 """Time flash_bwd_mma.cu's work divisions (cpp.BwdConfig) side by side on the GPU.
 
 For each (dtype, D, N, causal) at (1, 16, N, D): the forward's out and lse once, then each
-division's backward (cpp.flash_bwd_half on the same arrays) timed with CUDA events, the median of
+division's backward (cpp.flash_bwd_mma on the same arrays) timed with CUDA events, the median of
 --runs samples of 5 back-to-back calls, and its gradients compared with the default division's
 (every division sums in another order only where its tiles differ: reported as the max difference,
 which must be of the dtype's rounding). JSON rows to --json.
@@ -53,7 +53,7 @@ def main():
                         views = [cuda.as_cuda_array(x).reshape(16, n, d) for x in grads]
 
                         def call():
-                            cpp.flash_bwd_half(*arrays, *views, causal, d ** -0.5, None, config)
+                            cpp.flash_bwd_mma(*arrays, *views, causal, d ** -0.5, None, config)
 
                         try:
                             call()

@@ -467,7 +467,9 @@ def test_dropout_under_cuda_autocast_runs_in_float32():
 # flash_bwd_mma.cu: the simulator runs no CUDA C++, so these run with ATTNKERN_TEST_GPU=1 on a GPU.
 # Bounds: FlashAttention's rule (test_triton.check_gradients: at most twice the error of torch's
 # own gradients in the same dtype against float64, plus two roundings of the largest gradient).
-half_gpu = pytest.mark.skipif(SIMULATED, reason="the float16/bfloat16 backward is CUDA C++ (a GPU only)")
+half_gpu = pytest.mark.skipif(SIMULATED, reason="the tensor-core backward is CUDA C++ (a GPU only)")
+# the dtypes of the tensor-core backward (flash_bwd_mma.cu): float32 in 3xTF32 (tensor_cores=1, the default)
+TC_DTYPES = ["float16", "bfloat16", "float32"]
 # (lead, nq, nk, d): every head size the kernels take (multiples of 16 up to 128), partial
 # blocks, nq > nk and nq < nk, a long one
 HALF_SHAPES = [((2, 3), 77, 77, 64), ((1, 1), 45, 130, 32), ((4, 1), 200, 33, 128), ((1, 2), 1030, 1030, 64),
@@ -499,10 +501,13 @@ def test_half_backward_registered():
 
     info = attnkern.kernel_info("cuda.flash")
     assert info["backward_dtypes"] == ["float32", "float64", "float16", "bfloat16"]
+    doc = info["params"]["tensor_cores"]["doc"]
+    assert "backward" in doc and "3xTF32" in doc
     for d in range(16, 129, 16):
-        config = cpp.bwd_config(d)
-        assert cpp.BwdConfig.parse(str(config)) == config
-        assert max(config.shared_bytes(d, part) for part in (1, 2)) <= 227 * 1024
+        for dtype, itemsize in (("bfloat16", 2), ("float32", 4)):
+            config = cpp.bwd_config(d, dtype)
+            assert cpp.BwdConfig.parse(str(config)) == config
+            assert max(config.shared_bytes(d, part, itemsize) for part in (1, 2)) <= 227 * 1024
     assert str(cpp.BwdConfig(4, 32, 8, 64, 2, 1)) == "q4x32m2kv8x64"
     with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
         cpp.BwdConfig.parse("q4kv4")
@@ -513,7 +518,7 @@ def test_half_backward_registered():
 
 
 @half_gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 def test_half_backward_by_flash_attentions_rule(dtype, causal):
     """Every head size, causal both alignments: within FlashAttention's rule; bit-identical
@@ -533,7 +538,7 @@ def test_half_backward_by_flash_attentions_rule(dtype, causal):
 
 
 @half_gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_half_backward_features(dtype):
     """GQA and MQA (dk, dv summed over the group in order), bottom-right, windows, key lengths
     (a sequence with none: rows that see no key get 0), softcap, a negative scale: FlashAttention's rule."""
@@ -554,7 +559,7 @@ def test_half_backward_features(dtype):
 
 
 @half_gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
 @pytest.mark.parametrize("name", MASK_CASES)
 def test_half_backward_masks(dtype, name):
     """Attention masks (bool, additive with -inf, with the features and ALiBi) on CUDA tensors:
@@ -576,7 +581,8 @@ def test_half_backward_masks(dtype, name):
     refs = attnkern.reference_backward(*host, **dict(kw, attn_mask=mask if kind == "bool" else mask.astype(np.float64)))
     peer = _mask_peer(q, k, v, dout, mask, kw)[1:]
     _, lse, grads = _half_backward(q, k, v, dout, **dict(kw, attn_mask=torch.from_numpy(mask).cuda()))
-    u = UNIT_ROUNDOFF[dtype]
+    # float32: the one table's bound as the margin, as check_gradients (torch's float32 error may be far below it)
+    u = tolerance(np.float32) / 2 if dtype == "float32" else UNIT_ROUNDOFF[dtype]
     for what, r, p, a in zip(("dq", "dk", "dv"), refs, peer, grads):
         a = a.double().cpu().numpy()
         assert np.isfinite(a).all(), what
@@ -586,7 +592,7 @@ def test_half_backward_masks(dtype, name):
 
 
 @half_gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_half_backward_block_shares(dtype):
     """out and lse of whole rows with k, v holding one block of keys (ring attention): dk and dv
     of each block are the whole call's, dq the sum of the blocks' (the lse is corrected only within
@@ -609,3 +615,41 @@ def test_half_backward_refusals():
     q = torch.randn(1, 2, 8, 40, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 16 up to 128"):
         attnkern.attention_backward(q, q, q, q, q, q[..., 0], kernel="cuda.flash")
+
+
+@half_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_backward_paths(monkeypatch, causal):
+    """float32 runs the tensor-core backward (3xTF32) with tensor_cores=1, the default, where it
+    takes the call, and the Numba kernels with tensor_cores=0, with dropout and for addresses it
+    cannot read 16 bytes at a time: each within FlashAttention's rule and the table's bound; the
+    tensor-core gradients within a few times the exact float32 FMAs' error."""
+    from attnkern.backends.cuda import cpp
+    from test_triton import _host, check_gradients
+
+    calls = []
+    real = cpp.flash_bwd_mma
+    monkeypatch.setattr(cpp, "flash_bwd_mma", lambda *a, **kw: calls.append(a[0].dtype) or real(*a, **kw))
+    q, k, v, dout = _half_case(torch, "float32", (2, 2), 333, 290, 64, 5)
+    scale = 0.7 / 8
+    refs = attnkern.reference_backward(*(_host(x) for x in (q, k, v, dout)), causal=causal, scale=scale)
+    errors = {}
+    for tc in (1, 0):
+        calls.clear()
+        _, _, grads = _half_backward(q, k, v, dout, causal=causal, scale=scale, tensor_cores=tc)
+        assert calls == ([np.float32] if tc else []), tc
+        check_gradients(grads, q, k, v, dout, causal, scale, {}, ("float32", tc))
+        errors[tc] = [float(np.abs(_host(g) - r).max() / np.abs(r).max()) for g, r in zip(grads, refs)]
+    for name, e1, e0 in zip(("dq", "dk", "dv"), errors[1], errors[0]):
+        assert e1 <= 4 * e0 + 1e-6, f"{name}: 3xTF32 {e1:.3g} vs float32 FMAs {e0:.3g}"
+    # an offset view (not 16-byte aligned) and dropout: the Numba kernels, still right
+    calls.clear()
+    qo = torch.empty(q.numel() + 1, device="cuda")[1:].view_as(q).copy_(q)
+    _, _, grads = _half_backward(qo, k, v, dout, causal=causal, scale=scale)
+    assert calls == []
+    check_gradients(grads, qo, k, v, dout, causal, scale, {}, ("float32", "offset"))
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, scale=scale, return_lse=True,
+                                  dropout_p=0.1, dropout_seed=3)
+    attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", causal=causal, scale=scale,
+                                dropout_p=0.1, dropout_seed=3)
+    assert calls == []

@@ -397,9 +397,11 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
     output's gradient dout. GpuArrays: dq, dk, dv are the caller's, filled and
     returned; NumPy arrays: copied to the GPU (through the pinned staging buffers),
     the gradients copied back. float16/bfloat16 run the tensor-core kernels
-    (cpp.flash_bwd_half; block_q, block_k and tensor_cores do not apply); float32 and
-    float64 the Numba kernels (backward.py; FMAs in the input's dtype: tensor_cores,
-    fastmath and split_k apply to the forward only).
+    (cpp.flash_bwd_mma; block_q, block_k and tensor_cores do not apply); float32 with
+    tensor_cores = 1 too, in 3xTF32 (where _tf32_backward takes the call: D = Dv a
+    multiple of 16 up to 128, no dropout, aligned addresses; block_q and block_k do not
+    apply); float64, and float32 otherwise, the Numba kernels (backward.py; FMAs in the
+    input's dtype, tiles block_q x block_k). fastmath and split_k apply to the forward only.
     features: a _registry.Features or None, as for the forward (dk and dv of a
     group of query rows sharing k/v rows summed in the rows' order)."""
     from numba import config
@@ -421,8 +423,8 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
 
     def run(*a):
-        if half:
-            cpp.flash_bwd_half(*a, causal, scale, feat)
+        if half or _tf32_backward(a, tensor_cores, scale, feat):
+            cpp.flash_bwd_mma(*a, causal, scale, feat)
         else:
             backward.flash_backward(*a, causal, scale, block_q, block_k, feat)
 
@@ -438,6 +440,21 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
     grads = [g if g is not None else arrays.device_empty(x.shape, q.dtype) for g, x in ((dq, q), (dk, k), (dv, v))]
     run(q, k, v, out, dout, lse, *grads)
     return tuple(grads)
+
+
+def _tf32_backward(arrays, tensor_cores: int, scale: float, feat) -> bool:
+    """Whether a float32 backward on these GpuArrays (q, k, v, out, dout, lse, dq, dk, dv)
+    runs on tensor cores in 3xTF32 (cpp.flash_bwd_mma): with tensor_cores = 1, D = Dv a
+    multiple of 16 up to 128, outside the simulator and where cpp.bwd_refusal takes it
+    (aligned addresses, no dropout, no additive mask with scale 0); else the Numba kernels."""
+    from numba import config
+
+    from . import cpp
+
+    q, v = arrays[0], arrays[2]
+    return (bool(tensor_cores) and q.dtype == np.float32 and not config.ENABLE_CUDASIM
+            and cpp.mma_head_size_ok(q.shape[2], v.shape[2])
+            and cpp.bwd_refusal(*arrays[:5], *arrays[6:9], scale, feat) is None)
 
 
 def _flash_head_sizes(d: int, dv: int, dtype: str) -> str | None:
@@ -527,21 +544,26 @@ register(
                     "(float32: tensor cores in 3xTF32, or register-blocked float32 FMAs, CUDA C++; "
                     "float16/bfloat16: tensor cores; float64, and float32 with dropout: Numba); "
                     "deterministic backward in two (dQ per query block, dK/dV per key block; float16/bfloat16 "
-                    "on tensor cores, CUDA C++; float32/float64: Numba)",
+                    "on tensor cores and float32 in 3xTF32, CUDA C++; float64, and float32 with tensor_cores=0 or "
+                    "dropout: Numba)",
         run=_cuda_flash,
         params=(
             Param("block_q", 0, 0, 128, "queries per thread block; 0: the kernel's default (float32 CUDA C++ "
-                  "kernels: 128 on tensor cores, else 64; Numba kernel: the largest tile that fits; float32/float64 "
-                  "backward: 64, halved until it fits; float16/bfloat16 run fixed divisions)",
+                  "kernels: 128 on tensor cores, else 64; Numba kernel: the largest tile that fits; Numba backward "
+                  "(float64, float32 with tensor_cores=0): 64, halved until it fits; the tensor-core backward and "
+                  "float16/bfloat16 run fixed divisions)",
                   choices=(0, *_TILE_SIZES)),
             Param("block_k", 0, 0, 128, "keys per streamed K/V tile; 0: the kernel's default (float32 CUDA C++ "
                   "kernels: 64, but 32 without tensor cores above D = 64; Numba kernel: the largest tile that "
-                  "fits; float32/float64 backward: 64, halved until it fits; float16/bfloat16 run fixed divisions)",
+                  "fits; Numba backward (float64, float32 with tensor_cores=0): 64, halved until it fits; the "
+                  "tensor-core backward and float16/bfloat16 run fixed divisions)",
                   choices=(0, *_TILE_SIZES)),
-            Param("tensor_cores", 1, 0, 1, "float32 forward: 1 computes Q K^T and P V on tensor cores in 3xTF32 "
-                  "(each operand split into two TF32 parts, three products: about float32 FMAs' accuracy) where "
-                  "that kernel has the tile (64 or 128 x 32 or 64) and head size (D = Dv a multiple of 16 up to "
-                  "128); 0 runs float32 FMAs", choices=(0, 1)),
+            Param("tensor_cores", 1, 0, 1, "float32: 1 computes the products on tensor cores in 3xTF32 "
+                  "(each operand split into two TF32 parts, three products: about float32 FMAs' accuracy): the "
+                  "forward's Q K^T and P V where that kernel has the tile (64 or 128 x 32 or 64) and head size "
+                  "(D = Dv a multiple of 16 up to 128), the backward's seven products (flash_bwd_mma.cu) at those "
+                  "head sizes without dropout; 0 runs float32 FMAs (the backward: the Numba kernels)",
+                  choices=(0, 1)),
             Param("fastmath", 0, 0, 1, "forward, CUDA C++ kernels (float32, float16, bfloat16): 1 compiles them "
                   "with the hardware's approximations (ex2.approx.ftz, lg2.approx.ftz, rcp.approx.ftz, __fdividef; "
                   "denormals flushed); 0 with CUDA's accurate exp2f, log2f and IEEE division. The Numba kernel "

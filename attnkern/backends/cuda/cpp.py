@@ -430,12 +430,13 @@ class BwdConfig:
         """(warps, mma tiles a warp, streamed rows) of part 1 (dQ) or 2 (dK/dV)."""
         return (self.dq_warps, self.dq_mt, self.dq_keys) if part == 1 else (self.kv_warps, self.kv_mt, self.kv_rows)
 
-    def shared_bytes(self, d: int, part: int) -> int:
+    def shared_bytes(self, d: int, part: int, itemsize: int = 2) -> int:
         """Shared memory of one block of part 1 (dQ) or 2 (dK/dV) at head size d: its
         own two operands of 16 mt warps rows, two buffers of two streamed tiles (rows
-        padded to d + 8 elements), and for part 2 the streamed rows' lse and delta."""
+        padded to d + 8 elements of itemsize bytes: 2 for the half dtypes, 4 for float32),
+        and for part 2 the streamed rows' lse and delta."""
         warps, mt, rows = self.part(part)
-        return (2 * 16 * mt * warps + 4 * rows) * (d + 8) * 2 + (16 * rows if part == 2 else 0)
+        return (2 * 16 * mt * warps + 4 * rows) * (d + 8) * itemsize + (16 * rows if part == 2 else 0)
 
     def __str__(self) -> str:
         m = lambda mt: f"m{mt}" if mt != 1 else ""  # noqa: E731
@@ -453,13 +454,20 @@ class BwdConfig:
         return cls(int(w1), int(k1), int(w2), int(r2), int(m1 or 1), int(m2 or 1))
 
 
-def bwd_config(d: int) -> BwdConfig:
-    """flash_bwd_mma.cu's default division at head size d: 64 query rows a dQ block
+def bwd_config(d: int, dtype: str = "bfloat16") -> BwdConfig:
+    """flash_bwd_mma.cu's default division at head size d. float32 (3xTF32): 64 query
+    rows a dQ block (4 warps of one mma tile) against 64-key tiles, 64 keys a dK/dV block
+    against 64-row Q/dO tiles up to d = 64 and 32-row ones above (ptxas, sm_90a: 165-237
+    registers, and 241-255 for the dK/dV kernel at d = 128, where 64-row tiles spilled;
+    shared memory 110 KB a block at d = 64, 209 and 139 KB at d = 128).
+    float16/bfloat16: 64 query rows a dQ block
     (4 warps of one mma tile) against 64-key tiles; 64 keys a dK/dV block against
     Q/dO tiles of 128 rows up to d = 64, 64 above (the dK and dV accumulators of 16
     keys x d take d registers a thread; ptxas: 251-255 registers, no spills, for
     sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
     (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower."""
+    if dtype == "float32":
+        return BwdConfig(kv_rows=64 if d <= 64 else 32)
     return BwdConfig(kv_rows=128 if d <= 64 else 64)
 
 
@@ -468,40 +476,54 @@ BWD_PARAMS = ("u64",) * 11 + ("i32", "i32", "f32", "f32", "i32")
 
 def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featured: bool = False, mask: int = 0,
                       alibi: bool = False):
-    """(dQ kernel, dK/dV kernel) of flash_bwd_mma.cu for float16/bfloat16 at head size
-    d (D = Dv a multiple of 16 up to 128), compiled as flash_mma_kernel compiles the
-    forward (_linked_kernel); featured, mask, alibi: the variant (as the forward's)."""
-    config = config or bwd_config(d)
+    """(dQ kernel, dK/dV kernel) of flash_bwd_mma.cu for float16/bfloat16, or float32 in
+    3xTF32, at head size d (D = Dv a multiple of 16 up to 128), compiled as
+    flash_mma_kernel compiles the forward (_linked_kernel); featured, mask, alibi: the
+    variant (as the forward's)."""
+    config = config or bwd_config(d, dtype)
     suffix = _suffix(featured, mask, alibi)
-    common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("FEAT", int(featured)), ("MASK", mask),
-              ("ALIBI", int(alibi)))
+    common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", int(dtype == "float32")),
+              ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)))
     params = BWD_PARAMS + FEAT_TYPES
     return tuple(
         _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config}{suffix}",
                        (*common, ("PART", part), ("NW", warps), ("MT", mt), ("BN", rows)), params, 32 * warps,
-                       config.shared_bytes(d, part))
+                       config.shared_bytes(d, part, 4 if dtype == "float32" else 2))
         for part, (warps, mt, rows) in ((1, config.part(1)), (2, config.part(2))))
 
 
-def flash_bwd_half(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: float, feat=None,
-                   config: BwdConfig | None = None) -> None:
-    """dq, dk, dv (GpuArrays to fill, the input dtype) of cuda.flash on float16 or
-    bfloat16 GpuArrays (batch, n, d) on tensor cores (flash_bwd_mma.cu): the dQ
-    kernel, which also writes delta = rowsum(dO O) and the lse corrected in float32,
-    then the dK/dV kernel; k, v, dk, dv have batch / kv_group rows. lse: the
-    forward's, of the input dtype; feat: a launch.KernelFeatures or None."""
+def bwd_refusal(q, k, v, out, dout, dq, dk, dv, scale: float, feat=None) -> str | None:
+    """Why flash_bwd_mma cannot run this call (GpuArrays), or None: q, k, v, out and dout
+    are read 16 bytes at a time, dq, dk, dv written 4 (half) or 8 (float32) bytes at a time; an
+    additive mask or ALiBi needs a scale other than 0 (the kernels' scores are in units of
+    |scale|); dropout runs the Numba kernels. Head sizes: mma_head_size_ok."""
+    step = 2 * q.dtype.itemsize  # bytes of a gradient store
+    if any(a.ptr % 16 for a in (q, k, v, out, dout)) or any(a.ptr % step for a in (dq, dk, dv)):
+        return (f"q, k, v, out and dout must start at 16-byte aligned addresses, dq, dk, dv at {step}-byte aligned "
+                "ones (pass fresh contiguous tensors: .contiguous() or .clone())")
+    if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
+        return "an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core kernels"
+    if feat is not None and getattr(feat, "dropout_p", 0) > 0:
+        return "dropout runs the Numba kernels"
+    return None
+
+
+def flash_bwd_mma(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: float, feat=None,
+                  config: BwdConfig | None = None) -> None:
+    """dq, dk, dv (GpuArrays to fill, the input dtype) of cuda.flash on float16,
+    bfloat16 or float32 GpuArrays (batch, n, d) on tensor cores (flash_bwd_mma.cu;
+    float32 in 3xTF32): the dQ kernel, which also writes delta = rowsum(dO O) and the
+    lse corrected in float32, then the dK/dV kernel; k, v, dk, dv have batch / kv_group
+    rows. lse: the forward's, of the input dtype; feat: a launch.KernelFeatures or None.
+    A call bwd_refusal refuses is a ValueError."""
     from .arrays import workspace
 
     batch, nq, d = q.shape
     nk = k.shape[1]
-    # q, k, v, out, dout are read 16 bytes at a time; dq, dk, dv written 4 at a time
-    if any(a.ptr % 16 for a in (q, k, v, out, dout)) or any(a.ptr % 4 for a in (dq, dk, dv)):
-        raise ValueError("cuda.flash backward: float16/bfloat16 q, k, v, out and dout must start at 16-byte "
-                         "aligned addresses (pass fresh contiguous tensors: .contiguous() or .clone())")
-    if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
-        raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
-                         "kernels (float16/bfloat16)")
-    config = config or bwd_config(d)
+    why = bwd_refusal(q, k, v, out, dout, dq, dk, dv, scale, feat)
+    if why is not None:
+        raise ValueError(f"cuda.flash backward ({q.dtype.name}): {why}")
+    config = config or bwd_config(d, q.dtype.name)
     dq_kernel, kv_kernel = flash_bwd_kernels(q.dtype.name, d, config, feat is not None,
                                              0 if feat is None else feat.mask_kind,
                                              feat is not None and feat.alibi is not None)

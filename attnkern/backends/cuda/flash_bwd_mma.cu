@@ -1,10 +1,14 @@
 // cuda.flash's backward for float16 and bfloat16: FlashAttention-2's backward on
-// tensor cores (mma.sync m16n8k16, float32 accumulation; sm_80 and later).
+// tensor cores (mma.sync m16n8k16, float32 accumulation; sm_80 and later); and with
+// ATTNKERN_TF32 1 for float32, each product in 3xTF32 (flash_tf32.cu's split: three
+// mma.sync m16n8k8 tf32 products a product, float32 accumulation) with the same two
+// kernels, divisions and order of sums.
 //
 // Compiled like flash_mma.cu (cpp.py, flash_bwd_kernels): flash_common.cuh first,
 // then this file, with the constants
 //   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 128
-//   ATTNKERN_BF16     1 for bfloat16, 0 for float16
+//   ATTNKERN_BF16     1 for bfloat16, 0 for float16 (half precision)
+//   ATTNKERN_TF32     1 for float32 (3xTF32), 0 for the half dtypes
 //   ATTNKERN_PART     1: the dQ kernel, 2: the dK/dV kernel
 //   ATTNKERN_NW       warps per block
 //   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
@@ -21,7 +25,8 @@
 // dtype is rounded to it (a bfloat16 lse would scale a row's P by up to e^(2^-8 |lse|)):
 // as triton.flash's backward, the kernel also sums each row's P, corrects the lse
 // by the log of that sum within the rounding of its dtype, scales dQ to match, and
-// writes the corrected lse in float32 (log2 domain) with delta for part 2.
+// writes the corrected lse in float32 (log2 domain) with delta for part 2 (float32's
+// lse, exact to its rounding, is written as it is).
 //
 // Part 2 (grid: key blocks of 16 NW keys x k/v rows) holds its K and V rows in
 // shared memory, streams the query tiles that see its keys (and, under GQA, those
@@ -34,20 +39,49 @@
 // are applied only on tiles that cross a row's window, length or causal diagonal
 // (flash_common.cuh's key_tiles, tile_unseen, tile_masked), so causal costs about half.
 
+#ifndef ATTNKERN_TF32
+#define ATTNKERN_TF32 0
+#endif
 #define D ATTNKERN_D
 #define NW ATTNKERN_NW
 #define BN ATTNKERN_BN
 #define MT ATTNKERN_MT
 #define NTHREADS (32 * NW)
 #define BW (16 * MT * NW)  // rows of this block's own operand: query rows (part 1) or keys (part 2)
-#define LD (D + 8)      // shared row stride, in elements: ldmatrix reads free of bank conflicts
+#define LD (D + 8)      // shared row stride, in elements: ldmatrix (half) and float2/float reads (float32)
+                        // free of bank conflicts
 #define TILE (BN * LD)  // elements of one streamed tile
+#if ATTNKERN_TF32
+typedef float elem;  // the element of q, k, v, out, dout and the gradients
+#define ESZ 4u       // its bytes
+// the forward's float32 lse is exact to float32's rounding: part 1 leaves it as it is
+// (no correction: LSE_ULP and LSE_MARGIN 0)
+#define LSE_ULP 0.f
+#define LSE_MARGIN 0.f
+// The 8 columns of an m16n8 accumulator tile (keys in part 1, query rows in part 2) are
+// streamed rows 0, 4, 1, 5, 2, 6, 3, 7 of their 8: a lane's columns 2t and 2t + 1 are rows
+// t and t + 4, which are exactly the k indices t and t + 4 of the m16n8k8 A fragment it
+// holds when P or dS multiplies those rows (no shuffle), and whose B reads (rows t, t + 4,
+// column g) are free of bank conflicts; products' B rows (column g) are read as row COLROW(g)
+#define COLROW(c) (((c) >> 1) + 4 * ((c) & 1))
+#else
+typedef u16 elem;
+#define ESZ 2u
+#define LSE_ULP (ATTNKERN_BF16 ? 0.00390625f : 0.00048828125f)  // the relative rounding of the lse
+#define LSE_MARGIN 1e-6f  // and the float32 sums' error
+#define COLROW(c) (c)
+#endif
+// the streamed row (key or query row, from the tile's first) of a lane's accumulator element e
+// of an 8-column tile
+#define ACC_COL(lane, e) COLROW(2 * ((lane) & 3) + ((e) & 1))
 
 // shared memory, in elements: [own A 2 x BW rows] [streamed 2 buffers x 2 tiles] [part 2: lse, delta 2 x 2 x BN floats]
 #define OWN_ELEMS (2 * BW * LD)
-#define SMEM_ELEMS (OWN_ELEMS + 4 * TILE + (ATTNKERN_PART == 2 ? 8 * BN : 0))
+#define SMEM_ELEMS (OWN_ELEMS + 4 * TILE + (ATTNKERN_PART == 2 ? 16 * BN / ESZ : 0))
 
 struct __align__(16) u32x4 { u32 x, y, z, w; };
+
+#if !ATTNKERN_TF32
 
 static __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -81,14 +115,138 @@ static __device__ __forceinline__ float half_to_float(u16 h) {
 #endif
 }
 
+#endif
+
 // rows r0.. r0 + rows - 1 of src (D elements each) into shared memory at dst, rows
 // at or past n zero-filled, never read
-static __device__ __forceinline__ void load_rows(const u16* src, u32 dst, int r0, int rows, int n, int tid) {
-    constexpr int CPR = D / 8;  // 16-byte chunks per row
+static __device__ __forceinline__ void load_rows(const elem* src, u32 dst, int r0, int rows, int n, int tid) {
+    constexpr int EPC = 16 / ESZ, CPR = D / EPC;  // elements per 16-byte chunk, chunks per row
     for (int c = tid; c < rows * CPR; c += NTHREADS) {
-        const int row = c / CPR, col = (c % CPR) * 8;
+        const int row = c / CPR, col = (c % CPR) * EPC;
         const bool live = r0 + row < n;
-        cp_async16(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? r0 + row : 0) * D + col, live ? 16 : 0);
+        cp_async16(dst + (u32)(row * LD + col) * ESZ, src + (u64)(live ? r0 + row : 0) * D + col, live ? 16 : 0);
+    }
+}
+
+#if ATTNKERN_TF32
+static __device__ __forceinline__ float2 lds2(u32 addr) {
+    float2 x;
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(x.x), "=f"(x.y) : "r"(addr));
+    return x;
+}
+
+static __device__ __forceinline__ float lds1(u32 addr) {
+    float x;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(addr));
+    return x;
+}
+
+// P or dS of one 8-column tile as the A operand of an accumulation: float32, split when multiplied
+typedef float AFrag[4];
+
+// S (or dP) += A B^T in 3xTF32 (see the half version below): k steps of 8 over D, in the order
+// 2t, 2t + 1 (k indices t, t + 4) of A's and B's rows alike, so each lane reads a float2 of each;
+// B's column c is the streamed tile's row COLROW(c)
+template <int NC>
+static __device__ __forceinline__ void products(float (&s)[MT][NC][4], u32 a, u32 bsm, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kc = 0; kc < D / 8; ++kc) {
+        u32 ab[MT][4], as[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const u32 at = a + (u32)((16 * i + g) * LD + kc * 8 + 2 * t) * ESZ;
+            split_a(lds2(at), lds2(at + 8 * LD * ESZ), ab[i], as[i]);
+        }
+#pragma unroll
+        for (int n = 0; n < NC; ++n) {
+            const float2 x = lds2(bsm + (u32)((n * 8 + COLROW(g)) * LD + kc * 8 + 2 * t) * ESZ);
+            u32 bb[2], bs[2];
+            split(x.x, bb[0], bs[0]);
+            split(x.y, bb[1], bs[1]);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) mma3(s[i][n], ab[i], as[i], bb, bs);
+        }
+    }
+}
+
+// acc (MT tiles of 16 x D) += A (16 x 8 NC each, float32 in the accumulator layout of NC
+// 8-column tiles) times the streamed tile's rows (8 NC x D, at bsm), in 3xTF32: k step n is
+// the tile's rows 8 n + t and 8 n + t + 4 (ACC_COL), which the lane's A elements hold
+template <int NC>
+static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], const AFrag (&pf)[MT][NC], u32 bsm,
+                                                  int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < NC; ++n) {
+        u32 ab[MT][4], as[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+            split_a(make_float2(pf[i][n][0], pf[i][n][1]), make_float2(pf[i][n][2], pf[i][n][3]), ab[i], as[i]);
+        const u32 at = bsm + (u32)((n * 8 + t) * LD + g) * ESZ;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            u32 bb[2], bs[2];
+            split(lds1(at + j * 8 * ESZ), bb[0], bs[0]);
+            split(lds1(at + (4 * LD + j * 8) * ESZ), bb[1], bs[1]);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) mma3(acc[i][j], ab[i], as[i], bb, bs);
+        }
+    }
+}
+
+static __device__ __forceinline__ void pack_tile(AFrag& out, const float (&x)[4]) {
+    out[0] = x[0], out[1] = x[1], out[2] = x[2], out[3] = x[3];
+}
+
+// the lane's share (half of D, from column half D / 2) of dO . O of one row, in float32
+static __device__ __forceinline__ float row_dot(const elem* orow, const elem* drow) {
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < D / 2; e += 4) {
+        const float4 x = *(const float4*)(orow + e), y = *(const float4*)(drow + e);
+        acc = fmaf(x.x, y.x, acc);
+        acc = fmaf(x.y, y.y, acc);
+        acc = fmaf(x.z, y.z, acc);
+        acc = fmaf(x.w, y.w, acc);
+    }
+    return acc;
+}
+
+static __device__ __forceinline__ float load_lse(u64 lsep, u64 at) { return ((const float*)lsep)[at]; }
+
+// 16 rows x D of acc (an m16n8 accumulator layout) times factor[0] (row g) and
+// factor[1] (row g + 8), stored at rows r0, r0 + 8 below n
+static __device__ __forceinline__ void store_rows(elem* dst, const float (&acc)[D / 8][4], const float (&factor)[2],
+                                                  int r0, int n) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (r0 < n) *(float2*)(dst + (u64)r0 * D + col) = make_float2(acc[j][0] * factor[0], acc[j][1] * factor[0]);
+        if (r0 + 8 < n)
+            *(float2*)(dst + (u64)(r0 + 8) * D + col) = make_float2(acc[j][2] * factor[1], acc[j][3] * factor[1]);
+    }
+}
+#else
+// P or dS of one 8-column tile as A-fragment registers of the input dtype
+typedef u32 AFrag[2];
+
+static __device__ __forceinline__ void pack_tile(AFrag& out, const float (&x)[4]) {
+    out[0] = pack2(x[0], x[1]);
+    out[1] = pack2(x[2], x[3]);
+}
+
+// 16 rows x D of acc (an m16n8 accumulator layout) times factor[0] (row g) and
+// factor[1] (row g + 8), stored rounded to the input dtype at rows r0, r0 + 8 below n
+static __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[D / 8][4], const float (&factor)[2],
+                                                  int r0, int n) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (r0 < n) *(u32*)(dst + (u64)r0 * D + col) = pack2(acc[j][0] * factor[0], acc[j][1] * factor[0]);
+        if (r0 + 8 < n) *(u32*)(dst + (u64)(r0 + 8) * D + col) = pack2(acc[j][2] * factor[1], acc[j][3] * factor[1]);
     }
 }
 
@@ -121,7 +279,7 @@ static __device__ __forceinline__ void products(float (&s)[MT][NC][4], u32 a, u3
 // acc (MT tiles of 16 x D) += A (16 x 8 NC each, in the accumulator layout of NC 8-column
 // tiles, packed to the input dtype) times the streamed tile's rows (8 NC x D, at bsm)
 template <int NC>
-static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], const u32 (&pf)[MT][NC][2], u32 bsm,
+static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], const AFrag (&pf)[MT][NC], u32 bsm,
                                                   int lane) {
 #pragma unroll
     for (int cc = 0; cc < NC / 2; ++cc) {
@@ -139,6 +297,25 @@ static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], co
         }
     }
 }
+
+// the lane's share (half of D, from column half D / 2) of dO . O of one row, in float32
+static __device__ __forceinline__ float row_dot(const elem* orow, const elem* drow) {
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < D / 2; e += 8) {
+        const u32x4 x = *(const u32x4*)(orow + e), y = *(const u32x4*)(drow + e);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            acc = fmaf(half_to_float((u16)xs[h]), half_to_float((u16)ys[h]), acc);
+            acc = fmaf(half_to_float((u16)(xs[h] >> 16)), half_to_float((u16)(ys[h] >> 16)), acc);
+        }
+    }
+    return acc;
+}
+
+static __device__ __forceinline__ float load_lse(u64 lsep, u64 at) { return half_to_float(((const u16*)lsep)[at]); }
+#endif
 
 // P of one score x = q.k (the raw product) of row `row` and key `key`, from the
 // row's lse in the log2 domain (+inf for rows that see no key or lie past nq: P
@@ -170,25 +347,6 @@ static __device__ __forceinline__ float prob(bool MASK, float x, int key, int ro
 #endif
 }
 
-// two floats as an A-fragment register of the input dtype
-static __device__ __forceinline__ void pack_tile(u32 (&out)[2], const float (&x)[4]) {
-    out[0] = pack2(x[0], x[1]);
-    out[1] = pack2(x[2], x[3]);
-}
-
-// 16 rows x D of acc (an m16n8 accumulator layout) times factor[0] (row g) and
-// factor[1] (row g + 8), stored rounded to the input dtype at rows r0, r0 + 8 below n
-static __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[D / 8][4], const float (&factor)[2],
-                                                  int r0, int n) {
-    const int t = threadIdx.x & 3;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        const int col = j * 8 + 2 * t;
-        if (r0 < n) *(u32*)(dst + (u64)r0 * D + col) = pack2(acc[j][0] * factor[0], acc[j][1] * factor[0]);
-        if (r0 + 8 < n) *(u32*)(dst + (u64)(r0 + 8) * D + col) = pack2(acc[j][2] * factor[1], acc[j][3] * factor[1]);
-    }
-}
-
 #if ATTNKERN_PART == 1
 // ---------------------------------------------------------------- dQ (and delta, the corrected lse)
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
@@ -196,19 +354,19 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
                                          float scale, int causal, FEAT_PARAMS) {
     constexpr int NS = BN / 8;  // 8-key tiles of a K/V tile
 #if ATTNKERN_DYNAMIC
-    extern __shared__ __align__(128) u16 smem[];
+    extern __shared__ __align__(128) elem smem[];
 #else
-    __shared__ __align__(128) u16 smem[SMEM_ELEMS];
+    __shared__ __align__(128) elem smem[SMEM_ELEMS];
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u64 b = blockIdx.y;
     const int q0 = block_first_row(causal, BW);
     const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
-    const u16* q = (const u16*)qp + b * (u64)nq * D;
-    const u16* dout = (const u16*)dop + b * (u64)nq * D;
-    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
-    const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
-    const u32 qs = smem_u32(smem), dos = qs + BW * LD * 2, ks0 = qs + OWN_ELEMS * 2, vs0 = ks0 + 2 * TILE * 2;
+    const elem* q = (const elem*)qp + b * (u64)nq * D;
+    const elem* dout = (const elem*)dop + b * (u64)nq * D;
+    const elem* k = (const elem*)kp + f.kv_row * (u64)nk * D;
+    const elem* v = (const elem*)vp + f.kv_row * (u64)nk * D;
+    const u32 qs = smem_u32(smem), dos = qs + BW * LD * ESZ, ks0 = qs + OWN_ELEMS * ESZ, vs0 = ks0 + 2 * TILE * ESZ;
     const float NEG_INF = neg_inf(), INF = -NEG_INF;
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
 
@@ -224,8 +382,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #define LOAD_LEN nk
 #endif
     if (jt0 < jt1) {
-        load_rows(k, ks0 + (jt0 & 1) * TILE * 2, jt0 * BN, BN, LOAD_LEN, tid);
-        load_rows(v, vs0 + (jt0 & 1) * TILE * 2, jt0 * BN, BN, LOAD_LEN, tid);
+        load_rows(k, ks0 + (jt0 & 1) * TILE * ESZ, jt0 * BN, BN, LOAD_LEN, tid);
+        load_rows(v, vs0 + (jt0 & 1) * TILE * ESZ, jt0 * BN, BN, LOAD_LEN, tid);
     }
     cp_async_commit();
 
@@ -237,20 +395,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     for (int i = 0; i < MT; ++i) {
         const int row = wr0 + 16 * i + (lane >> 1);
         float acc = 0.f;
-        if (row < nq) {
-            const u16* orow = (const u16*)op + (b * (u64)nq + row) * D + (lane & 1) * (D / 2);
-            const u16* drow = dout + (u64)row * D + (lane & 1) * (D / 2);
-#pragma unroll
-            for (int e = 0; e < D / 2; e += 8) {
-                const u32x4 x = *(const u32x4*)(orow + e), y = *(const u32x4*)(drow + e);
-                const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-                for (int h = 0; h < 4; ++h) {
-                    acc = fmaf(half_to_float((u16)xs[h]), half_to_float((u16)ys[h]), acc);
-                    acc = fmaf(half_to_float((u16)(xs[h] >> 16)), half_to_float((u16)(ys[h] >> 16)), acc);
-                }
-            }
-        }
+        if (row < nq)
+            acc = row_dot((const elem*)op + (b * (u64)nq + row) * D + (lane & 1) * (D / 2),
+                          dout + (u64)row * D + (lane & 1) * (D / 2));
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         if (!(lane & 1) && row < nq) ((float*)deltap)[b * (u64)nq + row] = acc;
         delta[i][0] = __shfl_sync(0xffffffffu, acc, 2 * g);
@@ -258,7 +405,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = r0 + 16 * i + 8 * h;
-            const float x = r < nq ? half_to_float(((const u16*)lsep)[b * (u64)nq + r]) : NEG_INF;
+            const float x = r < nq ? load_lse(lsep, b * (u64)nq + r) : NEG_INF;
             lse2[i][h] = x == NEG_INF ? INF : x * 1.4426950408889634f;  // no key seen: P = 0
         }
     }
@@ -274,12 +421,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 
     for (int jt = jt0; jt < jt1; ++jt) {
         const int j0 = jt * BN;
-        const u32 kb = ks0 + (jt & 1) * TILE * 2, vb = vs0 + (jt & 1) * TILE * 2;
+        const u32 kb = ks0 + (jt & 1) * TILE * ESZ, vb = vs0 + (jt & 1) * TILE * ESZ;
         cp_async_wait_all();
         __syncthreads();  // tile jt (and Q, dO) in; every warp is done with tile jt - 1
         if (jt + 1 < jt1) {
-            load_rows(k, ks0 + ((jt + 1) & 1) * TILE * 2, j0 + BN, BN, LOAD_LEN, tid);
-            load_rows(v, vs0 + ((jt + 1) & 1) * TILE * 2, j0 + BN, BN, LOAD_LEN, tid);
+            load_rows(k, ks0 + ((jt + 1) & 1) * TILE * ESZ, j0 + BN, BN, LOAD_LEN, tid);
+            load_rows(v, vs0 + ((jt + 1) & 1) * TILE * ESZ, j0 + BN, BN, LOAD_LEN, tid);
             cp_async_commit();
         }
         if (tile_unseen(f, j0, BN, wr0, wr0 + 16 * MT - 1)) continue;
@@ -290,16 +437,16 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             for (int n = 0; n < NS; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[i][n][e] = dp[i][n][e] = 0.f;
-        products<NS>(s, qs + (u32)(warp * 16 * MT * LD) * 2u, kb, lane);
-        products<NS>(dp, dos + (u32)(warp * 16 * MT * LD) * 2u, vb, lane);
-        u32 dsf[MT][NS][2];
+        products<NS>(s, qs + (u32)(warp * 16 * MT * LD) * ESZ, kb, lane);
+        products<NS>(dp, dos + (u32)(warp * 16 * MT * LD) * ESZ, vb, lane);
+        AFrag dsf[MT][NS];
         const auto grads = [&](int i, bool mask) {
 #pragma unroll
             for (int n = 0; n < NS; ++n) {
                 float ds[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = j0 + n * 8 + 2 * (lane & 3) + (e & 1), row = r0 + 16 * i + (e >> 1) * 8;
+                    const int key = j0 + n * 8 + ACC_COL(lane, e), row = r0 + 16 * i + (e >> 1) * 8;
                     float slope;
                     const float p = prob(mask, s[i][n][e], key, row, lse2[i][e >> 1], f, sgn, c, slope);
                     lsum[i][e >> 1] += p;
@@ -330,13 +477,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float l = quad_sum(lsum[i][h]), x = lse2[i][h];
-            const float bound = x == INF ? 0.f : fabsf(x) * (ATTNKERN_BF16 ? 0.00390625f : 0.00048828125f) + 1e-6f;
+            const float bound = x == INF ? 0.f : fabsf(x) * LSE_ULP + LSE_MARGIN;
             const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
             factor[h] = scale * ex2(-fix);
             const int r = r0 + 16 * i + 8 * h;
             if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[b * (u64)nq + r] = x + fix;
         }
-        store_rows((u16*)dqp + b * (u64)nq * D, dq[i], factor, r0 + 16 * i, nq);
+        store_rows((elem*)dqp + b * (u64)nq * D, dq[i], factor, r0 + 16 * i, nq);
     }
 }
 #else
@@ -346,9 +493,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
                                          float scale, int causal, FEAT_PARAMS) {
     constexpr int NQ = BN / 8;  // 8-row tiles of a Q/dO tile
 #if ATTNKERN_DYNAMIC
-    extern __shared__ __align__(128) u16 smem[];
+    extern __shared__ __align__(128) elem smem[];
 #else
-    __shared__ __align__(128) u16 smem[SMEM_ELEMS];
+    __shared__ __align__(128) elem smem[SMEM_ELEMS];
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u64 bkv = blockIdx.y;
@@ -356,9 +503,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const int group = ATTNKERN_FEAT ? kv_group : 1;
     const u64 b0 = bkv * (u64)group;  // the group's first query row
     const Feat f0 = make_feat(b0, nq, nk, causal, FEAT_ARGS);
-    const u16* k = (const u16*)kp + bkv * (u64)nk * D;
-    const u16* v = (const u16*)vp + bkv * (u64)nk * D;
-    const u32 ks = smem_u32(smem), vs = ks + BW * LD * 2, qs0 = ks + OWN_ELEMS * 2, dos0 = qs0 + 2 * TILE * 2;
+    const elem* k = (const elem*)kp + bkv * (u64)nk * D;
+    const elem* v = (const elem*)vp + bkv * (u64)nk * D;
+    const u32 ks = smem_u32(smem), vs = ks + BW * LD * ESZ, qs0 = ks + OWN_ELEMS * ESZ, dos0 = qs0 + 2 * TILE * ESZ;
     float* sl = (float*)(smem + OWN_ELEMS + 4 * TILE);  // [buffer][lse2 BN, delta BN]
     const float INF = -neg_inf();
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
@@ -387,8 +534,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const auto load = [&](int u) {
         const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
         const u64 qb = (b0 + h) * (u64)nq;
-        load_rows((const u16*)qp + qb * D, qs0 + buf * TILE * 2, i0, BN, nq, tid);
-        load_rows((const u16*)dop + qb * D, dos0 + buf * TILE * 2, i0, BN, nq, tid);
+        load_rows((const elem*)qp + qb * D, qs0 + buf * TILE * ESZ, i0, BN, nq, tid);
+        load_rows((const elem*)dop + qb * D, dos0 + buf * TILE * ESZ, i0, BN, nq, tid);
         cp_async_commit();
         for (int i = tid; i < BN; i += NTHREADS) {
             const bool live = i0 + i < nq;
@@ -415,7 +562,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         const Feat f = ATTNKERN_FEAT ? make_feat(b0 + h, nq, nk, causal, FEAT_ARGS) : f0;
         const int last = min(i0 + BN, nq) - 1;
         if (tile_unseen(f, kw0, 16 * MT, i0, last)) continue;
-        const u32 qb = qs0 + buf * TILE * 2, dob = dos0 + buf * TILE * 2;
+        const u32 qb = qs0 + buf * TILE * ESZ, dob = dos0 + buf * TILE * ESZ;
         const float* tl = sl + buf * 2 * BN;
         float s[MT][NQ][4], dp[MT][NQ][4];
 #pragma unroll
@@ -424,16 +571,16 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             for (int n = 0; n < NQ; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[i][n][e] = dp[i][n][e] = 0.f;
-        products<NQ>(s, ks + (u32)(warp * 16 * MT * LD) * 2u, qb, lane);
-        products<NQ>(dp, vs + (u32)(warp * 16 * MT * LD) * 2u, dob, lane);
-        u32 pf[MT][NQ][2], dsf[MT][NQ][2];
+        products<NQ>(s, ks + (u32)(warp * 16 * MT * LD) * ESZ, qb, lane);
+        products<NQ>(dp, vs + (u32)(warp * 16 * MT * LD) * ESZ, dob, lane);
+        AFrag pf[MT][NQ], dsf[MT][NQ];
         const auto grads = [&](int m, bool mask) {
 #pragma unroll
             for (int n = 0; n < NQ; ++n) {
                 float p[4], ds[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int i = n * 8 + 2 * (lane & 3) + (e & 1), key = kw0 + 16 * m + g + (e >> 1) * 8;
+                    const int i = n * 8 + ACC_COL(lane, e), key = kw0 + 16 * m + g + (e >> 1) * 8;
                     float slope;
                     p[e] = prob(mask, s[m][n][e], key, i0 + i, tl[i], f, sgn, c, slope);
                     ds[e] = p[e] * (dp[m][n][e] - tl[BN + i]) * slope;
@@ -457,8 +604,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        store_rows((u16*)dkp + bkv * (u64)nk * D, dk[m], sc, kw0 + 16 * m + g, nk);
-        store_rows((u16*)dvp + bkv * (u64)nk * D, dv[m], one, kw0 + 16 * m + g, nk);
+        store_rows((elem*)dkp + bkv * (u64)nk * D, dk[m], sc, kw0 + 16 * m + g, nk);
+        store_rows((elem*)dvp + bkv * (u64)nk * D, dv[m], one, kw0 + 16 * m + g, nk);
     }
 }
 #endif

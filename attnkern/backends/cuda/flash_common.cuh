@@ -83,6 +83,52 @@ static __device__ __forceinline__ float neg_inf() {
     return y;
 }
 
+// ---------------------------------------------------------------- 3xTF32 (flash_tf32.cu, and flash_bwd_mma.cu
+// for float32): see the top of flash_tf32.cu
+
+// x rounded to TF32, to nearest with ties away from zero (as cvt.rna.tf32.f32, less
+// its test for infinities: a non-finite input gives a non-finite result either way)
+static __device__ __forceinline__ u32 tf32_rna(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+// x = big + small, both TF32 bit patterns
+static __device__ __forceinline__ void split(float x, u32& big, u32& small) {
+    big = tf32_rna(x);
+    small = tf32_rna(x - __uint_as_float(big));
+}
+
+// c (16 x 8) += a (16 x 8) b (8 x 8), TF32 inputs, float32 accumulation
+static __device__ __forceinline__ void mma_tf32(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a b in 3xTF32, a and b given split (big, small); the small terms first
+static __device__ __forceinline__ void mma3(float* c, const u32* ab, const u32* as, const u32* bb, const u32* bs) {
+    mma_tf32(c, as, bb[0], bb[1]);
+    mma_tf32(c, ab, bs[0], bs[1]);
+    mma_tf32(c, ab, bb[0], bb[1]);
+}
+
+// the same with the small terms added to an accumulator of their own, cl: for P V,
+// whose accumulator grows over every key (flash_tf32.cu's top says why)
+static __device__ __forceinline__ void mma3_apart(float* c, float* cl, const u32* ab, const u32* as, const u32* bb,
+                                                  const u32* bs) {
+    mma_tf32(cl, as, bb[0], bb[1]);
+    mma_tf32(cl, ab, bs[0], bs[1]);
+    mma_tf32(c, ab, bb[0], bb[1]);
+}
+
+// A fragment (split) of 16 rows x 8 head columns from two float2s: rows g and g + 8,
+// columns 2t and 2t + 1 (k indices t and t + 4 in the permuted order)
+static __device__ __forceinline__ void split_a(float2 x0, float2 x1, u32 (&big)[4], u32 (&small)[4]) {
+    split(x0.x, big[0], small[0]);
+    split(x1.x, big[1], small[1]);
+    split(x0.y, big[2], small[2]);
+    split(x1.y, big[3], small[3]);
+}
+
 // ---------------------------------------------------------------- attention features
 // ATTNKERN_FEAT 1 compiles a kernel's featured variant: grouped k/v rows, the
 // alignment of the causal and window masks, sliding windows, key lengths and the
