@@ -8,7 +8,8 @@ a saved out and lse; torch: out.backward(dout, retain_graph=True) on a saved
 graph). Each is timed with CUDA events (timing.CudaEventClock) in round-robin
 turns, medians reported, with the ratio to the fastest torch backend and the
 backward's TFLOP/s: 2.5 times the forward's 4 B H N^2 D FLOPs (five N x N x D
-products against two), halved for causal. A backend that refuses the call (its
+products against two), halved for causal. In float32 cuda.flash also runs with
+tensor_cores=0 (float32 FMAs; the backward's Numba kernels). A backend that refuses the call (its
 dtype, head size or GPU) is reported as skipped. Before timing, cuda.flash's
 gradients are checked against torch's math backend in float64 on the same inputs
 (up to N = 4096).
@@ -51,15 +52,16 @@ def _sdpa_fns(torch, backend, q, k, v, dout, causal):
     return both, lambda: saved.backward(dout, retain_graph=True)
 
 
-def _attnkern_fns(attnkern, q, k, v, dout, causal):
+def _attnkern_fns(attnkern, q, k, v, dout, causal, **tunables):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, return_lse=True)
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, return_lse=True, **tunables)
 
     def both():
-        attnkern.attention(*leaves, kernel="cuda.flash", causal=causal, check_finite=False).backward(dout)
+        attnkern.attention(*leaves, kernel="cuda.flash", causal=causal, check_finite=False,
+                           **tunables).backward(dout)
 
     def alone():
-        attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", causal=causal)
+        attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", causal=causal, **tunables)
 
     return both, alone
 
@@ -97,6 +99,8 @@ def run(sizes, batch: int, heads: int, dim: int, dtype: str, causal_modes, repea
             # float64 N x N buffers of torch's math backend: checked up to N = 4096
             error = check(torch, attnkern, q, k, v, dout, causal) if n <= 4096 else float("nan")
             fns = {"cuda.flash": _attnkern_fns(attnkern, q, k, v, dout, causal)}
+            if dtype == "float32":  # float32 FMAs: the forward's, and the backward's Numba kernels
+                fns["cuda.flash tc=0"] = _attnkern_fns(attnkern, q, k, v, dout, causal, tensor_cores=0)
             for backend in BACKENDS:
                 if backend == "MATH" and n > 8192:
                     continue  # its N x N buffers

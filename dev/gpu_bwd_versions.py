@@ -19,6 +19,12 @@ from numba import cuda
 import attnkern
 from attnkern.backends.cuda import cpp
 
+# float32 (3xTF32): shared memory holds half the rows (the D = 128 divisions with 64-row tiles
+# take 209 KB: one block an SM)
+CONFIGS_F32 = {
+    64: ["q4x64kv4x64", "q4x32kv4x32", "q8x32kv8x32", "q8x64kv8x64", "q4x64kv4x32"],
+    128: ["q4x64kv4x32", "q4x32kv4x32", "q8x32kv8x32", "q4x32kv8x32", "q8x32kv4x32"],
+}
 CONFIGS = {
     64: ["q4x64kv4x64", "q4x32m2kv4x32m2", "q4x32m2kv4x64", "q4x64kv4x32m2", "q8x64kv4x64", "q4x64kv8x64",
          "q8x32m2kv8x32m2", "q4x128kv4x64", "q4x64kv4x128"],
@@ -47,7 +53,7 @@ def main():
                     arrays = [cuda.as_cuda_array(x).reshape(16, n, d) for x in (q, k, v, out, dout)]
                     arrays.append(cuda.as_cuda_array(lse).reshape(16, n))
                     base = None
-                    for name in CONFIGS[d]:
+                    for name in (CONFIGS_F32 if dtype == "float32" else CONFIGS)[d]:
                         config = cpp.BwdConfig.parse(name)
                         grads = [torch.empty_like(x) for x in (q, k, v)]
                         views = [cuda.as_cuda_array(x).reshape(16, n, d) for x in grads]
