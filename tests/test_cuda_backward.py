@@ -604,8 +604,9 @@ def test_half_backward_block_shares(dtype):
     pieces = (blocks[0][0].float() + blocks[1][0].float(), torch.cat([b[1] for b in blocks], -2),
               torch.cat([b[2] for b in blocks], -2))
     for name, piece, w in zip(("dq", "dk", "dv"), pieces, whole):
-        # the lse's rounding moves each P by up to a relative u |lse| (|lse| < 8 here)
-        limit = 16 * UNIT_ROUNDOFF[dtype] * float(w.abs().max())
+        # the lse's rounding moves each P by up to a relative u |lse| (|lse| < 8 here); float32's
+        # lse is used as it is, and the blocks' dq differ by their sums' order: the one table's bound
+        limit = (tolerance(np.float32) if dtype == "float32" else 16 * UNIT_ROUNDOFF[dtype]) * float(w.abs().max())
         assert float((piece.float() - w.float()).abs().max()) <= limit, name
 
 

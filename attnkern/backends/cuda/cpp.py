@@ -455,11 +455,13 @@ class BwdConfig:
 
 
 def bwd_config(d: int, dtype: str = "bfloat16") -> BwdConfig:
-    """flash_bwd_mma.cu's default division at head size d. float32 (3xTF32): 64 query
-    rows a dQ block (4 warps of one mma tile) against 64-key tiles, 64 keys a dK/dV block
-    against 64-row Q/dO tiles up to d = 64 and 32-row ones above (ptxas, sm_90a: 165-237
-    registers, and 241-255 for the dK/dV kernel at d = 128, where 64-row tiles spilled;
-    shared memory 110 KB a block at d = 64, 209 and 139 KB at d = 128).
+    """flash_bwd_mma.cu's default division at head size d. float32 (3xTF32), whose
+    accumulations hold a zeroed fragment a k step (flash_bwd_mma.cu, accumulate): up to
+    d = 64, 64 query rows a dQ block (4 warps) against 64-key tiles and 64 keys a dK/dV
+    block against 32-row Q/dO tiles (ptxas, sm_90a: 173-189 registers, featured variants
+    included; 64-row tiles spilled); above, 8 warps a block (128 rows or keys; 4 warps a
+    block, one block an SM, as shared memory allows, left half the warps of 255-register
+    threads idle) against 32-key tiles and 8-row Q/dO tiles (16 and 32 spilled: 84-564 bytes).
     float16/bfloat16: 64 query rows a dQ block
     (4 warps of one mma tile) against 64-key tiles; 64 keys a dK/dV block against
     Q/dO tiles of 128 rows up to d = 64, 64 above (the dK and dV accumulators of 16
@@ -467,7 +469,7 @@ def bwd_config(d: int, dtype: str = "bfloat16") -> BwdConfig:
     sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
     (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower."""
     if dtype == "float32":
-        return BwdConfig(kv_rows=64 if d <= 64 else 32)
+        return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 8, 8)
     return BwdConfig(kv_rows=128 if d <= 64 else 64)
 
 
