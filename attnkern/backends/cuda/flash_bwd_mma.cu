@@ -224,19 +224,8 @@ static __device__ __forceinline__ float row_dot(const elem* orow, const elem* dr
 
 static __device__ __forceinline__ float load_lse(u64 lsep, u64 at) { return ((const float*)lsep)[at]; }
 
-// 16 rows x D of acc (an m16n8 accumulator layout) times factor[0] (row g) and
-// factor[1] (row g + 8), stored at rows r0, r0 + 8 below n
-static __device__ __forceinline__ void store_rows(elem* dst, const float (&acc)[D / 8][4], const float (&factor)[2],
-                                                  int r0, int n) {
-    const int t = threadIdx.x & 3;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        const int col = j * 8 + 2 * t;
-        if (r0 < n) *(float2*)(dst + (u64)r0 * D + col) = make_float2(acc[j][0] * factor[0], acc[j][1] * factor[0]);
-        if (r0 + 8 < n)
-            *(float2*)(dst + (u64)(r0 + 8) * D + col) = make_float2(acc[j][2] * factor[1], acc[j][3] * factor[1]);
-    }
-}
+// two gradient elements stored at dst
+static __device__ __forceinline__ void store2(elem* dst, float lo, float hi) { *(float2*)dst = make_float2(lo, hi); }
 #else
 // P or dS of one 8-column tile as A-fragment registers of the input dtype
 typedef u32 AFrag[2];
@@ -246,18 +235,8 @@ static __device__ __forceinline__ void pack_tile(AFrag& out, const float (&x)[4]
     out[1] = pack2(x[2], x[3]);
 }
 
-// 16 rows x D of acc (an m16n8 accumulator layout) times factor[0] (row g) and
-// factor[1] (row g + 8), stored rounded to the input dtype at rows r0, r0 + 8 below n
-static __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[D / 8][4], const float (&factor)[2],
-                                                  int r0, int n) {
-    const int t = threadIdx.x & 3;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        const int col = j * 8 + 2 * t;
-        if (r0 < n) *(u32*)(dst + (u64)r0 * D + col) = pack2(acc[j][0] * factor[0], acc[j][1] * factor[0]);
-        if (r0 + 8 < n) *(u32*)(dst + (u64)(r0 + 8) * D + col) = pack2(acc[j][2] * factor[1], acc[j][3] * factor[1]);
-    }
-}
+// two gradient elements rounded to the input dtype, stored at dst
+static __device__ __forceinline__ void store2(elem* dst, float lo, float hi) { *(u32*)dst = pack2(lo, hi); }
 
 // S (or dP) += A B^T for the warp's MT 16-row mma tiles of A (at a, shared, rows of the
 // block's own operand) and NC 8-column tiles of B (at bsm, shared, rows of the streamed
@@ -325,6 +304,19 @@ static __device__ __forceinline__ float row_dot(const elem* orow, const elem* dr
 
 static __device__ __forceinline__ float load_lse(u64 lsep, u64 at) { return half_to_float(((const u16*)lsep)[at]); }
 #endif
+
+// 16 rows x D of acc (an m16n8 accumulator layout) times factor[0] (row g) and
+// factor[1] (row g + 8), stored in the input dtype at rows r0, r0 + 8 below n
+static __device__ __forceinline__ void store_rows(elem* dst, const float (&acc)[D / 8][4], const float (&factor)[2],
+                                                  int r0, int n) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (r0 < n) store2(dst + (u64)r0 * D + col, acc[j][0] * factor[0], acc[j][1] * factor[0]);
+        if (r0 + 8 < n) store2(dst + (u64)(r0 + 8) * D + col, acc[j][2] * factor[1], acc[j][3] * factor[1]);
+    }
+}
 
 // P of one score x = q.k (the raw product) of row `row` and key `key`, from the
 // row's lse in the log2 domain (+inf for rows that see no key or lie past nq: P
