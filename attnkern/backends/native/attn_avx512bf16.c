@@ -12,6 +12,8 @@
  *         is an exact convex combination of the rows of V with those weights.
  * Accumulation is float32 throughout; the output is rounded to bfloat16 once. */
 #define ISA avx512bf16
+#define ATTN_DOT_BF16 /* the float32 backward instantiated with bfloat16 products too */
+#include "attn_bf16dot.h"
 #include "attn_avx512.c"
 
 #define BMR 8  /* rows of the register tile */

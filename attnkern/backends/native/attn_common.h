@@ -334,6 +334,13 @@ int attn_flash_bf16dot_avx512bf16(const attn_problem *, const uint16_t *, const 
 /* flash on bfloat16 with AMX tiles (attn_amx.c) */
 int attn_flash_bf16amx_amx(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *,
                            uint16_t *, uint16_t *);
+/* the float32 backward with bfloat16 products, for float32 arrays of bfloat16 values
+ * (attn_kernels.h under ATTN_BWD_DOT, attn_bf16dot.h) */
+int attn_flash_backward_dot_f32_avx512bf16(const attn_problem *, const float *, const float *, const float *,
+                                           const float *, const float *, const float *, float *, float *,
+                                           float *);
+int attn_flash_backward_dot_f32_amx(const attn_problem *, const float *, const float *, const float *,
+                                    const float *, const float *, const float *, float *, float *, float *);
 /* element conversions of each unit, for the tests: out[i] = narrow(in[i]), back[i] = widen(out[i]) */
 #define ATTN_DECLARE_CVT(isa) \
     void attn_convert_##isa(int kind, const float *in, int64_t n, uint16_t *out, float *back);

@@ -228,6 +228,16 @@ static const attn_bwd_f32 backward_f32[ATTN_ISA_COUNT] = {
 static const attn_bwd_f64 backward_f64[ATTN_ISA_COUNT] = {
     attn_flash_backward_f64_generic, ATTN_BWD_AVX2(f64), ATTN_BWD_AVX512(f64), ATTN_BWD_AVX512BF16(f64),
     ATTN_BWD_AMX(f64)};
+/* The float32 backward with bfloat16 products (vdpbf16ps), for bfloat16 inputs: the units
+ * with AVX512_BF16 (AMX's CPUs have it too; its tiles are not used by the backward yet). */
+static const attn_bwd_f32 backward_dot_bf16[ATTN_ISA_COUNT] = {
+#ifdef ATTN_HAVE_AVX512BF16
+    [ATTN_ISA_AVX512BF16] = attn_flash_backward_dot_f32_avx512bf16,
+#endif
+#ifdef ATTN_HAVE_AMX
+    [ATTN_ISA_AMX] = attn_flash_backward_dot_f32_amx,
+#endif
+};
 
 static const attn_fn_f64 table_f64[ATTN_ISA_COUNT][3] = {
     ATTN_TABLE(generic, f64),
@@ -613,10 +623,11 @@ int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *o
 }
 
 /* attn_backward_f32 and attn_backward_f64: the same checks; with no queries, dk and
- * dv are zero (no query sees any key). */
+ * dv are zero (no query sees any key). backward_with_DT runs the backward fn. */
 #define ATTN_DEFINE_BACKWARD(DT, T)                                                               \
-    int attn_backward_##DT(int isa, const attn_problem *p, const T *q, const T *k, const T *v,  \
-                           const T *out, const T *dout, const T *lse, T *dq, T *dk, T *dv)      \
+    static int backward_with_##DT(attn_bwd_##DT fn, int isa, const attn_problem *p, const T *q,  \
+                                  const T *k, const T *v, const T *out, const T *dout,           \
+                                  const T *lse, T *dq, T *dk, T *dv)                             \
     {                                                                                           \
         int err = attn_check_problem(ATTN_FLASH, isa, p);                                       \
         if (err)                                                                                \
@@ -633,9 +644,16 @@ int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *o
         }                                                                                       \
         attn_problem one = run_problem(p);                                                      \
         kernels_enter();                                                                        \
-        err = backward_##DT[isa](&one, q, k, v, out, dout, lse, dq, dk, dv);                    \
+        err = fn(&one, q, k, v, out, dout, lse, dq, dk, dv);                                    \
         kernels_leave();                                                                        \
         return err;                                                                             \
+    }                                                                                           \
+    int attn_backward_##DT(int isa, const attn_problem *p, const T *q, const T *k, const T *v,  \
+                           const T *out, const T *dout, const T *lse, T *dq, T *dk, T *dv)      \
+    {                                                                                           \
+        if (!attn_isa_supported(isa))                                                           \
+            return ATTN_EISA;                                                                   \
+        return backward_with_##DT(backward_##DT[isa], isa, p, q, k, v, out, dout, lse, dq, dk, dv); \
     }
 
 ATTN_DEFINE_BACKWARD(f32, float)
@@ -701,8 +719,11 @@ int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t 
             for (int64_t i = 0; i < rows; i++)
                 own_lse[i] = refined_lse(kind, lse[i], own_lse[i]);
         lse = own_lse;
+        /* bfloat16 on a unit with vdpbf16ps: the products on bfloat16 pairs (w[0..4] hold
+         * bfloat16 values exactly); else float32 products */
+        attn_bwd_f32 fn = kind == ATTN_BF16 && backward_dot_bf16[isa] ? backward_dot_bf16[isa] : backward_f32[isa];
         if (err == ATTN_OK)
-            err = attn_backward_f32(isa, p, w[0], w[1], w[2], w[3], w[4], lse, w[5], w[6], w[7]);
+            err = backward_with_f32(fn, isa, p, w[0], w[1], w[2], w[3], w[4], lse, w[5], w[6], w[7]);
         if (err == ATTN_OK)
             for (int a = 0; a < 3; a++)
                 round_half(kind, w[5 + a], n[5 + a], grad[a]);

@@ -1267,11 +1267,20 @@ static void ST(gemm_abt)(T *pack, const T *a, int64_t rows, int64_t lda, const T
         }
 }
 
-/* o[r][0:NR) = sum_t a[r * ars + t * ats] * b[t][0:NR) for r < mr: one register
- * tile of A B from zero, A read with row stride ars and column stride ats (A or
- * A^T of a stored matrix), b a packed panel (kdim rows of NR contiguous columns). */
+/* How tile_ab adds its register tile x to o: ATTN_EPI_KAHAN, o += x with Kahan's
+ * compensation in comp (laid out as o); ATTN_EPI_ROWS, o += x in the rows r whose
+ * seen[r] is set, o = x in the others. Fused into the tile, so that no product
+ * passes through a buffer of its own between the FMAs and the running sums. */
+#ifndef ATTN_EPI_KAHAN
+#define ATTN_EPI_KAHAN 0
+#define ATTN_EPI_ROWS 1
+#endif
+
+/* o[r][0:NR) (+)= sum_t a[r * ars + t * ats] * b[t][0:NR) for r < mr, added as epi
+ * says: one register tile of A B, A read with row stride ars and column stride ats
+ * (A or A^T of a stored matrix), b a packed panel (kdim rows of NR contiguous columns). */
 static ATTN_INLINE void ST(tile_ab)(int mr, int64_t kdim, const T *a, int64_t ars, int64_t ats,
-                                    const T *b, T *o, int64_t ldo)
+                                    const T *b, T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi)
 {
     VT acc[MR][2];
     for (int r = 0; r < MR; r++)
@@ -1288,26 +1297,42 @@ static ATTN_INLINE void ST(tile_ab)(int mr, int64_t kdim, const T *a, int64_t ar
         }
     }
     for (int r = 0; r < MR; r++) {
-        if (r < mr) {
-            V(store)(o + r * ldo, acc[r][0]);
-            V(store)(o + r * ldo + VW, acc[r][1]);
+        if (r >= mr)
+            continue;
+        for (int h = 0; h < 2; h++) {
+            T *op = o + r * ldo + h * VW;
+            if (epi == ATTN_EPI_KAHAN) {  /* s += x: y = x - c, t = s + y, c = (t - s) - y, s = t */
+                T *cp = comp + r * ldo + h * VW;
+                VT sv = V(load)(op), y = V(sub)(acc[r][h], V(load)(cp));
+                VT t = V(add)(sv, y);
+                V(store)(cp, V(sub)(V(sub)(t, sv), y));
+                V(store)(op, t);
+            } else {
+                V(storeu)(op, seen[r] ? V(add)(V(loadu)(op), acc[r][h]) : acc[r][h]);
+            }
         }
     }
 }
 
-/* c[0:rows, 0:round_up(ncols, NR)) = A . b with A[r][t] = a[r * ars + t * ats]
- * (rows x kdim) and b kdim rows of panels packed by pack_v (kpanel rows a panel, ncols
- * columns); c has row stride ldc. */
+/* o[0:rows, 0:round_up(ncols, NR)) (+)= A . b, added as epi says (tile_ab), with
+ * A[r][t] = a[r * ars + t * ats] (rows x kdim) and b kdim rows of panels packed by
+ * pack_v (kpanel rows a panel, ncols columns); o (and comp) have row stride ldo,
+ * seen one flag per row of o. */
 static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, const T *pack, int64_t kpanel,
-                        int64_t kdim, int64_t ncols, T *c, int64_t ldc)
+                        int64_t kdim, int64_t ncols, T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi)
 {
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
         for (int64_t c0 = 0; c0 < ncols; c0 += NR) {
-            if (mr == MR)
-                ST(tile_ab)(MR, kdim, a + r0 * ars, ars, ats, pack + c0 * kpanel, c + r0 * ldc + c0, ldc);
+            const T *ar = a + r0 * ars, *bp = pack + c0 * kpanel;
+            T *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
+            const uint8_t *sr = seen ? seen + r0 : NULL;
+            if (mr == MR && epi == ATTN_EPI_KAHAN)
+                ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_KAHAN);
+            else if (mr == MR)
+                ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_ROWS);
             else
-                ST(tile_ab)(mr, kdim, a + r0 * ars, ars, ats, pack + c0 * kpanel, c + r0 * ldc + c0, ldc);
+                ST(tile_ab)(mr, kdim, ar, ars, ats, bp, op, ldo, cp, sr, epi);
         }
     }
 }
@@ -1316,17 +1341,6 @@ static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, cons
  * then add the chain to their running sums with Kahan's compensation; dQ sums at most
  * ATTN_BWD_CHAIN keys in one chain before adding it to its partial. */
 #define ATTN_BWD_CHAIN 64
-
-/* s[0:n) += x[0:n) with Kahan's compensation comp (n a multiple of VW). */
-static void ST(kahan_add)(T *s, T *comp, const T *x, int64_t n)
-{
-    for (int64_t i = 0; i < n; i += VW) {
-        VT sv = V(load)(s + i), y = V(sub)(V(load)(x + i), V(load)(comp + i));
-        VT t = V(add)(sv, y);
-        V(store)(comp + i, V(sub)(V(sub)(t, sv), y));
-        V(store)(s + i, t);
-    }
-}
 
 /* x[0:n) = 2^(x - m2[0:n)) for scores x in the forward's log2 domain and the natural-log
  * lse m (n a multiple of VW; m = +inf gives 0), to a few ulp of the result whatever the
@@ -1375,22 +1389,30 @@ typedef struct {
     T *packk;    /* the key block's K packed as pack_v panels, for dQ */
     T *s, *dp;   /* P^T and dP^T, then dS^T: keys x ldc (queries) */
     T *acc1, *acc2, *c1, *c2; /* dV and dK of the key block and their Kahan compensations */
-    T *tmp;      /* one block pair's dV or dK product */
-    T *dqs;      /* one block pair's dQ product, queries x d_pad */
     T *m, *dd;   /* per query column: lse and D, padded */
     T *g;        /* with a softcap: its derivative 1 - tanh^2 at each score */
     T *z;        /* with dropout: Z, then P * Z */
+#ifdef ATTN_BWD_DOT
+    /* the bfloat16 products (attn_bf16dot.h): the key block's K and V rows as pairs, its K as
+     * V panels (for dQ); the query block's Qt or dOt panels, its dO or Q as V panels; P^T or
+     * dS^T rounded, as rows of pairs; dS rounded, pairs along the keys stored by query */
+    uint32_t *ka, *va, *kp, *qt, *bp, *ap, *dsp;
+#endif
 } ST(bwd_ws);
 
 static void ST(bwd_free)(ST(bwd_ws) *w)
 {
     attn_free(w->a); attn_free(w->pack); attn_free(w->packk); attn_free(w->s); attn_free(w->dp);
-    attn_free(w->acc1); attn_free(w->acc2); attn_free(w->c1); attn_free(w->c2); attn_free(w->tmp);
-    attn_free(w->dqs); attn_free(w->m); attn_free(w->dd); attn_free(w->g); attn_free(w->z);
+    attn_free(w->acc1); attn_free(w->acc2); attn_free(w->c1); attn_free(w->c2);
+    attn_free(w->m); attn_free(w->dd); attn_free(w->g); attn_free(w->z);
+#ifdef ATTN_BWD_DOT
+    attn_free(w->ka); attn_free(w->va); attn_free(w->kp); attn_free(w->qt); attn_free(w->bp);
+    attn_free(w->ap); attn_free(w->dsp);
+#endif
 }
 
 static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, int64_t dv, int softcap,
-                         int dropout)
+                         int dropout, int dot)
 {
     int64_t ldc = ST(round_up)(cols, NR), dmax = d > dv ? d : dv;
     int64_t wide = ST(round_up)(dmax, NR), tall = ST(round_up)(rows > cols ? rows : cols, NR);
@@ -1403,19 +1425,80 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
     w->acc2 = attn_alloc(rows, wide, sizeof(T));
     w->c1 = attn_alloc(rows, wide, sizeof(T));
     w->c2 = attn_alloc(rows, wide, sizeof(T));
-    w->tmp = attn_alloc(rows, wide, sizeof(T));
-    w->dqs = attn_alloc(cols, wide, sizeof(T));
     w->m = attn_alloc(tall, 1, sizeof(T));
     w->dd = attn_alloc(tall, 1, sizeof(T));
     w->g = softcap ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
     w->z = dropout ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
-    if (!(w->a && w->pack && w->packk && w->s && w->dp && w->acc1 && w->acc2 && w->c1 && w->c2 && w->tmp &&
-          w->dqs && w->m && w->dd && (w->g || !softcap) && (w->z || !dropout))) {
+    if (!(w->a && w->pack && w->packk && w->s && w->dp && w->acc1 && w->acc2 && w->c1 && w->c2 &&
+          w->m && w->dd && (w->g || !softcap) && (w->z || !dropout))) {
         ST(bwd_free)(w);
         return 0;
     }
+#ifdef ATTN_BWD_DOT
+    if (dot) {
+        int64_t d2 = (dmax + 1) / 2, r2 = (rows + 1) / 2, c2 = (cols + 1) / 2;
+        w->ka = attn_alloc(rows, d2, sizeof(uint32_t));
+        w->va = attn_alloc(rows, d2, sizeof(uint32_t));
+        w->kp = attn_alloc(r2, wide, sizeof(uint32_t));
+        w->qt = attn_alloc(d2, ldc, sizeof(uint32_t));
+        w->bp = attn_alloc(c2, wide, sizeof(uint32_t));
+        w->ap = attn_alloc(rows, ldc / 2, sizeof(uint32_t));
+        w->dsp = attn_alloc(r2, ldc, sizeof(uint32_t));
+        if (!(w->ka && w->va && w->kp && w->qt && w->bp && w->ap && w->dsp)) {
+            ST(bwd_free)(w);
+            return 0;
+        }
+    }
+#else
+    (void)dot;
+#endif
     return 1;
 }
+
+/* dS^T = P^T (dP^T - D) in place of dP^T, times the softcap's derivative with one. */
+static void ST(bwd_ds)(ST(bwd_ws) *w, int64_t kbh, int64_t qb_vw, int64_t ldc, T cap2)
+{
+    for (int64_t j = 0; j < kbh; j++) {
+        ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
+        if (cap2 != 0)
+            ST(mul_row)(w->dp + j * ldc, w->g + j * ldc, qb_vw);
+    }
+}
+
+#ifdef ATTN_BWD_DOT
+/* Products (2) to (5) of a block pair on bfloat16 pairs (attn_bf16dot.h): dV += P^T dO
+ * with P^T (pz) rounded to bfloat16, dS^T, dK += dS^T Q and dQ += dS K with dS rounded;
+ * the chains, Kahan sums and partial rows of the float32 products (dq: the query block's
+ * first partial row, seen its flags; doq, qq: the block's dO and Q rows). */
+static void ST(bwd_dot_rest)(const attn_problem *p, ST(bwd_ws) *w, const T *pz, const T *doq, const T *qq,
+                             T *dq, uint8_t *seen, int64_t kbh, int64_t qb, int64_t qb_vw, T cap2)
+{
+    const int64_t d = p->d, dv = p->dv, ldc = ST(round_up)(p->block_q, NR), qb2 = (qb + 1) / 2;
+    const int64_t dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
+    dot_round_rows(pz, ldc, kbh, ldc, w->ap, ldc / 2);                                   /* (2) dV */
+    dot_pack_v(doq, qb, dv, w->bp);
+    for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {
+        int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
+        dot_gemm(w->ap + c0 / 2, ldc / 2, 1, kbh, w->bp + c0 / 2 * DOT_NR, qb2, (nc + 1) / 2, dv, w->acc1,
+                 dp_pad, w->c1, NULL, 1.0f, DOT_EPI_KAHAN);
+    }
+    ST(bwd_ds)(w, kbh, qb_vw, ldc, cap2);
+    dot_round_rows(w->dp, ldc, kbh, ldc, w->ap, ldc / 2);                               /* (4) dK */
+    dot_pack_v(qq, qb, d, w->bp);
+    for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {
+        int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
+        dot_gemm(w->ap + c0 / 2, ldc / 2, 1, kbh, w->bp + c0 / 2 * DOT_NR, qb2, (nc + 1) / 2, d, w->acc2,
+                 d_pad, w->c2, NULL, 1.0f, DOT_EPI_KAHAN);
+    }
+    dot_round_cols(w->dp, ldc, kbh, ldc, w->dsp, ldc);                                  /* (5) dQ */
+    for (int64_t t0 = 0; t0 < kbh; t0 += ATTN_BWD_CHAIN) {
+        int64_t nt = kbh - t0 < ATTN_BWD_CHAIN ? kbh - t0 : ATTN_BWD_CHAIN;
+        dot_gemm(w->dsp + t0 / 2 * ldc, 1, ldc, qb, w->kp + t0 / 2 * DOT_NR, (kbh + 1) / 2, (nt + 1) / 2, d, dq,
+                 d_pad, NULL, seen, 1.0f, DOT_EPI_ROWS);
+        memset(seen, 1, (size_t)qb);
+    }
+}
+#endif
 
 /* dK and dV of keys [j0, j0 + kb) of k/v row bkv, summed over its query rows
  * bkv * kv_group + g in the order of g, and their dS K added to the partial dQ
@@ -1423,7 +1506,7 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
  * (and flagged), so partials need no zeroing and untouched rows no summing. */
 static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, const T *v,
                              const T *dout, const T *lse, const T *dvec, T *dk, T *dv_out, T *pdq,
-                             uint8_t *seen, ST(bwd_ws) *w, int64_t bkv, int64_t j0, int64_t kb)
+                             uint8_t *seen, ST(bwd_ws) *w, int64_t bkv, int64_t j0, int64_t kb, int dot)
 {
     const int64_t d = p->d, dv = p->dv, nq = p->nq, nk = p->nk, bq = p->block_q;
     const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
@@ -1446,7 +1529,14 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
         const int64_t kbh = attn_clamp(sp.len - j0, kb);
         const int64_t istart = attn_clamp(j0 - sp.hi, nq), iend = attn_clamp(j0 + kbh - sp.lo, nq);
         if (kbh && istart < iend && packed != kbh) {  /* K for dQ, once per key block and length */
-            ST(pack_v)(kr, kbh, d, w->packk);
+#ifdef ATTN_BWD_DOT
+            if (dot) {  /* and K, V as rows of pairs, for S^T and dP^T */
+                dot_pack_v(kr, kbh, d, w->kp);
+                dot_pairs_rows(kr, d, kbh, d, w->ka, (d + 1) / 2);
+                dot_pairs_rows(vr, dv, kbh, dv, w->va, (dv + 1) / 2);
+            } else
+#endif
+                ST(pack_v)(kr, kbh, d, w->packk);
             packed = kbh;
         }
         for (int64_t i0 = kbh ? istart / bq * bq : nq; i0 < iend; i0 += bq) {
@@ -1457,8 +1547,17 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
             }
             /* (1) S^T = K (c Q)^T: the forward's scores bit for bit (its Q scaled by c, its
              * register tiles' order), so that the lse's rounding of them cancels in P */
-            ST(scale_rows)(qh + i0 * d, qb, d, ST(score_factor)(p), w->a);
-            ST(gemm_abt)(w->pack, kr, kbh, d, w->a, qb, d, w->s, ldc);
+#ifdef ATTN_BWD_DOT
+            if (dot) {  /* on pairs, the factor applied to the float32 sums (as the bfloat16 forward does) */
+                dot_pack_kt(qh + i0 * d, qb, d, w->qt);
+                dot_gemm(w->ka, (d + 1) / 2, 1, kbh, w->qt, (d + 1) / 2, (d + 1) / 2, qb, w->s, ldc, NULL, NULL,
+                         ST(score_factor)(p), DOT_EPI_SCALE);
+            } else
+#endif
+            {
+                ST(scale_rows)(qh + i0 * d, qb, d, ST(score_factor)(p), w->a);
+                ST(gemm_abt)(w->pack, kr, kbh, d, w->a, qb, d, w->s, ldc);
+            }
             for (int64_t j = 0; j < kbh; j++) {
                 T *pj = w->s + j * ldc;
                 if (cap2 != 0)
@@ -1487,7 +1586,14 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                     w->z[i] = 1;
                 ST(dropout_cols)(p, bh, i0, qb, j0, kbh, w->z, ldc);
             }
-            ST(gemm_abt)(w->pack, vr, kbh, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* (3) dP^T */
+#ifdef ATTN_BWD_DOT
+            if (dot) {                                                                    /* (3) dP^T */
+                dot_pack_kt(doh + i0 * dv, qb, dv, w->qt);
+                dot_gemm(w->va, (dv + 1) / 2, 1, kbh, w->qt, (dv + 1) / 2, (dv + 1) / 2, qb, w->dp, ldc, NULL,
+                         NULL, 1.0f, DOT_EPI_SCALE);
+            } else
+#endif
+                ST(gemm_abt)(w->pack, vr, kbh, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* (3) dP^T */
             if (w->z) {  /* dP * Z, and P * Z for dV */
                 for (int64_t i = 0; i < kbh * ldc; i++) {
                     w->dp[i] *= w->z[i];
@@ -1495,38 +1601,32 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                 }
                 pz = w->z;
             }
+#ifdef ATTN_BWD_DOT
+            if (dot) {
+                ST(bwd_dot_rest)(p, w, pz, doh + i0 * dv, qh + i0 * d, pdq + (bh * nq + i0) * d_pad,
+                                 seen + bh * nq + i0, kbh, qb, qb_vw, cap2);
+                continue;
+            }
+#endif
             ST(pack_v)(doh + i0 * dv, qb, dv, w->pack);
             for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {                         /* (2) dV */
                 int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
-                ST(gemm_ab)(pz + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, dv, w->tmp, dp_pad);
-                ST(kahan_add)(w->acc1, w->c1, w->tmp, kbh * dp_pad);
+                ST(gemm_ab)(pz + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, dv, w->acc1, dp_pad, w->c1, NULL,
+                            ATTN_EPI_KAHAN);
             }
-            for (int64_t j = 0; j < kbh; j++) {
-                ST(ds_cols)(w->s + j * ldc, w->dp + j * ldc, w->dd, qb_vw);
-                if (cap2 != 0)
-                    ST(mul_row)(w->dp + j * ldc, w->g + j * ldc, qb_vw);
-            }
+            ST(bwd_ds)(w, kbh, qb_vw, ldc, cap2);
             ST(pack_v)(qh + i0 * d, qb, d, w->pack);
             for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {                         /* (4) dK */
                 int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
-                ST(gemm_ab)(w->dp + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, d, w->tmp, d_pad);
-                ST(kahan_add)(w->acc2, w->c2, w->tmp, kbh * d_pad);
+                ST(gemm_ab)(w->dp + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, d, w->acc2, d_pad, w->c2, NULL,
+                            ATTN_EPI_KAHAN);
             }
             for (int64_t t0 = 0; t0 < kbh; t0 += ATTN_BWD_CHAIN) {                        /* (5) dQ */
                 int64_t nt = kbh - t0 < ATTN_BWD_CHAIN ? kbh - t0 : ATTN_BWD_CHAIN;
-                ST(gemm_ab)(w->dp + t0 * ldc, 1, ldc, qb, w->packk + t0 * NR, kbh, nt, d, w->dqs, d_pad);
-                for (int64_t r = 0; r < qb; r++) {
-                    T *pr = pdq + (bh * nq + i0 + r) * d_pad;
-                    const T *x = w->dqs + r * d_pad;
-                    if (seen[bh * nq + i0 + r]) {
-                        for (int64_t c = 0; c < d_pad; c += VW)
-                            V(storeu)(pr + c, V(add)(V(loadu)(pr + c), V(load)(x + c)));
-                    } else {
-                        for (int64_t c = 0; c < d_pad; c += VW)
-                            V(storeu)(pr + c, V(load)(x + c));
-                        seen[bh * nq + i0 + r] = 1;
-                    }
-                }
+                uint8_t *sr = seen + bh * nq + i0;  /* a row's first chain stores, the later ones add */
+                ST(gemm_ab)(w->dp + t0 * ldc, 1, ldc, qb, w->packk + t0 * NR, kbh, nt, d,
+                            pdq + (bh * nq + i0) * d_pad, d_pad, NULL, sr, ATTN_EPI_ROWS);
+                memset(sr, 1, (size_t)qb);
             }
         }
     }
@@ -1557,8 +1657,8 @@ static int64_t ST(bwd_groups)(const attn_problem *p, int64_t nq, int64_t nk)
     return g < 1 ? 1 : g;
 }
 
-int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v, const T *out,
-                       const T *dout, const T *lse, T *dq, T *dk, T *dv)
+static int ST(flash_backward_run)(const attn_problem *p, const T *q, const T *k, const T *v, const T *out,
+                                  const T *dout, const T *lse, T *dq, T *dk, T *dv, int dot)
 {
     const int64_t d = p->d, dvn = p->dv, rows = p->batch * p->nq;
     const int64_t batch_kv = p->batch / p->kv_group, d_pad = ST(round_up)(d, NR);
@@ -1603,7 +1703,7 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
         {
             ATTN_NOTE_TEAM();
             ST(bwd_ws) w = {0};
-            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, d, dvn, p->softcap > 0, p->dropout_p != 0);
+            int ok = ST(bwd_alloc)(&w, p->block_k, p->block_q, d, dvn, p->softcap > 0, p->dropout_p != 0, dot);
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -1626,7 +1726,7 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
                 for (int64_t j0 = gamma * p->block_k; j0 < sp.nk; j0 += G[s] * p->block_k) {
                     int64_t kb = sp.nk - j0 < p->block_k ? sp.nk - j0 : p->block_k;
                     ST(bwd_kv_block)(&sp, q + qo * d, k + ko * d, v + ko * dvn, dout + qo * dvn, lse_rows + qo,
-                                     dvec + qo, dk + ko * d, dv + ko * dvn, part, pseen, &w, bkv, j0, kb);
+                                     dvec + qo, dk + ko * d, dv + ko * dvn, part, pseen, &w, bkv, j0, kb, dot);
                 }
             }
             if (ok)
@@ -1658,6 +1758,22 @@ int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v
     attn_free(seen);
     return failed ? ATTN_ENOMEM : ATTN_OK;
 }
+
+int FN(flash_backward)(const attn_problem *p, const T *q, const T *k, const T *v, const T *out,
+                       const T *dout, const T *lse, T *dq, T *dk, T *dv)
+{
+    return ST(flash_backward_run)(p, q, k, v, out, dout, lse, dq, dk, dv, 0);
+}
+
+#ifdef ATTN_BWD_DOT
+/* The same backward for float32 arrays that hold bfloat16 values (q, k, v and dout
+ * widened from bfloat16): its five products on bfloat16 pairs (attn_bf16dot.h). */
+int FN(flash_backward_dot)(const attn_problem *p, const T *q, const T *k, const T *v, const T *out,
+                           const T *dout, const T *lse, T *dq, T *dk, T *dv)
+{
+    return ST(flash_backward_run)(p, q, k, v, out, dout, lse, dq, dk, dv, 1);
+}
+#endif
 
 /* ------------------------------------------------------------ ceilings */
 /* The ISA's peak FMA throughput: on each of num_threads threads, 12 independent
@@ -1712,3 +1828,4 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef TRANSPOSE_T
 #undef VEXP2_T
 #undef ATTN_SAME_IO
+#undef ATTN_BWD_DOT
