@@ -202,7 +202,7 @@ static int bf16_ws_alloc(bf16_ws *w, int64_t bq, int64_t bk, int64_t lds, int64_
 /* One query block, rows [i0, i0 + bq) of batch entry bh: the flash algorithm of
  * attn_kernels.h (flash_block) with both matmuls on bfloat16 pairs. */
 static void flash_block_bf16dot(const attn_problem *p, const uint16_t *q, const uint16_t *k,
-                                const uint16_t *v, uint16_t *out, uint16_t *lse, const bf16_ws *w,
+                                const uint16_t *v, uint16_t *out, uint16_t *lse, float *lse32, const bf16_ws *w,
                                 int64_t bh, int64_t i0, int64_t bq, int64_t dv_pad, int64_t lds)
 {
     const int64_t d = p->d, d2 = (d + 1) / 2, dv = p->dv, nk = p->nk, bk = p->block_k;
@@ -258,17 +258,20 @@ static void flash_block_bf16dot(const attn_problem *p, const uint16_t *q, const 
                              w->o + r0 * dv_pad + c0, dv_pad, w->alpha + r0);
         }
     }
-    uint16_t *ob = out + (bh * p->nq + i0) * dv;
     for (int64_t r = 0; r < bq; r++) {
         for (int64_t col = 0; col < dv; col++)
-            ob[r * dv + col] = attn_f32_to_bf16(w->o[r * dv_pad + col] / w->l[r]);
+            out[(bh * p->nq + i0 + r) * dv + col] = attn_f32_to_bf16(w->o[r * dv_pad + col] / w->l[r]);
         if (lse)
             lse[bh * p->nq + i0 + r] = attn_f32_to_bf16(lse_of_f32(w->m[r], w->l[r]));
+        if (lse32)
+            lse32[bh * p->nq + i0 + r] = lse_of_f32(w->m[r], w->l[r]);
     }
 }
 
-int attn_flash_bf16dot_avx512bf16(const attn_problem *p, const uint16_t *q, const uint16_t *k,
-                                  const uint16_t *v, uint16_t *out, uint16_t *lse)
+/* The flash forward on bfloat16 pairs over query blocks, out and lse (bfloat16) and lse32
+ * (float32) written where not NULL. */
+static int flash_bf16dot(const attn_problem *p, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         uint16_t *out, uint16_t *lse, float *lse32)
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q, ntasks = nqb * p->batch;
     const int64_t dv_pad = rup(p->dv, BNR), lds = rup(p->block_k, BNR);
@@ -290,10 +293,24 @@ int attn_flash_bf16dot_avx512bf16(const attn_problem *p, const uint16_t *q, cons
                 continue;
             int64_t bh = t % p->batch, i0 = (nqb - 1 - t / p->batch) * p->block_q;
             int64_t bq = p->nq - i0 < p->block_q ? p->nq - i0 : p->block_q;
-            flash_block_bf16dot(p, q, k, v, out, lse, &w, bh, i0, bq, dv_pad, lds);
+            flash_block_bf16dot(p, q, k, v, out, lse, lse32, &w, bh, i0, bq, dv_pad, lds);
         }
         if (ok)
             bf16_ws_free(&w);
     }
     return failed ? ATTN_ENOMEM : ATTN_OK;
+}
+
+int attn_flash_bf16dot_avx512bf16(const attn_problem *p, const uint16_t *q, const uint16_t *k,
+                                  const uint16_t *v, uint16_t *out, uint16_t *lse)
+{
+    return flash_bf16dot(p, q, k, v, out, lse, NULL);
+}
+
+/* The rows' lse in float32 (p->dv == 0: no output), for the bfloat16 backward: the
+ * forward's own, before its rounding to bfloat16, and its scores are those that the
+ * backward's products recompute, bit for bit (the same pairs in the same order). */
+int attn_flash_bf16dot_lse_avx512bf16(const attn_problem *p, const uint16_t *q, const uint16_t *k, float *lse)
+{
+    return flash_bf16dot(p, q, k, k, NULL, NULL, lse);
 }

@@ -331,6 +331,7 @@ ATTN_DECLARE_ISA(amx)
 /* flash on bfloat16 with vdpbf16ps dot products (attn_avx512bf16.c) */
 int attn_flash_bf16dot_avx512bf16(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *,
                                   uint16_t *, uint16_t *);
+int attn_flash_bf16dot_lse_avx512bf16(const attn_problem *, const uint16_t *, const uint16_t *, float *);
 /* flash on bfloat16 with AMX tiles (attn_amx.c) */
 int attn_flash_bf16amx_amx(const attn_problem *, const uint16_t *, const uint16_t *, const uint16_t *,
                            uint16_t *, uint16_t *);

@@ -714,7 +714,22 @@ int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t 
         scores.dv = 0;
         scores.nonfinite = NULL;
         own_lse = attn_alloc(rows > 0 ? rows : 1, 1, sizeof(float));
-        err = own_lse ? attn_forward_f32(ATTN_FLASH, isa, &scores, w[0], w[1], w[2], NULL, own_lse) : ATTN_ENOMEM;
+        err = own_lse ? ATTN_OK : ATTN_ENOMEM;
+        /* bfloat16 on the products' unit: the bfloat16 forward's own lse (plain problems,
+         * which it takes), its scores those the backward's products recompute */
+        int dot_lse = kind == ATTN_BF16 && backward_dot_bf16[isa] && !attn_has_features(p);
+#ifdef ATTN_HAVE_AVX512BF16
+        if (own_lse && dot_lse) {
+            attn_problem one = run_problem(&scores);
+            kernels_enter();
+            err = attn_flash_bf16dot_lse_avx512bf16(&one, q, k, own_lse);
+            kernels_leave();
+        }
+#else
+        dot_lse = 0;
+#endif
+        if (own_lse && !dot_lse)
+            err = attn_forward_f32(ATTN_FLASH, isa, &scores, w[0], w[1], w[2], NULL, own_lse);
         if (err == ATTN_OK && lse)
             for (int64_t i = 0; i < rows; i++)
                 own_lse[i] = refined_lse(kind, lse[i], own_lse[i]);
