@@ -109,7 +109,7 @@ def test_backward_meets_flashattentions_rule(dtype, causal):
 
     gen = torch.Generator().manual_seed(7)
     tdt = HALF_TORCH[dtype]
-    for shape, blocks in (((1, 2, 200, 40), (64, 48)), ((2, 1, 96, 16), (256, 256))):
+    for shape, blocks in (((1, 2, 200, 40), (64, 48)), ((2, 1, 96, 16), (256, 256)), ((1, 2, 160, 64), (64, 96))):
         q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64).to(tdt) for _ in range(4))
         ref = reference_backward(*(x.double().numpy() for x in (q, k, v, dout)), causal=causal)
         ours = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -219,20 +219,80 @@ def test_amx_says_why_it_cannot_run_here():
         attnkern.attention(q, q, q, kernel="native.flash")
 
 
-def test_half_backward_keeps_the_lse_of_longer_rows():
+@pytest.mark.parametrize("isa", ISAS)
+def test_half_backward_keeps_the_lse_of_longer_rows(isa):
     """attention_backward with out and lse of whole rows and k, v one block of their keys
     (a ring step): the given lse is not the block's own, so the half backward uses it as
-    given, and equals the float32 backward of the widened arrays rounded to bfloat16;
-    with the block's own (rounded) lse it uses its float32 recomputation instead."""
+    given, and equals the float32 backward of the widened arrays rounded to bfloat16
+    (on avx512bf16 and amx, whose bfloat16 backward rounds P and dS to bfloat16 for its
+    products, within that rounding); with the block's own (rounded) lse it uses its
+    float32 recomputation instead."""
     rng = np.random.default_rng(10)
     q, k, v = random_qkv(rng, (2,), 40, 64, 16, 8, BF16)
     dout = rng.standard_normal((2, 40, 8)).astype(BF16)
-    out, lse = attnkern.attention(q, k, v, kernel="native.flash", return_lse=True)
-    block = (q, k[:, :32], v[:, :32])
-    half = attnkern.attention_backward(*block, out, dout, lse, kernel="native.flash")
-    wide = attnkern.attention_backward(*(x.astype(np.float32) for x in (*block, out, dout, lse)), kernel="native.flash")
-    for h, w in zip(half, wide):
-        assert np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16))
-    own = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="native.flash")
-    plain = attnkern.attention_backward(*(x.astype(np.float32) for x in (q, k, v, out, dout, lse)), kernel="native.flash")
-    assert any(not np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16)) for h, w in zip(own, plain))
+    with forced_isa(isa):
+        out, lse = attnkern.attention(q, k, v, kernel="native.flash", return_lse=True)
+        block = (q, k[:, :32], v[:, :32])
+        half = attnkern.attention_backward(*block, out, dout, lse, kernel="native.flash")
+        wide = attnkern.attention_backward(*(x.astype(np.float32) for x in (*block, out, dout, lse)),
+                                           kernel="native.flash")
+        for h, w in zip(half, wide):
+            if isa in ("avx512bf16", "amx"):
+                assert np.abs(h.astype(np.float64) - w).max() <= 2 ** -6 * max(1, np.abs(w).max())
+            else:
+                assert np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16))
+        own = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="native.flash")
+        plain = attnkern.attention_backward(*(x.astype(np.float32) for x in (q, k, v, out, dout, lse)),
+                                            kernel="native.flash")
+        assert any(not np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16)) for h, w in zip(own, plain))
+
+
+@pytest.mark.skipif(not {"avx512", "avx512bf16"} <= set(ISAS), reason="needs AVX512_BF16 (vdpbf16ps)")
+@pytest.mark.parametrize("shape, features", [
+    ((2, 2, 150, 64), {}),                                         # full panels: the vector packs
+    ((1, 3, 77, 40), {"causal": True}),                            # odd rows, d not a multiple of 32
+    ((2, 4, 96, 32), {"causal": "bottom_right", "window": (40, 0), "softcap": 20.0}),  # features, GQA below
+])
+def test_bfloat16_backward_on_dot_products(shape, features):
+    """bfloat16's backward on avx512bf16 takes its five products on vdpbf16ps pairs (P and dS
+    rounded to bfloat16, float32 sums): its gradients differ from the float32 products'
+    (avx512) but meet the same bound against the float64 gradient (8 unit roundoffs of
+    the largest), and are bit-identical for every thread count, with grouped k/v heads and
+    features too. FlashAttention's rule against torch: test_backward_meets_flashattentions_rule."""
+    from attnkern_bench.accuracy import UNIT_ROUNDOFF
+
+    rng = np.random.default_rng(11)
+    b, h, n, d = shape
+    hkv = h // 2 if h % 2 == 0 else h
+    q = rng.standard_normal((b, h, n, d)).astype(BF16)
+    k, v = (rng.standard_normal((b, hkv, n + 5, d)).astype(BF16) for _ in range(2))
+    dout = rng.standard_normal((b, h, n, d)).astype(BF16)
+    ref = list(attnkern.reference_backward(*(x.astype(np.float64) for x in (q, k, v, dout)), **features))
+    for i in (1, 2):  # per query head: dk and dv of a k/v head sum over the query heads it serves
+        ref[i] = ref[i].reshape(b, hkv, h // hkv, *ref[i].shape[2:]).sum(axis=2) if ref[i].shape[1] != hkv else ref[i]
+    grads = {}
+    for isa in ("avx512", "avx512bf16"):
+        with forced_isa(isa):
+            out, lse = attnkern.attention(q, k, v, kernel="native.flash", return_lse=True, **features)
+            runs = [attnkern.attention_backward(q, k, v, out, dout, lse, kernel="native.flash", block_q=64,
+                                               block_k=48, num_threads=t, **features) for t in (1, 2, 3)]
+        for other in runs[1:]:
+            assert all(np.array_equal(a.view(np.uint16), o.view(np.uint16)) for a, o in zip(runs[0], other))
+        grads[isa] = runs[0]
+        for name, g, r in zip(("dq", "dk", "dv"), runs[0], ref):
+            assert g.dtype == BF16 and g.shape == r.shape
+            err = np.abs(g.astype(np.float64) - r).max()
+            assert err <= 8 * UNIT_ROUNDOFF["bfloat16"] * max(1, np.abs(r).max()), (isa, name, err)
+    assert any(not np.array_equal(a.view(np.uint16), o.view(np.uint16))
+               for a, o in zip(grads["avx512"], grads["avx512bf16"]))
+
+
+def test_amx_backward_is_refused_where_amx_cannot_run():
+    """The amx unit's backward (vdpbf16ps products, its tiles not used yet) runs only where
+    AMX runs; elsewhere forcing it says why, as the forward does."""
+    if "amx" in attnkern.supported_isas():
+        pytest.skip("AMX runs here")
+    q = np.ones((1, 8, 4), BF16)
+    out, lse = attnkern.attention(q, q, q, kernel="native.flash", return_lse=True)
+    with forced_isa("amx"), pytest.raises(RuntimeError, match="ATTNKERN_ISA='amx'.*not supported"):
+        attnkern.attention_backward(q, q, q, out, q, lse, kernel="native.flash")

@@ -13,7 +13,6 @@
  * Accumulation is float32 throughout; the output is rounded to bfloat16 once. */
 #define ISA avx512bf16
 #define ATTN_DOT_BF16 /* the float32 backward instantiated with bfloat16 products too */
-#include "attn_bf16dot.h"
 #include "attn_avx512.c"
 
 #define BMR 8  /* rows of the register tile */

@@ -15,7 +15,8 @@
  *   V:      panels of DOT_NR columns, panel c0 at c0 * rows2, rows2 = ceil(rows / 2) rows
  *           of DOT_NR pairs, rows 2t and 2t + 1 of column c0 + c at t * DOT_NR + c
  *           (dot_pack_v): the right operand of A B;
- * with zeros past the rows and columns. */
+ * with zeros past the rows and columns. Included by attn_avx512.c (its vtranspose_f32 transposes
+ * 16 x 16 words). */
 #ifndef ATTN_BF16DOT_H
 #define ATTN_BF16DOT_H
 
@@ -60,16 +61,38 @@ static void dot_pairs_rows(const float *x, int64_t ldx, int64_t rows, int64_t n,
     }
 }
 
-/* Kt panels (the layout above) of rows [0, rows) of x (row stride d), exactly. */
+/* The pairs (x[2t], x[2t + 1]) for t < 16 of 32 float32 holding bfloat16 values: their
+ * high halves, in order. */
+static ATTN_INLINE __m512i dot_pairs32(const float *x)
+{
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                         27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(_mm512_loadu_ps(x)), odd,
+                                     _mm512_castps_si512(_mm512_loadu_ps(x + 16)));
+}
+
+/* Kt panels (the layout above) of rows [0, rows) of x (row stride d), exactly. Full
+ * panels with d a multiple of 32 go 16 rows x 16 pairs at a time: the rows' pairs
+ * (dot_pairs32), then vtranspose_f32 (a transpose of 32-bit words); the rest element
+ * by element. */
 static void dot_pack_kt(const float *x, int64_t rows, int64_t d, uint32_t *kt)
 {
     const int64_t d2 = (d + 1) / 2;
+    uint32_t sq[16 * 16] __attribute__((aligned(64)));
     for (int64_t j0 = 0; j0 < rows; j0 += DOT_NR) {
         uint32_t *panel = kt + j0 * d2;
-        int64_t nc = rows - j0 < DOT_NR ? rows - j0 : DOT_NR;
+        int64_t nc = rows - j0 < DOT_NR ? rows - j0 : DOT_NR, t0 = 0;
+        if (nc == DOT_NR && d % 32 == 0) {
+            for (; t0 < d2; t0 += 16)
+                for (int64_t c0 = 0; c0 < DOT_NR; c0 += 16) {
+                    for (int c = 0; c < 16; c++)
+                        _mm512_store_si512(sq + 16 * c, dot_pairs32(x + (j0 + c0 + c) * d + 2 * t0));
+                    vtranspose_f32((const float *)sq, 16, (float *)(panel + t0 * DOT_NR + c0), DOT_NR);
+                }
+        }
         for (int64_t c = 0; c < DOT_NR; c++) {
             const float *xr = x + (j0 + c) * d;
-            for (int64_t t = 0; t < d2; t++)
+            for (int64_t t = t0; t < d2; t++)
                 panel[t * DOT_NR + c] = c < nc ? dot_pair(xr[2 * t], 2 * t + 1 < d ? xr[2 * t + 1] : 0.0f) : 0;
         }
     }

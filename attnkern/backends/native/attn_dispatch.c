@@ -659,16 +659,30 @@ int attn_convert_half(int isa, int kind, const float *in, int64_t n, uint16_t *o
 ATTN_DEFINE_BACKWARD(f32, float)
 ATTN_DEFINE_BACKWARD(f64, double)
 
-/* n elements of bfloat16 or float16 bits (kind) widened to float32, and back. */
-static void widen_half(int kind, const uint16_t *x, int64_t n, float *y)
+/* n elements of bfloat16 or float16 bits (kind) widened to float32, and back, over
+ * the problem's threads (element by element: the same for every thread count), each
+ * a running kernel for the fork rules. */
+static void widen_half(int kind, const uint16_t *x, int64_t n, float *y, int num_threads)
 {
-    for (int64_t i = 0; i < n; i++)
-        y[i] = kind == ATTN_BF16 ? attn_bf16_to_f32(x[i]) : attn_f16_to_f32(x[i]);
+    kernels_enter();
+    if (kind == ATTN_BF16) {
+#pragma omp parallel for simd schedule(static) num_threads(num_threads)
+        for (int64_t i = 0; i < n; i++)
+            y[i] = attn_bf16_to_f32(x[i]);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t i = 0; i < n; i++)
+            y[i] = attn_f16_to_f32(x[i]);
+    }
+    kernels_leave();
 }
-static void round_half(int kind, const float *x, int64_t n, uint16_t *y)
+static void round_half(int kind, const float *x, int64_t n, uint16_t *y, int num_threads)
 {
+    kernels_enter();
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < n; i++)
         y[i] = kind == ATTN_BF16 ? attn_f32_to_bf16(x[i]) : attn_f32_to_f16(x[i]);
+    kernels_leave();
 }
 
 /* The lse a row uses: own (computed here in float32) where given (the caller's) lies
@@ -701,14 +715,14 @@ int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t 
     const uint16_t *in[5] = {q, k, v, out, dout};
     uint16_t *grad[3] = {dq, dk, dv};
     float *w[8] = {0}, *own_lse = NULL;
-    int failed = 0;
+    int failed = 0, nt = run_problem(p).num_threads;
     for (int a = 0; a < 8; a++) {
         w[a] = attn_alloc(n[a] > 0 ? n[a] : 1, 1, sizeof(float));
         failed |= !w[a];
     }
     if (!failed) {
         for (int a = 0; a < 5; a++)
-            widen_half(kind, in[a], n[a], w[a]);
+            widen_half(kind, in[a], n[a], w[a], nt);
         /* the rows' lse in float32: the forward's scores alone (no output columns) */
         attn_problem scores = *p;
         scores.dv = 0;
@@ -741,7 +755,7 @@ int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t 
             err = backward_with_f32(fn, isa, p, w[0], w[1], w[2], w[3], w[4], lse, w[5], w[6], w[7]);
         if (err == ATTN_OK)
             for (int a = 0; a < 3; a++)
-                round_half(kind, w[5 + a], n[5 + a], grad[a]);
+                round_half(kind, w[5 + a], n[5 + a], grad[a], nt);
     }
     for (int a = 0; a < 8; a++)
         attn_free(w[a]);

@@ -1341,6 +1341,10 @@ static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, cons
  * then add the chain to their running sums with Kahan's compensation; dQ sums at most
  * ATTN_BWD_CHAIN keys in one chain before adding it to its partial. */
 #define ATTN_BWD_CHAIN 64
+/* The bfloat16 products' chains (ATTN_BWD_DOT): 256 terms, whose float32 rounding
+ * (256 u at worst, 1.5e-5) stays far below the bfloat16 rounding of P and dS and of
+ * the gradients (2^-9); the epilogues' adds come once a block pair. */
+#define ATTN_BWD_CHAIN_DOT 256
 
 /* x[0:n) = 2^(x - m2[0:n)) for scores x in the forward's log2 domain and the natural-log
  * lse m (n a multiple of VW; m = +inf gives 0), to a few ulp of the result whatever the
@@ -1477,22 +1481,22 @@ static void ST(bwd_dot_rest)(const attn_problem *p, ST(bwd_ws) *w, const T *pz, 
     const int64_t dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
     dot_round_rows(pz, ldc, kbh, ldc, w->ap, ldc / 2);                                   /* (2) dV */
     dot_pack_v(doq, qb, dv, w->bp);
-    for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {
-        int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
+    for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN_DOT) {
+        int64_t nc = qb - c0 < ATTN_BWD_CHAIN_DOT ? qb - c0 : ATTN_BWD_CHAIN_DOT;
         dot_gemm(w->ap + c0 / 2, ldc / 2, 1, kbh, w->bp + c0 / 2 * DOT_NR, qb2, (nc + 1) / 2, dv, w->acc1,
                  dp_pad, w->c1, NULL, 1.0f, DOT_EPI_KAHAN);
     }
     ST(bwd_ds)(w, kbh, qb_vw, ldc, cap2);
     dot_round_rows(w->dp, ldc, kbh, ldc, w->ap, ldc / 2);                               /* (4) dK */
     dot_pack_v(qq, qb, d, w->bp);
-    for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {
-        int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
+    for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN_DOT) {
+        int64_t nc = qb - c0 < ATTN_BWD_CHAIN_DOT ? qb - c0 : ATTN_BWD_CHAIN_DOT;
         dot_gemm(w->ap + c0 / 2, ldc / 2, 1, kbh, w->bp + c0 / 2 * DOT_NR, qb2, (nc + 1) / 2, d, w->acc2,
                  d_pad, w->c2, NULL, 1.0f, DOT_EPI_KAHAN);
     }
     dot_round_cols(w->dp, ldc, kbh, ldc, w->dsp, ldc);                                  /* (5) dQ */
-    for (int64_t t0 = 0; t0 < kbh; t0 += ATTN_BWD_CHAIN) {
-        int64_t nt = kbh - t0 < ATTN_BWD_CHAIN ? kbh - t0 : ATTN_BWD_CHAIN;
+    for (int64_t t0 = 0; t0 < kbh; t0 += ATTN_BWD_CHAIN_DOT) {
+        int64_t nt = kbh - t0 < ATTN_BWD_CHAIN_DOT ? kbh - t0 : ATTN_BWD_CHAIN_DOT;
         dot_gemm(w->dsp + t0 / 2 * ldc, 1, ldc, qb, w->kp + t0 / 2 * DOT_NR, (kbh + 1) / 2, (nt + 1) / 2, d, dq,
                  d_pad, NULL, seen, 1.0f, DOT_EPI_ROWS);
         memset(seen, 1, (size_t)qb);
