@@ -3,10 +3,13 @@ for each (D, dtype, causal) at (B, H, N, D), ours and torch's forward+backward a
 --reps times (an untimed call of each first); prints the medians, backward alone, and
 torch's time / ours (above 1: ours faster). --base-so PATH runs ours from another build
 of attnkern/backends/native/_attn (e.g. a copy of main's), to compare before and after in
-the same way. ATTNKERN_BENCH_SMOKE=1: one tiny shape, two turns.
+the same way. --cpu-time (with --threads 1) times the calling thread's CPU time instead
+of wall time: on a shared, loaded machine it counts only this thread's work (the kernels
+then run on the calling thread, torch's too), where wall time counts the waits for the
+other jobs. ATTNKERN_BENCH_SMOKE=1: one tiny shape, two turns.
 
 Usage: dev/cpu_bwd_measure.py [--n 2048] [--dims 64 128] [--dtypes float32 bfloat16]
-       [--causal 0 1] [--batch 1] [--heads 8] [--threads 2] [--reps 7] [--base-so PATH]"""
+       [--causal 0 1] [--batch 1] [--heads 8] [--threads 2] [--reps 7] [--base-so PATH] [--cpu-time]"""
 
 import argparse
 import importlib.util
@@ -25,7 +28,11 @@ ap.add_argument("--heads", type=int, default=8)
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--reps", type=int, default=7)
 ap.add_argument("--base-so", default=None)
+ap.add_argument("--cpu-time", action="store_true")
 args = ap.parse_args()
+if args.cpu_time and args.threads != 1:
+    ap.error("--cpu-time counts the calling thread's time: it needs --threads 1")
+clock = time.thread_time if args.cpu_time else time.perf_counter
 if os.environ.get("ATTNKERN_BENCH_SMOKE"):
     args.n, args.dims, args.reps = 64, args.dims[:1], 2
 
@@ -46,15 +53,16 @@ sdpa = torch.nn.functional.scaled_dot_product_attention
 def step(f, xs, dout):
     """Seconds of f's forward+backward, and of its backward alone."""
     xs = [x.detach().requires_grad_() for x in xs]
-    t0 = time.perf_counter()
+    t0 = clock()
     out = f(*xs)
-    t1 = time.perf_counter()
+    t1 = clock()
     out.backward(dout)
-    t2 = time.perf_counter()
+    t2 = clock()
     return t2 - t0, t2 - t1
 
 
-print(f"CPU {attnkern.active_isa()}, {args.threads} threads, torch {torch.__version__}, base {args.base_so}")
+print(f"CPU {attnkern.active_isa()}, {args.threads} threads, {'thread CPU' if args.cpu_time else 'wall'} time, "
+      f"torch {torch.__version__}, base {args.base_so}")
 for d in args.dims:
     for dtype in args.dtypes:
         for causal in map(bool, args.causal):
