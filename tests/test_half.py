@@ -224,9 +224,9 @@ def test_half_backward_keeps_the_lse_of_longer_rows(isa):
     """attention_backward with out and lse of whole rows and k, v one block of their keys
     (a ring step): the given lse is not the block's own, so the half backward uses it as
     given, and equals the float32 backward of the widened arrays rounded to bfloat16
-    (on avx512bf16 and amx, whose bfloat16 backward rounds P and dS to bfloat16 for its
-    products, within that rounding); with the block's own (rounded) lse it uses its
-    float32 recomputation instead."""
+    (on avx512bf16, whose bfloat16 backward rounds P and dS to bfloat16 for its products,
+    within that rounding); with the block's own (rounded) lse it uses its float32
+    recomputation instead."""
     rng = np.random.default_rng(10)
     q, k, v = random_qkv(rng, (2,), 40, 64, 16, 8, BF16)
     dout = rng.standard_normal((2, 40, 8)).astype(BF16)
@@ -237,7 +237,7 @@ def test_half_backward_keeps_the_lse_of_longer_rows(isa):
         wide = attnkern.attention_backward(*(x.astype(np.float32) for x in (*block, out, dout, lse)),
                                            kernel="native.flash")
         for h, w in zip(half, wide):
-            if isa in ("avx512bf16", "amx"):
+            if isa == "avx512bf16":
                 assert np.abs(h.astype(np.float64) - w).max() <= 2 ** -6 * max(1, np.abs(w).max())
             else:
                 assert np.array_equal(h.view(np.uint16), w.astype(BF16).view(np.uint16))
@@ -288,8 +288,8 @@ def test_bfloat16_backward_on_dot_products(shape, features):
 
 
 def test_amx_backward_is_refused_where_amx_cannot_run():
-    """The amx unit's backward (vdpbf16ps products, its tiles not used yet) runs only where
-    AMX runs; elsewhere forcing it says why, as the forward does."""
+    """The amx unit's backward (float32 products: no tiles in the backward yet) runs only
+    where AMX runs; elsewhere forcing it says why, as the forward does."""
     if "amx" in attnkern.supported_isas():
         pytest.skip("AMX runs here")
     q = np.ones((1, 8, 4), BF16)

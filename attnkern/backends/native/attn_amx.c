@@ -28,7 +28,6 @@
  * ATTN_AMX_EMULATE (never set by the build) replaces the tile instructions by
  * portable C, so the layouts can be checked on a CPU without AMX. */
 #define ISA amx
-#define ATTN_DOT_BF16 /* the backward's bfloat16 products are vdpbf16ps's (no AMX tiles yet) */
 #include "attn_avx512.c"
 
 #define ANR 32   /* panel width: keys of a Kt panel, columns of a V panel */

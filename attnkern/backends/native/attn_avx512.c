@@ -139,7 +139,7 @@ static ATTN_INLINE __m512 vexp2_avx512_f32(__m512 x)
 #define VW 16
 #define TRANSPOSE_T vtranspose_f32
 #define VEXP2_T VEXP2_F32
-#ifdef ATTN_DOT_BF16 /* attn_avx512bf16.c, attn_amx.c: flash_backward_dot too */
+#ifdef ATTN_DOT_BF16 /* attn_avx512bf16.c: flash_backward_dot too */
 #include "attn_bf16dot.h"
 #define ATTN_BWD_DOT
 #endif

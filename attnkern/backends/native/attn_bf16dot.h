@@ -1,5 +1,5 @@
 /* bfloat16 products (AVX512_BF16's vdpbf16ps) for the backward of bfloat16 inputs:
- * attn_kernels.h's backward under ATTN_BWD_DOT (attn_avx512bf16.c and attn_amx.c)
+ * attn_kernels.h's backward under ATTN_BWD_DOT (attn_avx512bf16.c)
  * takes its five matmuls from here. Its arrays are float32 widened from bfloat16,
  * so q, k, v and dO are bfloat16 values exactly: their pairs are the float32 bits'
  * high halves, no rounding. The probabilities P and dS are rounded to bfloat16 (to

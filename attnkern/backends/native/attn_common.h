@@ -340,8 +340,6 @@ int attn_flash_bf16amx_amx(const attn_problem *, const uint16_t *, const uint16_
 int attn_flash_backward_dot_f32_avx512bf16(const attn_problem *, const float *, const float *, const float *,
                                            const float *, const float *, const float *, float *, float *,
                                            float *);
-int attn_flash_backward_dot_f32_amx(const attn_problem *, const float *, const float *, const float *,
-                                    const float *, const float *, const float *, float *, float *, float *);
 /* element conversions of each unit, for the tests: out[i] = narrow(in[i]), back[i] = widen(out[i]) */
 #define ATTN_DECLARE_CVT(isa) \
     void attn_convert_##isa(int kind, const float *in, int64_t n, uint16_t *out, float *back);

@@ -228,14 +228,13 @@ static const attn_bwd_f32 backward_f32[ATTN_ISA_COUNT] = {
 static const attn_bwd_f64 backward_f64[ATTN_ISA_COUNT] = {
     attn_flash_backward_f64_generic, ATTN_BWD_AVX2(f64), ATTN_BWD_AVX512(f64), ATTN_BWD_AVX512BF16(f64),
     ATTN_BWD_AMX(f64)};
-/* The float32 backward with bfloat16 products (vdpbf16ps), for bfloat16 inputs: the units
- * with AVX512_BF16 (AMX's CPUs have it too; its tiles are not used by the backward yet). */
+/* The float32 backward with bfloat16 products (vdpbf16ps), for bfloat16 inputs, on the
+ * avx512bf16 unit. The amx unit has no backward of its own on tiles yet: its bfloat16
+ * backward keeps float32 products (vdpbf16ps there is unmeasured against them; on
+ * an AMX CPU, ATTNKERN_ISA=avx512bf16 selects these products). */
 static const attn_bwd_f32 backward_dot_bf16[ATTN_ISA_COUNT] = {
 #ifdef ATTN_HAVE_AVX512BF16
     [ATTN_ISA_AVX512BF16] = attn_flash_backward_dot_f32_avx512bf16,
-#endif
-#ifdef ATTN_HAVE_AMX
-    [ATTN_ISA_AMX] = attn_flash_backward_dot_f32_amx,
 #endif
 };
 
