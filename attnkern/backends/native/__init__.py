@@ -123,8 +123,9 @@ def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1
     block from the forward's lse: memory O(threads * block_k * block_q) plus partial dq
     buffers, never N x N. dk and dv have k's rows (fewer than q's under grouped-query
     attention). float32 and float64 natively; bfloat16 and float16 widened to float32
-    (float32 products and accumulators; the rows' lse recomputed in float32 where the
-    given one is it rounded to the dtype), the gradients rounded to the inputs' dtype."""
+    (float32 accumulators; float32 products, but vdpbf16ps ones for bfloat16 on avx512bf16,
+    P and dS rounded to bfloat16; the rows' lse recomputed in float32 where the given one
+    is it rounded to the dtype), the gradients rounded to the inputs' dtype."""
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     if q.itemsize == 2:  # float16 or bfloat16 (the core passes no other 2-byte dtype)
         bits = (x.view(np.uint16) for x in (q, k, v, out, dout))

@@ -197,8 +197,9 @@ int attn_backward_f64(int isa, const attn_problem *p, const double *q, const dou
  * row where the caller's lies within half an ulp of kind of it (the same lse, rounded
  * to kind, as a half forward returns it), else the caller's (that of longer rows, of
  * which k, v hold a block). Every array is widened to float32 once, the float32
- * backward of the ISA runs (float32 products and accumulators), dq, dk and dv are
- * rounded to kind. */
+ * backward of the ISA runs (float32 accumulators; float32 products, but bfloat16 on
+ * avx512bf16: vdpbf16ps products with P and dS rounded to bfloat16, and the rows' lse
+ * from the bfloat16 forward's kernel on plain problems), dq, dk and dv are rounded to kind. */
 int attn_backward_half(int isa, int kind, const attn_problem *p, const uint16_t *q, const uint16_t *k,
                        const uint16_t *v, const uint16_t *out, const uint16_t *dout, const float *lse,
                        uint16_t *dq, uint16_t *dk, uint16_t *dv);
