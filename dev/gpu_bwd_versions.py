@@ -13,10 +13,21 @@ import argparse
 import json
 import statistics
 
+import numpy as np
 import torch
 import attnkern
-from attnkern._gpu import from_torch
 from attnkern.backends.cuda import cpp
+from attnkern.backends.cuda.arrays import GpuArray
+
+
+def from_torch(x, name):
+    """A GpuArray over a contiguous torch CUDA tensor's memory (bfloat16 through ml_dtypes)."""
+    import ml_dtypes
+
+    assert x.is_cuda and x.is_contiguous(), name
+    dtype = {torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float16: np.dtype(np.float16),
+             torch.float32: np.dtype(np.float32)}[x.dtype]
+    return GpuArray(tuple(x.shape), dtype, None, ptr=x.data_ptr(), owner=x)
 
 # float32 (3xTF32): shared memory holds half the rows, and the dK/dV kernel spilled with more
 # than 32 (D = 64) or 8 (D = 128) streamed rows
