@@ -594,7 +594,10 @@ def _encode(causal, scale, kernel, feats, params) -> tuple:
     mask, slopes = (x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
                     for x in (mask, slopes))  # NumPy arrays with tensors
     if seed is not None and not isinstance(seed, torch.Tensor):
-        seed = torch.tensor(int(seed), dtype=torch.int64)
+        # an int64 tensor holds seeds of 2^63 and above as their two's complement: the
+        # kernels take the seed mod 2^64 (_dropout), which maps it back
+        seed = int(seed) % 2**64
+        seed = torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64)
     for name, value in params.items():
         if not isinstance(value, (int, float, str, np.integer, np.floating)) or "," in str(value):
             raise TypeError(f"tunable {name} must be a number (attnkern.kernel_info(name)['params']), got {value!r}")
@@ -679,7 +682,7 @@ def _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, fea
 
 def _dropout_takes(kernel: str, dtype: str, device_type: str) -> bool:
     """Whether the kernel (kernel="auto": one that auto picks for tensors on device_type)
-    has dropout in dtype (autocast's policy: cuda.flash has it in float32 and float64 only)."""
+    has dropout in dtype (autocast's policy; cuda.flash has it in every dtype it takes)."""
     auto = ("cuda.flash", "triton.flash") if device_type == "cuda" else ("native.flash", "numpy.naive")
     names = auto if kernel == "auto" else (kernel,)
     try:

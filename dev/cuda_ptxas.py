@@ -18,7 +18,7 @@ import tempfile
 
 HERE = os.path.join(os.path.dirname(__file__), "..", "attnkern", "backends", "cuda")
 FEAT = ("int", "u64", "int", "int", "int", "int", "float", "u64", "int", "int", "u64", "u64", "u64", "u64", "float",
-        "u64", "float")
+        "u64", "float", "u64", "u64", "float", "u64", "u64", "u64", "u64")
 MMA = ("u64",) * 5 + ("int", "int", "float", "int", "int") + FEAT
 BWD = ("u64",) * 11 + ("int", "int", "float", "float", "int") + FEAT
 
@@ -41,6 +41,20 @@ KERNELS = [
     *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}",
        dict(D=d, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=bn, FEAT=0, MASK=0, ALIBI=0), BWD)
       for d, bns in ((64, (64, 128)), (128, (64, 64))) for part, bn in zip((1, 2), bns)),
+    # the dropout variants (forward on mma.sync, both backward kernels) beside the backward's featured ones
+    *(("flash_mma.cu", f"mma_bf16_d{d}_feat_dropout",
+       dict(D=d, BF16=1, BN=64, MT=2, NW=4, QSMEM=int(d > 64), FEAT=1, MASK=0, ALIBI=0, FAST=0, DROPOUT=1), MMA)
+      for d in (64, 128)),
+    *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}_feat{'_dropout' * drop}",
+       dict(D=d, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=128 if part == 2 and d <= 64 else 64, FEAT=1, MASK=0,
+            ALIBI=0, DROPOUT=drop), BWD)
+      for d in (64, 128) for part in (1, 2) for drop in (0, 1)),
+    # the packed-sequence variants (varlen), with dropout as attention_varlen may ask
+    ("flash_mma.cu", "mma_bf16_d128_feat_varlen",
+     dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=1, MASK=0, ALIBI=0, FAST=0, VARLEN=1, DROPOUT=1), MMA),
+    *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d128_feat_varlen",
+       dict(D=128, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=64, FEAT=1, MASK=0, ALIBI=1, VARLEN=1, DROPOUT=1), BWD)
+      for part in (1, 2)),
 ]
 
 
@@ -51,7 +65,8 @@ def source(path: str, name: str, defines: dict, params: tuple) -> str:
             text += f.read() + "\n"
     args = ", ".join(f"{t} a{i}" for i, t in enumerate(params))
     names = ", ".join(f"a{i}" for i in range(len(params)))
-    return text + f'extern "C" __global__ void k_{name}({args}) {{ {name}({names}); }}\n'
+    bounds = f"__launch_bounds__({32 * defines['NW']}) " if "NW" in defines else ""  # as numba-cuda's launch_bounds
+    return text + f'extern "C" __global__ void {bounds}k_{name}({args}) {{ {name}({names}); }}\n'
 
 
 def main() -> None:

@@ -60,7 +60,7 @@ def test_kernels_command_lists_the_registry(capsys):
     assert cli.main(["kernels"]) == 0
     printed = capsys.readouterr().out
     assert "block_q=256" in printed
-    assert "; dropout only in float32, float64" in printed  # cuda.flash's feature_dtypes
+    assert "; varlen only in float16, bfloat16" in printed  # cuda.flash's feature_dtypes
 
 
 def test_console_script_and_module_say_what_they_measure():

@@ -285,8 +285,8 @@ def _mask_peer(q, k, v, dout, mask, kw):
         (b, h), nq, nk = q.shape[:2], q.shape[-2], k.shape[-2]
         rows = np.arange(b * h).reshape(b, h, 1, 1)
         z = _philox.dropout_factor(kw["dropout_seed"], kw["dropout_p"], rows, np.arange(nq)[:, None],
-                                   np.arange(nk), q.dtype)
-        probs = probs * torch.from_numpy(z)
+                                   np.arange(nk), np.float64)
+        probs = probs * torch.from_numpy(z).to(probs)  # 1 / (1 - p) rounded to the peer's dtype
     out = probs @ vr
     out.backward(torch.as_tensor(dout))
     return [x.detach().double().cpu().numpy() for x in (out, qt.grad, kt.grad, vt.grad)]
@@ -446,21 +446,21 @@ def test_dropout_in_varlen_sequences_uses_packed_counters():
 
 
 @pytest.mark.skipif(SIMULATED, reason="CUDA autocast needs a GPU")
-def test_dropout_under_cuda_autocast_runs_in_float32():
-    """In a CUDA autocast region (float16) attention with dropout computes in float32 (cuda.flash
-    has no half dropout) and returns float16, with and without grad."""
+def test_dropout_under_cuda_autocast_runs_in_float16():
+    """In a CUDA autocast region (float16) attention with dropout computes in float16 (cuda.flash
+    has half dropout: the float16 call on the inputs cast to float16), with and without grad."""
     from test_features import inputs
 
     q, k, v, dout = inputs((2, 4, 2, 70, 90, 64, 64), np.float32, seed=4)
     tensors = [torch.tensor(x, device="cuda", requires_grad=True) for x in (q, k, v)]
     kw = dict(causal=True, dropout_p=0.2, dropout_seed=3)
-    want = attnkern.attention(*tensors, **kw)
+    want = attnkern.attention(*(t.detach().half() for t in tensors), **kw)
     with torch.autocast("cuda", dtype=torch.float16):
         got = attnkern.attention(*tensors, **kw)
         with torch.no_grad():
             plain = attnkern.attention(*tensors, **kw)
     assert got.dtype == plain.dtype == torch.float16
-    assert torch.equal(got, want.half()) and torch.equal(plain, want.half())
+    assert torch.equal(got, want) and torch.equal(plain, want)
     got.float().backward(torch.from_numpy(dout).cuda())
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in tensors)
 # ---------------------------------------------------------------- float16/bfloat16 on tensor cores (a GPU only)

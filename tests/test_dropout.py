@@ -5,6 +5,9 @@ mask (so elementwise, not statistically); determinism across thread counts and r
 the keep rate and the expectation of the output; seeds from NumPy's and torch's
 global generators; the kernels that refuse dropout."""
 
+import os
+import zlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -192,6 +195,18 @@ def test_bad_dropout_arguments_say_what_to_fix(kw, error, words):
         attnkern.attention(q, k, v, **kw)
 
 
+def test_torch_tensors_take_seeds_up_to_2_64():
+    """A seed of 2^63 or more (the API takes seeds mod 2^64) also passes through the torch op
+    (an int64 tensor holds it as its two's complement): the NumPy call's output."""
+    torch = pytest.importorskip("torch")
+    q, k, v = inputs((1, 2, 9, 8), (1, 2, 10, 8), np.float32)
+    for seed in (2**64 - 3, 2**63, 2**63 - 1):
+        want = attnkern.attention(q, k, v, kernel="native.flash", dropout_p=0.4, dropout_seed=seed)
+        got = attnkern.attention(*(torch.from_numpy(x) for x in (q, k, v)), kernel="native.flash", dropout_p=0.4,
+                                 dropout_seed=seed)
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
 def test_the_backward_needs_the_forwards_seed():
     q, k, v = inputs((1, 2, 4, 8), (1, 2, 4, 8), np.float32)
     out, lse = attnkern.attention(q, k, v, dropout_p=0.2, dropout_seed=1, return_lse=True)
@@ -214,41 +229,161 @@ def test_half_forward_with_dropout_mask_and_alibi(kind):
     assert np.abs(out.astype(np.float64) - ref).max() <= bound
 
 
-def test_cuda_flash_states_its_dropout_dtypes():
-    """cuda.flash has dropout in float32 and float64 only (its Numba kernels; the CUDA
-    C++ kernels of float16/bfloat16 have no Philox): the registry says so as data
-    (feature_dtypes), refuses half calls with dropout naming the dtypes, leaves it out
-    of the kernels named for a half call with dropout, and kernel_info shows it."""
+def test_cuda_flash_has_dropout_in_every_dtype():
+    """cuda.flash has dropout in all four dtypes (float16/bfloat16 on its CUDA C++ tensor-core
+    kernels, float32/float64 on its Numba kernels), forward and backward: no per-dtype limit on
+    dropout in the registry or kernel_info, and auto may pick it for a half call with dropout."""
     from attnkern import _registry
 
     flash = _registry.get("cuda.flash")
     assert "dropout" in flash.features and "dropout" in flash.features_of_backward()
-    assert flash.feature_dtypes == {"dropout": ("float32", "float64")}
-    for dtype in ("float32", "float64"):
+    assert "dropout" not in flash.feature_dtypes
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
         assert "dropout" in flash.features_in(dtype)
-        assert not [r for r in flash.not_supported_reasons(dtype=dtype, features=frozenset({"dropout"}), backward=True)
-                    if r[0] == "features"]
-    for dtype in ("float16", "bfloat16"):
-        assert flash.features_in(dtype) == flash.features - {"dropout"}
-        why = dict(flash.not_supported_reasons(dtype=dtype, features=frozenset({"dropout", "gqa"})))["features"]
-        assert why == (f"does not support dropout on the probabilities (dropout_p > 0) in {dtype} (it has dropout "
-                       "on the probabilities (dropout_p > 0) only in float32, float64)")
-        assert "cuda.flash" not in _registry.supporting(frozenset({"dropout"}), dtype=dtype)
-        assert not dict(flash.not_supported_reasons(dtype=dtype, features=frozenset({"gqa"}))).get("features")
-    assert "cuda.flash" in _registry.supporting(frozenset({"dropout"}), backward=True, dtype="float32")
-    assert attnkern.kernel_info("cuda.flash")["feature_dtypes"] == {"dropout": ["float32", "float64"]}
-    assert all(attnkern.kernel_info(k)["feature_dtypes"] == {} for k in attnkern.kernels() if k != "cuda.flash")
+        assert not [r for r in flash.not_supported_reasons(dtype=dtype, features=frozenset({"dropout", "gqa"}),
+                                                            backward=True) if r[0] == "features"]
+        assert "cuda.flash" in _registry.supporting(frozenset({"dropout"}), backward=True, dtype=dtype)
+    assert all("dropout" not in attnkern.kernel_info(k)["feature_dtypes"] for k in attnkern.kernels())
 
 
 def test_autocast_policy_computes_dropout_where_the_kernel_has_it():
     """Under autocast the op computes in the region's dtype only where the kernel (auto:
-    those auto picks on that device) has dropout in it, else in float32: on CUDA,
-    cuda.flash has no float16/bfloat16 dropout."""
+    those auto picks on that device) has dropout in it, else in float32: cuda.flash has
+    it in float16 and bfloat16 too."""
     from attnkern import _api
 
-    assert not _api._dropout_takes("auto", "float16", "cuda")
-    assert not _api._dropout_takes("cuda.flash", "bfloat16", "cuda")
+    assert _api._dropout_takes("auto", "float16", "cuda")
+    assert _api._dropout_takes("cuda.flash", "bfloat16", "cuda")
     assert _api._dropout_takes("cuda.flash", "float32", "cuda")
     assert _api._dropout_takes("auto", "bfloat16", "cpu")
     assert not _api._dropout_takes("torch.sdpa", "bfloat16", "cpu")
     assert not _api._dropout_takes("no.such.kernel", "float32", "cpu")
+
+
+# ---------------------------------------------------------------- cuda.flash in float16/bfloat16 (a GPU only)
+# flash_mma.cu's and flash_bwd_mma.cu's dropout variants: the simulator runs no CUDA C++, so these
+# run with ATTNKERN_TEST_GPU=1 on a GPU (on Hopper too, where dropout runs mma.sync, not wgmma).
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+half_gpu = pytest.mark.skipif(SIMULATED, reason="cuda.flash's float16/bfloat16 kernels are CUDA C++ (a GPU only)")
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_flash_half_mask_is_the_cpus_bit_for_bit(dtype):
+    """q = 0 (P = 1/nk) and v = the identity (nk = D = 128): out = Z / nk, the forward's keep
+    mask read back, equals attnkern._philox's for every folded batch row, each kept element
+    exactly 1 / (1 - p) in the dtype over nk, and the keep rate lies within a binomial bound;
+    dout = the identity (nq = D) reads the backward's mask back from dv = (P Z)^T dO."""
+    import torch
+
+    n, tdt = 128, getattr(torch, dtype)
+    for p, seed in ((0.3, 2**40 + 12345), (0.75, 2**64 - 3)):
+        q = torch.zeros((2, 3, n, n), dtype=tdt, device="cuda")
+        k = torch.ones_like(q)
+        eye = torch.eye(n, dtype=tdt, device="cuda").expand(2, 3, n, n).contiguous()
+        out, lse = attnkern.attention(q, k, eye, kernel="cuda.flash", dropout_p=p, dropout_seed=seed,
+                                      return_lse=True)
+        got = out.float().cpu().numpy().reshape(6, n, n)
+        b, i, j = np.ogrid[:6, :n, :n]
+        want = _philox.keep(seed, p, b, i, j)
+        np.testing.assert_array_equal(got > 0, want)
+        z = float(torch.tensor(1 / (1 - p), dtype=tdt))
+        assert (got[want] == z / n).all() and not got[~want].any()
+        assert abs(want.sum() - want.size * (1 - p)) <= 6 * np.sqrt(want.size * p * (1 - p))
+        dv = attnkern.attention_backward(q, k, eye, out, eye, lse, kernel="cuda.flash", dropout_p=p,
+                                         dropout_seed=seed)[2]
+        back = dv.float().cpu().numpy().reshape(6, n, n).transpose(0, 2, 1)  # dv[j, i] = Z_ij / nq
+        np.testing.assert_array_equal(back > 0, want)
+
+
+# (lead, H_kv, nq, nk, D, keywords, bool mask): GQA with causal, D 64 and 128, MQA with every feature
+HALF_CASES = {
+    "gqa-causal-d64": ((2, 4), 2, 150, 197, 64, dict(causal=True, dropout_p=0.2, dropout_seed=7), False),
+    "d128": ((1, 2), 2, 77, 300, 128, dict(dropout_p=0.5, dropout_seed=2**64 - 7), False),
+    "gqa-d128-bottom_right": ((2, 2), 1, 130, 129, 128, dict(causal="bottom_right", dropout_p=0.1,
+                                                             dropout_seed=12), False),
+    "mqa-everything": ((2, 4), 1, 70, 190, 64, dict(causal="bottom_right", window=(40, 0), key_lengths=[190, 25],
+                                                     softcap=3.0, alibi_slopes=[0.5, 0.25, 0.125, 0.0625],
+                                                     dropout_p=0.3, dropout_seed=2**63 + 5), True),
+}
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", HALF_CASES)
+def test_cuda_flash_half_dropout_by_flash_attentions_rule(dtype, name):
+    """cuda.flash's float16/bfloat16 forward and backward with dropout against the float64
+    reference with the same Philox mask, by FlashAttention's rule (at most twice the error
+    of torch ops in the same dtype with that mask, plus two roundings of the largest value);
+    bit-identical repeats; another seed gives another output; torch autograd gives
+    attention_backward's gradients; auto picks cuda.flash."""
+    import torch
+    from test_cuda_backward import _half_case, _mask_peer
+    from test_features import err
+
+    from attnkern_bench.accuracy import UNIT_ROUNDOFF
+
+    lead, h_kv, nq, nk, d, kw, masked = HALF_CASES[name]
+    q, k, v, dout = _half_case(torch, dtype, lead, nq, nk, d, zlib.crc32(name.encode()) % 1000, kv_heads=h_kv)
+    mask = np.random.default_rng(3).random((nq, nk)) < 0.8 if masked else np.ones((nq, nk), bool)
+    if masked:
+        kw = dict(kw, attn_mask=mask)
+    host = [x.double().cpu().numpy() for x in (q, k, v, dout)]
+    refs = [attnkern.reference(*host[:3], **kw), *attnkern.reference_backward(*host, **kw)]
+    peer = _mask_peer(q, k, v, dout, mask, kw)
+    gkw = dict(kw, attn_mask=torch.from_numpy(mask).cuda()) if masked else kw
+    out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **gkw)
+    grads = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **gkw)
+    u = UNIT_ROUNDOFF[dtype]
+    for what, r, p, a in zip(("out", "dq", "dk", "dv"), refs, peer, (out, *grads)):
+        a = a.double().cpu().numpy()
+        assert a.shape == r.shape and np.isfinite(a).all(), what
+        limit = 2 * err(p, r) + 2 * u * max(1.0, np.abs(r).max())
+        assert err(a, r) <= limit, f"{what}: {err(a, r):.3g} > {limit:.3g}"
+    again = attnkern.attention(q, k, v, kernel="cuda.flash", return_lse=True, **gkw)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    regrads = attnkern.attention_backward(q, k, v, out, dout, lse, kernel="cuda.flash", **gkw)
+    assert all(torch.equal(a, b) for a, b in zip(grads, regrads))
+    other = attnkern.attention(q, k, v, kernel="cuda.flash", **dict(gkw, dropout_seed=kw["dropout_seed"] - 1))
+    assert not torch.equal(other, out)
+    assert torch.equal(attnkern.attention(q, k, v, **gkw), out)  # auto: cuda.flash
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    attnkern.attention(*leaves, kernel="cuda.flash", **gkw).backward(dout)
+    assert all(torch.equal(g, leaf.grad) for g, leaf in zip(grads, leaves))
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_flash_half_dropout_with_unaligned_key_counters(dtype):
+    """attention_varlen on cuda.flash (packed sequences in one launch) offsets the Philox
+    counters by each sequence's first packed query and key: keys starting at 5 (not a
+    multiple of 4) take the kernels' path that draws each element alone. Forward and
+    gradients against the float64 reference of each sequence with the same counters; the
+    keep mask read back bit for bit."""
+    import ml_dtypes
+    from test_varlen import packed, per_sequence
+
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    lens_q, lens_k = [3, 45, 0, 20], [5, 18, 9, 0]  # 32 keys in all
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, heads=4, heads_kv=2, d=32, dv=32, dtype=np.float32, seed=5)
+    q, k, v = (x.astype(np_dtype) for x in (q, k, v))
+    dout = np.random.default_rng(6).standard_normal((q.shape[0], 4, 32)).astype(np_dtype)
+    kw = dict(causal="bottom_right", dropout_p=0.4, dropout_seed=99)
+    out, lse = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="cuda.flash", return_lse=True, **kw)
+    grads = attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, kernel="cuda.flash", **kw)
+    host = [x.astype(np.float64) for x in (q, k, v, dout)]
+    ref, _, ref_grads = per_sequence(*host[:3], cu_q, cu_k, host[3], **kw)
+    assert_close(out, ref, host[0], host[1], np_dtype, factor=1 / 0.6, what="out")
+    for g, r, name in zip(grads, ref_grads, ("dq", "dk", "dv")):
+        assert_close(g, r, host[0], host[1], np_dtype, factor=8 * np.abs(host[3]).max() / 0.6, what=name)
+    # the mask: q = 0 (P = 1 / len_k), v = the identity over the 32 packed keys (D = 32)
+    zq = np.zeros_like(q)
+    eye = np.broadcast_to(np.eye(32)[:, None, :], (32, 2, 32)).astype(np_dtype)
+    got = attnkern.attention_varlen(zq, np.ones_like(k), eye, cu_q, cu_k, kernel="cuda.flash", dropout_p=0.4,
+                                    dropout_seed=99)  # no causal mask: every key is seen
+    for s in range(len(lens_q)):
+        i, j = np.arange(cu_q[s], cu_q[s + 1]), np.arange(cu_k[s], cu_k[s + 1])
+        if not i.size or not j.size:
+            continue
+        expect = _philox.keep(99, 0.4, np.arange(4)[None, :, None], i[:, None, None], j[None, None, :])
+        np.testing.assert_array_equal(got[i][:, :, j].astype(np.float32) > 0, expect)

@@ -4,6 +4,8 @@ of that sequence alone (per-sequence causal alignment, GQA, windows, softcap,
 dropout with the packed indices as Philox counters), lse (H, total_q), empty
 sequences, torch autograd, and the errors that say what to fix."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -215,3 +217,130 @@ def test_dv_zero_gives_each_sequences_lse():
     _, ref_lse, _ = per_sequence(q, k, v, cu_q, cu_k, causal="bottom_right")
     assert out.shape == (7, 4, 0)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
+
+
+# ---------------------------------------------------------------- cuda.flash: packed sequences in one launch
+# flash_mma.cu's and flash_bwd_mma.cu's ATTNKERN_VARLEN variants (float16/bfloat16, CUDA C++: a GPU
+# only, ATTNKERN_TEST_GPU=1). The oracle is the float64 reference of each sequence alone; the bound is
+# FlashAttention's rule with cuda.flash's own per-sequence calls as the peer (at most twice their
+# error plus two roundings of the largest value): the one launch is no worse than one call a sequence.
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+half_gpu = pytest.mark.skipif(SIMULATED, reason="cuda.flash's float16/bfloat16 kernels are CUDA C++ (a GPU only)")
+
+# (lens_q, lens_k, H, H_kv, D, keywords): empty sequences (no queries, no keys), sequences shorter
+# than a block and longer than several, GQA, both causal alignments, window, softcap, ALiBi
+CUDA_VARLEN_CASES = {
+    "short-and-empty-d64": ([3, 0, 130, 1, 17, 0], [5, 7, 100, 0, 300, 0], 4, 2, 64, {}),
+    "causal-gqa-d128": ([70, 200, 5], [70, 260, 9], 4, 1, 128, {"causal": True}),
+    "bottom_right-window-softcap": ([64, 1, 129], [200, 33, 129], 2, 2, 64,
+                                    {"causal": "bottom_right", "window": (40, 0), "softcap": 5.0}),
+    "alibi-per-sequence": ([9, 150], [30, 150], 4, 2, 128, {"alibi_slopes": [[0.5, 0.25, 0.125, 0.0625],
+                                                                           [0.1, 0.2, 0.3, 0.4]]}),
+}
+
+
+def _per_sequence_calls(q, k, v, cu_q, cu_k, dout, kw):
+    """cuda.flash's out and gradients one (H, len, D) call a sequence (the peer), float64."""
+    out = np.zeros(q.shape[:2] + (v.shape[2],))
+    grads = [np.zeros(x.shape) for x in (q, k, v)]
+    for s in range(len(cu_q) - 1):
+        (a, b), (c, e) = cu_q[s:s + 2], cu_k[s:s + 2]
+        if a == b or c == e:
+            continue
+        seq_kw = dict(kw)
+        if np.ndim(kw.get("alibi_slopes")) == 2:
+            seq_kw["alibi_slopes"] = kw["alibi_slopes"][s]
+        sq, sk, sv, sd = (np.ascontiguousarray(x[lo:hi].transpose(1, 0, 2))
+                          for x, lo, hi in ((q, a, b), (k, c, e), (v, c, e), (dout, a, b)))
+        o, lse = attnkern.attention(sq, sk, sv, kernel="cuda.flash", return_lse=True, **seq_kw)
+        out[a:b] = o.transpose(1, 0, 2)
+        for g, part, lo, hi in zip(grads, attnkern.attention_backward(sq, sk, sv, o, sd, lse, kernel="cuda.flash",
+                                                                      **seq_kw), (a, c, c), (b, e, e)):
+            g[lo:hi] = part.transpose(1, 0, 2)
+    return out, grads
+
+
+def _reference_per_sequence(q, k, v, cu_q, cu_k, dout, kw):
+    """per_sequence's reference, with (nseq, H) ALiBi slopes taken row by row."""
+    if np.ndim(kw.get("alibi_slopes")) != 2:
+        return per_sequence(q, k, v, cu_q, cu_k, dout, **kw)
+    out, lse, grads = per_sequence(q, k, v, cu_q, cu_k, dout, **dict(kw, alibi_slopes=kw["alibi_slopes"][0]))
+    for s in range(1, len(cu_q) - 1):
+        o, l, g = per_sequence(q, k, v, cu_q, cu_k, dout, **dict(kw, alibi_slopes=kw["alibi_slopes"][s]))
+        (a, b), (c, e) = cu_q[s:s + 2], cu_k[s:s + 2]
+        out[a:b], lse[:, a:b] = o[a:b], l[:, a:b]
+        for full, part, lo, hi in zip(grads, g, (a, c, c), (b, e, e)):
+            full[lo:hi] = part[lo:hi]
+    return out, lse, grads
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", CUDA_VARLEN_CASES)
+def test_cuda_flash_runs_packed_sequences_in_one_launch(dtype, name):
+    """attention_varlen and its backward on cuda.flash in float16/bfloat16: one launch over
+    (query blocks, heads, sequences) (kernel_info has varlen in these dtypes), out, lse and the
+    gradients against the float64 reference of each sequence by FlashAttention's rule with the
+    per-sequence calls as the peer; rows that see no key give 0 and lse -inf; keys of sequences
+    without queries get zero gradients; bit-identical repeats."""
+    import ml_dtypes
+
+    from attnkern import _api
+    from attnkern_bench.accuracy import UNIT_ROUNDOFF
+
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    lens_q, lens_k, heads, heads_kv, d, kw = CUDA_VARLEN_CASES[name]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, heads, heads_kv, d, d, np.float32, seed=len(name))
+    q, k, v = (x.astype(np_dtype) for x in (q, k, v))
+    dout = np.random.default_rng(4).standard_normal((q.shape[0], heads, d)).astype(np_dtype)
+    if "alibi_slopes" in kw:
+        kw = dict(kw, alibi_slopes=np.array(kw["alibi_slopes"]))
+    info = attnkern.kernel_info("cuda.flash")
+    assert "varlen" in info["features"] and info["feature_dtypes"]["varlen"] == ["float16", "bfloat16"]
+    packed_call = _api._packed_call(_api._varlen(q, k, v, cu_q, cu_k, None, None, kw.get("alibi_slopes")),
+                                    kw.get("causal", False), None, kw.get("window"), kw.get("softcap"), 0.0, None)
+    assert _api._packed_kernel(packed_call, "cuda.flash", backward=True) is not None  # one call, not a loop
+    out, lse = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="cuda.flash", return_lse=True, **kw)
+    grads = attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, kernel="cuda.flash", **kw)
+    host = [x.astype(np.float64) for x in (q, k, v, dout)]
+    ref, ref_lse, ref_grads = _reference_per_sequence(*host[:3], cu_q, cu_k, host[3], kw)
+    peer, peer_grads = _per_sequence_calls(q, k, v, cu_q, cu_k, dout, kw)
+    u = UNIT_ROUNDOFF[dtype]
+    for what, a, p, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (peer, *peer_grads), (ref, *ref_grads)):
+        a = np.asarray(a, np.float64)
+        assert a.shape == r.shape and np.isfinite(a).all(), what
+        err, peer_err = np.abs(a - r).max(initial=0), np.abs(p - r).max(initial=0)
+        limit = 2 * peer_err + 2 * u * max(1.0, np.abs(r).max(initial=0))
+        assert err <= limit, f"{what}: {err:.3g} > {limit:.3g} (per-sequence calls: {peer_err:.3g})"
+    lse = np.asarray(lse, np.float64)
+    assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
+    fin = np.isfinite(ref_lse)
+    assert np.abs(lse[fin] - ref_lse[fin]).max(initial=0) <= 4 * u * max(1.0, np.abs(ref_lse[fin]).max(initial=0))
+    assert not np.asarray(out, np.float64)[np.isneginf(ref_lse).T].any()
+    for s in range(len(lens_q)):
+        if lens_q[s] == 0:  # keys no query sees
+            assert not np.asarray(grads[1][cu_k[s]:cu_k[s + 1]], np.float64).any()
+    again = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="cuda.flash", **kw)
+    regrads = attnkern.attention_varlen_backward(q, k, v, out, dout, lse.astype(np_dtype), cu_q, cu_k,
+                                                 kernel="cuda.flash", **kw)
+    assert again.tobytes() == out.tobytes()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(grads, regrads))
+
+
+def test_cuda_flash_states_where_it_packs_sequences():
+    """kernel_info says cuda.flash has varlen in float16/bfloat16 only; in float32 and float64
+    attention_varlen runs it one sequence at a time (the simulator runs float32 here), and a
+    packed float32 call handed to it directly is refused saying so."""
+    from attnkern import _registry
+    from attnkern.backends.cuda import _cuda_flash
+
+    flash = _registry.get("cuda.flash")
+    assert flash.feature_dtypes["varlen"] == ("float16", "bfloat16")
+    assert "varlen" in flash.features_in("bfloat16") and "varlen" not in flash.features_in("float32")
+    q, k, v, cu_q, cu_k = packed([3, 5], [4, 2], 2, 2, 8, 8, np.float32)
+    out = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="cuda.flash", block_q=8, block_k=8)
+    assert_close(out, per_sequence(*(x.astype(np.float64) for x in (q, k, v)), cu_q, cu_k)[0], q, k, np.float32)
+    features = _registry.Features(cu_seqlens_q=cu_q.astype(np.int64), cu_seqlens_k=cu_k.astype(np.int64))
+    with pytest.raises(ValueError, match="float16 and bfloat16 only, not float32"):
+        _cuda_flash(np.zeros((2, 8, 8), np.float32), np.zeros((2, 6, 8), np.float32), np.zeros((2, 6, 8), np.float32),
+                    False, 0.35, features=features)

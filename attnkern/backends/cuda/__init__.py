@@ -183,14 +183,14 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fa
             dq, dk, dv, causal, scale, block_q, block_k, tensor_cores, fastmath, split_k, out=dout, lse=dlse,
             features=features))
     _LAST.splits = 0
+    _check_varlen(features, q.dtype.name)
     splits = _decode_splits(q, k, v, features, split_k)
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
     dropout = feat is not None and feat.dropout_p > 0
-    if dropout and q.dtype.name not in DROPOUT_DTYPES:
-        raise ValueError(_dropout_dtype_error(q.dtype.name))
     if q.dtype.name in cpp.MMA_DTYPES:
         return _cuda_flash_half(q, k, v, causal, scale, out, lse, feat, fastmath, splits)
-    # dropout runs the Numba kernel: the CUDA C++ kernels have no Philox
+    # float32 dropout runs the Numba kernel: the float32 CUDA C++ kernels have no Philox
+    # (float16/bfloat16 dropout runs flash_mma.cu's dropout variant)
     division = None if dropout else _cpp_kernel(block_q, block_k, q.shape[2], v.shape[2], q.dtype, tensor_cores)
     out = _device_out(q, v, out)
     ptrs = [a.ptr for a in (q, k, v, out)] + ([] if lse is None else [lse.ptr])
@@ -204,16 +204,23 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fa
     return out
 
 
-# the dtypes in which cuda.flash has dropout: those its Numba kernels run (the CUDA C++
-# kernels, float16/bfloat16's only ones, have no Philox)
-DROPOUT_DTYPES = ("float32", "float64")
+# the dtypes in which cuda.flash runs packed varlen sequences in one launch (flash_mma.cu's and
+# flash_bwd_mma.cu's ATTNKERN_VARLEN variants); in the others attention_varlen runs one call a sequence
+VARLEN_DTYPES = ("float16", "bfloat16")
+# a launch's grid z (the sequences of a varlen call) is at most 65535 blocks
+MAX_SEQUENCES = 65535
 
 
-def _dropout_dtype_error(dtype: str) -> str:
-    """The refusal of dropout in a dtype outside DROPOUT_DTYPES, naming what runs it."""
-    return (f"cuda.flash has dropout in {' and '.join(DROPOUT_DTYPES)} only, not {dtype} (its {dtype} kernels have "
-            f"no Philox mask): convert to float32 for cuda.flash (.float()), or run {dtype} with dropout on host "
-            "arrays with native.flash")
+def _check_varlen(features, dtype: str) -> None:
+    """ValueError where a varlen call (packed sequences) is one cuda.flash cannot run in one launch."""
+    if features is None or features.cu_seqlens_q is None:
+        return
+    if dtype not in VARLEN_DTYPES:
+        raise ValueError(f"cuda.flash runs packed varlen sequences in one launch in float16 and bfloat16 only, not "
+                         f"{dtype}: attention_varlen runs {dtype} one sequence at a time")
+    if len(features.cu_seqlens_q) - 1 > MAX_SEQUENCES:
+        raise ValueError(f"cuda.flash takes at most {MAX_SEQUENCES} packed sequences in one launch, got "
+                         f"{len(features.cu_seqlens_q) - 1}: split the batch")
 
 
 def _cpp_kernel(block_q: int, block_k: int, d: int, dv: int, dtype, tensor_cores: int):
@@ -408,8 +415,6 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
 
     from . import arrays, backward, cpp, launch
 
-    if features is not None and features.dropout_p > 0 and q.dtype.name not in DROPOUT_DTYPES:
-        raise ValueError(_dropout_dtype_error(q.dtype.name))
     half = q.dtype.name in cpp.MMA_DTYPES
     if half:
         if config.ENABLE_CUDASIM:
@@ -420,6 +425,7 @@ def _cuda_flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=0, bloc
             raise ValueError(f"cuda.flash backward: {why}")
     else:
         block_q, block_k = _flash_backward_tiles(block_q, block_k, q.shape[2], v.shape[2], q.dtype.itemsize)
+    _check_varlen(features, q.dtype.name)
     feat = launch.KernelFeatures.of(features, q.shape[0], q.dtype)
 
     def run(*a):
@@ -542,7 +548,8 @@ register(
         name="cuda.flash",
         description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory "
                     "(float32: tensor cores in 3xTF32, or register-blocked float32 FMAs, CUDA C++; "
-                    "float16/bfloat16: tensor cores; float64, and float32 with dropout: Numba); "
+                    "float16/bfloat16: tensor cores, dropout on mma.sync; float64, and float32 with dropout: "
+                    "Numba); "
                     "deterministic backward in two (dQ per query block, dK/dV per key block; float16/bfloat16 "
                     "on tensor cores and float32 in 3xTF32, CUDA C++; float64, and float32 with tensor_cores=0 or "
                     "dropout: Numba)",
@@ -581,9 +588,12 @@ register(
         returns_lse=True,
         backward=_cuda_flash_backward,
         # every code path, forward and backward, has these features (docs/features.md); dropout
-        # only the Numba kernels, in float32 and float64 (float32 with dropout runs no CUDA C++)
-        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap", "mask", "alibi", "dropout"}),
-        feature_dtypes={"dropout": DROPOUT_DTYPES},
+        # in every dtype: float16/bfloat16 on flash_mma.cu (mma.sync, also on Hopper) and
+        # flash_bwd_mma.cu, float32 and float64 on the Numba kernels; varlen (packed sequences in
+        # one launch) in float16/bfloat16 only (float32/float64 run one call a sequence)
+        features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap", "mask", "alibi", "dropout",
+                            "varlen"}),
+        feature_dtypes={"varlen": VARLEN_DTYPES},
         # float16/bfloat16: the tensor-core forward (flash_mma.cu, flash_wgmma.cu) and backward
         # (flash_bwd_mma.cu), D = Dv a multiple of 16 up to 128
         dtypes=("float32", "float64", "float16", "bfloat16"),

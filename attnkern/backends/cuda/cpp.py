@@ -309,14 +309,37 @@ def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
     return WgmmaConfig() if wgmma_applies(d, d) else mma_config(d, dtype)
 
 
-def _suffix(featured: bool, mask: int, alibi: bool, fast: bool = False) -> str:
+def _suffix(featured: bool, mask: int, alibi: bool, fast: bool = False, dropout: bool = False,
+            varlen: bool = False) -> str:
     """A kernel name's tail for its variant: plain, featured (_f), with a mask (m<kind>), with ALiBi (a),
-    fastmath (_fm)."""
-    return ("_f" if featured else "") + (f"m{mask}" if mask else "") + ("a" if alibi else "") + ("_fm" if fast else "")
+    with dropout (d), packed sequences (v), fastmath (_fm)."""
+    return (("_f" if featured else "") + (f"m{mask}" if mask else "") + ("a" if alibi else "")
+            + ("d" if dropout else "") + ("v" if varlen else "") + ("_fm" if fast else ""))
+
+
+def _dropout_of(feat) -> bool:
+    """Whether a launch.KernelFeatures (or None) has dropout."""
+    return feat is not None and feat.dropout_p > 0
+
+
+def _varlen_of(feat) -> bool:
+    """Whether a launch.KernelFeatures (or None) packs varlen sequences."""
+    return feat is not None and feat.cu_q is not None
+
+
+def _variant(dropout: bool, varlen: bool) -> tuple:
+    """The defines of the dropout and varlen variants (none for the others: their kernels compile as before)."""
+    return ((("DROPOUT", 1),) if dropout else ()) + ((("VARLEN", 1),) if varlen else ())
+
+
+def _grid(blocks: int, rows: int, feat) -> tuple:
+    """A launch's grid: (blocks, rows), or for packed sequences (blocks of the longest, rows, sequences)."""
+    return (blocks, rows, feat.sequences) if _varlen_of(feat) else (blocks, rows)
 
 
 def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None = None, featured: bool = False,
-                     mask: int = 0, alibi: bool = False, fast: bool = False, wide: bool = False):
+                     mask: int = 0, alibi: bool = False, fast: bool = False, wide: bool = False,
+                     dropout: bool = False, varlen: bool = False):
     """cuda.flash's tensor-core kernel for float16, bfloat16 (flash_wgmma.cu for a
     WgmmaConfig, flash_mma.cu for an MmaConfig) or float32 (flash_tf32.cu, 3xTF32),
     head size d and a work division (default half_config(d, dtype), or mma_config(d,
@@ -335,11 +358,18 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
     the variant that adds ALiBi (ATTNKERN_ALIBI); fast: the fastmath variant
     (ATTNKERN_FAST: the approximate ex2, lg2 and reciprocal, flushing denormals);
     wide: the half kernels' variant that writes float32 rows and a log2-domain lse
-    before any rounding (ATTNKERN_WIDE; the other variants compile without it)."""
+    before any rounding (ATTNKERN_WIDE; the other variants compile without it); dropout: the
+    featured flash_mma.cu variant that multiplies P by dropout's Philox mask (ATTNKERN_DROPOUT;
+    flash_tf32.cu and flash_wgmma.cu have none: a ValueError); varlen: likewise, the variant over
+    packed sequences (ATTNKERN_VARLEN, a grid of (query blocks, heads, sequences))."""
     config = config or tensor_core_config(d, dtype)
     params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES
-    suffix = _suffix(featured, mask, alibi, fast) + ("_w" if wide else "")
+    suffix = _suffix(featured, mask, alibi, fast, dropout, varlen) + ("_w" if wide else "")
     widen = (("WIDE", 1),) if wide else ()
+    if (dropout or varlen) and (dtype == "float32" or not featured or wide or isinstance(config, WgmmaConfig)):
+        raise ValueError("cuda.flash: dropout and packed sequences run on flash_mma.cu's featured float16/bfloat16 "
+                         "kernels only")
+    drop = _variant(dropout, varlen)
     if isinstance(config, WgmmaConfig):
         config.check(d)
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
@@ -353,7 +383,7 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
         source, defines, itemsize = "flash_tf32.cu", (("D", d), *division), 4
     else:
         source, defines, itemsize = "flash_mma.cu", (("D", d), ("BF16", int(dtype == "bfloat16")), *division,
-                                                     *widen), 2
+                                                     *widen, *drop), 2
     return _linked_kernel(source, f"attnkern_flash_mma_{dtype}_{d}_{config}{suffix}", defines, params,
                           config.threads, config.shared_bytes(d, itemsize))
 
@@ -371,10 +401,13 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     The grid is (query blocks, batch); config: the work division (default
     half_config(d), or mma_config(d) for float32); feat: a launch.KernelFeatures,
     or None (the plain kernel); fast: the fastmath variant; wide: the float32-rows
-    variant (out and lse float32, lse in the log2 domain)."""
+    variant (out and lse float32, lse in the log2 domain). Dropout runs flash_mma.cu (mma.sync)
+    also on Hopper: flash_wgmma.cu has no Philox mask; so do packed sequences (feat.cu_q: the grid
+    (query blocks of the longest sequence, heads, sequences))."""
     batch, nq, d = q.shape
     dtype = q.dtype.name
-    config = config or tensor_core_config(d, dtype)
+    dropout, varlen = _dropout_of(feat), _varlen_of(feat)
+    config = config or (mma_config(d, dtype) if dropout or varlen else tensor_core_config(d, dtype))
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
@@ -382,8 +415,9 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     return (flash_mma_kernel(dtype, d, config, feat is not None,
                               mask=0 if feat is None else feat.mask_kind,
-                              alibi=feat is not None and feat.alibi is not None, fast=fast, wide=wide),
-            (-(-nq // config.block_q), batch), config.threads,
+                              alibi=feat is not None and feat.alibi is not None, fast=fast, wide=wide,
+                              dropout=dropout, varlen=varlen),
+            _grid(-(-(feat.max_q if varlen else nq) // config.block_q), batch, feat), config.threads,
             (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
              *words))
@@ -477,15 +511,15 @@ BWD_PARAMS = ("u64",) * 11 + ("i32", "i32", "f32", "f32", "i32")
 
 
 def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featured: bool = False, mask: int = 0,
-                      alibi: bool = False):
+                      alibi: bool = False, dropout: bool = False, varlen: bool = False):
     """(dQ kernel, dK/dV kernel) of flash_bwd_mma.cu for float16/bfloat16, or float32 in
     3xTF32, at head size d (D = Dv a multiple of 16 up to 128), compiled as
-    flash_mma_kernel compiles the forward (_linked_kernel); featured, mask, alibi: the
-    variant (as the forward's)."""
+    flash_mma_kernel compiles the forward (_linked_kernel); featured, mask, alibi, dropout,
+    varlen: the variant (as the forward's; dropout and varlen in float16/bfloat16 only)."""
     config = config or bwd_config(d, dtype)
-    suffix = _suffix(featured, mask, alibi)
+    suffix = _suffix(featured, mask, alibi, dropout=dropout, varlen=varlen)
     common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", int(dtype == "float32")),
-              ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)))
+              ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), *_variant(dropout, varlen))
     params = BWD_PARAMS + FEAT_TYPES
     return tuple(
         _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config}{suffix}",
@@ -498,15 +532,17 @@ def bwd_refusal(q, k, v, out, dout, dq, dk, dv, scale: float, feat=None) -> str 
     """Why flash_bwd_mma cannot run this call (GpuArrays), or None: q, k, v, out and dout
     are read 16 bytes at a time, dq, dk, dv written 4 (half) or 8 (float32) bytes at a time; an
     additive mask or ALiBi needs a scale other than 0 (the kernels' scores are in units of
-    |scale|); dropout runs the Numba kernels. Head sizes: mma_head_size_ok."""
+    |scale|); float32 dropout and varlen run the Numba kernels (the float16/bfloat16 kernels
+    have both). Head sizes: mma_head_size_ok."""
     step = 2 * q.dtype.itemsize  # bytes of a gradient store
     if any(a.ptr % 16 for a in (q, k, v, out, dout)) or any(a.ptr % step for a in (dq, dk, dv)):
         return (f"q, k, v, out and dout must start at 16-byte aligned addresses, dq, dk, dv at {step}-byte aligned "
                 "ones (pass fresh contiguous tensors: .contiguous() or .clone())")
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         return "an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core kernels"
-    if feat is not None and getattr(feat, "dropout_p", 0) > 0:
-        return "dropout runs the Numba kernels"
+    if q.dtype == np.float32 and feat is not None and (getattr(feat, "dropout_p", 0) > 0
+                                                       or getattr(feat, "cu_q", None) is not None):
+        return "float32 dropout and packed sequences run the Numba kernels"
     return None
 
 
@@ -528,14 +564,19 @@ def flash_bwd_mma(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: floa
     config = config or bwd_config(d, q.dtype.name)
     dq_kernel, kv_kernel = flash_bwd_kernels(q.dtype.name, d, config, feat is not None,
                                              0 if feat is None else feat.mask_kind,
-                                             feat is not None and feat.alibi is not None)
+                                             feat is not None and feat.alibi is not None, _dropout_of(feat),
+                                             _varlen_of(feat))
     scratch = workspace(2 * max(batch * nq, 1), np.float32, q.owner)  # the corrected lse, then delta
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     args = (Addr(q), Addr(k), Addr(v), Addr(out), Addr(dout), Addr(lse), Addr(dq), Addr(dk), Addr(dv),
             np.uint64(scratch.ptr), np.uint64(scratch.ptr + 4 * batch * nq), np.int32(nq), np.int32(nk),
             np.float32(scale * LOG2E), np.float32(scale), np.int32(bool(causal)), *words)
-    launch(dq_kernel, (-(-nq // (16 * config.dq_mt * config.dq_warps)), batch), 32 * config.dq_warps, *args)
-    launch(kv_kernel, (-(-nk // (16 * config.kv_mt * config.kv_warps)), k.shape[0]), 32 * config.kv_warps, *args)
+    # packed sequences: grids over the longest sequence's rows and keys, and the sequences
+    rows, keys = (feat.max_q, feat.max_k) if _varlen_of(feat) else (nq, nk)
+    launch(dq_kernel, _grid(-(-rows // (16 * config.dq_mt * config.dq_warps)), batch, feat), 32 * config.dq_warps,
+           *args)
+    launch(kv_kernel, _grid(-(-keys // (16 * config.kv_mt * config.kv_warps)), k.shape[0], feat),
+           32 * config.kv_warps, *args)
 
 
 # ---------------------------------------------------------------- cuda.flash's split-K decode
@@ -589,15 +630,16 @@ def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) ->
     """Why the decode path cannot run this call, or None: it takes float16 and bfloat16
     at D = Dv a multiple of 16 up to 128, _split.rows_refusal's query rows, and the
     features GQA, bottom-right, window, key lengths and softcap (feat: its mask, alibi
-    and dropout_p are read; masks, ALiBi and dropout run the regular kernels)."""
+    and dropout_p are read; masks, ALiBi, dropout and packed sequences run the regular kernels)."""
     if dtype not in MMA_DTYPES:
         return f"it takes float16 and bfloat16, not {dtype}"
     if not mma_head_size_ok(d, dv):
         return f"it needs D = Dv, a multiple of 16 up to 128 (got D={d}, Dv={dv})"
     why = rows_refusal(nq, kv_group)
     if why is None and feat is not None and (feat.mask is not None or feat.alibi is not None
-                                             or getattr(feat, "dropout_p", 0) > 0):
-        why = "it has no attention mask, ALiBi or dropout"
+                                             or getattr(feat, "dropout_p", 0) > 0
+                                             or getattr(feat, "cu_seqlens_q", None) is not None):
+        why = "it has no attention mask, ALiBi or dropout (nor packed sequences)"
     return why
 
 

@@ -14,7 +14,11 @@
 //   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
 //                     each B fragment read from shared memory feeds MT mma tiles
 //   ATTNKERN_BN       part 1: keys per streamed K/V tile; part 2: query rows per streamed Q/dO tile
-//   ATTNKERN_FEAT, ATTNKERN_MASK, ATTNKERN_ALIBI, ATTNKERN_NAME, ATTNKERN_DYNAMIC as in flash_mma.cu.
+//   ATTNKERN_FEAT, ATTNKERN_MASK, ATTNKERN_ALIBI, ATTNKERN_DROPOUT, ATTNKERN_VARLEN, ATTNKERN_NAME,
+//                     ATTNKERN_DYNAMIC as in flash_mma.cu (dropout, half dtypes only: dP = Z dO V^T,
+//                     dV = (P Z)^T dO, delta = rowsum(dO O) unchanged, the mask regenerated from the same
+//                     Philox counters; varlen: part 1's grid (query blocks, heads, sequences), part 2's
+//                     (key blocks, k/v heads, sequences))
 //
 // Two kernels, no atomics, every sum in a fixed order (bit-identical run to run):
 //
@@ -41,6 +45,9 @@
 
 #ifndef ATTNKERN_TF32
 #define ATTNKERN_TF32 0
+#endif
+#if ATTNKERN_TF32 && (ATTNKERN_DROPOUT || ATTNKERN_VARLEN)
+#error "dropout and varlen are variants of the float16/bfloat16 backward only (their lane layouts are the half one's)"
 #endif
 #define D ATTNKERN_D
 #define NW ATTNKERN_NW
@@ -318,6 +325,29 @@ static __device__ __forceinline__ void store_rows(elem* dst, const float (&acc)[
     }
 }
 
+#if ATTNKERN_DROPOUT && ATTNKERN_PART == 2
+// Dropout's factors z of a lane's four elements of the dK/dV kernel's transposed tiles: keys
+// k0 + g (z[0], z[1]) and k0 + g + 8 (z[2], z[3]), query rows qbase + 2t and + 1 (k0 a
+// multiple of 16, g = lane / 4, t = lane % 4). Where dj0 is a multiple of 4 the 4 lanes of
+// one t and g / 4 need 4 Philox calls (2 rows x 2 groups of 4 keys): the lane of g % 4 = c
+// makes the (row qbase + 2t + c % 2, keys k0 + 4 (g / 4) + 8 (c / 2)) one, and element e
+// takes bit g % 4 of lane c = e's; else each element is its own call (flash_common.cuh).
+static __device__ __forceinline__ void dropout_cols(const Feat& f, int k0, int qbase, float (&z)[4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, c = g & 3;
+    if ((f.dj0 & 3) == 0) {
+        const u32 mine = dropout_bits(f, qbase + 2 * t + (c & 1), ((u64)k0 + f.dj0) / 4 + (g >> 2) + 2 * (c >> 1));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 bits = __shfl_sync(0xffffffffu, mine, (lane & ~12) | (e << 2));
+            z[e] = (bits >> c) & 1u ? f.zscale : 0.f;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) z[e] = dropout_one(f, qbase + 2 * t + (e & 1), k0 + g + 8 * (e >> 1));
+    }
+}
+#endif
+
 // P of one score x = q.k (the raw product) of row `row` and key `key`, from the
 // row's lse in the log2 domain (+inf for rows that see no key or lie past nq: P
 // = 0); slope: the softcap's derivative 1 - tanh^2 (1 without a softcap). As the
@@ -361,12 +391,26 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u64 b = blockIdx.y;
+#if ATTNKERN_VARLEN
+    // grid (query blocks of the longest sequence, heads, sequences): this sequence's blocks only
+    u64 seq_q, seq_k;
+    varlen_sequence(cuqp, cukp, blockIdx.z, nq, nk, seq_q, seq_k);
+    const int nblocks = (nq + BW - 1) / BW;
+    if ((int)blockIdx.x >= nblocks) return;
+    const int q0 = (causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x) * BW;
+    const u64 qrow = seq_q * gridDim.y + b * (u64)nq;  // this (sequence, head)'s first row of q, dout, out, lse, dq
+    Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    varlen_feat(f, b, blockIdx.z, seq_q, seq_k, alibip, seq_rows, alibi_unit);
+    const u64 kvrow = seq_k * (gridDim.y / (u64)kv_group) + f.kv_row * (u64)nk;
+#else
     const int q0 = block_first_row(causal, BW);
     const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
-    const elem* q = (const elem*)qp + b * (u64)nq * D;
-    const elem* dout = (const elem*)dop + b * (u64)nq * D;
-    const elem* k = (const elem*)kp + f.kv_row * (u64)nk * D;
-    const elem* v = (const elem*)vp + f.kv_row * (u64)nk * D;
+    const u64 qrow = b * (u64)nq, kvrow = f.kv_row * (u64)nk;
+#endif
+    const elem* q = (const elem*)qp + qrow * D;
+    const elem* dout = (const elem*)dop + qrow * D;
+    const elem* k = (const elem*)kp + kvrow * D;
+    const elem* v = (const elem*)vp + kvrow * D;
     const u32 qs = smem_u32(smem), dos = qs + BW * LD * ESZ, ks0 = qs + OWN_ELEMS * ESZ, vs0 = ks0 + 2 * TILE * ESZ;
     const float NEG_INF = neg_inf(), INF = -NEG_INF;
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
@@ -397,16 +441,16 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         const int row = wr0 + 16 * i + (lane >> 1);
         float acc = 0.f;
         if (row < nq)
-            acc = row_dot((const elem*)op + (b * (u64)nq + row) * D + (lane & 1) * (D / 2),
+            acc = row_dot((const elem*)op + (qrow + row) * D + (lane & 1) * (D / 2),
                           dout + (u64)row * D + (lane & 1) * (D / 2));
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-        if (!(lane & 1) && row < nq) ((float*)deltap)[b * (u64)nq + row] = acc;
+        if (!(lane & 1) && row < nq) ((float*)deltap)[qrow + row] = acc;
         delta[i][0] = __shfl_sync(0xffffffffu, acc, 2 * g);
         delta[i][1] = __shfl_sync(0xffffffffu, acc, 2 * g + 16);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = r0 + 16 * i + 8 * h;
-            const float x = r < nq ? load_lse(lsep, b * (u64)nq + r) : NEG_INF;
+            const float x = r < nq ? load_lse(lsep, qrow + r) : NEG_INF;
             lse2[i][h] = x == NEG_INF ? INF : x * 1.4426950408889634f;  // no key seen: P = 0
         }
     }
@@ -445,13 +489,21 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #pragma unroll
             for (int n = 0; n < NS; ++n) {
                 float ds[4];
+#if ATTNKERN_DROPOUT
+                float z[4];  // dropout's factors: dP of the undropped P is Z times dO V^T
+                dropout_rows(f, r0 + 16 * i, j0 + 8 * n, z);
+#endif
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = j0 + n * 8 + ACC_COL(lane, e), row = r0 + 16 * i + (e >> 1) * 8;
                     float slope;
                     const float p = prob(mask, s[i][n][e], key, row, lse2[i][e >> 1], f, sgn, c, slope);
                     lsum[i][e >> 1] += p;
+#if ATTNKERN_DROPOUT
+                    ds[e] = p * (dp[i][n][e] * z[e] - delta[i][e >> 1]) * slope;
+#else
                     ds[e] = p * (dp[i][n][e] - delta[i][e >> 1]) * slope;
+#endif
                 }
                 pack_tile(dsf[i][n], ds);
             }
@@ -482,9 +534,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
             factor[h] = scale * ex2(-fix);
             const int r = r0 + 16 * i + 8 * h;
-            if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[b * (u64)nq + r] = x + fix;
+            if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[qrow + r] = x + fix;
         }
-        store_rows((elem*)dqp + b * (u64)nq * D, dq[i], factor, r0 + 16 * i, nq);
+        store_rows((elem*)dqp + qrow * D, dq[i], factor, r0 + 16 * i, nq);
     }
 }
 #else
@@ -503,9 +555,20 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const int k0 = blockIdx.x * BW, kw0 = k0 + warp * 16 * MT;  // the block's and the warp's first key
     const int group = ATTNKERN_FEAT ? kv_group : 1;
     const u64 b0 = bkv * (u64)group;  // the group's first query row
+#if ATTNKERN_VARLEN
+    // grid (key blocks of the longest sequence, k/v heads, sequences): this sequence's blocks only
+    u64 seq_q, seq_k;
+    varlen_sequence(cuqp, cukp, blockIdx.z, nq, nk, seq_q, seq_k);
+    if (k0 >= nk) return;
+    const u64 qrow0 = seq_q * gridDim.y * (u64)group, kvrow = seq_k * gridDim.y + bkv * (u64)nk;
+    Feat f0 = make_feat(b0, nq, nk, causal, FEAT_ARGS);
+    varlen_feat(f0, b0, blockIdx.z, seq_q, seq_k, alibip, seq_rows, alibi_unit);
+#else
+    const u64 qrow0 = 0, kvrow = bkv * (u64)nk;  // qrow0: the first q row of this sequence
     const Feat f0 = make_feat(b0, nq, nk, causal, FEAT_ARGS);
-    const elem* k = (const elem*)kp + bkv * (u64)nk * D;
-    const elem* v = (const elem*)vp + bkv * (u64)nk * D;
+#endif
+    const elem* k = (const elem*)kp + kvrow * D;
+    const elem* v = (const elem*)vp + kvrow * D;
     const u32 ks = smem_u32(smem), vs = ks + BW * LD * ESZ, qs0 = ks + OWN_ELEMS * ESZ, dos0 = qs0 + 2 * TILE * ESZ;
     float* sl = (float*)(smem + OWN_ELEMS + 4 * TILE);  // [buffer][lse2 BN, delta BN]
     const float INF = -neg_inf();
@@ -534,7 +597,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     // tile u's Q and dO rows (cp.async) and lse, delta (plain loads) into buffer u & 1
     const auto load = [&](int u) {
         const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
-        const u64 qb = (b0 + h) * (u64)nq;
+        const u64 qb = qrow0 + (b0 + h) * (u64)nq;
         load_rows((const elem*)qp + qb * D, qs0 + buf * TILE * ESZ, i0, BN, nq, tid);
         load_rows((const elem*)dop + qb * D, dos0 + buf * TILE * ESZ, i0, BN, nq, tid);
         cp_async_commit();
@@ -560,7 +623,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         cp_async_wait_all();
         __syncthreads();  // tile u in (and K, V); every warp is done with tile u - 1
         if (u + 1 < total) load(u + 1);
+#if ATTNKERN_VARLEN
+        Feat f = make_feat(b0 + h, nq, nk, causal, FEAT_ARGS);
+        varlen_feat(f, b0 + h, blockIdx.z, seq_q, seq_k, alibip, seq_rows, alibi_unit);
+#else
         const Feat f = ATTNKERN_FEAT ? make_feat(b0 + h, nq, nk, causal, FEAT_ARGS) : f0;
+#endif
         const int last = min(i0 + BN, nq) - 1;
         if (tile_unseen(f, kw0, 16 * MT, i0, last)) continue;
         const u32 qb = qs0 + buf * TILE * ESZ, dob = dos0 + buf * TILE * ESZ;
@@ -579,12 +647,21 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #pragma unroll
             for (int n = 0; n < NQ; ++n) {
                 float p[4], ds[4];
+#if ATTNKERN_DROPOUT
+                float z[4];  // dropout's factors: dV takes P Z, dP of the undropped P is Z times V dO^T
+                dropout_cols(f, kw0 + 16 * m, i0 + n * 8, z);
+#endif
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = n * 8 + ACC_COL(lane, e), key = kw0 + 16 * m + g + (e >> 1) * 8;
                     float slope;
                     p[e] = prob(mask, s[m][n][e], key, i0 + i, tl[i], f, sgn, c, slope);
+#if ATTNKERN_DROPOUT
+                    ds[e] = p[e] * (dp[m][n][e] * z[e] - tl[BN + i]) * slope;
+                    p[e] *= z[e];
+#else
                     ds[e] = p[e] * (dp[m][n][e] - tl[BN + i]) * slope;
+#endif
                 }
                 pack_tile(pf[m][n], p);
                 pack_tile(dsf[m][n], ds);
@@ -605,8 +682,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        store_rows((elem*)dkp + bkv * (u64)nk * D, dk[m], sc, kw0 + 16 * m + g, nk);
-        store_rows((elem*)dvp + bkv * (u64)nk * D, dv[m], one, kw0 + 16 * m + g, nk);
+        store_rows((elem*)dkp + kvrow * D, dk[m], sc, kw0 + 16 * m + g, nk);
+        store_rows((elem*)dvp + kvrow * D, dv[m], one, kw0 + 16 * m + g, nk);
     }
 }
 #endif

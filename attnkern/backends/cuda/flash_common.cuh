@@ -160,12 +160,24 @@ static __device__ __forceinline__ void split_a(float2 x0, float2 x1, u32 (&big)[
 #ifndef ATTNKERN_WIDE
 #define ATTNKERN_WIDE 0
 #endif
+// ATTNKERN_DROPOUT 1 (flash_mma.cu, flash_bwd_mma.cu, with ATTNKERN_FEAT 1): the variant that
+// multiplies each probability by dropout's factor Z (keep / (1 - p), Philox4x32-10: dropout_bits)
+#ifndef ATTNKERN_DROPOUT
+#define ATTNKERN_DROPOUT 0
+#endif
+// ATTNKERN_VARLEN 1 (flash_mma.cu, flash_bwd_mma.cu, with ATTNKERN_FEAT 1): packed sequences
+// (varlen_sequence): the grid's z is the sequence, cuqp and cukp its int32 cu_seqlens; seq_rows
+// is then the stride of ALiBi's slopes between sequences (0: shared), key lengths unused
+#ifndef ATTNKERN_VARLEN
+#define ATTNKERN_VARLEN 0
+#endif
 #define FEAT_PARAMS int kv_group, u64 lensp, int seq_rows, int bottom_right, int window_left, int window_right, \
                     float softcap, u64 maskp, int mask_kind, int mask_heads, u64 mask_sb, u64 mask_sh, u64 mask_si, \
-                    u64 mask_sj, float mask_unit, u64 alibip, float alibi_unit
+                    u64 mask_sj, float mask_unit, u64 alibip, float alibi_unit, u64 dseed, u64 dthr, float dscale, \
+                    u64 di0, u64 dj0, u64 cuqp, u64 cukp
 #define FEAT_ARGS kv_group, lensp, seq_rows, bottom_right, window_left, window_right, softcap, maskp, mask_kind, \
                   mask_heads, mask_sb, mask_sh, mask_si, mask_sj, mask_unit, alibip, \
-                  alibi_unit
+                  alibi_unit, dseed, dthr, dscale, di0, dj0, cuqp, cukp
 
 // One batch row's mask and cap: query row i sees key j iff lo(i) <= j < hi(i), with
 // lo(i) = i + off - wl (0 for wl = -1), hi(i) = min(len, i + off + wr + 1) (len for wr
@@ -185,6 +197,15 @@ struct Feat {
 #if ATTNKERN_ALIBI
     float slope;  // ALiBi's slope of this batch row in the kernel's units
 #endif
+#if ATTNKERN_DROPOUT
+    // dropout: Philox's key (the seed's halves), the keep threshold round(p 2^32), the factor
+    // 1 / (1 - p), the counter offsets of query and key and the counter of this batch row
+    u32 seed0, seed1;
+    u64 thr;
+    float zscale;
+    u64 di0, dj0;
+    u32 drow;
+#endif
 };
 #define MASK_BOOL 1
 #define MASK_F32 2
@@ -200,6 +221,15 @@ static __device__ __forceinline__ Feat make_feat(u64 b, int nq, int nk, int caus
            b / heads * mask_sb + b % heads * mask_sh, mask_si, mask_sj, mask_unit};
 #if ATTNKERN_ALIBI
     f.slope = ((const float*)alibip)[b] * alibi_unit;
+#endif
+#if ATTNKERN_DROPOUT
+    f.seed0 = (u32)dseed;
+    f.seed1 = (u32)(dseed >> 32);
+    f.thr = dthr;
+    f.zscale = dscale;
+    f.di0 = di0;
+    f.dj0 = dj0;
+    f.drow = (u32)b;
 #endif
     return f;
 #else
@@ -233,6 +263,88 @@ static __device__ __forceinline__ float mask_score(const Feat& f, float s, int k
     return s;
 #endif
 }
+
+#if ATTNKERN_DROPOUT
+// ---------------------------------------------------------------- dropout
+// Philox4x32-10 (attnkern._philox, the Numba kernels' and the C kernels' attn_philox): the
+// keep decision of query row i, key j of folded batch row b is word (j + dj0) % 4 of
+// Philox((j + dj0) / 4, i + di0, b, 0) (counters mod 2^32) >= thr. dropout_bits gives the
+// four decisions of one call as bits 0..3 (bit w: word w).
+static __device__ __forceinline__ u32 dropout_bits(const Feat& f, int row, u64 group) {
+    u32 c0 = (u32)group, c1 = (u32)((u64)row + f.di0), c2 = f.drow, c3 = 0u, k0 = f.seed0, k1 = f.seed1;
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        const u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return (u32)(c0 >= f.thr) | (u32)(c1 >= f.thr) << 1 | (u32)(c2 >= f.thr) << 2 | (u32)(c3 >= f.thr) << 3;
+}
+
+// dropout's factor of query row `row`, key `key` on its own: Z or 0
+static __device__ __forceinline__ float dropout_one(const Feat& f, int row, int key) {
+    const u64 j = (u64)key + f.dj0;
+    return (dropout_bits(f, row, j >> 2) >> (u32)(j & 3)) & 1u ? f.zscale : 0.f;
+}
+
+// The factors z of a lane's four elements of an m16n8 accumulator tile whose first key is
+// kbase (a multiple of 8): rows r0 (z[0], z[1]) and r0 + 8 (z[2], z[3]), keys kbase + 2t and
+// + 1 (t = lane % 4). Where dj0 is a multiple of 4 the quad's 4 lanes need 4 Philox calls
+// (2 rows x 2 groups of 4 keys): each lane makes one, lane t the (row r0 + 8 (t / 2),
+// keys kbase + 4 (t % 2)) one, and takes its bits from the quad by shuffles (the warp must
+// be converged); else each element is its own call.
+static __device__ __forceinline__ void dropout_rows(const Feat& f, int r0, int kbase, float (&z)[4]) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    if ((f.dj0 & 3) == 0) {
+        const u32 mine = dropout_bits(f, r0 + 8 * (t >> 1), ((u64)kbase + f.dj0) / 4 + (t & 1));
+        const u32 top = __shfl_sync(0xffffffffu, mine, (lane & ~3) | (t >> 1));
+        const u32 bottom = __shfl_sync(0xffffffffu, mine, (lane & ~3) | (2 + (t >> 1)));
+        const int w = 2 * (t & 1);
+        z[0] = (top >> w) & 1u ? f.zscale : 0.f;
+        z[1] = (top >> (w + 1)) & 1u ? f.zscale : 0.f;
+        z[2] = (bottom >> w) & 1u ? f.zscale : 0.f;
+        z[3] = (bottom >> (w + 1)) & 1u ? f.zscale : 0.f;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) z[e] = dropout_one(f, r0 + 8 * (e >> 1), kbase + 2 * t + (e & 1));
+    }
+}
+#endif
+
+#if ATTNKERN_VARLEN
+// ---------------------------------------------------------------- packed sequences
+// Sequence s of a packed call (attn.h's varlen layout: sequence after sequence, each a (heads,
+// len, D) block): its query and key counts nq, nk and its first packed query and key rows qs, ks,
+// from the int32 cu_seqlens at cuqp and cukp. Head h's rows of it start at row qs H + h nq of q
+// (out, lse, dout, dq likewise), k/v head h_kv's at ks H_kv + h_kv nk.
+static __device__ __forceinline__ void varlen_sequence(u64 cuqp, u64 cukp, int s, int& nq, int& nk, u64& qs,
+                                                       u64& ks) {
+    const int* cq = (const int*)cuqp;
+    const int* ck = (const int*)cukp;
+    qs = (u64)cq[s];
+    ks = (u64)ck[s];
+    nq = cq[s + 1] - cq[s];
+    nk = ck[s + 1] - ck[s];
+}
+
+// f (made for head b of sequence s) with dropout's counters offset by the sequence's first packed
+// query and key rows, and ALiBi's slope that of (s, b): slopes `stride` apart a sequence (0: shared)
+static __device__ __forceinline__ void varlen_feat(Feat& f, u64 b, int s, u64 qs, u64 ks, u64 alibip, int stride,
+                                                   float alibi_unit) {
+#if ATTNKERN_DROPOUT
+    f.di0 += qs;
+    f.dj0 += ks;
+#endif
+#if ATTNKERN_ALIBI
+    f.slope = ((const float*)alibip)[(u64)s * (u64)stride + b] * alibi_unit;
+#endif
+}
+#endif
 
 // the query row (as the masks count them) of a kernel's row r: r itself, or in the decode
 // variant, whose rows pack the query heads of a group, r % nq (a macro: the other kernels compile

@@ -15,6 +15,12 @@
 //                     held in registers for the whole call
 //   ATTNKERN_DYNAMIC  1: shared memory is the launch's dynamic shared memory (the
 //                     launch path sets the kernel's limit above 48 KB); 0: static
+//   ATTNKERN_VARLEN   1 (with ATTNKERN_FEAT 1): packed sequences, grid (query blocks of the
+//                     longest sequence, heads, sequences); a block past its sequence's rows
+//                     returns at once (flash_common.cuh's varlen_sequence)
+//   ATTNKERN_DROPOUT  1 (with ATTNKERN_FEAT 1): each P times dropout's Z after the row sums
+//                     (flash_common.cuh's dropout_rows; the Hopper kernel, flash_wgmma.cu,
+//                     has no dropout: cpp.py runs dropout calls here)
 // and then flash_common.cuh (types, cp.async, ex2). The grid is (query blocks,
 // batch), NTHREADS = 32 NW threads a block. No header is included: the
 // tensor-core, shared-memory and conversion instructions are written as inline PTX.
@@ -134,13 +140,28 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u16* q = (const u16*)qp + b * (u64)nq * D;
     // the group's first query head (its heads share the key length: a sequence's heads are whole groups)
     const Feat f = make_feat(b * (u64)kv_group, qrows, nk, causal, FEAT_ARGS);
+    const u64 qrow = b * (u64)nq, kvrow = f.kv_row * (u64)nk;
+#elif ATTNKERN_VARLEN
+    // grid (query blocks of the longest sequence, heads, sequences): this sequence's blocks only
+    u64 qs, ks;
+    varlen_sequence(cuqp, cukp, blockIdx.z, nq, nk, qs, ks);
+    const int nblocks = (nq + BM - 1) / BM;
+    if ((int)blockIdx.x >= nblocks) return;
+    const int q0 = (causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x) * BM;
+    const u64 qrow = qs * gridDim.y + b * (u64)nq;  // this (sequence, head)'s first row of q, out and lse
+    const u16* q = (const u16*)qp + qrow * D;
+    Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    varlen_feat(f, b, blockIdx.z, qs, ks, alibip, seq_rows, alibi_unit);
+    const u64 kvrow = ks * (gridDim.y / (u64)kv_group) + f.kv_row * (u64)nk;
 #else
     const int q0 = block_first_row(causal, BM);
-    const u16* q = (const u16*)qp + b * (u64)nq * D;
+    const u64 qrow = b * (u64)nq;
+    const u16* q = (const u16*)qp + qrow * D;
     const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    const u64 kvrow = f.kv_row * (u64)nk;
 #endif
-    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
-    const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
+    const u16* k = (const u16*)kp + kvrow * D;
+    const u16* v = (const u16*)vp + kvrow * D;
     const int wr0 = q0 + warp * 16 * MT;  // this warp's first row; its mma tile i has rows wr0 + 16 i...
     const float NEG_INF = neg_inf();
     const float c = fabsf(scale_log2);
@@ -318,8 +339,16 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         for (int i = 0; i < MT; ++i) {
             const int r0 = wr0 + 16 * i + g;
             const auto emit = [&](int n, const float (&p)[4]) {
+#if ATTNKERN_DROPOUT
+                // after the row sums: P times dropout's Z (the lse stays the undropped softmax's)
+                float z[4];
+                dropout_rows(f, r0, j0 + 8 * n, z);
+                pf[i][n][0] = pack2(p[0] * z[0], p[1] * z[1]);
+                pf[i][n][1] = pack2(p[2] * z[2], p[3] * z[3]);
+#else
                 pf[i][n][0] = pack2(p[0], p[1]);
                 pf[i][n][1] = pack2(p[2], p[3]);
+#endif
             };
             softmax_tile_masked_if(TILE_MASKED(i), s[i], m[i], l[i], a[i], c,
                                    j0, f, r0, emit);
@@ -364,11 +393,10 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                               wr0 + 16 * i + g, nq);
     }
 #else
-    u16* out = (u16*)op + b * (u64)nq * D;
+    u16* out = (u16*)op + qrow * D;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-        store_half_rows<D>(out, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o[i], l[i], m[i], c, wr0 + 16 * i + g,
-                           nq);
+        store_half_rows<D>(out, with_lse ? (u16*)lsep + qrow : nullptr, o[i], l[i], m[i], c, wr0 + 16 * i + g, nq);
     }
 #endif
 }

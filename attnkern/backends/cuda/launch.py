@@ -40,7 +40,8 @@ class KernelFeatures(NamedTuple):
     mask (a 4-D GpuArray with byte strides, 0 where broadcast, or None), its kind
     (MASK_KINDS: 0 none) and the heads of the folded batch row (b // mask_heads,
     b % mask_heads); dropout's probability (0: none), seed and (query, key) counter
-    offsets (attnkern._philox), which only the Numba kernels take."""
+    offsets (attnkern._philox): the Numba kernels and the float16/bfloat16 CUDA C++ ones take them;
+    packed varlen sequences (cu_q, cu_k: the float16/bfloat16 CUDA C++ kernels only)."""
 
     kv_group: int
     lens: object
@@ -56,6 +57,18 @@ class KernelFeatures(NamedTuple):
     dropout_p: float = 0.0
     dropout_seed: int = 0
     dropout_offset: tuple = (0, 0)
+    # packed sequences: int32 GpuArrays of cu_seqlens_q and cu_seqlens_k (None: not varlen), the
+    # stride of ALiBi's slopes between sequences (0: shared) and the longest query and key counts
+    cu_q: object = None
+    cu_k: object = None
+    alibi_seq_stride: int = 0
+    max_q: int = 0
+    max_k: int = 0
+
+    @property
+    def sequences(self) -> int:
+        """The packed sequences of a varlen call (0: not varlen)."""
+        return 0 if self.cu_q is None else self.cu_q.shape[0] - 1
 
     def mask_strides(self) -> tuple:
         """The mask's four strides in elements (0: none or broadcast)."""
@@ -83,22 +96,45 @@ class KernelFeatures(NamedTuple):
 
             wide = np.float64 if np.dtype(dtype) == np.float64 else np.float32
             alibi = from_host(np.ascontiguousarray(features.alibi, dtype=wide))
+        varlen = {}
+        if features.cu_seqlens_q is not None:
+            cu_q, cu_k = (np.ascontiguousarray(c, dtype=np.int32) for c in (features.cu_seqlens_q,
+                                                                            features.cu_seqlens_k))
+            varlen = dict(cu_q=_device_lengths(cu_q.tobytes()), cu_k=_device_lengths(cu_k.tobytes()),
+                          alibi_seq_stride=int(features.alibi_seq_stride), max_q=int(np.diff(cu_q).max(initial=0)),
+                          max_k=int(np.diff(cu_k).max(initial=0)))
         return cls(int(features.kv_group), lens, seq_rows, int(features.align == "bottom_right"),
                    int(features.window_left), int(features.window_right), float(features.softcap), mask, kind,
                    int(features.mask_heads), alibi, float(features.dropout_p), int(features.dropout_seed),
-                   tuple(int(x) for x in features.dropout_offset))
+                   tuple(int(x) for x in features.dropout_offset), **varlen)
 
     def words(self, cap_unit: float) -> tuple:
         """The CUDA C++ kernels' FEAT_PARAMS: the softcap and an additive mask's
         values divided by cap_unit, the size of one unit of the kernel's scores
         (its scores are c tanh(s / c))."""
         ptr = 0 if self.mask is None else self.mask.ptr
+        # varlen: seq_rows carries the stride of ALiBi's slopes between sequences (flash_common.cuh)
+        seq_rows = self.seq_rows if self.cu_q is None else self.alibi_seq_stride
+        varlen = (np.uint64(0), np.uint64(0)) if self.cu_q is None else (Addr(self.cu_q), Addr(self.cu_k))
         return (np.int32(self.kv_group), np.uint64(0) if self.lens is None else Addr(self.lens),
-                np.int32(self.seq_rows), np.int32(self.bottom_right), np.int32(self.window_left),
+                np.int32(seq_rows), np.int32(self.bottom_right), np.int32(self.window_left),
                 np.int32(self.window_right), np.float32(self.softcap / cap_unit),
                 np.uint64(ptr), np.int32(self.mask_kind), np.int32(self.mask_heads),
                 *(np.uint64(st) for st in self.mask_strides()), np.float32(1.0 / cap_unit),
-                np.uint64(0) if self.alibi is None else Addr(self.alibi), np.float32(1.0 / cap_unit))
+                np.uint64(0) if self.alibi is None else Addr(self.alibi), np.float32(1.0 / cap_unit),
+                *self.dropout_words(), *varlen)
+
+    def dropout_words(self) -> tuple:
+        """FEAT_PARAMS' dropout words (dseed, dthr, dscale, di0, dj0): the seed, the keep
+        threshold round(p 2^32), 1 / (1 - p) in float32 and the query and key counter
+        offsets (attnkern._philox, taken mod 2^64); zeros without dropout."""
+        if not self.dropout_p > 0:
+            return PLAIN_WORDS[-7:-2]
+        from ... import _philox
+
+        i0, j0 = (int(x) % 2**64 for x in self.dropout_offset)
+        return (np.uint64(self.dropout_seed % 2**64), np.uint64(_philox.threshold(self.dropout_p)),
+                np.float32(1.0 / (1.0 - self.dropout_p)), np.uint64(i0), np.uint64(j0))
 
 
 # the attention mask's dtypes as the kernels name them (flash_common.cuh's MASK_*)
@@ -135,10 +171,11 @@ def _device_lengths(raw: bytes):
 
 # the FEAT_PARAMS of a plain call (their values are ignored by the plain kernels)
 PLAIN_WORDS = (np.int32(1), np.uint64(0), np.int32(1), np.int32(0), np.int32(-1), np.int32(-1), np.float32(0),
-               np.uint64(0), np.int32(0), np.int32(1), *(np.uint64(0),) * 4, np.float32(0), np.uint64(0), np.float32(0))
+               np.uint64(0), np.int32(0), np.int32(1), *(np.uint64(0),) * 4, np.float32(0), np.uint64(0), np.float32(0),
+               np.uint64(0), np.uint64(0), np.float32(0), np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0))
 # FEAT_PARAMS, as _linked_kernel spells them
 FEAT_TYPES = ("i32", "u64", "i32", "i32", "i32", "i32", "f32", "u64", "i32", "i32", "u64", "u64", "u64", "u64", "f32",
-              "u64", "f32")
+              "u64", "f32", "u64", "u64", "f32", "u64", "u64", "u64", "u64")
 
 
 # ---------------------------------------------------------------- launches
