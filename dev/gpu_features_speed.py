@@ -3,10 +3,10 @@
 (check_finite=False, after 10 untimed ones); the figure is the median of --runs
 samples, in ms per call. The plain rows are what the featured kernels must not
 slow down: run this script once with the tree before the features and once after,
-in the same device session, and compare the rows of the same name. In float32 and
-float64 two rows show dropout's cost: the same featured call without and with
-dropout_p=0.1 (float32 without dropout runs the CUDA C++ kernels, with it the Numba
-kernel). --backward times attention_backward instead (out and lse computed once).
+in the same device session, and compare the rows of the same name. Two rows show
+dropout's cost: the same featured call without and with dropout_p=0.1 (float32
+without dropout runs the CUDA C++ kernels, with it the Numba kernel; float16/bfloat16
+with it flash_mma.cu's dropout variant, on Hopper instead of flash_wgmma.cu). --backward times attention_backward instead (out and lse computed once).
 
     python3 dev/gpu_features_speed.py [--runs 20] [--dtype bfloat16] [--dim 128] [--n 4096] [--plain-only]
                                       [--backward]
@@ -65,11 +65,10 @@ def main() -> None:
             "causal softcap 50": dict(causal=True, softcap=50.0),
             "key_lengths n/2": dict(key_lengths=[n // 2]),
         })
-        if args.dtype in ("float32", "float64"):  # cuda.flash has dropout in these only
-            rows.update({
-                "causal key_lengths n": dict(causal=True, key_lengths=[n]),
-                "causal key_lengths n dropout 0.1": dict(causal=True, key_lengths=[n], dropout_p=0.1, dropout_seed=1),
-            })
+        rows.update({
+            "causal key_lengths n": dict(causal=True, key_lengths=[n]),
+            "causal key_lengths n dropout 0.1": dict(causal=True, key_lengths=[n], dropout_p=0.1, dropout_seed=1),
+        })
     result = {}
     for name, kw in rows.items():
         k, v = kw.pop("k", kv), kw.pop("v", kv)
