@@ -6,7 +6,8 @@ slow down: run this script once with the tree before the features and once after
 in the same device session, and compare the rows of the same name. Two rows show
 dropout's cost: the same featured call without and with dropout_p=0.1 (float32
 without dropout runs the CUDA C++ kernels, with it the Numba kernel; float16/bfloat16
-with it flash_mma.cu's dropout variant, on Hopper instead of flash_wgmma.cu). --backward times attention_backward instead (out and lse computed once).
+with it flash_mma.cu's dropout variant, on Hopper instead of flash_wgmma.cu).
+--backward times attention_backward instead (out and lse computed once).
 
     python3 dev/gpu_features_speed.py [--runs 20] [--dtype bfloat16] [--dim 128] [--n 4096] [--plain-only]
                                       [--backward]
