@@ -1543,7 +1543,11 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                 ST(pack_v)(kr, kbh, d, w->packk);
             packed = kbh;
         }
-        for (int64_t i0 = kbh ? istart / bq * bq : nq; i0 < iend; i0 += bq) {
+        /* no query sees the block (istart == iend: e.g. keys past the last query under a
+         * top-left causal mask): nothing to do, and K was not packed for it above, so a
+         * query block here would multiply its zero dS by the workspace's stale K (NaN
+         * where the thread's workspace is fresh) */
+        for (int64_t i0 = kbh && istart < iend ? istart / bq * bq : nq; i0 < iend; i0 += bq) {
             int64_t qb = iend - i0 < bq ? iend - i0 : bq, qb_vw = ST(round_up)(qb, VW);
             for (int64_t i = 0; i < ldc; i++) {  /* padding columns: P = 0, D = 0 */
                 w->m[i] = i < qb ? lse[bh * nq + i0 + i] : (T)INFINITY;
