@@ -82,9 +82,10 @@ def test_an_avx512_only_slowdown_raises_the_count(harnesses):
         key = avx512_count.config_key(kind, shape, causal)
         assert 1.015 < ratios[key] < 1.03, ratios
         assert next(r for r in rows if r["benchmark"] == key)["verdict"] == "slower"
-    # ... and more instructions, below the threshold, on the backward
+    # ... and more instructions on the backward (about +0.2%: 2^x is a smaller share of it), below the
+    # threshold
     key = avx512_count.config_key(*BACKWARD[0])
-    assert 1.002 < ratios[key] < 1.01, ratios
+    assert 1.0 < ratios[key] < 1.01, ratios
 
 
 def test_the_avx2_path_does_not_see_it(tmp_path):
