@@ -42,6 +42,11 @@ def test_run_script_quotes_the_selection_and_names_the_machine_after_the_gpu(tmp
     words = subprocess.run(["sh", "-c", f"printf '%s\\n' {line.split(' -b ', 1)[1].split(' -a ')[0]}"],
                            capture_output=True, text=True).stdout.splitlines()
     assert words == [r"ForwardGpu.time_forward\('cuda\.flash'"]
+    # the default: one asv run a GPU class, a failed one not stopping the next, the status kept
+    script = gpu_history.run_script(SHA, "auto", gpu_history.DEFAULT_BENCH, [])
+    runs = [x for x in script.splitlines() if x.startswith("python3 -m asv run")]
+    assert len(runs) == 4 and all(x.endswith("|| status=1") for x in runs), runs
+    assert "DecodeGpu" in runs[0] and script.rstrip().endswith("exit $status")
     conf = gpu_history.asv_conf("auto")
     assert conf["repo"] == "repo" and conf["results_dir"] == "results" and conf["environment_type"] == "existing"
 

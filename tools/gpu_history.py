@@ -30,7 +30,8 @@ GPU, so graphs never mix them) and runs
 
     asv run --python=same --set-commit-hash <sha> --machine <it> -b '<GPU selection>'
 
-(--bench, default the classes ForwardGpu, DecodeGpu, BackwardGpu and Float32GpuPaths; --attributes
+(--bench, default the classes DecodeGpu, ForwardGpu, Float32GpuPaths and BackwardGpu, each in an asv run of
+its own so that a run cut short keeps the classes it finished; --attributes
 overrides asv's sampling, e.g. "rounds=1 repeat=5" for a short run). Its results
 land in results/<machine>/: machine.json and one JSON per commit and environment.
 
@@ -58,7 +59,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / ".asv" / "results"
 DEFAULT_MACHINE = "auto"  # run.sh names the machine after its GPU: nvidia-h100-80gb-hbm3, nvidia-h200, ...
-DEFAULT_BENCH = r"(ForwardGpu|DecodeGpu|BackwardGpu|Float32GpuPaths)\."
+# one asv run a class, quickest first: asv writes a run's results when it ends, so a device call cut
+# short keeps the classes that finished
+DEFAULT_BENCH = [r"DecodeGpu\.", r"ForwardGpu\.", r"Float32GpuPaths\.", r"BackwardGpu\."]
 RESULT_VERSION = 2  # asv 0.6's result file format
 
 
@@ -74,9 +77,14 @@ def asv_conf(machine: str) -> dict:
             "benchmark_dir": "benchmarks", "results_dir": "results", "html_dir": "html"}
 
 
-def run_script(sha: str, machine: str, bench: str, attributes: list[str]) -> str:
-    """The device command: install, register the machine, run asv's GPU classes."""
+def run_script(sha: str, machine: str, bench, attributes: list[str]) -> str:
+    """The device command: install, register the machine, run asv's GPU classes: one
+    `asv run` for each selection in bench (a regex, or a list of them), each adding its
+    results to the commit's file, so that the classes measured before a cut survive it."""
     attrs = " ".join(f"-a {shlex.quote(a)}" for a in attributes)
+    benches = [bench] if isinstance(bench, str) else list(bench)
+    runs = "\n".join(f'python3 -m asv run --python=same --set-commit-hash {sha} --machine "$machine" '
+                      f'-b {shlex.quote(b)} {attrs} --show-stderr || status=1' for b in benches)
     return f"""#!/bin/sh
 # tools/gpu_history.py prepare wrote this: asv's GPU classes on commit {sha[:12]} on this machine
 set -e
@@ -96,7 +104,9 @@ if [ "$machine" = auto ]; then
   machine=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr 'A-Z ' 'a-z-')
 fi
 python3 -m asv machine --yes --machine "$machine"
-python3 -m asv run --python=same --set-commit-hash {sha} --machine "$machine" -b {shlex.quote(bench)} {attrs} --show-stderr
+status=0
+{runs}
+exit $status
 """
 
 
@@ -224,7 +234,8 @@ def main(argv=None) -> int:
     pp.add_argument("commit")
     pp.add_argument("--out", default=".gpu-history")
     pp.add_argument("--machine", default=DEFAULT_MACHINE)
-    pp.add_argument("--bench", default=DEFAULT_BENCH, help="asv's -b selection (default: the GPU classes)")
+    pp.add_argument("--bench", nargs="+", default=DEFAULT_BENCH,
+                    help="asv's -b selections, one asv run each (default: the four GPU classes, one a run)")
     pp.add_argument("--attributes", nargs="*", help="asv -a overrides, e.g. rounds=1 repeat=5")
     pp.add_argument("--python312", default="/tmp/py312/bin/python", help="a Python 3.12 with meson-python, "
                     "meson, ninja, Cython and NumPy (docs/gpu-device.md)")
