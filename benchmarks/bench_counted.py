@@ -13,13 +13,18 @@ counts handed to the other four. So each class defines its own, one line that
 calls the shared counting, and `asv run -b NativeFlash` counts that kernel alone.
 Counted on Valgrind's view of the CPU: AVX2, not AVX-512 (counting.py says why)."""
 
+import os
+
 from .common import SMOKE, axis
 from .counting import config_key, count, estimated_cycles, valgrind_missing
 
 # torch's kernels are PyTorch's code, not ours: timed elsewhere, not counted.
 # Small shapes (Valgrind runs 50-100x slower than the CPU); 333 is odd on purpose:
 # no block or vector width divides it, so the remainder paths are counted too.
-SHAPES = axis(["1x2x256x64", "1x2x333x64", "1x4x512x64"])
+# ATTNKERN_BENCH_COUNTED_SHAPES=1x2x256x64[,...] counts those shapes only: tests/test_asv.py's
+# site needs one, and each shape costs about 5 s a commit under Valgrind
+SHAPES = (os.environ["ATTNKERN_BENCH_COUNTED_SHAPES"].split(",") if os.environ.get("ATTNKERN_BENCH_COUNTED_SHAPES")
+          else axis(["1x2x256x64", "1x2x333x64", "1x4x512x64"]))
 
 
 class _Counted:

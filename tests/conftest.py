@@ -138,9 +138,9 @@ def assert_lse_matches_reference(lse, q, k, causal=False, scale=None):
     assert err <= lse_tolerance(lse.dtype), f"lse error {err:.3g} > {lse_tolerance(lse.dtype):.3g}"
 
 
-def run(cmd, cwd, check=True):
+def run(cmd, cwd, check=True, env=None):
     """subprocess.run with output captured; a failure (with check) raises with the output."""
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
