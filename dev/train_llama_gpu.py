@@ -158,7 +158,14 @@ def main(argv=None) -> int:
     p.add_argument("--data-seed", type=int, default=1234)
     p.add_argument("--kernel", default="auto", help="attnkern's kernel (default auto)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, a tiny model, 2 steps: checks the script")
+    p.add_argument("--replot", metavar="JSON", help="only draw losses.png into --out from a run's losses.json")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            result = json.load(f)
+        os.makedirs(args.out, exist_ok=True)
+        plot(result["runs"], os.path.join(args.out, "losses.png"), result["title"])
+        return 0
     import torch
 
     import attnkern
@@ -191,7 +198,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "losses.json"), "w") as f:
         json.dump(result, f, indent=1)
-    plot(runs, os.path.join(args.out, "losses.png"), title)
+    try:
+        plot(runs, os.path.join(args.out, "losses.png"), title)
+    except ImportError:  # the GPU host's Python may lack matplotlib: draw it elsewhere with --replot
+        print(f"# no matplotlib here: python3 dev/train_llama_gpu.py --replot {args.out}/losses.json --out DIR")
     g = result["gaps"]
     ours = g["attnkern_vs_sdpa"]
     print(f"# |attnkern - sdpa| max {ours['max']:.4f} (last steps {ours['max_last']:.4f}); "

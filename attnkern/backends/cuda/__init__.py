@@ -327,8 +327,11 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
             if cpp.decode_refusal(dtype.name, nq, group, d, dv, feat) is None and (splits := cpp.decode_auto_splits(
                     batch_kv, nq, nk, d, split_k, group)):
                 return _prepared_decode(roles, causal, scale, feat, splits, bool(fastmath))
-            if features is not None:
-                return None  # the regular kernels' featured calls: the general path
+        if features is not None:
+            # the regular kernels' featured calls (every dtype's: the float32 and float64 kernels
+            # below would read k/v as if they had q's heads): the general path
+            return None
+        if dtype.name in cpp.MMA_DTYPES:
             kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse, fast=bool(fastmath))
             aligned = cpp.mma_aligned
         elif (division := _cpp_kernel(block_q, block_k, d, dv, dtype, tensor_cores)) is not None:
