@@ -77,6 +77,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             kwargs["attn_mask"] = mask.reshape(-1, *mask.shape[-3:]) if mask.shape[:-3] == lead else \
                 _broadcast(mask, (*lead, query.shape[-3], query.shape[-2], key.shape[-2])).reshape(
                     -1, query.shape[-3], query.shape[-2], key.shape[-2])
+    # torch's SDPA takes any strides (a transposed (B, S, H, D) projection, as models pass); attention()
+    # uses GPU tensors in place and takes only contiguous ones: copy those that are not (a no-op otherwise)
+    query, key, value = (x.contiguous() if _is_torch(x) else x for x in (query, key, value))
     out = attention(query, key, value, causal=bool(is_causal), scale=scale, **kwargs)
     return out.reshape(*lead, *out.shape[-3:]) if len(lead) > 1 else out
 

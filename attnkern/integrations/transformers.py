@@ -93,6 +93,9 @@ def _attention_function(kernel: str, params: dict):
         if kwargs.get("softcap") is not None:
             extra["softcap"] = kwargs["softcap"]
         causal = "bottom_right" if is_causal and attention_mask is None else False
+        # the models hand over transposed projections ((B, S, H, D) memory): attnkern uses GPU tensors in
+        # place and takes contiguous ones only (.contiguous() is a no-op for those that are)
+        query, key, value = (x.contiguous() for x in (query, key, value))
         out = attnkern.attention(query, key, value, causal=causal, scale=scaling, kernel=kernel, **extra, **params)
         return out.transpose(1, 2).contiguous(), None
 
