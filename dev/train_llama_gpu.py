@@ -61,7 +61,8 @@ def settings(args) -> dict:
             "batch": args.batch, "steps": args.steps or 200, "warmup_steps": 20, "lr": 3e-4}
 
 
-def train(cfg: dict, attention: str, model_seed: int, tokens: np.ndarray, device, autocast_dtype) -> dict:
+def train(cfg: dict, attention: str, model_seed: int, tokens: np.ndarray, device, autocast_dtype,
+          profile: int = 0) -> dict:
     """One run: losses per step, step times (the device waited for), tokens/s after warm-up."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -98,6 +99,23 @@ def train(cfg: dict, attention: str, model_seed: int, tokens: np.ndarray, device
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):
             raise SystemExit(f"{attention} seed {model_seed}: loss {losses[-1]} at step {step}")
+    if profile:  # a few more steps under torch.profiler: where the step's host and device time goes
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            for step in range(profile):
+                batch = torch.from_numpy(tokens[step * b:(step + 1) * b]).to(device)
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    loss = _loss(model, batch)
+                loss.backward()
+                opt.zero_grad(set_to_none=True)
+            sync()
+        print(f"# profile of {attention}, {profile} forward + backward steps", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        if device.type == "cuda":
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
     timed = step_ms[min(warm, len(step_ms) - 1):]
     tokens_per_s = b * cfg["seq"] / (np.median(timed) / 1e3)
     return {"attention": attention, "model_seed": model_seed, "losses": losses, "step_ms": step_ms,
@@ -158,6 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--data-seed", type=int, default=1234)
     p.add_argument("--kernel", default="auto", help="attnkern's kernel (default auto)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, a tiny model, 2 steps: checks the script")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after each run (attnkern, sdpa), profile STEPS more forward + backward steps (torch.profiler) "
+                        "and print the ops by host and device time")
     p.add_argument("--replot", metavar="JSON", help="only draw losses.png into --out from a run's losses.json")
     args = p.parse_args(argv)
     if args.replot:
@@ -184,7 +205,8 @@ def main(argv=None) -> int:
     for key, attention, seed in (("attnkern", name, args.seed), ("sdpa", "sdpa", args.seed),
                                  ("sdpa_other_seed", "sdpa", args.other_seed)):
         print(f"# {key}: {attention}, model seed {seed}, {cfg['steps']} steps", file=sys.stderr, flush=True)
-        runs[key] = train(cfg, attention, seed, tokens, device, autocast_dtype)
+        runs[key] = train(cfg, attention, seed, tokens, device, autocast_dtype,
+                          args.profile if key != "sdpa_other_seed" else 0)
         r = runs[key]
         print(f"{key:<16} first loss {r['losses'][0]:.4f} last {r['losses'][-1]:.4f} "
               f"median step {r['median_step_ms']:.1f} ms, {r['tokens_per_s']:.0f} tokens/s", flush=True)
