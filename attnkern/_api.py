@@ -527,16 +527,17 @@ def _eager(q, k, v) -> bool:
                 or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))))
 
 
-def _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
+def _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward=False):
     """The fast path's answer for torch CUDA tensors (_torch_cuda), or None: the
     general path runs. A call shape without a plan runs here through the general
-    path's steps, and what they chose becomes the plan for the next calls."""
-    got = _torch_cuda.attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+    path's steps, and what they chose becomes the plan for the next calls. backward:
+    the kernel must have a backward (the custom op under autograd)."""
+    got = _torch_cuda.attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward)
     if not isinstance(got, _torch_cuda.Pending):
         return got
-    try:
-        call = validate(q, k, v, causal=causal, scale=scale, check_finite=got.check)
-        chosen, resolved = choose(call, kernel, params, return_lse=got.with_lse)
+    try:  # (inputs that require grad are read detached, as the general path reads them)
+        call = validate(q.detach(), k.detach(), v.detach(), causal=causal, scale=scale, check_finite=got.check)
+        chosen, resolved = choose(call, kernel, params, return_lse=got.with_lse, backward=got.backward)
     except (TypeError, ValueError, RuntimeError):
         return None  # the general path raises it, as it words it
     result = run(call, chosen, resolved, check_finite=got.check, return_lse=got.with_lse)  # compiles on first use
@@ -626,7 +627,7 @@ def _decode(spec: dict) -> tuple:
              "dropout_seed": None if seed is None else int(seed)}
     used = {n: x for n, x in given.items() if x is not None and x != _NEUTRAL[n]}
     feats.update(used)
-    unknown = set(used) - set(inspect.signature(validate).parameters)
+    unknown = set(used) - set(inspect.signature(validate).parameters) if used else ()  # (signature: slow)
     if unknown:
         raise NotImplementedError(f"this attnkern has no {', '.join(sorted(unknown))} (attention() does not take "
                                   "it yet)")
@@ -645,13 +646,19 @@ def _op_forward(q, k, v, spec, *, check_finite, need_lse, need_backward):
 def _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, backward, feats, params):
     """out, or (out, lse) with return_lse, for torch tensors; backward: choose a kernel with a
     backward (whose lse the caller then asks for)."""
-    if q.is_cuda and not backward and all(x is None or x == _NEUTRAL.get(n) for n, x in feats.items()):
+    if q.is_cuda and _plain(feats):
         # device-resident tensors: a prepared launch per call shape, for calls without features
-        result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+        # (but grouped k/v heads and bottom-right causal masking), under autograd too
+        result = _torch_cuda_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward)
         if result is not None:
             return result
     return _torch_forward(q, k, v, causal, scale, kernel, check_finite, return_lse, feats, params,
                           backward=backward)[0]
+
+
+def _plain(feats) -> bool:
+    """Whether attention()'s feature keywords are all unused (None or neutral)."""
+    return all(x is None or x == _NEUTRAL.get(n) for n, x in feats.items())
 
 
 def _op_backward(q, k, v, out, dout, lse, spec):
@@ -734,9 +741,16 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
 
 
 def _torch_attention_backward(q, k, v, out, dout, lse, *, causal, scale, kernel, feats, **params):
-    """attention_backward on torch tensors."""
+    """attention_backward on torch tensors. On CUDA tensors without features (but
+    grouped k/v heads and bottom-right causal masking), a call shape's first call
+    leaves a plan (_torch_cuda.backward) that the next ones launch."""
     import torch
 
+    pending = None
+    if type(q) is torch.Tensor and q.is_cuda and _plain(feats):
+        pending = _torch_cuda.backward(q, k, v, out, dout, lse, causal, scale, kernel, params)
+        if pending is not None and not isinstance(pending, _torch_cuda.Pending):
+            return pending
     _torch_api.check_tensors((q, k, v, out, dout, lse), "q, k, v, out, dout, lse")
     call = validate(*_torch_api.views((q, k, v)), causal=causal, scale=scale, check_finite=False, **feats)
     chosen, resolved = choose(call, kernel, params, return_lse=True, backward=True)
@@ -744,8 +758,11 @@ def _torch_attention_backward(q, k, v, out, dout, lse, *, causal, scale, kernel,
                                 (lse, "lse", call.out_shape[:-1])))
     _check_backward_dtype(chosen, call.q.dtype.name)
     with torch.no_grad():
-        return _torch_api.backward(q.detach(), k.detach(), v.detach(), out.detach(), dout.detach(), lse.detach(),
-                                   call=call, chosen=chosen, resolved=resolved)
+        grads = _torch_api.backward(q.detach(), k.detach(), v.detach(), out.detach(), dout.detach(), lse.detach(),
+                                    call=call, chosen=chosen, resolved=resolved)
+    if pending is not None:  # the general path took the call: the next ones of its shape take the plan
+        pending.plan(call, chosen, resolved)
+    return grads
 
 
 def _check_backward_dtype(chosen: _registry.Kernel, dtype: str) -> None:

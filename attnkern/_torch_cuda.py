@@ -74,40 +74,58 @@ _USABLE = []  # [whether numba-cuda has a GPU, the cuda backend module]
 
 class Pending:
     """A call with no plan yet: the core runs it through the general path, with
-    check_finite=check and return_lse=with_lse, then calls plan() with what it chose."""
+    check_finite=check and return_lse=with_lse (and for a backward call, the
+    backward's arguments), then calls plan() with what it chose."""
 
-    __slots__ = ("plans", "key", "check", "with_lse", "params")
+    __slots__ = ("plans", "key", "check", "with_lse", "params", "backward", "make")
 
-    def __init__(self, plans, key, check, with_lse, params):
+    def __init__(self, plans, key, check, with_lse, params, backward=False, make=None):
         self.plans, self.key, self.check, self.with_lse, self.params = plans, key, check, with_lse, params
+        self.backward = backward  # choose a kernel with a backward
+        self.make = make or _plan  # the plan's builder: _plan (forward) or _backward_plan
 
     def plan(self, call, chosen, resolved) -> None:
         """Keeps the plan for the next calls of this shape from the general path's
         validated call, its kernel and tunables."""
         if len(self.plans) >= 256:  # many shapes in turn: start over rather than keep them all
             self.plans.clear()
-        self.plans[self.key] = _plan(call, chosen, resolved, self.params, self.with_lse, self.check)
+        self.plans[self.key] = self.make(call, chosen, resolved, self.params, self.with_lse, self.check)
 
 
-def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
+def _arguments_fit(causal, scale, kernel, params) -> bool:
+    """Whether the call's arguments are of types whose equality is their identity for
+    the call (True is not 1 here), so that they can key a plan."""
+    if (causal is not True and causal is not False and not (type(causal) is str and causal == "bottom_right")
+            or type(kernel) is not str):
+        return False
+    if scale is not None and type(scale) is not float and type(scale) is not int:
+        return False
+    return not (params and any(type(x) is not int for x in params.values()))
+
+
+def _plans() -> dict:
+    """This thread's plans (forward and backward keys differ in length)."""
+    plans = getattr(_LOCAL, "plans", None)
+    if plans is None:
+        plans = _LOCAL.plans = {}
+    return plans
+
+
+def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward=False):
     """attention(q, k, v, ...) for torch CUDA tensors q (the caller knows that much):
     the result; None where the general path must run; or a Pending where it must
-    run and then plan this call shape."""
+    run and then plan this call shape. backward: the kernel must have a backward
+    (the custom op's forward under autograd, which then asks for the lse). Inputs
+    that require grad are read as they are: the callers are the custom op, whose
+    autograd formula makes the result differentiable, and the eager path, which
+    runs only where autograd records nothing."""
     if not usable():
         return None
     torch = _torch()
     tensor = torch.Tensor
     if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
         return None
-    if q.requires_grad or k.requires_grad or v.requires_grad:  # autograd: the general path
-        return None
-    # only argument types whose equality is their identity for the call (True is not 1 here)
-    if (causal is not True and causal is not False and not (type(causal) is str and causal == "bottom_right")
-            or type(kernel) is not str):
-        return None
-    if scale is not None and type(scale) is not float and type(scale) is not int:
-        return None
-    if params and any(type(x) is not int for x in params.values()):
+    if not _arguments_fit(causal, scale, kernel, params):
         return None
     device = q.get_device()
     if k.get_device() != device or v.get_device() != device:
@@ -115,14 +133,13 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return None
     check, with_lse = bool(check_finite), bool(return_lse)
+    # (backward last: tests read the kernel at index 9)
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, device, causal, scale, kernel, check, with_lse,
-           tuple(params.items()))
-    plans = getattr(_LOCAL, "plans", None)
-    if plans is None:
-        plans = _LOCAL.plans = {}
+           tuple(params.items()), bool(backward))
+    plans = _plans()
     plan = plans.get(key)
     if plan is None or plan.until < time.monotonic():
-        return Pending(plans, key, check, with_lse, params)
+        return Pending(plans, key, check, with_lse, params, bool(backward))
     if plan.launch is None:
         return None
     if plan.stream(device):  # not the legacy default stream: its queued work must come first
@@ -146,6 +163,67 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
     if plan.scan is not None and plan.scan(*ptrs[:4]):
         return None
     return (out, lse) if with_lse else out
+
+
+def backward(q, k, v, out, dout, lse, causal, scale, kernel, params):
+    """attention_backward(q, k, v, out, dout, lse, ...) for torch CUDA tensors q (the
+    caller knows that much) without features beyond grouped k/v heads and bottom-right
+    causal masking: (dq, dk, dv); None where the general path must run; or a Pending
+    where it must run and then plan this call shape. A plan launches cuda.flash's
+    tensor-core backward (float16, bfloat16; float32 in 3xTF32) prepared, its
+    gradients and float32 scratch memory allocated with torch on the legacy default
+    stream, which the kernels run on (on another stream: the general path): no wait
+    for the GPU and no allocation of Numba's."""
+    if not usable():
+        return None
+    tensor = _torch().Tensor
+    if (type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or type(out) is not tensor
+            or type(dout) is not tensor or type(lse) is not tensor):
+        return None
+    if not _arguments_fit(causal, scale, kernel, params):
+        return None
+    device = q.get_device()
+    if any(x.get_device() != device or not x.is_contiguous() for x in (k, v, out, dout, lse)) \
+            or not q.is_contiguous():
+        return None
+    key = (q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape, q.dtype, k.dtype, v.dtype, out.dtype,
+           dout.dtype, lse.dtype, device, causal, scale, kernel, tuple(params.items()))
+    plans = getattr(_LOCAL, "backward_plans", None)
+    if plans is None:
+        plans = _LOCAL.backward_plans = {}
+    plan = plans.get(key)
+    if plan is None or plan.until < time.monotonic():
+        return Pending(plans, key, False, True, params, True, _backward_plan)
+    if plan.launch is None or plan.stream(device):
+        return None
+    grads = (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+            *(g.data_ptr() for g in grads))
+    if not plan.aligned(*ptrs):
+        return None
+    # from torch's caching allocator on the legacy default stream, the launches' stream: a later
+    # reuse of this memory is queued after them
+    scratch = q.new_empty(plan.scratch, dtype=_torch().float32)
+    plan.launch(*ptrs, scratch.data_ptr())
+    return grads
+
+
+def _backward_plan(call, chosen, resolved, params, *_) -> _Plan:
+    """backward()'s plan from the general path's validated call (the forward's), its
+    kernel and tunables."""
+    from .backends._split import PREPARED_FEATURES
+    from .backends.cuda import prepared_flash_backward
+
+    if call.empty or chosen.name != "cuda.flash" or not call.needs <= PREPARED_FEATURES:
+        return _Plan()
+    (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
+    prepared = prepared_flash_backward(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
+                                       resolved["tensor_cores"], call.features if call.needs else None)
+    if prepared is None:
+        return _Plan(until=time.monotonic() + RECHECK_S)
+    looked_up = len(params) < len(chosen.params)  # tunables from the tuning cache or defaults
+    return _Plan(prepared[0], None, prepared[1], raw_stream, until=time.monotonic() + RECHECK_S if looked_up
+                 else math.inf, scratch=prepared[2])
 
 
 def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:

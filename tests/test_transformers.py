@@ -50,6 +50,30 @@ def test_registered_name_is_used():
     assert NAME in transformers.AttentionInterface._global_mapping
 
 
+def test_check_finite_is_off_unless_registered_on(ids, monkeypatch):
+    """register() passes check_finite=False (SDPA and FlashAttention check nothing; on the GPU
+    the check waits for it at every call), register(check_finite=True) passes True: a NaN in
+    the queries is then a ValueError naming q, where unchecked it flows into the logits."""
+    seen = []
+    real = attnkern.attention
+    monkeypatch.setattr(attnkern, "attention", lambda *a, **kw: seen.append(kw["check_finite"]) or real(*a, **kw))
+    _, model = pair()
+    with torch.no_grad():
+        model(ids)
+        assert seen and not any(seen)
+        model.set_attn_implementation(ak.register("attnkern_checked", check_finite=True))
+        seen.clear()
+        model(ids)
+        assert seen and all(seen)
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
+        with pytest.raises(ValueError, match="^q contains NaN or infinity"):
+            model(ids)
+        model.set_attn_implementation(NAME)
+        assert not torch.isfinite(model(ids).logits).all()
+    with pytest.raises(TypeError, match="check_finite must be True or False"):
+        ak.register("attnkern_unchecked", check_finite=1)
+
+
 def test_llama_gqa_logits_and_gradients_match_sdpa(ids):
     ref, ours = pair()
     outs = []

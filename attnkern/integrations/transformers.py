@@ -26,16 +26,25 @@ import attnkern
 _MASKS = "attn_mask" in inspect.signature(attnkern.attention).parameters
 
 
-def register(name: str = "attnkern", kernel: str = "auto", **params) -> str:
+def register(name: str = "attnkern", kernel: str = "auto", *, check_finite: bool = False, **params) -> str:
     """Registers attnkern under `name` in transformers' AttentionInterface and
     AttentionMaskInterface, running `kernel` with tunables `params`; returns name,
-    for attn_implementation=name (from_pretrained, from_config, set_attn_implementation)."""
+    for attn_implementation=name (from_pretrained, from_config, set_attn_implementation).
+
+    check_finite is passed to attnkern.attention. It is off by default, as SDPA and
+    FlashAttention check nothing either: on GPU tensors the check scans q, k, v and
+    the output and waits for the GPU to read the answer, so every attention call would
+    stop the CPU from queueing work ahead of the GPU. register(check_finite=True)
+    turns it on (a NaN or infinity in q, k or v is then a ValueError naming it, and a
+    non-finite output a FloatingPointError)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be True or False, got {check_finite!r}")
     if kernel != "auto":
         attnkern.kernel_info(kernel)  # an unknown kernel name fails here, not in a model
-    AttentionInterface.register(name, _attention_function(kernel, params))
+    AttentionInterface.register(name, _attention_function(kernel, {**params, "check_finite": check_finite}))
     AttentionMaskInterface.register(name, _mask)
     return name
 

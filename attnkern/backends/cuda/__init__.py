@@ -305,8 +305,8 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
     on the split-K decode path (launch(q, k, v, out[, lse], scratch), its test,
     the float32 elements of scratch memory it takes); None where the kernel is not
     compiled yet, the call is one _cuda_flash refuses (its error is raised there),
-    or it has features (a _registry.Features) beyond PREPARED_FEATURES or off the
-    decode path."""
+    or it has features (a _registry.Features) beyond PREPARED_FEATURES, or features
+    on the Numba kernel (float64; float32 where no CUDA C++ kernel runs)."""
     from . import cpp, launch, numba_kernels
 
     dtype = np.dtype(dtype)
@@ -320,24 +320,23 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
     lse = roles[4] if with_lse else None
     aligned = None
     try:
+        feat = launch.KernelFeatures.of(features, batch, dtype)  # grouped k/v, bottom-right: no arrays
         if dtype.name in cpp.MMA_DTYPES:
             if _flash_head_sizes(d, dv, dtype.name) is not None:
                 return None
-            feat = launch.KernelFeatures.of(features, batch, dtype)
             if cpp.decode_refusal(dtype.name, nq, group, d, dv, feat) is None and (splits := cpp.decode_auto_splits(
                     batch_kv, nq, nk, d, split_k, group)):
                 return _prepared_decode(roles, causal, scale, feat, splits, bool(fastmath))
-        if features is not None:
-            # the regular kernels' featured calls (every dtype's: the float32 and float64 kernels
-            # below would read k/v as if they had q's heads): the general path
-            return None
-        if dtype.name in cpp.MMA_DTYPES:
-            kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse, fast=bool(fastmath))
+            # the regular kernel, its featured variant for grouped k/v heads or bottom-right masking
+            kernel, grid, block, args = cpp.flash_mma_launch(*roles[:4], causal, scale, lse, feat=feat,
+                                                             fast=bool(fastmath))
             aligned = cpp.mma_aligned
         elif (division := _cpp_kernel(block_q, block_k, d, dv, dtype, tensor_cores)) is not None:
-            kernel, grid, block, args = _cpp_launch(division)(*roles[:4], causal, scale, lse, division,
+            kernel, grid, block, args = _cpp_launch(division)(*roles[:4], causal, scale, lse, division, feat,
                                                               fast=bool(fastmath))
             aligned = _cpp_aligned(division)
+        elif feat is not None:  # the Numba kernel's featured calls: the general path
+            return None
         else:
             block_q, block_k = _flash_tiles(block_q, block_k, d, dv, dtype.itemsize)
             kernel, grid, block, args = numba_kernels.flash_launch(*roles[:4], causal, scale, block_q, block_k, lse=lse)
@@ -378,6 +377,53 @@ def _prepared_decode(roles: list, causal: bool, scale: float, feat, splits: int,
         _LAST.splits = splits
 
     return run, cpp.decode_aligned, elems
+
+
+def prepared_flash_backward(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal: bool, scale: float,
+                            tensor_cores: int, features=None):
+    """cuda.flash's backward on tensor cores (cpp.flash_bwd_mma: float16, bfloat16, and
+    float32 with tensor_cores) for (batch, n, d) GPU arrays of these sizes and dtype, with
+    everything but the addresses fixed: (launch(q, k, v, out, dout, lse, dq, dk, dv,
+    scratch), the test the first nine addresses must pass, the float32 elements of
+    scratch memory it takes). None where the Numba kernels run the call (float64, float32
+    with tensor_cores=0, other head sizes, the simulator), its kernels are not compiled
+    yet, or the call has features beyond PREPARED_FEATURES (grouped k/v heads and
+    bottom-right causal masking)."""
+    from numba import config
+
+    from . import cpp, launch
+
+    dtype = np.dtype(dtype)
+    if config.ENABLE_CUDASIM or not cpp.mma_head_size_ok(d, dv) or batch * nq * nk == 0:
+        return None
+    if dtype.name not in cpp.MMA_DTYPES and not (dtype == np.float32 and tensor_cores):
+        return None
+    if features is not None and not features.needs() <= PREPARED_FEATURES:
+        return None
+    group = 1 if features is None else features.kv_group
+    batch_kv = batch // group
+    shapes = [(batch, nq, d), (batch_kv, nk, d), (batch_kv, nk, dv), (batch, nq, dv), (batch, nq, dv), (batch, nq),
+              (batch, nq, d), (batch_kv, nk, d), (batch_kv, nk, dv)]
+    roles = [GpuArray(shape, dtype, None, ptr=0) for shape in shapes]
+    rows = batch * nq
+    lse32, delta = cpp.bwd_scratch_views(0, rows)
+    feat = launch.KernelFeatures.of(features, batch, dtype)
+    steps = []
+    for kernel, grid, block, args in cpp.flash_bwd_launches(*roles, lse32, delta, causal, scale, feat):
+        raw = launch.raw_kernel(kernel)
+        if raw is None:
+            return None
+        steps.append(launch.Prepared(raw, grid, block, args, roles + [lse32, delta]))
+    first, second = steps
+    delta_at = delta.ptr  # delta's offset in the scratch (its base was 0)
+
+    def run(*ptrs):  # q, k, v, out, dout, lse, dq, dk, dv, scratch
+        base = ptrs[-1]
+        full = (*ptrs[:-1], base, base + delta_at)
+        first(*full)
+        second(*full)
+
+    return run, cpp.bwd_aligned(2 * dtype.itemsize), 2 * rows
 
 
 def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:

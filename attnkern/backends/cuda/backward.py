@@ -25,6 +25,7 @@ import numpy as np
 from numba import config, cuda, int64, uint64
 
 from ..._gpuarray import GpuArray
+from .arrays import workspace
 from .launch import LOG2E, round_up
 from .numba_kernels import (NO_GROUP, dropout_factor, feature_args, key_range, mask_base, masked, philox4x32_10,
                             pick_word)
@@ -337,7 +338,8 @@ def flash_backward(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: flo
                                                     0 if feat is None else feat.mask_kind,
                                                     feat is not None and feat.alibi is not None,
                                                     feat is not None and feat.dropout_p > 0)
-    delta = cuda.device_array(max(batch * nq, 1), dtype=q.dtype)
+    # from torch's caching allocator for torch tensors (no cudaMalloc, no synchronous free)
+    delta = workspace(max(batch * nq, 1), q.dtype, q.owner).flat
     extra = [a.flat if isinstance(a, GpuArray) else a for a in feature_args(feat, nk, ftype, delta)]
     sizes = (nq, nk, d, dvn, ftype(scale * LOG2E), ftype(scale), causal, *extra)
     if nq:

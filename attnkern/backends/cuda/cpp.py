@@ -556,27 +556,55 @@ def flash_bwd_mma(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: floa
     A call bwd_refusal refuses is a ValueError."""
     from .arrays import workspace
 
-    batch, nq, d = q.shape
-    nk = k.shape[1]
     why = bwd_refusal(q, k, v, out, dout, dq, dk, dv, scale, feat)
     if why is not None:
         raise ValueError(f"cuda.flash backward ({q.dtype.name}): {why}")
+    rows = q.shape[0] * q.shape[1]
+    scratch = workspace(2 * max(rows, 1), np.float32, q.owner)  # the corrected lse, then delta
+    for kernel, grid, block, args in flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv,
+                                                        *bwd_scratch_views(scratch.ptr, rows, scratch.owner),
+                                                        causal, scale, feat, config):
+        launch(kernel, grid, block, *args)
+
+
+def bwd_scratch_views(base: int, rows: int, owner=None) -> tuple[GpuArray, GpuArray]:
+    """The two float32 (rows,) arrays of flash_bwd_mma's scratch memory at address base
+    (2 max(rows, 1) floats): the corrected lse, then delta."""
+    return (GpuArray((rows,), np.float32, None, ptr=base, owner=owner),
+            GpuArray((rows,), np.float32, None, ptr=base + 4 * rows, owner=owner))
+
+
+def bwd_aligned(step: int):
+    """The address test of flash_bwd_mma (bwd_refusal's) for the addresses of q, k, v, out,
+    dout, lse, dq, dk, dv, gradients written `step` bytes at a time (2 x the itemsize)."""
+    def aligned(*ptrs) -> bool:
+        return not any(p % 16 for p in ptrs[:5]) and not any(p % step for p in ptrs[6:9])
+
+    return aligned
+
+
+def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal: bool, scale: float, feat=None,
+                       config: BwdConfig | None = None) -> list:
+    """[(kernel, grid, block, args)] of flash_bwd_mma's two launches (the dQ kernel, then
+    the dK/dV kernel): launch() takes them, or Prepared; lse32 and delta: the float32
+    scratch arrays (bwd_scratch_views)."""
+    batch, nq, d = q.shape
+    nk = k.shape[1]
     config = config or bwd_config(d, q.dtype.name)
     dq_kernel, kv_kernel = flash_bwd_kernels(q.dtype.name, d, config, feat is not None,
                                              0 if feat is None else feat.mask_kind,
                                              feat is not None and feat.alibi is not None, _dropout_of(feat),
                                              _varlen_of(feat))
-    scratch = workspace(2 * max(batch * nq, 1), np.float32, q.owner)  # the corrected lse, then delta
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     args = (Addr(q), Addr(k), Addr(v), Addr(out), Addr(dout), Addr(lse), Addr(dq), Addr(dk), Addr(dv),
-            np.uint64(scratch.ptr), np.uint64(scratch.ptr + 4 * batch * nq), np.int32(nq), np.int32(nk),
-            np.float32(scale * LOG2E), np.float32(scale), np.int32(bool(causal)), *words)
+            Addr(lse32), Addr(delta), np.int32(nq), np.int32(nk), np.float32(scale * LOG2E), np.float32(scale),
+            np.int32(bool(causal)), *words)
     # packed sequences: grids over the longest sequence's rows and keys, and the sequences
     rows, keys = (feat.max_q, feat.max_k) if _varlen_of(feat) else (nq, nk)
-    launch(dq_kernel, _grid(-(-rows // (16 * config.dq_mt * config.dq_warps)), batch, feat), 32 * config.dq_warps,
-           *args)
-    launch(kv_kernel, _grid(-(-keys // (16 * config.kv_mt * config.kv_warps)), k.shape[0], feat),
-           32 * config.kv_warps, *args)
+    return [(dq_kernel, _grid(-(-rows // (16 * config.dq_mt * config.dq_warps)), batch, feat),
+             32 * config.dq_warps, args),
+            (kv_kernel, _grid(-(-keys // (16 * config.kv_mt * config.kv_warps)), k.shape[0], feat),
+             32 * config.kv_warps, args)]
 
 
 # ---------------------------------------------------------------- cuda.flash's split-K decode

@@ -42,8 +42,8 @@ from numba import config, cuda, float64, int64, uint64
 
 from ... import _philox
 from ..._gpuarray import GpuArray
-from .arrays import from_host, workspace
-from .launch import LN2, LOG2E, SHARED_BYTES, launch, round_up, take_dynamic_shared
+from .arrays import workspace
+from .launch import LN2, LOG2E, SHARED_BYTES, _device_lengths, launch, round_up, take_dynamic_shared
 
 MICRO = (4, 4)  # rows and keys per thread in cuda.flash's score tile
 FULL_MASK = 0xFFFFFFFF
@@ -533,7 +533,8 @@ def feature_args(feat, nk: int, ftype, lens_like) -> tuple:
     if feat is None:
         return (1, lens_like, 1, False, -1, -1, ftype(0), lens_like, 1, 0, 0, 0, 0, ftype(0), lens_like, ftype(0),
                 *dropout_args(None, ftype))
-    lens = feat.lens if feat.lens is not None else from_host(np.array([nk], np.int32))
+    # one length for every row: copied to the GPU once per nk (a copy per call would wait for it)
+    lens = feat.lens if feat.lens is not None else _device_lengths(np.array([nk], np.int32).tobytes())
     mask = lens_like if feat.mask is None else mask_flat(feat.mask)
     return (feat.kv_group, lens, feat.seq_rows if feat.lens is not None else 1 << 62, bool(feat.bottom_right),
             feat.window_left, feat.window_right, ftype(feat.softcap * LOG2E), mask, feat.mask_heads,
