@@ -558,9 +558,70 @@ def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, f
             feats = {**feats, "dropout_seed": int(feats["dropout_seed"])}
         return _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, False, feats, params)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if grad and EAGER_AUTOGRAD and q.is_cuda and _plain(feats) and _arguments_plain(causal, scale, kernel, params) \
+            and not torch.compiler.is_compiling():
+        cast = _eager_autocast(q, kernel)
+        if cast is not False:
+            if cast is not None:  # as the op's autocast policy casts: floating inputs, float64 excepted
+                q, k, v = (x.to(cast) if x.is_floating_point() and x.dtype != torch.float64 else x for x in (q, k, v))
+            out, lse = _autograd_function().apply(q, k, v, (causal, scale, kernel, check_finite, feats, params))
+            return (out, lse) if return_lse else out
     out, lse = _torch_ops.ops().attention(q, k, v, *_encode(causal, scale, kernel, feats, params), check_finite,
                                           return_lse or grad, grad)
     return (out, lse) if return_lse else out
+
+
+# False: every differentiable torch call goes through the custom op attnkern::attention, also
+# outside torch.compile (measurements compare the two)
+EAGER_AUTOGRAD = True
+
+
+def _arguments_plain(causal, scale, kernel, params) -> bool:
+    """Whether attention()'s arguments are of the types the custom op would take as they are
+    (the eager autograd path skips _encode, whose errors the op's path raises)."""
+    return (isinstance(causal, (bool, str)) and isinstance(kernel, str)
+            and (scale is None or type(scale) in (int, float)) and all(type(x) is int for x in params.values()))
+
+
+def _eager_autocast(q, kernel):
+    """For a differentiable CUDA call outside torch.compile: None outside an autocast
+    region, the region's dtype where the kernel's backward takes it, else False (the
+    custom op's autocast policy runs the call, in float32)."""
+    import torch
+
+    if not torch.is_autocast_enabled(q.device.type):
+        return None
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return dtype if _backward_takes(kernel, str(dtype).removeprefix("torch.")) else False
+
+
+@functools.cache
+def _autograd_function():
+    """The torch.autograd.Function of differentiable CUDA calls without features (but
+    grouped k/v heads and bottom-right causal masking) outside torch.compile: what the
+    custom op's autograd formula does (_torch_ops), without the op's dispatch, which
+    costs more host time than the prepared launches themselves. The forward and the
+    backward run the op's implementations (_run_torch, _torch_attention_backward)."""
+    import torch
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, args):
+            causal, scale, kernel, check_finite, feats, params = args
+            out, lse = _run_torch(q, k, v, causal, scale, kernel, check_finite, True, True, feats, params)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.args = args
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            causal, scale, kernel, _, feats, params = ctx.args
+            return (*_torch_attention_backward(q, k, v, out, dout.contiguous(), lse, causal=causal, scale=scale,
+                                               kernel=kernel, feats=feats, **params), None)
+
+    return Attention
 
 
 # the keywords of masks, ALiBi and dropout, when not used
