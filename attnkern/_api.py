@@ -563,7 +563,8 @@ def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, f
         cast = _eager_autocast(q, kernel)
         if cast is not False:
             if cast is not None:  # as the op's autocast policy casts: floating inputs, float64 excepted
-                q, k, v = (x.to(cast) if x.is_floating_point() and x.dtype != torch.float64 else x for x in (q, k, v))
+                q, k, v = (x.to(cast) if x.dtype != cast and x.is_floating_point() and x.dtype != torch.float64
+                           else x for x in (q, k, v))
             out, lse = _autograd_function().apply(q, k, v, (causal, scale, kernel, check_finite, feats, params))
             return (out, lse) if return_lse else out
     out, lse = _torch_ops.ops().attention(q, k, v, *_encode(causal, scale, kernel, feats, params), check_finite,

@@ -1,28 +1,36 @@
-"""Host (CPU) time per call of attention under torch autograd, and the driver calls that
-make the CPU wait for the GPU, for attnkern against torch SDPA with each of its backends.
+"""Host (CPU) time per call of attention under torch autograd, and whether the calls make
+the CPU wait for the GPU, for attnkern against torch SDPA with each of its backends.
 
-    python3 dev/gpu_call_overhead.py [--out DIR] [--calls N] [--no-autocast] [--device cpu]
+    python3 dev/gpu_call_overhead.py [--out DIR] [--calls N] [--no-autocast] [--cprofile]
+                                     [--device cpu]
 
 For each shape (batch, heads, seq, head size; k/v heads; causal as the transformers
 integration passes it) and each variant (attnkern as the integration calls it, with
 check_finite=False; attnkern with check_finite=True; attnkern through the custom op
 attnkern::attention where the eager autograd path exists; torch SDPA with one backend
-each: flash, efficient, cudnn, math), in turns in one process, under bf16 autocast
-unless --no-autocast:
+each, its sdpa_kernel context entered once around the measurement: flash, efficient,
+cudnn, math), in turns in one process, bf16 inputs under bf16 autocast unless --no-autocast:
 
-- fwd_us, bwd_us: host time of one forward (attention on leaves that require grad) and
-  of one backward (out.backward(dout)), each timed alone after a synchronisation: the
-  median over --calls calls. A call that waits for the GPU counts its wait.
-- step_ms: wall time per forward + backward in a loop of --calls iterations with no
-  synchronisation between them (the CPU may run ahead of the GPU), and gpu_ms: the GPU
-  time of the same loop (CUDA events), per iteration.
-- syncs: per forward + backward, the driver and runtime calls in a torch.profiler trace
-  that wait for the GPU or allocate/free device memory (cudaStreamSynchronize,
-  cudaDeviceSynchronize, cuCtxSynchronize, cu/cudaEventSynchronize, cuEventQuery (a
-  polled wait), cudaMemcpy (synchronous), cuMemcpyDtoH, cuMemFree, cuMemAlloc, ...), by name.
+- fwd_us, bwd_us: host time per forward (attention on leaves that require grad) and per
+  backward (out.backward(dout)), --calls of each back to back (the GPU's queue absorbs
+  their kernels): the median over 5 rounds of the mean per call.
+- fwd_cold_us, bwd_cold_us: host time of one call timed alone right after a
+  synchronisation (median over --calls): includes any wait for the call's own kernels.
+- waits: whether a forward + backward queued behind a 50 ms GPU busy-wait
+  (torch.cuda._sleep) returned only after the GPU went idle, i.e. waited for it
+  (busy_us: that forward + backward's host time).
+- step_ms / gpu_ms: wall time per forward + backward in a loop of --calls iterations with
+  no synchronisation between them, and the GPU time of that loop (CUDA events).
+- syncs: per forward + backward, the runtime calls in a torch.profiler trace that wait for
+  the GPU or allocate/free device memory (cudaStreamSynchronize, cudaMemcpy, cudaFree, ...).
+  The trace records the CUDA runtime API; the driver calls that Numba and cuda.bindings
+  make (cuEventSynchronize, cuMemFree, ...) are not in it: `waits` is the test for those.
 
+--cprofile prints cProfile's top functions of attnkern's forward (back to back, main
+thread) and of its backward's implementation (_api._torch_attention_backward, called
+directly: autograd runs backward on its own thread) at the first shape.
 Prints one table, and with --out writes overhead.json there. --device cpu runs the same
-on CPU tensors (a smoke test of the script: no GPU, no trace counts)."""
+on CPU tensors (a smoke test of the script: no GPU, no waits or trace counts)."""
 
 from __future__ import annotations
 
@@ -44,47 +52,59 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def variants(torch, attnkern):
-    """[(name, forward(q, k, v, causal) -> out, setup, teardown)]: attnkern's, then SDPA's backends."""
+    """[(name, forward(q, k, v, causal) -> out, context)]: attnkern's, then SDPA's backends;
+    context() is entered around the variant's measurement."""
+    import contextlib
+
     from attnkern import _api
 
     def ours(check_finite):
         return lambda q, k, v, causal: attnkern.attention(q, k, v, causal=causal, check_finite=check_finite)
 
+    @contextlib.contextmanager
     def eager(on):
-        def setup():
-            if hasattr(_api, "EAGER_AUTOGRAD"):
-                _api.EAGER_AUTOGRAD = on
-        return setup
+        was = getattr(_api, "EAGER_AUTOGRAD", None)
+        if was is not None:
+            _api.EAGER_AUTOGRAD = on
+        try:
+            yield
+        finally:
+            if was is not None:
+                _api.EAGER_AUTOGRAD = was
 
-    found = [("attnkern", ours(False), eager(True)), ("attnkern check_finite", ours(True), eager(True))]
+    found = [("attnkern", ours(False), lambda: eager(True)),
+             ("attnkern check_finite", ours(True), lambda: eager(True))]
     if hasattr(_api, "EAGER_AUTOGRAD"):
-        found.append(("attnkern op", ours(False), eager(False)))
+        found.append(("attnkern op", ours(False), lambda: eager(False)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(q, k, v, causal):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal),
+                                                                enable_gqa=k.shape[1] != q.shape[1])
 
     for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
         backend = getattr(SDPBackend, name, None)
-        if backend is None:
-            continue
-
-        def sdpa(q, k, v, causal, backend=backend):
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal),
-                                                                        enable_gqa=k.shape[1] != q.shape[1])
-        found.append((f"sdpa {name.lower()}", sdpa, eager(True)))
+        if backend is not None:
+            found.append((f"sdpa {name.lower()}", sdpa, lambda backend=backend: sdpa_kernel(backend)))
     return found
 
 
-def measure(torch, forward, shape, device, autocast, calls):
+def inputs(torch, shape, device):
     b, h, n, d, hkv, causal = shape
     g = torch.Generator(device="cpu").manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q, k, v = (torch.randn(b, heads, n, d, generator=g).to(device, dtype).requires_grad_()
                for heads in (h, hkv, hkv))
-    dout = torch.randn(b, h, n, d, generator=g).to(device, dtype)
+    return q, k, v, torch.randn(b, h, n, d, generator=g).to(device, dtype), causal
+
+
+def measure(torch, forward, shape, device, autocast, calls):
+    import contextlib
+
+    q, k, v, dout, causal = inputs(torch, shape, device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast and cuda else __import__(
-        "contextlib").nullcontext
+    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast and cuda else contextlib.nullcontext
 
     def fwd():
         with ctx():
@@ -93,8 +113,19 @@ def measure(torch, forward, shape, device, autocast, calls):
     for _ in range(3):  # plans, compilation, autotuning
         fwd().backward(dout)
     sync()
+    rounds_f, rounds_b = [], []
+    for _ in range(5):  # back to back: the CPU's cost per call, its caches warm
+        sync()
+        t = time.perf_counter()
+        outs = [fwd() for _ in range(calls)]
+        rounds_f.append((time.perf_counter() - t) * 1e6 / calls)
+        t = time.perf_counter()
+        for out in outs:
+            out.backward(dout)
+        rounds_b.append((time.perf_counter() - t) * 1e6 / calls)
+        del outs
     fwd_us, bwd_us = [], []
-    for _ in range(calls):
+    for _ in range(calls):  # one call alone after a synchronisation
         sync()
         t = time.perf_counter()
         out = fwd()
@@ -111,16 +142,69 @@ def measure(torch, forward, shape, device, autocast, calls):
     t = time.perf_counter()
     for _ in range(calls):
         fwd().backward(dout)
-    host = time.perf_counter() - t
     if cuda:
         end.record()
     sync()
-    result = {"fwd_us": statistics.median(fwd_us), "bwd_us": statistics.median(bwd_us),
-              "step_ms": (time.perf_counter() - t) * 1e3 / calls, "host_loop_ms": host * 1e3 / calls,
+    result = {"fwd_us": statistics.median(rounds_f), "bwd_us": statistics.median(rounds_b),
+              "fwd_cold_us": statistics.median(fwd_us), "bwd_cold_us": statistics.median(bwd_us),
+              "step_ms": (time.perf_counter() - t) * 1e3 / calls,
               "gpu_ms": start.elapsed_time(end) / calls if cuda else None}
     if cuda:
+        result.update(busy_check(torch, fwd, dout))
         result["syncs"] = count_waits(torch, fwd, dout)
     return result
+
+
+SLEEP_CYCLES = 100_000_000  # about 50 ms of GPU clock cycles (H100, H200: up to about 2 GHz)
+
+
+def busy_check(torch, fwd, dout) -> dict:
+    """{waits: whether a forward + backward queued behind a GPU busy-wait returned only once
+    the GPU was idle, busy_us: its host time}."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t = time.perf_counter()
+    fwd().backward(dout)
+    host = time.perf_counter() - t
+    idle = torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return {"waits": bool(idle), "busy_us": host * 1e6}
+
+
+def cprofile(torch, attnkern, shape, device, autocast, calls) -> None:
+    """cProfile's top functions of attnkern's forward and backward implementation."""
+    import cProfile
+    import contextlib
+    import pstats
+
+    from attnkern import _api
+
+    q, k, v, dout, causal = inputs(torch, shape, device)
+    cuda = device.type == "cuda"
+    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast and cuda else contextlib.nullcontext
+    with ctx():
+        out, lse = attnkern.attention(q, k, v, causal=causal, check_finite=False, return_lse=True)
+    feats = {"window": None, "key_lengths": None, "softcap": None, "attn_mask": None, "dropout_p": 0.0,
+             "dropout_seed": None, "alibi_slopes": None}
+    detached = [x.detach() for x in (q, k, v, out, dout, lse)]
+    for what, call in (("forward", lambda: attnkern.attention(q, k, v, causal=causal, check_finite=False)),
+                       ("backward (_torch_attention_backward)", lambda: _api._torch_attention_backward(
+                           *detached, causal=causal, scale=None, kernel="auto", feats=feats))):
+        for _ in range(3):
+            with ctx():
+                call()
+        if cuda:
+            torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        with ctx():
+            for _ in range(calls):
+                call()
+        prof.disable()
+        if cuda:
+            torch.cuda.synchronize()
+        print(f"# cProfile: attnkern {what}, {calls} calls, shape {shape}", flush=True)
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(18)
 
 
 def count_waits(torch, fwd, dout, steps: int = 5) -> dict:
@@ -146,6 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="folder for overhead.json")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--no-autocast", action="store_true", help="bf16 tensors without an autocast region")
+    p.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions of attnkern's calls")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = p.parse_args(argv)
     import torch
@@ -158,40 +243,35 @@ def main(argv=None) -> int:
     smoke = device.type == "cpu" or os.environ.get("ATTNKERN_BENCH_SMOKE") == "1"
     shapes = SMOKE_SHAPES if smoke else SHAPES
     calls = min(args.calls, 5) if smoke else args.calls
+    autocast = not args.no_autocast
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     rows = []
     print(f"# {gpu}, torch {torch.__version__}, attnkern {attnkern.__version__}, "
-          f"{'bf16 autocast' if not args.no_autocast else 'bf16'}, median of {calls} calls", flush=True)
-    print(f"{'shape (B,H,N,D,Hkv,causal)':<34} {'variant':<24} {'fwd us':>8} {'bwd us':>8} {'step ms':>8} "
-          f"{'gpu ms':>7}  waits per fwd+bwd", flush=True)
+          f"{'bf16 autocast' if autocast else 'bf16'}, {calls} calls", flush=True)
+    print(f"{'shape (B,H,N,D,Hkv,causal)':<38} {'variant':<22} {'fwd us':>7} {'bwd us':>7} {'fwd1 us':>7} "
+          f"{'bwd1 us':>7} {'step ms':>7} {'gpu ms':>6} {'waits':>5}  syncs per fwd+bwd", flush=True)
     for shape in shapes:
-        for name, forward, setup in variants(torch, attnkern):
-            setup()
+        for name, forward, context in variants(torch, attnkern):
             try:
-                r = measure(torch, forward, shape, device, not args.no_autocast, calls)
+                with context():
+                    r = measure(torch, forward, shape, device, autocast, calls)
             except Exception as exc:  # e.g. an SDPA backend that does not take this call
                 r = {"error": " ".join(str(exc).split())[:200]}
-            finally:
-                variants_reset(attnkern)
             rows.append({"shape": list(shape), "variant": name, **r})
             if "error" in r:
-                print(f"{str(shape):<34} {name:<24} {r['error'][:90]}", flush=True)
+                print(f"{str(shape):<38} {name:<22} {r['error'][:90]}", flush=True)
                 continue
-            gpu_ms = f"{r['gpu_ms']:7.2f}" if r["gpu_ms"] is not None else f"{'-':>7}"
-            print(f"{str(shape):<34} {name:<24} {r['fwd_us']:8.0f} {r['bwd_us']:8.0f} {r['step_ms']:8.2f} {gpu_ms}  "
+            gpu_ms = f"{r['gpu_ms']:6.2f}" if r["gpu_ms"] is not None else f"{'-':>6}"
+            print(f"{str(shape):<38} {name:<22} {r['fwd_us']:7.0f} {r['bwd_us']:7.0f} {r['fwd_cold_us']:7.0f} "
+                  f"{r['bwd_cold_us']:7.0f} {r['step_ms']:7.2f} {gpu_ms} {str(r.get('waits', '-')):>5}  "
                   f"{r.get('syncs', {})}", flush=True)
+    if args.cprofile:
+        cprofile(torch, attnkern, shapes[0], device, autocast, calls)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "overhead.json"), "w") as f:
-            json.dump({"gpu": gpu, "autocast": not args.no_autocast, "calls": calls, "rows": rows}, f, indent=1)
+            json.dump({"gpu": gpu, "autocast": autocast, "calls": calls, "rows": rows}, f, indent=1)
     return 0
-
-
-def variants_reset(attnkern) -> None:
-    from attnkern import _api
-
-    if hasattr(_api, "EAGER_AUTOGRAD"):
-        _api.EAGER_AUTOGRAD = True
 
 
 if __name__ == "__main__":
