@@ -558,8 +558,8 @@ def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, f
             feats = {**feats, "dropout_seed": int(feats["dropout_seed"])}
         return _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, False, feats, params)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if grad and EAGER_AUTOGRAD and q.is_cuda and _plain(feats) and _arguments_plain(causal, scale, kernel, params) \
-            and not torch.compiler.is_compiling():
+    if grad and q.is_cuda and _plain(feats) and _arguments_plain(causal, scale, kernel, params) \
+            and _torch_cuda.eager_autograd() and not torch.compiler.is_compiling():
         cast = _eager_autocast(q, kernel)
         if cast is not False:
             if cast is not None:  # as the op's autocast policy casts: floating inputs, float64 excepted
@@ -570,11 +570,6 @@ def _torch_attention(q, k, v, causal, scale, kernel, check_finite, return_lse, f
     out, lse = _torch_ops.ops().attention(q, k, v, *_encode(causal, scale, kernel, feats, params), check_finite,
                                           return_lse or grad, grad)
     return (out, lse) if return_lse else out
-
-
-# False: every differentiable torch call goes through the custom op attnkern::attention, also
-# outside torch.compile (measurements compare the two)
-EAGER_AUTOGRAD = True
 
 
 def _arguments_plain(causal, scale, kernel, params) -> bool:

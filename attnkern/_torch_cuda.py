@@ -72,6 +72,14 @@ def usable() -> bool:
 _USABLE = []  # [whether numba-cuda has a GPU, the cuda backend module]
 
 
+def eager_autograd() -> bool:
+    """Whether differentiable calls outside torch.compile may skip the custom op's dispatch
+    (the cuda backend's public switch attnkern.backends.cuda.EAGER_AUTOGRAD)."""
+    if not _USABLE:
+        usable()
+    return _USABLE[1].EAGER_AUTOGRAD
+
+
 class Pending:
     """A call with no plan yet: the core runs it through the general path, with
     check_finite=check and return_lse=with_lse (and for a backward call, the

@@ -27,7 +27,7 @@ cudnn, math), in turns in one process, bf16 inputs under bf16 autocast unless --
   make (cuEventSynchronize, cuMemFree, ...) are not in it: `waits` is the test for those.
 
 --cprofile prints cProfile's top functions of attnkern's forward (back to back, main
-thread) and of its backward's implementation (_api._torch_attention_backward, called
+thread) and of its backward (attnkern.attention_backward on the same tensors, called
 directly: autograd runs backward on its own thread) at the first shape.
 Prints one table, and with --out writes overhead.json there. --device cpu runs the same
 on CPU tensors (a smoke test of the script: no GPU, no waits or trace counts)."""
@@ -56,25 +56,25 @@ def variants(torch, attnkern):
     context() is entered around the variant's measurement."""
     import contextlib
 
-    from attnkern import _api
+    from attnkern.backends import cuda as cuda_backend
 
     def ours(check_finite):
         return lambda q, k, v, causal: attnkern.attention(q, k, v, causal=causal, check_finite=check_finite)
 
     @contextlib.contextmanager
     def eager(on):
-        was = getattr(_api, "EAGER_AUTOGRAD", None)
+        was = getattr(cuda_backend, "EAGER_AUTOGRAD", None)
         if was is not None:
-            _api.EAGER_AUTOGRAD = on
+            cuda_backend.EAGER_AUTOGRAD = on
         try:
             yield
         finally:
             if was is not None:
-                _api.EAGER_AUTOGRAD = was
+                cuda_backend.EAGER_AUTOGRAD = was
 
     found = [("attnkern", ours(False), lambda: eager(True)),
              ("attnkern check_finite", ours(True), lambda: eager(True))]
-    if hasattr(_api, "EAGER_AUTOGRAD"):
+    if hasattr(cuda_backend, "EAGER_AUTOGRAD"):
         found.append(("attnkern op", ours(False), lambda: eager(False)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -177,19 +177,16 @@ def cprofile(torch, attnkern, shape, device, autocast, calls) -> None:
     import contextlib
     import pstats
 
-    from attnkern import _api
-
     q, k, v, dout, causal = inputs(torch, shape, device)
     cuda = device.type == "cuda"
     ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast and cuda else contextlib.nullcontext
     with ctx():
         out, lse = attnkern.attention(q, k, v, causal=causal, check_finite=False, return_lse=True)
-    feats = {"window": None, "key_lengths": None, "softcap": None, "attn_mask": None, "dropout_p": 0.0,
-             "dropout_seed": None, "alibi_slopes": None}
-    detached = [x.detach() for x in (q, k, v, out, dout, lse)]
+    # the backward's inputs in the forward's output dtype (under autocast: what autograd hands it)
+    detached = [x.detach().to(out.dtype) for x in (q, k, v)] + [out.detach(), dout.to(out.dtype), lse.detach()]
     for what, call in (("forward", lambda: attnkern.attention(q, k, v, causal=causal, check_finite=False)),
-                       ("backward (_torch_attention_backward)", lambda: _api._torch_attention_backward(
-                           *detached, causal=causal, scale=None, kernel="auto", feats=feats))):
+                       ("backward (attnkern.attention_backward)",
+                        lambda: attnkern.attention_backward(*detached, causal=causal))):
         for _ in range(3):
             with ctx():
                 call()

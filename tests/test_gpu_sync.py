@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run with ATTNKERN_TEST_GPU=1 on the GPU host)", allow_module_level=True)
 
 import attnkern  # noqa: E402
-from attnkern import _api, _torch_cuda  # noqa: E402
+from attnkern import _torch_cuda  # noqa: E402
+from attnkern.backends import cuda as cuda_backend  # noqa: E402
 from conftest import require_cuda_kernels  # noqa: E402
 
 require_cuda_kernels()
@@ -44,10 +45,10 @@ def _step(q, k, v, dout, causal, check_finite=False):
 @pytest.fixture(params=["eager", "op"])
 def autograd_path(request):
     """Both ways autograd reaches cuda.flash: the eager autograd Function and the custom op."""
-    was = _api.EAGER_AUTOGRAD
-    _api.EAGER_AUTOGRAD = request.param == "eager"
+    was = cuda_backend.EAGER_AUTOGRAD
+    cuda_backend.EAGER_AUTOGRAD = request.param == "eager"
     yield request.param
-    _api.EAGER_AUTOGRAD = was
+    cuda_backend.EAGER_AUTOGRAD = was
 
 
 @pytest.mark.parametrize("dtype, shape, causal", [
@@ -113,7 +114,7 @@ def test_eager_autograd_under_autocast_matches_the_op():
     q, k, v, dout = _leaves(torch.float32, (2, 8, 200, 64), 2, seed=11)
     results = []
     for eager in (True, False):
-        _api.EAGER_AUTOGRAD = eager
+        cuda_backend.EAGER_AUTOGRAD = eager
         try:
             for x in (q, k, v):
                 x.grad = None
@@ -123,7 +124,7 @@ def test_eager_autograd_under_autocast_matches_the_op():
             out.backward(dout.to(torch.bfloat16))
             results.append([out.detach(), *(x.grad for x in (q, k, v))])
         finally:
-            _api.EAGER_AUTOGRAD = True
+            cuda_backend.EAGER_AUTOGRAD = True
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*results))
     assert results[0][1].dtype == torch.float32
     assert np.isfinite(results[0][1].cpu().numpy()).all()

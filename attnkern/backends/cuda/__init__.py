@@ -142,6 +142,9 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
 # False: attention() on torch CUDA tensors runs every call of cuda.flash and triton.flash through the
 # general path, not the frontend's prepared launches (_torch_cuda): measurements compare the two
 FAST_PATH = True
+# False: every differentiable call on torch CUDA tensors goes through the custom op attnkern::attention,
+# also outside torch.compile, not the core's eager autograd Function: measurements compare the two
+EAGER_AUTOGRAD = True
 _LAST = threading.local()  # per thread: the key chunks of the last cuda.flash call (0: no split)
 
 
