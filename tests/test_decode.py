@@ -158,3 +158,32 @@ def test_nonfinite_inputs_are_reported_on_the_decode_path():
         with pytest.raises(ValueError, match="k"):
             attnkern.attention(q, kk, v, kernel="native.flash", causal="bottom_right", window=(100, 0))
         assert _attn.last_split() >= 2
+
+
+def unaligned(x):
+    """x copied into a buffer one element past a vector boundary (NumPy aligns its own)."""
+    buf = np.empty(x.size + 1, x.dtype)[1:]
+    buf[:] = x.ravel()
+    return buf.reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("dv", [64, 128])
+def test_v_rows_read_in_place_when_dv_fills_the_tiles(isa, kind, dv):
+    """dv a multiple of the register tile's columns: P V reads V's own rows (no packed
+    copy), also where they are not vector-aligned; against float64, and bit-identical
+    for every thread count."""
+    dtype = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(kind)
+    for name in ("gqa4-causal", "gqa8-nq16", "everything"):
+        case = CASES[name]
+        q, k, v = (x.astype(dtype) for x in make(case, np.float32, seed=5, d=dv, dv=dv))
+        for vv in (v, unaligned(v)):
+            out, lse, chunks = native(q, k, vv, **features(case))
+            assert chunks >= 2, name
+            if kind == "bfloat16":
+                ref = attnkern.reference(q, k, vv, **features(case))
+                assert np.abs(out.astype(np.float64) - ref).max() < 2e-2, name
+            else:
+                check(out, lse, q, k, vv, **features(case))
+            one = native(q, k, vv, threads=1, **features(case))
+            assert np.array_equal(one[0], out) and np.array_equal(one[1], lse), name

@@ -149,10 +149,11 @@ static ATTN_INLINE void ST(tile_qk)(int mr, int64_t d, const T *a, int64_t lda,
 }
 
 /* o[r][0:NR) = o[r][0:NR) * alpha[r] + sum_k p[r][k] * b[k][0:NR) for r < mr:
- * one register tile of P V with the online-softmax rescale fused in; b is a
- * packed panel of V (kb rows of NR contiguous columns). */
+ * one register tile of P V with the online-softmax rescale fused in; b holds kb
+ * rows of NR contiguous columns, ldb apart: a packed panel of V (ldb = NR), or V's
+ * own rows (ldb = dv, the decode path), which need not be vector-aligned. */
 static ATTN_INLINE void ST(tile_pv)(int mr, int64_t kb, const T *p, int64_t ldp,
-                                    const T *b, T *o, int64_t ldo, const T *alpha)
+                                    const T *b, int64_t ldb, T *o, int64_t ldo, const T *alpha)
 {
     VT acc[MR][2];
     for (int r = 0; r < MR; r++) {
@@ -165,7 +166,7 @@ static ATTN_INLINE void ST(tile_pv)(int mr, int64_t kb, const T *p, int64_t ldp,
         }
     }
     for (int64_t t = 0; t < kb; t++) {
-        VT b0 = V(load)(b + t * NR), b1 = V(load)(b + t * NR + VW);
+        VT b0 = V(loadu)(b + t * ldb), b1 = V(loadu)(b + t * ldb + VW);
         for (int r = 0; r < MR; r++) {
             if (r < mr) {
                 VT pr = V(set1)(p[r * ldp + t]);
@@ -193,13 +194,13 @@ static inline void ST(call_qk)(int mr, int64_t d, const T *a, int64_t lda, const
         ST(tile_qk)(mr, d, a, lda, b, s, lds, mx);
 }
 
-static inline void ST(call_pv)(int mr, int64_t kb, const T *p, int64_t ldp, const T *b,
+static inline void ST(call_pv)(int mr, int64_t kb, const T *p, int64_t ldp, const T *b, int64_t ldb,
                                T *o, int64_t ldo, const T *alpha)
 {
     if (mr == MR)
-        ST(tile_pv)(MR, kb, p, ldp, b, o, ldo, alpha);
+        ST(tile_pv)(MR, kb, p, ldp, b, ldb, o, ldo, alpha);
     else
-        ST(tile_pv)(mr, kb, p, ldp, b, o, ldo, alpha);
+        ST(tile_pv)(mr, kb, p, ldp, b, ldb, o, ldo, alpha);
 }
 
 /* Packs rows [0, kb) of k (row stride d) as Kt panels: panel j holds
@@ -442,7 +443,7 @@ static void ST(rows_pv)(const T *vp, int64_t kb, int64_t rows, int64_t dv_pad, c
         if (kv == 0)
             continue;  /* all p are zero and alpha is one */
         for (int64_t c0 = 0; c0 < dv_pad; c0 += NR)
-            ST(call_pv)(mr, kv, pr + r0 * ldp, ldp, vp + c0 * kb, o + r0 * dv_pad + c0, dv_pad, alpha + r0);
+            ST(call_pv)(mr, kv, pr + r0 * ldp, ldp, vp + c0 * kb, NR, o + r0 * dv_pad + c0, dv_pad, alpha + r0);
     }
 }
 
@@ -1056,6 +1057,20 @@ static void ST(decode_pack_k)(const TIN *k, int64_t kb, int64_t d, T *kt, T *wid
 #endif
 }
 
+/* o = o * alpha + p . V for the R rows of a decode block (o rows of dv, dv a
+ * multiple of NR) from V's rows themselves (row stride dv, widened ones for half
+ * inputs): no packed copy of V, which would cost a write and a second read of every
+ * value the decode path reads once. */
+static void ST(decode_pv)(const T *vr, int64_t kb, int64_t R, int64_t dv, const T *pr, int64_t ldp,
+                          const T *alpha, T *o)
+{
+    for (int64_t r0 = 0; r0 < R; r0 += MR) {
+        int mr = (int)(R - r0 < MR ? R - r0 : MR);
+        for (int64_t c0 = 0; c0 < dv; c0 += NR)
+            ST(call_pv)(mr, kb, pr + r0 * ldp, ldp, vr + c0, dv, o + r0 * dv + c0, dv, alpha + r0);
+    }
+}
+
 /* Work item (k/v row bkv, keys [c0, c1)): the partial O (R rows of dv_pad), m and l
  * of the R rows into po, pm, pl; returns nonfinite bits of q (the first chunk only)
  * and of the keys and values of the chunk up to the rows' longest key length (the
@@ -1083,14 +1098,20 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
     for (int64_t j0 = ks; j0 < ke; j0 += bk) {
         int64_t kb = ke - j0 < bk ? ke - j0 : bk, kb_pad = ST(round_up)(kb, NR);
         ST(decode_pack_k)(kh + j0 * d, kb, d, w->kt, wide);
-        ST(pack_v)(vh + j0 * dv, kb, dv, w->vp);
         ST(rows_qk)(w->kt, kb, R, d, w->a, w->s, lds, 0, 0, 0);
         for (int64_t r = 0; r < R; r++)
             ST(decode_softmax)(p, dr, r, w->s + r * lds, j0, kb, kb_pad, cap2, pm, pl, w->alpha);
-        ST(rows_pv)(w->vp, kb, R, dv_pad, w->s, lds, w->alpha, po, 0, 0, 0);
-        if (check) {  /* the packed blocks, while they are in the caches (padding is zero) */
+        const T *vb = w->vp;  /* V's rows as T (in place where dv fills whole tiles), else packed */
+        if (dv == dv_pad) {
+            vb = ST(block_rows)(vh + j0 * dv, kb, dv, w->vp);
+            ST(decode_pv)(vb, kb, R, dv, w->s, lds, w->alpha, po);
+        } else {
+            ST(pack_v)(vh + j0 * dv, kb, dv, w->vp);
+            ST(rows_pv)(w->vp, kb, R, dv_pad, w->s, lds, w->alpha, po, 0, 0, 0);
+        }
+        if (check) {  /* the blocks, while they are in the caches (padding is zero) */
             bad |= ST(nonfinite)(w->kt, kb_pad * d) ? ATTN_NONFINITE_K : 0;
-            bad |= ST(nonfinite)(w->vp, dv_pad * kb) ? ATTN_NONFINITE_V : 0;
+            bad |= ST(nonfinite)(vb, dv_pad * kb) ? ATTN_NONFINITE_V : 0;
         }
     }
     if (check) {  /* the chunk's keys no row read, up to the longest key length */
