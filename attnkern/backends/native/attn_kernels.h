@@ -1030,31 +1030,57 @@ static void ST(decode_softmax)(const attn_problem *p, const ST(drows) *dr, int64
     l[r] = l[r] * alpha[r] + ST(row_exp2_sum)(sr, kb, kb_pad, mnew == -INFINITY ? 0 : mnew);
 }
 
-/* pack_kt for the decode path: half inputs are first widened row by row into wide
- * (contiguous conversions), then packed from float32 rows, whole squares through the
- * unit's in-register float32 transpose where it has one (TRANSPOSE_F32): an element
- * by element pack of half rows would cost more than reading them. */
-static void ST(decode_pack_k)(const TIN *k, int64_t kb, int64_t d, T *kt, T *wide)
+/* Asks the caches for bytes [0, n) of x, line by line: locality 3 into L1 (a block
+ * about to be read), 2 into L2 (one read after the rest of the block's work). */
+#ifndef ATTN_DECODE_PREFETCH
+#define ATTN_DECODE_PREFETCH
+static ATTN_INLINE void attn_prefetch_l1(const void *x, int64_t n)
 {
-#if defined(ATTN_SAME_IO)
-    (void)wide;
-    ST(pack_kt)(k, kb, d, kt);
-#else
-    const T *x = ST(block_rows)(k, kb, d, wide);
+    for (int64_t i = 0; i < n; i += 64)
+        __builtin_prefetch((const char *)x + i, 0, 3);
+}
+static ATTN_INLINE void attn_prefetch_l2(const void *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 64)
+        __builtin_prefetch((const char *)x + i, 0, 2);
+}
+#endif
+
+/* pack_kt for the decode path, one panel of NR keys at a time: half inputs are first
+ * widened row by row into wide (contiguous conversions), then packed from float32
+ * rows, whole squares through the unit's in-register float32 transpose where it has
+ * one (TRANSPOSE_F32): an element by element pack of half rows would cost more than
+ * reading them. The cache is read once, from memory, so each panel first asks for the
+ * K rows 2 NR keys ahead (up to `ahead` keys from k: the item's end) and for its own
+ * keys' V rows (v, row stride dv), which P V reads after the whole block's scores:
+ * the memory streams then overlap the packing and the products instead of waiting
+ * on each miss. */
+static void ST(decode_pack_k)(const TIN *k, const TIN *v, int64_t kb, int64_t ahead, int64_t d, int64_t dv,
+                              T *kt, T *wide)
+{
     for (int64_t j0 = 0; j0 < kb; j0 += NR) {
         T *panel = kt + j0 * d;
-        int64_t nc = kb - j0 < NR ? kb - j0 : NR, t0 = 0;
+        int64_t nc = kb - j0 < NR ? kb - j0 : NR, pf = j0 + 2 * NR;
+        if (pf < ahead)
+            attn_prefetch_l1(k + pf * d, (ahead - pf < NR ? ahead - pf : NR) * d * (int64_t)sizeof(TIN));
+        attn_prefetch_l2(v + j0 * dv, nc * dv * (int64_t)sizeof(TIN));
+#if defined(ATTN_SAME_IO)
+        (void)wide;
+        ST(pack_kt)(k + j0 * d, nc, d, panel);
+#else
+        const T *x = ST(block_rows)(k + j0 * d, nc, d, wide);
+        int64_t t0 = 0;
 #ifdef TRANSPOSE_F32
         if (nc == NR)
             for (; t0 + VW <= d; t0 += VW)
                 for (int64_t c0 = 0; c0 < NR; c0 += VW)
-                    TRANSPOSE_F32(x + (j0 + c0) * d + t0, d, panel + t0 * NR + c0, NR);
+                    TRANSPOSE_F32(x + c0 * d + t0, d, panel + t0 * NR + c0, NR);
 #endif
         for (int64_t t = t0; t < d; t++)
             for (int64_t c = 0; c < NR; c++)
-                panel[t * NR + c] = c < nc ? x[(j0 + c) * d + t] : 0;
-    }
+                panel[t * NR + c] = c < nc ? x[c * d + t] : 0;
 #endif
+    }
 }
 
 /* o = o * alpha + p . V for the R rows of a decode block (o rows of dv, dv a
@@ -1097,7 +1123,7 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
     const int64_t ks = dr->first > c0 ? dr->first : c0, ke = dr->last < c1 ? dr->last : c1;
     for (int64_t j0 = ks; j0 < ke; j0 += bk) {
         int64_t kb = ke - j0 < bk ? ke - j0 : bk, kb_pad = ST(round_up)(kb, NR);
-        ST(decode_pack_k)(kh + j0 * d, kb, d, w->kt, wide);
+        ST(decode_pack_k)(kh + j0 * d, vh + j0 * dv, kb, ke - j0, d, dv, w->kt, wide);
         ST(rows_qk)(w->kt, kb, R, d, w->a, w->s, lds, 0, 0, 0);
         for (int64_t r = 0; r < R; r++)
             ST(decode_softmax)(p, dr, r, w->s + r * lds, j0, kb, kb_pad, cap2, pm, pl, w->alpha);
