@@ -167,12 +167,12 @@ def unaligned(x):
     return buf.reshape(x.shape)
 
 
-@pytest.mark.parametrize("kind", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("kind", ["float32", "float64", "bfloat16", "float16"])
 @pytest.mark.parametrize("dv", [64, 128])
 def test_v_rows_read_in_place_when_dv_fills_the_tiles(isa, kind, dv):
     """dv a multiple of the register tile's columns: P V reads V's own rows (no packed
-    copy), also where they are not vector-aligned; against float64, and bit-identical
-    for every thread count."""
+    copy), also where they are not vector-aligned; half K panels are widened in the
+    transpose's registers; against float64, and bit-identical for every thread count."""
     dtype = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(kind)
     for name in ("gqa4-causal", "gqa8-nq16", "everything"):
         case = CASES[name]
@@ -180,7 +180,7 @@ def test_v_rows_read_in_place_when_dv_fills_the_tiles(isa, kind, dv):
         for vv in (v, unaligned(v)):
             out, lse, chunks = native(q, k, vv, **features(case))
             assert chunks >= 2, name
-            if kind == "bfloat16":
+            if kind in ("bfloat16", "float16"):
                 ref = attnkern.reference(q, k, vv, **features(case))
                 assert np.abs(out.astype(np.float64) - ref).max() < 2e-2, name
             else:

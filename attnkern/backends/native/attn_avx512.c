@@ -54,7 +54,8 @@ static ATTN_INLINE float vhsum_f32(__m512 x) { return _mm512_reduce_add_ps(x); }
         r[i] = _mm512_permutex2var_ps(a, lo, b);                           \
         r[i + (h)] = _mm512_permutex2var_ps(a, hi, b);                     \
     }
-static ATTN_INLINE void vtranspose_f32(const float *src, int64_t lds, float *dst, int64_t ldd)
+/* The transpose of the 16 rows r in place. */
+static ATTN_INLINE void vtranspose_regs(__m512 r[16])
 {
     /* per round h, lo: row i keeps columns without bit h, takes the partner's
      * (16 + j - h) where j has it; hi: row i + h takes row i's j + h where j
@@ -67,10 +68,6 @@ static ATTN_INLINE void vtranspose_f32(const float *src, int64_t lds, float *dst
     const __m512i hi2 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
     const __m512i lo1 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
     const __m512i hi1 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    __m512 r[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++)
-        r[i] = _mm512_loadu_ps(src + i * lds);
 #pragma GCC unroll 16
     ATTN_T_ROUND(8, lo8, hi8)
 #pragma GCC unroll 16
@@ -79,10 +76,38 @@ static ATTN_INLINE void vtranspose_f32(const float *src, int64_t lds, float *dst
     ATTN_T_ROUND(2, lo2, hi2)
 #pragma GCC unroll 16
     ATTN_T_ROUND(1, lo1, hi1)
+}
+
+static ATTN_INLINE void vtranspose_f32(const float *src, int64_t lds, float *dst, int64_t ldd)
+{
+    __m512 r[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_loadu_ps(src + i * lds);
+    vtranspose_regs(r);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++)
         _mm512_storeu_ps(dst + j * ldd, r[j]);
 }
+
+/* The same transpose from bfloat16 (kind 0) or float16 (kind 1) rows, widened to
+ * float32 in registers as they are loaded (exact): the decode path packs half K
+ * panels with it, with no widened copy of the rows in memory. */
+static ATTN_INLINE void vtranspose_half(int kind, const uint16_t *src, int64_t lds, float *dst, int64_t ldd)
+{
+    __m512 r[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(src + i * lds));
+        r[i] = kind ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    vtranspose_regs(r);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++)
+        _mm512_storeu_ps(dst + j * ldd, r[j]);
+}
+#define vtranspose_bf16(src, lds, dst, ldd) vtranspose_half(0, src, lds, dst, ldd)
+#define vtranspose_f16(src, lds, dst, ldd) vtranspose_half(1, src, lds, dst, ldd)
 #undef ATTN_T_ROUND
 
 static ATTN_INLINE float vhmax_f32(__m512 x) { return _mm512_reduce_max_ps(x); }
@@ -154,6 +179,8 @@ static ATTN_INLINE __m512 vexp2_avx512_f32(__m512 x)
 /* float16 through F16C (vcvtph2ps / vcvtps2ph, rounding to nearest even); the
  * float32 transpose packs the half path's widened K rows (attn_kernels.h's decode) */
 #define TRANSPOSE_F32 vtranspose_f32
+#define TRANSPOSE_BF16 vtranspose_bf16
+#define TRANSPOSE_F16 vtranspose_f16
 #define VT_F32 __m512
 #define VW_F32 16
 #define F16_LOAD(x) _cvtsh_ss(x)

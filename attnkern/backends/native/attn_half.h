@@ -6,6 +6,8 @@
  *   VT_F32, VW_F32         the float32 vector type and width
  *   F16_LOAD(x), F16_STORE(x)  float16 bits to float32 and back (F16C or portable)
  *   VEXP2_F32              optional: the unit's float32 2^x (attn_kernels.h's VEXP2_T)
+ *   TRANSPOSE_BF16, TRANSPOSE_F16  optional: a VW x VW transpose of bfloat16 or float16
+ *                          rows into float32 ones (attn_kernels.h's TRANSPOSE_IN)
  * It also defines attn_convert_<isa>, the unit's conversions, for the tests. */
 
 #define ATTN_HALF_IO
@@ -16,6 +18,9 @@
 #define VW VW_F32
 #define TIN uint16_t
 #define LOAD_IN(x) attn_bf16_to_f32(x)
+#ifdef TRANSPOSE_BF16
+#define TRANSPOSE_IN TRANSPOSE_BF16
+#endif
 #ifdef VEXP2_F32
 #define VEXP2_T VEXP2_F32
 #endif
@@ -30,6 +35,9 @@
 #define VW VW_F32
 #define TIN uint16_t
 #define LOAD_IN(x) F16_LOAD(x)
+#ifdef TRANSPOSE_F16
+#define TRANSPOSE_IN TRANSPOSE_F16
+#endif
 #ifdef VEXP2_F32
 #define VEXP2_T VEXP2_F32
 #endif

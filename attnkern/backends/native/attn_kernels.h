@@ -17,6 +17,7 @@
  * Half-precision inputs (the converting path): an includer may also define
  *   TIN         element type of the caller's q, k, v, out and lse (uint16_t bits)
  *   LOAD_IN(x)  that element widened to T; STORE_OUT(x) a T rounded back to TIN
+ *   TRANSPOSE_IN(src, lds, dst, ldd)  optional: TRANSPOSE_T from TIN rows, widening
  *   ADT         the tag of the vector API to compute with (f32), when DT names
  *               the storage dtype (bf16, f16)
  *   ATTN_HALF_IO  instantiate only tiled and flash (no naive, backward, ceilings)
@@ -1067,6 +1068,16 @@ static void ST(decode_pack_k)(const TIN *k, const TIN *v, int64_t kb, int64_t ah
 #if defined(ATTN_SAME_IO)
         (void)wide;
         ST(pack_kt)(k + j0 * d, nc, d, panel);
+#elif defined(TRANSPOSE_IN)
+        (void)wide;  /* whole squares widened in registers, the rest element by element */
+        int64_t t0 = 0;
+        if (nc == NR)
+            for (; t0 + VW <= d; t0 += VW)
+                for (int64_t c0 = 0; c0 < NR; c0 += VW)
+                    TRANSPOSE_IN(k + (j0 + c0) * d + t0, d, panel + t0 * NR + c0, NR);
+        for (int64_t t = t0; t < d; t++)
+            for (int64_t c = 0; c < NR; c++)
+                panel[t * NR + c] = c < nc ? LOAD_IN(k[(j0 + c) * d + t]) : 0;
 #else
         const T *x = ST(block_rows)(k + j0 * d, nc, d, wide);
         int64_t t0 = 0;
@@ -1881,6 +1892,7 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef ADT
 #undef ATTN_HALF_IO
 #undef TRANSPOSE_T
+#undef TRANSPOSE_IN
 #undef VEXP2_T
 #undef ATTN_SAME_IO
 #undef ATTN_BWD_DOT
