@@ -127,15 +127,33 @@ def test_decode_bit_identical_for_every_thread_count(isa, name):
 
 
 def test_shapes_off_the_decode_path():
-    """Short caches, many queries, dropout and wide groups keep the ordinary path."""
+    """Many queries, dropout and wide groups keep the ordinary path; so do short caches
+    (under 1024 keys) with no more keys than queries or over 64 rows per k/v row."""
     rng = np.random.default_rng(2)
-    for (b, h, hkv, nq, nk), kw in (((1, 4, 4, 1, 1000), {}), ((1, 4, 4, 17, 4096), {}),
-                                    ((1, 32, 1, 8, 4096), {}),
+    for (b, h, hkv, nq, nk), kw in (((1, 4, 4, 16, 16), {}), ((1, 4, 4, 8, 5), {}), ((1, 32, 4, 16, 1000), {}),
+                                    ((1, 4, 4, 17, 4096), {}), ((1, 32, 1, 8, 4096), {}),
                                     ((1, 4, 4, 1, 4096), dict(dropout_p=0.1, dropout_seed=3))):
         q = rng.standard_normal((b, h, nq, 16)).astype(np.float32)
         k = rng.standard_normal((b, hkv, nk, 16)).astype(np.float32)
         attnkern.attention(q, k, k, kernel="native.flash", **kw)
         assert _attn.last_split() == 0, (b, h, hkv, nq, nk, kw)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_short_caches_take_the_decode_path(isa, dtype):
+    """Under 1024 keys (one or two chunks), one query or more keys than queries, at most
+    64 rows per k/v row: the decode path, against float64 and the same for every
+    thread count; a single key included."""
+    for b, h, hkv, nq, nk in ((1, 8, 2, 1, 1), (2, 8, 2, 1, 37), (1, 4, 4, 16, 17), (1, 32, 8, 2, 1000),
+                              (2, 4, 1, 3, 512), (1, 4, 2, 1, 513)):
+        case = dict(shape=(b, h, hkv, nq, nk))
+        q, k, v = make(case, dtype, seed=nk)
+        for feats in ({"causal": "bottom_right"}, {"causal": True}, {"window": (5, 0), "causal": "bottom_right"}):
+            out, lse, chunks = native(q, k, v, **feats)
+            assert chunks == (1 if nk <= 512 else 2), case
+            check(out, lse, q, k, v, **feats)
+            one = native(q, k, v, threads=1, **feats)
+            assert np.array_equal(one[0], out) and np.array_equal(one[1], lse), case
 
 
 def test_chunks_depend_on_the_shape_only():
@@ -187,3 +205,26 @@ def test_v_rows_read_in_place_when_dv_fills_the_tiles(isa, kind, dv):
                 check(out, lse, q, k, vv, **features(case))
             one = native(q, k, vv, threads=1, **features(case))
             assert np.array_equal(one[0], out) and np.array_equal(one[1], lse), name
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+def test_varlen_sequences_with_decode_shapes_match_calls_of_their_own(monkeypatch, kind):
+    """One packed varlen call: the sequences with a decode shape (a long cache, or a short
+    one with few queries) run the decode path, so each sequence is bit-identical to a
+    call of its own, for every thread count."""
+    from attnkern import _api
+
+    dtype = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(kind)
+    lq, lk = [1, 3, 16, 2, 20], [2000, 40, 16, 1100, 30]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int64) for x in (lq, lk))
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((cu_q[-1], 8, 64)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], 2, 64)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], 2, 64)).astype(dtype)
+    args = dict(kernel="native.flash", causal="bottom_right", return_lse=True)
+    out, lse = attnkern.attention_varlen(q, k, v, cu_q, cu_k, **args)
+    two = attnkern.attention_varlen(q, k, v, cu_q, cu_k, num_threads=2, **args)
+    assert out.tobytes() == two[0].tobytes() and lse.tobytes() == two[1].tobytes()
+    monkeypatch.setattr(_api, "_packed_kernel", lambda *a, **kw: None)  # one call per sequence
+    out1, lse1 = attnkern.attention_varlen(q, k, v, cu_q, cu_k, **args)
+    assert out.tobytes() == out1.tobytes() and lse.tobytes() == lse1.tobytes()

@@ -91,6 +91,11 @@ static inline int attn_features_on(const attn_problem *p)
  * the result is the same for every thread count: a multiple of ATTN_DECODE_CHUNK
  * keys, large enough that the call has at most about ATTN_DECODE_ITEMS items (that
  * bounds the partial results' memory). Dropout and varlen keep the ordinary path.
+ * A short cache (under 2 ATTN_DECODE_CHUNK keys: one or two chunks) takes it too,
+ * where it has more keys than queries (or one query) and at most half
+ * ATTN_DECODE_MAX_ROWS rows per k/v row: there the ordinary path's query panels are mostly empty lanes (one
+ * query over 1000 keys of a 32-over-8 GQA model ran 8x slower), but it is faster
+ * than key-major blocks for many rows over a few keys.
  * Returns the chunk size, or 0 where the ordinary path runs. */
 #define ATTN_DECODE_CHUNK 512
 #define ATTN_DECODE_ITEMS 256
@@ -99,7 +104,10 @@ static inline int attn_features_on(const attn_problem *p)
 static inline int64_t attn_decode_chunk(const attn_problem *p)
 {
     if (p->cu_seqlens_q || p->dropout_p != 0 || p->nq > ATTN_DECODE_MAX_NQ ||
-        p->kv_group * p->nq > ATTN_DECODE_MAX_ROWS || p->nk < 2 * ATTN_DECODE_CHUNK)
+        p->kv_group * p->nq > ATTN_DECODE_MAX_ROWS || p->nk < 1)
+        return 0;
+    if (p->nk < 2 * ATTN_DECODE_CHUNK &&
+        ((p->nq > 1 && p->nk <= p->nq) || 2 * p->kv_group * p->nq > ATTN_DECODE_MAX_ROWS))
         return 0;
     int64_t batch_kv = p->batch / p->kv_group;
     int64_t per_row = ATTN_DECODE_ITEMS / batch_kv > 1 ? ATTN_DECODE_ITEMS / batch_kv : 1;

@@ -473,7 +473,8 @@ typedef void (*ST(block_fn))(const attn_problem *p, const TIN *q, const TIN *k, 
  * first, each block on one thread with that thread's own workspace (a score
  * buffer of srows x lds). */
 static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, TIN *out,
-                               TIN *lse, int64_t bq_alloc, int64_t srows, int64_t lds, ST(block_fn) body)
+                               TIN *lse, int64_t bq_alloc, int64_t srows, int64_t lds, ST(block_fn) body,
+                               int skip_decode)
 {
     const int64_t nqb = (p->nq + p->block_q - 1) / p->block_q;
     /* varlen: (sequence, row, query block) items, prefix[s] the first of sequence s */
@@ -499,6 +500,8 @@ static int ST(for_each_qblock)(const attn_problem *p, const TIN *q, const TIN *k
             if (prefix) {  /* sequence s's block: a problem of its own at its offsets */
                 int64_t s = attn_varlen_seq(prefix, p->nseq, t), u = t - prefix[s], qo, ko;
                 attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
+                if (skip_decode && attn_decode_chunk(&sp))
+                    continue;  /* the caller runs the sequence's decode path */
                 int64_t snqb = (sp.nq + p->block_q - 1) / p->block_q;
                 int64_t bh = u % p->batch, i0 = (snqb - 1 - u / p->batch) * p->block_q;
                 int64_t bq = sp.nq - i0 < p->block_q ? sp.nq - i0 : p->block_q;
@@ -572,7 +575,7 @@ int FN(tiled)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
 {
     const int64_t nkb = (p->nk + p->block_k - 1) / p->block_k;
     const int64_t lds = nkb * ST(round_up)(p->block_k, NR);
-    return ST(for_each_qblock)(p, q, k, v, out, lse, p->block_q, p->block_q, lds, ST(tiled_block));
+    return ST(for_each_qblock)(p, q, k, v, out, lse, p->block_q, p->block_q, lds, ST(tiled_block), 0);
 }
 
 /* ---------------------------------------------------------------- flash */
@@ -1282,9 +1285,24 @@ int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
     if (chunk)
         return ST(flash_decode)(p, q, k, v, out, lse, chunk);
     /* the workspace's q-block buffers hold whole panels; s holds one panel's probabilities */
-    return ST(for_each_qblock)(p, q, k, v, out, lse, ST(round_up)(p->block_q, NR),
-                               ST(round_up)(p->block_k, MR), NR,
-                               attn_features_on(p) ? ST(flash_block_feat) : ST(flash_block_plain));
+    int err = ST(for_each_qblock)(p, q, k, v, out, lse, ST(round_up)(p->block_q, NR),
+                                  ST(round_up)(p->block_k, MR), NR,
+                                  attn_features_on(p) ? ST(flash_block_feat) : ST(flash_block_plain), 1);
+    /* varlen: a sequence with a decode shape runs the decode path, after the others,
+     * so that each sequence's arithmetic is that of a call of its own */
+    int split = 0;
+    for (int64_t s = 0; err == ATTN_OK && p->cu_seqlens_q && s < p->nseq; s++) {
+        int64_t qo, ko;
+        attn_problem sp = attn_varlen_sub(p, s, &qo, &ko);
+        int64_t c = attn_decode_chunk(&sp);
+        if (c) {
+            err = ST(flash_decode)(&sp, q + qo * p->d, k + ko * p->d, v + ko * p->dv, out + qo * p->dv,
+                                   lse ? lse + qo : NULL, c);
+            split = attn_split_chunks;
+        }
+    }
+    attn_split_chunks = split;
+    return err;
 }
 
 #ifndef ATTN_HALF_IO
