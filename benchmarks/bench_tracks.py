@@ -15,7 +15,8 @@ import numpy as np
 
 import attnkern
 
-from .common import CPU_KERNELS, CUDA_KERNELS, SMOKE, THREADS, axis, flops, kernel_call, random_qkv, setup_kernel
+from .common import (CPU_KERNELS, CUDA_KERNELS, SMOKE, THREADS, axis, flops, host_dtype, kernel_call, random_qkv,
+                     setup_kernel)
 from .turns import Worker, paired_turns
 
 SHAPES = axis(["1x8x1024x64", "1x8x2048x64"])
@@ -56,6 +57,42 @@ class Throughput:
         return seconds / flops(shape, causal) * 1e12
 
     track_ps_per_flop.unit = "ps/FLOP (= 1000 / GFLOP/s)"
+
+
+class DecodeBandwidth:
+    """native.flash's CPU decode path (flash-decoding, docs/kernels.md) reading a KV cache:
+    one decode step of a GQA model (32 query heads over 8 k/v heads, D = 128, B sequences,
+    one query, causal="bottom_right") over nk cached keys, float32 or bfloat16, on the
+    suite's threads. time_decode: one call; track_ps_per_byte: that time over the bytes
+    of K and V (the cache, read once), in picoseconds a byte (1000 / GB/s: asv reads every
+    number as lower-is-better). dev/cpu_decode_bandwidth.py sets it beside STREAM."""
+
+    params = [axis([4096, 65536]), [1, 4], ["float32", "bfloat16"]]
+    param_names = ["nk", "batch", "dtype"]
+    timeout = 180
+
+    def setup(self, nk, batch, dtype):
+        kernel_call("native.flash")  # NotImplementedError (skip) where missing or unavailable
+        if dtype not in attnkern.kernel_info("native.flash").get("dtypes", ["float32"]):
+            raise NotImplementedError(f"native.flash has no {dtype} on this commit")
+        rng = np.random.default_rng(0)
+        host = np.float32 if dtype == "float32" else host_dtype(dtype)
+        self.q = rng.standard_normal((batch, 32, 1, 128), dtype=np.float32).astype(host)
+        self.k, self.v = (rng.standard_normal((batch, 8, nk, 128), dtype=np.float32).astype(host) for _ in "kv")
+        self.nbytes = self.k.nbytes + self.v.nbytes
+
+    def call(self):
+        attnkern.attention(self.q, self.k, self.v, kernel="native.flash", causal="bottom_right",
+                           num_threads=THREADS, check_finite=False)
+
+    def time_decode(self, nk, batch, dtype):
+        self.call()
+
+    def track_ps_per_byte(self, nk, batch, dtype):
+        seconds = median_seconds(lambda: self.call(), (), calls=3 if SMOKE else 15)
+        return seconds / self.nbytes * 1e12
+
+    track_ps_per_byte.unit = "ps/byte (= 1000 / GB/s)"
 
 
 class TimeVsTorch:
