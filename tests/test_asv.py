@@ -264,6 +264,11 @@ def test_gate_fails_on_a_two_percent_slowdown(history):
     assert timed["verdict"] in ("same", "slower"), timed
 
 
+# the width of a paired 95% interval beyond which the machine is too busy to time a 10% slowdown:
+# twice the injected slowdown (the calibration's intervals on a quiet machine: a few %)
+NOISY_INTERVAL = 0.2
+
+
 def test_gate_times_a_ten_percent_slowdown_as_slower(history):
     """The level at which the calibration's timed signal flagged every trial of every
     configuration (at 1x8x512x64 intervals from +8.9% without the mask and +4.9% with it;
@@ -273,9 +278,17 @@ def test_gate_times_a_ten_percent_slowdown_as_slower(history):
     proc = history["gate"](a, d, "--no-count")
     out = proc.stdout + proc.stderr
     print(proc.stdout)
-    assert proc.returncode == 1, out
     timed = {r["benchmark"]: r for r in gate_rows(history, d)}
     assert set(timed) == {"native.flash:1x8x512x64:0", "native.flash:1x8x512x64:1"}, timed
+    # On a machine busy with other work the paired intervals widen far beyond the calibration's
+    # (a few % on a quiet 2-core machine; +-30% seen while wheels were built beside the suite):
+    # no timing can resolve 10% there, and the test says so rather than pass or fail on noise.
+    # Intervals as narrow as a quiet machine's must find the slowdown.
+    noisy = [r for r in timed.values() if r["interval"][1] - r["interval"][0] > NOISY_INTERVAL]
+    if proc.returncode != 1 and noisy:
+        pytest.skip(f"the machine was too busy to time a 10% slowdown (95% intervals "
+                    f"{[r['interval'] for r in noisy]} wider than {NOISY_INTERVAL}); rerun on a quiet machine")
+    assert proc.returncode == 1, out
     for row in timed.values():
         assert row["signal"] == "time" and row["verdict"] == "slower" and row["ratio"] > 1.02, row
 
