@@ -111,11 +111,12 @@ def _arguments_fit(causal, scale, kernel, params) -> bool:
     return not (params and any(type(x) is not int for x in params.values()))
 
 
-def _plans() -> dict:
-    """This thread's plans (forward and backward keys differ in length)."""
-    plans = getattr(_LOCAL, "plans", None)
+def _plans(name: str = "plans") -> dict:
+    """This thread's plans: the forward's ("plans") or the backward's ("backward_plans")."""
+    plans = getattr(_LOCAL, name, None)
     if plans is None:
-        plans = _LOCAL.plans = {}
+        plans = {}
+        setattr(_LOCAL, name, plans)
     return plans
 
 
@@ -196,9 +197,7 @@ def backward(q, k, v, out, dout, lse, causal, scale, kernel, params):
         return None
     key = (q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape, q.dtype, k.dtype, v.dtype, out.dtype,
            dout.dtype, lse.dtype, device, causal, scale, kernel, tuple(params.items()))
-    plans = getattr(_LOCAL, "backward_plans", None)
-    if plans is None:
-        plans = _LOCAL.backward_plans = {}
+    plans = _plans("backward_plans")
     plan = plans.get(key)
     if plan is None or plan.until < time.monotonic():
         return Pending(plans, key, False, True, params, True, _backward_plan)
