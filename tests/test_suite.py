@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,9 @@ AGREE = 0.15
 # test exists for read 2x.
 AGREE_NOISY = {"numpy.naive": 0.30}
 SHORT_CALL_S, SHORT_CALL_EXTRA_S = 5e-3, 0.6e-3
+# the share of the cores' time that other processes and the hypervisor (steal) may take
+# during an attnkern bench process before its row is measured again (_bench_one)
+BUSY_SHARE = 0.10
 
 
 def _env():
@@ -162,15 +166,48 @@ def _bench(tmp_path, kernels, *args) -> dict:
     return times
 
 
-def _bench_one(tmp_path, *args) -> dict:
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, steal) jiffies of the whole machine so far, from /proc/stat's first line
+    (busy: user, nice, system, irq, softirq; steal: time the hypervisor gave to others)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+def _bench_one(tmp_path, *args, tries: int = 3) -> dict:
+    """One `attnkern bench` process, measured again (up to `tries` times) while the
+    machine was busy with something else during it: CPU time that neither that process
+    nor the idle loop had (other processes, or the hypervisor's steal) above BUSY_SHARE
+    of the cores' time. A bench row is 10 calls of a few ms: a neighbour's burst of a
+    tenth of a second halves its median (native.flash read 9.71 ms against asv's 5.19
+    once in a fresh-clone run, and 5.0 alone a minute later), where asv's many samples
+    over seconds barely move. The tries and what disturbed them are printed."""
     out = tmp_path / "bench.json"
     b, h, n, d = (int(x) for x in SHAPE.split("x"))
-    proc = subprocess.run([sys.executable, "-m", "attnkern", "bench", "--sizes", str(n), "--batch", str(b),
-                           "--heads", str(h), "--dim", str(d), "--threads", str(THREADS), "--json", str(out),
-                           *args], cwd=tmp_path, env=_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    return {(r["kernel"], r["causal"]): r["median_s"] for r in rows if "median_s" in r}
+    cmd = [sys.executable, "-m", "attnkern", "bench", "--sizes", str(n), "--batch", str(b), "--heads", str(h),
+           "--dim", str(d), "--threads", str(THREADS), "--json", str(out), *args]
+    for attempt in range(1, tries + 1):
+        busy0, steal0 = _cpu_jiffies()
+        own0 = os.times()
+        wall0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True)
+        wall = time.monotonic() - wall0
+        own1 = os.times()
+        busy1, steal1 = _cpu_jiffies()
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        tick = os.sysconf("SC_CLK_TCK")
+        own = (own1.children_user - own0.children_user) + (own1.children_system - own0.children_system)
+        others = max(0.0, (busy1 - busy0) / tick - own)
+        steal = (steal1 - steal0) / tick
+        share = (others + steal) / (wall * (os.cpu_count() or 1))
+        rows = json.loads(out.read_text())["rows"]
+        times = {(r["kernel"], r["causal"]): r["median_s"] for r in rows if "median_s" in r}
+        print(f"attnkern bench {' '.join(args)} (try {attempt}): {wall:.1f} s, other processes "
+              f"{others:.2f} s, steal {steal:.2f} s ({share:.0%} of the cores); medians "
+              + ", ".join(f"{k} causal={c}: {t * 1e3:.2f} ms" for (k, c), t in times.items()))
+        if share <= BUSY_SHARE:
+            break
+    return times
 
 
 def _agree(asv_times: dict, bench_times: dict, what: str) -> list[str]:
