@@ -15,6 +15,8 @@ fail=0
 for variant in "mma D=64 BN=64 MT=1 NW=8" "mma D=128 BN=32 MT=1 NW=8 FEAT=1 MASK=1" \
         "mma D=64 BN=64 MT=2 NW=4 BF16=0 FEAT=1 ALIBI=1" "wgmma D=64 BN=128 NWG=3" "wgmma D=128 BN=64 NWG=2 FEAT=1 FAST=1" \
         "mma D=128 BN=32 MT=1 NW=8 WIDE=1" "wgmma D=64 BN=128 NWG=3 WIDE=1" \
+        "wgmma D=128 BN=128 NWG=2 WS=1 STAGES=2" "wgmma D=64 BN=128 NWG=2 WS=1 STAGES=3 PINGPONG=1 FEAT=1 MASK=1" \
+        "wgmma D=128 BN=128 NWG=2 WS=1 STAGES=3 WIDE=1 BF16=0" "wgmma D=64 BN=64 NWG=3 WS=1 STAGES=3 FEAT=1 ALIBI=1" \
         "tf32 D=64 BN=64 MT=1 NW=8" "tf32 D=128 BN=32 MT=1 NW=8 FEAT=1" \
         "mma D=64 BN=64 MT=2 NW=4 FEAT=1 DROPOUT=1" "mma D=128 BN=64 MT=2 NW=4 QSMEM=1 BF16=0 FEAT=1 DROPOUT=1" \
         "bwd_mma D=128 BN=64 MT=1 NW=4 PART=1" "bwd_mma D=128 BN=64 MT=1 NW=4 PART=2" \

@@ -49,6 +49,13 @@ KERNELS = [
        dict(D=d, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=128 if part == 2 and d <= 64 else 64, FEAT=1, MASK=0,
             ALIBI=0, DROPOUT=drop), BWD)
       for d in (64, 128) for part in (1, 2) for drop in (0, 1)),
+    # flash_wgmma.cu: the default and its warp-specialized variant (a producer warpgroup, THREADS
+    # threads; the consumers' registers after setmaxnreg are what the spills tell)
+    *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg{nwg}k{bn}" + (f"s{st}{'p' * pp}" if st else "") + "_feat" * feat,
+       dict(D=d, BF16=1, BN=bn, NWG=nwg, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0,
+            **(dict(WS=1, STAGES=st, PINGPONG=pp) if st else {}), THREADS=128 * (nwg + bool(st))), MMA)
+      for d in (64, 128) for nwg, bn, st, pp in ((3, 128, 0, 0), (2, 128, 2, 0), (2, 128, 3, 1), (3, 64, 3, 0))
+      for feat in (0, 1)),
     # the packed-sequence variants (varlen), with dropout as attention_varlen may ask
     ("flash_mma.cu", "mma_bf16_d128_feat_varlen",
      dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=1, MASK=0, ALIBI=0, FAST=0, VARLEN=1, DROPOUT=1), MMA),
@@ -65,7 +72,10 @@ def source(path: str, name: str, defines: dict, params: tuple) -> str:
             text += f.read() + "\n"
     args = ", ".join(f"{t} a{i}" for i, t in enumerate(params))
     names = ", ".join(f"a{i}" for i in range(len(params)))
-    bounds = f"__launch_bounds__({32 * defines['NW']}) " if "NW" in defines else ""  # as numba-cuda's launch_bounds
+    # as numba-cuda's launch_bounds
+    threads = defines.get("THREADS") or (32 * defines["NW"] if "NW" in defines else 0)
+    # (one block an SM for the warp-specialized variant, as cpp._linked_kernel asks)
+    bounds = f"__launch_bounds__({threads}{', 1' if defines.get('WS') else ''}) " if threads else ""
     return text + f'extern "C" __global__ void {bounds}k_{name}({args}) {{ {name}({names}); }}\n'
 
 

@@ -14,7 +14,8 @@ cpp.MmaConfig, "mt{mma tiles a warp}w{warps}k{keys a tile}" with "qs" if Q is
 reloaded from shared memory; for float16/bfloat16 on Hopper at D = 64 and 128 also
 flash_wgmma.cu's cpp.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 also a cpp.SimtConfig of the
 register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
-thread's). "default" is the division the library picks for the head size (marked
+thread's). A WgmmaConfig with stages, "wg{consumer warpgroups}k{keys}s{stages}" ("p" after it:
+ping-pong), is the warp-specialized variant (a producer warpgroup and a ring of K/V stages). "default" is the division the library picks for the head size (marked
 *); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
 --library: attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
 library's whole call on torch tensors.
@@ -25,8 +26,12 @@ bounds of attnkern_bench.accuracy, and two runs bit-identical; at each timed siz
 about 256 sampled query rows of every head against float64 (torch's SDPA's too).
 
 Timing: (1, 16, N, D), causal and not; each sample is a pair of CUDA events around
-5 back-to-back calls, 3 warm-up samples, the median of --runs samples; torch's SDPA
-on the same tensors, TF32 off (torch's float32 kernel then runs 3xTF32 on tensor
+5 back-to-back calls, 3 warm-up samples, the median of --runs samples, the kernels in
+turns (sample r of every kernel, then sample r + 1: a load that comes and goes hits
+them alike); torch's SDPA on the same tensors, its default choice ("torch.sdpa") and
+each of its backends forced with torch.nn.attention.sdpa_kernel ("torch.cudnn",
+"torch.flash", "torch.efficient"; one that refuses the shape is left out); x_torch is
+against the default, x_best against the fastest of them, TF32 off (torch's float32 kernel then runs 3xTF32 on tensor
 cores, as flash_tf32.cu does; flash_simt.cu runs float32 FMAs). TFLOP/s count
 4 B H N^2 D, half that with causal masking.
 """
@@ -67,7 +72,7 @@ def flat3(x):
     return gpu_array(x, math.prod(x.shape[:-2]), *x.shape[-2:])
 
 
-SIMT_NAME, MMA_NAME, WGMMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?", r"wg(\d+)k(\d+)"
+SIMT_NAME, MMA_NAME, WGMMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?", r"wg(\d+)k(\d+)(?:s(\d+)(p)?)?"
 
 
 def parse_config(text, d, dtype):
@@ -84,7 +89,15 @@ def parse_config(text, d, dtype):
         return cpp.SimtConfig(*map(int, simt.groups())) if dtype == "float32" else None
     if wg:
         ok = dtype != "float32" and cpp.wgmma_applies(d, d)
-        return cpp.WgmmaConfig(warpgroups=int(wg[1]), block_k=int(wg[2])) if ok else None
+        if not ok:
+            return None
+        config = cpp.WgmmaConfig(warpgroups=int(wg[1]), block_k=int(wg[2]), stages=int(wg[3] or 0),
+                                 pingpong=bool(wg[4]))
+        try:
+            config.check(d)
+        except ValueError:
+            return None
+        return config
     return cpp.MmaConfig(mt=int(mma[1]), warps=int(mma[2]), block_k=int(mma[3]), q_smem=bool(mma[4]))
 
 
@@ -159,14 +172,37 @@ def check_odd(kern, d, dtype):
     return {"odd_error": worst, "odd_ok": worst <= TOL[dtype], "bit_identical": identical}
 
 
-def event_time(fn, runs):
-    """Median seconds per call: 3 warm-up calls, then `runs` samples of BACK_TO_BACK calls
-    between CUDA events (attnkern_bench.timing.CudaEventClock)."""
-    for _ in range(3):
-        fn()
+def event_times(fns, runs):
+    """Median seconds per call of each fn (a dict by name): 3 warm-up calls each, then
+    `runs` rounds in which every fn takes one sample of BACK_TO_BACK calls between CUDA
+    events (attnkern_bench.timing.CudaEventClock)."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
     torch.cuda.synchronize()
     clock = CudaEventClock(torch)
-    return statistics.median(clock.seconds(fn, BACK_TO_BACK) for _ in range(runs))
+    samples = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            samples[name].append(clock.seconds(fn, BACK_TO_BACK))
+    return {name: statistics.median(x) for name, x in samples.items()}
+
+
+def sdpa_backends():
+    """torch's SDPA: its default choice and each backend forced, by name."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def forced(backend):
+        def call(q, k, v, causal):
+            with sdpa_kernel([backend]):
+                return sdpa(q, k, v, is_causal=causal)
+        return call
+
+    return {"torch.sdpa": lambda q, k, v, causal: sdpa(q, k, v, is_causal=causal),
+            "torch.cudnn": forced(SDPBackend.CUDNN_ATTENTION), "torch.flash": forced(SDPBackend.FLASH_ATTENTION),
+            "torch.efficient": forced(SDPBackend.EFFICIENT_ATTENTION)}
 
 
 def main():
@@ -185,7 +221,6 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": a.runs,
               "back_to_back": BACK_TO_BACK, "checks": [], "timings": []}
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     for dtype in a.dtypes.split(","):
         for d in (int(x) for x in a.dims.split(",")):
             timed_kernels = []
@@ -211,34 +246,44 @@ def main():
                 for causal in (False, True):
                     flops = 4 * 16 * n * n * d / (2 if causal else 1)
                     ref, _ = reference(q, k, v, causal, 1 / d**0.5, rows)
-                    t = event_time(lambda: sdpa(q, k, v, is_causal=causal), a.runs)
-                    e = err(sdpa(q, k, v, is_causal=causal)[..., rows, :], ref, v.abs().max())
                     base = {"dtype": dtype, "d": d, "n": n, "causal": causal}
-                    rows_out = [{**base, "kernel": "torch.sdpa", "seconds": t, "tflops": flops / t / 1e12, "error": e}]
-                    timed = [(kern.name, kern.prepared(q, k, v, out, causal, 1 / d**0.5)) for kern in timed_kernels]
-                    if a.library:
-                        timed.append(("attention", lambda: attnkern.attention(q, k, v, causal=causal,
-                                                                              kernel="cuda.flash",
-                                                                              check_finite=False)))
-                    for name, fn in timed:
+                    fns, errors = {}, {}
+                    for name, call in sdpa_backends().items():
+                        try:
+                            got = call(q, k, v, causal)
+                        except RuntimeError:  # a backend that refuses the shape or dtype
+                            continue
+                        errors[name] = err(got[..., rows, :], ref, v.abs().max())
+                        fns[name] = lambda call=call: call(q, k, v, causal)
+                    for kern in timed_kernels:
+                        fn = kern.prepared(q, k, v, out, causal, 1 / d**0.5)
                         out.zero_()
                         fn()
                         torch.cuda.synchronize()
-                        got = out if name != "attention" else fn()
-                        e = err(got[..., rows, :], ref, v.abs().max())
-                        t = event_time(fn, a.runs)
-                        rows_out.append({**base, "kernel": name, "seconds": t, "tflops": flops / t / 1e12,
-                                         "error": e, "ok": e <= TOL[dtype]})
+                        errors[kern.name] = err(out[..., rows, :], ref, v.abs().max())
+                        fns[kern.name] = fn
+                    if a.library:
+                        def library():
+                            return attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", check_finite=False)
+                        errors["attention"] = err(library()[..., rows, :], ref, v.abs().max())
+                        fns["attention"] = library
+                    times = event_times(fns, a.runs)
+                    best = min(t for name, t in times.items() if name.startswith("torch."))
+                    rows_out = [{**base, "kernel": name, "seconds": t, "tflops": flops / t / 1e12, "error": errors[name],
+                                 **({} if name.startswith("torch.") else {"ok": errors[name] <= TOL[dtype]})}
+                                for name, t in times.items()]
                     for r in rows_out:
-                        r["x_torch"] = rows_out[0]["seconds"] / r["seconds"]
+                        r["x_torch"] = times["torch.sdpa"] / r["seconds"]
+                        r["x_best"] = best / r["seconds"]
                         print(json.dumps(r), flush=True)
                     result["timings"] += rows_out
             with open(a.out, "w") as f:  # after each head size: a run cut short keeps what it measured
                 json.dump(result, f, indent=1)
-    print(f"{'dtype':9} {'D':>4} {'N':>6} {'causal':6} {'kernel':14} {'TFLOP/s':>8} {'x torch':>8} {'error':>9}")
+    print(f"{'dtype':9} {'D':>4} {'N':>6} {'causal':6} {'kernel':15} {'TFLOP/s':>8} {'x torch':>8} {'x best':>7} "
+          f"{'error':>9}")
     for r in result["timings"]:
-        print(f"{r['dtype']:9} {r['d']:4} {r['n']:6} {str(r['causal']):6} {r['kernel']:14} {r['tflops']:8.1f} "
-              f"{r['x_torch']:8.2f} {r.get('error', math.nan):9.2e}")
+        print(f"{r['dtype']:9} {r['d']:4} {r['n']:6} {str(r['causal']):6} {r['kernel']:15} {r['tflops']:8.1f} "
+              f"{r['x_torch']:8.2f} {r['x_best']:7.2f} {r.get('error', math.nan):9.2e}")
     return 0
 
 

@@ -150,7 +150,10 @@ def _linked_kernel(source: str, name: str, defines: tuple, params: tuple, thread
     # a kernel of len(params) parameters that passes them on (Numba needs the names)
     scope = {"attend": attend}
     exec(f"def kernel({args}):\n    attend({args})\n", scope)
-    kernel = cuda.jit(sig, launch_bounds=threads)(scope["kernel"])
+    # flash_wgmma.cu's warp-specialized variant moves registers between its warpgroups (setmaxnreg),
+    # which needs the kernel to hold the most the bounds allow: one block an SM asks ptxas for that
+    bounds = (threads, 1) if defines.get("WS") else threads
+    kernel = cuda.jit(sig, launch_bounds=bounds)(scope["kernel"])
     compiled = next(iter(kernel.overloads.values()))
     raw = dynamic_raw_kernel(compiled, shared) if dynamic else RawKernel(compiled)
     register_raw(kernel, raw)
@@ -253,16 +256,33 @@ def mma_head_size_ok(d: int, dv: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class WgmmaConfig:
     """How flash_wgmma.cu (float16/bfloat16 on Hopper's warpgroup MMAs) divides its
-    work: `warpgroups` of 4 warps and 64 query rows a block, `block_k` keys a K/V tile."""
+    work: `warpgroups` of 4 warps and 64 query rows a block, `block_k` keys a K/V tile;
+    `stages` 0: every warpgroup computes and copies, K/V tiles double-buffered behind
+    block barriers; 2-4: the warp-specialized variant (ATTNKERN_WS), one more producer
+    warpgroup copying K/V tiles into a ring of that many stages behind mbarriers, the
+    `warpgroups` consumers pipelining each tile's scores with the previous tile's P V;
+    `pingpong` (with stages and two consumers): the consumers take turns to issue their
+    products (ATTNKERN_PINGPONG), one's softmax overlapping the other's products."""
 
     warpgroups: int = 3
     block_k: int = 128
+    stages: int = 0
+    pingpong: bool = False
 
     def check(self, d: int) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size."""
-        if self.warpgroups not in (1, 2, 3) or self.block_k not in (64, 128) or d not in WGMMA_HEAD_SIZES:
-            raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups, 64- or 128-key tiles and D = 64 or 128, not "
-                             f"{self} at D = {d}")
+        ok = self.block_k in (64, 128) and d in WGMMA_HEAD_SIZES
+        if self.stages:
+            ok = ok and self.warpgroups in (2, 3) and self.stages in (2, 3, 4) and \
+                self.shared_bytes(d) <= WGMMA_SHARED_LIMIT
+        else:
+            ok = ok and self.warpgroups in (1, 2, 3)
+        if self.pingpong:
+            ok = ok and self.stages > 0 and self.warpgroups == 2
+        if not ok:
+            raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-4 stages, up to {WGMMA_SHARED_LIMIT} "
+                             "bytes of shared memory; ping-pong with stages and 2), 64- or 128-key tiles and D = 64 "
+                             f"or 128, not {self} at D = {d}")
 
     @property
     def block_q(self) -> int:
@@ -270,19 +290,24 @@ class WgmmaConfig:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + (self.stages > 0))
 
     def shared_bytes(self, d: int, itemsize: int = 2) -> int:
-        """Shared memory of one block at head size d: Q, two K and two V tiles, unpadded,
-        and 1 KB to align them to the 1024 bytes of the swizzle pattern."""
+        """Shared memory of one block at head size d: Q, two K and two V tiles (or `stages`
+        of each, and their 3 mbarriers a stage), unpadded, and 1 KB to align them to the
+        1024 bytes of the swizzle pattern."""
+        if self.stages:
+            return (self.block_q + 2 * self.stages * self.block_k) * d * itemsize + 1024 + 24 * self.stages
         return (self.block_q + 4 * self.block_k) * d * itemsize + 1024
 
     def __str__(self) -> str:
-        return f"wg{self.warpgroups}k{self.block_k}"
+        return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
+                + ("p" if self.pingpong else ""))
 
 
 WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
 WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
+WGMMA_SHARED_LIMIT = 227 * 1024  # a block's shared memory on the H100 and H200 (opt-in)
 
 
 def wgmma_applies(d: int, dv: int) -> bool:
@@ -302,11 +327,16 @@ def tensor_core_config(d: int, dtype: str) -> "MmaConfig | WgmmaConfig":
     return mma_config(d, dtype) if dtype == "float32" else half_config(d, dtype)
 
 
+# flash_wgmma.cu's default division per head size (half_config), read at each call: a
+# module-level table so that a measurement can swap it (dev/gpu_flash_versions.py compares them)
+WGMMA_DEFAULT = {64: WgmmaConfig(), 128: WgmmaConfig()}
+
+
 def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
     """The float16/bfloat16 kernel's default division at head size d: flash_wgmma.cu's
-    three warpgroups of 64 rows and 128-key tiles where it applies (Hopper, D = 64 or
-    128), else flash_mma.cu's (mma_config). dev/gpu_flash_versions.py compares them."""
-    return WgmmaConfig() if wgmma_applies(d, d) else mma_config(d, dtype)
+    WGMMA_DEFAULT[d] where it applies (Hopper, D = 64 or 128), else flash_mma.cu's
+    (mma_config). dev/gpu_flash_versions.py compares them."""
+    return WGMMA_DEFAULT[d] if wgmma_applies(d, d) else mma_config(d, dtype)
 
 
 def _suffix(featured: bool, mask: int, alibi: bool, fast: bool = False, dropout: bool = False,
@@ -375,7 +405,9 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
                                ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
-                               ("ALIBI", int(alibi)), ("FAST", int(fast)), *widen),
+                               ("ALIBI", int(alibi)), ("FAST", int(fast)), *widen,
+                               *((("WS", 1), ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)))
+                                 if config.stages else ())),
                               params, config.threads, config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
                 ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), ("FAST", int(fast)))

@@ -39,14 +39,27 @@
 // last row, a warpgroup skips tiles entirely above its rows, and the blocks with the
 // most tiles go first.
 
+#ifndef ATTNKERN_WS
+#define ATTNKERN_WS 0
+#endif
+#ifndef ATTNKERN_PINGPONG
+#define ATTNKERN_PINGPONG 0
+#endif
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
 #define NWG ATTNKERN_NWG
 #define BM (64 * NWG)
-#define NTHREADS (128 * NWG)
 #define Q_BYTES (BM * D * 2)
 #define TILE_BYTES (BN * D * 2)
+#if ATTNKERN_WS
+#define STAGES ATTNKERN_STAGES
+#define NTHREADS (128 * (NWG + 1))  // NWG consumer warpgroups and one producer warpgroup
+// Q, STAGES K and V tiles, room to align to 1024 bytes, and 3 STAGES mbarriers
+#define SMEM_BYTES (Q_BYTES + 2 * STAGES * TILE_BYTES + 1024 + 24 * STAGES)
+#else
+#define NTHREADS (128 * NWG)
 #define SMEM_BYTES (Q_BYTES + 4 * TILE_BYTES + 1024)  // + room to align to 1024 bytes
+#endif
 
 #if ATTNKERN_BF16
 #define WG_TYPES "bf16.bf16"
@@ -163,16 +176,49 @@ static __device__ __forceinline__ u64 vdesc(u32 base, int cc) {
     return descriptor(base + (u32)(cc * 2048), BN * 128, 1024u);
 }
 
-// one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled
+// one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled,
+// by THREADS threads (tid 0...)
+template <int THREADS = NTHREADS>
 static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
 #pragma unroll
-    for (int i = tid; i < BN * D / 8; i += NTHREADS) {
+    for (int i = tid; i < BN * D / 8; i += THREADS) {
         const int key = j0 + chunk_row<BN>(i);
         const bool live = key < nk;
         cp_async16(dst + chunk_at<BN>(i), src + (u64)(live ? key : 0) * D + chunk_col<BN>(i), live ? 16 : 0);
     }
 }
 
+// Q's rows r0...r0 + ROWS - 1 of the block's BM (block rows q0...; rows past nq zero) into
+// the swizzled BM-row Q buffer at qs, Q's sign flipped on the way (sign: 0x80008000 or 0),
+// by THREADS threads (tid 0...)
+template <int ROWS, int THREADS>
+static __device__ __forceinline__ void load_q(const u16* q, u32 qs, int q0, int r0, int nq, u32 sign, int tid) {
+    for (int i = tid; i < ROWS * D / 8; i += THREADS) {
+        const int r = r0 + chunk_row<ROWS>(i), ch = i & 7, row = q0 + r;
+        u32x4 x = {0u, 0u, 0u, 0u};
+        if (row < nq) {
+            x = *(const u32x4*)(q + (u64)row * D + chunk_col<ROWS>(i));
+            x.x ^= sign; x.y ^= sign; x.z ^= sign; x.w ^= sign;
+        }
+        const u32 at = qs + (u32)((i / (ROWS * 8)) * BM * 128 + r * 128 + ((ch ^ (r & 7)) << 4));
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+    }
+}
+
+// a lane's output rows r0 and r0 + 8 of batch row b (and their lse) into out (and lse)
+static __device__ __forceinline__ void store_rows(u64 op, u64 lsep, u64 b, int nq, int with_lse,
+                                                  const float (&o)[D / 8][4], const float (&l)[2],
+                                                  const float (&m)[2], float c, int r0) {
+#if ATTNKERN_WIDE
+    // float32 rows and log2-domain lse, unrounded (out and lse are float32 arrays; lse given)
+    store_partial_rows<D>((float*)op + b * (u64)nq * D, (float*)lsep + b * (u64)nq, o, l, m, c, r0, nq);
+#else
+    u16* out = (u16*)op + b * (u64)nq * D;
+    store_half_rows<D>(out, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o, l, m, c, r0, nq);
+#endif
+}
+
+#if !ATTNKERN_WS
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
                                          float scale_log2, int causal, int with_lse, FEAT_PARAMS) {
     constexpr int NO = D / 8;  // 8-column tiles of the output
@@ -198,16 +244,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
     // Q's BM rows (rows past nq zero), the sign applied on the way; the first tile's
     // proxy fence and barrier make them visible to wgmma
-    for (int i = tid; i < BM * D / 8; i += NTHREADS) {
-        const int row = q0 + chunk_row<BM>(i);
-        u32x4 x = {0u, 0u, 0u, 0u};
-        if (row < nq) {
-            x = *(const u32x4*)(q + (u64)row * D + chunk_col<BM>(i));
-            x.x ^= sign; x.y ^= sign; x.z ^= sign; x.w ^= sign;
-        }
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(qs0 + chunk_at<BM>(i)), "r"(x.x), "r"(x.y),
-                     "r"(x.z), "r"(x.w));
-    }
+    load_q<BM, NTHREADS>(q, qs0, q0, 0, nq, sign, tid);
 
     float o[NO][4];
 #pragma unroll
@@ -282,11 +319,252 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     }
 
     if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
-#if ATTNKERN_WIDE
-    // float32 rows and log2-domain lse, unrounded (out and lse are float32 arrays; lse given)
-    store_partial_rows<D>((float*)op + b * (u64)nq * D, (float*)lsep + b * (u64)nq, o, l, m, c, wr0 + g, nq);
-#else
-    u16* out = (u16*)op + b * (u64)nq * D;
-    store_half_rows<D>(out, with_lse ? (u16*)lsep + b * (u64)nq : nullptr, o, l, m, c, wr0 + g, nq);
-#endif
+    store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
 }
+#else  // ATTNKERN_WS
+
+// ---------------------------------------------------------------- mbarriers, register reallocation
+
+static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// the arrival of this thread on bar once its cp.async copies issued so far have landed
+// (noinc: the arrival counts as one of the phase's expected ones)
+static __device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// until the phase of parity `parity` of bar has completed
+static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// a barrier of the `threads` threads (whole warps) that name barrier `id` (1...15; 0 is __syncthreads')
+static __device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int N>
+static __device__ __forceinline__ void regs_down() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+static __device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// Registers a thread after the reallocation: the producer warpgroup gives its registers to the
+// consumers' accumulators (the SM's 64K registers: 128 PRODUCER_REGS + 128 NWG CONSUMER_REGS)
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS (NWG == 2 ? 232 : 152)
+
+// The warp-specialized variant (ATTNKERN_WS, FlashAttention-3's design): warpgroup 0 is the
+// producer, which only copies K and V tiles (cp.async, 16 bytes a thread) into a ring of STAGES
+// stages, announcing each tile's K and V on their own mbarriers (full_k, full_v: the copies'
+// arrivals, 128 a phase) and waiting for the consumers to free a stage (empty: 128 NWG arrivals)
+// before it refills it; no block-wide barrier after the start. Warpgroups 1..NWG are consumers
+// of 64 query rows each (Q loaded by themselves, sign flipped), with the producer's registers
+// (setmaxnreg). Each consumer pipelines across tiles: it issues S_j = Q K_j^T, then P_{j-1} V_{j-1}
+// (P of the tile before, held in registers), waits for S_j only, runs its softmax while the
+// tensor cores still add P_{j-1} V_{j-1}, then waits for that, frees tile j - 1's stage,
+// rescales the output and rounds P_j. The softmax is the same as the other variant's
+// (flash_common.cuh), over BN keys at once.
+extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
+                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS) {
+    constexpr int NO = D / 8, NS = BN / 8;  // 8-column tiles of the output and of a tile's scores
+    extern __shared__ __align__(1024) u16 smem[];
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    // 0: the producer, 1..NWG: the consumers; broadcast from lane 0, so that the compiler knows it
+    // uniform across the warp (else it serializes the wgmma in the consumers' branch)
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+    const u64 b = blockIdx.y;
+    const int q0 = block_first_row(causal, BM);
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
+    const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
+    const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + STAGES * TILE_BYTES;
+    const u32 full_k = vs0 + STAGES * TILE_BYTES, full_v = full_k + 8 * STAGES, empty = full_v + 8 * STAGES;
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_k + 8 * s, 128);
+            mbar_init(full_v + 8 * s, 128);
+            mbar_init(empty + 8 * s, 128 * NWG);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // the key tiles [jt0, jt1) some row of the block sees, in this order through the ring
+    int jt0, jt1;
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
+
+    if (wg == 0) {
+        regs_down<PRODUCER_REGS>();
+        for (int jt = jt0; jt < jt1; ++jt) {
+            const int i = jt - jt0, s = i % STAGES;
+            mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);  // the stage's last tile freed (a fresh one passes)
+            load_tile<128>(k, ks0 + s * TILE_BYTES, jt * BN, f.len, tid);
+            mbar_arrive_cp_async(full_k + 8 * s);
+            load_tile<128>(v, vs0 + s * TILE_BYTES, jt * BN, f.len, tid);
+            mbar_arrive_cp_async(full_v + 8 * s);
+        }
+        cp_async_wait_all();  // tiles the consumers skip are never waited for
+        return;
+    }
+    regs_up<CONSUMER_REGS>();
+
+    const int cw = wg - 1, ct = tid - 128 * wg;  // the consumer's index and its thread's
+    const int g0 = q0 + 64 * cw;                   // the consumer's first row
+    const int wr0 = g0 + 16 * (warp & 3);           // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
+    const float c = fabsf(scale_log2);
+    const u32 sign = scale_log2 < 0.f ? 0x80008000u : 0u;  // negates both halves of a Q pair
+
+    load_q<64, 128>((const u16*)qp + b * (u64)nq * D, qs0, q0, 64 * cw, nq, sign, ct);
+    fence_async_shared();
+    named_barrier(1 + cw, 128);  // the consumer's Q rows are in, visible to its wgmma
+
+    float o[NO][4];
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // running max of the raw scores; this lane's partial row sums
+
+    u32 pf[NS][2];  // P of the pending tile in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8 keys
+    int pend;       // the ring index of the tile whose P V is pending
+    // S = Q K^T of the K tile at kb: D/16 steps of 16 along the head size, one commit group
+    const auto issue_s = [&](float (&sc)[NS][4], u32 kb) {
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(sc, kmajor<BM>(qs0, 64 * cw, kc), kmajor<BN>(kb, 0, kc), kc);
+        wgmma_commit();
+    };
+    // O += P V of the pending tile, one commit group (its V waited for: wait_v)
+    const auto wait_v = [&]() { mbar_wait(full_v + 8 * (pend % STAGES), (pend / STAGES) & 1); };
+    const auto issue_pv = [&]() {
+        const u32 vb = vs0 + (pend % STAGES) * TILE_BYTES;
+#pragma unroll
+        for (int cc = 0; cc < BN / 16; ++cc) {
+            const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
+            wgmma_rs(o, af, vdesc(vb, cc));
+        }
+        wgmma_commit();
+    };
+    // the online softmax of tile j0's scores (pinned after their wait), the probabilities back
+    // into sc in float32; a: the rescale factors of the old output rows
+    const auto softmax = [&](float (&sc)[NS][4], int j0, float (&a)[2]) {
+        pin(sc);
+        const auto emit = [&](int n, const float (&p)[4]) {
+            sc[n][0] = p[0]; sc[n][1] = p[1]; sc[n][2] = p[2]; sc[n][3] = p[3];
+        };
+        softmax_tile_masked_if(tile_masked(f, j0, BN, wr0, wr0 + 15), sc, m, l, a, c, j0, f, wr0 + g, emit);
+    };
+    // once the pending P V is in o: its rows rescaled, the new P rounded to the input dtype
+    const auto rescale_round = [&](const float (&sc)[NS][4], const float (&a)[2]) {
+        pin(o);
+        if (warp_any(a[0] != 1.f || a[1] != 1.f)) scale_rows(o, a);
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            pf[n][0] = pack2(sc[n][0], sc[n][1]);
+            pf[n][1] = pack2(sc[n][2], sc[n][3]);
+        }
+    };
+
+#if ATTNKERN_PINGPONG
+    // Ping-pong (two consumers): they take turns to issue their products, named barrier
+    // 1 + NWG + cw being consumer cw's turn, so that one's softmax runs while the other's
+    // products keep the tensor cores busy. A consumer's turns are its seen tiles and one for
+    // the last P V; the one with fewer takes empty turns at the end, so that they stay paired.
+    static_assert(NWG == 2, "ping-pong takes two consumers");
+    const auto turns = [&](int first) {
+        int n = 0;
+        for (int t = jt0; t < jt1; ++t) n += !tile_unseen(f, t * BN, BN, first, first + 63);
+        return n ? n + 1 : 0;
+    };
+    int turns_left = max(turns(q0), turns(q0 + 64));
+    const auto take_turn = [&]() { named_barrier(1 + NWG + cw, 256); };
+    const auto pass_turn = [&]() {  // consumer 1's last one would have no turn of consumer 0's to open
+        if (cw == 0 || turns_left > 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + NWG + (cw ^ 1)) : "memory");
+        --turns_left;
+    };
+    if (cw == 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + NWG) : "memory");  // consumer 0 goes first
+#else
+    const auto take_turn = [&]() {};
+    const auto pass_turn = [&]() {};
+#endif
+
+    // The tiles this consumer's rows see are a contiguous run of [jt0, jt1): the ones before and
+    // after it are freed at once (waited for first, so that a stage's arrivals of two tiles never mix).
+    int jt = jt0;
+    for (; jt < jt1; ++jt) {
+        const int i = jt - jt0, s = i % STAGES;
+        mbar_wait(full_k + 8 * s, (i / STAGES) & 1);
+        if (!tile_unseen(f, jt * BN, BN, g0, g0 + 63)) break;
+        mbar_arrive(empty + 8 * s);
+    }
+    if (jt < jt1) {
+        {  // the first tile: its scores alone
+            const int i = jt - jt0;
+            float sc[NS][4], a[2];
+            fence_async_shared();
+            take_turn();
+            wgmma_fence();
+            issue_s(sc, ks0 + (i % STAGES) * TILE_BYTES);
+            pass_turn();
+            wgmma_wait<0>();
+            softmax(sc, jt * BN, a);
+            rescale_round(sc, a);
+            pend = i;
+        }
+        // then per tile: its S and the pending tile's P V issued together; the softmax while P V runs
+        for (++jt; jt < jt1; ++jt) {
+            const int i = jt - jt0, s = i % STAGES, j0 = jt * BN;
+            mbar_wait(full_k + 8 * s, (i / STAGES) & 1);
+            if (tile_unseen(f, j0, BN, g0, g0 + 63)) break;
+            wait_v();
+            fence_async_shared();
+            pin(o);
+            pin(pf);
+            float sc[NS][4], a[2];
+            take_turn();
+            wgmma_fence();
+            issue_s(sc, ks0 + s * TILE_BYTES);
+            issue_pv();
+            pass_turn();
+            wgmma_wait<1>();  // S is in; the pending P V may still run
+            softmax(sc, j0, a);
+            wgmma_wait<0>();  // the pending P V is in o: its stage is free
+            pin(o);
+            mbar_arrive(empty + 8 * (pend % STAGES));
+            rescale_round(sc, a);
+            pend = i;
+        }
+        // the last P V
+        wait_v();
+        fence_async_shared();
+        pin(o);
+        pin(pf);
+        take_turn();
+        wgmma_fence();
+        issue_pv();
+        pass_turn();
+        wgmma_wait<0>();
+        pin(o);
+        mbar_arrive(empty + 8 * (pend % STAGES));
+        for (; jt < jt1; ++jt) {
+            const int i = jt - jt0, s = i % STAGES;
+            mbar_wait(full_k + 8 * s, (i / STAGES) & 1);
+            mbar_arrive(empty + 8 * s);
+        }
+    }
+#if ATTNKERN_PINGPONG
+    while (turns_left > 0) {  // the empty turns that pair this consumer's with the other's
+        take_turn();
+        pass_turn();
+    }
+#endif
+    store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
+}
+#endif  // ATTNKERN_WS

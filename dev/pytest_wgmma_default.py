@@ -1,0 +1,31 @@
+"""A pytest plugin that runs the test suites with another default division of
+flash_wgmma.cu (cpp.WGMMA_DEFAULT), to check a candidate division on every feature
+before it becomes the default:
+
+    WGMMA_DEFAULT="64=wg2k128s3,128=wg2k128s2" PYTHONPATH=dev ATTNKERN_TEST_GPU=1 \\
+        python3 -m pytest -p pytest_wgmma_default tests/test_cuda.py
+
+Each entry is D=division, a division named as dev/gpu_flash_versions.py names them
+(wg{warpgroups}k{keys}[s{stages}[p]])."""
+
+import os
+import re
+
+
+def pytest_configure(config):
+    spec = os.environ.get("WGMMA_DEFAULT", "")
+    if not spec:
+        return
+    from attnkern.backends.cuda import cpp
+
+    for entry in spec.split(","):
+        d, name = entry.split("=")
+        wg, bk, stages, pingpong = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?)?", name).groups()
+        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong))
+        division.check(int(d))
+        cpp.WGMMA_DEFAULT[int(d)] = division
+
+
+def pytest_report_header(config):
+    spec = os.environ.get("WGMMA_DEFAULT", "")
+    return f"flash_wgmma.cu default divisions: {spec}" if spec else None
