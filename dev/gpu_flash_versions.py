@@ -14,8 +14,9 @@ cpp.MmaConfig, "mt{mma tiles a warp}w{warps}k{keys a tile}" with "qs" if Q is
 reloaded from shared memory; for float16/bfloat16 on Hopper at D = 64 and 128 also
 flash_wgmma.cu's cpp.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 also a cpp.SimtConfig of the
 register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
-thread's). A WgmmaConfig with stages, "wg{consumer warpgroups}k{keys}s{stages}" ("p" after it:
-ping-pong), is the warp-specialized variant (a producer warpgroup and a ring of K/V stages). "default" is the division the library picks for the head size (marked
+thread's). A WgmmaConfig with stages, "wg{consumer warpgroups}k{keys}s{stages}" ("p" after
+it: ping-pong, then "e": early K), is the warp-specialized variant (a producer warpgroup and
+a ring of K/V stages). "default" is the division the library picks for the head size (marked
 *); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
 --library: attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
 library's whole call on torch tensors.
@@ -74,7 +75,7 @@ def flat3(x):
     return gpu_array(x, math.prod(x.shape[:-2]), *x.shape[-2:])
 
 
-SIMT_NAME, MMA_NAME, WGMMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?", r"wg(\d+)k(\d+)(?:s(\d+)(p)?)?"
+SIMT_NAME, MMA_NAME, WGMMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?", r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?)?"
 
 
 def parse_config(text, d, dtype):
@@ -94,7 +95,7 @@ def parse_config(text, d, dtype):
         if not ok:
             return None
         config = cpp.WgmmaConfig(warpgroups=int(wg[1]), block_k=int(wg[2]), stages=int(wg[3] or 0),
-                                 pingpong=bool(wg[4]))
+                                 pingpong=bool(wg[4]), early_k=bool(wg[5]))
         try:
             config.check(d)
         except ValueError:

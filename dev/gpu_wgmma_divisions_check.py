@@ -77,8 +77,8 @@ def main():
     a = ap.parse_args()
     rows, failed = [], 0
     for name in a.divisions.split(","):
-        wg, bk, stages, pingpong = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?)?", name).groups()
-        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong))
+        wg, bk, stages, pingpong, early = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?)?", name).groups()
+        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early))
         for d in map(int, a.dims.split(",")):
             try:
                 division.check(d)

@@ -148,7 +148,7 @@ def test_cuda_flash_half_matches_reference(dtype, causal):
 def test_cuda_flash_half_every_division(dtype):
     """Both half-precision kernels launched directly in each of their divisions:
     flash_wgmma.cu (Hopper only: 1-3 warpgroups x 64 or 128 keys, D = 64 and 128, and
-    its warp-specialized variant in three divisions)
+    its warp-specialized variant in four divisions)
     and flash_mma.cu's default division; causal and not, with lse, partial blocks,
     nq != nk, a negative scale, against float64 and bit-identical run to run. On
     Hopper the library's default is the wgmma kernel."""
@@ -165,9 +165,9 @@ def test_cuda_flash_half_every_division(dtype):
         if cpp.wgmma_applies(d, d):
             assert isinstance(cpp.half_config(d, dtype), cpp.WgmmaConfig)
             divisions += [cpp.WgmmaConfig(w, bk) for w in (1, 2, 3) for bk in (64, 128)]
-            # the warp-specialized variant: two or three consumers, 2 or 3 K/V stages
-            divisions += [cpp.WgmmaConfig(w, bk, st) for w, bk, st in ((2, 128, 2), (2, 128, 3), (3, 64, 3))
-                          if cpp.WgmmaConfig(w, bk, st).shared_bytes(d) <= cpp.WGMMA_SHARED_LIMIT]
+            # the warp-specialized variant: two or three consumers, 3-6 K/V stages, K freed early or not
+            divisions += [cpp.WgmmaConfig(w, bk, st, early_k=e) for w, bk, st, e in
+                          ((2, 128, 3, False), (2, 128, 3, True), (2, 64, 6, True), (3, 64, 4, True))]
         for i, (batch, nq, nk) in enumerate([(2, 77, 77), (1, 45, 300), (3, 200, 33), (1, 1, 5), (1, 257, 257)]):
             q, k, v = _inputs(torch, dtype, (batch,), nq, nk, d, d, 200 + i)
             scale = -0.6 / d ** 0.5 if i == 1 else 1 / d ** 0.5

@@ -258,31 +258,34 @@ class WgmmaConfig:
     """How flash_wgmma.cu (float16/bfloat16 on Hopper's warpgroup MMAs) divides its
     work: `warpgroups` of 4 warps and 64 query rows a block, `block_k` keys a K/V tile;
     `stages` 0: every warpgroup computes and copies, K/V tiles double-buffered behind
-    block barriers; 2-4: the warp-specialized variant (ATTNKERN_WS), one more producer
+    block barriers; 2-6: the warp-specialized variant (ATTNKERN_WS), one more producer
     warpgroup copying K/V tiles into a ring of that many stages behind mbarriers, the
     `warpgroups` consumers pipelining each tile's scores with the previous tile's P V;
     `pingpong` (with stages and two consumers): the consumers take turns to issue their
-    products (ATTNKERN_PINGPONG), one's softmax overlapping the other's products."""
+    products (ATTNKERN_PINGPONG), one's softmax overlapping the other's products; `early_k`
+    (with stages): a tile's K slot freed once its scores are in and K copied a tile ahead of V
+    (ATTNKERN_EARLYK), else K and V freed together once its P V is in."""
 
     warpgroups: int = 3
     block_k: int = 128
     stages: int = 0
     pingpong: bool = False
+    early_k: bool = False
 
     def check(self, d: int) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size."""
         ok = self.block_k in (64, 128) and d in WGMMA_HEAD_SIZES
         if self.stages:
-            ok = ok and self.warpgroups in (2, 3) and self.stages in (2, 3, 4) and \
+            ok = ok and self.warpgroups in (2, 3) and 2 <= self.stages <= 6 and \
                 self.shared_bytes(d) <= WGMMA_SHARED_LIMIT
         else:
             ok = ok and self.warpgroups in (1, 2, 3)
-        if self.pingpong:
-            ok = ok and self.stages > 0 and self.warpgroups == 2
+        if self.pingpong or self.early_k:
+            ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
         if not ok:
-            raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-4 stages, up to {WGMMA_SHARED_LIMIT} "
-                             "bytes of shared memory; ping-pong with stages and 2), 64- or 128-key tiles and D = 64 "
-                             f"or 128, not {self} at D = {d}")
+            raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
+                             "bytes of shared memory; ping-pong with stages and 2, early K with stages), 64- or "
+                             f"128-key tiles and D = 64 or 128, not {self} at D = {d}")
 
     @property
     def block_q(self) -> int:
@@ -294,15 +297,15 @@ class WgmmaConfig:
 
     def shared_bytes(self, d: int, itemsize: int = 2) -> int:
         """Shared memory of one block at head size d: Q, two K and two V tiles (or `stages`
-        of each, and their 3 mbarriers a stage), unpadded, and 1 KB to align them to the
+        of each, and their 4 mbarriers a stage), unpadded, and 1 KB to align them to the
         1024 bytes of the swizzle pattern."""
         if self.stages:
-            return (self.block_q + 2 * self.stages * self.block_k) * d * itemsize + 1024 + 24 * self.stages
+            return (self.block_q + 2 * self.stages * self.block_k) * d * itemsize + 1024 + 32 * self.stages
         return (self.block_q + 4 * self.block_k) * d * itemsize + 1024
 
     def __str__(self) -> str:
         return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
-                + ("p" if self.pingpong else ""))
+                + ("p" if self.pingpong else "") + ("e" if self.early_k else ""))
 
 
 WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
@@ -406,8 +409,8 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
                                ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
                                ("ALIBI", int(alibi)), ("FAST", int(fast)), *widen,
-                               *((("WS", 1), ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)))
-                                 if config.stages else ())),
+                               *((("WS", 1), ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
+                                  ("EARLYK", int(config.early_k))) if config.stages else ())),
                               params, config.threads, config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
                 ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), ("FAST", int(fast)))

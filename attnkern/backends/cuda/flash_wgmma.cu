@@ -45,6 +45,9 @@
 #ifndef ATTNKERN_PINGPONG
 #define ATTNKERN_PINGPONG 0
 #endif
+#ifndef ATTNKERN_EARLYK
+#define ATTNKERN_EARLYK 0
+#endif
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
 #define NWG ATTNKERN_NWG
@@ -54,8 +57,8 @@
 #if ATTNKERN_WS
 #define STAGES ATTNKERN_STAGES
 #define NTHREADS (128 * (NWG + 1))  // NWG consumer warpgroups and one producer warpgroup
-// Q, STAGES K and V tiles, room to align to 1024 bytes, and 3 STAGES mbarriers
-#define SMEM_BYTES (Q_BYTES + 2 * STAGES * TILE_BYTES + 1024 + 24 * STAGES)
+// Q, STAGES K and V tiles, room to align to 1024 bytes, and 4 STAGES mbarriers
+#define SMEM_BYTES (Q_BYTES + 2 * STAGES * TILE_BYTES + 1024 + 32 * STAGES)
 #else
 #define NTHREADS (128 * NWG)
 #define SMEM_BYTES (Q_BYTES + 4 * TILE_BYTES + 1024)  // + room to align to 1024 bytes
@@ -180,6 +183,23 @@ static __device__ __forceinline__ u64 vdesc(u32 base, int cc) {
 // by THREADS threads (tid 0...)
 template <int THREADS = NTHREADS>
 static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
+    constexpr int RPP = THREADS / 8;  // rows a pass of the threads copies, eight 16-byte chunks a row
+    if constexpr (ATTNKERN_WS && BN % RPP == 0 && RPP % 8 == 0) {
+        // a whole tile (the warp-specialized producer's usual case): a thread's chunk and row
+        // offset are the same in every pass, its swizzle too (RPP is a multiple of 8 rows), so
+        // each copy is one instruction at constant offsets from two base addresses
+        if (j0 + BN <= nk) {
+            const int rt = tid >> 3, ch = tid & 7;
+            const u16* s0 = src + (u64)(j0 + rt) * D + ch * 8;
+            const u32 d0 = dst + rt * 128 + ((ch ^ (rt & 7)) << 4);
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb)
+#pragma unroll
+                for (int p = 0; p < BN / RPP; ++p)
+                    cp_async16(d0 + (cb * BN + p * RPP) * 128, s0 + p * RPP * D + cb * 64, 16);
+            return;
+        }
+    }
 #pragma unroll
     for (int i = tid; i < BN * D / 8; i += THREADS) {
         const int key = j0 + chunk_row<BN>(i);
@@ -364,8 +384,11 @@ static __device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.
 // The warp-specialized variant (ATTNKERN_WS, FlashAttention-3's design): warpgroup 0 is the
 // producer, which only copies K and V tiles (cp.async, 16 bytes a thread) into a ring of STAGES
 // stages, announcing each tile's K and V on their own mbarriers (full_k, full_v: the copies'
-// arrivals, 128 a phase) and waiting for the consumers to free a stage (empty: 128 NWG arrivals)
-// before it refills it; no block-wide barrier after the start. Warpgroups 1..NWG are consumers
+// arrivals, 128 a phase) and waiting for the consumers to free a K or V slot (empty_k, empty_v:
+// 128 NWG arrivals) before it refills it; no block-wide barrier after the start. ATTNKERN_EARLYK:
+// a consumer frees tile j's K as soon as S_j is in, and the producer copies K_{j+1} before V_j
+// (the order the consumers need them in), so that K is copied a tile ahead of V; else both
+// slots are freed once P_j V_j is in and K_j, V_j are copied in turn. Warpgroups 1..NWG are consumers
 // of 64 query rows each (Q loaded by themselves, sign flipped), with the producer's registers
 // (setmaxnreg). Each consumer pipelines across tiles: it issues S_j = Q K_j^T, then P_{j-1} V_{j-1}
 // (P of the tile before, held in registers), waits for S_j only, runs its softmax while the
@@ -387,13 +410,15 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
     const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
     const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + STAGES * TILE_BYTES;
-    const u32 full_k = vs0 + STAGES * TILE_BYTES, full_v = full_k + 8 * STAGES, empty = full_v + 8 * STAGES;
+    const u32 full_k = vs0 + STAGES * TILE_BYTES, full_v = full_k + 8 * STAGES, empty_k = full_v + 8 * STAGES,
+              empty_v = empty_k + 8 * STAGES;
 
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_k + 8 * s, 128);
             mbar_init(full_v + 8 * s, 128);
-            mbar_init(empty + 8 * s, 128 * NWG);
+            mbar_init(empty_k + 8 * s, 128 * NWG);
+            mbar_init(empty_v + 8 * s, 128 * NWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -405,13 +430,20 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
     if (wg == 0) {
         regs_down<PRODUCER_REGS>();
-        for (int jt = jt0; jt < jt1; ++jt) {
+        // tile jt's K (V) into its stage once the slot's last tile is freed (a fresh one passes)
+        const auto load = [&](const u16* src, u32 buf, u32 empty, u32 full, int jt) {
             const int i = jt - jt0, s = i % STAGES;
-            mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);  // the stage's last tile freed (a fresh one passes)
-            load_tile<128>(k, ks0 + s * TILE_BYTES, jt * BN, f.len, tid);
-            mbar_arrive_cp_async(full_k + 8 * s);
-            load_tile<128>(v, vs0 + s * TILE_BYTES, jt * BN, f.len, tid);
-            mbar_arrive_cp_async(full_v + 8 * s);
+            mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
+            load_tile<128>(src, buf + s * TILE_BYTES, jt * BN, f.len, tid);
+            mbar_arrive_cp_async(full + 8 * s);
+        };
+        if (ATTNKERN_EARLYK && jt0 < jt1) load(k, ks0, empty_k, full_k, jt0);
+        for (int jt = jt0; jt < jt1; ++jt) {
+            if (!ATTNKERN_EARLYK)
+                load(k, ks0, empty_k, full_k, jt);
+            else if (jt + 1 < jt1)
+                load(k, ks0, empty_k, full_k, jt + 1);
+            load(v, vs0, empty_v, full_v, jt);
         }
         cp_async_wait_all();  // tiles the consumers skip are never waited for
         return;
@@ -495,25 +527,35 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const auto pass_turn = [&]() {};
 #endif
 
+    // tile i's K or V slot freed
+    const auto free_k = [&](int i) { mbar_arrive(empty_k + 8 * (i % STAGES)); };
+    const auto free_v = [&](int i) { mbar_arrive(empty_v + 8 * (i % STAGES)); };
+    // a tile none of this consumer's rows sees, freed once it is in: the producer has then
+    // waited for both consumers to free the slots' tiles before, so that the arrivals of two
+    // tiles never mix in one phase
+    const auto skip = [&](int i) {
+        mbar_wait(full_k + 8 * (i % STAGES), (i / STAGES) & 1);
+        mbar_wait(full_v + 8 * (i % STAGES), (i / STAGES) & 1);
+        free_k(i);
+        free_v(i);
+    };
+
     // The tiles this consumer's rows see are a contiguous run of [jt0, jt1): the ones before and
-    // after it are freed at once (waited for first, so that a stage's arrivals of two tiles never mix).
+    // after it are skipped.
     int jt = jt0;
-    for (; jt < jt1; ++jt) {
-        const int i = jt - jt0, s = i % STAGES;
-        mbar_wait(full_k + 8 * s, (i / STAGES) & 1);
-        if (!tile_unseen(f, jt * BN, BN, g0, g0 + 63)) break;
-        mbar_arrive(empty + 8 * s);
-    }
+    for (; jt < jt1 && tile_unseen(f, jt * BN, BN, g0, g0 + 63); ++jt) skip(jt - jt0);
     if (jt < jt1) {
         {  // the first tile: its scores alone
             const int i = jt - jt0;
             float sc[NS][4], a[2];
+            mbar_wait(full_k + 8 * (i % STAGES), (i / STAGES) & 1);
             fence_async_shared();
             take_turn();
             wgmma_fence();
             issue_s(sc, ks0 + (i % STAGES) * TILE_BYTES);
             pass_turn();
             wgmma_wait<0>();
+            if (ATTNKERN_EARLYK) free_k(i);
             softmax(sc, jt * BN, a);
             rescale_round(sc, a);
             pend = i;
@@ -521,8 +563,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         // then per tile: its S and the pending tile's P V issued together; the softmax while P V runs
         for (++jt; jt < jt1; ++jt) {
             const int i = jt - jt0, s = i % STAGES, j0 = jt * BN;
-            mbar_wait(full_k + 8 * s, (i / STAGES) & 1);
             if (tile_unseen(f, j0, BN, g0, g0 + 63)) break;
+            mbar_wait(full_k + 8 * s, (i / STAGES) & 1);
             wait_v();
             fence_async_shared();
             pin(o);
@@ -534,10 +576,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             issue_pv();
             pass_turn();
             wgmma_wait<1>();  // S is in; the pending P V may still run
+            if (ATTNKERN_EARLYK) free_k(i);
             softmax(sc, j0, a);
-            wgmma_wait<0>();  // the pending P V is in o: its stage is free
+            wgmma_wait<0>();  // the pending P V is in o: its slots are free
             pin(o);
-            mbar_arrive(empty + 8 * (pend % STAGES));
+            if (!ATTNKERN_EARLYK) free_k(pend);
+            free_v(pend);
             rescale_round(sc, a);
             pend = i;
         }
@@ -552,12 +596,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         pass_turn();
         wgmma_wait<0>();
         pin(o);
-        mbar_arrive(empty + 8 * (pend % STAGES));
-        for (; jt < jt1; ++jt) {
-            const int i = jt - jt0, s = i % STAGES;
-            mbar_wait(full_k + 8 * s, (i / STAGES) & 1);
-            mbar_arrive(empty + 8 * s);
-        }
+        if (!ATTNKERN_EARLYK) free_k(pend);
+        free_v(pend);
+        for (; jt < jt1; ++jt) skip(jt - jt0);
     }
 #if ATTNKERN_PINGPONG
     while (turns_left > 0) {  // the empty turns that pair this consumer's with the other's
