@@ -220,16 +220,19 @@ def main():
     ap.add_argument("--library", action="store_true")
     ap.add_argument("--after", default="",
                     help="a file whose appearance the timings wait for (up to 10 minutes): the builds and checks "
-                         "may run beside other GPU work (the correctness runs of one device call), the timings not")
+                         "(all first) may run beside other GPU work (the correctness runs of one device call), "
+                         "the timings not")
     a = ap.parse_args()
     import attnkern
 
     torch.backends.cuda.matmul.allow_tf32 = False
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": a.runs,
               "back_to_back": BACK_TO_BACK, "checks": [], "timings": []}
+    # every kernel built and checked first (beside other work, if any), then timed
+    blocks = {}
     for dtype in a.dtypes.split(","):
         for d in (int(x) for x in a.dims.split(",")):
-            timed_kernels = []
+            timed_kernels = blocks[dtype, d] = []
             configs = [c for c in dict.fromkeys(parse_config(text, d, dtype) for text in a.configs.split(",")) if c]
             for config in configs:
                 name = str(config)
@@ -244,10 +247,13 @@ def main():
                 result["checks"].append(row)
                 if kern is not None and row["odd_ok"]:
                     timed_kernels.append(kern)
-            for _ in range(600):
-                if not a.after or os.path.exists(a.after):
-                    break
-                time.sleep(1)
+    for _ in range(600):
+        if not a.after or os.path.exists(a.after):
+            break
+        time.sleep(1)
+    for dtype in a.dtypes.split(","):
+        for d in (int(x) for x in a.dims.split(",")):
+            timed_kernels = blocks[dtype, d]
             for n in (int(x) for x in a.sizes.split(",")):
                 q, k, v = inputs((1, 16, n, d), dtype, n + d)
                 out = torch.empty_like(q)
