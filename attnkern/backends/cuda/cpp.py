@@ -331,15 +331,23 @@ def tensor_core_config(d: int, dtype: str) -> "MmaConfig | WgmmaConfig":
 
 
 # flash_wgmma.cu's default division per head size (half_config), read at each call: a
-# module-level table so that a measurement can swap it (dev/gpu_flash_versions.py compares them)
-WGMMA_DEFAULT = {64: WgmmaConfig(), 128: WgmmaConfig()}
+# module-level table so that a measurement can swap it (dev/gpu_flash_versions.py compares them,
+# dev/pytest_wgmma_default.py runs the tests with another). The warp-specialized variant, two
+# consumers of 64 rows, 128-key tiles in 3 stages, K freed early: on an H100 1.4-1.7x the
+# double-buffered wg3k128 in every measured bfloat16/float16 row (docs/results.md, 2026-11-26).
+WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True), 128: WgmmaConfig(2, 128, 3, early_k=True)}
+WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the default's (225 KB at D = 128)
 
 
 def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
     """The float16/bfloat16 kernel's default division at head size d: flash_wgmma.cu's
-    WGMMA_DEFAULT[d] where it applies (Hopper, D = 64 or 128), else flash_mma.cu's
-    (mma_config). dev/gpu_flash_versions.py compares them."""
-    return WGMMA_DEFAULT[d] if wgmma_applies(d, d) else mma_config(d, dtype)
+    WGMMA_DEFAULT[d] where it applies (Hopper, D = 64 or 128; WGMMA_FALLBACK where this
+    GPU's shared memory a block is short of it), else flash_mma.cu's (mma_config).
+    dev/gpu_flash_versions.py compares them."""
+    if not wgmma_applies(d, d):
+        return mma_config(d, dtype)
+    division = WGMMA_DEFAULT[d]
+    return division if division.shared_bytes(d) <= shared_limit() else WGMMA_FALLBACK
 
 
 def _suffix(featured: bool, mask: int, alibi: bool, fast: bool = False, dropout: bool = False,

@@ -1,4 +1,5 @@
 // cuda.flash for float16 and bfloat16 on Hopper (sm_90a): the FlashAttention-2 forward
+// (and, ATTNKERN_WS, a warp-specialized FlashAttention-3-style one, the default)
 // on warpgroup MMAs (wgmma), which read Q and K (and V) straight from shared memory,
 // so no K or V fragment passes through the registers, and run asynchronously, so a
 // warpgroup's softmax overlaps its own products.
@@ -13,6 +14,9 @@
 //   ATTNKERN_BN       keys per K/V tile: 64 or 128
 //   ATTNKERN_NWG      warpgroups (4 warps each) per block: a block owns BM = 64 NWG query rows
 //   ATTNKERN_DYNAMIC  1: shared memory is the launch's dynamic shared memory
+//   ATTNKERN_WS       1: the warp-specialized variant (below; the library's default), with
+//   ATTNKERN_STAGES   its K/V ring's stages (2-6), ATTNKERN_EARLYK 1: K slots freed early,
+//   ATTNKERN_PINGPONG 1: its two consumers take turns to issue their products
 // and then flash_common.cuh. The grid is (query blocks, batch).
 //
 // Shared memory holds Q (BM rows, loaded once, Q's sign flipped on the way for a
@@ -38,6 +42,13 @@
 // tile j is computed, one barrier a tile). With causal masking a block stops at its
 // last row, a warpgroup skips tiles entirely above its rows, and the blocks with the
 // most tiles go first.
+//
+// ATTNKERN_WS (WgmmaConfig.stages > 0) is FlashAttention-3's design instead (the comment at
+// its function has the details): a producer warpgroup copies K/V tiles into a ring of
+// stages behind mbarriers, the NWG consumer warpgroups get its registers (setmaxnreg) and
+// issue tile j's scores with tile j - 1's P V, running tile j's softmax while P V runs. On
+// an H100 it is 1.4-1.7x the variant above (docs/results.md); dev/gpu_flash_versions.py
+// compares divisions.
 
 #ifndef ATTNKERN_WS
 #define ATTNKERN_WS 0
