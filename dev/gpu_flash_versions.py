@@ -75,7 +75,8 @@ def flat3(x):
     return gpu_array(x, math.prod(x.shape[:-2]), *x.shape[-2:])
 
 
-SIMT_NAME, MMA_NAME, WGMMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?", r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?)?"
+SIMT_NAME, MMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?"
+WGMMA_NAME = r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?)?"
 
 
 def parse_config(text, d, dtype):
@@ -285,7 +286,8 @@ def main():
                         fns["attention"] = library
                     times = event_times(fns, a.runs)
                     best = min(t for name, t in times.items() if name.startswith("torch."))
-                    rows_out = [{**base, "kernel": name, "seconds": t, "tflops": flops / t / 1e12, "error": errors[name],
+                    rows_out = [{**base, "kernel": name, "seconds": t, "tflops": flops / t / 1e12,
+                                 "error": errors[name],
                                  **({} if name.startswith("torch.") else {"ok": errors[name] <= TOL[dtype]})}
                                 for name, t in times.items()]
                     for r in rows_out:

@@ -474,7 +474,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     float o[NO][4];
 #pragma unroll
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // running max of the raw scores; this lane's partial row sums
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // running max of raw scores; lane's partial row sums
 
     u32 pf[NS][2];  // P of the pending tile in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8 keys
     int pend;       // the ring index of the tile whose P V is pending
