@@ -714,8 +714,10 @@ def _run_torch(q, k, v, causal, scale, kernel, check_finite, return_lse, backwar
 
 
 def _plain(feats) -> bool:
-    """Whether attention()'s feature keywords are all unused (None or neutral)."""
-    return all(x is None or x == _NEUTRAL.get(n) for n, x in feats.items())
+    """Whether attention()'s feature keywords are all unused (None, or a number equal to
+    the neutral value). An array (NumPy's ALiBi slopes beside torch tensors, a mask) is
+    never neutral: comparing it with == would be elementwise, its truth ambiguous."""
+    return all(x is None or (isinstance(x, numbers.Number) and x == _NEUTRAL.get(n)) for n, x in feats.items())
 
 
 def _op_backward(q, k, v, out, dout, lse, spec):

@@ -93,3 +93,19 @@ def test_torch_sdpa_refuses_alibi_and_auto_runs_it():
         with pytest.raises(ValueError, match="ALiBi"):
             attnkern.attention(q, k, v, alibi_slopes=slopes[0], kernel="torch.sdpa")
     attnkern.attention(q, k, v, alibi_slopes=slopes[0])
+
+
+def test_array_features_are_never_taken_for_neutral():
+    """attention()'s CUDA fast paths are taken only when every feature keyword is unused
+    (_api._plain). An array there (NumPy slopes beside torch CUDA tensors, a mask) must
+    count as used, not be compared elementwise with the neutral value (which raised
+    'truth value of an array is ambiguous' instead of running the call)."""
+    torch = pytest.importorskip("torch")
+    from attnkern import _api
+
+    assert _api._plain({"attn_mask": None, "alibi_slopes": None, "dropout_p": 0.0, "dropout_seed": None})
+    assert not _api._plain({"alibi_slopes": np.ones(8)})
+    assert not _api._plain({"alibi_slopes": np.ones(1)})
+    assert not _api._plain({"attn_mask": torch.zeros(4, 4, dtype=torch.bool)})
+    assert not _api._plain({"dropout_p": 0.1})
+    assert _api._plain({"dropout_p": np.float32(0.0)})
