@@ -57,27 +57,6 @@ gpu = pytest.mark.skipif(SIMULATED or not attnkern.kernel_info("triton.flash")["
                                 f"{attnkern.kernel_info('triton.flash')['reason']}")
 
 
-@pytest.fixture(autouse=True)
-def one_triton_config():
-    """One config per kernel and kind of problem: the first that triton.flash's own pruning keeps
-    (the autotuner would compile and time three per new key: head size, mask, features, dtype,
-    size bucket; minutes over these shapes). The kernels' logic is the same for every config
-    (the GPU benchmark autotunes)."""
-    if SIMULATED or not attnkern.kernel_info("triton.flash")["available"]:
-        yield
-        return
-    from attnkern.backends.triton import flash
-
-    tuned = (flash.flash_forward, flash.flash_backward_dq, flash.flash_backward_dkdv)
-    before = [fn.early_config_prune for fn in tuned]
-    for fn, prune in zip(tuned, before):
-        fn.early_config_prune = lambda configs, named_args, prune=prune, **kwargs: prune(configs, named_args,
-                                                                                         **kwargs)[:1]
-    yield
-    for fn, prune in zip(tuned, before):
-        fn.early_config_prune = prune
-
-
 def _inputs(torch, dtype, lead, nq, nk, d, dv, seed):
     g = torch.Generator().manual_seed(seed)
     tdtype = getattr(torch, dtype)
