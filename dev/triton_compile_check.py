@@ -74,11 +74,16 @@ def main():
     p.add_argument("--dims", default="64,128")
     p.add_argument("--kernels", default="forward,dq,dkdv")
     p.add_argument("--causal", default="0,1")
+    p.add_argument("--only", default="", help="BM,BN,W,S;... instead of triton_measure's candidates")
     a = p.parse_args()
+    if a.only:
+        only = [tuple(int(x) for x in c.split(",")) for c in a.only.split(";")]
+        for key in CANDIDATES:
+            CANDIDATES[key] = only
     for kernel in a.kernels.split(","):
         for d in (int(x) for x in a.dims.split(",")):
             for causal in (bool(int(x)) for x in a.causal.split(",")):
-                for cfg in CANDIDATES[kernel]:
+                for cfg in CANDIDATES[kernel, d]:
                     try:
                         r = compile_one(kernel, cfg, d, causal)
                         flag = " SPILLS" if r["stack"] or r["local"] else ""

@@ -81,8 +81,8 @@ TABLE = {
     ("dq", 2, 128, "large", False): (128, 32, 8, 3),
     ("dq", 2, 128, "large", True): (128, 32, 8, 3),
     # dK/dV
-    ("dkdv", 2, 64, "large", False): (32, 128, 4, 3),
-    ("dkdv", 2, 64, "large", True): (32, 128, 4, 3),
+    ("dkdv", 2, 64, "large", False): (32, 128, 8, 3),
+    ("dkdv", 2, 64, "large", True): (32, 128, 8, 3),
     ("dkdv", 2, 128, "large", False): (32, 128, 8, 3),
     ("dkdv", 2, 128, "large", True): (32, 128, 8, 3),
 }
@@ -95,7 +95,7 @@ DEFAULT = {"forward": {"small": (64, 32, 4, 3), "large": (128, 64, 4, 3), "wide"
 # the autotuner's candidates (opt-in), beside the table's entry for the call
 CANDIDATES = {"forward": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2)],
               "dq": [(128, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2)],
-              "dkdv": [(32, 128, 4, 3), (32, 128, 8, 3), (32, 64, 8, 3), (64, 64, 8, 3), (32, 32, 4, 2)]}
+              "dkdv": [(32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3), (64, 64, 8, 3), (32, 32, 4, 2)]}
 # tests and measurements: kernel name -> a config that replaces the table's for every call
 OVERRIDE: dict = {}
 
