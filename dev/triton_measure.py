@@ -184,23 +184,35 @@ def _sweep_cases(dtypes):
             for kernel in KERNELS for cfg in CANDIDATES[kernel, d]]
 
 
-def warm(dtypes, part, parts):
-    """Launch every sweep case of slice part/parts once at a small N (fills Triton's cache)."""
+def warm(dtypes, part, parts, table_dtypes=("float16",), old_path=None):
+    """Launch every sweep case (dtypes), the table's configs (table_dtypes) and, with old_path,
+    the old module's autotuned kernels (N = 1024: its long-sequence configs), those of slice
+    part/parts once at a small N (fills Triton's cache for configs and tables)."""
     from attnkern.backends.triton import flash
 
-    for i, (kernel, cfg, d, causal, dtype) in enumerate(_sweep_cases(dtypes)):
+    cases = [("sweep", c) for c in _sweep_cases(dtypes)]
+    cases += [("table", (None, None, d, causal, dtype)) for dtype in table_dtypes for d in (64, 128)
+              for causal in (False, True)]
+    if old_path:
+        cases += [("old", (None, None, d, causal, dtype)) for dtype in ("bfloat16", "float16") for d in (64, 128)
+                  for causal in (False, True)]
+    old = _load_old(old_path) if old_path else None
+    for i, (what, (kernel, cfg, d, causal, dtype)) in enumerate(cases):
         if i % parts != part:
             continue
-        q, k, v, dout = _flat(1, 2, 256, d, getattr(torch, dtype), i)
-        forward, backward = _kernels(flash, q, k, v, dout, causal, dtype)
+        q, k, v, dout = _flat(1, 2, 1024 if what == "old" else 256, d, getattr(torch, dtype), i)
+        forward, backward = _kernels(old if what == "old" else flash, q, k, v, dout, causal, dtype)
         flash.OVERRIDE.clear()
         try:
             forward()
-            flash.OVERRIDE[kernel] = cfg
-            (forward if kernel == "forward" else backward)()
+            if what == "sweep":
+                flash.OVERRIDE[kernel] = cfg
+                (forward if kernel == "forward" else backward)()
+            else:
+                backward()
             torch.cuda.synchronize()
         except Exception as exc:  # out of resources, a compile error: configs reports it
-            print(kernel, cfg, d, causal, dtype, repr(exc)[:200], flush=True)
+            print(what, kernel, cfg, d, causal, dtype, repr(exc)[:200], flush=True)
     flash.OVERRIDE.clear()
 
 
@@ -253,7 +265,8 @@ def _load_old(path):
     return module
 
 
-def tables(ns, dims, dtypes, repeats, old_path=None):
+def tables(ns, dims, dtypes, repeats, old_path=None, rows=None, save=lambda: None):
+    """The tables' rows (appended to rows, save() after each)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attnkern.backends.triton import flash
@@ -261,7 +274,7 @@ def tables(ns, dims, dtypes, repeats, old_path=None):
     old = _load_old(old_path) if old_path else None
     sdpa = torch.nn.functional.scaled_dot_product_attention
     backends = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
-    rows = []
+    rows = [] if rows is None else rows
     for dtype in dtypes:
         for d in dims:
             for n in ns:
@@ -323,6 +336,7 @@ def tables(ns, dims, dtypes, repeats, old_path=None):
                                           for p in per]
                                 row[f"{what} {name} x_fastest"] = ratios if runs > 1 else ratios[0]
                     rows.append(row)
+                    save()
                     print({k_: v_ for k_, v_ in row.items() if "x_fastest" in k_ or k_ in ("dtype", "n", "d", "causal")},
                           flush=True)
                     del fns, leaves
@@ -357,17 +371,17 @@ def main():
 
     if "warm" in parts:
         part, total = (int(x) for x in args.warm_slice.split("/"))
-        warm(args.config_dtypes.split(","), part, total)
+        warm(args.config_dtypes.split(","), part, total, old_path=args.old)
     if "configs" in parts:
         result["configs"] = configs(args.config_dtypes.split(","))
-        save()
-    if "tables" in parts:
-        result["tables"] = tables([int(x) for x in args.ns.split(",")], [int(x) for x in args.dims.split(",")],
-                                  args.dtypes.split(","), args.repeats, args.old)
         save()
     if "overhead" in parts:
         result["overhead"] = overhead()
         save()
+    if "tables" in parts:
+        result["tables"] = []
+        tables([int(x) for x in args.ns.split(",")], [int(x) for x in args.dims.split(",")], args.dtypes.split(","),
+               args.repeats, args.old, result["tables"], save)
     if "backward" in parts:
         shapes = ([(4, 16, 2048, 64), (1, 16, 8192, 64), (2, 16, 4096, 128)] if args.quick else
                   [(b, 16, n, d) for d in (64, 128) for n in (2048, 4096, 8192) for b in (1, 8) if b * n <= 16384])
