@@ -5,7 +5,8 @@
 # with the per-call overhead (dev/triton_measure.py, dev/gpu_half_measure.py).
 #
 #   OUT=<dir> bash dev/triton_device_run.sh [PARTS]     (PARTS: tests,configs,tables,small; default all)
-#   env: TEST_S, WARM_S, MEASURE_S, SMALL_S (time limits), NS, DTYPES (the tables' lengths and dtypes)
+#   env: TEST_S, WARM_S, MEASURE_S, SMALL_S (time limits), NS, DTYPES (the tables' lengths and dtypes),
+#   WARM_ARGS (more arguments of the warm part)
 #
 # Run from a folder holding whl/ (the attnkern cp312 wheel and a NumPy 2.4 wheel), tests/, dev/,
 # pyproject.toml and, for the "old" column, old_flash.py (an earlier attnkern/backends/triton/flash.py);
@@ -39,7 +40,7 @@ fi
 if [[ $PARTS == *configs* || $PARTS == *tables* ]]; then
     wpids=()
     for i in 0 1 2 3 4 5 6 7 8 9; do  # compile every config to be timed, 10 processes
-        timeout ${WARM_S:-240} python3 dev/triton_measure.py --parts warm --warm-slice $i/10 $OLD > /tmp/warm-$i.txt 2>&1 &
+        timeout ${WARM_S:-240} python3 dev/triton_measure.py --parts warm --warm-slice $i/10 $OLD ${WARM_ARGS:-} > /tmp/warm-$i.txt 2>&1 &
         wpids+=($!)
     done
     for p in "${wpids[@]}"; do wait $p; done

@@ -67,6 +67,29 @@ def overhead():
                                                                              check_finite=False)}
         rows.append({"dtype": str(dtype), "us_per_call": per_call(fns)})
         print(rows[-1], flush=True)
+    # forward+backward through torch autograd (requires_grad inputs, .backward), bfloat16, and a
+    # cProfile of triton.flash's steps: the host's cost of a training step's attention
+    q, k, v, dout = (torch.randn(1, 8, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    steps = {"torch.sdpa": lambda: sdpa(*leaves).backward(dout),
+             "triton.flash": lambda: attnkern.attention(*leaves, kernel="triton.flash",
+                                                        check_finite=False).backward(dout)}
+    rows.append({"dtype": "torch.bfloat16", "autograd_us_per_step": per_call(steps)})
+    print(rows[-1], flush=True)
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        steps["triton.flash"]()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    rows.append({"autograd_profile_200_steps": text.getvalue()[-8000:]})
+    print(text.getvalue()[-5000:], flush=True)
     return rows
 
 
@@ -190,7 +213,7 @@ def warm(dtypes, part, parts, table_dtypes=("float16",), old_path=None):
     part/parts once at a small N (fills Triton's cache for configs and tables)."""
     from attnkern.backends.triton import flash
 
-    cases = [("sweep", c) for c in _sweep_cases(dtypes)]
+    cases = [("sweep", c) for c in _sweep_cases([x for x in dtypes if x])]
     cases += [("table", (None, None, d, causal, dtype)) for dtype in table_dtypes for d in (64, 128)
               for causal in (False, True)]
     if old_path:
@@ -356,6 +379,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--old", help="an earlier flash.py to time beside the current one (tables)")
     parser.add_argument("--warm-slice", default="0/1")
+    parser.add_argument("--table-dtypes", default="float16", help="warm: the dtypes whose table configs to compile "
+                        "(--config-dtypes '' leaves the sweep's out)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -371,7 +396,7 @@ def main():
 
     if "warm" in parts:
         part, total = (int(x) for x in args.warm_slice.split("/"))
-        warm(args.config_dtypes.split(","), part, total, old_path=args.old)
+        warm(args.config_dtypes.split(","), part, total, args.table_dtypes.split(","), args.old)
     if "configs" in parts:
         result["configs"] = configs(args.config_dtypes.split(","))
         save()

@@ -421,8 +421,11 @@ def test_config_table_is_fixed():
         assert flash.config(kernel, itemsize, head, 16384 if size == "large" else 256, masked) == cfg
         bm, bn, warps, stages = cfg
         assert all(x & (x - 1) == 0 for x in (bm, bn, warps)) and 1 <= stages <= 5
-    assert flash.config("forward", 4, 64, 16384, False) == flash.DEFAULT["forward"]["wide"]
-    assert flash.config("dq", 2, 64, 256, True) == flash.DEFAULT["dq"]["small"]
+    assert flash.config("forward", 4, 64, 16384, False) == flash.DEFAULT["forward"]["other"]
+    assert flash.config("forward", 2, 128, 256, True) == flash.DEFAULT["forward"]["short"]
+    assert flash.config("dq", 2, 64, 256, True) == flash.DEFAULT["dq"]["half64"]
+    assert flash.config("dkdv", 4, 64, 256, True) == flash.DEFAULT["dkdv"]["other"]
+    assert flash.config("dkdv", 2, 128, 256, False) == flash.DEFAULT["dkdv"]["other"]
     flash.OVERRIDE["dkdv"] = (16, 16, 4, 1)
     try:
         assert flash.config("dkdv", 2, 128, 16384, True) == (16, 16, 4, 1)

@@ -45,9 +45,7 @@ ATTNKERN_TRITON_AUTOTUNE=1 hands the choice to triton.autotune instead (opt-in).
 
 With a causal mask (or a window's right side) the forward and dQ programs take
 their query blocks last first: the blocks that see the most keys start in the
-first wave and the short ones fill the tail. In the blocks inside every row's
-visible range (the middle stage of each loop) the backward's loads carry no
-row or key masks either.
+first wave and the short ones fill the tail.
 """
 
 from __future__ import annotations
@@ -71,31 +69,33 @@ LN2 = math.log(2.0)
 # shape among CANDIDATES instead (opt-in: the pick, and so the output's bits, may vary between runs).
 TABLE = {
     # forward
-    ("forward", 2, 64, "large", False): (128, 64, 4, 3),
-    ("forward", 2, 64, "large", True): (128, 64, 4, 3),
-    ("forward", 2, 128, "large", False): (128, 128, 8, 3),
-    ("forward", 2, 128, "large", True): (128, 128, 8, 3),
+    ("forward", 2, 64, "large", False): (64, 64, 4, 3),
+    ("forward", 2, 64, "large", True): (64, 64, 4, 3),
+    ("forward", 2, 128, "large", False): (64, 64, 4, 3),
+    ("forward", 2, 128, "large", True): (64, 64, 4, 3),
     # dQ
-    ("dq", 2, 64, "large", False): (128, 32, 4, 3),
-    ("dq", 2, 64, "large", True): (128, 32, 4, 3),
-    ("dq", 2, 128, "large", False): (128, 32, 8, 3),
-    ("dq", 2, 128, "large", True): (128, 32, 8, 3),
+    ("dq", 2, 64, "large", False): (64, 64, 4, 3),
+    ("dq", 2, 64, "large", True): (64, 64, 4, 3),
+    ("dq", 2, 128, "large", False): (128, 64, 8, 3),
+    ("dq", 2, 128, "large", True): (128, 64, 8, 3),
     # dK/dV
-    ("dkdv", 2, 64, "large", False): (32, 128, 8, 3),
-    ("dkdv", 2, 64, "large", True): (32, 128, 8, 3),
-    ("dkdv", 2, 128, "large", False): (32, 128, 8, 3),
-    ("dkdv", 2, 128, "large", True): (32, 128, 8, 3),
+    ("dkdv", 2, 64, "large", False): (64, 64, 4, 3),
+    ("dkdv", 2, 64, "large", True): (64, 64, 4, 3),
+    ("dkdv", 2, 128, "large", False): (32, 64, 4, 3),
+    ("dkdv", 2, 128, "large", True): (32, 64, 4, 3),
 }
-# what a key without an entry takes: short sequences short query blocks (which still fill the GPU's
-# multiprocessors), float32 and head sizes above 128 small tiles (twice the shared memory and
-# registers a tile)
-DEFAULT = {"forward": {"small": (64, 32, 4, 3), "large": (128, 64, 4, 3), "wide": (64, 32, 4, 3)},
-           "dq": {"small": (64, 64, 8, 3), "large": (64, 32, 4, 2), "wide": (64, 32, 4, 2)},
-           "dkdv": {"small": (32, 64, 8, 3), "large": (32, 32, 4, 2), "wide": (32, 32, 4, 2)}}
+# what a key without an entry takes (the configs these kernels ran before the table): the forward
+# short query blocks for short sequences (which still fill the GPU's multiprocessors), tall ones
+# for long 16-bit ones, narrow ones for float32 (a float32 tile takes twice the shared memory and
+# registers); the backward larger tiles for 16-bit inputs with head sizes up to 64 ("half64"),
+# smaller ones for the rest ("other")
+DEFAULT = {"forward": {"short": (64, 32, 4, 3), "half": (128, 64, 4, 3), "other": (64, 32, 4, 3)},
+           "dq": {"half64": (64, 64, 8, 3), "other": (64, 32, 4, 2)},
+           "dkdv": {"half64": (32, 64, 8, 3), "other": (32, 32, 4, 2)}}
 # the autotuner's candidates (opt-in), beside the table's entry for the call
-CANDIDATES = {"forward": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2)],
-              "dq": [(128, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2)],
-              "dkdv": [(32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3), (64, 64, 8, 3), (32, 32, 4, 2)]}
+CANDIDATES = {"forward": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 32, 4, 3), (128, 64, 4, 3)],
+              "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2)],
+              "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 8, 3), (32, 32, 4, 2)]}
 # tests and measurements: kernel name -> a config that replaces the table's for every call
 OVERRIDE: dict = {}
 
@@ -111,7 +111,9 @@ def config(kernel: str, itemsize: int, head: int, bucket: int, masked: bool) -> 
     found = TABLE.get((kernel, itemsize, cls, size, masked))
     if found is not None:
         return found
-    return DEFAULT[kernel]["small" if size == "small" else "wide" if itemsize == 4 or cls > 128 else "large"]
+    if kernel == "forward":
+        return DEFAULT[kernel]["short" if size == "small" else "half" if itemsize == 2 else "other"]
+    return DEFAULT[kernel]["half64" if itemsize == 2 and cls == 64 else "other"]
 
 
 def _autotuning() -> bool:
@@ -411,15 +413,9 @@ def _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, off
     keys = start_n + offs_n
     key_ok = keys < nk
     kt_ptrs, kt_mask = _tile(k_base, keys, key_ok, offs_d, d, HEAD_DIM, EVEN_D, True)
+    kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0)
     vt_ptrs, vt_mask = _tile(v_base, keys, key_ok, offs_e, dv, HEAD_DV, EVEN_DV, True)
-    if MASKED or not EVEN_D:
-        kt = tl.load(kt_ptrs, mask=kt_mask, other=0.0)
-    else:  # the middle stage: every key of the block lies below the length (and nk)
-        kt = tl.load(kt_ptrs)
-    if MASKED or not EVEN_DV:
-        vt = tl.load(vt_ptrs, mask=vt_mask, other=0.0)
-    else:
-        vt = tl.load(vt_ptrs)
+    vt = tl.load(vt_ptrs, mask=vt_mask, other=0.0)
     s, t = _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
@@ -515,22 +511,14 @@ def _dkdv_block(dk, dv_acc, k, v, q_base, do_base, delta_base, lse2_base, start_
     """One query block's share of dK (unscaled) and dV, from P^T and dS^T (keys x queries)."""
     rows = start_m + offs_m
     row_ok = rows < nq
+    # the loads keep their row masks in every stage: without them the dK/dV kernel (whose loops nest
+    # in the loop over the group's heads) read out of bounds on an H100 (Triton 3.6, float32)
     qt_ptrs, qt_mask = _tile(q_base, rows, row_ok, offs_d, d, HEAD_DIM, EVEN_D, True)
+    qt = tl.load(qt_ptrs, mask=qt_mask, other=0.0)
     do_ptrs, do_mask = _tile(do_base, rows, row_ok, offs_e, dv, HEAD_DV, EVEN_DV, False)
-    if MASKED or not EVEN_D:
-        qt = tl.load(qt_ptrs, mask=qt_mask, other=0.0)
-    else:  # the middle stage: every row of the block lies below nq
-        qt = tl.load(qt_ptrs)
-    if MASKED or not EVEN_DV:
-        do = tl.load(do_ptrs, mask=do_mask, other=0.0)
-    else:
-        do = tl.load(do_ptrs)
-    if MASKED:
-        lse2 = tl.load(lse2_base + rows, mask=row_ok, other=float("inf"))  # rows past nq: P = 0
-        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-    else:
-        lse2 = tl.load(lse2_base + rows)
-        delta = tl.load(delta_base + rows)
+    do = tl.load(do_ptrs, mask=do_mask, other=0.0)
+    lse2 = tl.load(lse2_base + rows, mask=row_ok, other=float("inf"))  # rows past nq: P = 0
+    delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
     st, t = _scores(k, qt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)  # (BLOCK_N, BLOCK_M)
     pt = tl.math.exp2(st - lse2[None, :])
     if MASKED:
