@@ -26,7 +26,7 @@ start=$(date +%s)
 pids=()
 tests() {  # N FILE [-k EXPR]
     local n=$1; shift
-    ( ATTNKERN_TEST_GPU=1 timeout ${TEST_S:-300} python3 -m pytest -q -x -p no:cacheprovider "$@" > /tmp/tests-$n.txt 2>&1
+    ( ATTNKERN_TEST_GPU=1 timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider "$@" > /tmp/tests-$n.txt 2>&1
       echo "exit $? after $(( $(date +%s) - start )) s: $*" >> /tmp/tests-$n.txt ) &
     pids+=($!)
 }
