@@ -400,8 +400,10 @@ def test_triton_autotuning_is_opt_in(monkeypatch):
 
     q, k, v = _inputs(torch, "bfloat16", (1, 2), 1030, 1030, 64, 64, 990)
     dout = _inputs(torch, "bfloat16", (1, 2), 1030, 1030, 64, 64, 991)[0]
-    monkeypatch.setattr(flash, "CANDIDATES", {"forward": [(64, 64, 4, 3)], "dq": [(64, 32, 4, 3)],
-                                              "dkdv": [(32, 64, 4, 3)]})
+    table = [flash.config(kernel, 2, 64, flash._bucket(1030), True) for kernel in ("forward", "dq", "dkdv")]
+    others = {"forward": [(64, 32, 4, 3)], "dq": [(64, 32, 4, 3)], "dkdv": [(32, 64, 4, 3)]}
+    assert all(others[kernel][0] != cfg for kernel, cfg in zip(others, table))  # two configs to choose from
+    monkeypatch.setattr(flash, "CANDIDATES", others)
     monkeypatch.setattr(flash, "_TUNED", {})
     monkeypatch.setenv("ATTNKERN_TRITON_AUTOTUNE", "1")
     out, lse = attnkern.attention(q, k, v, causal=True, kernel="triton.flash", return_lse=True)
