@@ -360,8 +360,9 @@ def tables(ns, dims, dtypes, repeats, old_path=None, rows=None, save=lambda: Non
                                 row[f"{what} {name} x_fastest"] = ratios if runs > 1 else ratios[0]
                     rows.append(row)
                     save()
-                    print({k_: v_ for k_, v_ in row.items() if "x_fastest" in k_ or k_ in ("dtype", "n", "d", "causal")},
-                          flush=True)
+                    brief = {key: value for key, value in row.items()
+                             if "x_fastest" in key or key in ("dtype", "n", "d", "causal")}
+                    print(brief, flush=True)
                     del fns, leaves
                     torch.cuda.empty_cache()
     return rows

@@ -14,7 +14,6 @@ import sys
 
 import numpy as np
 import torch
-import triton
 
 import attnkern
 from attnkern import _api
