@@ -76,7 +76,7 @@ class ForwardGpu:
     param_names = ["kernel", "shape", "dtype", "causal"]
     rounds = 2
     repeat = (3, 20, 2.0)
-    warmup_time = 0.5  # the first call compiles (and for triton.flash autotunes) the kernel
+    warmup_time = 0.5  # the first call compiles the kernel (and autotunes triton.flash's with ATTNKERN_TRITON_AUTOTUNE=1)
     timeout = 300
 
     def setup(self, kernel, shape, dtype, causal):
@@ -105,7 +105,7 @@ def gpu_setup(bench, kernel, shape, dtype, causal, **params):
         bench.call = lambda q, k, v, c: attnkern.attention(q, k, v, causal=c, kernel=kernel, check_finite=False,
                                                            **params)
     bench.q, bench.k, bench.v = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in random_qkv(shape))
-    bench.call(bench.q, bench.k, bench.v, causal)  # compile (and autotune) outside the samples
+    bench.call(bench.q, bench.k, bench.v, causal)  # compile (and any autotuning) outside the samples
     torch.cuda.synchronize()
 
 

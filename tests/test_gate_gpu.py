@@ -218,5 +218,5 @@ def test_triton_is_timed_but_not_counted(tmp_path, monkeypatch, capsys):
     rows = json.loads(out.read_text())["rows"]
     skipped = [r for r in rows if r["verdict"] == "skipped"]
     assert {r["benchmark"] for r in skipped} == {"triton.flash:bfloat16:1x2x64x64:0", "triton.flash:bfloat16:1x2x64x64:1"}
-    assert all("autotuned" in r["note"] for r in skipped)
+    assert all("fixed config table" in r["note"] and "timed only" in r["note"] for r in skipped)
     assert "on a fake GPU" in capsys.readouterr().out

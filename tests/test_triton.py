@@ -57,27 +57,6 @@ gpu = pytest.mark.skipif(SIMULATED or not attnkern.kernel_info("triton.flash")["
                                 f"{attnkern.kernel_info('triton.flash')['reason']}")
 
 
-@pytest.fixture(autouse=True)
-def one_triton_config():
-    """One config per kernel and kind of problem: the first that triton.flash's own pruning keeps
-    (the autotuner would compile and time three per new key: head size, mask, features, dtype,
-    size bucket; minutes over these shapes). The kernels' logic is the same for every config
-    (the GPU benchmark autotunes)."""
-    if SIMULATED or not attnkern.kernel_info("triton.flash")["available"]:
-        yield
-        return
-    from attnkern.backends.triton import flash
-
-    tuned = (flash.flash_forward, flash.flash_backward_dq, flash.flash_backward_dkdv)
-    before = [fn.early_config_prune for fn in tuned]
-    for fn, prune in zip(tuned, before):
-        fn.early_config_prune = lambda configs, named_args, prune=prune, **kwargs: prune(configs, named_args,
-                                                                                         **kwargs)[:1]
-    yield
-    for fn, prune in zip(tuned, before):
-        fn.early_config_prune = prune
-
-
 def _inputs(torch, dtype, lead, nq, nk, d, dv, seed):
     g = torch.Generator().manual_seed(seed)
     tdtype = getattr(torch, dtype)
@@ -387,3 +366,74 @@ def test_triton_fast_path_matches_general_path():
         # this test's plans (earlier tests leave plans of featured calls, which have no launch)
         plans = [p for key, p in _torch_cuda._LOCAL.plans.items() if key[9] == "triton.flash" and key[0] == q.shape]
         assert plans and all(p.launch is not None for p in plans)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_table_configs_match_reference(dtype, causal):
+    """The fixed table's configs of long sequences (flash.TABLE: tall query blocks, wide key
+    blocks in dK/dV), at D = 64 and 128 with a partial last block: forward within the table's
+    bound, gradients within FlashAttention's rule, and the same bits on a second call."""
+    import torch
+
+    from attnkern.backends.triton import flash
+
+    for i, d in enumerate((64, 128)):
+        q, k, v = _inputs(torch, dtype, (1, 2), 1100, 1100, d, d, 900 + i)
+        dout = _inputs(torch, dtype, (1, 2), 1100, 1100, d, d, 950 + i)[0]
+        assert flash.config("forward", 2, d, flash._bucket(1100), causal) in flash.TABLE.values()
+        scale = 1 / d ** 0.5
+        out, lse = attnkern.attention(q, k, v, causal=causal, kernel="triton.flash", return_lse=True)
+        check(out, lse, q, k, v, causal, scale, "triton.flash", (dtype, d))
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        attnkern.attention(*leaves, causal=causal, kernel="triton.flash").backward(dout)
+        check_gradients([x.grad for x in leaves], q, k, v, dout, causal, scale, {}, (dtype, d))
+        again = attnkern.attention_backward(q, k, v, out, dout, lse, causal=causal, kernel="triton.flash")
+        assert all(torch.equal(a, x.grad) for a, x in zip(again, leaves))
+
+
+@gpu
+def test_triton_autotuning_is_opt_in(monkeypatch):
+    """ATTNKERN_TRITON_AUTOTUNE=1 hands the choice to triton.autotune (here between the table's
+    config and one other), whose pick still matches the reference; without it every kernel
+    runs the table's config."""
+    import torch
+
+    from attnkern.backends.triton import flash
+
+    q, k, v = _inputs(torch, "bfloat16", (1, 2), 1030, 1030, 64, 64, 990)
+    dout = _inputs(torch, "bfloat16", (1, 2), 1030, 1030, 64, 64, 991)[0]
+    table = [flash.config(kernel, 2, 64, flash._bucket(1030), True) for kernel in ("forward", "dq", "dkdv")]
+    others = {"forward": [(64, 32, 4, 3)], "dq": [(64, 32, 4, 3)], "dkdv": [(32, 64, 4, 3)]}
+    assert all(others[kernel][0] != cfg for kernel, cfg in zip(others, table))  # two configs to choose from
+    monkeypatch.setattr(flash, "CANDIDATES", others)
+    monkeypatch.setattr(flash, "_TUNED", {})
+    monkeypatch.setenv("ATTNKERN_TRITON_AUTOTUNE", "1")
+    out, lse = attnkern.attention(q, k, v, causal=True, kernel="triton.flash", return_lse=True)
+    check(out, lse, q, k, v, True, 1 / 8, "triton.flash", "autotuned")
+    grads = attnkern.attention_backward(q, k, v, out, dout, lse, causal=True, kernel="triton.flash")
+    check_gradients(grads, q, k, v, dout, True, 1 / 8, {}, "autotuned")
+    assert len(flash._TUNED) == 3 and all(len(t.configs) == 2 for t in flash._TUNED.values())
+
+
+def test_config_table_is_fixed():
+    """Every call shape gets its config from data (flash.config), the same every time; the
+    override (tests, measurements) replaces it."""
+    pytest.importorskip("triton")
+    from attnkern.backends.triton import flash
+
+    for (kernel, itemsize, head, size, masked), cfg in flash.TABLE.items():
+        assert flash.config(kernel, itemsize, head, 16384 if size == "large" else 256, masked) == cfg
+        bm, bn, warps, stages = cfg
+        assert all(x & (x - 1) == 0 for x in (bm, bn, warps)) and 1 <= stages <= 5
+    assert flash.config("forward", 4, 64, 16384, False) == flash.DEFAULT["forward"]["other"]
+    assert flash.config("forward", 2, 128, 256, True) == flash.DEFAULT["forward"]["short"]
+    assert flash.config("dq", 2, 64, 256, True) == flash.DEFAULT["dq"]["half64"]
+    assert flash.config("dkdv", 4, 64, 256, True) == flash.DEFAULT["dkdv"]["other"]
+    assert flash.config("dkdv", 2, 128, 256, False) == flash.DEFAULT["dkdv"]["other"]
+    flash.OVERRIDE["dkdv"] = (16, 16, 4, 1)
+    try:
+        assert flash.config("dkdv", 2, 128, 16384, True) == (16, 16, 4, 1)
+    finally:
+        flash.OVERRIDE.clear()

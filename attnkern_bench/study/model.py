@@ -5,6 +5,8 @@ FlashAttention-2 saves instead) to set beside the measured peaks."""
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import asdict, dataclass, field
 
 from ..counts import attention_flops
@@ -262,11 +264,12 @@ def account(kernel: str, batch: int, heads: int, seq: int, dim: int, causal: boo
             bwd_extra = ("delta = rowsum(dout * out)",)
             notes.append(f"{kernel}: tiles live in shared memory; delta is allocated through Numba, which "
                          "torch.cuda.max_memory_allocated does not see")
-            if kernel == "triton.flash":
-                notes.append("triton.flash: the first call of a shape runs Triton's autotuner, whose timing "
-                             "(triton.testing.do_bench) allocates a 256 MiB buffer to flush the L2 cache; the study "
-                             "measures memory on that first call, so its peak includes those 256 MiB (later calls "
-                             "of the shape do not allocate it)")
+            if kernel == "triton.flash" and os.environ.get("ATTNKERN_TRITON_AUTOTUNE") == "1":
+                # by default triton.flash's configs come from a fixed table: no autotuning, no such buffer
+                notes.append("triton.flash: with ATTNKERN_TRITON_AUTOTUNE=1 the first call of a shape runs Triton's "
+                             "autotuner, whose timing (triton.testing.do_bench) allocates a 256 MiB buffer to flush "
+                             "the L2 cache; the study measures memory on that first call, so its peak includes those "
+                             "256 MiB (later calls of the shape do not allocate it)")
         else:
             fwd_ws, bwd_ws = _native_work_elements(kernel, d, threads)
             terms += [Term("work buffers (forward)", f"{threads} threads x blocks", fwd_ws * 4, 1,

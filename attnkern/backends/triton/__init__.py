@@ -192,8 +192,8 @@ def prepared(call, resolved: dict, with_lse: bool):
     addresses, aligned(*addresses)), or None where there is none (a call with features).
     The compiled kernel, its grid and arguments are fixed here, so that a call costs one
     launch through Triton's C launcher on the legacy default stream (the stream of
-    cuda.flash's launches and of the NaN scan), not Triton's Python dispatch and the
-    autotuner's. The launch is checked once against Triton's own dispatch (bit-identical
+    cuda.flash's launches and of the NaN scan), not Triton's Python dispatch (and, opted in,
+    the autotuner's). The launch is checked once against Triton's own dispatch (bit-identical
     output and lse): a Triton whose launcher takes other arguments gets no fast path."""
     (batch, nq, _), (batch_kv, nk, _) = call.q.shape, call.v.shape
     if not call.needs <= PREPARED_FEATURES:
@@ -213,7 +213,7 @@ def prepared(call, resolved: dict, with_lse: bool):
     lses = [torch.empty((batch, nq), dtype=q.dtype, device=q.device) if with_lse else None for _ in range(2)]
     kernel, args, grid = flash.launch(q, k, v, outs[0], lses[0], None, batch, batch_kv, nq, nk, d, dv, call.causal,
                                       call.scale, call.q.dtype.name, resolved["tensor_cores"])
-    constexprs = set(getattr(flash.flash_forward.fn, "constexprs", ()))
+    constexprs = set(getattr(flash.flash_forward, "constexprs", ()))
     ptrs = [x.data_ptr() for x in (q, k, v, outs[1], lses[1]) if x is not None]
     # recent Tritons pass every argument to the launcher, older ones (3.0, 3.1) only the non-constexpr
     # ones; a launcher that refuses the arguments raises TypeError before launching anything
@@ -342,7 +342,7 @@ register(
     Kernel(
         name="triton.flash",
         description="Triton: FlashAttention-2 forward, Q K^T and P V on tensor cores (float32: 3xTF32, or exact "
-                    "float32 products), online softmax in float32, autotuned block sizes; GQA, bottom-right, "
+                    "float32 products), online softmax in float32, block sizes from a fixed table per dtype, head size and mask; GQA, bottom-right, "
                     "window, key lengths, softcap; deterministic backward in two (dQ per query block, dK/dV per "
                     "key block)",
         run=_run,

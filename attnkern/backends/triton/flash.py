@@ -38,9 +38,14 @@ sum, but only by up to the rounding the lse's dtype allows (u |lse|, plus a
 float32 margin): an lse that is exact stays as it is, so out and lse of whole
 rows of which k, v hold a block (ring attention) still give that block's share.
 
-Block sizes, warps and pipeline stages are chosen by triton.autotune per head
-size, mask, features, dtype and power-of-two bucket of the sequence lengths,
-among the configs chosen by the kind of problem (_prune).
+Block sizes, warps and pipeline stages come from a fixed table per kernel, dtype
+size, head size, sequence class and mask (TABLE, config): the same call runs the
+same compiled kernel in every process, so its output is the same bit for bit.
+ATTNKERN_TRITON_AUTOTUNE=1 hands the choice to triton.autotune instead (opt-in).
+
+With a causal mask (or a window's right side) the forward and dQ programs take
+their query blocks last first: the blocks that see the most keys start in the
+first wave and the short ones fill the tail.
 """
 
 from __future__ import annotations
@@ -52,52 +57,69 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner, three per kind of problem so
-# that a new key compiles and times three configs: short sequences (a bucket of at most 512) get short
-# query blocks, which still fill the GPU's multiprocessors; long ones tall blocks (fewer K/V reloads),
-# with narrower key blocks for float32, whose tiles take twice the shared memory and registers
-SMALL = [(64, 32, 4, 3), (32, 32, 2, 3), (64, 64, 4, 2)]
-LARGE_16BIT = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
-LARGE_32BIT = [(64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 2)]
-CONFIGS = list(dict.fromkeys(SMALL + LARGE_16BIT + LARGE_32BIT))
-# the backward's (BLOCK_M, BLOCK_N, num_warps, num_stages): dQ programs hold a query block and
-# stream key blocks, dK/dV programs the reverse (their accumulators are dK and dV: two BLOCK_N x D
-# tiles); head sizes above 64 and float32 take smaller tiles. Chosen among those that compile for
-# sm_90 with no or few register spills (cuobjdump -res-usage, bfloat16, D = 64 and 128)
-DQ_CONFIGS = {"small": [(64, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3)],
-              "large": [(64, 32, 4, 2), (32, 32, 4, 2), (64, 16, 4, 2)]}
-DKDV_CONFIGS = {"small": [(32, 64, 8, 3), (64, 64, 8, 3), (16, 64, 4, 3)],
-                "large": [(32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 8, 2)]}
+# Each kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) comes from a fixed table, so that the same
+# call compiles and runs the same kernel in every process (the output's bits depend on the blocks,
+# and an autotuner's timing-based pick swung from run to run). Keys: (kernel, the itemsize of the
+# inputs, the head-size class (64: D, Dv <= 64; 128: <= 128; 256: larger), the sequence class
+# ("small": both lengths' power-of-two buckets <= 512, else "large"), masked: causal or a window).
+# The 16-bit large entries were measured on an H100 with dev/triton_measure.py --parts configs
+# (docs/gpu-backward.md); the others are the configs that compile for sm_90 with no register
+# spills. dQ programs hold a query block and stream key blocks, dK/dV programs the reverse (two
+# BLOCK_N x D float32 accumulators). ATTNKERN_TRITON_AUTOTUNE=1 lets triton.autotune pick per call
+# shape among CANDIDATES instead (opt-in: the pick, and so the output's bits, may vary between runs).
+TABLE = {
+    # forward
+    ("forward", 2, 64, "large", False): (64, 64, 4, 3),
+    ("forward", 2, 64, "large", True): (64, 64, 4, 3),
+    ("forward", 2, 128, "large", False): (64, 64, 4, 3),
+    ("forward", 2, 128, "large", True): (64, 64, 4, 3),
+    # dQ
+    ("dq", 2, 64, "large", False): (64, 64, 4, 3),
+    ("dq", 2, 64, "large", True): (64, 64, 4, 3),
+    ("dq", 2, 128, "large", False): (128, 64, 8, 3),
+    ("dq", 2, 128, "large", True): (128, 64, 8, 3),
+    # dK/dV
+    ("dkdv", 2, 64, "large", False): (64, 64, 4, 3),
+    ("dkdv", 2, 64, "large", True): (64, 64, 4, 3),
+    ("dkdv", 2, 128, "large", False): (32, 64, 4, 3),
+    ("dkdv", 2, 128, "large", True): (32, 64, 4, 3),
+}
+# what a key without an entry takes (the configs these kernels ran before the table): the forward
+# short query blocks for short sequences (which still fill the GPU's multiprocessors), tall ones
+# for long 16-bit ones, narrow ones for float32 (a float32 tile takes twice the shared memory and
+# registers); the backward larger tiles for 16-bit inputs with head sizes up to 64 ("half64"),
+# smaller ones for the rest ("other")
+DEFAULT = {"forward": {"short": (64, 32, 4, 3), "half": (128, 64, 4, 3), "other": (64, 32, 4, 3)},
+           "dq": {"half64": (64, 64, 8, 3), "other": (64, 32, 4, 2)},
+           "dkdv": {"half64": (32, 64, 8, 3), "other": (32, 32, 4, 2)}}
+# the autotuner's candidates (opt-in), beside the table's entry for the call
+CANDIDATES = {"forward": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 32, 4, 3), (128, 64, 4, 3)],
+              "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2)],
+              "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 8, 3), (32, 32, 4, 2)]}
+# tests and measurements: kernel name -> a config that replaces the table's for every call
+OVERRIDE: dict = {}
 
 
-def _prune(configs, named_args, **kwargs):
-    """The configs of this kind of problem (SMALL, LARGE_16BIT or LARGE_32BIT)."""
-    named_args = {**named_args, **kwargs}
-    itemsize = named_args["Q"].element_size()
-    bucket = max(named_args["N_BUCKET_Q"], named_args["N_BUCKET_K"])
-    group = SMALL if bucket <= 512 else LARGE_32BIT if itemsize == 4 else LARGE_16BIT
-    return _kept(configs, group)
+def config(kernel: str, itemsize: int, head: int, bucket: int, masked: bool) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dq", "dkdv") for inputs of
+    itemsize bytes, padded head size head (max of D and Dv), the larger power-of-two bucket of
+    the two sequence lengths, masked (causal or a window)."""
+    if kernel in OVERRIDE:
+        return OVERRIDE[kernel]
+    size = "small" if bucket <= 512 else "large"
+    cls = 64 if head <= 64 else 128 if head <= 128 else 256
+    found = TABLE.get((kernel, itemsize, cls, size, masked))
+    if found is not None:
+        return found
+    if kernel == "forward":
+        return DEFAULT[kernel]["short" if size == "small" else "half" if itemsize == 2 else "other"]
+    return DEFAULT[kernel]["half64" if itemsize == 2 and cls == 64 else "other"]
 
 
-def _kept(configs, wanted):
-    wanted = set(wanted)
-    kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-    return kept or configs[:1]
+def _autotuning() -> bool:
+    import os
 
-
-def _backward_kind(named_args, kwargs) -> str:
-    """"small" tiles for 16-bit inputs with head sizes up to 64, else "large" ones' smaller tiles."""
-    named_args = {**named_args, **kwargs}
-    big = named_args["Q"].element_size() == 4 or max(named_args["HEAD_DIM"], named_args["HEAD_DV"]) > 64
-    return "large" if big else "small"
-
-
-def _prune_dq(configs, named_args, **kwargs):
-    return _kept(configs, DQ_CONFIGS[_backward_kind(named_args, kwargs)])
-
-
-def _prune_dkdv(configs, named_args, **kwargs):
-    return _kept(configs, DKDV_CONFIGS[_backward_kind(named_args, kwargs)])
+    return os.environ.get("ATTNKERN_TRITON_AUTOTUNE") == "1"
 
 
 def _bench(fn, quantiles=None):
@@ -105,15 +127,45 @@ def _bench(fn, quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _configs(table):
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in dict.fromkeys(table)]
+_TUNED = {}
 
 
-# what every kernel's autotuning key holds besides its own switches: the size buckets, head sizes,
-# the mask and the features
+def _tuned(jit, kernel: str, chosen: tuple, key: list):
+    """jit wrapped in triton.autotune over CANDIDATES[kernel] and chosen (opt-in autotuning)."""
+    if (kernel, chosen) not in _TUNED:
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+                   for bm, bn, w, s in dict.fromkeys([chosen] + CANDIDATES[kernel])]
+        _TUNED[kernel, chosen] = triton.autotune(configs=configs, key=key, do_bench=_bench)(jit)
+    return _TUNED[kernel, chosen]
+
+
+def _launch(jit, kernel: str, chosen: tuple, key: list, grid, args, switches):
+    """Launch jit on grid(BLOCK_M, BLOCK_N) with the table's config chosen, or (opt-in) the
+    autotuner's; returns (the compiled kernel, the config's (BLOCK_M, BLOCK_N))."""
+    if _autotuning():
+        tuned = _tuned(jit, kernel, chosen, key)
+        compiled = tuned[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **switches)
+        best = tuned.best_config
+        return compiled, (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"])
+    bm, bn, warps, stages = chosen
+    compiled = jit[grid(bm, bn)](*args, **switches, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    return compiled, (bm, bn)
+
+
+# what the opt-in autotuner's key holds besides each kernel's own switches: the size buckets, head
+# sizes, the mask and the features
 _KEY = ["N_BUCKET_Q", "N_BUCKET_K", "HEAD_DIM", "HEAD_DV", "HAS_LEFT", "HAS_RIGHT", "HAS_LENS", "SOFTCAP",
         "GROUP_GT1"]
+
+
+@triton.jit
+def _block_start(BLOCK_M: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """This program's first query row: block program_id(0), or with LAST_FIRST (a right-side
+    mask, under which later blocks see more keys) the blocks in reverse, longest first."""
+    pid = tl.program_id(0)
+    if LAST_FIRST:
+        pid = tl.num_programs(0) - 1 - pid
+    return pid * BLOCK_M
 
 
 @triton.jit
@@ -237,8 +289,6 @@ def _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, off
     return acc, l_i, m_new
 
 
-@triton.autotune(configs=_configs(CONFIGS), key=_KEY + ["WITH_LSE"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)
 @triton.jit
 def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_out, left, right, bottom_right,
                   ROWS_PER_SEQ, GROUP, N_BUCKET_Q, N_BUCKET_K,
@@ -247,7 +297,7 @@ def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_ou
                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Q, O: (batch, nq, d|dv) rows; K, V: (batch / GROUP, nk, d|dv); LSE: (batch, nq); all C-contiguous
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _block_start(BLOCK_M, HAS_RIGHT)
     bh = tl.program_id(1)
     bh_kv = bh
     if GROUP_GT1:
@@ -294,8 +344,6 @@ def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_ou
         tl.store(LSE + bh64 * nq + offs_m, lse.to(LSE.dtype.element_ty), mask=row_ok)
 
 
-@triton.autotune(configs=_configs(DQ_CONFIGS["small"] + DQ_CONFIGS["large"]), key=_KEY + ["LSE_ROUNDING"],
-                 prune_configs_by={"early_config_prune": _prune_dq}, do_bench=_bench)
 @triton.jit
 def flash_backward_dq(Q, K, V, O, DO, LSE, DQ, DELTA, LSE2, LENS, nq, nk, d, dv, scale, qk_scale, cap_in, cap_out,
                       left, right, bottom_right, ROWS_PER_SEQ, GROUP, N_BUCKET_Q, N_BUCKET_K, LSE_ROUNDING,
@@ -305,7 +353,7 @@ def flash_backward_dq(Q, K, V, O, DO, LSE, DQ, DELTA, LSE2, LENS, nq, nk, d, dv,
                       EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # dQ of one query block; DELTA, LSE2 (batch, nq) float32: rowsum(dO O) and the lse in the log2
     # domain (corrected within LSE_ROUNDING |lse|; +inf for rows that see no key) for the dK/dV kernel
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _block_start(BLOCK_M, HAS_RIGHT)
     bh = tl.program_id(1)
     bh_kv = bh
     if GROUP_GT1:
@@ -381,8 +429,6 @@ def _dq_block(acc, l_i, q, do, delta, lse2, k_base, v_base, start_n, offs_m, off
     return acc, l_i
 
 
-@triton.autotune(configs=_configs(DKDV_CONFIGS["small"] + DKDV_CONFIGS["large"]), key=_KEY,
-                 prune_configs_by={"early_config_prune": _prune_dkdv}, do_bench=_bench)
 @triton.jit
 def flash_backward_dkdv(Q, K, V, DO, DELTA, LSE2, DK, DV, LENS, nq, nk, d, dv, scale, qk_scale, cap_in, cap_out,
                         left, right, bottom_right, ROWS_PER_SEQ, GROUP, N_BUCKET_Q, N_BUCKET_K,
@@ -465,6 +511,8 @@ def _dkdv_block(dk, dv_acc, k, v, q_base, do_base, delta_base, lse2_base, start_
     """One query block's share of dK (unscaled) and dV, from P^T and dS^T (keys x queries)."""
     rows = start_m + offs_m
     row_ok = rows < nq
+    # the loads keep their row masks in every stage: without them the dK/dV kernel (whose loops nest
+    # in the loop over the group's heads) read out of bounds on an H100 (Triton 3.6, float32)
     qt_ptrs, qt_mask = _tile(q_base, rows, row_ok, offs_d, d, HEAD_DIM, EVEN_D, True)
     qt = tl.load(qt_ptrs, mask=qt_mask, other=0.0)
     do_ptrs, do_mask = _tile(do_base, rows, row_ok, offs_e, dv, HEAD_DV, EVEN_DV, False)
@@ -645,6 +693,15 @@ _DECODE_SCALARS = ("nq", "nk", "d", "dv", "qk_scale", "cap_in", "cap_out", "left
 LSE_ROUNDING = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -23}
 
 
+def _configs_of(scalars: dict, switches: dict, dtype_name: str, *kernels: str):
+    """The table's config (config) of each of kernels for a call of problem's scalars and switches."""
+    itemsize = 4 if dtype_name == "float32" else 2
+    head = max(switches["HEAD_DIM"], switches["HEAD_DV"])
+    bucket = max(scalars["N_BUCKET_Q"], scalars["N_BUCKET_K"])
+    masked = switches["HAS_LEFT"] or switches["HAS_RIGHT"]
+    return [config(kernel, itemsize, head, bucket, masked) for kernel in kernels]
+
+
 def launch(q, k, v, out, lse, lens, batch: int, batch_kv: int, nq: int, nk: int, d: int, dv: int, causal: bool,
            scale: float, dtype_name: str, tensor_cores: int = 1, features=None):
     """out (and lse, unless None) = the attention of (batch, n, d) q and (batch_kv, n, d) k, v;
@@ -654,15 +711,16 @@ def launch(q, k, v, out, lse, lens, batch: int, batch_kv: int, nq: int, nk: int,
     arguments in the kernel's order, its grid) for prepared launches."""
     scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
     switches.update(WITH_LSE=lse is not None, EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
+    (chosen,) = _configs_of(scalars, switches, dtype_name, "forward")
 
-    def grid(meta):
-        return (triton.cdiv(nq, meta["BLOCK_M"]), batch)
+    def grid(bm, bn):
+        return (triton.cdiv(nq, bm), batch)
 
     pointers = (q, k, v, out, out if lse is None else lse, q if lens is None else lens)
-    kernel = flash_forward[grid](*pointers, *(scalars[n] for n in _FORWARD_SCALARS), **switches)
-    config = flash_forward.best_config
-    named = dict(zip(("Q", "K", "V", "O", "LSE", "LENS"), pointers), **scalars, **switches, **config.kwargs)
-    return kernel, [named[n] for n in flash_forward.fn.arg_names], grid(config.kwargs)
+    args = [*pointers, *(scalars[n] for n in _FORWARD_SCALARS)]
+    kernel, (bm, bn) = _launch(flash_forward, "forward", chosen, _KEY + ["WITH_LSE"], grid, args, switches)
+    named = dict(zip(("Q", "K", "V", "O", "LSE", "LENS"), pointers), **scalars, **switches, BLOCK_M=bm, BLOCK_N=bn)
+    return kernel, [named[n] for n in flash_forward.arg_names], grid(bm, bn)
 
 
 def launch_backward(q, k, v, out, dout, lse, dq, dk, dv_, lens, delta, lse2, batch: int, batch_kv: int, nq: int,
@@ -673,10 +731,11 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv_, lens, delta, lse2, bat
     scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
     scalars["scale"] = scale
     switches.update(EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
+    first, second = _configs_of(scalars, switches, dtype_name, "dq", "dkdv")
     rest = [scalars[n] for n in _BACKWARD_SCALARS]
     lens = q if lens is None else lens
     rounding = LSE_ROUNDING[dtype_name]  # lse has the inputs' dtype
-    flash_backward_dq[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), batch)](
-        q, k, v, out, dout, lse, dq, delta, lse2, lens, *rest, rounding, **switches)
-    flash_backward_dkdv[lambda meta: (triton.cdiv(nk, meta["BLOCK_N"]), batch_kv)](
-        q, k, v, dout, delta, lse2, dk, dv_, lens, *rest, **switches)
+    _launch(flash_backward_dq, "dq", first, _KEY + ["LSE_ROUNDING"], lambda bm, bn: (triton.cdiv(nq, bm), batch),
+            [q, k, v, out, dout, lse, dq, delta, lse2, lens, *rest, rounding], switches)
+    _launch(flash_backward_dkdv, "dkdv", second, _KEY, lambda bm, bn: (triton.cdiv(nk, bn), batch_kv),
+            [q, k, v, dout, delta, lse2, dk, dv_, lens, *rest], switches)
