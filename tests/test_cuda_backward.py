@@ -511,6 +511,19 @@ def test_half_backward_registered():
     assert str(cpp.BwdConfig(4, 32, 8, 64, 2, 1)) == "q4x32m2kv8x64"
     with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
         cpp.BwdConfig.parse("q4kv4")
+    # the wgmma dK/dV kernel's divisions (Hopper): named and parsed one to one, within shared memory,
+    # and refused before any compilation for what it lacks (float32, other head sizes, masks, ALiBi,
+    # dropout, packed sequences)
+    wg = cpp.BwdConfig.parse("q4x64kvwg2x64")
+    assert (wg.kv_wg, wg.kv_warps, wg.kv_rows, str(wg)) == (2, 8, 64, "q4x64kvwg2x64")
+    assert max(wg.shared_bytes(d, part) for d in (64, 128) for part in (1, 2)) <= 227 * 1024
+    with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
+        cpp.BwdConfig.parse("q4x64kvwg2x64m2")
+    for dtype, d, variant in (("float32", 64, {}), ("bfloat16", 96, {}), ("bfloat16", 64, {"mask": 1}),
+                              ("float16", 128, {"alibi": True}), ("bfloat16", 64, {"dropout": True}),
+                              ("bfloat16", 128, {"varlen": True})):
+        with pytest.raises(ValueError, match="wgmma dK/dV kernel"):
+            cpp.flash_bwd_kernels(dtype, d, wg, featured=bool(variant), **variant)
     if SIMULATED:
         x = np.zeros((1, 2, 16), ml_dtypes.bfloat16)
         with pytest.raises(RuntimeError, match="simulator cannot run"):
@@ -608,6 +621,53 @@ def test_half_backward_block_shares(dtype):
         # lse is used as it is, and the blocks' dq differ by their sums' order: the one table's bound
         limit = (tolerance(np.float32) if dtype == "float32" else 16 * UNIT_ROUNDOFF[dtype]) * float(w.abs().max())
         assert float((piece.float() - w.float()).abs().max()) <= limit, name
+
+
+@half_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_backward_wgmma_and_mma_kernels(monkeypatch, dtype):
+    """On Hopper the dK/dV kernel runs on wgmma by default (cpp.BWD_WGMMA) at D = 64 and 128, and
+    the mma.sync one with cpp.BWD_WGMMA = 0: both within FlashAttention's rule, dq bit-identical
+    (the same dQ kernel), dk and dv equal within the sums' order, each bit-identical run to run;
+    a mask, ALiBi and dropout run the mma.sync dK/dV kernel (its name says so)."""
+    from attnkern.backends.cuda import cpp
+    from test_triton import check_gradients
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma is Hopper's (sm_90a)")
+    assert cpp.bwd_config(64, dtype).kv_wg == cpp.bwd_config(128, dtype).kv_wg == cpp.BWD_WGMMA > 0
+    assert cpp.bwd_config(96, dtype).kv_wg == 0 and cpp.bwd_config(64, "float32").kv_wg == 0
+    names = []
+    real = cpp.flash_bwd_kernels
+    monkeypatch.setattr(cpp, "flash_bwd_kernels", lambda *a, **kw: names.append(str(a[2])) or real(*a, **kw))
+    cases = [((1, 2), 2, 700, 700, 64, False, {}), ((1, 2), 2, 333, 500, 128, True, {}),
+             ((2, 4), 2, 300, 300, 64, "bottom_right", {"key_lengths": [300, 129]}),
+             ((1, 4), 1, 260, 200, 128, False, {"window": (70, 20), "softcap": 8.0})]
+    for i, (lead, h_kv, nq, nk, d, causal, feats) in enumerate(cases):
+        q, k, v, dout = _half_case(torch, dtype, lead, nq, nk, d, 300 + 10 * i, kv_heads=h_kv)
+        scale = -0.9 / d ** 0.5 if i == 3 else 1 / d ** 0.5
+        results = {}
+        for wgmma in (cpp.BWD_WGMMA, 0):
+            monkeypatch.setattr(cpp, "BWD_WGMMA", wgmma)
+            names.clear()
+            _, _, grads = _half_backward(q, k, v, dout, causal=causal, scale=scale, **feats)
+            assert names and all(("kvwg" in n) == bool(wgmma) for n in names), names
+            check_gradients(grads, q, k, v, dout, causal, scale, feats, (dtype, i, wgmma))
+            again = _half_backward(q, k, v, dout, causal=causal, scale=scale, **feats)[2]
+            assert all(torch.equal(g, a) for g, a in zip(grads, again))
+            results[wgmma] = grads
+        new, old = results.values()
+        assert torch.equal(new[0], old[0])
+        for a, b in zip(new[1:], old[1:]):
+            assert float((a.float() - b.float()).abs().max()) <= 4 * UNIT_ROUNDOFF[dtype] * float(b.abs().max())
+    # features the wgmma kernel lacks run the mma.sync one under the wgmma default
+    monkeypatch.setattr(cpp, "BWD_WGMMA", 2)
+    q, k, v, dout = _half_case(torch, dtype, (1, 2), 100, 100, 64, 9)
+    for kw in ({"attn_mask": torch.rand(100, 100, device="cuda") < 0.8}, {"alibi_slopes": [0.5, 0.25]},
+               {"dropout_p": 0.1, "dropout_seed": 3}):
+        names.clear()
+        _half_backward(q, k, v, dout, **kw)
+        assert names and not any("kvwg" in n for n in names), (kw, names)
 
 
 @half_gpu

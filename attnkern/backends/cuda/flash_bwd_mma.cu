@@ -378,6 +378,67 @@ static __device__ __forceinline__ float prob(bool MASK, float x, int key, int ro
 #endif
 }
 
+#if ATTNKERN_PART >= 2
+// The dK/dV kernels' (parts 2 and 3) query tiles of BN rows whose rows see a key of the block
+// k0..k0 + BW - 1 (the same for every row of the group): hi(i) > k0 and lo(i) < k0 + BW
+static __device__ __forceinline__ void query_tiles(const Feat& f0, int k0, int nq, int causal, int& it0, int& it1) {
+#if ATTNKERN_FEAT
+    const int first = f0.wr >= 0 ? max(0, k0 - f0.off - f0.wr) : 0;
+    const int end = f0.wl >= 0 ? min(nq, k0 + BW - f0.off + f0.wl) : nq;
+    const bool any = end > first && k0 < f0.len;
+    it0 = any ? first / BN : 0;
+    it1 = any ? (end + BN - 1) / BN : 0;
+#else
+    it0 = causal ? k0 / BN : 0;
+    it1 = (nq + BN - 1) / BN;
+#endif
+}
+
+// the corrected lse (log2 domain) and delta of a streamed tile's BN rows i0... of the query row
+// starting at qb into dst[0, BN) and dst[BN, 2 BN) (rows past nq: +inf, 0: P = 0)
+static __device__ __forceinline__ void tile_lse_delta(float* dst, u64 lsefp, u64 deltap, u64 qb, int i0, int nq,
+                                                      int tid) {
+    for (int i = tid; i < BN; i += NTHREADS) {
+        const bool live = i0 + i < nq;
+        dst[i] = live ? ((const float*)lsefp)[qb + i0 + i] : -neg_inf();
+        dst[BN + i] = live ? ((const float*)deltap)[qb + i0 + i] : 0.f;
+    }
+}
+
+// P^T and dS^T of the dK/dV kernels' (parts 2 and 3) transposed tiles, keys key0 + g and
+// key0 + g + 8 (a warp's 16 rows) by the NQ 8-column tiles of the streamed rows i0...: from S^T
+// (s), dP^T (dp) and the rows' lse and delta (tl, tl + BN), packed as A fragments of dV += P^T dO
+// and dK += dS^T Q. (MASK: whether the tile needs masks, a constant at each call)
+template <int NQ>
+static __device__ __forceinline__ void kv_grads(bool MASK, const float (&s)[NQ][4], const float (&dp)[NQ][4],
+                                                AFrag (&pf)[NQ], AFrag (&dsf)[NQ], int key0, int i0,
+                                                const float* tl, const Feat& f, float sgn, float c) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+        float p[4], ds[4];
+#if ATTNKERN_DROPOUT
+        float z[4];  // dropout's factors: dV takes P Z, dP of the undropped P is Z times V dO^T
+        dropout_cols(f, key0, i0 + n * 8, z);
+#endif
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = n * 8 + ACC_COL(lane, e), key = key0 + g + (e >> 1) * 8;
+            float slope;
+            p[e] = prob(MASK, s[n][e], key, i0 + i, tl[i], f, sgn, c, slope);
+#if ATTNKERN_DROPOUT
+            ds[e] = p[e] * (dp[n][e] * z[e] - tl[BN + i]) * slope;
+            p[e] *= z[e];
+#else
+            ds[e] = p[e] * (dp[n][e] - tl[BN + i]) * slope;
+#endif
+        }
+        pack_tile(pf[n], p);
+        pack_tile(dsf[n], ds);
+    }
+}
+#endif
+
 #if ATTNKERN_PART == 1
 // ---------------------------------------------------------------- dQ (and delta, the corrected lse)
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
@@ -539,7 +600,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         store_rows((elem*)dqp + qrow * D, dq[i], factor, r0 + 16 * i, nq);
     }
 }
-#else
+#elif ATTNKERN_PART == 2
 // ---------------------------------------------------------------- dK, dV
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
                                          u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
@@ -571,27 +632,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const elem* v = (const elem*)vp + kvrow * D;
     const u32 ks = smem_u32(smem), vs = ks + BW * LD * ESZ, qs0 = ks + OWN_ELEMS * ESZ, dos0 = qs0 + 2 * TILE * ESZ;
     float* sl = (float*)(smem + OWN_ELEMS + 4 * TILE);  // [buffer][lse2 BN, delta BN]
-    const float INF = -neg_inf();
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
 
     load_rows(k, ks, k0, BW, f0.len, tid);  // keys past the length: zero, never read
     load_rows(v, vs, k0, BW, f0.len, tid);
 
-    // the query tiles whose rows see a key of k0..k0 + BW - 1 (the same for every row of the group):
-    // hi(i) > k0 and lo(i) < k0 + BW
     int it0, it1;
-#if ATTNKERN_FEAT
-    {
-        const int first = f0.wr >= 0 ? max(0, k0 - f0.off - f0.wr) : 0;
-        const int end = f0.wl >= 0 ? min(nq, k0 + BW - f0.off + f0.wl) : nq;
-        const bool any = end > first && k0 < f0.len;
-        it0 = any ? first / BN : 0;
-        it1 = any ? (end + BN - 1) / BN : 0;
-    }
-#else
-    it0 = causal ? k0 / BN : 0;
-    it1 = (nq + BN - 1) / BN;
-#endif
+    query_tiles(f0, k0, nq, causal, it0, it1);
     const int nt = it1 - it0, total = group * nt;  // tiles: query rows of the group in order, then row tiles
 
     // tile u's Q and dO rows (cp.async) and lse, delta (plain loads) into buffer u & 1
@@ -601,11 +648,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         load_rows((const elem*)qp + qb * D, qs0 + buf * TILE * ESZ, i0, BN, nq, tid);
         load_rows((const elem*)dop + qb * D, dos0 + buf * TILE * ESZ, i0, BN, nq, tid);
         cp_async_commit();
-        for (int i = tid; i < BN; i += NTHREADS) {
-            const bool live = i0 + i < nq;
-            sl[buf * 2 * BN + i] = live ? ((const float*)lsefp)[qb + i0 + i] : INF;
-            sl[buf * 2 * BN + BN + i] = live ? ((const float*)deltap)[qb + i0 + i] : 0.f;
-        }
+        tile_lse_delta(sl + buf * 2 * BN, lsefp, deltap, qb, i0, nq, tid);
     };
     if (total > 0) load(0);
     cp_async_commit();
@@ -643,36 +686,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         products<NQ>(s, ks + (u32)(warp * 16 * MT * LD) * ESZ, qb, lane);
         products<NQ>(dp, vs + (u32)(warp * 16 * MT * LD) * ESZ, dob, lane);
         AFrag pf[MT][NQ], dsf[MT][NQ];
-        const auto grads = [&](int m, bool mask) {
-#pragma unroll
-            for (int n = 0; n < NQ; ++n) {
-                float p[4], ds[4];
-#if ATTNKERN_DROPOUT
-                float z[4];  // dropout's factors: dV takes P Z, dP of the undropped P is Z times V dO^T
-                dropout_cols(f, kw0 + 16 * m, i0 + n * 8, z);
-#endif
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = n * 8 + ACC_COL(lane, e), key = kw0 + 16 * m + g + (e >> 1) * 8;
-                    float slope;
-                    p[e] = prob(mask, s[m][n][e], key, i0 + i, tl[i], f, sgn, c, slope);
-#if ATTNKERN_DROPOUT
-                    ds[e] = p[e] * (dp[m][n][e] * z[e] - tl[BN + i]) * slope;
-                    p[e] *= z[e];
-#else
-                    ds[e] = p[e] * (dp[m][n][e] - tl[BN + i]) * slope;
-#endif
-                }
-                pack_tile(pf[m][n], p);
-                pack_tile(dsf[m][n], ds);
-            }
-        };
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             if (tile_masked(f, kw0 + 16 * m, 16, i0, last))
-                grads(m, true);
+                kv_grads(true, s[m], dp[m], pf[m], dsf[m], kw0 + 16 * m, i0, tl, f, sgn, c);
             else
-                grads(m, false);
+                kv_grads(false, s[m], dp[m], pf[m], dsf[m], kw0 + 16 * m, i0, tl, f, sgn, c);
         }
         accumulate<NQ>(dv, pf, dob, lane);
         accumulate<NQ>(dk, dsf, qb, lane);
@@ -685,5 +704,126 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         store_rows((elem*)dkp + kvrow * D, dk[m], sc, kw0 + 16 * m + g, nk);
         store_rows((elem*)dvp + kvrow * D, dv[m], one, kw0 + 16 * m + g, nk);
     }
+}
+#else
+// ---------------------------------------------------------------- dK, dV on Hopper's wgmma (sm_90a)
+// Part 3: part 2's work (the same grid of key blocks, the same query tiles in the same order,
+// the same P^T and dS^T) on warpgroup MMAs for float16/bfloat16 at D = 64 or 128, without
+// masks, ALiBi, dropout or packed sequences (cpp.py runs part 2 for those). A block has NW / 4
+// warpgroups of 64 keys; its K and V rows stay in shared memory in wgmma's swizzled layout
+// (flash_wgmma_common.cuh), the Q/dO tiles of BN = 64 rows stream through it with cp.async,
+// double-buffered. Per tile a warpgroup issues S^T = K Q^T and dP^T = V dO^T (m64n64k16, K and V
+// its A operand in shared memory, Q and dO K-major B operands), waits for them, computes P^T and
+// dS^T in its registers (kv_grads, as part 2: keys as the rows of the accumulators, laid out as
+// mma.sync's, so they are the register A operand as they stand) and issues dV += P^T dO and
+// dK += dS^T Q (m64nDk16, dO and Q MN-major B operands read transposed). The other warpgroups'
+// products run on the tensor cores meanwhile. Sums in part 2's order, no atomics.
+#if ATTNKERN_TF32 || ATTNKERN_MASK || ATTNKERN_ALIBI || ATTNKERN_DROPOUT || ATTNKERN_VARLEN || (D != 64 && D != 128)
+#error "the wgmma dK/dV kernel is float16/bfloat16 at D = 64 or 128 without masks, ALiBi, dropout or varlen"
+#endif
+static_assert(BN == 64 && MT == 1 && NW % 4 == 0, "part 3: 64-row Q/dO tiles, warpgroups of 4 warps");
+#define KV_BYTES (BW * D * 2)  // K or V of the block
+#define QT_BYTES (BN * D * 2)  // one streamed Q or dO tile
+#define WG_SMEM_BYTES (2 * KV_BYTES + 4 * QT_BYTES + 16 * BN + 1024)  // + lse, delta; + room to align to 1024
+
+extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
+                                         u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
+                                         float scale, int causal, FEAT_PARAMS) {
+    constexpr int NQ = BN / 8;  // 8-row tiles of a Q/dO tile: the N of S^T and dP^T is BN = 64
+#if ATTNKERN_DYNAMIC
+    extern __shared__ __align__(1024) u16 smem[];
+#else
+    __shared__ __align__(1024) u16 smem[WG_SMEM_BYTES / 2];
+#endif
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, wg = warp >> 2;
+    const u64 bkv = blockIdx.y;
+    // the block's, the warpgroup's and the warp's first key
+    const int k0 = blockIdx.x * BW, kg0 = k0 + 64 * wg, kw0 = k0 + warp * 16;
+    const int group = ATTNKERN_FEAT ? kv_group : 1;
+    const u64 b0 = bkv * (u64)group, kvrow = bkv * (u64)nk;  // the group's first query row; the k/v row
+    const Feat f0 = make_feat(b0, nq, nk, causal, FEAT_ARGS);
+    const u16* k = (const u16*)kp + kvrow * D;
+    const u16* v = (const u16*)vp + kvrow * D;
+    const u32 base = smem_u32(smem), ks = (base + 1023u) & ~1023u, vs = ks + KV_BYTES, qs0 = vs + KV_BYTES,
+              dos0 = qs0 + 2 * QT_BYTES;
+    float* sl = (float*)((char*)smem + (dos0 + 2 * QT_BYTES - base));  // [buffer][lse2 BN, delta BN]
+    const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
+
+    load_swizzled<BW, NTHREADS>(k, ks, k0, f0.len, tid);  // keys past the length: zero, never read
+    load_swizzled<BW, NTHREADS>(v, vs, k0, f0.len, tid);
+    int it0, it1;
+    query_tiles(f0, k0, nq, causal, it0, it1);
+    const int nt = it1 - it0, total = group * nt;  // tiles: query rows of the group in order, then row tiles
+
+    // tile u's Q and dO rows (cp.async) and lse, delta (plain loads) into buffer u & 1
+    const auto load = [&](int u) {
+        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
+        const u64 qb = (b0 + h) * (u64)nq;
+        load_swizzled<BN, NTHREADS>((const u16*)qp + qb * D, qs0 + buf * QT_BYTES, i0, nq, tid);
+        load_swizzled<BN, NTHREADS>((const u16*)dop + qb * D, dos0 + buf * QT_BYTES, i0, nq, tid);
+        cp_async_commit();
+        tile_lse_delta(sl + buf * 2 * BN, lsefp, deltap, qb, i0, nq, tid);
+    };
+    if (total > 0) load(0);
+    cp_async_commit();
+
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+
+    for (int u = 0; u < total; ++u) {
+        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
+        cp_async_wait_all();
+        fence_async_shared();  // the cp.async writes (and K, V) visible to wgmma
+        __syncthreads();       // tile u in; every warpgroup is done with tile u - 1, whose buffers refill now
+        if (u + 1 < total) load(u + 1);
+        const Feat f = ATTNKERN_FEAT ? make_feat(b0 + h, nq, nk, causal, FEAT_ARGS) : f0;
+        const int last = min(i0 + BN, nq) - 1;
+        if (tile_unseen(f, kg0, 64, i0, last)) continue;  // the warpgroup's 64 keys: wgmma is collective
+        const u32 qb = qs0 + buf * QT_BYTES, dob = dos0 + buf * QT_BYTES;
+        const float* tl = sl + buf * 2 * BN;
+        float s[NQ][4], dp[NQ][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(s, kmajor<BW>(ks, 64 * wg, kc), kmajor<BN>(qb, 0, kc), kc);
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(dp, kmajor<BW>(vs, 64 * wg, kc), kmajor<BN>(dob, 0, kc), kc);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(s);
+        pin(dp);
+        AFrag pf[NQ], dsf[NQ];
+        if (tile_masked(f, kw0, 16, i0, last))
+            kv_grads(true, s, dp, pf, dsf, kw0, i0, tl, f, sgn, c);
+        else
+            kv_grads(false, s, dp, pf, dsf, kw0, i0, tl, f, sgn, c);
+        // dV += P^T dO and dK += dS^T Q: the A fragment of query rows 16 cc... is the 8-row tiles 2 cc, 2 cc + 1
+        pin(pf);
+        pin(dsf);
+        pin(dv);
+        pin(dk);
+        wgmma_fence();
+#pragma unroll
+        for (int cc = 0; cc < BN / 16; ++cc) {
+            const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
+            wgmma_rs(dv, af, mndesc<BN>(dob, cc));
+        }
+#pragma unroll
+        for (int cc = 0; cc < BN / 16; ++cc) {
+            const u32 af[4] = {dsf[2 * cc][0], dsf[2 * cc][1], dsf[2 * cc + 1][0], dsf[2 * cc + 1][1]};
+            wgmma_rs(dk, af, mndesc<BN>(qb, cc));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();  // this tile's Q and dO read before the next barrier refills their buffers
+        pin(dv);
+        pin(dk);
+    }
+    cp_async_wait_all();
+
+    const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
+    store_rows((u16*)dkp + kvrow * D, dk, sc, kw0 + g, nk);
+    store_rows((u16*)dvp + kvrow * D, dv, one, kw0 + g, nk);
 }
 #endif

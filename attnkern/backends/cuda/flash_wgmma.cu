@@ -17,7 +17,8 @@
 //   ATTNKERN_WS       1: the warp-specialized variant (below; the library's default), with
 //   ATTNKERN_STAGES   its K/V ring's stages (2-6), ATTNKERN_EARLYK 1: K slots freed early,
 //   ATTNKERN_PINGPONG 1: its two consumers take turns to issue their products
-// and then flash_common.cuh. The grid is (query blocks, batch).
+// and then flash_common.cuh and flash_wgmma_common.cuh (the wgmma wrappers, descriptors and
+// swizzled copies, shared with flash_bwd_mma.cu's Hopper kernels). The grid is (query blocks, batch).
 //
 // Shared memory holds Q (BM rows, loaded once, Q's sign flipped on the way for a
 // negative scale) and two K and two V tiles, each in wgmma's 128-byte-swizzled
@@ -75,120 +76,9 @@
 #define SMEM_BYTES (Q_BYTES + 4 * TILE_BYTES + 1024)  // + room to align to 1024 bytes
 #endif
 
-#if ATTNKERN_BF16
-#define WG_TYPES "bf16.bf16"
-#else
-#define WG_TYPES "f16.f16"
-#endif
-
 #define NSUB (BN / 64)  // 64-key sub-tiles of a K/V tile
 
 struct __align__(16) u32x4 { u32 x, y, z, w; };
-
-// ---------------------------------------------------------------- wgmma wrappers
-// Accumulators d[n][e]: element e of 8-column tile n, in mma.sync's m16n8 layout
-// for the 16 rows of the calling warp. accumulate = 0 overwrites d (scale-d false).
-
-#define ACC8(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
-#define ACC64 ACC8(0), ACC8(1), ACC8(2), ACC8(3), ACC8(4), ACC8(5), ACC8(6), ACC8(7)
-#define ACC128 ACC64, ACC8(8), ACC8(9), ACC8(10), ACC8(11), ACC8(12), ACC8(13), ACC8(14), ACC8(15)
-#define REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
-               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
-               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "   \
-               "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "   \
-               "%56, %57, %58, %59, %60, %61, %62, %63}"
-
-// d (64 x 8 NT) (+)= a (64 x 16, shared memory) b (16 x 8 NT, shared memory, K-major)
-template <int NT>
-static __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], u64 a, u64 b, int accumulate) {
-    static_assert(NT == 8 || NT == 16, "wgmma_ss: N = 64 or 128");
-    if constexpr (NT == 8)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPES " " REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : ACC64 : "l"(a), "l"(b), "r"(accumulate));
-    else
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPES " " REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                     : ACC128 : "l"(a), "l"(b), "r"(accumulate));
-}
-
-// d (64 x 8 NT) += a (64 x 16, registers: mma.sync's A fragment of the warp's 16 rows)
-// b (16 x 8 NT, shared memory, MN-major: read transposed)
-template <int NT>
-static __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const u32 (&a)[4], u64 b) {
-    static_assert(NT == 8 || NT == 16, "wgmma_rs: N = 64 or 128");
-    if constexpr (NT == 8)
-        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPES " " REGS32
-                     ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                     : ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-    else
-        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPES " " REGS64
-                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                     : ACC128 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-// before the first wgmma that touches registers written since the last ones
-static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-
-static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-
-// until at most N of this warpgroup's committed groups are pending
-template <int N>
-static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-
-// The compiler sees a wgmma's accumulators as written when the instruction is
-// issued; these empty statements, ordered with the volatile wgmma ones, pin every
-// read after the wait and every write before the fence.
-template <int N>
-static __device__ __forceinline__ void pin(float (&d)[N][4]) {
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
-}
-
-template <int N>
-static __device__ __forceinline__ void pin(u32 (&d)[N][2]) {
-#pragma unroll
-    for (int n = 0; n < N; ++n) asm volatile("" : "+r"(d[n][0]), "+r"(d[n][1])::"memory");
-}
-
-// writes of the generic proxy (st.shared, cp.async) made visible to wgmma's reads
-static __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// a shared-memory matrix descriptor: start address, leading-dimension and stride
-// offsets in bytes, 128-byte swizzle
-static __device__ __forceinline__ u64 descriptor(u32 addr, u32 lead, u32 stride) {
-    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(stride >> 4) << 32) | (1ull << 62);
-}
-
-// Chunk index i of a buffer of ROWS rows (a thread's copy) is (column block, row,
-// chunk): its row, its first column, and its byte offset in the swizzled layout.
-template <int ROWS>
-static __device__ __forceinline__ int chunk_row(int i) { return i % (ROWS * 8) >> 3; }
-template <int ROWS>
-static __device__ __forceinline__ int chunk_col(int i) { return i / (ROWS * 8) * 64 + (i & 7) * 8; }
-template <int ROWS>
-static __device__ __forceinline__ u32 chunk_at(int i) {
-    const int r = chunk_row<ROWS>(i);
-    return (u32)((i / (ROWS * 8)) * ROWS * 128 + r * 128 + (((i & 7) ^ (r & 7)) << 4));
-}
-
-// the descriptor of a K-major operand (rows from row0 of a ROWS-row buffer: Q or a K
-// tile) at k step kc (columns 16 kc...): the leading offset is unused with this swizzle
-template <int ROWS>
-static __device__ __forceinline__ u64 kmajor(u32 base, int row0, int kc) {
-    return descriptor(base + (u32)((kc >> 2) * ROWS * 128 + row0 * 128 + (kc & 3) * 32), 16u, 1024u);
-}
-
-// the descriptor of V's keys 16 cc... (MN-major): the leading offset steps along its
-// columns (the next block of 64), the stride offset along its keys (8 rows)
-static __device__ __forceinline__ u64 vdesc(u32 base, int cc) {
-    return descriptor(base + (u32)(cc * 2048), BN * 128, 1024u);
-}
 
 // one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled,
 // by THREADS threads (tid 0...)
@@ -211,12 +101,7 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
             return;
         }
     }
-#pragma unroll
-    for (int i = tid; i < BN * D / 8; i += THREADS) {
-        const int key = j0 + chunk_row<BN>(i);
-        const bool live = key < nk;
-        cp_async16(dst + chunk_at<BN>(i), src + (u64)(live ? key : 0) * D + chunk_col<BN>(i), live ? 16 : 0);
-    }
+    load_swizzled<BN, THREADS>(src, dst, j0, nk, tid);
 }
 
 // Q's rows r0...r0 + ROWS - 1 of the block's BM (block rows q0...; rows past nq zero) into
@@ -341,7 +226,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
             for (int cc = 0; cc < 4; ++cc) {
                 const u32 af[4] = {pf[u][2 * cc][0], pf[u][2 * cc][1], pf[u][2 * cc + 1][0], pf[u][2 * cc + 1][1]};
-                wgmma_rs(o, af, vdesc(vb, 4 * u + cc));
+                wgmma_rs(o, af, mndesc<BN>(vb, 4 * u + cc));
             }
             wgmma_commit();
         }
@@ -491,7 +376,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
         for (int cc = 0; cc < BN / 16; ++cc) {
             const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
-            wgmma_rs(o, af, vdesc(vb, cc));
+            wgmma_rs(o, af, mndesc<BN>(vb, cc));
         }
         wgmma_commit();
     };
