@@ -26,14 +26,15 @@ for variant in "mma D=64 BN=64 MT=1 NW=8" "mma D=128 BN=32 MT=1 NW=8 FEAT=1 MASK
         "mma D=64 BN=64 MT=2 NW=4 FEAT=1 VARLEN=1 ALIBI=1" "bwd_mma D=64 BN=64 MT=1 NW=4 PART=1 FEAT=1 VARLEN=1" \
         "bwd_mma D=64 BN=128 MT=1 NW=4 PART=2 FEAT=1 VARLEN=1 DROPOUT=1 BF16=0" \
         "bwd_mma D=64 BN=64 MT=1 NW=8 PART=3" "bwd_mma D=128 BN=64 MT=1 NW=8 PART=3" \
-        "bwd_mma D=64 BN=64 MT=1 NW=8 PART=3 FEAT=1 BF16=0" "bwd_mma D=128 BN=64 MT=1 NW=8 PART=3 FEAT=1"; do
+        "bwd_mma D=64 BN=64 MT=1 NW=8 PART=3 FEAT=1 BF16=0" "bwd_mma D=128 BN=64 MT=1 NW=8 PART=3 FEAT=1" \
+        "bwd_mma D=64 BN=64 MT=1 NW=8 PART=4" "bwd_mma D=128 BN=64 MT=1 NW=8 PART=4 FEAT=1 BF16=0"; do
     set -- $variant; kind=$1; shift
     declare -A def=([BF16]=1 [QSMEM]=0 [FEAT]=0 [MASK]=0 [ALIBI]=0 [FAST]=0 [WIDE]=0 [DROPOUT]=0 [VARLEN]=0 [PART]=1 [NAME]=attend
                      [DYNAMIC]=1)
     for kv in "$@"; do def[${kv%=*}]=${kv#*=}; done
     { for k in "${!def[@]}"; do echo "#define ATTNKERN_$k ${def[$k]}"; done
       # the wgmma wrappers before the sources that use them (cpp.source_headers)
-      wg=""; { [ "$kind" = wgmma ] || [ "${def[PART]}" = 3 ]; } && wg="$src/flash_wgmma_common.cuh"
+      wg=""; { [ "$kind" = wgmma ] || [ "${def[PART]}" -ge 3 ]; } && wg="$src/flash_wgmma_common.cuh"
       cat "$src/flash_common.cuh" $wg "$src/flash_$kind.cu"; } > "$work/t.cu"
     unset def
     if nvcc -gencode arch=compute_90a,code=sm_90a -rdc=true -Xptxas -v -c "$work/t.cu" -o "$work/t.o" \

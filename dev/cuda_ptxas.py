@@ -41,10 +41,10 @@ KERNELS = [
     *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}",
        dict(D=d, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=bn, FEAT=0, MASK=0, ALIBI=0), BWD)
       for d, bns in ((64, (64, 128)), (128, (64, 64))) for part, bn in zip((1, 2), bns)),
-    # the dK/dV kernel on wgmma (PART 3, Hopper only: run with --arch sm_90a), plain and featured
-    *(("flash_bwd_mma.cu", f"bwd3_bf16_d{d}{'_feat' if feat else ''}",
-       dict(D=d, BF16=1, TF32=0, PART=3, NW=8, MT=1, BN=64, FEAT=feat, MASK=0, ALIBI=0), BWD)
-      for d in (64, 128) for feat in (0, 1)),
+    # the dK/dV and dQ kernels on wgmma (PART 3 and 4, Hopper only: run with --arch sm_90a), plain and featured
+    *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}{'_feat' if feat else ''}",
+       dict(D=d, BF16=1, TF32=0, PART=part, NW=8, MT=1, BN=64, FEAT=feat, MASK=0, ALIBI=0), BWD)
+      for part in (3, 4) for d in (64, 128) for feat in (0, 1)),
     # the dropout variants (forward on mma.sync, both backward kernels) beside the backward's featured ones
     *(("flash_mma.cu", f"mma_bf16_d{d}_feat_dropout",
        dict(D=d, BF16=1, BN=64, MT=2, NW=4, QSMEM=int(d > 64), FEAT=1, MASK=0, ALIBI=0, FAST=0, DROPOUT=1), MMA)
@@ -71,7 +71,7 @@ KERNELS = [
 
 def source(path: str, name: str, defines: dict, params: tuple) -> str:
     text = "".join(f"#define ATTNKERN_{k} {v}\n" for k, v in {**defines, "NAME": name, "DYNAMIC": 1}.items())
-    wgmma = path == "flash_wgmma.cu" or defines.get("PART") == 3  # as cpp.source_headers
+    wgmma = path == "flash_wgmma.cu" or defines.get("PART") in (3, 4)  # as cpp.source_headers
     for part in ("flash_common.cuh", *(("flash_wgmma_common.cuh",) if wgmma else ()), path):
         with open(os.path.join(HERE, part)) as f:
             text += f.read() + "\n"

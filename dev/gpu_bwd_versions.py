@@ -35,6 +35,7 @@ CONFIGS_F32 = {
     64: ["q4x64kv4x32", "q4x32kv4x32", "q8x32kv8x32", "q4x64kv8x32", "q8x64kv4x32"],
     128: ["q8x32kv8x8", "q4x64kv4x8", "q8x32kv4x8", "q4x32kv8x8", "q4x64kv8x8"],
 }
+# the mma.sync divisions; on Hopper, the wgmma kernels' (qwg / kvwg: warpgroups, e.g. qwg2x64kvwg2x64)
 CONFIGS = {
     64: ["q4x64kv4x64", "q4x32m2kv4x32m2", "q4x32m2kv4x64", "q4x64kv4x32m2", "q8x64kv4x64", "q4x64kv8x64",
          "q8x32m2kv8x32m2", "q4x128kv4x64", "q4x64kv4x128"],
@@ -49,6 +50,7 @@ def main():
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"])
     p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--configs", nargs="+", help="divisions to time (default: the lists above), the first the base")
     p.add_argument("--json")
     a = p.parse_args()
     rows = []
@@ -63,7 +65,7 @@ def main():
                     arrays = [from_torch(x, "x").reshape(16, n, d) for x in (q, k, v, out, dout)]
                     arrays.append(from_torch(lse, "lse").reshape(16, n))
                     base = None
-                    for name in (CONFIGS_F32 if dtype == "float32" else CONFIGS)[d]:
+                    for name in a.configs or (CONFIGS_F32 if dtype == "float32" else CONFIGS)[d]:
                         config = cpp.BwdConfig.parse(name)
                         grads = [torch.empty_like(x) for x in (q, k, v)]
                         views = [from_torch(x, "grad").reshape(16, n, d) for x in grads]

@@ -128,8 +128,8 @@ def flash_simt(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtC
 def source_headers(source: str, defines: dict) -> tuple:
     """The headers a CUDA C++ source takes before it, in order: flash_common.cuh always, and
     flash_wgmma_common.cuh (the wgmma wrappers) for flash_wgmma.cu and flash_bwd_mma.cu's wgmma
-    dK/dV kernel (PART 3)."""
-    wgmma = source == "flash_wgmma.cu" or (source == "flash_bwd_mma.cu" and defines.get("PART") == 3)
+    kernels (PART 3: dK/dV, 4: dQ)."""
+    wgmma = source == "flash_wgmma.cu" or (source == "flash_bwd_mma.cu" and defines.get("PART") in (3, 4))
     return ("flash_common.cuh",) + (("flash_wgmma_common.cuh",) if wgmma else ())
 
 
@@ -503,8 +503,9 @@ class BwdConfig:
     the dK/dV kernel's `kv_warps` warps of `kv_mt` 16-key mma tiles each, streaming Q/dO
     tiles of `kv_rows` query rows (each B fragment read from shared memory feeds the
     warp's mt tiles). kv_wg > 0: the dK/dV kernel on Hopper's wgmma instead (flash_bwd_mma.cu's
-    part 3: kv_wg warpgroups of 64 keys a block, 64-row Q/dO tiles; float16/bfloat16, D = 64 or
-    128, no masks, ALiBi, dropout or packed sequences); kv_warps is then 4 kv_wg."""
+    part 3: kv_wg warpgroups of 64 keys a block, 64-row Q/dO tiles), and dq_wg > 0 the dQ kernel
+    (part 4: dq_wg warpgroups of 64 query rows, 64-key K/V tiles); float16/bfloat16, D = 64 or
+    128, no masks, ALiBi, dropout or packed sequences; kv_warps (dq_warps) is then 4 kv_wg (dq_wg)."""
 
     dq_warps: int = 4
     dq_keys: int = 64
@@ -513,14 +514,15 @@ class BwdConfig:
     dq_mt: int = 1
     kv_mt: int = 1
     kv_wg: int = 0
+    dq_wg: int = 0
 
     def part(self, part: int) -> tuple[int, int, int]:
         """(warps, mma tiles a warp, streamed rows) of part 1 (dQ) or 2 (dK/dV)."""
         return (self.dq_warps, self.dq_mt, self.dq_keys) if part == 1 else (self.kv_warps, self.kv_mt, self.kv_rows)
 
-    def kv_part(self) -> int:
-        """The dK/dV kernel's ATTNKERN_PART: 2 (mma.sync) or 3 (wgmma)."""
-        return 3 if self.kv_wg else 2
+    def kernel_part(self, part: int) -> int:
+        """The ATTNKERN_PART of part 1 (dQ: 1 on mma.sync, 4 on wgmma) or 2 (dK/dV: 2, or 3 on wgmma)."""
+        return (4 if self.dq_wg else 1) if part == 1 else (3 if self.kv_wg else 2)
 
     def shared_bytes(self, d: int, part: int, itemsize: int = 2) -> int:
         """Shared memory of one block of part 1 (dQ) or 2 (dK/dV) at head size d: its
@@ -529,28 +531,29 @@ class BwdConfig:
         and for part 2 the streamed rows' lse and delta; the wgmma dK/dV kernel's rows are
         unpadded (its swizzled layout), with 1 KB to align them to 1024 bytes."""
         warps, mt, rows = self.part(part)
-        if part == 2 and self.kv_wg:
-            return (2 * 64 * self.kv_wg + 4 * rows) * d * itemsize + 16 * rows + 1024
+        if self.kernel_part(part) > 2:
+            return (2 * 64 * warps // 4 + 4 * rows) * d * itemsize + (16 * rows if part == 2 else 0) + 1024
         return (2 * 16 * mt * warps + 4 * rows) * (d + 8) * itemsize + (16 * rows if part == 2 else 0)
 
     def __str__(self) -> str:
         m = lambda mt: f"m{mt}" if mt != 1 else ""  # noqa: E731
+        dq = f"qwg{self.dq_wg}x{self.dq_keys}" if self.dq_wg else f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}"
         kv = f"kvwg{self.kv_wg}x{self.kv_rows}" if self.kv_wg else f"kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}"
-        return f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}{kv}"
+        return dq + kv
 
     @classmethod
     def parse(cls, name: str) -> "BwdConfig":
         """The division str() names (q4x64kv4x32m2: 4 warps x 64 keys, then 4 warps of 2 tiles x 32 rows;
-        q4x64kvwg2x64: the dK/dV kernel on wgmma, 2 warpgroups x 64-row tiles)."""
+        qwg2x64kvwg2x64: both kernels on wgmma, 2 warpgroups each, 64-key and 64-row tiles)."""
         import re
 
-        found = re.fullmatch(r"q(\d+)x(\d+)(?:m(\d))?kv(wg)?(\d+)x(\d+)(?:m(\d))?", name)
-        if found is None or (found.group(4) and found.group(7)):
-            raise ValueError(f"not a flash_bwd_mma.cu division: {name!r} (e.g. q4x64kv4x32m2, q4x64kvwg2x64)")
-        w1, k1, m1, wg, w2, r2, m2 = found.groups()
-        if wg:
-            return cls(int(w1), int(k1), 4 * int(w2), int(r2), int(m1 or 1), 1, int(w2))
-        return cls(int(w1), int(k1), int(w2), int(r2), int(m1 or 1), int(m2 or 1))
+        found = re.fullmatch(r"q(wg)?(\d+)x(\d+)(?:m(\d))?kv(wg)?(\d+)x(\d+)(?:m(\d))?", name)
+        if found is None or (found.group(1) and found.group(4)) or (found.group(5) and found.group(8)):
+            raise ValueError(f"not a flash_bwd_mma.cu division: {name!r} (e.g. q4x64kv4x32m2, qwg2x64kvwg2x64)")
+        qwg, w1, k1, m1, kvwg, w2, r2, m2 = found.groups()
+        w1, w2 = int(w1), int(w2)
+        return cls(4 * w1 if qwg else w1, int(k1), 4 * w2 if kvwg else w2, int(r2), int(m1 or 1), int(m2 or 1),
+                   w2 if kvwg else 0, w1 if qwg else 0)
 
 
 def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig:
@@ -567,26 +570,26 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig
     keys x d take d registers a thread; ptxas: 251-255 registers, no spills, for
     sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
     (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower. On Hopper at
-    d = 64 or 128 (wgmma_applies) the dK/dV kernel runs on wgmma (BWD_WGMMA warpgroups, 64-row
-    Q/dO tiles) unless wgmma is False or BWD_WGMMA is 0."""
+    d = 64 or 128 (wgmma_applies) both kernels run on wgmma (BWD_WGMMA warpgroups a block, 64-key
+    and 64-row tiles) unless wgmma is False or BWD_WGMMA is 0."""
     if dtype == "float32":
         return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 8, 8)
     if wgmma and BWD_WGMMA and wgmma_applies(d, d):
-        return BwdConfig(kv_warps=4 * BWD_WGMMA, kv_rows=64, kv_wg=BWD_WGMMA)
+        return BwdConfig(4 * BWD_WGMMA, 64, 4 * BWD_WGMMA, 64, kv_wg=BWD_WGMMA, dq_wg=BWD_WGMMA)
     return BwdConfig(kv_rows=128 if d <= 64 else 64)
 
 
-# The half dtypes' dK/dV kernel on Hopper (sm_90a, D = 64 or 128): warpgroups a block of
-# flash_bwd_mma.cu's wgmma kernel (part 3), or 0 for the mma.sync kernel (part 2) everywhere.
-# Read at each call. Calls with a mask, ALiBi, dropout or packed sequences run part 2
-# (bwd_wgmma_covers).
+# The half dtypes' backward on Hopper (sm_90a, D = 64 or 128): warpgroups a block of
+# flash_bwd_mma.cu's wgmma kernels (parts 4 and 3: dQ, dK/dV), or 0 for the mma.sync ones (parts 1
+# and 2) everywhere. Read at each call. Calls with a mask, ALiBi, dropout or packed sequences run
+# parts 1 and 2 (bwd_wgmma_covers).
 BWD_WGMMA = 2
 
 
 def bwd_wgmma_covers(feat) -> bool:
-    """Whether flash_bwd_mma.cu's wgmma dK/dV kernel (part 3) has this call's features (a
+    """Whether flash_bwd_mma.cu's wgmma kernels (parts 3, 4) have this call's features (a
     launch.KernelFeatures or None): GQA, causal alignments, windows, key lengths and the softcap;
-    masks, ALiBi, dropout and packed sequences run the mma.sync kernel (part 2)."""
+    masks, ALiBi, dropout and packed sequences run the mma.sync kernels (parts 1, 2)."""
     return feat is None or not (feat.mask_kind or feat.alibi is not None or _dropout_of(feat) or _varlen_of(feat))
 
 
@@ -600,10 +603,13 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     flash_mma_kernel compiles the forward (_linked_kernel); featured, mask, alibi, dropout,
     varlen: the variant (as the forward's; dropout and varlen in float16/bfloat16 only)."""
     config = config or bwd_config(d, dtype)
-    if config.kv_wg and (dtype == "float32" or d not in WGMMA_HEAD_SIZES or mask or alibi or dropout or varlen
-                         or config.kv_rows != 64 or config.kv_warps != 4 * config.kv_wg):
-        raise ValueError(f"flash_bwd_mma.cu's wgmma dK/dV kernel ({config}) takes float16/bfloat16 at D = 64 or 128, "
-                         f"64-row Q/dO tiles and no masks, ALiBi, dropout or packed sequences, not {dtype} at D = {d}")
+    wgmma = config.kv_wg or config.dq_wg
+    if wgmma and (dtype == "float32" or d not in WGMMA_HEAD_SIZES or mask or alibi or dropout or varlen
+                  or (config.kv_wg and (config.kv_rows != 64 or config.kv_warps != 4 * config.kv_wg))
+                  or (config.dq_wg and (config.dq_keys != 64 or config.dq_warps != 4 * config.dq_wg))):
+        raise ValueError(f"flash_bwd_mma.cu's wgmma dQ and dK/dV kernels ({config}) take float16/bfloat16 at D = 64 "
+                         f"or 128, 64-key and 64-row tiles and no masks, ALiBi, dropout or packed sequences, not "
+                         f"{dtype} at D = {d}")
     suffix = _suffix(featured, mask, alibi, dropout=dropout, varlen=varlen)
     common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", int(dtype == "float32")),
               ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), *_variant(dropout, varlen))
@@ -612,7 +618,7 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
         _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config}{suffix}",
                        (*common, ("PART", kernel_part), ("NW", warps), ("MT", mt), ("BN", rows)), params, 32 * warps,
                        config.shared_bytes(d, part, 4 if dtype == "float32" else 2))
-        for part, kernel_part, (warps, mt, rows) in ((1, 1, config.part(1)), (2, config.kv_part(), config.part(2))))
+        for part, kernel_part, (warps, mt, rows) in ((p, config.kernel_part(p), config.part(p)) for p in (1, 2)))
 
 
 def bwd_refusal(q, k, v, out, dout, dq, dk, dv, scale: float, feat=None) -> str | None:
@@ -678,9 +684,8 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
     batch, nq, d = q.shape
     nk = k.shape[1]
     config = config or bwd_config(d, q.dtype.name)
-    if config.kv_wg and not bwd_wgmma_covers(feat):  # masks, ALiBi, dropout, varlen: the mma.sync dK/dV kernel
-        mma = bwd_config(d, q.dtype.name, wgmma=False)
-        config = dataclasses.replace(config, kv_warps=mma.kv_warps, kv_rows=mma.kv_rows, kv_mt=mma.kv_mt, kv_wg=0)
+    if (config.kv_wg or config.dq_wg) and not bwd_wgmma_covers(feat):  # masks, ALiBi, dropout, varlen: mma.sync
+        config = bwd_config(d, q.dtype.name, wgmma=False)
     dq_kernel, kv_kernel = flash_bwd_kernels(q.dtype.name, d, config, feat is not None,
                                              0 if feat is None else feat.mask_kind,
                                              feat is not None and feat.alibi is not None, _dropout_of(feat),

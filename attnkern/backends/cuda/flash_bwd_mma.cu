@@ -378,7 +378,7 @@ static __device__ __forceinline__ float prob(bool MASK, float x, int key, int ro
 #endif
 }
 
-#if ATTNKERN_PART >= 2
+#if ATTNKERN_PART == 2 || ATTNKERN_PART == 3
 // The dK/dV kernels' (parts 2 and 3) query tiles of BN rows whose rows see a key of the block
 // k0..k0 + BW - 1 (the same for every row of the group): hi(i) > k0 and lo(i) < k0 + BW
 static __device__ __forceinline__ void query_tiles(const Feat& f0, int k0, int nq, int causal, int& it0, int& it1) {
@@ -439,6 +439,101 @@ static __device__ __forceinline__ void kv_grads(bool MASK, const float (&s)[NQ][
 }
 #endif
 
+#if ATTNKERN_PART == 1 || ATTNKERN_PART == 4
+// The dQ kernels' (parts 1 and 4) key tiles of BN keys [jt0, jt1) that the block of rows
+// q0..q0 + BW - 1 visits (plain: up to the block's last row with causal masking)
+static __device__ __forceinline__ void dq_key_tiles(const Feat& f, int q0, int nq, int nk, int causal, int& jt0,
+                                                    int& jt1) {
+#if ATTNKERN_FEAT
+    key_tiles(f, q0, BW, nq, BN, jt0, jt1);
+#else
+    jt0 = 0;
+    jt1 = ((causal ? min(nk, q0 + BW) : nk) + BN - 1) / BN;
+#endif
+}
+
+// The dQ kernels' (parts 1 and 4) rows of one 16-row mma tile, first row wr0 (a warp's): delta
+// from global memory (dout: the head's first row), two lanes a row (half the columns each),
+// written for the dK/dV kernel;
+// and the lse of the lane's rows wr0 + g and wr0 + g + 8 (log2 domain; +inf where the row sees
+// no key or lies past nq: P = 0)
+static __device__ __forceinline__ void dq_row_stats(u64 op, const elem* dout, u64 lsep, u64 deltap, u64 qrow, int wr0,
+                                                    int nq, float (&delta)[2], float (&lse2)[2]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    const float NEG_INF = neg_inf();
+    const int row = wr0 + (lane >> 1);
+    float acc = 0.f;
+    if (row < nq)
+        acc = row_dot((const elem*)op + (qrow + row) * D + (lane & 1) * (D / 2),
+                      dout + (u64)row * D + (lane & 1) * (D / 2));
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (!(lane & 1) && row < nq) ((float*)deltap)[qrow + row] = acc;
+    delta[0] = __shfl_sync(0xffffffffu, acc, 2 * g);
+    delta[1] = __shfl_sync(0xffffffffu, acc, 2 * g + 16);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = wr0 + g + 8 * h;
+        const float x = r < nq ? load_lse(lsep, qrow + r) : NEG_INF;
+        lse2[h] = x == NEG_INF ? -NEG_INF : x * 1.4426950408889634f;
+    }
+}
+
+// dS of one 16-row tile (rows r0 = its first + g, r0 + 8) by the NS 8-key tiles of keys j0...:
+// from S (s), dP (dp), the rows' lse and delta, packed as A fragments of dQ += dS K; each row's
+// P summed into lsum (the lane's share). (MASK: whether the tile needs masks, a constant at each call)
+template <int NS>
+static __device__ __forceinline__ void q_grads(bool MASK, const float (&s)[NS][4], const float (&dp)[NS][4],
+                                               AFrag (&dsf)[NS], float (&lsum)[2], int r0, int j0,
+                                               const float (&lse2)[2], const float (&delta)[2], const Feat& f,
+                                               float sgn, float c) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        float ds[4];
+#if ATTNKERN_DROPOUT
+        float z[4];  // dropout's factors: dP of the undropped P is Z times dO V^T
+        dropout_rows(f, r0, j0 + 8 * n, z);
+#endif
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = j0 + n * 8 + ACC_COL(lane, e), row = r0 + (e >> 1) * 8;
+            float slope;
+            const float p = prob(MASK, s[n][e], key, row, lse2[e >> 1], f, sgn, c, slope);
+            lsum[e >> 1] += p;
+#if ATTNKERN_DROPOUT
+            ds[e] = p * (dp[n][e] * z[e] - delta[e >> 1]) * slope;
+#else
+            ds[e] = p * (dp[n][e] - delta[e >> 1]) * slope;
+#endif
+        }
+        pack_tile(dsf[n], ds);
+    }
+}
+
+// The end of a dQ kernel for one 16-row tile (rows r0, r0 + 8). The saved lse corrected by log2
+// of the row sum l of the P computed from it, but only within the rounding of its dtype (u |lse|
+// and a float32 margin): an exact lse stays as it is, so out and lse of whole rows of which k, v
+// hold one block (ring attention) still give that block's share. dQ = scale 2^-fix sum_j dS_ij K_j;
+// the lse (log2 domain, +inf where the row sees no key) goes to the dK/dV kernel.
+static __device__ __forceinline__ void dq_store(u64 dqp, u64 lsefp, u64 qrow, const float (&dq)[D / 8][4],
+                                                const float (&lsum)[2], const float (&lse2)[2], int r0, int nq,
+                                                float scale) {
+    const int lane = threadIdx.x & 31;
+    const float INF = -neg_inf();
+    float factor[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float l = quad_sum(lsum[h]), x = lse2[h];
+        const float bound = x == INF ? 0.f : fabsf(x) * LSE_ULP + LSE_MARGIN;
+        const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
+        factor[h] = scale * ex2(-fix);
+        const int r = r0 + 8 * h;
+        if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[qrow + r] = x + fix;
+    }
+    store_rows((elem*)dqp + qrow * D, dq, factor, r0, nq);
+}
+#endif
+
 #if ATTNKERN_PART == 1
 // ---------------------------------------------------------------- dQ (and delta, the corrected lse)
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
@@ -473,48 +568,23 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const elem* k = (const elem*)kp + kvrow * D;
     const elem* v = (const elem*)vp + kvrow * D;
     const u32 qs = smem_u32(smem), dos = qs + BW * LD * ESZ, ks0 = qs + OWN_ELEMS * ESZ, vs0 = ks0 + 2 * TILE * ESZ;
-    const float NEG_INF = neg_inf(), INF = -NEG_INF;
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
 
     load_rows(q, qs, q0, BW, nq, tid);
     load_rows(dout, dos, q0, BW, nq, tid);
     int jt0, jt1;
-#if ATTNKERN_FEAT
-    key_tiles(f, q0, BW, nq, BN, jt0, jt1);
-#define LOAD_LEN f.len
-#else
-    jt0 = 0;
-    jt1 = ((causal ? min(nk, q0 + BW) : nk) + BN - 1) / BN;
-#define LOAD_LEN nk
-#endif
+    dq_key_tiles(f, q0, nq, nk, causal, jt0, jt1);
+#define LOAD_LEN (ATTNKERN_FEAT ? f.len : nk)
     if (jt0 < jt1) {
         load_rows(k, ks0 + (jt0 & 1) * TILE * ESZ, jt0 * BN, BN, LOAD_LEN, tid);
         load_rows(v, vs0 + (jt0 & 1) * TILE * ESZ, jt0 * BN, BN, LOAD_LEN, tid);
     }
     cp_async_commit();
 
-    // delta of each of the warp's mma tiles (16 rows) from global memory, two lanes a row (half
-    // the columns each); the lse of the lane's rows r0 + 16 i and r0 + 16 i + 8 (log2 domain)
     const int wr0 = q0 + warp * 16 * MT, r0 = wr0 + g;
     float delta[MT][2], lse2[MT][2];
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
-        const int row = wr0 + 16 * i + (lane >> 1);
-        float acc = 0.f;
-        if (row < nq)
-            acc = row_dot((const elem*)op + (qrow + row) * D + (lane & 1) * (D / 2),
-                          dout + (u64)row * D + (lane & 1) * (D / 2));
-        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-        if (!(lane & 1) && row < nq) ((float*)deltap)[qrow + row] = acc;
-        delta[i][0] = __shfl_sync(0xffffffffu, acc, 2 * g);
-        delta[i][1] = __shfl_sync(0xffffffffu, acc, 2 * g + 16);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = r0 + 16 * i + 8 * h;
-            const float x = r < nq ? load_lse(lsep, qrow + r) : NEG_INF;
-            lse2[i][h] = x == NEG_INF ? INF : x * 1.4426950408889634f;  // no key seen: P = 0
-        }
-    }
+    for (int i = 0; i < MT; ++i) dq_row_stats(op, dout, lsep, deltap, qrow, wr0 + 16 * i, nq, delta[i], lse2[i]);
 
     float dq[MT][D / 8][4];
 #pragma unroll
@@ -546,59 +616,19 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         products<NS>(s, qs + (u32)(warp * 16 * MT * LD) * ESZ, kb, lane);
         products<NS>(dp, dos + (u32)(warp * 16 * MT * LD) * ESZ, vb, lane);
         AFrag dsf[MT][NS];
-        const auto grads = [&](int i, bool mask) {
-#pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                float ds[4];
-#if ATTNKERN_DROPOUT
-                float z[4];  // dropout's factors: dP of the undropped P is Z times dO V^T
-                dropout_rows(f, r0 + 16 * i, j0 + 8 * n, z);
-#endif
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = j0 + n * 8 + ACC_COL(lane, e), row = r0 + 16 * i + (e >> 1) * 8;
-                    float slope;
-                    const float p = prob(mask, s[i][n][e], key, row, lse2[i][e >> 1], f, sgn, c, slope);
-                    lsum[i][e >> 1] += p;
-#if ATTNKERN_DROPOUT
-                    ds[e] = p * (dp[i][n][e] * z[e] - delta[i][e >> 1]) * slope;
-#else
-                    ds[e] = p * (dp[i][n][e] - delta[i][e >> 1]) * slope;
-#endif
-                }
-                pack_tile(dsf[i][n], ds);
-            }
-        };
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
             if (tile_masked(f, j0, BN, wr0 + 16 * i, wr0 + 16 * i + 15))
-                grads(i, true);
+                q_grads(true, s[i], dp[i], dsf[i], lsum[i], r0 + 16 * i, j0, lse2[i], delta[i], f, sgn, c);
             else
-                grads(i, false);
+                q_grads(false, s[i], dp[i], dsf[i], lsum[i], r0 + 16 * i, j0, lse2[i], delta[i], f, sgn, c);
         }
         accumulate<NS>(dq, dsf, kb, lane);
     }
     cp_async_wait_all();  // a block whose rows see no key still loaded Q and dO
 
-    // The saved lse corrected by log2 of the row sum l of the P computed from it, but only within
-    // the rounding of its dtype (u |lse| and a float32 margin): an exact lse stays as it is, so
-    // out and lse of whole rows of which k, v hold one block (ring attention) still give that
-    // block's share. dQ = scale 2^-fix sum_j dS_ij K_j; the lse (log2 domain, +inf where the row
-    // sees no key) goes to part 2.
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
-        float factor[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float l = quad_sum(lsum[i][h]), x = lse2[i][h];
-            const float bound = x == INF ? 0.f : fabsf(x) * LSE_ULP + LSE_MARGIN;
-            const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
-            factor[h] = scale * ex2(-fix);
-            const int r = r0 + 16 * i + 8 * h;
-            if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[qrow + r] = x + fix;
-        }
-        store_rows((elem*)dqp + qrow * D, dq[i], factor, r0 + 16 * i, nq);
-    }
+    for (int i = 0; i < MT; ++i) dq_store(dqp, lsefp, qrow, dq[i], lsum[i], lse2[i], r0 + 16 * i, nq, scale);
 }
 #elif ATTNKERN_PART == 2
 // ---------------------------------------------------------------- dK, dV
@@ -705,7 +735,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         store_rows((elem*)dvp + kvrow * D, dv[m], one, kw0 + 16 * m + g, nk);
     }
 }
-#else
+#elif ATTNKERN_PART == 3
 // ---------------------------------------------------------------- dK, dV on Hopper's wgmma (sm_90a)
 // Part 3: part 2's work (the same grid of key blocks, the same query tiles in the same order,
 // the same P^T and dS^T) on warpgroup MMAs for float16/bfloat16 at D = 64 or 128, without
@@ -825,5 +855,106 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
     store_rows((u16*)dkp + kvrow * D, dk, sc, kw0 + g, nk);
     store_rows((u16*)dvp + kvrow * D, dv, one, kw0 + g, nk);
+}
+#elif ATTNKERN_PART == 4
+// ---------------------------------------------------------------- dQ on Hopper's wgmma (sm_90a)
+// Part 4: part 1's work (the same grid of query blocks, key tiles, P, dS, lse correction, delta)
+// on warpgroup MMAs for float16/bfloat16 at D = 64 or 128, without masks, ALiBi, dropout or
+// packed sequences (cpp.py runs part 1 for those). A block has NW / 4 warpgroups of 64 query
+// rows; Q and dO stay in shared memory, K/V tiles of BN = 64 keys stream through it (cp.async,
+// double-buffered), all in wgmma's swizzled layout. Per tile a warpgroup issues S = Q K^T and
+// dP = dO V^T (m64n64k16, Q and dO the A operand in shared memory, K and V K-major B operands),
+// waits, computes dS in its registers (q_grads, as part 1) and issues dQ += dS K (m64nDk16, dS
+// the register A operand, K an MN-major B operand read transposed), the flash_wgmma.cu forward's
+// P V. Sums in part 1's order per row, no atomics.
+#if ATTNKERN_TF32 || ATTNKERN_MASK || ATTNKERN_ALIBI || ATTNKERN_DROPOUT || ATTNKERN_VARLEN || (D != 64 && D != 128)
+#error "the wgmma dQ kernel is float16/bfloat16 at D = 64 or 128 without masks, ALiBi, dropout or varlen"
+#endif
+static_assert(BN == 64 && MT == 1 && NW % 4 == 0, "part 4: 64-key K/V tiles, warpgroups of 4 warps");
+#define OWN_BYTES (BW * D * 2)  // Q or dO of the block
+#define KT_BYTES (BN * D * 2)   // one streamed K or V tile
+#define WG_SMEM_BYTES (2 * OWN_BYTES + 4 * KT_BYTES + 1024)  // + room to align to 1024
+
+extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
+                                         u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
+                                         float scale, int causal, FEAT_PARAMS) {
+    constexpr int NS = BN / 8;  // 8-key tiles of a K/V tile: the N of S and dP is BN = 64
+#if ATTNKERN_DYNAMIC
+    extern __shared__ __align__(1024) u16 smem[];
+#else
+    __shared__ __align__(1024) u16 smem[WG_SMEM_BYTES / 2];
+#endif
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, wg = warp >> 2;
+    const u64 b = blockIdx.y;
+    const int q0 = block_first_row(causal, BW);
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    const u64 qrow = b * (u64)nq, kvrow = f.kv_row * (u64)nk;
+    const u16* k = (const u16*)kp + kvrow * D;
+    const u16* v = (const u16*)vp + kvrow * D;
+    const u32 qs = ((smem_u32(smem) + 1023u) & ~1023u), dos = qs + OWN_BYTES, ks0 = dos + OWN_BYTES,
+              vs0 = ks0 + 2 * KT_BYTES;
+    const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
+    const int load_len = ATTNKERN_FEAT ? f.len : nk;
+
+    load_swizzled<BW, NTHREADS>((const u16*)qp + qrow * D, qs, q0, nq, tid);
+    load_swizzled<BW, NTHREADS>((const u16*)dop + qrow * D, dos, q0, nq, tid);
+    int jt0, jt1;
+    dq_key_tiles(f, q0, nq, nk, causal, jt0, jt1);
+    if (jt0 < jt1) {
+        load_swizzled<BN, NTHREADS>(k, ks0 + (jt0 & 1) * KT_BYTES, jt0 * BN, load_len, tid);
+        load_swizzled<BN, NTHREADS>(v, vs0 + (jt0 & 1) * KT_BYTES, jt0 * BN, load_len, tid);
+    }
+    cp_async_commit();
+
+    const int g0 = q0 + 64 * wg, wr0 = q0 + warp * 16, r0 = wr0 + g;  // the warpgroup's, the warp's, the lane's first row
+    float delta[2], lse2[2];
+    dq_row_stats(op, (const elem*)dop + qrow * D, lsep, deltap, qrow, wr0, nq, delta, lse2);
+    float dq[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+    float lsum[2] = {0.f, 0.f};  // the lane's share of each row's sum of P
+
+    for (int jt = jt0; jt < jt1; ++jt) {
+        const int j0 = jt * BN;
+        const u32 kb = ks0 + (jt & 1) * KT_BYTES, vb = vs0 + (jt & 1) * KT_BYTES;
+        cp_async_wait_all();
+        fence_async_shared();  // the cp.async writes visible to wgmma
+        __syncthreads();       // tile jt (and Q, dO) in; every warpgroup is done with tile jt - 1
+        if (jt + 1 < jt1) {
+            load_swizzled<BN, NTHREADS>(k, ks0 + ((jt + 1) & 1) * KT_BYTES, j0 + BN, load_len, tid);
+            load_swizzled<BN, NTHREADS>(v, vs0 + ((jt + 1) & 1) * KT_BYTES, j0 + BN, load_len, tid);
+            cp_async_commit();
+        }
+        if (tile_unseen(f, j0, BN, g0, g0 + 63)) continue;  // the warpgroup's 64 rows: wgmma is collective
+        float s[NS][4], dp[NS][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(s, kmajor<BW>(qs, 64 * wg, kc), kmajor<BN>(kb, 0, kc), kc);
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(dp, kmajor<BW>(dos, 64 * wg, kc), kmajor<BN>(vb, 0, kc), kc);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(s);
+        pin(dp);
+        AFrag dsf[NS];
+        if (tile_masked(f, j0, BN, wr0, wr0 + 15))
+            q_grads(true, s, dp, dsf, lsum, r0, j0, lse2, delta, f, sgn, c);
+        else
+            q_grads(false, s, dp, dsf, lsum, r0, j0, lse2, delta, f, sgn, c);
+        // dQ += dS K: the A fragment of keys 16 cc... is the 8-key tiles 2 cc, 2 cc + 1
+        pin(dsf);
+        pin(dq);
+        wgmma_fence();
+#pragma unroll
+        for (int cc = 0; cc < BN / 16; ++cc) {
+            const u32 af[4] = {dsf[2 * cc][0], dsf[2 * cc][1], dsf[2 * cc + 1][0], dsf[2 * cc + 1][1]};
+            wgmma_rs(dq, af, mndesc<BN>(kb, cc));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();  // this tile's K read before the next barrier refills its buffer
+        pin(dq);
+    }
+    cp_async_wait_all();  // a block whose rows see no key still loaded Q and dO
+    dq_store(dqp, lsefp, qrow, dq, lsum, lse2, r0, nq, scale);
 }
 #endif
