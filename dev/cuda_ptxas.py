@@ -42,9 +42,9 @@ KERNELS = [
        dict(D=d, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=bn, FEAT=0, MASK=0, ALIBI=0), BWD)
       for d, bns in ((64, (64, 128)), (128, (64, 64))) for part, bn in zip((1, 2), bns)),
     # the dK/dV and dQ kernels on wgmma (PART 3 and 4, Hopper only: run with --arch sm_90a), plain and featured
-    *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}{'_feat' if feat else ''}",
-       dict(D=d, BF16=1, TF32=0, PART=part, NW=8, MT=1, BN=64, FEAT=feat, MASK=0, ALIBI=0), BWD)
-      for part in (3, 4) for d in (64, 128) for feat in (0, 1)),
+    *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}_w{nw}_n{bn}{'_feat' if feat else ''}",
+       dict(D=d, BF16=1, TF32=0, PART=part, NW=nw, MT=1, BN=bn, FEAT=feat, MASK=0, ALIBI=0), BWD)
+      for part in (3, 4) for d in (64, 128) for nw in (4, 8) for bn in (64, 128) for feat in (0, 1)),
     # the dropout variants (forward on mma.sync, both backward kernels) beside the backward's featured ones
     *(("flash_mma.cu", f"mma_bf16_d{d}_feat_dropout",
        dict(D=d, BF16=1, BN=64, MT=2, NW=4, QSMEM=int(d > 64), FEAT=1, MASK=0, ALIBI=0, FAST=0, DROPOUT=1), MMA)

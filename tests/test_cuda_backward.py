@@ -522,7 +522,7 @@ def test_half_backward_registered():
     for dtype, d, variant in (("float32", 64, {}), ("bfloat16", 96, {}), ("bfloat16", 64, {"mask": 1}),
                               ("float16", 128, {"alibi": True}), ("bfloat16", 64, {"dropout": True}),
                               ("bfloat16", 128, {"varlen": True})):
-        with pytest.raises(ValueError, match="wgmma dK/dV kernel"):
+        with pytest.raises(ValueError, match="wgmma dQ and dK/dV kernels"):
             cpp.flash_bwd_kernels(dtype, d, wg, featured=bool(variant), **variant)
     if SIMULATED:
         x = np.zeros((1, 2, 16), ml_dtypes.bfloat16)
@@ -623,51 +623,103 @@ def test_half_backward_block_shares(dtype):
         assert float((piece.float() - w.float()).abs().max()) <= limit, name
 
 
+def test_wgmma_backward_routing(monkeypatch):
+    """A wgmma division (Hopper) runs calls with GQA, causal alignments, windows, key lengths and
+    the softcap; one with a mask, ALiBi, dropout or packed sequences runs the mma.sync kernels
+    (cpp.flash_bwd_launches swaps the division before compiling anything)."""
+    from types import SimpleNamespace
+
+    from attnkern.backends.cuda import cpp
+    from attnkern.backends.cuda.arrays import GpuArray
+
+    class Compiled(Exception):
+        pass
+
+    seen = []
+
+    def record(dtype, d, config, *args, **kw):
+        seen.append(config)
+        raise Compiled  # stop before the launches' arguments: only the division matters here
+
+    monkeypatch.setattr(cpp, "flash_bwd_kernels", record)
+    x = GpuArray((2, 64, 64), np.dtype(ml_dtypes.bfloat16), None, ptr=0)
+    lse, scratch = GpuArray((2, 64), x.dtype, None, ptr=0), GpuArray((128,), np.float32, None, ptr=0)
+    base = dict(mask_kind=0, alibi=None, dropout_p=0.0, cu_q=None)
+    wg = cpp.BwdConfig.parse("qwg2x64kvwg2x64")
+    for change, wgmma in (({}, True), ({"mask_kind": 1}, False), ({"alibi": object()}, False),
+                          ({"dropout_p": 0.1}, False), ({"cu_q": object()}, False)):
+        for feat in ((None, SimpleNamespace(**base)) if not change else (SimpleNamespace(**dict(base, **change)),)):
+            seen.clear()
+            with pytest.raises(Compiled):
+                cpp.flash_bwd_launches(x, x, x, x, x, lse, x, x, x, scratch, scratch, False, 0.1, feat, wg)
+            assert seen == [wg if wgmma else cpp.bwd_config(64, "bfloat16", wgmma=False)], (change, seen)
+
+
+# the wgmma divisions (Hopper) the tests run beside the default: one and two warpgroups a block,
+# 64- and 128-row/key tiles (a 128-row Q/dO tile only at D = 64: it spills above)
+WGMMA_DIVISIONS = {64: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x128", "qwg2x128kvwg2x64"],
+                   128: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x64", "qwg2x128kvwg2x64"]}
+
+
 @half_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_backward_wgmma_and_mma_kernels(monkeypatch, dtype):
-    """On Hopper the dK/dV kernel runs on wgmma by default (cpp.BWD_WGMMA) at D = 64 and 128, and
-    the mma.sync one with cpp.BWD_WGMMA = 0: both within FlashAttention's rule, dq bit-identical
-    (the same dQ kernel), dk and dv equal within the sums' order, each bit-identical run to run;
-    a mask, ALiBi and dropout run the mma.sync dK/dV kernel (its name says so)."""
+def test_half_backward_wgmma_divisions(dtype):
+    """On Hopper both kernels run on wgmma by default (cpp.BWD_WGMMA) at D = 64 and 128. Each wgmma
+    division and the mma.sync one (cpp.flash_bwd_mma with the division) on the same arrays, with
+    GQA, both causal alignments, key lengths, a window, the softcap and a negative scale: within
+    FlashAttention's rule and bit-identical run to run."""
     from attnkern.backends.cuda import cpp
     from test_triton import check_gradients
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma is Hopper's (sm_90a)")
-    assert cpp.bwd_config(64, dtype).kv_wg == cpp.bwd_config(128, dtype).kv_wg == cpp.BWD_WGMMA > 0
+    default = cpp.bwd_config(64, dtype)
+    assert default.kv_wg == default.dq_wg == cpp.bwd_config(128, dtype).kv_wg == cpp.BWD_WGMMA > 0
     assert cpp.bwd_config(96, dtype).kv_wg == 0 and cpp.bwd_config(64, "float32").kv_wg == 0
-    names = []
-    real = cpp.flash_bwd_kernels
-    monkeypatch.setattr(cpp, "flash_bwd_kernels", lambda *a, **kw: names.append(str(a[2])) or real(*a, **kw))
     cases = [((1, 2), 2, 700, 700, 64, False, {}), ((1, 2), 2, 333, 500, 128, True, {}),
              ((2, 4), 2, 300, 300, 64, "bottom_right", {"key_lengths": [300, 129]}),
              ((1, 4), 1, 260, 200, 128, False, {"window": (70, 20), "softcap": 8.0})]
     for i, (lead, h_kv, nq, nk, d, causal, feats) in enumerate(cases):
         q, k, v, dout = _half_case(torch, dtype, lead, nq, nk, d, 300 + 10 * i, kv_heads=h_kv)
         scale = -0.9 / d ** 0.5 if i == 3 else 1 / d ** 0.5
-        results = {}
-        for wgmma in (cpp.BWD_WGMMA, 0):
-            monkeypatch.setattr(cpp, "BWD_WGMMA", wgmma)
-            names.clear()
-            _, _, grads = _half_backward(q, k, v, dout, causal=causal, scale=scale, **feats)
-            assert names and all(("kvwg" in n) == bool(wgmma) for n in names), names
-            check_gradients(grads, q, k, v, dout, causal, scale, feats, (dtype, i, wgmma))
-            again = _half_backward(q, k, v, dout, causal=causal, scale=scale, **feats)[2]
-            assert all(torch.equal(g, a) for g, a in zip(grads, again))
-            results[wgmma] = grads
-        new, old = results.values()
-        assert torch.equal(new[0], old[0])
-        for a, b in zip(new[1:], old[1:]):
-            assert float((a.float() - b.float()).abs().max()) <= 4 * UNIT_ROUNDOFF[dtype] * float(b.abs().max())
-    # features the wgmma kernel lacks run the mma.sync one under the wgmma default
-    monkeypatch.setattr(cpp, "BWD_WGMMA", 2)
-    q, k, v, dout = _half_case(torch, dtype, (1, 2), 100, 100, 64, 9)
-    for kw in ({"attn_mask": torch.rand(100, 100, device="cuda") < 0.8}, {"alibi_slopes": [0.5, 0.25]},
-               {"dropout_p": 0.1, "dropout_seed": 3}):
-        names.clear()
-        _half_backward(q, k, v, dout, **kw)
-        assert names and not any("kvwg" in n for n in names), (kw, names)
+        out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, scale=scale, return_lse=True,
+                                      **feats)
+        for name in [str(cpp.bwd_config(d, dtype, wgmma=False)), *WGMMA_DIVISIONS[d]]:
+            config = cpp.BwdConfig.parse(name)
+            runs = [_flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats) for _ in range(2)]
+            check_gradients(runs[0], q, k, v, dout, causal, scale, feats, (dtype, i, name))
+            assert all(torch.equal(g, a) for g, a in zip(*runs)), name
+
+
+def _flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats):
+    """cpp.flash_bwd_mma with this division on torch CUDA tensors (batch, heads, n, d) and the
+    features feats (window, key_lengths, softcap; GQA from the shapes): (dq, dk, dv)."""
+    import ml_dtypes
+
+    from attnkern import _registry
+    from attnkern.backends.cuda import launch
+    from attnkern.backends.cuda.arrays import GpuArray
+
+    dtypes = {torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float16: np.dtype(np.float16)}
+
+    def flat(x):  # a GpuArray over the tensor's memory, heads folded into the batch
+        shape = (-1, *x.shape[-2:]) if x.dim() == 4 else (-1, x.shape[-1])
+        y = x.reshape(shape)
+        return GpuArray(tuple(y.shape), dtypes[x.dtype], None, ptr=y.data_ptr(), owner=y)
+
+    rows, group = q.shape[0] * q.shape[1], q.shape[1] // k.shape[1]
+    left, right = feats.get("window", (None, None))
+    lengths = feats.get("key_lengths")
+    features = _registry.Features(
+        kv_group=group, align="bottom_right" if causal == "bottom_right" else "top_left",
+        window_left=-1 if left is None else left, window_right=-1 if right is None or causal else right,
+        key_lengths=None if lengths is None else np.asarray(lengths, np.int64), softcap=feats.get("softcap", 0.0))
+    feat = launch.KernelFeatures.of(features, rows, dtypes[q.dtype]) if features.needs() else None
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    cpp.flash_bwd_mma(*(flat(x) for x in (q, k, v, out, dout, lse)), *(flat(g) for g in grads), bool(causal),
+                      scale, feat, config)
+    torch.cuda.synchronize()
+    return grads
 
 
 @half_gpu

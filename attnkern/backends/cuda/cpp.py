@@ -503,8 +503,8 @@ class BwdConfig:
     the dK/dV kernel's `kv_warps` warps of `kv_mt` 16-key mma tiles each, streaming Q/dO
     tiles of `kv_rows` query rows (each B fragment read from shared memory feeds the
     warp's mt tiles). kv_wg > 0: the dK/dV kernel on Hopper's wgmma instead (flash_bwd_mma.cu's
-    part 3: kv_wg warpgroups of 64 keys a block, 64-row Q/dO tiles), and dq_wg > 0 the dQ kernel
-    (part 4: dq_wg warpgroups of 64 query rows, 64-key K/V tiles); float16/bfloat16, D = 64 or
+    part 3: kv_wg warpgroups of 64 keys a block, Q/dO tiles of kv_rows = 64 or 128), and dq_wg > 0
+    the dQ kernel (part 4: dq_wg warpgroups of 64 query rows, K/V tiles of dq_keys = 64 or 128); float16/bfloat16, D = 64 or
     128, no masks, ALiBi, dropout or packed sequences; kv_warps (dq_warps) is then 4 kv_wg (dq_wg)."""
 
     dq_warps: int = 4
@@ -605,10 +605,11 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     config = config or bwd_config(d, dtype)
     wgmma = config.kv_wg or config.dq_wg
     if wgmma and (dtype == "float32" or d not in WGMMA_HEAD_SIZES or mask or alibi or dropout or varlen
-                  or (config.kv_wg and (config.kv_rows != 64 or config.kv_warps != 4 * config.kv_wg))
-                  or (config.dq_wg and (config.dq_keys != 64 or config.dq_warps != 4 * config.dq_wg))):
+                  or (config.kv_wg and (config.kv_rows not in (64, 128) or config.kv_warps != 4 * config.kv_wg
+                                        or (config.kv_rows == 128 and d > 64)))  # 128-row tiles spill above 64
+                  or (config.dq_wg and (config.dq_keys not in (64, 128) or config.dq_warps != 4 * config.dq_wg))):
         raise ValueError(f"flash_bwd_mma.cu's wgmma dQ and dK/dV kernels ({config}) take float16/bfloat16 at D = 64 "
-                         f"or 128, 64-key and 64-row tiles and no masks, ALiBi, dropout or packed sequences, not "
+                         f"or 128, 64- or 128-key and -row tiles (128-row Q/dO tiles at D = 64) and no masks, ALiBi, dropout or packed sequences, not "
                          f"{dtype} at D = {d}")
     suffix = _suffix(featured, mask, alibi, dropout=dropout, varlen=varlen)
     common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", int(dtype == "float32")),

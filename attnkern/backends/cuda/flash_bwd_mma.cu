@@ -741,8 +741,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 // the same P^T and dS^T) on warpgroup MMAs for float16/bfloat16 at D = 64 or 128, without
 // masks, ALiBi, dropout or packed sequences (cpp.py runs part 2 for those). A block has NW / 4
 // warpgroups of 64 keys; its K and V rows stay in shared memory in wgmma's swizzled layout
-// (flash_wgmma_common.cuh), the Q/dO tiles of BN = 64 rows stream through it with cp.async,
-// double-buffered. Per tile a warpgroup issues S^T = K Q^T and dP^T = V dO^T (m64n64k16, K and V
+// (flash_wgmma_common.cuh), the Q/dO tiles of BN = 64 or 128 rows stream through it with cp.async,
+// double-buffered. Per tile a warpgroup issues S^T = K Q^T and dP^T = V dO^T (m64nBNk16, K and V
 // its A operand in shared memory, Q and dO K-major B operands), waits for them, computes P^T and
 // dS^T in its registers (kv_grads, as part 2: keys as the rows of the accumulators, laid out as
 // mma.sync's, so they are the register A operand as they stand) and issues dV += P^T dO and
@@ -751,7 +751,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #if ATTNKERN_TF32 || ATTNKERN_MASK || ATTNKERN_ALIBI || ATTNKERN_DROPOUT || ATTNKERN_VARLEN || (D != 64 && D != 128)
 #error "the wgmma dK/dV kernel is float16/bfloat16 at D = 64 or 128 without masks, ALiBi, dropout or varlen"
 #endif
-static_assert(BN == 64 && MT == 1 && NW % 4 == 0, "part 3: 64-row Q/dO tiles, warpgroups of 4 warps");
+static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 3: 64- or 128-row Q/dO tiles, warpgroups");
 #define KV_BYTES (BW * D * 2)  // K or V of the block
 #define QT_BYTES (BN * D * 2)  // one streamed Q or dO tile
 #define WG_SMEM_BYTES (2 * KV_BYTES + 4 * QT_BYTES + 16 * BN + 1024)  // + lse, delta; + room to align to 1024
@@ -759,7 +759,7 @@ static_assert(BN == 64 && MT == 1 && NW % 4 == 0, "part 3: 64-row Q/dO tiles, wa
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
                                          u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
                                          float scale, int causal, FEAT_PARAMS) {
-    constexpr int NQ = BN / 8;  // 8-row tiles of a Q/dO tile: the N of S^T and dP^T is BN = 64
+    constexpr int NQ = BN / 8;  // 8-row tiles of a Q/dO tile: the N of S^T and dP^T is BN
 #if ATTNKERN_DYNAMIC
     extern __shared__ __align__(1024) u16 smem[];
 #else
@@ -861,16 +861,16 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 // Part 4: part 1's work (the same grid of query blocks, key tiles, P, dS, lse correction, delta)
 // on warpgroup MMAs for float16/bfloat16 at D = 64 or 128, without masks, ALiBi, dropout or
 // packed sequences (cpp.py runs part 1 for those). A block has NW / 4 warpgroups of 64 query
-// rows; Q and dO stay in shared memory, K/V tiles of BN = 64 keys stream through it (cp.async,
+// rows; Q and dO stay in shared memory, K/V tiles of BN = 64 or 128 keys stream through it (cp.async,
 // double-buffered), all in wgmma's swizzled layout. Per tile a warpgroup issues S = Q K^T and
-// dP = dO V^T (m64n64k16, Q and dO the A operand in shared memory, K and V K-major B operands),
+// dP = dO V^T (m64nBNk16, Q and dO the A operand in shared memory, K and V K-major B operands),
 // waits, computes dS in its registers (q_grads, as part 1) and issues dQ += dS K (m64nDk16, dS
 // the register A operand, K an MN-major B operand read transposed), the flash_wgmma.cu forward's
 // P V. Sums in part 1's order per row, no atomics.
 #if ATTNKERN_TF32 || ATTNKERN_MASK || ATTNKERN_ALIBI || ATTNKERN_DROPOUT || ATTNKERN_VARLEN || (D != 64 && D != 128)
 #error "the wgmma dQ kernel is float16/bfloat16 at D = 64 or 128 without masks, ALiBi, dropout or varlen"
 #endif
-static_assert(BN == 64 && MT == 1 && NW % 4 == 0, "part 4: 64-key K/V tiles, warpgroups of 4 warps");
+static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 4: 64- or 128-key K/V tiles, warpgroups");
 #define OWN_BYTES (BW * D * 2)  // Q or dO of the block
 #define KT_BYTES (BN * D * 2)   // one streamed K or V tile
 #define WG_SMEM_BYTES (2 * OWN_BYTES + 4 * KT_BYTES + 1024)  // + room to align to 1024
@@ -878,7 +878,7 @@ static_assert(BN == 64 && MT == 1 && NW % 4 == 0, "part 4: 64-key K/V tiles, war
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
                                          u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
                                          float scale, int causal, FEAT_PARAMS) {
-    constexpr int NS = BN / 8;  // 8-key tiles of a K/V tile: the N of S and dP is BN = 64
+    constexpr int NS = BN / 8;  // 8-key tiles of a K/V tile: the N of S and dP is BN
 #if ATTNKERN_DYNAMIC
     extern __shared__ __align__(1024) u16 smem[];
 #else
