@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkern
+from attnkern import _torch_cuda
 from attnkern.backends.cuda import cpp
 
 U = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -48,6 +49,8 @@ def main():
                             q, rep(k), rep(v), is_causal=causal), q, k, v, dout)
                         for wg in (cpp.BWD_WGMMA, 0):
                             saved, cpp.BWD_WGMMA = cpp.BWD_WGMMA, wg
+                            # the torch fast path keeps a plan (its kernels) per shape: start over
+                            _torch_cuda._plans("backward_plans").clear()
                             try:
                                 out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal,
                                                               return_lse=True)

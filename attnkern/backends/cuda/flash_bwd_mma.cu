@@ -534,6 +534,49 @@ static __device__ __forceinline__ void dq_store(u64 dqp, u64 lsefp, u64 qrow, co
 }
 #endif
 
+#if ATTNKERN_PART >= 3
+// The wgmma kernels' gradient math in two phases, so that the second product of a tile (dP, or
+// dP^T) still runs on the tensor cores while the first phase exponentiates:
+// wg_probs: P of one warp's 16 rows (rows r0 = its first + g and r0 + 8 of the accumulator layout,
+// columns col0 + the tile's 8-column tiles; row-major: the rows are query rows, r_is_query) into
+// pf (packed, an A operand) and s overwritten with P times the softcap's slope; its P summed into
+// lsum (the dQ kernel's row sums; the dK/dV kernel passes a scratch). lse2[...] of query row
+// (index into the lane's rows or the tile's columns) via lse_of.
+// wg_dscores: dS = s (dP - delta) into dsf (packed).
+template <int NT, typename Lse>
+static __device__ __forceinline__ void wg_probs(bool MASK, float (&s)[NT][4], AFrag (&pf)[NT], float (&lsum)[2],
+                                                int r0, int col0, bool rows_are_queries, const Lse& lse_of,
+                                                const Feat& f, float sgn, float c) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = r0 + (e >> 1) * 8, col = col0 + n * 8 + ACC_COL(lane, e);
+            float slope;
+            p[e] = rows_are_queries ? prob(MASK, s[n][e], col, r, lse_of(e >> 1, n, e), f, sgn, c, slope)
+                                    : prob(MASK, s[n][e], r, col, lse_of(e >> 1, n, e), f, sgn, c, slope);
+            lsum[e >> 1] += p[e];
+            s[n][e] = p[e] * slope;
+        }
+        pack_tile(pf[n], p);
+    }
+}
+
+template <int NT, typename Delta>
+static __device__ __forceinline__ void wg_dscores(const float (&s)[NT][4], const float (&dp)[NT][4],
+                                                  AFrag (&dsf)[NT], const Delta& delta_of) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        float ds[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[e] = s[n][e] * (dp[n][e] - delta_of(e >> 1, n, e));
+        pack_tile(dsf[n], ds);
+    }
+}
+#endif
+
 #if ATTNKERN_PART == 1
 // ---------------------------------------------------------------- dQ (and delta, the corrected lse)
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
@@ -814,32 +857,41 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         if (tile_unseen(f, kg0, 64, i0, last)) continue;  // the warpgroup's 64 keys: wgmma is collective
         const u32 qb = qs0 + buf * QT_BYTES, dob = dos0 + buf * QT_BYTES;
         const float* tl = sl + buf * 2 * BN;
+        // S^T and dP^T, one commit group each: P^T is computed while dP^T is still on the tensor cores
         float s[NQ][4], dp[NQ][4];
         wgmma_fence();
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(s, kmajor<BW>(ks, 64 * wg, kc), kmajor<BN>(qb, 0, kc), kc);
+        wgmma_commit();
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(dp, kmajor<BW>(vs, 64 * wg, kc), kmajor<BN>(dob, 0, kc), kc);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();
         pin(s);
-        pin(dp);
         AFrag pf[NQ], dsf[NQ];
+        float unused[2] = {0.f, 0.f};  // the dK/dV kernel needs no row sums of P
+        const auto lse_of = [&](int, int n, int e) { return tl[n * 8 + ACC_COL(lane, e)]; };
         if (tile_masked(f, kw0, 16, i0, last))
-            kv_grads(true, s, dp, pf, dsf, kw0, i0, tl, f, sgn, c);
+            wg_probs(true, s, pf, unused, kw0 + g, i0, false, lse_of, f, sgn, c);
         else
-            kv_grads(false, s, dp, pf, dsf, kw0, i0, tl, f, sgn, c);
-        // dV += P^T dO and dK += dS^T Q: the A fragment of query rows 16 cc... is the 8-row tiles 2 cc, 2 cc + 1
+            wg_probs(false, s, pf, unused, kw0 + g, i0, false, lse_of, f, sgn, c);
+        // dV += P^T dO and dK += dS^T Q: the A fragment of query rows 16 cc... is the 8-row tiles
+        // 2 cc, 2 cc + 1; dS^T is computed while dV's products run
         pin(pf);
-        pin(dsf);
         pin(dv);
-        pin(dk);
         wgmma_fence();
 #pragma unroll
         for (int cc = 0; cc < BN / 16; ++cc) {
             const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
             wgmma_rs(dv, af, mndesc<BN>(dob, cc));
         }
+        wgmma_commit();
+        wgmma_wait<1>();  // dP^T in (dV's products may still run)
+        pin(dp);
+        wg_dscores(s, dp, dsf, [&](int, int n, int e) { return tl[BN + n * 8 + ACC_COL(lane, e)]; });
+        pin(dsf);
+        pin(dk);
+        wgmma_fence();
 #pragma unroll
         for (int cc = 0; cc < BN / 16; ++cc) {
             const u32 af[4] = {dsf[2 * cc][0], dsf[2 * cc][1], dsf[2 * cc + 1][0], dsf[2 * cc + 1][1]};
@@ -926,21 +978,26 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             cp_async_commit();
         }
         if (tile_unseen(f, j0, BN, g0, g0 + 63)) continue;  // the warpgroup's 64 rows: wgmma is collective
+        // S and dP, one commit group each: P is computed while dP is still on the tensor cores
         float s[NS][4], dp[NS][4];
         wgmma_fence();
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(s, kmajor<BW>(qs, 64 * wg, kc), kmajor<BN>(kb, 0, kc), kc);
+        wgmma_commit();
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(dp, kmajor<BW>(dos, 64 * wg, kc), kmajor<BN>(vb, 0, kc), kc);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();
         pin(s);
-        pin(dp);
-        AFrag dsf[NS];
+        AFrag pf[NS], dsf[NS];  // pf: P in the input dtype, unused here (the compiler drops it)
+        const auto lse_of = [&](int h, int, int) { return lse2[h]; };
         if (tile_masked(f, j0, BN, wr0, wr0 + 15))
-            q_grads(true, s, dp, dsf, lsum, r0, j0, lse2, delta, f, sgn, c);
+            wg_probs(true, s, pf, lsum, r0, j0, true, lse_of, f, sgn, c);
         else
-            q_grads(false, s, dp, dsf, lsum, r0, j0, lse2, delta, f, sgn, c);
+            wg_probs(false, s, pf, lsum, r0, j0, true, lse_of, f, sgn, c);
+        wgmma_wait<0>();
+        pin(dp);
+        wg_dscores(s, dp, dsf, [&](int h, int, int) { return delta[h]; });
         // dQ += dS K: the A fragment of keys 16 cc... is the 8-key tiles 2 cc, 2 cc + 1
         pin(dsf);
         pin(dq);
