@@ -1,8 +1,8 @@
 """cuda.flash's half-precision backward at benchmark sizes against float64 autograd, under
 FlashAttention's rule: each of dq, dk, dv within twice the error of torch's SDPA (its default
 backend) in the same dtype plus two roundings of the largest gradient; repeated calls
-bit-identical. Runs the default kernels (cpp.BWD_WGMMA: wgmma on Hopper) and the mma.sync ones
-(cpp.BWD_WGMMA = 0) on the same inputs. One GPU; prints a line per case, JSON rows to --json.
+bit-identical. Runs the default kernels (cpp.BWD_WGMMA True: wgmma on Hopper) and the mma.sync ones
+(cpp.BWD_WGMMA False) on the same inputs. One GPU; prints a line per case, JSON rows to --json.
 
     python3 dev/gpu_bwd_wgmma_check.py --sizes 1024 4096 --json out.json
 """
@@ -47,7 +47,7 @@ def main():
                                        q.double(), k.double(), v.double(), dout.double())
                         theirs = grads_of(lambda q, k, v: F.scaled_dot_product_attention(
                             q, rep(k), rep(v), is_causal=causal), q, k, v, dout)
-                        for wg in (cpp.BWD_WGMMA, 0):
+                        for wg in (True, False):
                             saved, cpp.BWD_WGMMA = cpp.BWD_WGMMA, wg
                             # the torch fast path keeps a plan (its kernels) per shape: start over
                             _torch_cuda._plans("backward_plans").clear()

@@ -655,8 +655,8 @@ def test_wgmma_backward_routing(monkeypatch):
             assert seen == [wg if wgmma else cpp.bwd_config(64, "bfloat16", wgmma=False)], (change, seen)
 
 
-# the wgmma divisions (Hopper) the tests run beside the default: one and two warpgroups a block,
-# 64- and 128-row/key tiles (a 128-row Q/dO tile only at D = 64: it spills above)
+# the wgmma divisions (Hopper) the tests run, the defaults (cpp.BWD_WGMMA_DIVISIONS) among them: one
+# and two warpgroups a block, 64- and 128-row/key tiles (a 128-row Q/dO tile only at D = 64: it spills above)
 WGMMA_DIVISIONS = {64: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x128", "qwg2x128kvwg2x64"],
                    128: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x64", "qwg2x128kvwg2x64"]}
 
@@ -664,7 +664,7 @@ WGMMA_DIVISIONS = {64: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x128
 @half_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_backward_wgmma_divisions(dtype):
-    """On Hopper both kernels run on wgmma by default (cpp.BWD_WGMMA) at D = 64 and 128. Each wgmma
+    """On Hopper both kernels run on wgmma by default (cpp.BWD_WGMMA_DIVISIONS) at D = 64 and 128. Each wgmma
     division and the mma.sync one (cpp.flash_bwd_mma with the division) on the same arrays, with
     GQA, both causal alignments, key lengths, a window, the softcap and a negative scale: within
     FlashAttention's rule and bit-identical run to run."""
@@ -673,8 +673,9 @@ def test_half_backward_wgmma_divisions(dtype):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma is Hopper's (sm_90a)")
-    default = cpp.bwd_config(64, dtype)
-    assert default.kv_wg == default.dq_wg == cpp.bwd_config(128, dtype).kv_wg == cpp.BWD_WGMMA > 0
+    for d in (64, 128):
+        default = cpp.bwd_config(d, dtype)
+        assert default.kv_wg > 0 and default.dq_wg > 0 and str(default) in WGMMA_DIVISIONS[d]
     assert cpp.bwd_config(96, dtype).kv_wg == 0 and cpp.bwd_config(64, "float32").kv_wg == 0
     cases = [((1, 2), 2, 700, 700, 64, False, {}), ((1, 2), 2, 333, 500, 128, True, {}),
              ((2, 4), 2, 300, 300, 64, "bottom_right", {"key_lengths": [300, 129]}),

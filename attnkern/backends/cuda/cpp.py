@@ -570,20 +570,25 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig
     keys x d take d registers a thread; ptxas: 251-255 registers, no spills, for
     sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
     (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower. On Hopper at
-    d = 64 or 128 (wgmma_applies) both kernels run on wgmma (BWD_WGMMA warpgroups a block, 64-key
-    and 64-row tiles) unless wgmma is False or BWD_WGMMA is 0."""
+    d = 64 or 128 (wgmma_applies) both kernels run on wgmma (BWD_WGMMA_DIVISIONS) unless wgmma or
+    BWD_WGMMA is False."""
     if dtype == "float32":
         return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 8, 8)
     if wgmma and BWD_WGMMA and wgmma_applies(d, d):
-        return BwdConfig(4 * BWD_WGMMA, 64, 4 * BWD_WGMMA, 64, kv_wg=BWD_WGMMA, dq_wg=BWD_WGMMA)
+        return BwdConfig.parse(BWD_WGMMA_DIVISIONS[d])
     return BwdConfig(kv_rows=128 if d <= 64 else 64)
 
 
-# The half dtypes' backward on Hopper (sm_90a, D = 64 or 128): warpgroups a block of
-# flash_bwd_mma.cu's wgmma kernels (parts 4 and 3: dQ, dK/dV), or 0 for the mma.sync ones (parts 1
-# and 2) everywhere. Read at each call. Calls with a mask, ALiBi, dropout or packed sequences run
-# parts 1 and 2 (bwd_wgmma_covers).
-BWD_WGMMA = 2
+# The half dtypes' backward on Hopper (sm_90a, D = 64 or 128): True runs flash_bwd_mma.cu's wgmma
+# kernels (parts 4 and 3: dQ, dK/dV) in the divisions BWD_WGMMA_DIVISIONS names, False the mma.sync
+# ones (parts 1 and 2) everywhere. Read whenever a call's kernels are chosen (the torch fast path
+# keeps a shape's plan, its kernels, once made). Calls with a mask, ALiBi, dropout or packed
+# sequences run parts 1 and 2 (bwd_wgmma_covers). The divisions: the fastest of
+# dev/gpu_bwd_versions.py's on an H100 (bfloat16, N 4096 and 8192, causal and not; docs/gpu-backward.md):
+# at D = 64 one warpgroup a block and 128-key / 128-row tiles (two blocks an SM), at D = 128 two
+# warpgroups, 128-key tiles for dQ and 64-row Q/dO tiles for dK/dV (128-row ones spill there).
+BWD_WGMMA = True
+BWD_WGMMA_DIVISIONS = {64: "qwg1x128kvwg1x128", 128: "qwg2x128kvwg2x64"}
 
 
 def bwd_wgmma_covers(feat) -> bool:
