@@ -603,7 +603,8 @@ register(
                     "float16/bfloat16: tensor cores, dropout on mma.sync; float64, and float32 with dropout: "
                     "Numba); "
                     "deterministic backward in two (dQ per query block, dK/dV per key block; float16/bfloat16 "
-                    "on tensor cores and float32 in 3xTF32, CUDA C++; float64, and float32 with tensor_cores=0 or "
+                    "on tensor cores (wgmma on Hopper at D = 64/128 without masks, ALiBi, dropout or varlen) and "
+                    "float32 in 3xTF32, CUDA C++; float64, and float32 with tensor_cores=0 or "
                     "dropout: Numba)",
         run=_cuda_flash,
         params=(

@@ -9,7 +9,9 @@
 //   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 128
 //   ATTNKERN_BF16     1 for bfloat16, 0 for float16 (half precision)
 //   ATTNKERN_TF32     1 for float32 (3xTF32), 0 for the half dtypes
-//   ATTNKERN_PART     1: the dQ kernel, 2: the dK/dV kernel
+//   ATTNKERN_PART     1: the dQ kernel, 2: the dK/dV kernel; on Hopper (sm_90a, float16/bfloat16,
+//                     D = 64 or 128, after flash_wgmma_common.cuh) 4: the dQ kernel and 3: the dK/dV
+//                     kernel on wgmma (the same work and order of sums; NW = 4 x warpgroups, MT = 1)
 //   ATTNKERN_NW       warps per block
 //   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
 //                     each B fragment read from shared memory feeds MT mma tiles
