@@ -179,10 +179,10 @@ def backward(q, k, v, out, dout, lse, causal, scale, kernel, params):
     caller knows that much) without features beyond grouped k/v heads and bottom-right
     causal masking: (dq, dk, dv); None where the general path must run; or a Pending
     where it must run and then plan this call shape. A plan launches cuda.flash's
-    tensor-core backward (float16, bfloat16; float32 in 3xTF32) prepared, its
-    gradients and float32 scratch memory allocated with torch on the legacy default
-    stream, which the kernels run on (on another stream: the general path): no wait
-    for the GPU and no allocation of Numba's."""
+    tensor-core backward (float16, bfloat16; float32 in 3xTF32) or triton.flash's two
+    backward kernels prepared, its gradients and float32 scratch memory allocated with
+    torch on the legacy default stream, which the kernels run on (on another stream: the
+    general path): no wait for the GPU and no allocation of Numba's."""
     if not usable():
         return None
     tensor = _torch().Tensor
@@ -219,13 +219,19 @@ def _backward_plan(call, chosen, resolved, params, *_) -> _Plan:
     """backward()'s plan from the general path's validated call (the forward's), its
     kernel and tunables."""
     from .backends._split import PREPARED_FEATURES
-    from .backends.cuda import prepared_flash_backward
 
-    if call.empty or chosen.name != "cuda.flash" or not call.needs <= PREPARED_FEATURES:
+    if call.empty or chosen.name not in ("cuda.flash", "triton.flash") or not call.needs <= PREPARED_FEATURES:
         return _Plan()
-    (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
-    prepared = prepared_flash_backward(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
-                                       resolved["tensor_cores"], call.features if call.needs else None)
+    if chosen.name == "triton.flash":
+        from .backends.triton import prepared_backward
+
+        prepared = prepared_backward(call, resolved)
+    else:
+        from .backends.cuda import prepared_flash_backward
+
+        (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
+        prepared = prepared_flash_backward(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
+                                           resolved["tensor_cores"], call.features if call.needs else None)
     if prepared is None:
         return _Plan(until=time.monotonic() + RECHECK_S)
     looked_up = len(params) < len(chosen.params)  # tunables from the tuning cache or defaults

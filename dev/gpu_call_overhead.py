@@ -2,7 +2,8 @@
 the CPU wait for the GPU, for attnkern against torch SDPA with each of its backends.
 
     python3 dev/gpu_call_overhead.py [--out DIR] [--calls N] [--no-autocast] [--cprofile]
-                                     [--device cpu]
+                                     [--device cpu] [--kernels auto,triton.flash,...]
+                                     [--shapes default,tiny,small] [--quick]
 
 For each shape (batch, heads, seq, head size; k/v heads; causal as the transformers
 integration passes it) and each variant (attnkern as the integration calls it, with
@@ -26,6 +27,13 @@ cudnn, math), in turns in one process, bf16 inputs under bf16 autocast unless --
   The trace records the CUDA runtime API; the driver calls that Numba and cuda.bindings
   make (cuEventSynchronize, cuMemFree, ...) are not in it: `waits` is the test for those.
 
+--kernels: attnkern's variants once per kernel name (kernel="auto" by default; e.g.
+cuda.flash,triton.flash). --shapes: "default" (SHAPES), "tiny" ((1, 8, 16, 64): the host's cost
+alone) and "small" (SMALL_GRID: N 64-512, batch 1-8, 8 heads, D = 64, causal and not); --quick
+leaves out waits and syncs (the busy-wait and the profiler trace). After each shape a line
+gives attnkern's host time per forward + backward (fwd_us + bwd_us) over that of torch SDPA's
+backend with the least.
+
 --cprofile prints cProfile's top functions of attnkern's forward (back to back, main
 thread) and of its backward (attnkern.attention_backward on the same tensors, called
 directly: autograd runs backward on its own thread) at the first shape.
@@ -44,6 +52,8 @@ import time
 # (batch, heads, seq, head size, k/v heads, causal)
 SHAPES = [(8, 8, 1024, 64, 2, "bottom_right"), (1, 8, 128, 64, 8, True), (4, 16, 2048, 128, 4, "bottom_right")]
 SMOKE_SHAPES = [(1, 4, 64, 16, 2, "bottom_right")]
+TINY_SHAPES = [(1, 8, 16, 64, 8, False)]
+SMALL_GRID = [(b, 8, n, 64, 8, causal) for causal in (False, True) for n in (64, 128, 256, 512) for b in (1, 2, 4, 8)]
 # the names (or name prefixes) of calls that wait for the GPU or manage device memory
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuCtxSynchronize",
          "cuStreamSynchronize", "cuEventSynchronize", "cuEventQuery", "cudaEventQuery", "cuStreamQuery",
@@ -51,15 +61,16 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
          "cuMemHostAlloc", "cudaHostAlloc")
 
 
-def variants(torch, attnkern):
-    """[(name, forward(q, k, v, causal) -> out, context)]: attnkern's, then SDPA's backends;
-    context() is entered around the variant's measurement."""
+def variants(torch, attnkern, kernels=("auto",)):
+    """[(name, forward(q, k, v, causal) -> out, context)]: attnkern's (per kernel name), then
+    SDPA's backends; context() is entered around the variant's measurement."""
     import contextlib
 
     from attnkern.backends import cuda as cuda_backend
 
-    def ours(check_finite):
-        return lambda q, k, v, causal: attnkern.attention(q, k, v, causal=causal, check_finite=check_finite)
+    def ours(check_finite, kernel):
+        return lambda q, k, v, causal: attnkern.attention(q, k, v, causal=causal, check_finite=check_finite,
+                                                          kernel=kernel)
 
     @contextlib.contextmanager
     def eager(on):
@@ -72,10 +83,13 @@ def variants(torch, attnkern):
             if was is not None:
                 cuda_backend.EAGER_AUTOGRAD = was
 
-    found = [("attnkern", ours(False), lambda: eager(True)),
-             ("attnkern check_finite", ours(True), lambda: eager(True))]
-    if hasattr(cuda_backend, "EAGER_AUTOGRAD"):
-        found.append(("attnkern op", ours(False), lambda: eager(False)))
+    found = []
+    for kernel in kernels:
+        name = "attnkern" if kernel == "auto" else kernel
+        found += [(name, ours(False, kernel), lambda: eager(True)),
+                  (f"{name} check_finite", ours(True, kernel), lambda: eager(True))]
+        if hasattr(cuda_backend, "EAGER_AUTOGRAD"):
+            found.append((f"{name} op", ours(False, kernel), lambda: eager(False)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(q, k, v, causal):
@@ -98,7 +112,7 @@ def inputs(torch, shape, device):
     return q, k, v, torch.randn(b, h, n, d, generator=g).to(device, dtype), causal
 
 
-def measure(torch, forward, shape, device, autocast, calls):
+def measure(torch, forward, shape, device, autocast, calls, quick=False):
     import contextlib
 
     q, k, v, dout, causal = inputs(torch, shape, device)
@@ -149,7 +163,7 @@ def measure(torch, forward, shape, device, autocast, calls):
               "fwd_cold_us": statistics.median(fwd_us), "bwd_cold_us": statistics.median(bwd_us),
               "step_ms": (time.perf_counter() - t) * 1e3 / calls,
               "gpu_ms": start.elapsed_time(end) / calls if cuda else None}
-    if cuda:
+    if cuda and not quick:
         result.update(busy_check(torch, fwd, dout))
         result["syncs"] = count_waits(torch, fwd, dout)
     return result
@@ -171,7 +185,7 @@ def busy_check(torch, fwd, dout) -> dict:
     return {"waits": bool(idle), "busy_us": host * 1e6}
 
 
-def cprofile(torch, attnkern, shape, device, autocast, calls) -> None:
+def cprofile(torch, attnkern, shape, device, autocast, calls, kernel="auto") -> None:
     """cProfile's top functions of attnkern's forward and backward implementation."""
     import cProfile
     import contextlib
@@ -181,12 +195,13 @@ def cprofile(torch, attnkern, shape, device, autocast, calls) -> None:
     cuda = device.type == "cuda"
     ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast and cuda else contextlib.nullcontext
     with ctx():
-        out, lse = attnkern.attention(q, k, v, causal=causal, check_finite=False, return_lse=True)
+        out, lse = attnkern.attention(q, k, v, causal=causal, check_finite=False, return_lse=True, kernel=kernel)
     # the backward's inputs in the forward's output dtype (under autocast: what autograd hands it)
     detached = [x.detach().to(out.dtype) for x in (q, k, v)] + [out.detach(), dout.to(out.dtype), lse.detach()]
-    for what, call in (("forward", lambda: attnkern.attention(q, k, v, causal=causal, check_finite=False)),
+    for what, call in (("forward", lambda: attnkern.attention(q, k, v, causal=causal, check_finite=False,
+                                                               kernel=kernel)),
                        ("backward (attnkern.attention_backward)",
-                        lambda: attnkern.attention_backward(*detached, causal=causal))):
+                        lambda: attnkern.attention_backward(*detached, causal=causal, kernel=kernel))):
         for _ in range(3):
             with ctx():
                 call()
@@ -200,8 +215,23 @@ def cprofile(torch, attnkern, shape, device, autocast, calls) -> None:
         prof.disable()
         if cuda:
             torch.cuda.synchronize()
-        print(f"# cProfile: attnkern {what}, {calls} calls, shape {shape}", flush=True)
+        print(f"# cProfile: attnkern {what}, kernel {kernel}, {calls} calls, shape {shape}", flush=True)
         pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(18)
+
+
+def summary(shape, done) -> None:
+    """Prints each attnkern variant's host time per forward + backward over the least of
+    torch SDPA's backends at this shape."""
+    sdpa = [r for r in done if r["variant"].startswith("sdpa ")]
+    if not sdpa:
+        return
+    best = min(sdpa, key=lambda r: r["fwd_us"] + r["bwd_us"])
+    base = best["fwd_us"] + best["bwd_us"]
+    for r in done:
+        if not r["variant"].startswith("sdpa "):
+            host = r["fwd_us"] + r["bwd_us"]
+            print(f"# {shape}: {r['variant']} fwd+bwd host {host:.0f} us = {host / base:.2f}x "
+                  f"{best['variant']}'s {base:.0f} us", flush=True)
 
 
 def count_waits(torch, fwd, dout, steps: int = 5) -> dict:
@@ -229,6 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-autocast", action="store_true", help="bf16 tensors without an autocast region")
     p.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions of attnkern's calls")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--kernels", default="auto", help="attnkern's kernels, comma-separated (default: auto)")
+    p.add_argument("--shapes", default="default", help="default, tiny, small: comma-separated")
+    p.add_argument("--quick", action="store_true", help="no busy-wait check and no profiler trace")
     args = p.parse_args(argv)
     import torch
 
@@ -238,32 +271,41 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_call_overhead.py needs a CUDA GPU (or --device cpu)")
     smoke = device.type == "cpu" or os.environ.get("ATTNKERN_BENCH_SMOKE") == "1"
-    shapes = SMOKE_SHAPES if smoke else SHAPES
+    sets = {"default": SHAPES, "tiny": TINY_SHAPES, "small": SMALL_GRID}
+    unknown = set(args.shapes.split(",")) - set(sets)
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(sets)}")
+    shapes = SMOKE_SHAPES if smoke else [s for name in args.shapes.split(",") for s in sets[name]]
+    kernels = args.kernels.split(",")
     calls = min(args.calls, 5) if smoke else args.calls
     autocast = not args.no_autocast
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     rows = []
     print(f"# {gpu}, torch {torch.__version__}, attnkern {attnkern.__version__}, "
           f"{'bf16 autocast' if autocast else 'bf16'}, {calls} calls", flush=True)
-    print(f"{'shape (B,H,N,D,Hkv,causal)':<38} {'variant':<22} {'fwd us':>7} {'bwd us':>7} {'fwd1 us':>7} "
+    print(f"{'shape (B,H,N,D,Hkv,causal)':<38} {'variant':<26} {'fwd us':>7} {'bwd us':>7} {'fwd1 us':>7} "
           f"{'bwd1 us':>7} {'step ms':>7} {'gpu ms':>6} {'waits':>5}  syncs per fwd+bwd", flush=True)
     for shape in shapes:
-        for name, forward, context in variants(torch, attnkern):
+        done = []
+        for name, forward, context in variants(torch, attnkern, kernels):
             try:
                 with context():
-                    r = measure(torch, forward, shape, device, autocast, calls)
+                    r = measure(torch, forward, shape, device, autocast, calls, args.quick)
             except Exception as exc:  # e.g. an SDPA backend that does not take this call
                 r = {"error": " ".join(str(exc).split())[:200]}
             rows.append({"shape": list(shape), "variant": name, **r})
             if "error" in r:
-                print(f"{str(shape):<38} {name:<22} {r['error'][:90]}", flush=True)
+                print(f"{str(shape):<38} {name:<26} {r['error'][:90]}", flush=True)
                 continue
+            done.append(rows[-1])
             gpu_ms = f"{r['gpu_ms']:6.2f}" if r["gpu_ms"] is not None else f"{'-':>6}"
-            print(f"{str(shape):<38} {name:<22} {r['fwd_us']:7.0f} {r['bwd_us']:7.0f} {r['fwd_cold_us']:7.0f} "
+            print(f"{str(shape):<38} {name:<26} {r['fwd_us']:7.0f} {r['bwd_us']:7.0f} {r['fwd_cold_us']:7.0f} "
                   f"{r['bwd_cold_us']:7.0f} {r['step_ms']:7.2f} {gpu_ms} {str(r.get('waits', '-')):>5}  "
                   f"{r.get('syncs', {})}", flush=True)
+        summary(shape, done)
     if args.cprofile:
-        cprofile(torch, attnkern, shapes[0], device, autocast, calls)
+        for kernel in kernels:
+            cprofile(torch, attnkern, shapes[0], device, autocast, calls, kernel)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "overhead.json"), "w") as f:

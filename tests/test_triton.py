@@ -437,3 +437,139 @@ def test_config_table_is_fixed():
         assert flash.config("dkdv", 2, 128, 16384, True) == (16, 16, 4, 1)
     finally:
         flash.OVERRIDE.clear()
+
+
+def _triton_step(q, k, v, dout, causal, check_finite=False):
+    """Forward and backward of triton.flash through torch autograd: out and (dq, dk, dv)."""
+    for x in (q, k, v):
+        x.grad = None
+    out = attnkern.attention(q, k, v, causal=causal, kernel="triton.flash", check_finite=check_finite)
+    out.backward(dout)
+    return out.detach(), (q.grad, k.grad, v.grad)
+
+
+def _leaves(torch, dtype, shape, kv_heads, seed):
+    """q, k, v leaves that require grad (k and v with kv_heads heads) and dout, on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, n, d = shape
+    make = lambda heads: torch.randn(b, heads, n, d, generator=g).to(getattr(torch, dtype)).cuda()  # noqa: E731
+    return make(h).requires_grad_(), make(kv_heads).requires_grad_(), make(kv_heads).requires_grad_(), make(h)
+
+
+def _general(torch, fn):
+    """fn() with the frontend's fast path off (every call validated and dispatched by Triton)."""
+    from attnkern import _torch_cuda
+
+    _torch_cuda.FAST_PATH = False
+    try:
+        return fn()
+    finally:
+        _torch_cuda.FAST_PATH = True
+
+
+def _triton_plans(name, key_of):
+    """The plans of this thread's fast path (name: "plans" or "backward_plans") whose key
+    key_of(key) picks, as (key, plan)."""
+    from attnkern import _torch_cuda
+
+    return [(key, p) for key, p in getattr(_torch_cuda._LOCAL, name, {}).items() if key_of(key)]
+
+
+@pytest.fixture(params=["eager", "op"])
+def triton_autograd(request):
+    """Both ways autograd reaches triton.flash: the eager autograd Function and the custom op;
+    skipped where the frontend's fast path cannot run (no numba-cuda GPU)."""
+    from attnkern import _torch_cuda
+    from attnkern.backends import cuda as cuda_backend
+
+    if not _torch_cuda.usable():
+        pytest.skip("the fast path needs numba-cuda's GPU (attnkern.backends.cuda)")
+    was = cuda_backend.EAGER_AUTOGRAD
+    cuda_backend.EAGER_AUTOGRAD = request.param == "eager"
+    yield request.param
+    cuda_backend.EAGER_AUTOGRAD = was
+
+
+# (dtype, (batch, heads, n, d), k/v heads, causal): plain, causal, GQA bottom-right, float32, D = 128
+PREPARED_CASES = [("bfloat16", (2, 4, 200, 64), 4, False), ("float16", (2, 4, 257, 128), 4, True),
+                  ("bfloat16", (2, 8, 333, 64), 2, "bottom_right"), ("float32", (2, 8, 100, 64), 2, True),
+                  ("bfloat16", (1, 8, 16, 64), 8, False)]
+
+
+@gpu
+def test_triton_prepared_autograd_matches_general_path(triton_autograd):
+    """Forward and backward under autograd with the prepared launches (the forward's and the
+    backward's plans) against the general path: the same output and gradients bit for bit,
+    within the reference's bounds; attention_backward takes the same plan and agrees."""
+    import torch
+
+    for i, (dtype, shape, kv_heads, causal) in enumerate(PREPARED_CASES):
+        q, k, v, dout = _leaves(torch, dtype, shape, kv_heads, seed=40 + i)
+        fast = [_triton_step(q, k, v, dout, causal) for _ in range(3)][-1]  # plan, then the plans' launches
+        general = _general(torch, lambda: _triton_step(q, k, v, dout, causal))
+        where = (dtype, shape, kv_heads, causal)
+        assert torch.equal(fast[0], general[0]), where
+        assert all(torch.equal(a, b) for a, b in zip(fast[1], general[1])), where
+        back = _triton_plans("backward_plans", lambda key: key[15] == "triton.flash" and key[0] == q.shape
+                             and key[1] == k.shape and key[6] == q.dtype)
+        assert back and all(p.launch is not None for _, p in back), f"no prepared backward: {where}"
+        fwd = _triton_plans("plans", lambda key: key[9] == "triton.flash" and key[0] == q.shape
+                            and key[1] == k.shape and key[3] == q.dtype and key[13])
+        assert fwd and all(p.launch is not None for _, p in fwd), f"no prepared forward: {where}"
+        scale = shape[3] ** -0.5
+        check(fast[0], None, q.detach(), k.detach(), v.detach(), causal, scale, "triton.flash", where)
+        check_gradients(fast[1], q.detach(), k.detach(), v.detach(), dout, causal, scale, {}, where)
+        out, lse = attnkern.attention(q.detach(), k.detach(), v.detach(), causal=causal, kernel="triton.flash",
+                                      return_lse=True)
+        for _ in range(2):
+            grads = attnkern.attention_backward(q.detach(), k.detach(), v.detach(), out, dout, lse, causal=causal,
+                                                kernel="triton.flash")
+            assert all(torch.equal(a, b) for a, b in zip(grads, general[1])), where
+
+
+@gpu
+def test_triton_prepared_plans_are_not_reused_across_calls(triton_autograd):
+    """After a shape is planned, a call of another length, dtype, k/v head count or causal
+    setting, and one on tensors of other strides (a transposed layout: not contiguous, the
+    general path), each gets the general path's bits and the reference's accuracy."""
+    import torch
+
+    q, k, v, dout = _leaves(torch, "bfloat16", (2, 8, 160, 64), 2, seed=60)
+    for _ in range(3):
+        _triton_step(q, k, v, dout, True)
+    others = [("bfloat16", (2, 8, 161, 64), 2, True), ("float16", (2, 8, 160, 64), 2, True),
+              ("bfloat16", (2, 8, 160, 64), 4, True), ("bfloat16", (2, 8, 160, 64), 2, False)]
+    for i, (dtype, shape, kv_heads, causal) in enumerate(others):
+        q2, k2, v2, dout2 = _leaves(torch, dtype, shape, kv_heads, seed=61 + i)
+        for _ in range(2):
+            got = _triton_step(q2, k2, v2, dout2, causal)
+            want = _general(torch, lambda: _triton_step(q2, k2, v2, dout2, causal))
+            assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1])), i
+        check_gradients(got[1], q2.detach(), k2.detach(), v2.detach(), dout2, causal, 1 / 8, {}, i)
+    # the planned shape, on (batch, n, heads, d) memory seen as (batch, heads, n, d)
+    t = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    assert not t[0].is_contiguous()
+    got = _triton_step(*t, dout, True)
+    want = _triton_step(q, k, v, dout, True)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+@gpu
+def test_triton_autograd_calls_do_not_wait_for_the_gpu(triton_autograd):
+    """A planned forward + backward queued behind a long GPU busy-wait returns while the GPU is
+    still busy (no synchronisation, no blocking allocation), with the same bits as before."""
+    import torch
+
+    for dtype, shape, kv_heads, causal in (("bfloat16", (8, 8, 1024, 64), 2, "bottom_right"),
+                                           ("bfloat16", (1, 8, 16, 64), 8, False),
+                                           ("float32", (2, 4, 200, 64), 4, True)):
+        q, k, v, dout = _leaves(torch, dtype, shape, kv_heads, seed=shape[2])
+        for _ in range(3):
+            want = _triton_step(q, k, v, dout, causal)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
+        got = _triton_step(q, k, v, dout, causal)
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert busy, f"forward or backward waited for the GPU: {dtype, shape}"
+        assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))

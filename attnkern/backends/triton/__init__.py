@@ -189,7 +189,8 @@ def _device(x):
 def prepared(call, resolved: dict, with_lse: bool):
     """A launch of triton.flash prepared for calls of this validated call's shape on torch CUDA
     tensors (the fast path of _torch_cuda): (launch(q, k, v, out[, lse]) on the tensors'
-    addresses, aligned(*addresses)), or None where there is none (a call with features).
+    addresses, aligned(*addresses)), or None where there is none (a call with features beyond
+    PREPARED_FEATURES: grouped k/v heads and bottom-right causal masking).
     The compiled kernel, its grid and arguments are fixed here, so that a call costs one
     launch through Triton's C launcher on the legacy default stream (the stream of
     cuda.flash's launches and of the NaN scan), not Triton's Python dispatch (and, opted in,
@@ -201,18 +202,16 @@ def prepared(call, resolved: dict, with_lse: bool):
     splits = _splits(batch, batch_kv, nq, nk, resolved.get("split_k", 0))
     if splits:
         return _prepared_decode(call, resolved, with_lse, splits)
-    if call.needs:
-        return None  # the regular kernel's featured calls: the general path
     import torch
 
     from . import flash
 
-    (batch, nq, d), (batch_kv, nk, dv) = call.q.shape, call.v.shape
     q, k, v = (x.owner for x in (call.q, call.k, call.v))
-    outs = [torch.empty((batch, nq, dv), dtype=q.dtype, device=q.device) for _ in range(2)]
+    outs = [torch.empty((batch, nq, call.v.shape[2]), dtype=q.dtype, device=q.device) for _ in range(2)]
     lses = [torch.empty((batch, nq), dtype=q.dtype, device=q.device) if with_lse else None for _ in range(2)]
-    kernel, args, grid = flash.launch(q, k, v, outs[0], lses[0], None, batch, batch_kv, nq, nk, d, dv, call.causal,
-                                      call.scale, call.q.dtype.name, resolved["tensor_cores"])
+    # (grouped k/v heads and bottom-right alignment are scalars and switches of the kernel; with no key
+    # lengths, the kernel's key-lengths pointer is q's, as _launcher passes it)
+    kernel, args, grid = flash.launch(q, k, v, outs[0], lses[0], None, *_shape(call, resolved))
     constexprs = set(getattr(flash.flash_forward, "constexprs", ()))
     ptrs = [x.data_ptr() for x in (q, k, v, outs[1], lses[1]) if x is not None]
     # recent Tritons pass every argument to the launcher, older ones (3.0, 3.1) only the non-constexpr
@@ -244,9 +243,7 @@ def _prepared_decode(call, resolved: dict, with_lse: bool, splits: int):
 
     (batch, nq, d), (batch_kv, nk, dv) = call.q.shape, call.v.shape
     q, k, v = (x.owner for x in (call.q, call.k, call.v))
-    features = call.features if call.needs else None
-    shape = (batch, batch_kv, nq, nk, d, dv, call.causal, call.scale, call.q.dtype.name, resolved["tensor_cores"],
-             features)
+    shape = _shape(call, resolved)
     outs = [torch.empty((batch, nq, dv), dtype=q.dtype, device=q.device) for _ in range(2)]
     lses = [torch.empty((batch, nq), dtype=q.dtype, device=q.device) if with_lse else None for _ in range(2)]
     bufs, launches = [], []
@@ -265,30 +262,117 @@ def _prepared_decode(call, resolved: dict, with_lse: bool, splits: int):
     kernels = ((partial, first, grid1, flash.flash_decode_partial),
                (combine, second, grid2, flash.flash_decode_combine))
     ptrs = [x.data_ptr() for x in (q, k, v, outs[1])] + ([lses[1].data_ptr()] if with_lse else [])
-    for every in (True, False):  # as in prepared: every argument, or (Triton 3.0, 3.1) the non-constexpr ones
-        steps = []
-        for kernel, args, grid, jit in kernels:
-            constexprs = set(getattr(jit, "constexprs", ()))
-            keep = [i for i in range(len(args)) if every or i not in constexprs]
-            steps.append(_launcher_at(kernel, grid, [args[i] for i in keep], roles[len(steps)]))
 
-        def run(*given, steps=steps):  # q, k, v, out[, lse], scratch
+    def runner(steps):
+        def run(*given):  # q, k, v, out[, lse], scratch
             full = (*given[:4], given[4] if with_lse else given[3], given[-1], given[-1] + lse_at)
             for step in steps:
                 step(full)
             _LAST.splits = splits
 
+        return run
+
+    def attempt(steps):
         outs[1].fill_(float("nan"))
         again = scratch(elems)
         torch.cuda.synchronize(q.device)
+        runner(steps)(*ptrs, again.data_ptr())
+        torch.cuda.synchronize(q.device)
+        return torch.equal(outs[0], outs[1]) and (not with_lse or torch.equal(lses[0], lses[1]))
+
+    steps = _checked(kernels, roles, attempt)
+    return None if steps is None else (runner(steps), _aligned, elems)
+
+
+def prepared_backward(call, resolved: dict):
+    """triton.flash's backward prepared for calls of this validated call's shape on torch CUDA
+    tensors (the fast path of _torch_cuda.backward): (launch(q, k, v, out, dout, lse, dq, dk, dv,
+    scratch) on the tensors' addresses, aligned(*the first nine), the float32 elements of
+    scratch memory a launch takes: delta and the float32 lse, as _backward's), or None where
+    the call has features beyond PREPARED_FEATURES or Triton's C launcher takes other
+    arguments. Its two kernels (flash.launch_backward: dQ, then dK/dV), their grids and
+    arguments are fixed here, so that a call costs two launches on the legacy default stream
+    and no validation, no Triton dispatch. Checked once against Triton's own dispatch on
+    this call's q, k, v (with out and lse of the forward, and out as the output's gradient):
+    the same gradients bit for bit, else None."""
+    if not call.needs <= PREPARED_FEATURES:
+        return None
+    import torch
+
+    from . import flash
+
+    (batch, nq, d), (batch_kv, nk, dv) = call.q.shape, call.v.shape
+    q, k, v = (x.owner for x in (call.q, call.k, call.v))
+    shape = _shape(call, resolved)
+    rows = batch * nq
+
+    def new(*size, dtype=q.dtype):
+        return torch.empty(size, dtype=dtype, device=q.device)
+
+    out, lse = new(batch, nq, dv), new(batch, nq)
+    flash.launch(q, k, v, out, lse, None, *shape)
+    dout = out  # any gradient serves a bit-for-bit comparison; out's values are at hand
+    grads = [(new(batch, nq, d), new(batch_kv, nk, d), new(batch_kv, nk, dv)) for _ in range(2)]
+    scratch = new(2 * rows, dtype=torch.float32)  # delta, then the float32 lse (as _backward's (2, batch, nq))
+    launches = []
+    flash.launch_backward(q, k, v, out, dout, lse, *grads[0], None, scratch[:rows], scratch[rows:], *shape,
+                          record=launches)
+    lse2_at = rows * 4  # the float32 lse's offset in the scratch memory
+    # the roles of each kernel's pointer arguments: 0 q, 1 k, 2 v, 3 out, 4 dout, 5 lse, 6 dq, 7 dk,
+    # 8 dv, 9 delta, 10 the float32 lse; the key lengths' pointer (unused without them) is q's
+    roles = (((0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (7, 9), (8, 10), (9, 0)),
+             ((0, 0), (1, 1), (2, 2), (3, 4), (4, 9), (5, 10), (6, 7), (7, 8), (8, 0)))
+    kernels = [(*launch, jit) for launch, jit in zip(launches, (flash.flash_backward_dq, flash.flash_backward_dkdv))]
+    ptrs = [x.data_ptr() for x in (q, k, v, out, dout, lse, *grads[1])]
+
+    def runner(steps):
+        def run(*given):  # q, k, v, out, dout, lse, dq, dk, dv, scratch
+            base = given[9]
+            full = (*given[:9], base, base + lse2_at)
+            for step in steps:
+                step(full)
+
+        return run
+
+    def attempt(steps):
+        for g in grads[1]:
+            g.fill_(float("nan"))
+        again = new(2 * rows, dtype=torch.float32)
+        torch.cuda.synchronize(q.device)
+        runner(steps)(*ptrs, again.data_ptr())
+        torch.cuda.synchronize(q.device)
+        return all(torch.equal(a, b) for a, b in zip(*grads))
+
+    steps = _checked(kernels, roles, attempt)
+    return None if steps is None else (runner(steps), _aligned, 2 * rows)
+
+
+def _shape(call, resolved: dict) -> tuple:
+    """flash.launch's trailing arguments (batch, batch_kv, nq, nk, d, dv, causal, scale, dtype
+    name, tensor_cores, features) for a validated call."""
+    (batch, nq, d), (batch_kv, nk, dv) = call.q.shape, call.v.shape
+    return (batch, batch_kv, nq, nk, d, dv, call.causal, call.scale, call.q.dtype.name, resolved["tensor_cores"],
+            call.features if call.needs else None)
+
+
+def _checked(kernels, roles, attempt):
+    """Launches of compiled kernels ((compiled kernel, its arguments in the kernel's order, grid,
+    its jit function) each) through Triton's C launcher, kernel i's arguments at the positions
+    of roles[i] replaced per call (_launcher_at): the first of two argument layouts, every
+    argument (recent Tritons) or the non-constexpr ones (Triton 3.0, 3.1), that the launcher
+    takes and for which attempt(steps) (a run checked against Triton's own dispatch) is True;
+    None where it takes neither (a TypeError before launching) or the check fails."""
+    for every in (True, False):
+        steps = []
+        for (kernel, args, grid, jit), role in zip(kernels, roles):
+            constexprs = set(getattr(jit, "constexprs", ()))
+            steps.append(_launcher_at(kernel, grid, [a for i, a in enumerate(args) if every or i not in constexprs],
+                                      role))
         try:
-            run(*ptrs, again.data_ptr())
+            ok = attempt(steps)
         except TypeError:
             continue
-        torch.cuda.synchronize(q.device)
-        if torch.equal(outs[0], outs[1]) and (not with_lse or torch.equal(lses[0], lses[1])):
-            return run, _aligned, elems
-        return None
+        return steps if ok else None
     return None
 
 

@@ -725,9 +725,11 @@ def launch(q, k, v, out, lse, lens, batch: int, batch_kv: int, nq: int, nk: int,
 
 def launch_backward(q, k, v, out, dout, lse, dq, dk, dv_, lens, delta, lse2, batch: int, batch_kv: int, nq: int,
                     nk: int, d: int, dv: int, causal: bool, scale: float, dtype_name: str, tensor_cores: int = 1,
-                    features=None) -> None:
+                    features=None, record=None) -> None:
     """dq, dk, dv_ of attention (launch's arguments) given out, its gradient dout and lse;
-    delta, lse2: (batch, nq) float32 scratch on the GPU."""
+    delta, lse2: (batch, nq) float32 scratch on the GPU. record (a list) receives each
+    launch's (compiled kernel, its arguments in the kernel's order, grid), for prepared
+    launches."""
     scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
     scalars["scale"] = scale
     switches.update(EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
@@ -735,7 +737,12 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv_, lens, delta, lse2, bat
     rest = [scalars[n] for n in _BACKWARD_SCALARS]
     lens = q if lens is None else lens
     rounding = LSE_ROUNDING[dtype_name]  # lse has the inputs' dtype
-    _launch(flash_backward_dq, "dq", first, _KEY + ["LSE_ROUNDING"], lambda bm, bn: (triton.cdiv(nq, bm), batch),
-            [q, k, v, out, dout, lse, dq, delta, lse2, lens, *rest, rounding], switches)
-    _launch(flash_backward_dkdv, "dkdv", second, _KEY, lambda bm, bn: (triton.cdiv(nk, bn), batch_kv),
-            [q, k, v, dout, delta, lse2, dk, dv_, lens, *rest], switches)
+    for jit, kernel, chosen, key, grid, args in (
+            (flash_backward_dq, "dq", first, _KEY + ["LSE_ROUNDING"], lambda bm, bn: (triton.cdiv(nq, bm), batch),
+             [q, k, v, out, dout, lse, dq, delta, lse2, lens, *rest, rounding]),
+            (flash_backward_dkdv, "dkdv", second, _KEY, lambda bm, bn: (triton.cdiv(nk, bn), batch_kv),
+             [q, k, v, dout, delta, lse2, dk, dv_, lens, *rest])):
+        compiled, (bm, bn) = _launch(jit, kernel, chosen, key, grid, args, switches)
+        if record is not None:
+            named = dict(zip(jit.arg_names, args), **switches, BLOCK_M=bm, BLOCK_N=bn)
+            record.append((compiled, [named[n] for n in jit.arg_names], grid(bm, bn)))
