@@ -530,8 +530,9 @@ def test_triton_prepared_autograd_matches_general_path(triton_autograd):
 @gpu
 def test_triton_prepared_plans_are_not_reused_across_calls(triton_autograd):
     """After a shape is planned, a call of another length, dtype, k/v head count or causal
-    setting, and one on tensors of other strides (a transposed layout: not contiguous, the
-    general path), each gets the general path's bits and the reference's accuracy."""
+    setting, and one whose q is not 16-byte aligned (the plan's kernels were compiled for
+    aligned addresses), each gets the general path's bits and the reference's accuracy; q
+    of other strides (a transposed layout) is refused as the general path refuses it."""
     import torch
 
     q, k, v, dout = _leaves(torch, "bfloat16", (2, 8, 160, 64), 2, seed=60)
@@ -546,12 +547,21 @@ def test_triton_prepared_plans_are_not_reused_across_calls(triton_autograd):
             want = _general(torch, lambda: _triton_step(q2, k2, v2, dout2, causal))
             assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1])), i
         check_gradients(got[1], q2.detach(), k2.detach(), v2.detach(), dout2, causal, 1 / 8, {}, i)
-    # the planned shape, on (batch, n, heads, d) memory seen as (batch, heads, n, d)
-    t = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v)]
-    assert not t[0].is_contiguous()
-    got = _triton_step(*t, dout, True)
-    want = _triton_step(q, k, v, dout, True)
-    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    # the planned shape, q one element past an aligned address
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)
+    shifted = buf[1:].view(q.shape)
+    shifted.copy_(q.detach())
+    shifted.requires_grad_()
+    for _ in range(2):
+        got = _triton_step(shifted, k, v, dout, True)
+        want = _general(torch, lambda: _triton_step(shifted, k, v, dout, True))
+        assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    check_gradients(got[1], q.detach(), k.detach(), v.detach(), dout, True, 1 / 8, {}, "shifted")
+    # the planned shape on (batch, n, heads, d) memory seen as (batch, heads, n, d)
+    t = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    assert not t.is_contiguous()
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _triton_step(t, k, v, dout, True)
 
 
 @gpu
@@ -573,3 +583,29 @@ def test_triton_autograd_calls_do_not_wait_for_the_gpu(triton_autograd):
         torch.cuda.synchronize()
         assert busy, f"forward or backward waited for the GPU: {dtype, shape}"
         assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+@gpu
+def test_triton_prepared_path_under_torch_compile():
+    """torch.compile(fullgraph=True) traces triton.flash as the custom op (no graph break), whose
+    implementation takes the prepared launches: the eager path's output and gradients bit for bit."""
+    import torch
+    import torch._dynamo
+
+    q, k, v, dout = _leaves(torch, "bfloat16", (2, 8, 128, 64), 2, seed=70)
+
+    def fn(q, k, v):
+        return attnkern.attention(q, k, v, causal="bottom_right", kernel="triton.flash", check_finite=False)
+
+    explained = torch._dynamo.explain(fn)(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    want = [_triton_step(q, k, v, dout, "bottom_right") for _ in range(3)][-1]
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for _ in range(3):
+        for x in (q, k, v):
+            x.grad = None
+        out = compiled(q, k, v)
+        out.backward(dout)
+        assert torch.equal(out.detach(), want[0])
+        assert all(torch.equal(x.grad, g) for x, g in zip((q, k, v), want[1]))

@@ -9,8 +9,9 @@ Triton is imported on first use.
 It takes GPU arrays as attention() hands them to cuda.* kernels (GpuArrays over
 torch CUDA tensors, CuPy arrays, ...; see backends/cuda/arrays.py), and NumPy
 arrays, which are copied to the GPU through torch and back. Triton launches on
-torch's current stream; the prepared launches of _torch_cuda's fast path
-(prepared) on the legacy default stream, as cuda.flash's."""
+torch's current stream; the prepared launches of _torch_cuda's fast path (prepared:
+the forward; prepared_backward: the backward's two kernels, under torch autograd and
+attention_backward) on the legacy default stream, as cuda.flash's."""
 
 from __future__ import annotations
 
