@@ -1,7 +1,8 @@
 #!/bin/bash
 # The device call behind docs/gpu-backward.md's prepared-backward figures (2026-11-26): the GPU
-# tests of the prepared triton.flash autograd path and test_triton.py in full (parallel groups, CPUs 4-15), beside dev/gpu_call_overhead.py with
-# triton.flash (CPUs 0-3), then the small grid and a quieter rerun of the tiny shape. Run from a
+# tests of the prepared triton.flash autograd path and test_triton.py in full (parallel groups,
+# CPUs 4-15), beside dev/gpu_call_overhead.py with triton.flash (CPUs 0-3), then the small grid
+# and a quieter rerun of the tiny shape. Run from a
 # folder holding whl/ (the attnkern cp312 wheel and a NumPy 2.4 wheel), tests/ and dev/:
 #   bash <folder>/dev/triton_overhead_device_run.sh   (writes $OUT/tests.txt, overhead.*, small.*, quiet.txt)
 cd "$(dirname "$0")/.."
