@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkern
-from attnkern import _torch_cuda
+import attnkern.backends.cuda
 from attnkern.backends.cuda import cpp
 
 U = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -27,6 +27,9 @@ def grads_of(fn, q, k, v, dout):
 
 
 def main():
+    # the torch fast path keeps a plan (its kernels) per shape, made under the first
+    # cpp.BWD_WGMMA it saw: the general path chooses the kernels on every call
+    attnkern.backends.cuda.FAST_PATH = False
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--json")
@@ -49,8 +52,6 @@ def main():
                             q, rep(k), rep(v), is_causal=causal), q, k, v, dout)
                         for wg in (True, False):
                             saved, cpp.BWD_WGMMA = cpp.BWD_WGMMA, wg
-                            # the torch fast path keeps a plan (its kernels) per shape: start over
-                            _torch_cuda._plans("backward_plans").clear()
                             try:
                                 out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal,
                                                               return_lse=True)
