@@ -45,6 +45,12 @@ KERNELS = [
     *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}_w{nw}_n{bn}{'_feat' if feat else ''}",
        dict(D=d, BF16=1, TF32=0, PART=part, NW=nw, MT=1, BN=bn, FEAT=feat, MASK=0, ALIBI=0), BWD)
       for part in (3, 4) for d in (64, 128) for nw in (4, 8) for bn in (64, 128) for feat in (0, 1)),
+    # the same with a ring of STAGES streamed tiles copied whole at constant offsets (cpp.BwdConfig's s suffix)
+    *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}_w{nw}_n{bn}_s{st}{'_feat' if feat else ''}",
+       dict(D=d, BF16=1, TF32=0, PART=part, NW=nw, MT=1, BN=bn, FEAT=feat, MASK=0, ALIBI=0, STAGES=st), BWD)
+      for part in (3, 4) for d, nw, bn, st in ((64, 4, 128, 2), (64, 4, 128, 3), (64, 4, 64, 3), (64, 8, 128, 3),
+                                               (128, 8, 64, 3), (128, 8, 128, 2), (128, 8, 64, 4))
+      for feat in (0, 1)),
     # the dropout variants (forward on mma.sync, both backward kernels) beside the backward's featured ones
     *(("flash_mma.cu", f"mma_bf16_d{d}_feat_dropout",
        dict(D=d, BF16=1, BN=64, MT=2, NW=4, QSMEM=int(d > 64), FEAT=1, MASK=0, ALIBI=0, FAST=0, DROPOUT=1), MMA)

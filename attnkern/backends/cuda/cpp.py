@@ -505,7 +505,10 @@ class BwdConfig:
     warp's mt tiles). kv_wg > 0: the dK/dV kernel on Hopper's wgmma instead (flash_bwd_mma.cu's
     part 3: kv_wg warpgroups of 64 keys a block, Q/dO tiles of kv_rows = 64 or 128), and dq_wg > 0
     the dQ kernel (part 4: dq_wg warpgroups of 64 query rows, K/V tiles of dq_keys = 64 or 128); float16/bfloat16, D = 64 or
-    128, no masks, ALiBi, dropout or packed sequences; kv_warps (dq_warps) is then 4 kv_wg (dq_wg)."""
+    128, no masks, ALiBi, dropout or packed sequences; kv_warps (dq_warps) is then 4 kv_wg (dq_wg).
+    kv_stages / dq_stages (wgmma kernels only; named by an s suffix, qwg1x128s3kvwg1x128s3): 0 streams
+    the tiles double-buffered with load_swizzled's copies, 2-4 through a ring of that many stages with
+    whole tiles copied at constant offsets (flash_bwd_mma.cu's ATTNKERN_STAGES)."""
 
     dq_warps: int = 4
     dq_keys: int = 64
@@ -515,6 +518,8 @@ class BwdConfig:
     kv_mt: int = 1
     kv_wg: int = 0
     dq_wg: int = 0
+    kv_stages: int = 0
+    dq_stages: int = 0
 
     def part(self, part: int) -> tuple[int, int, int]:
         """(warps, mma tiles a warp, streamed rows) of part 1 (dQ) or 2 (dK/dV)."""
@@ -524,36 +529,49 @@ class BwdConfig:
         """The ATTNKERN_PART of part 1 (dQ: 1 on mma.sync, 4 on wgmma) or 2 (dK/dV: 2, or 3 on wgmma)."""
         return (4 if self.dq_wg else 1) if part == 1 else (3 if self.kv_wg else 2)
 
+    def stages(self, part: int) -> int:
+        """The ATTNKERN_STAGES of part 1 (dQ) or 2 (dK/dV): 0 for double buffering by load_swizzled."""
+        return self.dq_stages if part == 1 else self.kv_stages
+
     def shared_bytes(self, d: int, part: int, itemsize: int = 2) -> int:
         """Shared memory of one block of part 1 (dQ) or 2 (dK/dV) at head size d: its
         own two operands of 16 mt warps rows, two buffers of two streamed tiles (rows
         padded to d + 8 elements of itemsize bytes: 2 for the half dtypes, 4 for float32),
-        and for part 2 the streamed rows' lse and delta; the wgmma dK/dV kernel's rows are
-        unpadded (its swizzled layout), with 1 KB to align them to 1024 bytes."""
+        and for part 2 the streamed rows' lse and delta; the wgmma kernels' rows are
+        unpadded (their swizzled layout), with 1 KB to align them to 1024 bytes, and their
+        streamed tiles (and lse, delta) in stages(part) buffers (2 for 0)."""
         warps, mt, rows = self.part(part)
         if self.kernel_part(part) > 2:
-            return (2 * 64 * warps // 4 + 4 * rows) * d * itemsize + (16 * rows if part == 2 else 0) + 1024
+            st = self.stages(part) or 2
+            return (2 * 64 * warps // 4 + 2 * st * rows) * d * itemsize + (8 * st * rows if part == 2 else 0) + 1024
         return (2 * 16 * mt * warps + 4 * rows) * (d + 8) * itemsize + (16 * rows if part == 2 else 0)
 
     def __str__(self) -> str:
         m = lambda mt: f"m{mt}" if mt != 1 else ""  # noqa: E731
-        dq = f"qwg{self.dq_wg}x{self.dq_keys}" if self.dq_wg else f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}"
-        kv = f"kvwg{self.kv_wg}x{self.kv_rows}" if self.kv_wg else f"kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}"
+        st = lambda n: f"s{n}" if n else ""  # noqa: E731
+        dq = (f"qwg{self.dq_wg}x{self.dq_keys}{st(self.dq_stages)}" if self.dq_wg
+              else f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}")
+        kv = (f"kvwg{self.kv_wg}x{self.kv_rows}{st(self.kv_stages)}" if self.kv_wg
+              else f"kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}")
         return dq + kv
 
     @classmethod
     def parse(cls, name: str) -> "BwdConfig":
         """The division str() names (q4x64kv4x32m2: 4 warps x 64 keys, then 4 warps of 2 tiles x 32 rows;
-        qwg2x64kvwg2x64: both kernels on wgmma, 2 warpgroups each, 64-key and 64-row tiles)."""
+        qwg2x64kvwg2x64: both kernels on wgmma, 2 warpgroups each, 64-key and 64-row tiles;
+        qwg1x128s3kvwg1x128s3: on wgmma with 3-stage rings)."""
         import re
 
-        found = re.fullmatch(r"q(wg)?(\d+)x(\d+)(?:m(\d))?kv(wg)?(\d+)x(\d+)(?:m(\d))?", name)
-        if found is None or (found.group(1) and found.group(4)) or (found.group(5) and found.group(8)):
-            raise ValueError(f"not a flash_bwd_mma.cu division: {name!r} (e.g. q4x64kv4x32m2, qwg2x64kvwg2x64)")
-        qwg, w1, k1, m1, kvwg, w2, r2, m2 = found.groups()
+        found = re.fullmatch(r"q(wg)?(\d+)x(\d+)(?:m(\d))?(?:s(\d))?kv(wg)?(\d+)x(\d+)(?:m(\d))?(?:s(\d))?", name)
+        if found is None or any(found.group(i) and (not found.group(w) or found.group(m)) for w, m, i in
+                                ((1, 4, 5), (6, 9, 10))) or (found.group(1) and found.group(4)) or (
+                found.group(6) and found.group(9)):
+            raise ValueError(f"not a flash_bwd_mma.cu division: {name!r} (e.g. q4x64kv4x32m2, qwg2x64kvwg2x64, "
+                             "qwg1x128s3kvwg1x128s3: stages on wgmma kernels only)")
+        qwg, w1, k1, m1, s1, kvwg, w2, r2, m2, s2 = found.groups()
         w1, w2 = int(w1), int(w2)
         return cls(4 * w1 if qwg else w1, int(k1), 4 * w2 if kvwg else w2, int(r2), int(m1 or 1), int(m2 or 1),
-                   w2 if kvwg else 0, w1 if qwg else 0)
+                   w2 if kvwg else 0, w1 if qwg else 0, int(s2 or 0), int(s1 or 0))
 
 
 def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig:
@@ -612,17 +630,23 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     if wgmma and (dtype == "float32" or d not in WGMMA_HEAD_SIZES or mask or alibi or dropout or varlen
                   or (config.kv_wg and (config.kv_rows not in (64, 128) or config.kv_warps != 4 * config.kv_wg
                                         or (config.kv_rows == 128 and d > 64)))  # 128-row tiles spill above 64
-                  or (config.dq_wg and (config.dq_keys not in (64, 128) or config.dq_warps != 4 * config.dq_wg))):
+                  or (config.dq_wg and (config.dq_keys not in (64, 128) or config.dq_warps != 4 * config.dq_wg))
+                  or any(config.shared_bytes(d, p) > WGMMA_SHARED_LIMIT for p in (1, 2) if config.kernel_part(p) > 2)):
         raise ValueError(f"flash_bwd_mma.cu's wgmma dQ and dK/dV kernels ({config}) take float16/bfloat16 at D = 64 "
-                         f"or 128, 64- or 128-key and -row tiles (128-row Q/dO tiles at D = 64) and no masks, ALiBi, dropout or packed sequences, not "
-                         f"{dtype} at D = {d}")
+                         f"or 128, 64- or 128-key and -row tiles (128-row Q/dO tiles at D = 64), a block's shared "
+                         f"memory within {WGMMA_SHARED_LIMIT} bytes and no masks, ALiBi, dropout or packed sequences, "
+                         f"not {dtype} at D = {d}")
+    if (config.dq_stages and not config.dq_wg) or (config.kv_stages and not config.kv_wg) or not all(
+            s in (0, 2, 3, 4) for s in (config.dq_stages, config.kv_stages)):
+        raise ValueError(f"flash_bwd_mma.cu division {config}: stages (2 to 4) are for the wgmma kernels only")
     suffix = _suffix(featured, mask, alibi, dropout=dropout, varlen=varlen)
     common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", int(dtype == "float32")),
               ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), *_variant(dropout, varlen))
     params = BWD_PARAMS + FEAT_TYPES
     return tuple(
         _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config}{suffix}",
-                       (*common, ("PART", kernel_part), ("NW", warps), ("MT", mt), ("BN", rows)), params, 32 * warps,
+                       (*common, ("PART", kernel_part), ("NW", warps), ("MT", mt), ("BN", rows),
+                        *((("STAGES", config.stages(part)),) if kernel_part > 2 else ())), params, 32 * warps,
                        config.shared_bytes(d, part, 4 if dtype == "float32" else 2))
         for part, kernel_part, (warps, mt, rows) in ((p, config.kernel_part(p), config.part(p)) for p in (1, 2)))
 

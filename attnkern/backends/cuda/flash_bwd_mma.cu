@@ -579,6 +579,27 @@ static __device__ __forceinline__ void wg_dscores(const float (&s)[NT][4], const
 }
 #endif
 
+#if ATTNKERN_PART >= 3
+// The streamed tiles' ring (Q/dO tiles in part 3, K/V tiles in part 4): ATTNKERN_STAGES 0 is the
+// double buffering of load_swizzled's copies; 2 or more (cpp.BwdConfig.stages) that many buffers,
+// STAGES - 1 tiles in flight while one is computed, and whole tiles copied at constant offsets
+// (load_whole; tiles that end past the rows' count take load_swizzled's zero fill).
+#ifndef ATTNKERN_STAGES
+#define ATTNKERN_STAGES 0
+#endif
+#define STAGES (ATTNKERN_STAGES ? ATTNKERN_STAGES : 2)
+static_assert(STAGES >= 2 && STAGES <= 4, "parts 3 and 4: 2 to 4 stages");
+
+// rows r0... of a streamed tile of ROWS rows, n rows in all
+template <int ROWS>
+static __device__ __forceinline__ void load_stream(const u16* src, u32 dst, int r0, int n, int tid) {
+    if constexpr (ATTNKERN_STAGES > 0)
+        load_whole<ROWS, NTHREADS>(src, dst, r0, n, tid);
+    else
+        load_swizzled<ROWS, NTHREADS>(src, dst, r0, n, tid);
+}
+#endif
+
 #if ATTNKERN_PART == 1
 // ---------------------------------------------------------------- dQ (and delta, the corrected lse)
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
@@ -786,8 +807,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 // the same P^T and dS^T) on warpgroup MMAs for float16/bfloat16 at D = 64 or 128, without
 // masks, ALiBi, dropout or packed sequences (cpp.py runs part 2 for those). A block has NW / 4
 // warpgroups of 64 keys; its K and V rows stay in shared memory in wgmma's swizzled layout
-// (flash_wgmma_common.cuh), the Q/dO tiles of BN = 64 or 128 rows stream through it with cp.async,
-// double-buffered. Per tile a warpgroup issues S^T = K Q^T and dP^T = V dO^T (m64nBNk16, K and V
+// (flash_wgmma_common.cuh), the Q/dO tiles of BN = 64 or 128 rows stream through it with cp.async
+// in a ring of STAGES stages. Per tile a warpgroup issues S^T = K Q^T and dP^T = V dO^T (m64nBNk16, K and V
 // its A operand in shared memory, Q and dO K-major B operands), waits for them, computes P^T and
 // dS^T in its registers (kv_grads, as part 2: keys as the rows of the accumulators, laid out as
 // mma.sync's, so they are the register A operand as they stand) and issues dV += P^T dO and
@@ -799,7 +820,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 3: 64- or 128-row Q/dO tiles, warpgroups");
 #define KV_BYTES (BW * D * 2)  // K or V of the block
 #define QT_BYTES (BN * D * 2)  // one streamed Q or dO tile
-#define WG_SMEM_BYTES (2 * KV_BYTES + 4 * QT_BYTES + 16 * BN + 1024)  // + lse, delta; + room to align to 1024
+#define WG_SMEM_BYTES (2 * KV_BYTES + STAGES * (2 * QT_BYTES + 8 * BN) + 1024)  // + lse, delta; + room to align to 1024
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
                                          u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
@@ -820,8 +841,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const u16* k = (const u16*)kp + kvrow * D;
     const u16* v = (const u16*)vp + kvrow * D;
     const u32 base = smem_u32(smem), ks = (base + 1023u) & ~1023u, vs = ks + KV_BYTES, qs0 = vs + KV_BYTES,
-              dos0 = qs0 + 2 * QT_BYTES;
-    float* sl = (float*)((char*)smem + (dos0 + 2 * QT_BYTES - base));  // [buffer][lse2 BN, delta BN]
+              dos0 = qs0 + STAGES * QT_BYTES, sl0 = dos0 + STAGES * QT_BYTES;
+    float* sl = (float*)((char*)smem + (sl0 - base));  // [stage][lse2 BN, delta BN]
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
 
     load_swizzled<BW, NTHREADS>(k, ks, k0, f0.len, tid);  // keys past the length: zero, never read
@@ -830,17 +851,27 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     query_tiles(f0, k0, nq, causal, it0, it1);
     const int nt = it1 - it0, total = group * nt;  // tiles: query rows of the group in order, then row tiles
 
-    // tile u's Q and dO rows (cp.async) and lse, delta (plain loads) into buffer u & 1
+    // tile u's Q and dO rows (cp.async) and lse, delta into stage u % STAGES (the caller commits):
+    // lse and delta by cp.async too where the staged ring copies a whole tile, else plain loads
     const auto load = [&](int u) {
-        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
+        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u % STAGES;
         const u64 qb = (b0 + h) * (u64)nq;
-        load_swizzled<BN, NTHREADS>((const u16*)qp + qb * D, qs0 + buf * QT_BYTES, i0, nq, tid);
-        load_swizzled<BN, NTHREADS>((const u16*)dop + qb * D, dos0 + buf * QT_BYTES, i0, nq, tid);
-        cp_async_commit();
-        tile_lse_delta(sl + buf * 2 * BN, lsefp, deltap, qb, i0, nq, tid);
+        load_stream<BN>((const u16*)qp + qb * D, qs0 + buf * QT_BYTES, i0, nq, tid);
+        load_stream<BN>((const u16*)dop + qb * D, dos0 + buf * QT_BYTES, i0, nq, tid);
+        if (ATTNKERN_STAGES > 0 && i0 + BN <= nq) {
+            for (int i = tid; i < 2 * BN; i += NTHREADS)
+                cp_async4(sl0 + (u32)(buf * 2 * BN + i) * 4u,
+                          (const float*)(i < BN ? lsefp : deltap) + qb + i0 + (i < BN ? i : i - BN));
+        } else {
+            tile_lse_delta(sl + buf * 2 * BN, lsefp, deltap, qb, i0, nq, tid);
+        }
     };
-    if (total > 0) load(0);
-    cp_async_commit();
+    // tiles 0...STAGES - 2 in flight, one commit group each (empty ones past the last tile)
+#pragma unroll
+    for (int u = 0; u < STAGES - 1; ++u) {
+        if (u < total) load(u);
+        cp_async_commit();
+    }
 
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
@@ -849,11 +880,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
 
     for (int u = 0; u < total; ++u) {
-        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u & 1;
-        cp_async_wait_all();
+        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u % STAGES;
+        cp_async_wait_group<STAGES - 2>();  // tile u's group in; the later tiles' may still be in flight
         fence_async_shared();  // the cp.async writes (and K, V) visible to wgmma
-        __syncthreads();       // tile u in; every warpgroup is done with tile u - 1, whose buffers refill now
-        if (u + 1 < total) load(u + 1);
+        __syncthreads();       // tile u in; every warpgroup is done with tile u - 1, whose stage refills now
+        if (u + STAGES - 1 < total) load(u + STAGES - 1);
+        cp_async_commit();
         const Feat f = ATTNKERN_FEAT ? make_feat(b0 + h, nq, nk, causal, FEAT_ARGS) : f0;
         const int last = min(i0 + BN, nq) - 1;
         if (tile_unseen(f, kg0, 64, i0, last)) continue;  // the warpgroup's 64 keys: wgmma is collective
@@ -916,7 +948,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 // on warpgroup MMAs for float16/bfloat16 at D = 64 or 128, without masks, ALiBi, dropout or
 // packed sequences (cpp.py runs part 1 for those). A block has NW / 4 warpgroups of 64 query
 // rows; Q and dO stay in shared memory, K/V tiles of BN = 64 or 128 keys stream through it (cp.async,
-// double-buffered), all in wgmma's swizzled layout. Per tile a warpgroup issues S = Q K^T and
+// a ring of STAGES stages), all in wgmma's swizzled layout. Per tile a warpgroup issues S = Q K^T and
 // dP = dO V^T (m64nBNk16, Q and dO the A operand in shared memory, K and V K-major B operands),
 // waits, computes dS in its registers (q_grads, as part 1) and issues dQ += dS K (m64nDk16, dS
 // the register A operand, K an MN-major B operand read transposed), the flash_wgmma.cu forward's
@@ -927,7 +959,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 4: 64- or 128-key K/V tiles, warpgroups");
 #define OWN_BYTES (BW * D * 2)  // Q or dO of the block
 #define KT_BYTES (BN * D * 2)   // one streamed K or V tile
-#define WG_SMEM_BYTES (2 * OWN_BYTES + 4 * KT_BYTES + 1024)  // + room to align to 1024
+#define WG_SMEM_BYTES (2 * OWN_BYTES + 2 * STAGES * KT_BYTES + 1024)  // + room to align to 1024
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
                                          u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
@@ -946,7 +978,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const u16* k = (const u16*)kp + kvrow * D;
     const u16* v = (const u16*)vp + kvrow * D;
     const u32 qs = ((smem_u32(smem) + 1023u) & ~1023u), dos = qs + OWN_BYTES, ks0 = dos + OWN_BYTES,
-              vs0 = ks0 + 2 * KT_BYTES;
+              vs0 = ks0 + STAGES * KT_BYTES;
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
     const int load_len = ATTNKERN_FEAT ? f.len : nk;
 
@@ -954,11 +986,19 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     load_swizzled<BW, NTHREADS>((const u16*)dop + qrow * D, dos, q0, nq, tid);
     int jt0, jt1;
     dq_key_tiles(f, q0, nq, nk, causal, jt0, jt1);
-    if (jt0 < jt1) {
-        load_swizzled<BN, NTHREADS>(k, ks0 + (jt0 & 1) * KT_BYTES, jt0 * BN, load_len, tid);
-        load_swizzled<BN, NTHREADS>(v, vs0 + (jt0 & 1) * KT_BYTES, jt0 * BN, load_len, tid);
+    // key tile jt's K and V into stage (jt - jt0) % STAGES (the caller commits)
+    const auto load = [&](int jt) {
+        const u32 at = ((jt - jt0) % STAGES) * KT_BYTES;
+        load_stream<BN>(k, ks0 + at, jt * BN, load_len, tid);
+        load_stream<BN>(v, vs0 + at, jt * BN, load_len, tid);
+    };
+    // tiles jt0...jt0 + STAGES - 2 in flight, one commit group each (empty ones past the last
+    // tile); Q and dO in the first
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (jt0 + i < jt1) load(jt0 + i);
+        cp_async_commit();
     }
-    cp_async_commit();
 
     const int g0 = q0 + 64 * wg, wr0 = q0 + warp * 16, r0 = wr0 + g;  // the warpgroup's, the warp's, the lane's first row
     float delta[2], lse2[2];
@@ -970,15 +1010,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 
     for (int jt = jt0; jt < jt1; ++jt) {
         const int j0 = jt * BN;
-        const u32 kb = ks0 + (jt & 1) * KT_BYTES, vb = vs0 + (jt & 1) * KT_BYTES;
-        cp_async_wait_all();
+        const u32 kb = ks0 + ((jt - jt0) % STAGES) * KT_BYTES, vb = vs0 + ((jt - jt0) % STAGES) * KT_BYTES;
+        cp_async_wait_group<STAGES - 2>();  // tile jt's group in; the later tiles' may still be in flight
         fence_async_shared();  // the cp.async writes visible to wgmma
         __syncthreads();       // tile jt (and Q, dO) in; every warpgroup is done with tile jt - 1
-        if (jt + 1 < jt1) {
-            load_swizzled<BN, NTHREADS>(k, ks0 + ((jt + 1) & 1) * KT_BYTES, j0 + BN, load_len, tid);
-            load_swizzled<BN, NTHREADS>(v, vs0 + ((jt + 1) & 1) * KT_BYTES, j0 + BN, load_len, tid);
-            cp_async_commit();
-        }
+        if (jt + STAGES - 1 < jt1) load(jt + STAGES - 1);
+        cp_async_commit();
         if (tile_unseen(f, j0, BN, g0, g0 + 63)) continue;  // the warpgroup's 64 rows: wgmma is collective
         // S and dP, one commit group each: P is computed while dP is still on the tensor cores
         float s[NS][4], dp[NS][4];

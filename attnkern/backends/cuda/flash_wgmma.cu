@@ -81,27 +81,14 @@
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 
 // one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled,
-// by THREADS threads (tid 0...)
+// by THREADS threads (tid 0...); the warp-specialized producer copies a whole tile at constant
+// offsets (load_whole)
 template <int THREADS = NTHREADS>
 static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
-    constexpr int RPP = THREADS / 8;  // rows a pass of the threads copies, eight 16-byte chunks a row
-    if constexpr (ATTNKERN_WS && BN % RPP == 0 && RPP % 8 == 0) {
-        // a whole tile (the warp-specialized producer's usual case): a thread's chunk and row
-        // offset are the same in every pass, its swizzle too (RPP is a multiple of 8 rows), so
-        // each copy is one instruction at constant offsets from two base addresses
-        if (j0 + BN <= nk) {
-            const int rt = tid >> 3, ch = tid & 7;
-            const u16* s0 = src + (u64)(j0 + rt) * D + ch * 8;
-            const u32 d0 = dst + rt * 128 + ((ch ^ (rt & 7)) << 4);
-#pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb)
-#pragma unroll
-                for (int p = 0; p < BN / RPP; ++p)
-                    cp_async16(d0 + (cb * BN + p * RPP) * 128, s0 + p * RPP * D + cb * 64, 16);
-            return;
-        }
-    }
-    load_swizzled<BN, THREADS>(src, dst, j0, nk, tid);
+    if constexpr (ATTNKERN_WS)
+        load_whole<BN, THREADS>(src, dst, j0, nk, tid);
+    else
+        load_swizzled<BN, THREADS>(src, dst, j0, nk, tid);
 }
 
 // Q's rows r0...r0 + ROWS - 1 of the block's BM (block rows q0...; rows past nq zero) into

@@ -134,3 +134,33 @@ static __device__ __forceinline__ void load_swizzled(const u16* src, u32 dst, in
                    live ? 16 : 0);
     }
 }
+
+// the same copy of a whole buffer (rows r0...r0 + ROWS - 1 all below n) at constant offsets:
+// with NT / 8 rows a pass of the threads (a multiple of 8 rows), a thread's chunk, its row
+// within the pass and so its swizzle are the same in every pass, so each copy is one instruction
+// at a constant offset from two base addresses (no per-copy index arithmetic to take issue slots
+// from the products); a buffer that ends past n (or a division whose passes do not fit) takes
+// load_swizzled's zero-filling copy
+template <int ROWS, int NT>
+static __device__ __forceinline__ void load_whole(const u16* src, u32 dst, int r0, int n, int tid) {
+    constexpr int RPP = NT / 8;  // rows a pass of the threads copies, eight 16-byte chunks a row
+    if constexpr (ROWS % RPP == 0 && RPP % 8 == 0) {
+        if (r0 + ROWS <= n) {
+            const int rt = tid >> 3, ch = tid & 7;
+            const u16* s0 = src + (u64)(r0 + rt) * ATTNKERN_D + ch * 8;
+            const u32 d0 = dst + rt * 128 + ((ch ^ (rt & 7)) << 4);
+#pragma unroll
+            for (int cb = 0; cb < ATTNKERN_D / 64; ++cb)
+#pragma unroll
+                for (int p = 0; p < ROWS / RPP; ++p)
+                    cp_async16(d0 + (cb * ROWS + p * RPP) * 128, s0 + p * RPP * ATTNKERN_D + cb * 64, 16);
+            return;
+        }
+    }
+    load_swizzled<ROWS, NT>(src, dst, r0, n, tid);
+}
+
+// 4 bytes from global memory at src into shared memory at dst by cp.async (cache at all levels)
+static __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
