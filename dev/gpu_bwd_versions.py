@@ -2,7 +2,8 @@
 
 For each (dtype, D, N, causal) at (1, 16, N, D): the forward's out and lse once, then each
 division's backward (cpp.flash_bwd_mma on the same arrays) timed with CUDA events, the median of
---runs samples of 5 back-to-back calls, and its gradients compared with the default division's
+--runs samples of 5 back-to-back calls, the divisions' samples taken in turns (one sample of each,
+then the next round), and its gradients compared with the first division's
 (every division sums in another order only where its tiles differ: reported as the max difference,
 which must be of the dtype's rounding). JSON rows to --json.
 
@@ -52,7 +53,22 @@ def main():
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--configs", nargs="+", help="divisions to time (default: the lists above), the first the base")
     p.add_argument("--json")
+    p.add_argument("--wait-for", help="a file: compile every division (all shapes) first, then wait until it "
+                   "exists before timing (so that other GPU work sharing the machine can finish meanwhile)")
     a = p.parse_args()
+    if a.wait_for:
+        import os
+        import time
+
+        for dtype in a.dtypes:
+            for d in a.dims:
+                for name in a.configs or (CONFIGS_F32 if dtype == "float32" else CONFIGS)[d]:
+                    try:
+                        cpp.flash_bwd_kernels(dtype, d, cpp.BwdConfig.parse(name))
+                    except Exception as exc:  # reported again where it is timed
+                        print(f"{dtype} D={d} {name}: {type(exc).__name__} {exc}"[:200])
+        while not os.path.exists(a.wait_for):
+            time.sleep(0.5)
     rows = []
     for dtype in a.dtypes:
         for d in a.dims:
@@ -64,13 +80,13 @@ def main():
                     out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, return_lse=True)
                     arrays = [from_torch(x, "x").reshape(16, n, d) for x in (q, k, v, out, dout)]
                     arrays.append(from_torch(lse, "lse").reshape(16, n))
-                    base = None
+                    base, calls = None, {}
                     for name in a.configs or (CONFIGS_F32 if dtype == "float32" else CONFIGS)[d]:
                         config = cpp.BwdConfig.parse(name)
                         grads = [torch.empty_like(x) for x in (q, k, v)]
                         views = [from_torch(x, "grad").reshape(16, n, d) for x in grads]
 
-                        def call():
+                        def call(config=config, views=views):
                             cpp.flash_bwd_mma(*arrays, *views, causal, d ** -0.5, None, config)
 
                         try:
@@ -82,8 +98,9 @@ def main():
                         if base is None:
                             base = [x.clone() for x in grads]
                         diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(grads, base))
-                        samples = []
-                        for _ in range(a.runs):
+                        calls[name] = (call, diff, [])
+                    for _ in range(a.runs):  # in turns
+                        for call, _, samples in calls.values():
                             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                             s.record()
                             for _ in range(5):
@@ -91,11 +108,13 @@ def main():
                             e.record()
                             e.synchronize()
                             samples.append(s.elapsed_time(e) / 5)
+                    for name, (call, diff, samples) in calls.items():
                         ms = statistics.median(samples)
                         tflops = 2.5 * 4 * 16 * n * n * d / (2 if causal else 1) / ms / 1e9
                         rows.append({"dtype": dtype, "d": d, "n": n, "causal": causal, "config": name, "ms": ms,
-                                     "tflops": tflops, "max_diff_vs_default": diff})
-                        print(f"{dtype} D={d:>3} N={n:>5} causal={causal!s:>5} {name:>14}: {ms:7.3f} ms "
+                                     "tflops": tflops, "max_diff_vs_default": diff,
+                                     "gpu": torch.cuda.get_device_name()})
+                        print(f"{dtype} D={d:>3} N={n:>5} causal={causal!s:>5} {name:>22}: {ms:7.3f} ms "
                               f"{tflops:6.1f} TFLOP/s  diff {diff:.2e}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

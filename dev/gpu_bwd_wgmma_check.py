@@ -2,9 +2,10 @@
 FlashAttention's rule: each of dq, dk, dv within twice the error of torch's SDPA (its default
 backend) in the same dtype plus two roundings of the largest gradient; repeated calls
 bit-identical. Runs the default kernels (cpp.BWD_WGMMA True: wgmma on Hopper) and the mma.sync ones
-(cpp.BWD_WGMMA False) on the same inputs. One GPU; prints a line per case, JSON rows to --json.
+(cpp.BWD_WGMMA False) on the same inputs, and with --configs each division named (D=division, e.g.
+64=qwg1x64s3kvwg1x64s3) as the default at its D. One GPU; prints a line per case, JSON rows to --json.
 
-    python3 dev/gpu_bwd_wgmma_check.py --sizes 1024 4096 --json out.json
+    python3 dev/gpu_bwd_wgmma_check.py --sizes 1024 4096 --configs 128=qwg2x64s3kvwg2x64s3 --json out.json
 """
 
 import argparse
@@ -33,7 +34,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--json")
+    p.add_argument("--configs", nargs="*", default=[], help="D=division: also run it as D's wgmma default")
     a = p.parse_args()
+    extra = {}
+    for spec in a.configs:
+        d, name = spec.split("=")
+        extra.setdefault(int(d), []).append(str(cpp.BwdConfig.parse(name)))
     rows, failures = [], 0
     for dtype in ("bfloat16", "float16"):
         for d in (64, 128):
@@ -50,8 +56,10 @@ def main():
                                        q.double(), k.double(), v.double(), dout.double())
                         theirs = grads_of(lambda q, k, v: F.scaled_dot_product_attention(
                             q, rep(k), rep(v), is_causal=causal), q, k, v, dout)
-                        for wg in (True, False):
+                        for wg, division in ((True, None), (False, None), *((True, x) for x in extra.get(d, []))):
                             saved, cpp.BWD_WGMMA = cpp.BWD_WGMMA, wg
+                            default = cpp.BWD_WGMMA_DIVISIONS[d]
+                            cpp.BWD_WGMMA_DIVISIONS[d] = division or default
                             try:
                                 out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal,
                                                               return_lse=True)
@@ -61,7 +69,9 @@ def main():
                                                                     causal=causal)
                             finally:
                                 cpp.BWD_WGMMA = saved
+                                cpp.BWD_WGMMA_DIVISIONS[d] = default
                             row = {"dtype": dtype, "d": d, "n": n, "causal": causal, "h_kv": h_kv, "wgmma": wg,
+                                   "division": division or (default if wg else "mma.sync"),
                                    "deterministic": all(torch.equal(x, y) for x, y in zip(ours, again))}
                             ok = row["deterministic"]
                             for name, x, y, r in zip(("dq", "dk", "dv"), ours, theirs, ref):
@@ -74,7 +84,7 @@ def main():
                             failures += not ok
                             rows.append(row)
                             print(f"{'ok  ' if ok else 'FAIL'} {dtype} D={d} N={n} causal={causal} h_kv={h_kv} "
-                                  f"wgmma={wg} det={row['deterministic']} " + " ".join(
+                                  f"{row['division']} det={row['deterministic']} " + " ".join(
                                       f"{nm} {row[nm][0]:.2e}/{row[nm][2]:.2e}" for nm in ("dq", "dk", "dv")),
                                   flush=True)
     if a.json:

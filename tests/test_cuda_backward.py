@@ -524,6 +524,20 @@ def test_half_backward_registered():
                               ("bfloat16", 128, {"varlen": True})):
         with pytest.raises(ValueError, match="wgmma dQ and dK/dV kernels"):
             cpp.flash_bwd_kernels(dtype, d, wg, featured=bool(variant), **variant)
+    # rings of stages (the s suffix): named and parsed one to one, each kernel named by its own half (so
+    # that divisions sharing a kernel compile it once), their shared memory counted with the stages;
+    # stages on an mma.sync kernel, out of 2-4, or past a block's shared memory are refused
+    ring = cpp.BwdConfig.parse("qwg2x128s2kvwg2x64s3")
+    assert (ring.dq_stages, ring.kv_stages, ring.part_name(1), ring.part_name(2)) == (2, 3, "qwg2x128s2", "kvwg2x64s3")
+    assert str(ring) == "qwg2x128s2kvwg2x64s3" and ring.shared_bytes(128, 1) == cpp.BwdConfig.parse(
+        "qwg2x128kvwg2x64").shared_bytes(128, 1)
+    assert ring.shared_bytes(128, 2) == (2 * 128 + 2 * 3 * 64) * 128 * 2 + 8 * 3 * 64 + 1024
+    for name in ("q4x64s3kv4x64", "q4x64kv4x64s2", "qwg1x64m2s3kvwg1x64"):
+        with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
+            cpp.BwdConfig.parse(name)
+    for name, why in (("qwg2x128s3kvwg2x64", "shared memory within"), ("qwg1x64s5kvwg1x64", "stages \\(2 to 4\\)")):
+        with pytest.raises(ValueError, match=why):
+            cpp.flash_bwd_kernels("bfloat16", 128, cpp.BwdConfig.parse(name))
     if SIMULATED:
         x = np.zeros((1, 2, 16), ml_dtypes.bfloat16)
         with pytest.raises(RuntimeError, match="simulator cannot run"):
@@ -656,14 +670,20 @@ def test_wgmma_backward_routing(monkeypatch):
 
 
 # the wgmma divisions (Hopper) the tests run, the defaults (cpp.BWD_WGMMA_DIVISIONS) among them: one
-# and two warpgroups a block, 64- and 128-row/key tiles (a 128-row Q/dO tile only at D = 64: it spills above)
-WGMMA_DIVISIONS = {64: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x128", "qwg2x128kvwg2x64"],
-                   128: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x64", "qwg2x128kvwg2x64"]}
+# and two warpgroups a block, 64- and 128-row/key tiles (a 128-row Q/dO tile only at D = 64: it spills above),
+# double-buffered and in rings of 2-4 stages of whole-tile copies (the s suffix)
+WGMMA_DIVISIONS = {64: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x128", "qwg2x128kvwg2x64",
+                        "qwg1x128s2kvwg1x128s2", "qwg1x128s3kvwg1x128s3", "qwg1x64s3kvwg1x64s3", "qwg1x64s4kvwg1x64s4",
+                        "qwg2x128s3kvwg2x128s3", "qwg1x128s2kvwg1x64s4"],
+                   128: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x64", "qwg2x128kvwg2x64",
+                         "qwg2x128s2kvwg2x64s2", "qwg2x64s3kvwg2x64s3", "qwg2x128s2kvwg2x64s3", "qwg2x64s4kvwg2x64s4",
+                         "qwg2x128s2kvwg2x64s4"]}
 
 
 @half_gpu
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_backward_wgmma_divisions(dtype):
+def test_half_backward_wgmma_divisions(dtype, d):
     """On Hopper both kernels run on wgmma by default (cpp.BWD_WGMMA_DIVISIONS) at D = 64 and 128. Each wgmma
     division and the mma.sync one (cpp.flash_bwd_mma with the division) on the same arrays, with
     GQA, both causal alignments, key lengths, a window, the softcap and a negative scale: within
@@ -673,14 +693,16 @@ def test_half_backward_wgmma_divisions(dtype):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma is Hopper's (sm_90a)")
-    for d in (64, 128):
-        default = cpp.bwd_config(d, dtype)
-        assert default.kv_wg > 0 and default.dq_wg > 0 and str(default) in WGMMA_DIVISIONS[d]
+    default = cpp.bwd_config(d, dtype)
+    assert default.kv_wg > 0 and default.dq_wg > 0 and str(default) in WGMMA_DIVISIONS[d]
     assert cpp.bwd_config(96, dtype).kv_wg == 0 and cpp.bwd_config(64, "float32").kv_wg == 0
     cases = [((1, 2), 2, 700, 700, 64, False, {}), ((1, 2), 2, 333, 500, 128, True, {}),
              ((2, 4), 2, 300, 300, 64, "bottom_right", {"key_lengths": [300, 129]}),
-             ((1, 4), 1, 260, 200, 128, False, {"window": (70, 20), "softcap": 8.0})]
-    for i, (lead, h_kv, nq, nk, d, causal, feats) in enumerate(cases):
+             ((1, 4), 1, 260, 200, 128, False, {"window": (70, 20), "softcap": 8.0}),
+             ((1, 2), 2, 1024, 1024, 64, True, {}), ((1, 2), 2, 1024, 1024, 128, False, {})]
+    for i, (lead, h_kv, nq, nk, case_d, causal, feats) in enumerate(cases):
+        if case_d != d:
+            continue
         q, k, v, dout = _half_case(torch, dtype, lead, nq, nk, d, 300 + 10 * i, kv_heads=h_kv)
         scale = -0.9 / d ** 0.5 if i == 3 else 1 / d ** 0.5
         out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, scale=scale, return_lse=True,

@@ -546,14 +546,19 @@ class BwdConfig:
             return (2 * 64 * warps // 4 + 2 * st * rows) * d * itemsize + (8 * st * rows if part == 2 else 0) + 1024
         return (2 * 16 * mt * warps + 4 * rows) * (d + 8) * itemsize + (16 * rows if part == 2 else 0)
 
-    def __str__(self) -> str:
+    def part_name(self, part: int) -> str:
+        """The name of part 1's (dQ) or 2's (dK/dV) half of the division (str() joins them): a
+        kernel's name has only its own, so that divisions that share a kernel compile it once."""
         m = lambda mt: f"m{mt}" if mt != 1 else ""  # noqa: E731
         st = lambda n: f"s{n}" if n else ""  # noqa: E731
-        dq = (f"qwg{self.dq_wg}x{self.dq_keys}{st(self.dq_stages)}" if self.dq_wg
-              else f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}")
-        kv = (f"kvwg{self.kv_wg}x{self.kv_rows}{st(self.kv_stages)}" if self.kv_wg
-              else f"kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}")
-        return dq + kv
+        if part == 1:
+            return (f"qwg{self.dq_wg}x{self.dq_keys}{st(self.dq_stages)}" if self.dq_wg
+                    else f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}")
+        return (f"kvwg{self.kv_wg}x{self.kv_rows}{st(self.kv_stages)}" if self.kv_wg
+                else f"kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}")
+
+    def __str__(self) -> str:
+        return self.part_name(1) + self.part_name(2)
 
     @classmethod
     def parse(cls, name: str) -> "BwdConfig":
@@ -644,7 +649,7 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
               ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), *_variant(dropout, varlen))
     params = BWD_PARAMS + FEAT_TYPES
     return tuple(
-        _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config}{suffix}",
+        _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config.part_name(part)}{suffix}",
                        (*common, ("PART", kernel_part), ("NW", warps), ("MT", mt), ("BN", rows),
                         *((("STAGES", config.stages(part)),) if kernel_part > 2 else ())), params, 32 * warps,
                        config.shared_bytes(d, part, 4 if dtype == "float32" else 2))
