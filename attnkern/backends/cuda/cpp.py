@@ -607,11 +607,14 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig
 # ones (parts 1 and 2) everywhere. Read whenever a call's kernels are chosen (the torch fast path
 # keeps a shape's plan, its kernels, once made). Calls with a mask, ALiBi, dropout or packed
 # sequences run parts 1 and 2 (bwd_wgmma_covers). The divisions: the fastest of
-# dev/gpu_bwd_versions.py's on an H100 (bfloat16, N 4096 and 8192, causal and not; docs/gpu-backward.md):
-# at D = 64 one warpgroup a block and 128-key / 128-row tiles (two blocks an SM), at D = 128 two
-# warpgroups, 128-key tiles for dQ and 64-row Q/dO tiles for dK/dV (128-row ones spill there).
+# dev/gpu_bwd_versions.py's on an H100 (bfloat16, N 4096 and 8192, causal and not;
+# docs/gpu-backward-wgmma.md): at D = 64 one warpgroup a block and 128-key / 128-row tiles (two blocks
+# an SM), at D = 128 two warpgroups, 128-key tiles for dQ and 64-row Q/dO tiles for dK/dV (128-row ones
+# spill there); streamed tiles copied whole at constant offsets (the s suffix: 1.26-1.33x the plain
+# double buffering at D = 64, 1.13-1.17x at D = 128), in 2 stages (3 leave one block an SM at D = 64)
+# but for D = 128's dK/dV, 3 (within 1% of 2).
 BWD_WGMMA = True
-BWD_WGMMA_DIVISIONS = {64: "qwg1x128kvwg1x128", 128: "qwg2x128kvwg2x64"}
+BWD_WGMMA_DIVISIONS = {64: "qwg1x128s2kvwg1x128s2", 128: "qwg2x128s2kvwg2x64s3"}
 
 
 def bwd_wgmma_covers(feat) -> bool:
