@@ -28,6 +28,11 @@ KERNELS = [
        dict(D=d, BF16=1, BN=bk, STAGES=st, MT=1, NW=w, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0),
        MMA + ("int", "int"))
       for d in (128, 64) for w in (1, 2, 4, 8) for bk in (64, 32, 16) for st in (2, 3, 4)),
+    # decode kernels whose key warps share each K/V tile (ATTNKERN_KW)
+    *(("flash_mma.cu", f"decode_bf16_d{d}_w{w}_k{bk}_s{st}_kw{kw}",
+       dict(D=d, BF16=1, BN=bk, STAGES=st, MT=1, NW=w, KW=kw, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0),
+       MMA + ("int", "int"))
+      for d in (128, 64) for w in (1, 2) for bk, kw in ((32, 2), (64, 2), (64, 4)) for st in (2, 3)),
     *(("flash_combine.cu", f"combine_bf16_d{d}_u{u}", dict(D=d, BF16=1, FAST=0, UNROLL=u),
        ("u64",) * 4 + ("int",) * 4) for d in (128, 64) for u in (1, 8)),
     *(("flash_mma.cu", f"mma_bf16_d128_{name}",

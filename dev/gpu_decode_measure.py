@@ -12,9 +12,10 @@ D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
 attnkern.backends.cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
 combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1; the 264-block split,
 cpp.DECODE_SPLIT_RULE = "blocks") and triton.flash on
-the general path, in turns with today's code in one process. --decode-configs TILExSTAGES
-adds cuda.flash's decode kernel with other K/V tiles and pipeline depths (cpp.DECODE_TILE,
-cpp.DECODE_STAGES; on the general path, so its call time is the general path's).
+the general path, in turns with today's code in one process. --decode-configs TILExSTAGES[xKW]
+adds cuda.flash's decode kernel with other K/V tiles, pipeline depths and key warps
+(cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS, 1 unless given: 32x3x1 is the
+kernel before the key warps; on the general path, so its call time is the general path's).
 
 attnkern runs attention(q, k, v, causal="bottom_right", check_finite=False) on torch
 tensors; torch runs scaled_dot_product_attention(q, k, v) (Nq = 1: bottom-right causal
@@ -102,7 +103,7 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
            "triton.flash": (ours("triton.flash"), "split-K decode")}
     if before:
         out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1,
-                                           DECODE_SPLIT_RULE="blocks"),
+                                           DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1),
                                      "general path, double-buffered decode kernel, serial combine, 264-block split")
         out["triton.flash[before]"] = (_with(ours("triton.flash"), False), "general path")
     if regular:
@@ -111,10 +112,10 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
         out[f"cuda.flash[{n}]"] = (_with(ours("cuda.flash"), False, **constants), "split rule forced, general path")
     for n in splits:
         out[f"cuda.flash[split_k={n}]"] = (ours("cuda.flash", split_k=n), "split-K decode, forced")
-    for tile, stages in configs:
-        out[f"cuda.flash[{tile}x{stages}]"] = (_with(ours("cuda.flash"), False, DECODE_TILE=tile,
-                                                     DECODE_STAGES=stages),
-                                               "split-K decode, K/V tile x stages forced, general path")
+    for tile, stages, kw in configs:
+        out[f"cuda.flash[{tile}x{stages}x{kw}]"] = (_with(ours("cuda.flash"), False, DECODE_TILE=tile,
+                                                          DECODE_STAGES=stages, DECODE_KEY_WARPS=kw),
+                                                    "split-K decode, K/V tile x stages x key warps forced, general path")
     rep = None
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
@@ -181,8 +182,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="cuda.flash's split_k values to add")
     parser.add_argument("--decode-configs", nargs="*", default=[],
-                        help="cuda.flash decode kernels to add, TILExSTAGES (cpp.DECODE_TILE 16/32/64, "
-                             "cpp.DECODE_STAGES 2-4), e.g. 32x2 16x4")
+                        help="cuda.flash decode kernels to add, TILExSTAGES[xKEYWARPS] (cpp.DECODE_TILE 16/32/64, "
+                             "cpp.DECODE_STAGES 2-4, cpp.DECODE_KEY_WARPS 1 (default), 2 or 4: at least 16 keys "
+                             "a warp), e.g. 32x2 16x4 32x3x1 64x3x4")
     parser.add_argument("--nq", type=int, nargs="+", default=[1], help="query rows a head")
     parser.add_argument("--rules", action="store_true",
                         help="add cuda.flash with the split rule before 2026-11-26 (cpp.DECODE_SPLIT_RULE='blocks') "
@@ -199,7 +201,7 @@ def main() -> None:
     hz = sleep_cycles_per_s()
     device = torch.cuda.get_device_name()
     print(f"{device}: device-to-device copy {copy_bw / 1e9:.0f} GB/s; H={H}, H_kv={H_KV}, D={D}, bfloat16")
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.decode_configs]
+    configs = [(tuple(int(x) for x in c.split("x")) + (1,))[:3] for c in args.decode_configs]
     rows = []
     for batch, nq, nk in ((b, n, k) for n in args.nq for b in args.batches for k in args.nk):
         g = torch.Generator(device="cuda").manual_seed(batch * nk)

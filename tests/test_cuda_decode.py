@@ -54,6 +54,29 @@ def test_split_depends_on_the_shape_only():
         assert chunk % _split.DECODE_BLOCK_K == 0 and (got - 1) * chunk < nk <= got * chunk and got <= splits
 
 
+def test_key_warps_fit_the_tile_and_the_block():
+    """cuda.flash's decode blocks share each K/V tile among DECODE_KEY_WARPS warps only where
+    each warp gets a multiple of 16 keys and the block stays within 4 warps; the kernel
+    refuses a tile it cannot share."""
+    from attnkern.backends.cuda import cpp
+
+    saved = cpp.DECODE_TILE, cpp.DECODE_KEY_WARPS
+    try:
+        for tile, kw, warps, want in ((32, 2, 1, 2), (32, 4, 1, 2), (16, 2, 1, 1), (64, 4, 1, 4), (64, 4, 2, 2),
+                                      (64, 4, 4, 1), (32, 2, 8, 1), (32, 1, 1, 1)):
+            cpp.DECODE_TILE, cpp.DECODE_KEY_WARPS = tile, kw
+            assert cpp.decode_key_warps(warps) == want, (tile, kw, warps)
+            # the blocks an SM holds count all their warps
+            shared = 2 * cpp.DECODE_STAGES * tile * 136 * 2
+            assert cpp.decode_slots(128, warps) == cpp.DECODE_SMS * max(1, min(
+                32, cpp.DECODE_SM_SHARED // (shared + 1024),
+                cpp.DECODE_SM_REGISTERS // (cpp.DECODE_REGISTERS * 32 * warps * want), 64 // (warps * want)))
+    finally:
+        cpp.DECODE_TILE, cpp.DECODE_KEY_WARPS = saved
+    with pytest.raises(ValueError, match="cannot be shared by 4 warps"):
+        cpp.flash_decode_kernel("bfloat16", 128, 1, 32, key_warps=4)
+
+
 @pytest.mark.parametrize("kernel", ["cuda.flash", "triton.flash"])
 def test_split_k_is_checked(kernel):
     info = attnkern.kernel_info(kernel)
@@ -292,21 +315,23 @@ def test_prepared_decode_matches_the_general_path(kernel, nq):
 
 
 @gpu
-@pytest.mark.parametrize("tile", [16, 32, 64])
-def test_decode_pipeline_depth_changes_no_bits(tile):
+@pytest.mark.parametrize("tile, key_warps", [(16, 1), (32, 1), (32, 2), (64, 2), (64, 4)])
+def test_decode_pipeline_depth_changes_no_bits(tile, key_warps):
     """The decode kernel's K/V buffers (cpp.DECODE_STAGES 2, 3, 4) and the combine's reads in
-    flight (DECODE_COMBINE_UNROLL 1, 8) change no arithmetic: the same bits at one tile and
-    one split (forced: the automatic one counts the blocks a config fits on the GPU), within
-    the bound of the reference at each tile, and bit-identical run to run."""
+    flight (DECODE_COMBINE_UNROLL 1, 8) change no arithmetic: the same bits at one tile, one
+    count of key warps (cpp.DECODE_KEY_WARPS: warps sharing each tile's keys, merged at the
+    end) and one split (forced: the automatic one counts the blocks a config fits on the GPU),
+    within the bound of the reference at each, and bit-identical run to run."""
     torch = _torch()
     from attnkern.backends.cuda import cpp
 
     shape, feats = CASES["lengths"]
     q, k, v = _inputs(shape, "bfloat16", seed=tile)
-    saved = cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL
+    saved = cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL, cpp.DECODE_KEY_WARPS
     results = {}
     try:
-        cpp.DECODE_TILE = tile
+        cpp.DECODE_TILE, cpp.DECODE_KEY_WARPS = tile, key_warps
+        assert cpp.decode_key_warps(1) == key_warps
         for stages, unroll in ((2, 1), (2, 8), (3, 8), (4, 8), (4, 1)):
             cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL = stages, unroll
             out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats, split_k=13))
@@ -315,7 +340,7 @@ def test_decode_pipeline_depth_changes_no_bits(tile):
             assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
             results[stages, unroll] = out, lse
     finally:
-        cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL = saved
+        cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_COMBINE_UNROLL, cpp.DECODE_KEY_WARPS = saved
     first_out, first_lse = results[2, 1]
     _check(first_out, first_lse, q, k, v, feats)
     for key, (out, lse) in results.items():

@@ -750,9 +750,14 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
 # 2026-11-26). The automatic split (decode_auto_splits) fills whole waves of blocks with chunks
 # of about DECODE_CHUNK_KEYS keys: on an H200 (docs/gpu-decode.md) a block count just above a
 # wave left a tail. DECODE_COMBINE_UNROLL: the combine's partials read at once per warp (1: one
-# after another, as before 2026-11-26; the same bits).
+# after another, as before 2026-11-26; the same bits). DECODE_KEY_WARPS: warps sharing each
+# K/V tile's keys (flash_mma.cu's ATTNKERN_KW; DECODE_TILE / DECODE_KEY_WARPS keys a warp, a
+# multiple of 16; fewer where the block would pass 4 warps: decode_key_warps): more warps an SM
+# for the same shared memory and bytes in flight (1: one warp a 16 rows, as before 2026-11-26;
+# other values give other bits, as the order of the sums over keys changes).
 DECODE_TILE = 32
 DECODE_STAGES = 3
+DECODE_KEY_WARPS = 2
 DECODE_CHUNK_KEYS = 1280
 DECODE_COMBINE_UNROLL = 8
 # The automatic split's rule: "waves" (whole waves of the blocks resident at once: decode_slots;
@@ -767,12 +772,24 @@ DECODE_SM_REGISTERS = 65536  # 32-bit registers of an SM
 DECODE_REGISTERS = 168  # a decode thread's registers at D = 128 (ptxas, sm_90a: 164-172; fewer at D = 64)
 
 
+def decode_key_warps(warps: int) -> int:
+    """The key warps (DECODE_KEY_WARPS) of a decode block of `warps` row warps: halved until
+    the block has at most 4 warps (blocks of more rows keep the warps they had: more would
+    cost blocks an SM, at 168 registers a thread) and each warp's share of a tile
+    (DECODE_TILE keys) is a multiple of 16 keys."""
+    kw = DECODE_KEY_WARPS
+    while kw > 1 and (warps * kw > 4 or DECODE_TILE % (16 * kw)):
+        kw //= 2
+    return max(1, kw)
+
+
 def decode_slots(d: int, warps: int = 1) -> int:
     """The decode blocks of `warps` warps that DECODE_SMS SMs hold at once at head size d: as
     many as their shared memory (DECODE_STAGES K and V tiles of DECODE_TILE keys, rows of
     d + 8 elements), their registers (DECODE_REGISTERS a thread) and 64 warps an SM allow,
     at most 32 an SM."""
     shared = 2 * DECODE_STAGES * DECODE_TILE * (d + 8) * 2
+    warps *= decode_key_warps(warps)
     per_sm = min(32, DECODE_SM_SHARED // (shared + 1024), DECODE_SM_REGISTERS // (DECODE_REGISTERS * 32 * warps),
                  64 // warps)
     return DECODE_SMS * max(1, per_sm)
@@ -804,19 +821,25 @@ def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) ->
     return why
 
 
-def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False, stages: int = 2):
+def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False, stages: int = 2,
+                        key_warps: int = 1):
     """The decode variant of flash_mma.cu (ATTNKERN_DECODE) for warps 16-row mma tiles
-    of a group's query rows, K/V tiles of block_k keys in `stages` buffers: Q's fragments
+    of a group's query rows, K/V tiles of block_k keys in `stages` buffers, each tile's
+    keys shared by key_warps warps (warps key_warps threads' warps a block): Q's fragments
     in registers, one mma tile a warp, the features compiled in (PLAIN_WORDS for a plain
     call), two more parameters (query rows a head, keys a chunk); fast: the fastmath variant."""
+    if block_k % (16 * key_warps):
+        raise ValueError(f"cuda.flash decode: a K/V tile of {block_k} keys cannot be shared by {key_warps} warps "
+                         "(16 keys a warp at least, a multiple of 16)")
     shared = 2 * stages * block_k * (d + 8) * 2
     return _linked_kernel("flash_mma.cu",
-                          f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}s{stages}{'_fm' if fast else ''}",
+                          f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}s{stages}kw{key_warps}"
+                          f"{'_fm' if fast else ''}",
                           (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", block_k), ("STAGES", stages),
-                           ("MT", 1), ("NW", warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0), ("ALIBI", 0),
-                           ("DECODE", 1), ("FAST", int(fast))),
+                           ("MT", 1), ("NW", warps), ("KW", key_warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0),
+                           ("ALIBI", 0), ("DECODE", 1), ("FAST", int(fast))),
                           ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("i32", "i32"),
-                          32 * warps, shared)
+                          32 * warps * key_warps, shared)
 
 
 def flash_combine_kernel(dtype: str, d: int, fast: bool = False, unroll: int = 1):
@@ -846,16 +869,18 @@ def flash_decode_launches(q, k, v, out, lse, part_o, part_lse, causal: bool, sca
     """The decode path's two launches, (kernel, grid, block, args) each (launch() takes them,
     or Prepared): the partials of `splits` chunks of `chunk` keys into part_o and part_lse
     (decode_scratch's float32 scratch: parts x D, then parts), then their combine into out
-    (and lse unless None). With the tile, stages and unroll of DECODE_TILE, DECODE_STAGES
-    and DECODE_COMBINE_UNROLL as they are now."""
+    (and lse unless None). With the tile, stages, key warps and unroll of DECODE_TILE,
+    DECODE_STAGES, DECODE_KEY_WARPS and DECODE_COMBINE_UNROLL as they are now."""
     batch, nq, d = q.shape
     batch_kv, nk = k.shape[0], k.shape[1]
     rows = batch // batch_kv * nq  # a group's query rows
     warps = -(-rows // 16)
+    kw = decode_key_warps(warps)
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     dtype = q.dtype.name
     return [
-        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES), (splits, batch_kv), 32 * warps,
+        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw), (splits, batch_kv),
+         32 * warps * kw,
          (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
           np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(0), *words, np.int32(nq), np.int32(chunk))),
         (flash_combine_kernel(dtype, d, fast, DECODE_COMBINE_UNROLL), -(-(batch * nq) // 4), 128,

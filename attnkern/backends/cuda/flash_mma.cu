@@ -52,6 +52,12 @@
 // lsep, at partial (k/v row, x); flash_combine.cu merges the partials. Its K/V tiles go
 // through ATTNKERN_STAGES buffers (2: double buffering, as the other variants), STAGES - 1
 // of them loading while one is computed; the depth changes no arithmetic (the same bits).
+// ATTNKERN_KW (decode only; default 1): key warps. The block has NW KW warps; warp w takes row
+// tile w % NW and keys [(w / NW) BN / KW, (w / NW + 1) BN / KW) of every K/V tile, so that KW
+// warps compute each tile (more warps an SM for the same shared memory and bytes in flight).
+// Each keeps its own running max, sums and output rows; at the end the key warps' rows are
+// merged through shared memory in key-warp order (out = sum 2^(m_w c - M c) o_w, likewise the
+// sums, M the largest m_w): a fixed order, so the same bits run after run.
 
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
@@ -59,7 +65,13 @@
 #define NW ATTNKERN_NW
 #define QSMEM ATTNKERN_QSMEM
 #define BM (16 * MT * NW)
-#define NTHREADS (32 * NW)
+#if ATTNKERN_DECODE && defined(ATTNKERN_KW)
+#define KW ATTNKERN_KW
+#else
+#define KW 1
+#endif
+#define BNW (BN / KW)  // keys of a K/V tile that one warp computes
+#define NTHREADS (32 * NW * KW)
 #define LD (D + 8)  // shared row stride, in elements
 // K/V buffers: two (double buffering), or in the decode variant ATTNKERN_STAGES (STAGES - 1
 // tiles in flight while one is computed: a block of one warp has little else to hide memory
@@ -124,7 +136,7 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
                                          float scale_log2, int causal, int with_lse, FEAT_PARAMS DECODE_PARAMS) {
     constexpr int KC = D / 16;  // 16-wide chunks of the head size: the k steps of Q K^T
-    constexpr int NS = BN / 8;  // 8-key tiles of a score row block
+    constexpr int NS = BNW / 8;  // 8-key tiles of a warp's score row block
     constexpr int NO = D / 8;   // 8-column tiles of the output
     constexpr u32 TILE = BN * LD * 2;  // bytes of one K or V buffer
 #if ATTNKERN_DYNAMIC
@@ -133,7 +145,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     __shared__ __align__(128) u16 smem[SMEM_ELEMS];
 #endif
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2;
+    // the warp's row tile and its share of each tile's keys (KW 1: the code without key warps)
+    const int warp = KW > 1 ? (tid >> 5) % NW : tid >> 5, kw = KW > 1 ? (tid >> 5) / NW : 0;
     const u64 b = blockIdx.y;  // the batch row; in the decode variant the k/v row
 #if ATTNKERN_DECODE
     const int q0 = 0;
@@ -216,7 +230,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     int jt0, jt1;
 #if ATTNKERN_DECODE
     // every warp may hold every query row: the bounds of rows 0 and qrows - 1 serve, within this block's chunk
-#define TILE_MASKED(i) tile_masked(f, j0, BN, 0, qrows - 1)
+#define TILE_MASKED(i) tile_masked(f, j0, BNW, 0, qrows - 1)
     key_tiles(f, 0, qrows, qrows, BN, jt0, jt1);
     jt0 = max(jt0, (int)blockIdx.x * (chunk / BN));
     jt1 = max(jt0, min(jt1, ((int)blockIdx.x + 1) * (chunk / BN)));
@@ -256,19 +270,21 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const int jt_end = ntiles;
     for (int jt = 0; jt < jt_end; ++jt) {
 #endif
-        const int j0 = jt * BN;
 #if ATTNKERN_DECODE
+        const int jb = jt * BN;  // the tile's first key; this warp's share starts at j0
+        const int j0 = jb + kw * BNW;
         const u32 slot = (u32)((jt - jt0) % STAGES);
-        const u32 kb = ks0 + slot * TILE, vb = vs0 + slot * TILE;
+        const u32 kb = ks0 + slot * TILE + (u32)(kw * BNW * LD * 2), vb = vs0 + slot * TILE + (u32)(kw * BNW * LD * 2);
         cp_async_wait_group<STAGES - 2>();  // the groups of the tiles after jt may stay in flight
         __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
         if (jt + STAGES - 1 < jt_end) {
             const u32 next = (u32)((jt - jt0 + STAGES - 1) % STAGES);  // tile jt - 1's buffers
-            load_tile(k, ks0 + next * TILE, j0 + (STAGES - 1) * BN, LOAD_LEN, tid);
-            load_tile(v, vs0 + next * TILE, j0 + (STAGES - 1) * BN, LOAD_LEN, tid);
+            load_tile(k, ks0 + next * TILE, jb + (STAGES - 1) * BN, LOAD_LEN, tid);
+            load_tile(v, vs0 + next * TILE, jb + (STAGES - 1) * BN, LOAD_LEN, tid);
         }
         cp_async_commit();  // a group every tile (empty at the end), so that the wait above counts tiles
 #else
+        const int j0 = jt * BN;
         const u32 kb = ks0 + (jt & 1) * TILE, vb = vs0 + (jt & 1) * TILE;
         cp_async_wait_all();
         __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
@@ -280,7 +296,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #endif
         // a warp none of whose rows sees a key of the tile has nothing to add
 #if ATTNKERN_DECODE
-        if (tile_unseen(f, j0, BN, 0, qrows - 1)) continue;
+        if (tile_unseen(f, j0, BNW, 0, qrows - 1)) continue;
 #elif ATTNKERN_FEAT
         if (tile_unseen(f, j0, BN, wr0, wr0 + 16 * MT - 1)) continue;
 #else
@@ -361,7 +377,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
         // O += P V: the A fragment of keys 16 cc.. is the P of 8-key tiles 2 cc and 2 cc + 1
 #pragma unroll
-        for (int cc = 0; cc < BN / 16; ++cc) {
+        for (int cc = 0; cc < BNW / 16; ++cc) {
 #pragma unroll
             for (int j = 0; j < NO; j += 2) {
                 u32 b0, b1, b2, b3;
@@ -379,6 +395,50 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
     if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
 #if ATTNKERN_DECODE
+#if KW > 1
+    // the key warps' rows merged into key warp 0's (the K/V buffers hold them: every warp is past
+    // its last tile and no load is in flight), each lane's values at [warp][value][lane]
+    constexpr int VALS = NO * 4 + 4;  // o, then m and l of the lane's two rows
+    static_assert((KW - 1) * NW * VALS * 32 * 4 <= 2 * STAGES * BN * LD * 2, "the merge's shared memory");
+    float* xs = (float*)smem + (u64)Q_ELEMS / 2;
+    __syncthreads();
+    if (kw > 0) {
+        float* mine = xs + (u64)((kw - 1) * NW + warp) * VALS * 32 + lane;
+#pragma unroll
+        for (int j = 0; j < NO; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32] = o[0][j][e];
+        mine[(NO * 4) * 32] = m[0][0];
+        mine[(NO * 4 + 1) * 32] = m[0][1];
+        mine[(NO * 4 + 2) * 32] = l[0][0];
+        mine[(NO * 4 + 3) * 32] = l[0][1];
+    }
+    __syncthreads();
+    if (kw > 0) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = m[0][h];
+        for (int w = 1; w < KW; ++w) mx = fmaxf(mx, xs[((u64)((w - 1) * NW + warp) * VALS + NO * 4 + h) * 32 + lane]);
+        // a part that saw no key (max -inf) adds nothing; every factor is 0 where no part saw one
+        const float mc = mx == NEG_INF ? 0.f : mx * c;
+        const float a0 = m[0][h] == NEG_INF ? 0.f : ex2(m[0][h] * c - mc);
+        l[0][h] *= a0;
+#pragma unroll
+        for (int j = 0; j < NO; ++j) o[0][j][2 * h] *= a0, o[0][j][2 * h + 1] *= a0;
+        for (int w = 1; w < KW; ++w) {
+            const float* theirs = xs + (u64)((w - 1) * NW + warp) * VALS * 32 + lane;
+            const float mw = theirs[(NO * 4 + h) * 32];
+            const float aw = mw == NEG_INF ? 0.f : ex2(mw * c - mc);
+            l[0][h] = fmaf(theirs[(NO * 4 + 2 + h) * 32], aw, l[0][h]);
+#pragma unroll
+            for (int j = 0; j < NO; ++j) {
+                o[0][j][2 * h] = fmaf(theirs[(j * 4 + 2 * h) * 32], aw, o[0][j][2 * h]);
+                o[0][j][2 * h + 1] = fmaf(theirs[(j * 4 + 2 * h + 1) * 32], aw, o[0][j][2 * h + 1]);
+            }
+        }
+        m[0][h] = mx;
+    }
+#endif
     // the partial of (k/v row b, split x): rows normalised by their own sums, float32
     const u64 part = b * gridDim.x + blockIdx.x;
     store_partial_rows<D>((float*)op + part * (u64)nq * D, (float*)lsep + part * (u64)nq, o[0], l[0], m[0], c,
