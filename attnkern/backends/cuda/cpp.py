@@ -753,11 +753,13 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
 # after another, as before 2026-11-26; the same bits). DECODE_KEY_WARPS: warps sharing each
 # K/V tile's keys (flash_mma.cu's ATTNKERN_KW; DECODE_TILE / DECODE_KEY_WARPS keys a warp, a
 # multiple of 16; fewer where the block would pass 4 warps: decode_key_warps): more warps an SM
-# for the same shared memory and bytes in flight (1: one warp a 16 rows, as before 2026-11-26;
-# other values give other bits, as the order of the sums over keys changes).
+# for the same shared memory and bytes in flight. Other values than 1 give other bits (the order
+# of the sums over keys changes). 1 stays the default: on an H100 (docs/gpu-decode.md) 2 warps
+# on 32-key tiles ran as fast as 1, and 4 warps on 64-key tiles in 2 buffers were 1-7% faster
+# at 11 of 12 shapes and 2% slower at one.
 DECODE_TILE = 32
 DECODE_STAGES = 3
-DECODE_KEY_WARPS = 2
+DECODE_KEY_WARPS = 1
 DECODE_CHUNK_KEYS = 1280
 DECODE_COMBINE_UNROLL = 8
 # The automatic split's rule: "waves" (whole waves of the blocks resident at once: decode_slots;
