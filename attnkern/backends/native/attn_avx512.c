@@ -158,8 +158,14 @@ static ATTN_INLINE __m512 vexp2_avx512_f32(__m512 x)
 }
 #define VEXP2_F32 vexp2_avx512_f32
 
+/* the decode path's products from the cache's own rows (attn_decode512.h), for
+ * float32 (DECODE_KIND here) and the half kinds (attn_half.h, under ATTN_DECODE_DIRECT) */
+#include "attn_decode512.h"
+#define ATTN_DECODE_DIRECT
+
 #define T float
 #define DT f32
+#define DECODE_KIND DEC_F32
 #define VT __m512
 #define VW 16
 #define TRANSPOSE_T vtranspose_f32

@@ -1127,7 +1127,14 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
     if (check && c0 == 0 && ST(nonfinite_in)(q + bkv * R * d, R * d))  /* before scaling, which may overflow */
         bad |= ATTN_NONFINITE_Q;
     const T cap2 = (T)(p->softcap * ATTN_LOG2E);
-    ST(scale_rows)(q + bkv * R * d, R, d, ST(score_factor)(p), w->a);
+#ifdef DECODE_KIND
+    /* the unit's products from the cache's rows (attn_decode512.h): q as stored */
+    const int direct = attn_dec_direct(DECODE_KIND, R, d, dv);
+#else
+    const int direct = 0;
+#endif
+    if (!direct)
+        ST(scale_rows)(q + bkv * R * d, R, d, ST(score_factor)(p), w->a);
     for (int64_t r = 0; r < R; r++) {
         pm[r] = -INFINITY;
         pl[r] = 0;
@@ -1137,6 +1144,20 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
     const int64_t ks = dr->first > c0 ? dr->first : c0, ke = dr->last < c1 ? dr->last : c1;
     for (int64_t j0 = ks; j0 < ke; j0 += bk) {
         int64_t kb = ke - j0 < bk ? ke - j0 : bk, kb_pad = ST(round_up)(kb, NR);
+#ifdef DECODE_KIND
+        if (direct) {
+            attn_dec_qk(DECODE_KIND, kh + j0 * d, kb, ke - j0, d, vh + j0 * dv, dv, q + bkv * R * d, R,
+                        (float)ST(score_factor)(p), w->s, lds);
+            for (int64_t r = 0; r < R; r++)
+                ST(decode_softmax)(p, dr, r, w->s + r * lds, j0, kb, kb_pad, cap2, pm, pl, w->alpha);
+            attn_dec_pv(DECODE_KIND, vh + j0 * dv, kb, R, dv, w->s, lds, w->alpha, po);
+            if (check) {  /* the block's rows, while they are in the caches */
+                bad |= attn_dec_nonfinite(DECODE_KIND, kh + j0 * d, kb * d) ? ATTN_NONFINITE_K : 0;
+                bad |= attn_dec_nonfinite(DECODE_KIND, vh + j0 * dv, kb * dv) ? ATTN_NONFINITE_V : 0;
+            }
+            continue;
+        }
+#endif
         ST(decode_pack_k)(kh + j0 * d, vh + j0 * dv, kb, ke - j0, d, dv, w->kt, wide);
         ST(rows_qk)(w->kt, kb, R, d, w->a, w->s, lds, 0, 0, 0);
         for (int64_t r = 0; r < R; r++)
@@ -1154,6 +1175,10 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
             bad |= ST(nonfinite)(vb, dv_pad * kb) ? ATTN_NONFINITE_V : 0;
         }
     }
+#ifdef DECODE_KIND
+    if (direct)
+        attn_dec_finish(DECODE_KIND, po, R, dv);
+#endif
     if (check) {  /* the chunk's keys no row read, up to the longest key length */
         int64_t a = c0, b = ks < ke ? ks : c1;
         for (int pass = 0; pass < 2; pass++) {
@@ -1914,3 +1939,4 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef VEXP2_T
 #undef ATTN_SAME_IO
 #undef ATTN_BWD_DOT
+#undef DECODE_KIND
