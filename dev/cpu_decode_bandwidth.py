@@ -1,6 +1,7 @@
 """Times native.flash's CPU decode path (flash-decoding, docs/kernels.md) against torch's
-SDPA with enable_gqa, at decode shapes: H = 32 query heads over H_kv = 8, D = 128, B in
---batches, Nq in --nq, Nk in --nk, float32 and bfloat16; and the bandwidth it reaches.
+SDPA with enable_gqa, at decode shapes: H = 32 query heads over H_kv = 8, D = 128 (--heads,
+--d), B in --batches, Nq in --nq, Nk in --nk, float32 and bfloat16 (float16 on request); and
+the bandwidth it reaches.
 
     .venv/bin/python dev/cpu_decode_bandwidth.py [--batches 1 4 8] [--nq 1 16]
         [--nk 1024 4096 16384 65536 131072] [--dtypes float32 bfloat16] [--threads 2]
@@ -105,9 +106,9 @@ def problem(b: int, nq: int, nk: int, dtype: str, seed: int = 0):
     k = rng.standard_normal((b, H_KV, nk, D), dtype=np.float32)
     v = rng.standard_normal((b, H_KV, nk, D), dtype=np.float32)
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-    if dtype == "bfloat16":
+    if dtype in ("bfloat16", "float16"):
         q, k, v = (x.astype(host_dtype(dtype)) for x in (q, k, v))
-        tq, tk, tv = (x.to(torch.bfloat16) for x in (tq, tk, tv))
+        tq, tk, tv = (x.to(getattr(torch, dtype)) for x in (tq, tk, tv))
     return (q, k, v), (tq, tk, tv)
 
 
@@ -153,7 +154,8 @@ def main():
     p.add_argument("--nq", type=int, nargs="+", default=[1] if SMOKE else [1, 16])
     p.add_argument("--nk", type=int, nargs="+",
                    default=[1024, 4096] if SMOKE else [1024, 4096, 16384, 65536, 131072])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=2 if SMOKE else 7)
     p.add_argument("--stream-mib", type=int, default=64 if SMOKE else 512)
