@@ -230,8 +230,8 @@ def test_varlen_sequences_with_decode_shapes_match_calls_of_their_own(monkeypatc
     assert out.tobytes() == out1.tobytes() and lse.tobytes() == lse1.tobytes()
 
 
-# The direct path (attn_decode512.h, both AVX-512 units): bfloat16 and float16 caches
-# at head sizes of whole 32-element vectors, float32 with up to 4 rows per k/v row.
+# The direct path (attn_decode.h: the AVX-512 and AVX2 units): bfloat16 and float16 caches
+# at head sizes of whole 2-vector multiples, float32 with up to 4 rows per k/v row.
 # (B, H, H_kv, Nq, Nk) and features: GQA 32 over 8 (4 and 64 rows per k/v row), no GQA
 # (one row), key lengths, short caches (one key to a partial 16-key group) and long ones.
 DIRECT = {

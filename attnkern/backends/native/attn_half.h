@@ -6,7 +6,7 @@
  *   VT_F32, VW_F32         the float32 vector type and width
  *   F16_LOAD(x), F16_STORE(x)  float16 bits to float32 and back (F16C or portable)
  *   VEXP2_F32              optional: the unit's float32 2^x (attn_kernels.h's VEXP2_T)
- *   ATTN_DECODE_DIRECT     optional: the unit has attn_decode512.h's decode products
+ *   ATTN_DECODE_DIRECT     optional: the unit has attn_decode.h's decode products
  *   TRANSPOSE_BF16, TRANSPOSE_F16  optional: a VW x VW transpose of bfloat16 or float16
  *                          rows into float32 ones (attn_kernels.h's TRANSPOSE_IN)
  * It also defines attn_convert_<isa>, the unit's conversions, for the tests. */
