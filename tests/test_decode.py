@@ -232,14 +232,16 @@ def test_varlen_sequences_with_decode_shapes_match_calls_of_their_own(monkeypatc
 
 # The direct path (attn_decode.h: the AVX-512 and AVX2 units): bfloat16 and float16 caches
 # at head sizes of whole 2-vector multiples, float32 with up to 4 rows per k/v row.
-# (B, H, H_kv, Nq, Nk) and features: GQA 32 over 8 (4 and 64 rows per k/v row), no GQA
-# (one row), key lengths, short caches (one key to a partial 16-key group) and long ones.
+# (B, H, H_kv, Nq, Nk) and features: GQA 32 over 8 (4 and 64 rows per k/v row; bfloat16
+# over 8 rows takes K's pairs transposed where the unit has vdpbf16ps), no GQA (one row),
+# key lengths, short caches (one key to a partial 16-key group) and long ones.
 DIRECT = {
     "gqa32-8-nq1": ((1, 32, 8, 1, 4100), {"causal": "bottom_right"}),
     "gqa32-8-nq16": ((1, 32, 8, 16, 1500), {"causal": "bottom_right"}),
     "mha-nq1": ((2, 4, 4, 1, 2600), {}),
     "mha-lengths": ((2, 4, 4, 1, 2100), {"causal": "bottom_right", "key_lengths": [2100, 333]}),
     "gqa-nq2-window": ((1, 8, 2, 2, 1300), {"causal": "bottom_right", "window": (200, 0)}),
+    "gqa12-nq1": ((1, 24, 2, 1, 1111), {"causal": "bottom_right"}),  # 12 rows: a part tile of 8
     "short-1": ((1, 32, 8, 1, 1), {"causal": "bottom_right"}),
     "short-17": ((1, 32, 8, 1, 17), {"causal": "bottom_right"}),
     "short-600": ((2, 8, 8, 1, 600), {"causal": "bottom_right"}),

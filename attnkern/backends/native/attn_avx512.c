@@ -216,6 +216,9 @@ static ATTN_INLINE void dec_in_order(int kind, float *o, int64_t n)
 #ifdef __AVX512BF16__ /* the avx512bf16 and amx units: bfloat16 q.k on pairs, as stored */
 #define DEC_DOT_BF16(acc, q, k) \
     _mm512_dpbf16_ps((acc), (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_loadu_si512(k))
+#define DEC_DOT_BF16_BCAST(acc, w, b) _mm512_dpbf16_ps((acc), (__m512bh)_mm512_set1_epi32((int)(w)), (__m512bh)(b))
+/* 16 x 16 32-bit words (the float transpose moves bits only) */
+#define DEC_TRANSPOSE16(src, lds, dst) vtranspose_f32((const float *)(src), (lds), (float *)(dst), 16)
 #endif
 #define DEC_PV_WIDE 2, 8 /* P V tiles (rows, vectors): 16 accumulators of the 32 registers */
 #define DEC_PV_WIDE_NV 8

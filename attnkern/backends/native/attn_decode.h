@@ -14,7 +14,9 @@
  *   dec_in_order(kind, o, n) the partial O's n columns (a multiple of 2 DEC_VW) back in
  *                            column order from dec_lo's and dec_hi's lanes
  *   DEC_DOT_BF16(acc, q, k)  optional: acc plus the dot products of the 2 DEC_VW
- *                            bfloat16 at q and k, pair by pair (vdpbf16ps)
+ *                            bfloat16 at q and k, pair by pair (vdpbf16ps); with it,
+ *                            DEC_DOT_BF16_BCAST(acc, w, b) (the pair word w against each
+ *                            of b's 16) and DEC_TRANSPOSE16(src, lds, dst) (16 x 16 words)
  *   DEC_PV_WIDE, DEC_PV_MID, DEC_PV_MANY  the P V register tiles (rows, vectors) for at most
  *                            2, 4 and any number of rows
  *
@@ -42,8 +44,11 @@
 #define DEC_BF16 0
 #define DEC_F16 1
 #define DEC_F32 2
-/* float32 takes the direct path up to this many query rows per k/v row: above it the
- * packed Kt panels' register tiles (no lane sums) cost less than the row sums. */
+/* The row-major Q K^T runs up to this many query rows per k/v row (float32: DEC_F32_ROWS):
+ * above it the lane sums (per row and key group) cost more than keys in the lanes, which
+ * bfloat16 gets with DEC_DOT_BF16 from K's pairs transposed in L1 (dec_qk_pairs), and the
+ * other kinds from the packed path's Kt panels. */
+#define DEC_ROWS 8
 #define DEC_F32_ROWS 4
 
 /* 1 where the direct path runs for R query rows of head sizes d and dv. */
@@ -51,7 +56,13 @@ static inline int attn_dec_direct(int kind, int64_t R, int64_t d, int64_t dv)
 {
     if (dv % (2 * DEC_VW) != 0 || d < 1 || dv < 1)
         return 0;
-    return kind == DEC_F32 ? d % DEC_VW == 0 && R <= DEC_F32_ROWS : d % (2 * DEC_VW) == 0;
+    if (kind == DEC_F32)
+        return d % DEC_VW == 0 && R <= DEC_F32_ROWS;
+#ifdef DEC_DOT_BF16
+    if (kind == DEC_BF16)
+        return d % (2 * DEC_VW) == 0;
+#endif
+    return d % (2 * DEC_VW) == 0 && R <= DEC_ROWS;
 }
 
 /* s[0:DEC_VW) = c * (q . k_j) for the keys j < n of the DEC_VW rows at k (row stride d
@@ -137,6 +148,63 @@ static ATTN_INLINE void dec_qk_kind(int kind, const void *k, int64_t kb, int64_t
             dec_storeu(s + r * lds + (kb + G - 1) / G * G, dec_zero());
 }
 
+#ifdef DEC_DOT_BF16
+/* s[r][0:16) = c * sum_t q_r pair t . panel[t] for r < mr (at most 8): one register
+ * tile of Q K^T with the 16 keys in the lanes (panel: d2 rows of 16 pair words). */
+static ATTN_INLINE void dec_pairs_tile(int mr, const uint32_t *q, int64_t d2, const uint32_t *panel, __m512 c,
+                                       float *s, int64_t lds)
+{
+    __m512 acc[8];
+    for (int r = 0; r < 8; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < d2; t++) {
+        __m512i b = _mm512_loadu_si512(panel + 16 * t);
+        for (int r = 0; r < 8; r++)
+            if (r < mr)
+                acc[r] = DEC_DOT_BF16_BCAST(acc[r], q[r * d2 + t], b);
+    }
+    for (int r = 0; r < 8; r++)
+        if (r < mr)
+            _mm512_storeu_ps(s + r * lds, _mm512_mul_ps(acc[r], c));
+}
+
+/* dec_qk_kind for many bfloat16 rows: each key group's K pairs (k[j][2t], k[j][2t + 1])
+ * transposed in registers into panel (d / 2 rows of the 16 keys' pair words, in L1),
+ * then register tiles of 8 rows with the keys in the lanes: no lane sums, and the
+ * transposes are shared by all the rows. */
+static void dec_qk_pairs(const uint16_t *k, int64_t kb, int64_t ahead, int64_t d, const uint16_t *v, int64_t dv,
+                         const uint16_t *q, int64_t R, float c, float *s, int64_t lds, uint32_t *panel)
+{
+    const int64_t d2 = d / 2;
+    const uint32_t *q2 = (const uint32_t *)q;
+    const __m512 vc = _mm512_set1_ps(c);
+    for (int64_t j = 0; j < kb; j += 16) {
+        int64_t n = kb - j < 16 ? kb - j : 16, pf = j + 32;
+        if (pf < ahead)
+            dec_prefetch((const char *)(k + pf * d), (ahead - pf < 16 ? ahead - pf : 16) * d * 2, 1);
+        dec_prefetch((const char *)(v + j * dv), n * dv * 2, 0);
+        const uint32_t *k2 = (const uint32_t *)(k + j * d);
+        if (n == 16)
+            for (int64_t t0 = 0; t0 < d2; t0 += 16)
+                DEC_TRANSPOSE16(k2 + t0, d2, panel + 16 * t0);
+        else
+            for (int64_t t = 0; t < d2; t++)
+                for (int64_t i = 0; i < 16; i++)
+                    panel[16 * t + i] = i < n ? k2[i * d2 + t] : 0;
+        for (int64_t r0 = 0; r0 < R; r0 += 8) {
+            int mr = (int)(R - r0 < 8 ? R - r0 : 8);
+            if (mr == 8)
+                dec_pairs_tile(8, q2 + r0 * d2, d2, panel, vc, s + r0 * lds + j, lds);
+            else
+                dec_pairs_tile(mr, q2 + r0 * d2, d2, panel, vc, s + r0 * lds + j, lds);
+        }
+    }
+    if ((kb + 15) / 16 % 2)  /* the rest of the last 32-key panel, which the softmax reads */
+        for (int64_t r = 0; r < R; r++)
+            _mm512_storeu_ps(s + r * lds + (kb + 15) / 16 * 16, _mm512_setzero_ps());
+}
+#endif
+
 /* One register tile of P V: o[r][0:NV DEC_VW) = o[r] alpha[r] + sum_j p[r][j] v_j for
  * r < mr (at most MRT), v_j the block's row j from the tile's first column (kind; halves
  * in dec_lo's and dec_hi's lanes). */
@@ -213,8 +281,15 @@ static ATTN_INLINE void dec_pv_kind(int kind, const void *v, int64_t kb, int64_t
 
 /* The entry points, one instantiation per kind (attn_kernels.h's decode_item). */
 static void attn_dec_qk(int kind, const void *k, int64_t kb, int64_t ahead, int64_t d, const void *v, int64_t dv,
-                        const void *q, int64_t R, float c, float *s, int64_t lds)
+                        const void *q, int64_t R, float c, float *s, int64_t lds, void *panel)
 {
+#ifdef DEC_DOT_BF16
+    if (kind == DEC_BF16 && R > DEC_ROWS) {
+        dec_qk_pairs(k, kb, ahead, d, v, dv, q, R, c, s, lds, panel);
+        return;
+    }
+#endif
+    (void)panel;
     if (kind == DEC_BF16)
         dec_qk_kind(DEC_BF16, k, kb, ahead, d, v, dv, q, R, c, s, lds);
     else if (kind == DEC_F16)

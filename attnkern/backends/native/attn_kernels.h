@@ -1157,7 +1157,7 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
 #ifdef DECODE_KIND
         if (direct) {
             attn_dec_qk(DECODE_KIND, kh + j0 * d, kb, ke - j0, d, vh + j0 * dv, dv, q + bkv * R * d, R,
-                        (float)ST(score_factor)(p), w->s, lds);
+                        (float)ST(score_factor)(p), w->s, lds, w->kt);
             for (int64_t r = 0; r < R; r++)
                 ST(decode_softmax)(p, dr, r, w->s + r * lds, j0, kb, kb_pad, cap2, pm, pl, w->alpha);
             attn_dec_pv(DECODE_KIND, vh + j0 * dv, kb, R, dv, w->s, lds, w->alpha, po);
@@ -1263,7 +1263,8 @@ static int ST(flash_decode)(const attn_problem *p, const TIN *q, const TIN *k, c
 #pragma omp parallel num_threads(p->num_threads)
     {
         ATTN_NOTE_TEAM();
-        /* the direct products need only the scores of a block: no packed K or V panels */
+        /* the direct products need only the scores of a block and at most one 16-key panel
+         * of K pairs (w->kt: d x NR of T): no packed K or V blocks */
         const int64_t bk = ST(decode_block)(p), packs = ST(decode_direct)(p) ? 1 : bk;
         ST(workspace) w = {0};
         int ws_ok = ST(ws_alloc)(&w, R, packs, R, ST(round_up)(bk, NR), p->d, dv_pad);
