@@ -239,6 +239,7 @@ DIRECT = {
     "gqa32-8-nq1": ((1, 32, 8, 1, 4100), {"causal": "bottom_right"}),
     "gqa32-8-nq16": ((1, 32, 8, 16, 1500), {"causal": "bottom_right"}),
     "mha-nq1": ((2, 4, 4, 1, 2600), {}),
+    "mha-nq2": ((1, 4, 4, 2, 1200), {"causal": "bottom_right"}),
     "mha-lengths": ((2, 4, 4, 1, 2100), {"causal": "bottom_right", "key_lengths": [2100, 333]}),
     "gqa-nq2-window": ((1, 8, 2, 2, 1300), {"causal": "bottom_right", "window": (200, 0)}),
     "gqa12-nq1": ((1, 24, 2, 1, 1111), {"causal": "bottom_right"}),  # 12 rows: a part tile of 8

@@ -44,12 +44,16 @@
 #define DEC_BF16 0
 #define DEC_F16 1
 #define DEC_F32 2
-/* The row-major Q K^T runs up to this many query rows per k/v row (float32: DEC_F32_ROWS):
- * above it the lane sums (per row and key group) cost more than keys in the lanes, which
- * bfloat16 gets with DEC_DOT_BF16 from K's pairs transposed in L1 (dec_qk_pairs), and the
- * other kinds from the packed path's Kt panels. */
+/* The row-major Q K^T runs up to this many query rows per k/v row (float32: DEC_F32_ROWS;
+ * bfloat16 with DEC_DOT_BF16: DEC_PAIRS_ROWS): above it the lane sums (per row and key
+ * group) cost more than keys in the lanes, which bfloat16 gets with DEC_DOT_BF16 from K's
+ * pairs transposed in L1 (dec_qk_pairs; it also keeps more cache lines in flight), and the
+ * other kinds from the packed path's Kt panels. Chosen from alternating single-thread
+ * runs of both forms on a Zen 5 (GQA 32 over 8, D 128, Nq 1 and 2), to be confirmed on a
+ * quiet machine. */
 #define DEC_ROWS 8
 #define DEC_F32_ROWS 4
+#define DEC_PAIRS_ROWS 2
 
 /* 1 where the direct path runs for R query rows of head sizes d and dv. */
 static inline int attn_dec_direct(int kind, int64_t R, int64_t d, int64_t dv)
@@ -284,7 +288,7 @@ static void attn_dec_qk(int kind, const void *k, int64_t kb, int64_t ahead, int6
                         const void *q, int64_t R, float c, float *s, int64_t lds, void *panel)
 {
 #ifdef DEC_DOT_BF16
-    if (kind == DEC_BF16 && R > DEC_ROWS) {
+    if (kind == DEC_BF16 && R > DEC_PAIRS_ROWS) {
         dec_qk_pairs(k, kb, ahead, d, v, dv, q, R, c, s, lds, panel);
         return;
     }
