@@ -153,9 +153,18 @@ static ATTN_INLINE void dec_qk_kind(int kind, const void *k, int64_t kb, int64_t
 }
 
 #ifdef DEC_DOT_BF16
+/* The pair (p[0], p[1]) as one word (the arrays need only 2-byte alignment). */
+static ATTN_INLINE uint32_t dec_word(const uint16_t *p)
+{
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+
 /* s[r][0:16) = c * sum_t q_r pair t . panel[t] for r < mr (at most 8): one register
- * tile of Q K^T with the 16 keys in the lanes (panel: d2 rows of 16 pair words). */
-static ATTN_INLINE void dec_pairs_tile(int mr, const uint32_t *q, int64_t d2, const uint32_t *panel, __m512 c,
+ * tile of Q K^T with the 16 keys in the lanes (q: rows of d2 pairs; panel: d2 rows of
+ * 16 pair words). */
+static ATTN_INLINE void dec_pairs_tile(int mr, const uint16_t *q, int64_t d2, const uint32_t *panel, __m512 c,
                                        float *s, int64_t lds)
 {
     __m512 acc[8];
@@ -165,7 +174,7 @@ static ATTN_INLINE void dec_pairs_tile(int mr, const uint32_t *q, int64_t d2, co
         __m512i b = _mm512_loadu_si512(panel + 16 * t);
         for (int r = 0; r < 8; r++)
             if (r < mr)
-                acc[r] = DEC_DOT_BF16_BCAST(acc[r], q[r * d2 + t], b);
+                acc[r] = DEC_DOT_BF16_BCAST(acc[r], dec_word(q + 2 * (r * d2 + t)), b);
     }
     for (int r = 0; r < 8; r++)
         if (r < mr)
@@ -180,27 +189,26 @@ static void dec_qk_pairs(const uint16_t *k, int64_t kb, int64_t ahead, int64_t d
                          const uint16_t *q, int64_t R, float c, float *s, int64_t lds, uint32_t *panel)
 {
     const int64_t d2 = d / 2;
-    const uint32_t *q2 = (const uint32_t *)q;
     const __m512 vc = _mm512_set1_ps(c);
     for (int64_t j = 0; j < kb; j += 16) {
         int64_t n = kb - j < 16 ? kb - j : 16, pf = j + 32;
         if (pf < ahead)
             dec_prefetch((const char *)(k + pf * d), (ahead - pf < 16 ? ahead - pf : 16) * d * 2, 1);
         dec_prefetch((const char *)(v + j * dv), n * dv * 2, 0);
-        const uint32_t *k2 = (const uint32_t *)(k + j * d);
+        const uint16_t *kj = k + j * d;
         if (n == 16)
             for (int64_t t0 = 0; t0 < d2; t0 += 16)
-                DEC_TRANSPOSE16(k2 + t0, d2, panel + 16 * t0);
+                DEC_TRANSPOSE16(kj + 2 * t0, d2, panel + 16 * t0);
         else
             for (int64_t t = 0; t < d2; t++)
                 for (int64_t i = 0; i < 16; i++)
-                    panel[16 * t + i] = i < n ? k2[i * d2 + t] : 0;
+                    panel[16 * t + i] = i < n ? dec_word(kj + i * d + 2 * t) : 0;
         for (int64_t r0 = 0; r0 < R; r0 += 8) {
             int mr = (int)(R - r0 < 8 ? R - r0 : 8);
             if (mr == 8)
-                dec_pairs_tile(8, q2 + r0 * d2, d2, panel, vc, s + r0 * lds + j, lds);
+                dec_pairs_tile(8, q + r0 * d, d2, panel, vc, s + r0 * lds + j, lds);
             else
-                dec_pairs_tile(mr, q2 + r0 * d2, d2, panel, vc, s + r0 * lds + j, lds);
+                dec_pairs_tile(mr, q + r0 * d, d2, panel, vc, s + r0 * lds + j, lds);
         }
     }
     if ((kb + 15) / 16 % 2)  /* the rest of the last 32-key panel, which the softmax reads */
