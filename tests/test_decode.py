@@ -285,6 +285,8 @@ def test_direct_decode_matches_the_reference_for_every_thread_count(isa, kind, d
     within_dtype_bound(out, lse, q, k, v, feats)
     one = native(q, k, v, threads=1, **feats)
     assert one[0].tobytes() == out.tobytes() and one[1].tobytes() == lse.tobytes()
+    moved = native(unaligned(q), unaligned(k), unaligned(v), threads=2, **feats)  # rows off vector boundaries
+    assert moved[0].tobytes() == out.tobytes() and moved[1].tobytes() == lse.tobytes()
 
 
 @pytest.mark.parametrize("kind", DIRECT_KINDS)
