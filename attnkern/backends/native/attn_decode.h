@@ -9,8 +9,9 @@
  *                            loaded, then widened to float32 in registers, DEC_VW each
  *                            (which element goes to which lane: the unit's choice, the
  *                            same for q, K and V rows)
- *   dec_lane_sums(acc)       one vector of the DEC_VW accumulators' lane sums, the sum of
- *                            acc[s] in lane DEC_LANE(s)
+ *   dec_lane_sums(acc), DEC_KEY(s)  one vector of the DEC_VW accumulators' lane sums;
+ *                            accumulator s takes key DEC_KEY(s) of a group, which puts
+ *                            key j's sum in lane j
  *   dec_in_order(kind, o, n) the partial O's n columns (a multiple of 2 DEC_VW) back in
  *                            column order from dec_lo's and dec_hi's lanes
  *   DEC_DOT_BF16(acc, q, k)  optional: acc plus the dot products of the 2 DEC_VW
@@ -28,6 +29,8 @@
  *     each score in its key's lane. Scores are the dot products times the score factor (q
  *     is not scaled first: that would round it again). The group's K rows stay in L1 while
  *     every query row reads them.
+ *   Q K^T, keys in the lanes (bfloat16 with DEC_DOT_BF16, over DEC_PAIRS_ROWS rows): K's
+ *     pair words of 16 keys transposed into an L1 panel, then register tiles of 8 rows.
  *   P V: register tiles of query rows x columns over the block's keys; each V row's
  *     columns are loaded once per tile and widened in registers (half: in dec_lo's and
  *     dec_hi's lanes, the partial O put back in column order once per work item by

@@ -1115,7 +1115,7 @@ static void ST(decode_pv)(const T *vr, int64_t kb, int64_t R, int64_t dv, const 
  * (the workspace of a short cache is sized by it, not by block_k). */
 static int64_t ST(decode_block)(const attn_problem *p) { return p->block_k < p->nk ? p->block_k : p->nk; }
 
-/* 1 where the unit's products read K and V from the cache's own rows (attn_decode512.h). */
+/* 1 where the unit's products read K and V from the cache's own rows (attn_decode.h). */
 static int ST(decode_direct)(const attn_problem *p)
 {
 #ifdef DECODE_KIND
