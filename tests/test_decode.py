@@ -228,3 +228,73 @@ def test_varlen_sequences_with_decode_shapes_match_calls_of_their_own(monkeypatc
     monkeypatch.setattr(_api, "_packed_kernel", lambda *a, **kw: None)  # one call per sequence
     out1, lse1 = attnkern.attention_varlen(q, k, v, cu_q, cu_k, **args)
     assert out.tobytes() == out1.tobytes() and lse.tobytes() == lse1.tobytes()
+
+
+# The direct path (attn_decode.h: the AVX-512 and AVX2 units): bfloat16 and float16 caches
+# at head sizes of whole 2-vector multiples, float32 with up to 4 rows per k/v row.
+# (B, H, H_kv, Nq, Nk) and features: GQA 32 over 8 (4 and 64 rows per k/v row; bfloat16
+# over 8 rows takes K's pairs transposed where the unit has vdpbf16ps), no GQA (one row),
+# key lengths, short caches (one key to a partial 16-key group) and long ones.
+DIRECT = {
+    "gqa32-8-nq1": ((1, 32, 8, 1, 4100), {"causal": "bottom_right"}),
+    "gqa32-8-nq16": ((1, 32, 8, 16, 1500), {"causal": "bottom_right"}),
+    "mha-nq1": ((2, 4, 4, 1, 2600), {}),
+    "mha-nq2": ((1, 4, 4, 2, 1200), {"causal": "bottom_right"}),
+    "mha-lengths": ((2, 4, 4, 1, 2100), {"causal": "bottom_right", "key_lengths": [2100, 333]}),
+    "gqa-nq2-window": ((1, 8, 2, 2, 1300), {"causal": "bottom_right", "window": (200, 0)}),
+    "gqa12-nq1": ((1, 24, 2, 1, 1111), {"causal": "bottom_right"}),  # 12 rows: a part tile of 8
+    "short-1": ((1, 32, 8, 1, 1), {"causal": "bottom_right"}),
+    "short-17": ((1, 32, 8, 1, 17), {"causal": "bottom_right"}),
+    "short-600": ((2, 8, 8, 1, 600), {"causal": "bottom_right"}),
+    "short-nq3": ((1, 8, 2, 3, 100), {"causal": "bottom_right"}),
+}
+DIRECT_KINDS = ["bfloat16", "float16", "float32"]
+
+
+def host(kind):
+    return np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(kind)
+
+
+def within_dtype_bound(out, lse, q, k, v, feats):
+    """attnkern_bench.accuracy's bound of the dtype (float32 probabilities): scaled
+    error of the output and lse error of the rows that see a key."""
+    from attnkern_bench.accuracy import lse_tolerance
+
+    ref, ref_lse = attnkern.reference(q, k, v, return_lse=True, **feats)
+    per = max(1.0, np.abs(v.astype(np.float64)).max()) * conditioning(q, k, feats.get("scale"))
+    err = np.abs(out.astype(np.float64) - ref).max() / per
+    assert err <= tolerance(q.dtype), f"scaled error {err:.3g} > {tolerance(q.dtype):.3g}"
+    seen = np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lse.astype(np.float64)), ~seen)
+    lerr = (np.abs(lse.astype(np.float64)[seen] - ref_lse[seen]) / np.maximum(1, np.abs(ref_lse[seen]))).max(initial=0)
+    assert lerr <= lse_tolerance(q.dtype), f"lse error {lerr:.3g}"
+
+
+@pytest.mark.parametrize("dims", [(128, 128), (64, 32), (32, 96)])
+@pytest.mark.parametrize("kind", DIRECT_KINDS)
+@pytest.mark.parametrize("name", DIRECT)
+def test_direct_decode_matches_the_reference_for_every_thread_count(isa, kind, dims, name):
+    shape, feats = DIRECT[name]
+    if kind == "float32" and shape[1] // shape[2] * shape[3] > 4:
+        pytest.skip("float32 takes the direct path up to 4 rows per k/v row")
+    feats = {n: (np.array(x, np.int64) if n == "key_lengths" else x) for n, x in feats.items()}
+    d, dv = dims
+    q, k, v = (x.astype(host(kind)) for x in make(dict(shape=shape), np.float32, seed=shape[-1], d=d, dv=dv))
+    out, lse, chunks = native(q, k, v, threads=2, **feats)
+    assert chunks >= 1, "the decode path was not taken"
+    within_dtype_bound(out, lse, q, k, v, feats)
+    one = native(q, k, v, threads=1, **feats)
+    assert one[0].tobytes() == out.tobytes() and one[1].tobytes() == lse.tobytes()
+    moved = native(unaligned(q), unaligned(k), unaligned(v), threads=2, **feats)  # rows off vector boundaries
+    assert moved[0].tobytes() == out.tobytes() and moved[1].tobytes() == lse.tobytes()
+
+
+@pytest.mark.parametrize("kind", DIRECT_KINDS)
+def test_direct_decode_reports_nonfinite_cache_rows(isa, kind):
+    q, k, v = (x.astype(host(kind)) for x in make(dict(shape=(1, 8, 2, 1, 3000)), np.float32, d=64, dv=64))
+    for which, where in (("k", 5), ("v", 2999), ("k", 1700)):
+        kk, vv = k.copy(), v.copy()
+        (kk if which == "k" else vv)[0, 1, where, 3] = np.inf
+        with pytest.raises(ValueError, match=which):
+            attnkern.attention(q, kk, vv, kernel="native.flash", causal="bottom_right")
+        assert _attn.last_split() >= 2

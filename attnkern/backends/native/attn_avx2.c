@@ -89,10 +89,54 @@ static ATTN_INLINE double vhmax_f64(__m256d x)
     return _mm_cvtsd_f64(_mm_max_sd(s, _mm_unpackhi_pd(s, s)));
 }
 
+/* The decode path's products from the cache's own rows (attn_decode.h), for float32
+ * (DECODE_KIND below) and the half kinds (attn_half.h, under ATTN_DECODE_DIRECT). */
+#define DEC_VW 8
+typedef __m256 dec_vt;
+static ATTN_INLINE __m256 dec_zero(void) { return _mm256_setzero_ps(); }
+static ATTN_INLINE __m256 dec_loadu(const float *p) { return _mm256_loadu_ps(p); }
+static ATTN_INLINE void dec_storeu(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
+static ATTN_INLINE __m256 dec_set1(float x) { return _mm256_set1_ps(x); }
+static ATTN_INLINE __m256 dec_fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+static ATTN_INLINE __m256 dec_mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+/* 16 halves of one 32-byte load (dec_raw) widened to float32 in registers, in order:
+ * dec_lo elements 0-7, dec_hi 8-15 (bfloat16: vpmovzxwd, then a 16-bit shift; float16:
+ * vcvtph2ps). */
+typedef __m256i dec_raw;
+static ATTN_INLINE __m256i dec_raw_load(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static ATTN_INLINE __m256 dec_lo(int kind, __m256i x)
+{
+    __m128i h = _mm256_castsi256_si128(x);
+    return kind == 0 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+static ATTN_INLINE __m256 dec_hi(int kind, __m256i x)
+{
+    __m128i h = _mm256_extracti128_si256(x, 1);
+    return kind == 0 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+/* The lane sums of a[0:8) in order (three rounds of horizontal adds, then the halves). */
+#define DEC_KEY(s) (s)
+static ATTN_INLINE __m256 dec_lane_sums(__m256 a[8])
+{
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+/* dec_lo and dec_hi keep the columns in order: nothing to do */
+static ATTN_INLINE void dec_in_order(int kind, float *o, int64_t n) { (void)kind; (void)o; (void)n; }
+#define DEC_PV_WIDE 2, 4 /* P V tiles (rows, vectors) within the 16 registers */
+#define DEC_PV_WIDE_NV 4
+#define DEC_PV_MID 4, 2
+#define DEC_PV_MID_NV 2
+#define DEC_PV_MANY 6, 2
+#include "attn_decode.h"
+#define ATTN_DECODE_DIRECT
+
 #define T float
 #define DT f32
 #define VT __m256
 #define VW 8
+#define DECODE_KIND DEC_F32
 #include "attn_kernels.h"
 
 #define T double

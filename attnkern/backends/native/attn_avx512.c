@@ -158,8 +158,79 @@ static ATTN_INLINE __m512 vexp2_avx512_f32(__m512 x)
 }
 #define VEXP2_F32 vexp2_avx512_f32
 
+/* The decode path's products from the cache's own rows (attn_decode.h), for float32
+ * (DECODE_KIND below) and the half kinds (attn_half.h, under ATTN_DECODE_DIRECT). */
+#define DEC_VW 16
+typedef __m512 dec_vt;
+static ATTN_INLINE __m512 dec_zero(void) { return _mm512_setzero_ps(); }
+static ATTN_INLINE __m512 dec_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static ATTN_INLINE void dec_storeu(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+static ATTN_INLINE __m512 dec_set1(float x) { return _mm512_set1_ps(x); }
+static ATTN_INLINE __m512 dec_fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+static ATTN_INLINE __m512 dec_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+/* 32 halves of one 64-byte load (dec_raw) widened to float32 in registers: dec_lo the
+ * even elements, dec_hi the odd (bfloat16: x << 16 and x & 0xffff0000; float16: vpmovdw,
+ * then vcvtph2ps). Values, not pointers, so that the vectors stay in registers. */
+typedef __m512i dec_raw;
+static ATTN_INLINE __m512i dec_raw_load(const uint16_t *p) { return _mm512_loadu_si512(p); }
+static ATTN_INLINE __m512 dec_lo(int kind, __m512i x)
+{
+    return kind == 0 ? _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)) : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+}
+static ATTN_INLINE __m512 dec_hi(int kind, __m512i x)
+{
+    return kind == 0 ? _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)))
+                     : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+}
+/* The lane sums of a[0:16), 45 shuffles and adds: the sum of a[s] lands in lane
+ * 4 (s % 4) + s / 4, so slot s takes key DEC_KEY(s) = s / 4 + 4 (s % 4). */
+#define DEC_KEY(s) ((s) / 4 + 4 * ((s) % 4))
+static ATTN_INLINE __m512 dec_lane_sums(__m512 a[16])
+{
+    __m512 z[8], w[4], u[2];
+    for (int i = 0; i < 8; i++)  /* lanes 0-7: 8 partials of a[2i], 8-15: of a[2i + 1] */
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int m = 0; m < 4; m++)  /* block b: 4 partials of a[4m + b] */
+        w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * m], z[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(z[2 * m], z[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int n = 0; n < 2; n++)  /* block b: 2 partials of a[8n + b], then 2 of a[8n + 4 + b] */
+        u[n] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * n], w[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * n], w[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* block b: the sums of a[b], a[b + 4], a[b + 8], a[b + 12] */
+    return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* n columns kept as 16 even then 16 odd of each 32 (dec_lo, dec_hi), back in order. */
+static ATTN_INLINE void dec_in_order(int kind, float *o, int64_t n)
+{
+    (void)kind;
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t i = 0; i < n; i += 32) {
+        __m512 ev = _mm512_loadu_ps(o + i), od = _mm512_loadu_ps(o + i + 16);
+        _mm512_storeu_ps(o + i, _mm512_permutex2var_ps(ev, lo, od));
+        _mm512_storeu_ps(o + i + 16, _mm512_permutex2var_ps(ev, hi, od));
+    }
+}
+#ifdef __AVX512BF16__ /* the avx512bf16 and amx units: bfloat16 q.k on pairs, as stored */
+#define DEC_DOT_BF16(acc, q, k) \
+    _mm512_dpbf16_ps((acc), (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_loadu_si512(k))
+#define DEC_DOT_BF16_BCAST(acc, w, b) _mm512_dpbf16_ps((acc), (__m512bh)_mm512_set1_epi32((int)(w)), (__m512bh)(b))
+/* 16 x 16 32-bit words (the float transpose moves bits only) */
+#define DEC_TRANSPOSE16(src, lds, dst) vtranspose_f32((const float *)(src), (lds), (float *)(dst), 16)
+#endif
+#define DEC_PV_WIDE 2, 8 /* P V tiles (rows, vectors): 16 accumulators of the 32 registers */
+#define DEC_PV_WIDE_NV 8
+#define DEC_PV_MID 4, 4
+#define DEC_PV_MID_NV 4
+#define DEC_PV_MANY 8, 2
+#include "attn_decode.h"
+#define ATTN_DECODE_DIRECT
+
 #define T float
 #define DT f32
+#define DECODE_KIND DEC_F32
 #define VT __m512
 #define VW 16
 #define TRANSPOSE_T vtranspose_f32

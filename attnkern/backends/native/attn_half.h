@@ -6,6 +6,7 @@
  *   VT_F32, VW_F32         the float32 vector type and width
  *   F16_LOAD(x), F16_STORE(x)  float16 bits to float32 and back (F16C or portable)
  *   VEXP2_F32              optional: the unit's float32 2^x (attn_kernels.h's VEXP2_T)
+ *   ATTN_DECODE_DIRECT     optional: the unit has attn_decode.h's decode products
  *   TRANSPOSE_BF16, TRANSPOSE_F16  optional: a VW x VW transpose of bfloat16 or float16
  *                          rows into float32 ones (attn_kernels.h's TRANSPOSE_IN)
  * It also defines attn_convert_<isa>, the unit's conversions, for the tests. */
@@ -25,6 +26,9 @@
 #define VEXP2_T VEXP2_F32
 #endif
 #define STORE_OUT(x) attn_f32_to_bf16(x)
+#ifdef ATTN_DECODE_DIRECT
+#define DECODE_KIND DEC_BF16
+#endif
 #include "attn_kernels.h"
 
 #define ATTN_HALF_IO
@@ -42,6 +46,9 @@
 #define VEXP2_T VEXP2_F32
 #endif
 #define STORE_OUT(x) F16_STORE(x)
+#ifdef ATTN_DECODE_DIRECT
+#define DECODE_KIND DEC_F16
+#endif
 #include "attn_kernels.h"
 
 #define ATTN_CVT_(isa) attn_convert_##isa

@@ -1111,6 +1111,21 @@ static void ST(decode_pv)(const T *vr, int64_t kb, int64_t R, int64_t dv, const 
     }
 }
 
+/* The most keys a decode block holds: block_k, or the whole cache where it is shorter
+ * (the workspace of a short cache is sized by it, not by block_k). */
+static int64_t ST(decode_block)(const attn_problem *p) { return p->block_k < p->nk ? p->block_k : p->nk; }
+
+/* 1 where the unit's products read K and V from the cache's own rows (attn_decode.h). */
+static int ST(decode_direct)(const attn_problem *p)
+{
+#ifdef DECODE_KIND
+    return attn_dec_direct(DECODE_KIND, p->kv_group * p->nq, p->d, p->dv);
+#else
+    (void)p;
+    return 0;
+#endif
+}
+
 /* Work item (k/v row bkv, keys [c0, c1)): the partial O (R rows of dv_pad), m and l
  * of the R rows into po, pm, pl; returns nonfinite bits of q (the first chunk only)
  * and of the keys and values of the chunk up to the rows' longest key length (the
@@ -1120,14 +1135,16 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
                            int64_t c1, int64_t R, T *po, T *pm, T *pl)
 {
     const int64_t d = p->d, dv = p->dv, nk = p->nk, bk = p->block_k, dv_pad = ST(round_up)(dv, NR);
-    const int64_t lds = ST(round_up)(bk, NR);
+    const int64_t lds = ST(round_up)(ST(decode_block)(p), NR);
     const int check = p->nonfinite != NULL;
     int bad = 0;
     const TIN *kh = k + bkv * nk * d, *vh = v + bkv * nk * dv;
     if (check && c0 == 0 && ST(nonfinite_in)(q + bkv * R * d, R * d))  /* before scaling, which may overflow */
         bad |= ATTN_NONFINITE_Q;
     const T cap2 = (T)(p->softcap * ATTN_LOG2E);
-    ST(scale_rows)(q + bkv * R * d, R, d, ST(score_factor)(p), w->a);
+    const int direct = ST(decode_direct)(p);  /* q is read as stored there */
+    if (!direct)
+        ST(scale_rows)(q + bkv * R * d, R, d, ST(score_factor)(p), w->a);
     for (int64_t r = 0; r < R; r++) {
         pm[r] = -INFINITY;
         pl[r] = 0;
@@ -1137,6 +1154,20 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
     const int64_t ks = dr->first > c0 ? dr->first : c0, ke = dr->last < c1 ? dr->last : c1;
     for (int64_t j0 = ks; j0 < ke; j0 += bk) {
         int64_t kb = ke - j0 < bk ? ke - j0 : bk, kb_pad = ST(round_up)(kb, NR);
+#ifdef DECODE_KIND
+        if (direct) {
+            attn_dec_qk(DECODE_KIND, kh + j0 * d, kb, ke - j0, d, vh + j0 * dv, dv, q + bkv * R * d, R,
+                        (float)ST(score_factor)(p), w->s, lds, w->kt);
+            for (int64_t r = 0; r < R; r++)
+                ST(decode_softmax)(p, dr, r, w->s + r * lds, j0, kb, kb_pad, cap2, pm, pl, w->alpha);
+            attn_dec_pv(DECODE_KIND, vh + j0 * dv, kb, R, dv, w->s, lds, w->alpha, po);
+            if (check) {  /* the block's rows, while they are in the caches */
+                bad |= attn_dec_nonfinite(DECODE_KIND, kh + j0 * d, kb * d) ? ATTN_NONFINITE_K : 0;
+                bad |= attn_dec_nonfinite(DECODE_KIND, vh + j0 * dv, kb * dv) ? ATTN_NONFINITE_V : 0;
+            }
+            continue;
+        }
+#endif
         ST(decode_pack_k)(kh + j0 * d, vh + j0 * dv, kb, ke - j0, d, dv, w->kt, wide);
         ST(rows_qk)(w->kt, kb, R, d, w->a, w->s, lds, 0, 0, 0);
         for (int64_t r = 0; r < R; r++)
@@ -1154,6 +1185,10 @@ static int ST(decode_item)(const attn_problem *p, const TIN *q, const TIN *k, co
             bad |= ST(nonfinite)(vb, dv_pad * kb) ? ATTN_NONFINITE_V : 0;
         }
     }
+#ifdef DECODE_KIND
+    if (direct)
+        attn_dec_finish(DECODE_KIND, po, R, dv);
+#endif
     if (check) {  /* the chunk's keys no row read, up to the longest key length */
         int64_t a = c0, b = ks < ke ? ks : c1;
         for (int pass = 0; pass < 2; pass++) {
@@ -1228,15 +1263,18 @@ static int ST(flash_decode)(const attn_problem *p, const TIN *q, const TIN *k, c
 #pragma omp parallel num_threads(p->num_threads)
     {
         ATTN_NOTE_TEAM();
+        /* the direct products need only the scores of a block and at most one 16-key panel
+         * of K pairs (w->kt: d x NR of T): no packed K or V blocks */
+        const int64_t bk = ST(decode_block)(p), packs = ST(decode_direct)(p) ? 1 : bk;
         ST(workspace) w = {0};
-        int ws_ok = ST(ws_alloc)(&w, R, p->block_k, R, ST(round_up)(p->block_k, NR), p->d, dv_pad);
+        int ws_ok = ST(ws_alloc)(&w, R, packs, R, ST(round_up)(bk, NR), p->d, dv_pad);
         T *acc = attn_alloc(p->dv, 1, sizeof(T));
         ST(drows) *dr = attn_alloc(1, 1, sizeof(ST(drows)));
 #ifdef ATTN_SAME_IO
         T *wide = NULL;
         int wide_ok = 1;
 #else
-        T *wide = attn_alloc(p->block_k, p->d, sizeof(T));  /* a K block widened, for decode_pack_k */
+        T *wide = attn_alloc(packs, p->d, sizeof(T));  /* a K block widened, for decode_pack_k */
         int wide_ok = wide != NULL;
 #endif
         int ok = ws_ok && acc && dr && wide_ok;
@@ -1914,3 +1952,4 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef VEXP2_T
 #undef ATTN_SAME_IO
 #undef ATTN_BWD_DOT
+#undef DECODE_KIND
