@@ -86,19 +86,6 @@ def stream_gbs(threads: int, mib: int, repeat: int) -> dict:
     return {"copy_gbs": copy, "triad_gbs": triad, "numpy_read_gbs": 4 * n / best / 1e9}
 
 
-def load_base(path: str):
-    """Another build of attnkern.backends.native._attn, loaded beside this one."""
-    import importlib.machinery
-    import importlib.util
-
-    name = "attnkern_base_build._attn"  # the last part names the extension's init function
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
-
-
 def problem(b: int, nq: int, nk: int, dtype: str, seed: int = 0):
     """(ours, theirs): attnkern's arrays and torch's tensors of one decode step."""
     rng = np.random.default_rng(seed)
@@ -128,14 +115,11 @@ def measure(b, nq, nk, dtype, threads, runs, base=None) -> dict:
 
     fns = {"native.flash": ours, "torch.sdpa": theirs}
     if base is not None:
-        from attnkern.backends import native
+        from attnkern.backends.native import other_build
 
         def base_build():
-            own, native._attn = native._attn, base
-            try:
+            with other_build(base):
                 ours()
-            finally:
-                native._attn = own
 
         fns["base"] = base_build
     t = in_turns(fns, runs)
@@ -167,7 +151,7 @@ def main():
     p.add_argument("--base-so", help="another build's _attn extension, timed in the same turns")
     args = p.parse_args()
     globals().update(H=args.heads[0], H_KV=args.heads[1], D=args.d)
-    base = load_base(args.base_so) if args.base_so else None
+    base = args.base_so
     torch.set_num_threads(args.threads)
     s = stream_gbs(args.threads, args.stream_mib, 3)
     print(f"STREAM ({args.threads} threads, {args.stream_mib} MiB arrays): copy {s['copy_gbs']:.1f} GB/s, "

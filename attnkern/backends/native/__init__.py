@@ -14,6 +14,7 @@ the core's Features become the keywords of _attn.forward, forward_half and backw
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -140,6 +141,34 @@ def _flash_backward(q, k, v, out, dout, lse, causal, scale, block_q=1, block_k=1
 
 def _unavailable():
     return _IMPORT_ERROR
+
+
+_OTHER_BUILDS: dict = {}
+
+
+@contextlib.contextmanager
+def other_build(path: str):
+    """Within the block, native kernels run another build's compiled extension (the
+    `_attn*.so` at path, e.g. a checkout of main's build folder), so that two builds
+    can be timed in turns in one process (dev/cpu_decode_bandwidth.py --base-so). Not
+    thread-safe: the whole module switches. The other build must take the same
+    arguments as this one's Python layer passes."""
+    import importlib.machinery
+    import importlib.util
+
+    global _attn
+    module = _OTHER_BUILDS.get(path)
+    if module is None:  # loaded once a path: the block's own cost is two assignments
+        name = "attnkern_other_build._attn"  # the last part names the extension's init function
+        loader = importlib.machinery.ExtensionFileLoader(name, path)
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
+        loader.exec_module(module)
+        _OTHER_BUILDS[path] = module
+    own, _attn = _attn, module
+    try:
+        yield module
+    finally:
+        _attn = own
 
 
 def _team():
