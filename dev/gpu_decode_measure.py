@@ -11,11 +11,12 @@ D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
 --before adds cuda.flash as it ran before 2026-11-26 (every call on the general path,
 attnkern.backends.cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
 combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1; the 264-block split,
-cpp.DECODE_SPLIT_RULE = "blocks") and triton.flash on
-the general path, in turns with today's code in one process. --decode-configs TILExSTAGES[xKW]
-adds cuda.flash's decode kernel with other K/V tiles, pipeline depths and key warps
-(cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS, 1 unless given: 32x3x1 is the
-kernel before the key warps; on the general path, so its call time is the general path's).
+cpp.DECODE_SPLIT_RULE = "blocks"; 32-key tiles, one warp) and triton.flash on
+the general path, in turns with today's code in one process. --decode-configs TILExSTAGES[xKW][:RULE]
+adds cuda.flash's decode kernel with other K/V tiles, pipeline depths, key warps and split rules
+(cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS, 1 unless given, cpp.DECODE_SPLIT_RULE,
+today's unless given: 32x3x1:waves is the default before the long chunks; on the general path, so
+its call time is the general path's).
 
 attnkern runs attention(q, k, v, causal="bottom_right", check_finite=False) on torch
 tensors; torch runs scaled_dot_product_attention(q, k, v) (Nq = 1: bottom-right causal
@@ -31,7 +32,7 @@ of every contender, then the next round):
   them), between two CUDA events, divided by 10: the GPU time of a call. A sample whose
   enqueueing outlasted the sleep is flagged (cpu_bound), its time then includes Python.
 - call: one call between two CUDA events after a synchronize: what one isolated call
-  costs, Python's launch overhead included.
+  costs, Python's launch overhead included; beside it the host's time in that call (call_host_us).
 Bandwidth: bytes of K and V (B H_kv Nk D 2 bytes each) plus q and out, over the kernel
 time, and as a fraction of the device-to-device copy bandwidth (a 1 GiB
 tensor.copy_, read and write counted, median of 10)."""
@@ -103,7 +104,7 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
            "triton.flash": (ours("triton.flash"), "split-K decode")}
     if before:
         out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1,
-                                           DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1),
+                                           DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1, DECODE_TILE=32),
                                      "general path, double-buffered decode kernel, serial combine, 264-block split")
         out["triton.flash[before]"] = (_with(ours("triton.flash"), False), "general path")
     if regular:
@@ -112,10 +113,13 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
         out[f"cuda.flash[{n}]"] = (_with(ours("cuda.flash"), False, **constants), "split rule forced, general path")
     for n in splits:
         out[f"cuda.flash[split_k={n}]"] = (ours("cuda.flash", split_k=n), "split-K decode, forced")
-    for tile, stages, kw in configs:
-        out[f"cuda.flash[{tile}x{stages}x{kw}]"] = (_with(ours("cuda.flash"), False, DECODE_TILE=tile,
-                                                          DECODE_STAGES=stages, DECODE_KEY_WARPS=kw),
-                                                    "split-K decode, K/V tile x stages x key warps forced, general path")
+    for tile, stages, kw, rule in configs:
+        constants = dict(DECODE_TILE=tile, DECODE_STAGES=stages, DECODE_KEY_WARPS=kw)
+        if rule:
+            constants["DECODE_SPLIT_RULE"] = rule
+        out[f"cuda.flash[{tile}x{stages}x{kw}{':' + rule if rule else ''}]"] = (
+            _with(ours("cuda.flash"), False, **constants),
+            "split-K decode, K/V tile x stages x key warps (and split rule) forced, general path")
     rep = None
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
@@ -164,14 +168,19 @@ def kernel_sample(fn, sleep_cycles: int, sleep_s: float) -> tuple[float, bool]:
     return gpu / QUEUED, host > sleep_s  # the GPU may have waited for Python: the sleep was too short
 
 
-def call_sample(fn) -> float:
+def call_sample(fn) -> tuple[float, float]:
+    """(GPU time of one isolated call, between two events after a synchronize; the host's time
+    in the call, until it returned): where the call time passes the kernel time by much more
+    than the host's time, the GPU waited on something else than Python (the launches' own cost)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     a.record()
+    t0 = time.perf_counter()
     fn()
+    host = time.perf_counter() - t0
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / 1e3
+    return a.elapsed_time(b) / 1e3, host
 
 
 def main() -> None:
@@ -182,9 +191,10 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="cuda.flash's split_k values to add")
     parser.add_argument("--decode-configs", nargs="*", default=[],
-                        help="cuda.flash decode kernels to add, TILExSTAGES[xKEYWARPS] (cpp.DECODE_TILE 16/32/64, "
-                             "cpp.DECODE_STAGES 2-4, cpp.DECODE_KEY_WARPS 1 (default), 2 or 4: at least 16 keys "
-                             "a warp), e.g. 32x2 16x4 32x3x1 64x3x4")
+                        help="cuda.flash decode kernels to add, TILExSTAGES[xKEYWARPS][:RULE] (cpp.DECODE_TILE "
+                             "16/32/64, cpp.DECODE_STAGES 2-4, cpp.DECODE_KEY_WARPS 1 (default), 2 or 4: at least "
+                             "16 keys a warp; cpp.DECODE_SPLIT_RULE waves, blocks or long, today's unless given), "
+                             "e.g. 32x2 16x4 32x3x1:waves 64x2x4:long")
     parser.add_argument("--nq", type=int, nargs="+", default=[1], help="query rows a head")
     parser.add_argument("--rules", action="store_true",
                         help="add cuda.flash with the split rule before 2026-11-26 (cpp.DECODE_SPLIT_RULE='blocks') "
@@ -201,7 +211,8 @@ def main() -> None:
     hz = sleep_cycles_per_s()
     device = torch.cuda.get_device_name()
     print(f"{device}: device-to-device copy {copy_bw / 1e9:.0f} GB/s; H={H}, H_kv={H_KV}, D={D}, bfloat16")
-    configs = [(tuple(int(x) for x in c.split("x")) + (1,))[:3] for c in args.decode_configs]
+    configs = [(tuple(int(x) for x in c.partition(":")[0].split("x")) + (1,))[:3] + (c.partition(":")[2],)
+               for c in args.decode_configs]
     rows = []
     for batch, nq, nk in ((b, n, k) for n in args.nq for b in args.batches for k in args.nk):
         g = torch.Generator(device="cuda").manual_seed(batch * nk)
@@ -226,6 +237,7 @@ def main() -> None:
         sleep = int(hz * sleep_s)
         kern = {n: [] for n in named}
         calls = {n: [] for n in named}
+        hosts = {n: [] for n in named}
         flagged = {n: 0 for n in named}
         for fn, _ in named.values():  # warm up
             fn()
@@ -234,17 +246,21 @@ def main() -> None:
                 t, cpu = kernel_sample(fn, sleep, sleep_s)
                 kern[n].append(t)
                 flagged[n] += cpu
-                calls[n].append(call_sample(fn))
+                t, host = call_sample(fn)
+                calls[n].append(t)
+                hosts[n].append(host)
         for n, (fn, note) in named.items():
             t = statistics.median(kern[n])
             row = dict(device=device, B=batch, H=H, H_kv=H_KV, Nq=nq, Nk=nk, D=D, dtype="bfloat16", kernel=n,
                        note=note, kernel_us=t * 1e6, call_us=statistics.median(calls[n]) * 1e6,
+                       call_host_us=statistics.median(hosts[n]) * 1e6,
                        GBps=useful / t / 1e9, of_copy=useful / t / copy_bw, cpu_bound=flagged[n],
                        max_abs_diff_vs_cuda_flash=diffs[n], splits=splits.get(n), runs=args.runs,
                        copy_GBps=copy_bw / 1e9)
             rows.append(row)
             print(f"B={batch} Nq={nq:2d} Nk={nk:6d} {n:24s} kernel {row['kernel_us']:8.1f} us  "
-                  f"call {row['call_us']:8.1f} us  {row['GBps']:6.0f} GB/s ({row['of_copy']:4.0%} of copy)"
+                  f"call {row['call_us']:8.1f} us (host {row['call_host_us']:6.1f})  {row['GBps']:6.0f} GB/s "
+                  f"({row['of_copy']:4.0%} of copy)"
                   f"{'  cpu-bound ' + str(flagged[n]) if flagged[n] else ''}  [{note}] chunks {splits.get(n)}"
                   f" diff {diffs[n]:.2g}")
         fastest_torch = min((r for r in rows[-len(named):] if r["kernel"].startswith("torch.")),

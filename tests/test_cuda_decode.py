@@ -54,6 +54,45 @@ def test_split_depends_on_the_shape_only():
         assert chunk % _split.DECODE_BLOCK_K == 0 and (got - 1) * chunk < nk <= got * chunk and got <= splits
 
 
+def test_split_rules():
+    """cuda.flash's automatic split under each cpp.DECODE_SPLIT_RULE: "long" is triton.flash's
+    rule (fewer, longer chunks), "blocks" caps chunks at about DECODE_CHUNK_KEYS keys, "waves"
+    fills whole waves, "long_waves" takes "long" where its blocks are at most 264 (two an SM),
+    else "waves"; another name is a ValueError that lists the rules."""
+    from attnkern.backends.cuda import cpp
+
+    saved = cpp.DECODE_SPLIT_RULE, cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS
+    try:
+        # the chunks run at the shapes of docs/gpu-decode.md (H_kv 8, Nq 1, D 128; 64x2x4 tiles)
+        cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS = 64, 2, 4
+        want = {"long": {1: [16, 32, 32, 33], 4: [8, 9, 9, 9], 8: [5, 5, 5, 5]},
+                "waves": {1: [32, 43, 49, 98], 4: [11, 12, 49, 98], 8: [6, 12, 49, 103]},
+                "long_waves": {1: [16, 32, 32, 33], 4: [8, 12, 49, 98], 8: [6, 12, 49, 103]}}
+        for rule, by_batch in want.items():
+            cpp.DECODE_SPLIT_RULE = rule
+            for batch, chunks in by_batch.items():
+                got = [_split.decode_chunk(nk, cpp.decode_auto_splits(8 * batch, 1, nk, 128, 0, 4))[1]
+                       for nk in (4096, 16384, 65536, 131072)]
+                assert got == chunks, (rule, batch, got)
+        cpp.DECODE_SPLIT_RULE = "long_waves"
+        assert cpp.decode_auto_splits(8, 1, 1000, 128, 0, 4) == 0 and cpp.decode_auto_splits(8, 1, 4096, 128, 5, 4) == 5
+        for batch_kv, nk in ((8, 131072), (8, 16384), (8, 4096), (32, 65536), (64, 131072), (512, 8192)):
+            cpp.DECODE_SPLIT_RULE = "long"
+            assert cpp.decode_auto_splits(batch_kv, 1, nk, 128, 0, 4) == _split.decode_splits(batch_kv, 1, nk, 0)
+            cpp.DECODE_SPLIT_RULE = "blocks"
+            assert cpp.decode_auto_splits(batch_kv, 1, nk, 128, 0, 4) == _split.decode_splits(
+                batch_kv, 1, nk, 0, max_chunk=cpp.DECODE_CHUNK_KEYS)
+        cpp.DECODE_SPLIT_RULE = "long"
+        assert cpp.decode_auto_splits(8, 1, 131072, 128, 0, 4) == 33  # chunks of 4k keys at B = 1, H_kv = 8
+        assert cpp.decode_auto_splits(8, 1, 131072, 128, 1, 4) == 0
+        assert cpp.decode_auto_splits(8, 1, 131072, 128, 7, 4) == 7
+        cpp.DECODE_SPLIT_RULE = "fastest"
+        with pytest.raises(ValueError, match="DECODE_SPLIT_RULE must be one of"):
+            cpp.decode_auto_splits(8, 1, 131072, 128, 0, 4)
+    finally:
+        cpp.DECODE_SPLIT_RULE, cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS = saved
+
+
 def test_key_warps_fit_the_tile_and_the_block():
     """cuda.flash's decode blocks share each K/V tile among DECODE_KEY_WARPS warps only where
     each warp gets a multiple of 16 keys and the block stays within 4 warps; the kernel
@@ -312,6 +351,33 @@ def test_prepared_decode_matches_the_general_path(kernel, nq):
     assert torch.equal(on_side, out)
     windowed = call(q, k, v, window=(1000, 0))
     assert torch.equal(windowed, _general(lambda: call(q, k, v, window=(1000, 0))))
+
+
+@gpu
+@pytest.mark.parametrize("rule", ["waves", "blocks", "long", "long_waves"])
+def test_split_rules_and_tiles_match_the_reference(rule):
+    """Each split rule (cpp.DECODE_SPLIT_RULE) with the K/V tiles x buffers x key warps of the
+    default before the long chunks (32x3x1) and of today's (64x2x4), at a decode step's shape
+    (GQA 4, Nq = 1 and 4, bottom-right): the automatic split's chunks run, within the bound of
+    the float64 reference, bit-identical run to run."""
+    torch = _torch()
+    from attnkern.backends.cuda import cpp
+
+    saved = cpp.DECODE_SPLIT_RULE, cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS
+    feats = dict(causal="bottom_right")
+    try:
+        cpp.DECODE_SPLIT_RULE = rule
+        for nq in (1, 4):
+            shape = (2, 32, 8, nq, 16384, 128)
+            q, k, v = _inputs(shape, "bfloat16", seed=nq + len(rule))
+            for cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS in ((32, 3, 1), (64, 2, 4)):
+                out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats))
+                assert splits == _auto_splits("cuda.flash", 16, nq, 16384, 128, 4) >= 2
+                _check(out, lse, q, k, v, feats)
+                again = _general(lambda: _run("cuda.flash", q, k, v, feats))
+                assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), "not bit-identical run to run"
+    finally:
+        cpp.DECODE_SPLIT_RULE, cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS = saved
 
 
 @gpu

@@ -14,7 +14,7 @@ import numpy as np
 from numba import config, cuda
 
 from ..._gpuarray import GpuArray
-from .._split import decode_chunk, decode_splits, rows_refusal
+from .._split import DECODE_TARGET_BLOCKS, decode_chunk, decode_splits, rows_refusal
 
 from .launch import (FEAT_TYPES, LOG2E, PLAIN_WORDS, SHARED_BYTES, Addr, RawKernel, dynamic_raw_kernel, launch,
                      register_raw, round_up, shared_limit)
@@ -742,31 +742,40 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
 
 # ---------------------------------------------------------------- cuda.flash's split-K decode
 
-# The decode variant's K/V tile: 32 keys, so that a block of one warp (up to 16 query rows) takes
-# 2 STAGES x 32 x (D + 8) x 2 bytes of shared memory, and its pipeline depth: STAGES K/V buffers,
-# STAGES - 1 tiles loading while one is computed (a one-warp block has nothing else to hide memory
-# latency with). Both are read at each call (dev/gpu_decode_measure.py --decode-configs compares
-# them; DECODE_STAGES = 2 is the double buffering of the other kernels, this path's before
-# 2026-11-26). The automatic split (decode_auto_splits) fills whole waves of blocks with chunks
-# of about DECODE_CHUNK_KEYS keys: on an H200 (docs/gpu-decode.md) a block count just above a
-# wave left a tail. DECODE_COMBINE_UNROLL: the combine's partials read at once per warp (1: one
+# The decode variant's K/V tile (DECODE_TILE keys: a block takes 2 STAGES x TILE x (D + 8) x 2
+# bytes of shared memory) and its pipeline depth: STAGES K/V buffers, STAGES - 1 tiles loading
+# while one is computed. Both are read at each call (dev/gpu_decode_measure.py --decode-configs
+# compares them; 32 keys in 3 buffers, one warp, was the default until the 64-key tiles shared by
+# 4 warps in 2 buffers measured faster on an H100, docs/gpu-decode.md). The automatic split
+# (decode_auto_splits, DECODE_SPLIT_RULE below) fills whole waves of blocks with chunks of about
+# DECODE_CHUNK_KEYS keys where fewer, longer chunks would not fit one round of two blocks an SM:
+# on an H200 a block count just above a wave left a tail. DECODE_COMBINE_UNROLL: the combine's partials read at once per warp (1: one
 # after another, as before 2026-11-26; the same bits). DECODE_KEY_WARPS: warps sharing each
 # K/V tile's keys (flash_mma.cu's ATTNKERN_KW; DECODE_TILE / DECODE_KEY_WARPS keys a warp, a
 # multiple of 16; fewer where the block would pass 4 warps: decode_key_warps): more warps an SM
 # for the same shared memory and bytes in flight. Other values than 1 give other bits (the order
-# of the sums over keys changes). 1 stays the default: on an H100 (docs/gpu-decode.md) 2 warps
-# on 32-key tiles ran as fast as 1, and 4 warps on 64-key tiles in 2 buffers were 1-7% faster
-# at 11 of 12 shapes and 2% slower at one.
-DECODE_TILE = 32
-DECODE_STAGES = 3
-DECODE_KEY_WARPS = 1
+# of the sums over keys changes). On an H100 (docs/gpu-decode.md) 2 warps on 32-key tiles ran as
+# fast as 1, and 4 warps on 64-key tiles in 2 buffers (64x2x4: 166 registers, no spills at
+# D = 128) were 1-7% faster at 11 of 12 shapes and 2% slower at one.
+DECODE_TILE = 64
+DECODE_STAGES = 2
+DECODE_KEY_WARPS = 4
 DECODE_CHUNK_KEYS = 1280
 DECODE_COMBINE_UNROLL = 8
 # The automatic split's rule: "waves" (whole waves of the blocks resident at once: decode_slots;
 # chunks of at least DECODE_MIN_CHUNK keys) or "blocks" (at least 264 blocks, chunks of at least
 # 256 keys: the rule before 2026-11-26, which left a wave part-filled, e.g. 824 blocks on 528
-# slots at B = 1, H_kv = 8, Nk = 128k). Read at each call, as the constants above.
-DECODE_SPLIT_RULE = "waves"
+# slots at B = 1, H_kv = 8, Nk = 128k) or "long" (triton.flash's rule: at least 264 blocks, chunks
+# of at least 256 keys and no cap on their length, e.g. 33 chunks of 4k keys at B = 1, H_kv = 8,
+# Nk = 128k against the waves rule's 128 of 1k: fewer chunks, so less of the per-chunk prologue
+# and the partials' writes and combine) or "long_waves" (the default: "long" where its blocks,
+# after decode_chunk's rounding, are at most DECODE_TARGET_BLOCKS, two an SM, all in one round;
+# else "waves"). On an H100 (docs/gpu-decode.md) "long" was 4-12% faster than "waves" at B = 1,
+# H_kv = 8 (256-264 blocks), but 3-6% slower at B = 4 from 16k keys (288 blocks: 24 SMs ran a
+# third block while the others idled), where "waves" was the fastest. Read at each call, as the
+# constants above.
+DECODE_SPLIT_RULES = ("waves", "blocks", "long", "long_waves")
+DECODE_SPLIT_RULE = "long_waves"
 DECODE_MIN_CHUNK = 128
 DECODE_SMS = 132  # the H100's and H200's SMs: a constant, so that the split depends on the shape only
 DECODE_SM_SHARED = 228 * 1024  # shared memory of an SM (H100, H200), 1 KB of it reserved a block
@@ -800,7 +809,15 @@ def decode_slots(d: int, warps: int = 1) -> int:
 def decode_auto_splits(batch_kv: int, nq: int, nk: int, d: int, split_k: int, kv_group: int = 1) -> int:
     """The chunks cuda.flash's decode path asks for (_split.decode_splits) under DECODE_SPLIT_RULE,
     for kv_group query heads a k/v head (a block's rows: kv_group nq, a warp per 16)."""
-    if DECODE_SPLIT_RULE == "waves":
+    if DECODE_SPLIT_RULE not in DECODE_SPLIT_RULES:
+        raise ValueError(f"cuda.flash decode: cpp.DECODE_SPLIT_RULE must be one of {DECODE_SPLIT_RULES}, "
+                         f"not {DECODE_SPLIT_RULE!r}")
+    if DECODE_SPLIT_RULE in ("long", "long_waves"):
+        splits = decode_splits(batch_kv, nq, nk, split_k)
+        if DECODE_SPLIT_RULE == "long" or split_k or splits == 0 or \
+                batch_kv * decode_chunk(nk, splits)[1] <= DECODE_TARGET_BLOCKS:
+            return splits
+    if DECODE_SPLIT_RULE in ("waves", "long_waves"):
         return decode_splits(batch_kv, nq, nk, split_k, min_chunk=DECODE_MIN_CHUNK, max_chunk=DECODE_CHUNK_KEYS,
                              slots=decode_slots(d, -(-kv_group * nq // 16)))
     return decode_splits(batch_kv, nq, nk, split_k, max_chunk=DECODE_CHUNK_KEYS)
