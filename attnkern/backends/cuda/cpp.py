@@ -749,8 +749,8 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
 # 4 warps in 2 buffers measured faster on an H100, docs/gpu-decode.md). The automatic split
 # (decode_auto_splits, DECODE_SPLIT_RULE below) fills whole waves of blocks with chunks of about
 # DECODE_CHUNK_KEYS keys where fewer, longer chunks would not fit one round of two blocks an SM:
-# on an H200 a block count just above a wave left a tail. DECODE_COMBINE_UNROLL: the combine's partials read at once per warp (1: one
-# after another, as before 2026-11-26; the same bits). DECODE_KEY_WARPS: warps sharing each
+# on an H200 a block count just above a wave left a tail. DECODE_COMBINE_UNROLL: the combine's
+# partials read at once per warp (1: one after another, as before 2026-11-26; the same bits). DECODE_KEY_WARPS: warps sharing each
 # K/V tile's keys (flash_mma.cu's ATTNKERN_KW; DECODE_TILE / DECODE_KEY_WARPS keys a warp, a
 # multiple of 16; fewer where the block would pass 4 warps: decode_key_warps): more warps an SM
 # for the same shared memory and bytes in flight. Other values than 1 give other bits (the order
