@@ -397,7 +397,8 @@ def prepared_flash_backward(batch: int, nq: int, nk: int, d: int, dv: int, dtype
     from . import cpp, launch
 
     dtype = np.dtype(dtype)
-    if config.ENABLE_CUDASIM or not cpp.mma_head_size_ok(d, dv) or batch * nq * nk == 0:
+    ok = cpp.half_head_size_ok if dtype.name in cpp.MMA_DTYPES else cpp.mma_head_size_ok
+    if config.ENABLE_CUDASIM or not ok(d, dv) or batch * nq * nk == 0:
         return None
     if dtype.name not in cpp.MMA_DTYPES and not (dtype == np.float32 and tensor_cores):
         return None
@@ -517,12 +518,13 @@ def _tf32_backward(arrays, tensor_cores: int, scale: float, feat) -> bool:
 
 def _flash_head_sizes(d: int, dv: int, dtype: str) -> str | None:
     """Why cuda.flash does not take these head sizes in this dtype, or None: its
-    float16/bfloat16 kernels (tensor cores) need D = Dv, a multiple of 16 up to 128."""
+    float16/bfloat16 kernels (tensor cores, forward and backward) need D = Dv, a multiple of
+    16 up to 256 (cpp.half_head_size_ok)."""
     from . import cpp
 
-    if dtype in cpp.MMA_DTYPES and not cpp.mma_head_size_ok(d, dv):
-        return (f"float16/bfloat16 need D = Dv, a multiple of 16 up to 128 (got D={d}, Dv={dv}); use triton.flash, "
-                "or float32")
+    if dtype in cpp.MMA_DTYPES and not cpp.half_head_size_ok(d, dv):
+        return (f"float16/bfloat16 need D = Dv, a multiple of 16 up to {cpp.HALF_MAX_HEAD} (got D={d}, Dv={dv}); "
+                "use triton.flash, or float32")
     return None
 
 
@@ -605,7 +607,9 @@ register(
                     "deterministic backward in two (dQ per query block, dK/dV per key block; float16/bfloat16 "
                     "on tensor cores (wgmma on Hopper at D = 64/128 without masks, ALiBi, dropout or varlen) and "
                     "float32 in 3xTF32, CUDA C++; float64, and float32 with tensor_cores=0 or "
-                    "dropout: Numba)",
+                    "dropout: Numba); float16/bfloat16 forward and backward at D = Dv a multiple of 16 up to 256 "
+                    "(above 128 on mma.sync, dK/dV's columns in two blocks), float32 on tensor cores up to 128 "
+                    "(above: float32 FMAs forward, Numba backward)",
         run=_cuda_flash,
         params=(
             Param("block_q", 0, 0, 128, "queries per thread block; 0: the kernel's default (float32 CUDA C++ "
@@ -649,7 +653,7 @@ register(
                             "varlen"}),
         feature_dtypes={"varlen": VARLEN_DTYPES},
         # float16/bfloat16: the tensor-core forward (flash_mma.cu, flash_wgmma.cu) and backward
-        # (flash_bwd_mma.cu), D = Dv a multiple of 16 up to 128
+        # (flash_bwd_mma.cu), D = Dv a multiple of 16 up to 256 (_flash_head_sizes)
         dtypes=("float32", "float64", "float16", "bfloat16"),
         backward_dtypes=("float32", "float64", "float16", "bfloat16"),
         head_sizes=_flash_head_sizes,

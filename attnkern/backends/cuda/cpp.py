@@ -208,16 +208,26 @@ class MmaConfig:
         return f"mt{self.mt}w{self.warps}k{self.block_k}{'qs' if self.q_smem else ''}"
 
 
-def mma_config(d: int, dtype: str = "bfloat16") -> MmaConfig:
+def mma_config(d: int, dtype: str = "bfloat16", featured: bool = False) -> MmaConfig:
     """A tensor-core kernel's default work division at head size d. float16/bfloat16:
     FlashAttention-2's (4 warps of 32 query rows, 64-key tiles), with Q's fragments
     in registers up to d = 64 and reloaded from shared memory above, where the output
     accumulators of 32 rows leave no registers for them. float32 (3xTF32): 128 query
     rows and 64-key tiles, Q in shared memory, up to d = 64 in the same 4 warps,
     above it in 8 warps of 16 rows, as its registers allow (tf32_division).
-    dev/gpu_flash_versions.py compares divisions."""
+    dev/gpu_flash_versions.py compares divisions. float16/bfloat16 above d = 128 (to
+    HALF_MAX_HEAD): 4 warps of one mma tile (64 query rows; the output accumulators of 16
+    rows x d take d / 2 registers a thread, 128 at d = 256), Q in shared memory, 64-key tiles
+    where a block's shared memory holds them (169 KB at d = 256: Hopper's 227 KB does, the
+    A100's 163 KB not), else 32-key tiles; featured (dropout or packed sequences, whose variant
+    spilled 8 bytes at 64-key tiles, d = 256, sm_90a): 32-key tiles (ptxas, sm_90a and sm_80:
+    at most 255 registers, no spills, every variant)."""
     if dtype == "float32":
         return tf32_division(d, *TF32_DEFAULT_TILE)
+    if d > 128:
+        wide = MmaConfig(mt=1, warps=4, block_k=64, q_smem=True)
+        fits = not featured and wide.shared_bytes(d) <= shared_limit()
+        return wide if fits else MmaConfig(mt=1, warps=4, block_k=32, q_smem=True)
     return MmaConfig(mt=2, warps=4, block_k=64, q_smem=d > 64)
 
 
@@ -257,8 +267,19 @@ def tf32_aligned(*ptrs) -> bool:
 
 
 def mma_head_size_ok(d: int, dv: int) -> bool:
-    """Whether the tensor-core kernels take this head size: D = Dv, a multiple of 16 up to 128."""
+    """Whether the float32 tensor-core kernels (3xTF32) and the split-K decode path take this
+    head size: D = Dv, a multiple of 16 up to 128."""
     return d == dv and d % 16 == 0 and 16 <= d <= 128
+
+
+HALF_MAX_HEAD = 256  # the largest head size of flash_mma.cu and flash_bwd_mma.cu's parts 1 and 2
+
+
+def half_head_size_ok(d: int, dv: int) -> bool:
+    """Whether the float16/bfloat16 kernels (flash_mma.cu forward, flash_bwd_mma.cu backward)
+    take this head size: D = Dv, a multiple of 16 up to HALF_MAX_HEAD (256). Above 128 they run
+    flash_mma.cu and flash_bwd_mma.cu's mma.sync parts 1 and 2 (wgmma takes 64 and 128 only)."""
+    return d == dv and d % 16 == 0 and 16 <= d <= HALF_MAX_HEAD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,7 +479,7 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     batch, nq, d = q.shape
     dtype = q.dtype.name
     dropout, varlen = _dropout_of(feat), _varlen_of(feat)
-    config = config or (mma_config(d, dtype) if dropout or varlen else tensor_core_config(d, dtype))
+    config = config or (mma_config(d, dtype, True) if dropout or varlen else tensor_core_config(d, dtype))
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
@@ -508,7 +529,10 @@ class BwdConfig:
     128, no masks, ALiBi, dropout or packed sequences; kv_warps (dq_warps) is then 4 kv_wg (dq_wg).
     kv_stages / dq_stages (wgmma kernels only; named by an s suffix, qwg1x128s3kvwg1x128s3): 0 streams
     the tiles double-buffered with load_swizzled's copies, 2-4 through a ring of that many stages with
-    whole tiles copied at constant offsets (flash_bwd_mma.cu's ATTNKERN_STAGES)."""
+    whole tiles copied at constant offsets (flash_bwd_mma.cu's ATTNKERN_STAGES). dq_split / kv_split
+    (mma.sync kernels only; named by a c suffix, q4x32kv4x32c2): the dQ (dK and dV) accumulators'
+    columns split over that many blocks (flash_bwd_mma.cu's ATTNKERN_DSPLIT), each recomputing the
+    scores and dP for its slice: the accumulators of D columns would not fit registers above 128."""
 
     dq_warps: int = 4
     dq_keys: int = 64
@@ -520,6 +544,12 @@ class BwdConfig:
     dq_wg: int = 0
     kv_stages: int = 0
     dq_stages: int = 0
+    dq_split: int = 1
+    kv_split: int = 1
+
+    def split(self, part: int) -> int:
+        """The ATTNKERN_DSPLIT of part 1 (dQ) or 2 (dK/dV): column slices of its accumulators."""
+        return self.dq_split if part == 1 else self.kv_split
 
     def part(self, part: int) -> tuple[int, int, int]:
         """(warps, mma tiles a warp, streamed rows) of part 1 (dQ) or 2 (dK/dV)."""
@@ -551,11 +581,12 @@ class BwdConfig:
         kernel's name has only its own, so that divisions that share a kernel compile it once."""
         m = lambda mt: f"m{mt}" if mt != 1 else ""  # noqa: E731
         st = lambda n: f"s{n}" if n else ""  # noqa: E731
+        c = lambda n: f"c{n}" if n != 1 else ""  # noqa: E731
         if part == 1:
             return (f"qwg{self.dq_wg}x{self.dq_keys}{st(self.dq_stages)}" if self.dq_wg
-                    else f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}")
+                    else f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}{c(self.dq_split)}")
         return (f"kvwg{self.kv_wg}x{self.kv_rows}{st(self.kv_stages)}" if self.kv_wg
-                else f"kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}")
+                else f"kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}{c(self.kv_split)}")
 
     def __str__(self) -> str:
         return self.part_name(1) + self.part_name(2)
@@ -564,19 +595,21 @@ class BwdConfig:
     def parse(cls, name: str) -> "BwdConfig":
         """The division str() names (q4x64kv4x32m2: 4 warps x 64 keys, then 4 warps of 2 tiles x 32 rows;
         qwg2x64kvwg2x64: both kernels on wgmma, 2 warpgroups each, 64-key and 64-row tiles;
-        qwg1x128s3kvwg1x128s3: on wgmma with 3-stage rings)."""
+        qwg1x128s3kvwg1x128s3: on wgmma with 3-stage rings; q4x32kv4x32c2: dK and dV's columns in 2 slices)."""
         import re
 
-        found = re.fullmatch(r"q(wg)?(\d+)x(\d+)(?:m(\d))?(?:s(\d))?kv(wg)?(\d+)x(\d+)(?:m(\d))?(?:s(\d))?", name)
-        if found is None or any(found.group(i) and (not found.group(w) or found.group(m)) for w, m, i in
-                                ((1, 4, 5), (6, 9, 10))) or (found.group(1) and found.group(4)) or (
-                found.group(6) and found.group(9)):
+        half = r"(wg)?(\d+)x(\d+)(?:m(\d))?(?:s(\d))?(?:c(\d))?"
+        found = re.fullmatch(f"q{half}kv{half}", name)
+        # per half (wg, warps, rows, m, s, c): m and c on mma.sync only, s on wgmma only
+        halves = (found.groups()[:6], found.groups()[6:]) if found else ()
+        if found is None or any((wg and (m or c)) or (s and not wg) for wg, _, _, m, s, c in halves):
             raise ValueError(f"not a flash_bwd_mma.cu division: {name!r} (e.g. q4x64kv4x32m2, qwg2x64kvwg2x64, "
-                             "qwg1x128s3kvwg1x128s3: stages on wgmma kernels only)")
-        qwg, w1, k1, m1, s1, kvwg, w2, r2, m2, s2 = found.groups()
+                             "qwg1x128s3kvwg1x128s3: stages on wgmma kernels only; q4x32kv4x32c2: column slices on "
+                             "mma.sync kernels only)")
+        (qwg, w1, k1, m1, s1, c1), (kvwg, w2, r2, m2, s2, c2) = halves
         w1, w2 = int(w1), int(w2)
         return cls(4 * w1 if qwg else w1, int(k1), 4 * w2 if kvwg else w2, int(r2), int(m1 or 1), int(m2 or 1),
-                   w2 if kvwg else 0, w1 if qwg else 0, int(s2 or 0), int(s1 or 0))
+                   w2 if kvwg else 0, w1 if qwg else 0, int(s2 or 0), int(s1 or 0), int(c1 or 1), int(c2 or 1))
 
 
 def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig:
@@ -594,11 +627,17 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig
     sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
     (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower. On Hopper at
     d = 64 or 128 (wgmma_applies) both kernels run on wgmma (BWD_WGMMA_DIVISIONS) unless wgmma or
-    BWD_WGMMA is False."""
+    BWD_WGMMA is False. Above d = 128 (to HALF_MAX_HEAD; float16/bfloat16 only): 32-key
+    and 32-row tiles, and dK and dV's columns split over two blocks (kv_split 2: 16 keys x d / 2
+    columns of each, as at d = 128), dQ's whole (16 rows x d: 128 registers at d = 256 beside
+    32-key scores); ptxas, sm_90a and sm_80: at most 255 registers, no spills, every variant;
+    shared memory 133-136 KB a block at d = 256, within the A100's 163 KB."""
     if dtype == "float32":
         return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 8, 8)
     if wgmma and BWD_WGMMA and wgmma_applies(d, d):
         return BwdConfig.parse(BWD_WGMMA_DIVISIONS[d])
+    if d > 128:
+        return BwdConfig(dq_keys=32, kv_rows=32, kv_split=2)
     return BwdConfig(kv_rows=128 if d <= 64 else 64)
 
 
@@ -630,7 +669,8 @@ BWD_PARAMS = ("u64",) * 11 + ("i32", "i32", "f32", "f32", "i32")
 def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featured: bool = False, mask: int = 0,
                       alibi: bool = False, dropout: bool = False, varlen: bool = False):
     """(dQ kernel, dK/dV kernel) of flash_bwd_mma.cu for float16/bfloat16, or float32 in
-    3xTF32, at head size d (D = Dv a multiple of 16 up to 128), compiled as
+    3xTF32, at head size d (D = Dv a multiple of 16 up to 256 in float16/bfloat16, 128 in
+    float32), compiled as
     flash_mma_kernel compiles the forward (_linked_kernel); featured, mask, alibi, dropout,
     varlen: the variant (as the forward's; dropout and varlen in float16/bfloat16 only)."""
     config = config or bwd_config(d, dtype)
@@ -647,6 +687,14 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     if (config.dq_stages and not config.dq_wg) or (config.kv_stages and not config.kv_wg) or not all(
             s in (0, 2, 3, 4) for s in (config.dq_stages, config.kv_stages)):
         raise ValueError(f"flash_bwd_mma.cu division {config}: stages (2 to 4) are for the wgmma kernels only")
+    if not (half_head_size_ok(d, d) if dtype in MMA_DTYPES else mma_head_size_ok(d, d)):
+        raise ValueError(f"flash_bwd_mma.cu takes float16/bfloat16 at D a multiple of 16 up to {HALF_MAX_HEAD}, "
+                         f"float32 up to 128, not {dtype} at D = {d}")
+    if any(not 1 <= config.split(p) <= d // 16 or (config.split(p) > 1 and (dtype == "float32"
+                                                                            or config.kernel_part(p) > 2))
+           for p in (1, 2)):
+        raise ValueError(f"flash_bwd_mma.cu division {config}: column slices (1 to D / 16) are for the "
+                         f"float16/bfloat16 mma.sync kernels only, not {dtype} at D = {d}")
     suffix = _suffix(featured, mask, alibi, dropout=dropout, varlen=varlen)
     common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", int(dtype == "float32")),
               ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), *_variant(dropout, varlen))
@@ -654,7 +702,8 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     return tuple(
         _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config.part_name(part)}{suffix}",
                        (*common, ("PART", kernel_part), ("NW", warps), ("MT", mt), ("BN", rows),
-                        *((("STAGES", config.stages(part)),) if kernel_part > 2 else ())), params, 32 * warps,
+                        *((("STAGES", config.stages(part)),) if kernel_part > 2 else ()),
+                        *((("DSPLIT", config.split(part)),) if config.split(part) > 1 else ())), params, 32 * warps,
                        config.shared_bytes(d, part, 4 if dtype == "float32" else 2))
         for part, kernel_part, (warps, mt, rows) in ((p, config.kernel_part(p), config.part(p)) for p in (1, 2)))
 
@@ -664,7 +713,7 @@ def bwd_refusal(q, k, v, out, dout, dq, dk, dv, scale: float, feat=None) -> str 
     are read 16 bytes at a time, dq, dk, dv written 4 (half) or 8 (float32) bytes at a time; an
     additive mask or ALiBi needs a scale other than 0 (the kernels' scores are in units of
     |scale|); float32 dropout and varlen run the Numba kernels (the float16/bfloat16 kernels
-    have both). Head sizes: mma_head_size_ok."""
+    have both). Head sizes: half_head_size_ok (float16/bfloat16), mma_head_size_ok (float32)."""
     step = 2 * q.dtype.itemsize  # bytes of a gradient store
     if any(a.ptr % 16 for a in (q, k, v, out, dout)) or any(a.ptr % step for a in (dq, dk, dv)):
         return (f"q, k, v, out and dout must start at 16-byte aligned addresses, dq, dk, dv at {step}-byte aligned "
@@ -734,9 +783,10 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
             np.int32(bool(causal)), *words)
     # packed sequences: grids over the longest sequence's rows and keys, and the sequences
     rows, keys = (feat.max_q, feat.max_k) if _varlen_of(feat) else (nq, nk)
-    return [(dq_kernel, _grid(-(-rows // (16 * config.dq_mt * config.dq_warps)), batch, feat),
+    # the first axis: row (key) blocks times their column slices
+    return [(dq_kernel, _grid(-(-rows // (16 * config.dq_mt * config.dq_warps)) * config.dq_split, batch, feat),
              32 * config.dq_warps, args),
-            (kv_kernel, _grid(-(-keys // (16 * config.kv_mt * config.kv_warps)), k.shape[0], feat),
+            (kv_kernel, _grid(-(-keys // (16 * config.kv_mt * config.kv_warps)) * config.kv_split, k.shape[0], feat),
              32 * config.kv_warps, args)]
 
 

@@ -6,7 +6,8 @@
 //
 // Compiled like flash_mma.cu (cpp.py, flash_bwd_kernels): flash_common.cuh first,
 // then this file, with the constants
-//   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 128
+//   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 128; float16/bfloat16 in parts 1
+//                     and 2 up to 256
 //   ATTNKERN_BF16     1 for bfloat16, 0 for float16 (half precision)
 //   ATTNKERN_TF32     1 for float32 (3xTF32), 0 for the half dtypes
 //   ATTNKERN_PART     1: the dQ kernel, 2: the dK/dV kernel; on Hopper (sm_90a, float16/bfloat16,
@@ -16,6 +17,15 @@
 //   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
 //                     each B fragment read from shared memory feeds MT mma tiles
 //   ATTNKERN_BN       part 1: keys per streamed K/V tile; part 2: query rows per streamed Q/dO tile
+//   ATTNKERN_DSPLIT   parts 1 and 2 (default 1): the gradient accumulators' D columns split into DSPLIT
+//                     slices of DC = 16 ceil(D / 16 DSPLIT) columns, one a block (the last slice's
+//                     columns past D skipped): block x of the grid's first axis takes row or key block
+//                     x / DSPLIT and columns (x % DSPLIT) DC...; every slice recomputes S and dP (or
+//                     S^T and dP^T) over all D columns, which they need, and accumulates only its own
+//                     columns of dQ (or dK and dV), in the same order: the same bits as one block. Part
+//                     1's slice 0 alone writes delta and the corrected lse (every slice computes the
+//                     same). At D = 256 the dK and dV accumulators of 16 keys x D would take 256
+//                     registers a thread: two slices leave each 128, as at D = 128.
 //   ATTNKERN_FEAT, ATTNKERN_MASK, ATTNKERN_ALIBI, ATTNKERN_DROPOUT, ATTNKERN_VARLEN, ATTNKERN_NAME,
 //                     ATTNKERN_DYNAMIC as in flash_mma.cu (dropout, half dtypes only: dP = Z dO V^T,
 //                     dV = (P Z)^T dO, delta = rowsum(dO O) unchanged, the mask regenerated from the same
@@ -60,6 +70,17 @@
 #define LD (D + 8)      // shared row stride, in elements: ldmatrix (half) and float2/float reads (float32)
                         // free of bank conflicts
 #define TILE (BN * LD)  // elements of one streamed tile
+#ifndef ATTNKERN_DSPLIT
+#define ATTNKERN_DSPLIT 1
+#endif
+#define DSPLIT ATTNKERN_DSPLIT
+#define DC (16 * ((D / 16 + DSPLIT - 1) / DSPLIT))  // columns of a block's gradient accumulators
+#if DSPLIT > 1 && (ATTNKERN_PART > 2 || ATTNKERN_TF32)
+#error "column slices (DSPLIT) are for the float16/bfloat16 mma.sync kernels (parts 1 and 2) only"
+#endif
+// whether accumulator column j8 (a multiple of 16 from the slice's first, c0) lies within D: a
+// constant true without slices
+#define LIVE_COLS(c0, j8) (DC * DSPLIT == D || (c0) + (j8) < D)
 #if ATTNKERN_TF32
 typedef float elem;  // the element of q, k, v, out, dout and the gradients
 #define ESZ 4u       // its bytes
@@ -188,8 +209,8 @@ static __device__ __forceinline__ void products(float (&s)[MT][NC][4], u32 a, u3
 // products go to a zeroed fragment first and acc takes it in one float32 addition (rounded to
 // nearest, errors of either sign).
 template <int NC>
-static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], const AFrag (&pf)[MT][NC], u32 bsm,
-                                                  int lane) {
+static __device__ __forceinline__ void accumulate(float (&acc)[MT][DC / 8][4], const AFrag (&pf)[MT][NC], u32 bsm,
+                                                  int lane, int c0) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int n = 0; n < NC; ++n) {
@@ -197,9 +218,9 @@ static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], co
 #pragma unroll
         for (int i = 0; i < MT; ++i)
             split_a(make_float2(pf[i][n][0], pf[i][n][1]), make_float2(pf[i][n][2], pf[i][n][3]), ab[i], as[i]);
-        const u32 at = bsm + (u32)((n * 8 + t) * LD + g) * ESZ;
+        const u32 at = bsm + (u32)((n * 8 + t) * LD + c0 + g) * ESZ;
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
+        for (int j = 0; j < DC / 8; ++j) {
             u32 bb[2], bs[2];
             split(lds1(at + j * 8 * ESZ), bb[0], bs[0]);
             split(lds1(at + (4 * LD + j * 8) * ESZ), bb[1], bs[1]);
@@ -273,17 +294,19 @@ static __device__ __forceinline__ void products(float (&s)[MT][NC][4], u32 a, u3
     }
 }
 
-// acc (MT tiles of 16 x D) += A (16 x 8 NC each, in the accumulator layout of NC 8-column
-// tiles, packed to the input dtype) times the streamed tile's rows (8 NC x D, at bsm)
+// acc (MT tiles of 16 x DC) += A (16 x 8 NC each, in the accumulator layout of NC 8-column
+// tiles, packed to the input dtype) times columns c0... of the streamed tile's rows (8 NC x DC,
+// at bsm; columns past D skipped)
 template <int NC>
-static __device__ __forceinline__ void accumulate(float (&acc)[MT][D / 8][4], const AFrag (&pf)[MT][NC], u32 bsm,
-                                                  int lane) {
+static __device__ __forceinline__ void accumulate(float (&acc)[MT][DC / 8][4], const AFrag (&pf)[MT][NC], u32 bsm,
+                                                  int lane, int c0) {
 #pragma unroll
     for (int cc = 0; cc < NC / 2; ++cc) {
 #pragma unroll
-        for (int j = 0; j < D / 8; j += 2) {
+        for (int j = 0; j < DC / 8; j += 2) {
+            if (!LIVE_COLS(c0, j * 8)) continue;
             u32 b0, b1, b2, b3;
-            ldsm_x4_t(bsm + (u32)((cc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + j * 8 + (lane >> 4) * 8) * 2u,
+            ldsm_x4_t(bsm + (u32)((cc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + c0 + j * 8 + (lane >> 4) * 8) * 2u,
                       b0, b1, b2, b3);
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
@@ -314,14 +337,16 @@ static __device__ __forceinline__ float row_dot(const elem* orow, const elem* dr
 static __device__ __forceinline__ float load_lse(u64 lsep, u64 at) { return half_to_float(((const u16*)lsep)[at]); }
 #endif
 
-// 16 rows x D of acc (an m16n8 accumulator layout) times factor[0] (row g) and
-// factor[1] (row g + 8), stored in the input dtype at rows r0, r0 + 8 below n
-static __device__ __forceinline__ void store_rows(elem* dst, const float (&acc)[D / 8][4], const float (&factor)[2],
-                                                  int r0, int n) {
+// 16 rows x DC of acc (an m16n8 accumulator layout; columns c0... of the rows, those past D
+// skipped) times factor[0] (row g) and factor[1] (row g + 8), stored in the input dtype at rows
+// r0, r0 + 8 below n
+static __device__ __forceinline__ void store_rows(elem* dst, const float (&acc)[DC / 8][4], const float (&factor)[2],
+                                                  int r0, int n, int c0 = 0) {
     const int t = threadIdx.x & 3;
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        const int col = j * 8 + 2 * t;
+    for (int j = 0; j < DC / 8; ++j) {
+        if (!LIVE_COLS(c0, (j & ~1) * 8)) continue;
+        const int col = c0 + j * 8 + 2 * t;
         if (r0 < n) store2(dst + (u64)r0 * D + col, acc[j][0] * factor[0], acc[j][1] * factor[0]);
         if (r0 + 8 < n) store2(dst + (u64)(r0 + 8) * D + col, acc[j][2] * factor[1], acc[j][3] * factor[1]);
     }
@@ -456,11 +481,11 @@ static __device__ __forceinline__ void dq_key_tiles(const Feat& f, int q0, int n
 
 // The dQ kernels' (parts 1 and 4) rows of one 16-row mma tile, first row wr0 (a warp's): delta
 // from global memory (dout: the head's first row), two lanes a row (half the columns each),
-// written for the dK/dV kernel;
+// written for the dK/dV kernel (by column slice 0 alone: c0 = 0);
 // and the lse of the lane's rows wr0 + g and wr0 + g + 8 (log2 domain; +inf where the row sees
 // no key or lies past nq: P = 0)
 static __device__ __forceinline__ void dq_row_stats(u64 op, const elem* dout, u64 lsep, u64 deltap, u64 qrow, int wr0,
-                                                    int nq, float (&delta)[2], float (&lse2)[2]) {
+                                                    int nq, float (&delta)[2], float (&lse2)[2], int c0 = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2;
     const float NEG_INF = neg_inf();
     const int row = wr0 + (lane >> 1);
@@ -469,7 +494,7 @@ static __device__ __forceinline__ void dq_row_stats(u64 op, const elem* dout, u6
         acc = row_dot((const elem*)op + (qrow + row) * D + (lane & 1) * (D / 2),
                       dout + (u64)row * D + (lane & 1) * (D / 2));
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    if (!(lane & 1) && row < nq) ((float*)deltap)[qrow + row] = acc;
+    if (!(lane & 1) && row < nq && c0 == 0) ((float*)deltap)[qrow + row] = acc;
     delta[0] = __shfl_sync(0xffffffffu, acc, 2 * g);
     delta[1] = __shfl_sync(0xffffffffu, acc, 2 * g + 16);
 #pragma unroll
@@ -516,10 +541,11 @@ static __device__ __forceinline__ void q_grads(bool MASK, const float (&s)[NS][4
 // of the row sum l of the P computed from it, but only within the rounding of its dtype (u |lse|
 // and a float32 margin): an exact lse stays as it is, so out and lse of whole rows of which k, v
 // hold one block (ring attention) still give that block's share. dQ = scale 2^-fix sum_j dS_ij K_j;
-// the lse (log2 domain, +inf where the row sees no key) goes to the dK/dV kernel.
-static __device__ __forceinline__ void dq_store(u64 dqp, u64 lsefp, u64 qrow, const float (&dq)[D / 8][4],
+// the lse (log2 domain, +inf where the row sees no key) goes to the dK/dV kernel (from column
+// slice 0: c0 = 0); dq holds columns c0... of the rows.
+static __device__ __forceinline__ void dq_store(u64 dqp, u64 lsefp, u64 qrow, const float (&dq)[DC / 8][4],
                                                 const float (&lsum)[2], const float (&lse2)[2], int r0, int nq,
-                                                float scale) {
+                                                float scale, int c0 = 0) {
     const int lane = threadIdx.x & 31;
     const float INF = -neg_inf();
     float factor[2];
@@ -530,9 +556,9 @@ static __device__ __forceinline__ void dq_store(u64 dqp, u64 lsefp, u64 qrow, co
         const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
         factor[h] = scale * ex2(-fix);
         const int r = r0 + 8 * h;
-        if ((lane & 3) == 0 && r < nq) ((float*)lsefp)[qrow + r] = x + fix;
+        if ((lane & 3) == 0 && r < nq && c0 == 0) ((float*)lsefp)[qrow + r] = x + fix;
     }
-    store_rows((elem*)dqp + qrow * D, dq, factor, r0, nq);
+    store_rows((elem*)dqp + qrow * D, dq, factor, r0, nq, c0);
 }
 #endif
 
@@ -613,19 +639,22 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u64 b = blockIdx.y;
+    // the block's column slice and its row block (blockIdx.x without slices)
+    const int c0 = ((int)blockIdx.x % DSPLIT) * DC, bx = (int)blockIdx.x / DSPLIT;
 #if ATTNKERN_VARLEN
     // grid (query blocks of the longest sequence, heads, sequences): this sequence's blocks only
     u64 seq_q, seq_k;
     varlen_sequence(cuqp, cukp, blockIdx.z, nq, nk, seq_q, seq_k);
     const int nblocks = (nq + BW - 1) / BW;
-    if ((int)blockIdx.x >= nblocks) return;
-    const int q0 = (causal ? nblocks - 1 - (int)blockIdx.x : (int)blockIdx.x) * BW;
+    if (bx >= nblocks) return;
+    const int q0 = (causal ? nblocks - 1 - bx : bx) * BW;
     const u64 qrow = seq_q * gridDim.y + b * (u64)nq;  // this (sequence, head)'s first row of q, dout, out, lse, dq
     Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
     varlen_feat(f, b, blockIdx.z, seq_q, seq_k, alibip, seq_rows, alibi_unit);
     const u64 kvrow = seq_k * (gridDim.y / (u64)kv_group) + f.kv_row * (u64)nk;
 #else
-    const int q0 = block_first_row(causal, BW);
+    // (as block_first_row, over the row blocks: the blocks with the most tiles first)
+    const int q0 = (causal ? (int)gridDim.x / DSPLIT - 1 - bx : bx) * BW;
     const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
     const u64 qrow = b * (u64)nq, kvrow = f.kv_row * (u64)nk;
 #endif
@@ -650,13 +679,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const int wr0 = q0 + warp * 16 * MT, r0 = wr0 + g;
     float delta[MT][2], lse2[MT][2];
 #pragma unroll
-    for (int i = 0; i < MT; ++i) dq_row_stats(op, dout, lsep, deltap, qrow, wr0 + 16 * i, nq, delta[i], lse2[i]);
+    for (int i = 0; i < MT; ++i) dq_row_stats(op, dout, lsep, deltap, qrow, wr0 + 16 * i, nq, delta[i], lse2[i], c0);
 
-    float dq[MT][D / 8][4];
+    float dq[MT][DC / 8][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) dq[i][j][0] = dq[i][j][1] = dq[i][j][2] = dq[i][j][3] = 0.f;
+        for (int j = 0; j < DC / 8; ++j) dq[i][j][0] = dq[i][j][1] = dq[i][j][2] = dq[i][j][3] = 0.f;
     float lsum[MT][2];  // the lane's share of each row's sum of P
 #pragma unroll
     for (int i = 0; i < MT; ++i) lsum[i][0] = lsum[i][1] = 0.f;
@@ -689,12 +718,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             else
                 q_grads(false, s[i], dp[i], dsf[i], lsum[i], r0 + 16 * i, j0, lse2[i], delta[i], f, sgn, c);
         }
-        accumulate<NS>(dq, dsf, kb, lane);
+        accumulate<NS>(dq, dsf, kb, lane, c0);
     }
     cp_async_wait_all();  // a block whose rows see no key still loaded Q and dO
 
 #pragma unroll
-    for (int i = 0; i < MT; ++i) dq_store(dqp, lsefp, qrow, dq[i], lsum[i], lse2[i], r0 + 16 * i, nq, scale);
+    for (int i = 0; i < MT; ++i) dq_store(dqp, lsefp, qrow, dq[i], lsum[i], lse2[i], r0 + 16 * i, nq, scale, c0);
 }
 #elif ATTNKERN_PART == 2
 // ---------------------------------------------------------------- dK, dV
@@ -709,7 +738,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u64 bkv = blockIdx.y;
-    const int k0 = blockIdx.x * BW, kw0 = k0 + warp * 16 * MT;  // the block's and the warp's first key
+    // the block's column slice of dK and dV, and its key block (blockIdx.x without slices)
+    const int c0 = ((int)blockIdx.x % DSPLIT) * DC;
+    const int k0 = ((int)blockIdx.x / DSPLIT) * BW, kw0 = k0 + warp * 16 * MT;  // the block's and the warp's first key
     const int group = ATTNKERN_FEAT ? kv_group : 1;
     const u64 b0 = bkv * (u64)group;  // the group's first query row
 #if ATTNKERN_VARLEN
@@ -749,11 +780,11 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     if (total > 0) load(0);
     cp_async_commit();
 
-    float dk[MT][D / 8][4], dv[MT][D / 8][4];
+    float dk[MT][DC / 8][4], dv[MT][DC / 8][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
+        for (int j = 0; j < DC / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[i][j][e] = dv[i][j][e] = 0.f;
 
@@ -789,16 +820,16 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             else
                 kv_grads(false, s[m], dp[m], pf[m], dsf[m], kw0 + 16 * m, i0, tl, f, sgn, c);
         }
-        accumulate<NQ>(dv, pf, dob, lane);
-        accumulate<NQ>(dk, dsf, qb, lane);
+        accumulate<NQ>(dv, pf, dob, lane, c0);
+        accumulate<NQ>(dk, dsf, qb, lane, c0);
     }
     cp_async_wait_all();
 
     const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        store_rows((elem*)dkp + kvrow * D, dk[m], sc, kw0 + 16 * m + g, nk);
-        store_rows((elem*)dvp + kvrow * D, dv[m], one, kw0 + 16 * m + g, nk);
+        store_rows((elem*)dkp + kvrow * D, dk[m], sc, kw0 + 16 * m + g, nk, c0);
+        store_rows((elem*)dvp + kvrow * D, dv[m], one, kw0 + 16 * m + g, nk, c0);
     }
 }
 #elif ATTNKERN_PART == 3
