@@ -29,7 +29,10 @@ for variant in "mma D=64 BN=64 MT=1 NW=8" "mma D=128 BN=32 MT=1 NW=8 FEAT=1 MASK
         "bwd_mma D=64 BN=64 MT=1 NW=8 PART=3 FEAT=1 BF16=0" "bwd_mma D=128 BN=64 MT=1 NW=8 PART=3 FEAT=1" \
         "bwd_mma D=64 BN=64 MT=1 NW=8 PART=4" "bwd_mma D=128 BN=64 MT=1 NW=8 PART=4 FEAT=1 BF16=0" \
         "bwd_mma D=64 BN=128 MT=1 NW=4 PART=3 STAGES=2" "bwd_mma D=128 BN=64 MT=1 NW=8 PART=3 STAGES=3 FEAT=1" \
-        "bwd_mma D=64 BN=128 MT=1 NW=4 PART=4 STAGES=2 FEAT=1 BF16=0" "bwd_mma D=128 BN=128 MT=1 NW=8 PART=4 STAGES=2"; do
+        "bwd_mma D=64 BN=128 MT=1 NW=4 PART=4 STAGES=2 FEAT=1 BF16=0" "bwd_mma D=128 BN=128 MT=1 NW=8 PART=4 STAGES=2" \
+        "mma D=256 BN=64 MT=1 NW=4 QSMEM=1" "mma D=256 BN=32 MT=1 NW=4 QSMEM=1 FEAT=1 DROPOUT=1 VARLEN=1 BF16=0" \
+        "bwd_mma D=256 BN=32 MT=1 NW=4 PART=1" "bwd_mma D=256 BN=32 MT=1 NW=4 PART=2 DSPLIT=2 FEAT=1 DROPOUT=1 MASK=1" \
+        "bwd_mma D=208 BN=32 MT=1 NW=4 PART=1 DSPLIT=2 FEAT=1 VARLEN=1" "bwd_mma D=160 BN=32 MT=1 NW=4 PART=2 DSPLIT=2"; do
     set -- $variant; kind=$1; shift
     declare -A def=([BF16]=1 [QSMEM]=0 [FEAT]=0 [MASK]=0 [ALIBI]=0 [FAST]=0 [WIDE]=0 [DROPOUT]=0 [VARLEN]=0 [PART]=1 [NAME]=attend
                      [DYNAMIC]=1)

@@ -74,6 +74,22 @@ KERNELS = [
     # the packed-sequence variants (varlen), with dropout as attention_varlen may ask
     ("flash_mma.cu", "mma_bf16_d128_feat_varlen",
      dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=1, MASK=0, ALIBI=0, FAST=0, VARLEN=1, DROPOUT=1), MMA),
+    # head sizes above 128 (float16/bfloat16 on mma.sync, cpp.mma_config and cpp.bwd_config): the forward
+    # in 64-row blocks, 64-key tiles (32 for dropout and packed sequences); the backward's dQ kernel whole
+    # (two column slices for packed sequences) and its dK/dV kernel in two column slices (DSPLIT), 32-row
+    # and 32-key tiles; plain and with every feature; D = 208: the second slice's columns past D skipped
+    *(("flash_mma.cu", f"mma_bf16_d{d}_k{bn}{tag}",
+       {**dict(D=d, BF16=1, BN=bn, MT=1, NW=4, QSMEM=1, FAST=0, FEAT=0, MASK=0, ALIBI=0), **extra}, MMA)
+      for d in (144, 160, 176, 208, 224, 256) for bn, tag, extra in (
+          (64, "", {}), (64, "_feat", dict(FEAT=1, MASK=4, ALIBI=1)),
+          (32, "_feat_dropout_varlen", dict(FEAT=1, MASK=4, ALIBI=1, DROPOUT=1, VARLEN=1)))),
+    *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}_c{split}{tag}",
+       {**dict(D=d, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=64 if part == 1 and d <= 160 else 32, DSPLIT=split,
+               FEAT=0, MASK=0, ALIBI=0), **extra}, BWD)
+      for d in (144, 160, 176, 208, 224, 256) for part, split, tag, extra in (
+          (1, 1, "", {}), (1, 1, "_feat_dropout", dict(FEAT=1, MASK=4, ALIBI=1, DROPOUT=1)),
+          (1, 2, "_feat_dropout_varlen", dict(FEAT=1, MASK=4, ALIBI=1, DROPOUT=1, VARLEN=1)),
+          (2, 2, "", {}), (2, 2, "_feat_dropout_varlen", dict(FEAT=1, MASK=4, ALIBI=1, DROPOUT=1, VARLEN=1)))),
     *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d128_feat_varlen",
        dict(D=128, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=64, FEAT=1, MASK=0, ALIBI=1, VARLEN=1, DROPOUT=1), BWD)
       for part in (1, 2)),

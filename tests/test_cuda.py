@@ -204,6 +204,29 @@ def test_without_a_gpu_the_kernels_say_why():
     assert "ERROR kernel cuda.flash is not available here: no usable CUDA GPU" in result.stdout
 
 
+def test_half_head_size_refusals():
+    """float16/bfloat16 take D = Dv a multiple of 16 up to 256 (forward and backward; above 128
+    on flash_mma.cu's 64-row blocks and flash_bwd_mma.cu's column slices), anything else is
+    refused naming triton.flash; float32's tensor-core kernels and the decode path stay at 128."""
+    from attnkern.backends import cuda as cuda_backend
+    from attnkern.backends.cuda import cpp, launch
+
+    for d, dv in ((160, 160), (208, 208), (256, 256), (16, 16)):
+        assert cuda_backend._flash_head_sizes(d, dv, "bfloat16") is None
+    for d, dv in ((272, 272), (256, 128), (40, 40)):
+        why = cuda_backend._flash_head_sizes(d, dv, "float16")
+        assert "multiple of 16 up to 256" in why and "triton.flash" in why
+    assert not cpp.mma_head_size_ok(256, 256) and cpp.tf32_config(256, 256) is None
+    assert "up to 128" in cpp.decode_refusal("bfloat16", 1, 8, 256, 256, None)
+    # the forward's division above 128: 4 warps of one mma tile, Q in shared memory, 64-key tiles where
+    # the block's shared memory holds them, 32 for dropout and packed sequences (64 spilled)
+    for featured in (False, True):
+        config = cpp.mma_config(256, "bfloat16", featured)
+        assert (config.mt, config.warps, config.q_smem) == (1, 4, True)
+        assert config.block_k == (64 if not featured and 168960 <= launch.shared_limit() else 32)
+    assert cpp.mma_config(256, "bfloat16", True).shared_bytes(256) <= 163 * 1024
+
+
 @pytest.mark.skipif(not SIMULATED, reason="what the simulator runs (on a GPU, the C++ tests below)")
 def test_the_simulator_runs_the_numba_kernels_and_no_cuda_cpp():
     """docs/gpu.md: in the simulator cuda.flash's float32 calls never reach its CUDA C++
@@ -518,10 +541,10 @@ def test_features_float32_cuda_cpp(d, monkeypatch):
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("kind", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [64, 128, 32, 96])
+@pytest.mark.parametrize("d", [64, 128, 32, 96, 160, 192, 256])
 def test_features_half_cuda_cpp(kind, d, monkeypatch):
     """float16/bfloat16 with features: flash_wgmma.cu's featured variant on Hopper
-    at D = 64 and 128, flash_mma.cu's at D = 32 and 96, against float64 from the
+    at D = 64 and 128, flash_mma.cu's at D = 32, 96 and 160 to 256, against float64 from the
     rounded inputs (tolerance: attnkern_bench.accuracy's for rounded P), bit-identical
     run to run."""
     import torch
@@ -653,7 +676,7 @@ def test_mask_bad_input_on_gpu_arrays():
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
 def test_mask_cuda_cpp(kind):
     """The CUDA C++ kernels' mask variants (float32: 3xTF32 and FMA kernels, D 64 and
-    36; float16/bfloat16: wgmma at D 64 and 128, mma.sync at D 96) on torch tensors with
+    36; float16/bfloat16: wgmma at D 64 and 128, mma.sync at D 96 and 256) on torch tensors with
     torch masks: bool through an expanded (stride 0) view, additive float32 and (half q)
     q's dtype, with and without the other features; bit-identical run to run."""
     import torch
@@ -663,7 +686,7 @@ def test_mask_cuda_cpp(kind):
     tdtype = getattr(torch, kind)
     half = kind != "float32"
     nq, nk = 130, 300
-    heads = (64, 128, 96) if half else (64, 36)
+    heads = (64, 128, 96, 256) if half else (64, 36)
     runs = ((1,), ) if half else ((1,), (0,))
     for d in heads:
         for n, (mkind, dims) in enumerate(MASK_CASES):

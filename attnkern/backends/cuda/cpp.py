@@ -612,7 +612,7 @@ class BwdConfig:
                    w2 if kvwg else 0, w1 if qwg else 0, int(s2 or 0), int(s1 or 0), int(c1 or 1), int(c2 or 1))
 
 
-def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig:
+def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool = False) -> BwdConfig:
     """flash_bwd_mma.cu's default division at head size d. float32 (3xTF32), whose
     accumulations hold a zeroed fragment a k step (flash_bwd_mma.cu, accumulate): up to
     d = 64, 64 query rows a dQ block (4 warps) against 64-key tiles and 64 keys a dK/dV
@@ -627,17 +627,19 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True) -> BwdConfig
     sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
     (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower. On Hopper at
     d = 64 or 128 (wgmma_applies) both kernels run on wgmma (BWD_WGMMA_DIVISIONS) unless wgmma or
-    BWD_WGMMA is False. Above d = 128 (to HALF_MAX_HEAD; float16/bfloat16 only): 32-key
-    and 32-row tiles, and dK and dV's columns split over two blocks (kv_split 2: 16 keys x d / 2
-    columns of each, as at d = 128), dQ's whole (16 rows x d: 128 registers at d = 256 beside
-    32-key scores); ptxas, sm_90a and sm_80: at most 255 registers, no spills, every variant;
-    shared memory 133-136 KB a block at d = 256, within the A100's 163 KB."""
+    BWD_WGMMA is False. Above d = 128 (to HALF_MAX_HEAD; float16/bfloat16 only): 32-row Q/dO
+    tiles, and dK and dV's columns split over two blocks (kv_split 2: 16 keys x d / 2 columns of
+    each, as at d = 128); dQ's whole (16 rows x d: 128 registers at d = 256) against 32-key tiles,
+    64-key ones up to d = 160 (ptxas capped the plain d = 160 kernel at 168 registers with 32-key
+    tiles and spilled 8 bytes), but for packed sequences (varlen) in two slices too (whole, its
+    variant spilled 8 bytes on sm_80 at d = 256); ptxas, sm_90a and sm_80: at most 255 registers, no
+    spills, every variant; shared memory 133-136 KB a block at d = 256, within the A100's 163 KB."""
     if dtype == "float32":
         return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 8, 8)
     if wgmma and BWD_WGMMA and wgmma_applies(d, d):
         return BwdConfig.parse(BWD_WGMMA_DIVISIONS[d])
     if d > 128:
-        return BwdConfig(dq_keys=32, kv_rows=32, kv_split=2)
+        return BwdConfig(dq_keys=64 if d <= 160 else 32, kv_rows=32, kv_split=2, dq_split=2 if varlen else 1)
     return BwdConfig(kv_rows=128 if d <= 64 else 64)
 
 
@@ -770,9 +772,9 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
     scratch arrays (bwd_scratch_views)."""
     batch, nq, d = q.shape
     nk = k.shape[1]
-    config = config or bwd_config(d, q.dtype.name)
+    config = config or bwd_config(d, q.dtype.name, varlen=_varlen_of(feat))
     if (config.kv_wg or config.dq_wg) and not bwd_wgmma_covers(feat):  # masks, ALiBi, dropout, varlen: mma.sync
-        config = bwd_config(d, q.dtype.name, wgmma=False)
+        config = bwd_config(d, q.dtype.name, wgmma=False, varlen=_varlen_of(feat))
     dq_kernel, kv_kernel = flash_bwd_kernels(q.dtype.name, d, config, feat is not None,
                                              0 if feat is None else feat.mask_kind,
                                              feat is not None and feat.alibi is not None, _dropout_of(feat),
