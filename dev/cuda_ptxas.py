@@ -77,7 +77,8 @@ KERNELS = [
     # head sizes above 128 (float16/bfloat16 on mma.sync, cpp.mma_config and cpp.bwd_config): the forward
     # in 64-row blocks, 64-key tiles (32 for dropout and packed sequences); the backward's dQ kernel whole
     # (two column slices for packed sequences) and its dK/dV kernel in two column slices (DSPLIT), 32-row
-    # and 32-key tiles; plain and with every feature; D = 208: the second slice's columns past D skipped
+    # and 32-key tiles (64-key dQ tiles up to 160); plain and with every feature; D = 208: the second
+    # slice's columns past D skipped
     *(("flash_mma.cu", f"mma_bf16_d{d}_k{bn}{tag}",
        {**dict(D=d, BF16=1, BN=bn, MT=1, NW=4, QSMEM=1, FAST=0, FEAT=0, MASK=0, ALIBI=0), **extra}, MMA)
       for d in (144, 160, 176, 208, 224, 256) for bn, tag, extra in (

@@ -86,7 +86,8 @@ def parse_config(text, d, dtype):
     if text != "default" and not simt and not mma and not wg:
         raise SystemExit(f"--configs: {text!r} is not 'default' nor a division like mt2w4k64qs, wg2k128 or 64x64t4x8")
     if text == "default":
-        if not cpp.mma_head_size_ok(d, d):
+        takes = cpp.half_head_size_ok if dtype in cpp.MMA_DTYPES else cpp.mma_head_size_ok
+        if not takes(d, d):
             return cpp.simt_config(d)
         return cpp.tensor_core_config(d, dtype)
     if simt:
