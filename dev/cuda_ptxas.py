@@ -75,7 +75,7 @@ KERNELS = [
     ("flash_mma.cu", "mma_bf16_d128_feat_varlen",
      dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=1, MASK=0, ALIBI=0, FAST=0, VARLEN=1, DROPOUT=1), MMA),
     # head sizes above 128 (float16/bfloat16 on mma.sync, cpp.mma_config and cpp.bwd_config): the forward
-    # in 64-row blocks, 64-key tiles (32 for dropout and packed sequences); the backward's dQ kernel whole
+    # in 64-row blocks, 32-key tiles (64 beside them: slower on an H100); the backward's dQ kernel whole
     # (two column slices for packed sequences) and its dK/dV kernel in two column slices (DSPLIT), 32-row
     # and 32-key tiles (64-key dQ tiles up to 160); plain and with every feature; D = 208: the second
     # slice's columns past D skipped

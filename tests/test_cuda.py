@@ -209,7 +209,7 @@ def test_half_head_size_refusals():
     on flash_mma.cu's 64-row blocks and flash_bwd_mma.cu's column slices), anything else is
     refused naming triton.flash; float32's tensor-core kernels and the decode path stay at 128."""
     from attnkern.backends import cuda as cuda_backend
-    from attnkern.backends.cuda import cpp, launch
+    from attnkern.backends.cuda import cpp
 
     for d, dv in ((160, 160), (208, 208), (256, 256), (16, 16)):
         assert cuda_backend._flash_head_sizes(d, dv, "bfloat16") is None
@@ -218,13 +218,12 @@ def test_half_head_size_refusals():
         assert "multiple of 16 up to 256" in why and "triton.flash" in why
     assert not cpp.mma_head_size_ok(256, 256) and cpp.tf32_config(256, 256) is None
     assert "up to 128" in cpp.decode_refusal("bfloat16", 1, 8, 256, 256, None)
-    # the forward's division above 128: 4 warps of one mma tile, Q in shared memory, 64-key tiles where
-    # the block's shared memory holds them, 32 for dropout and packed sequences (64 spilled)
-    for featured in (False, True):
-        config = cpp.mma_config(256, "bfloat16", featured)
-        assert (config.mt, config.warps, config.q_smem) == (1, 4, True)
-        assert config.block_k == (64 if not featured and 168960 <= launch.shared_limit() else 32)
-    assert cpp.mma_config(256, "bfloat16", True).shared_bytes(256) <= 163 * 1024
+    # the forward's division above 128: 4 warps of one mma tile, Q in shared memory, 32-key tiles, within
+    # the A100's shared memory
+    for d in (144, 256):
+        config = cpp.mma_config(d, "bfloat16")
+        assert (config.mt, config.warps, config.block_k, config.q_smem) == (1, 4, 32, True)
+        assert config.shared_bytes(d) <= 163 * 1024
 
 
 @pytest.mark.skipif(not SIMULATED, reason="what the simulator runs (on a GPU, the C++ tests below)")

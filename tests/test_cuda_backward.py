@@ -525,10 +525,11 @@ def test_half_backward_registered():
         cpp.flash_bwd_kernels("float32", 256)
     with pytest.raises(ValueError, match="up to 256"):
         cpp.flash_bwd_kernels("bfloat16", 272, cpp.BwdConfig())
-    for dtype, d, config in (("float32", 64, "q4x64kv4x32c2"), ("bfloat16", 128, "q4x64kv4x64c9"),
-                             ("bfloat16", 64, "qwg1x64kv4x64c2")):
+    for dtype, d, config in (("float32", 64, cpp.BwdConfig.parse("q4x64kv4x32c2")),
+                             ("bfloat16", 128, cpp.BwdConfig.parse("q4x64kv4x64c9")),
+                             ("bfloat16", 128, cpp.BwdConfig(kv_warps=4, kv_wg=1, kv_split=2))):
         with pytest.raises(ValueError, match="column slices"):
-            cpp.flash_bwd_kernels(dtype, d, cpp.BwdConfig.parse(config))
+            cpp.flash_bwd_kernels(dtype, d, config)
     with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
         cpp.BwdConfig.parse("q4kv4")
     # the wgmma dK/dV kernel's divisions (Hopper): named and parsed one to one, within shared memory,
@@ -824,22 +825,22 @@ def test_half_large_head_sizes(dtype, case):
 @half_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_large_head_varlen(dtype):
-    """Packed sequences (one launch each way) at D = 256, causal, GQA, an empty sequence: out and
-    the gradients of each sequence within FlashAttention's rule against float64 and torch."""
+    """Packed sequences (host arrays, one launch each way) at D = 256, causal, GQA, an empty
+    sequence: out and the gradients of each sequence within FlashAttention's rule against
+    float64 and torch."""
     from test_features import err
     from test_varlen import per_sequence
 
     lens_q, lens_k, heads, heads_kv, d = [70, 0, 130], [90, 40, 130], 4, 2, 256
     rng = np.random.default_rng(7)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
-    tq, tk, tv, tdo = (torch.from_numpy(rng.standard_normal(s)).cuda().to(getattr(torch, dtype))
-                       for s in ((cu_q[-1], heads, d), (cu_k[-1], heads_kv, d), (cu_k[-1], heads_kv, d),
-                                 (cu_q[-1], heads, d)))
-    tcu_q, tcu_k = torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda()
-    out, lse = attnkern.attention_varlen(tq, tk, tv, tcu_q, tcu_k, kernel="cuda.flash", return_lse=True, causal=True)
-    grads = attnkern.attention_varlen_backward(tq, tk, tv, out, tdo, lse, tcu_q, tcu_k, kernel="cuda.flash",
-                                               causal=True)
-    host = [x.double().cpu().numpy() for x in (tq, tk, tv, tdo)]
+    half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    q, k, v, dout = (rng.standard_normal(s).astype(half) for s in ((cu_q[-1], heads, d), (cu_k[-1], heads_kv, d),
+                                                                   (cu_k[-1], heads_kv, d), (cu_q[-1], heads, d)))
+    out, lse = attnkern.attention_varlen(q, k, v, cu_q, cu_k, kernel="cuda.flash", return_lse=True, causal=True)
+    grads = attnkern.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, kernel="cuda.flash", causal=True)
+    tq, tk, tv, tdo = (torch.from_numpy(x.astype(np.float32)).cuda().to(getattr(torch, dtype)) for x in (q, k, v, dout))
+    host = [x.astype(np.float64) for x in (q, k, v, dout)]
     ref, _, ref_grads = per_sequence(*host[:3], cu_q, cu_k, host[3], causal=True)
     ours, theirs = np.zeros(4), np.zeros(4)
     for s in range(len(lens_q)):
@@ -850,7 +851,7 @@ def test_half_large_head_varlen(dtype):
         peer = _mask_peer(*part, np.ones((lens_q[s], lens_k[s]), bool), {"causal": True})
         for i, (a, r, sl) in enumerate(zip((out, *grads), (ref, *ref_grads), (rows, rows, keys, keys))):
             r = r[sl].transpose(1, 0, 2)[None]
-            ours[i] = max(ours[i], err(a[sl].double().cpu().numpy().transpose(1, 0, 2)[None], r))
+            ours[i] = max(ours[i], err(np.asarray(a[sl], np.float64).transpose(1, 0, 2)[None], r))
             theirs[i] = max(theirs[i], err(peer[i], r))
     top = max(1.0, np.abs(ref).max(), *(np.abs(g).max() for g in ref_grads))
     for what, e, t in zip(("out", "dq", "dk", "dv"), ours, theirs):

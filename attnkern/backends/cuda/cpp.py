@@ -208,7 +208,7 @@ class MmaConfig:
         return f"mt{self.mt}w{self.warps}k{self.block_k}{'qs' if self.q_smem else ''}"
 
 
-def mma_config(d: int, dtype: str = "bfloat16", featured: bool = False) -> MmaConfig:
+def mma_config(d: int, dtype: str = "bfloat16") -> MmaConfig:
     """A tensor-core kernel's default work division at head size d. float16/bfloat16:
     FlashAttention-2's (4 warps of 32 query rows, 64-key tiles), with Q's fragments
     in registers up to d = 64 and reloaded from shared memory above, where the output
@@ -217,17 +217,15 @@ def mma_config(d: int, dtype: str = "bfloat16", featured: bool = False) -> MmaCo
     above it in 8 warps of 16 rows, as its registers allow (tf32_division).
     dev/gpu_flash_versions.py compares divisions. float16/bfloat16 above d = 128 (to
     HALF_MAX_HEAD): 4 warps of one mma tile (64 query rows; the output accumulators of 16
-    rows x d take d / 2 registers a thread, 128 at d = 256), Q in shared memory, 64-key tiles
-    where a block's shared memory holds them (169 KB at d = 256: Hopper's 227 KB does, the
-    A100's 163 KB not), else 32-key tiles; featured (dropout or packed sequences, whose variant
-    spilled 8 bytes at 64-key tiles, d = 256, sm_90a): 32-key tiles (ptxas, sm_90a and sm_80:
-    at most 255 registers, no spills, every variant)."""
+    rows x d take d / 2 registers a thread, 128 at d = 256), Q in shared memory, 32-key tiles
+    (99 KB at d = 256, within the A100's 163 KB; ptxas, sm_90a and sm_80: at most 255 registers,
+    no spills, every variant). On an H100 at d = 256, N = 4096 (bfloat16, 2026-11-26,
+    docs/gpu-large-heads.md) they ran 1.20x (causal 1.10x) as fast as 64-key tiles, whose
+    dropout and packed-sequence variants also spilled."""
     if dtype == "float32":
         return tf32_division(d, *TF32_DEFAULT_TILE)
     if d > 128:
-        wide = MmaConfig(mt=1, warps=4, block_k=64, q_smem=True)
-        fits = not featured and wide.shared_bytes(d) <= shared_limit()
-        return wide if fits else MmaConfig(mt=1, warps=4, block_k=32, q_smem=True)
+        return MmaConfig(mt=1, warps=4, block_k=32, q_smem=True)
     return MmaConfig(mt=2, warps=4, block_k=64, q_smem=d > 64)
 
 
@@ -479,7 +477,7 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     batch, nq, d = q.shape
     dtype = q.dtype.name
     dropout, varlen = _dropout_of(feat), _varlen_of(feat)
-    config = config or (mma_config(d, dtype, True) if dropout or varlen else tensor_core_config(d, dtype))
+    config = config or (mma_config(d, dtype) if dropout or varlen else tensor_core_config(d, dtype))
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
