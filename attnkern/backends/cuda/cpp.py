@@ -631,7 +631,7 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool
     64-key ones up to d = 160 (ptxas capped the plain d = 160 kernel at 168 registers with 32-key
     tiles and spilled 8 bytes), but for packed sequences (varlen) in two slices too (whole, its
     variant spilled 8 bytes on sm_80 at d = 256); ptxas, sm_90a and sm_80: at most 255 registers, no
-    spills, every variant; shared memory 133-136 KB a block at d = 256, within the A100's 163 KB."""
+    spills, every variant; shared memory 132-133 KB a block at d = 256, within the A100's 163 KB."""
     if dtype == "float32":
         return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 8, 8)
     if wgmma and BWD_WGMMA and wgmma_applies(d, d):
