@@ -261,7 +261,7 @@ def _cpp_aligned(division):
 
 def _cuda_flash_half(q, k, v, causal, scale, out, lse, feat=None, fastmath=0, splits=0):
     """cuda.flash on float16/bfloat16: the tensor-core kernel (cpp.flash_mma),
-    whose tiles are fixed (128 query rows x 64 or 32 keys): block_q and block_k do not apply;
+    whose divisions are fixed (cpp.tensor_core_config; 64 query rows above D = 128): block_q and block_k do not apply;
     with splits, the split-K decode path (cpp.flash_decode) where the addresses suit it."""
     from numba import config
 

@@ -4,7 +4,7 @@
 // flash_mma_kernel): numba-cuda compiles this source with NVRTC and links it into
 // the kernel, which it launches like every other kernel of attnkern. Before
 // compilation kernels.py prepends the constants (kernels.MmaConfig):
-//   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 128
+//   ATTNKERN_D        the head size (D = Dv), a multiple of 16 up to 256 (the decode variant: 128)
 //   ATTNKERN_BF16     1 for bfloat16, 0 for float16
 //   ATTNKERN_NAME     the function's name
 //   ATTNKERN_BN       keys per K/V tile
