@@ -17,7 +17,8 @@ from . import harness
 from .memory import measure_memory
 
 CPU_KERNELS = ["native.flash", "torch.sdpa", "numpy.naive"]
-CUDA_KERNELS = ["torch.sdpa", "cuda.flash", "triton.flash", "cuda.naive", "torch.naive", "cupy.naive"]
+CUDA_KERNELS = ["torch.sdpa", *harness.SDPA_BACKENDS, "cuda.flash", "triton.flash", "cuda.naive", "torch.naive",
+                "cupy.naive"]
 
 BENCH_HELP = """\
 Checks every kernel against the float64 reference, then times it, side by side.
@@ -47,7 +48,11 @@ Reported: median time per call; GFLOP/s counting 4*B*H*N^2*D per forward (half
 for causal); the fraction of a float32 matmul measured in the same run (NumPy's
 2048^3 on the CPU, timed as one more turn among each row's kernels; torch's
 8192^3 on the GPU, before the rows); speed-up over torch.sdpa and
-numpy.naive where they ran. Progress goes to stderr, the table to stdout.
+numpy.naive where they ran; on the GPU also over torch.fastest: the fastest of
+torch.sdpa (torch's own choice) and torch.sdpa[cudnn], [flash] and [efficient]
+(each backend forced with torch.nn.attention.sdpa_kernel; one that refuses the
+dtype or shape shows as failed) in that row. Progress goes to stderr, the table
+to stdout.
 """
 
 
@@ -140,6 +145,8 @@ def command(args) -> int:
     candidates = target.candidates(names, cfg.dim, args.sweep and cuda)
     ceiling_name, ceiling = target.ceiling()
     peers = [p for p in harness.PEERS if p in [c.name for c in candidates]]
+    if any(c.name in harness.SDPA_BACKENDS for c in candidates):
+        peers.append(harness.FASTEST)  # the fastest torch SDPA backend of the row
     print(f"# {target.describe()}")
     if args.inputs == "minilm":
         from .realistic import capture, softmax_entropy

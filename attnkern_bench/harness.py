@@ -24,6 +24,11 @@ from .machine import blas_threads, cpu_name, thread_params
 from .timing import CudaEventClock, WallClock, medians, take_turns
 
 PEERS = ("torch.sdpa", "numpy.naive")  # the kernels every row is compared with, where present
+# torch's SDPA with one backend forced (torch.nn.attention.sdpa_kernel), on the GPU: a row's
+# speedup_vs_torch.fastest divides by the fastest of these and torch.sdpa (torch's own choice)
+SDPA_BACKENDS = {"torch.sdpa[cudnn]": "CUDNN_ATTENTION", "torch.sdpa[flash]": "FLASH_ATTENTION",
+                 "torch.sdpa[efficient]": "EFFICIENT_ATTENTION"}
+FASTEST = "torch.fastest"
 
 
 @dataclass
@@ -178,6 +183,15 @@ class CudaTarget:
                 q, k, v, is_causal=c, scale=s),
             "torch.naive": naive_attention,
         }
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def forced(backend):
+            def call(q, k, v, c, s):
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c, scale=s)
+            return call
+
+        peers.update({name: forced(backend) for name, backend in SDPA_BACKENDS.items()})
         try:
             import cupy
         except ImportError:
@@ -318,9 +332,24 @@ def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: floa
                 for peer in PEERS:
                     if "median_s" in results.get(peer, {}):
                         row[f"speedup_vs_{peer}"] = results[peer]["median_s"] / row["median_s"]
+                fastest = fastest_torch(results)
+                if fastest is not None:
+                    row[f"speedup_vs_{FASTEST}"] = results[fastest]["median_s"] / row["median_s"]
+                    row["fastest_torch"] = fastest
             rows_out.append(row)
             emit(row)
     return rows_out
+
+
+def fastest_torch(results: dict) -> str | None:
+    """The name of the fastest torch SDPA row among results ({kernel: row}): torch.sdpa and
+    its forced backends (SDPA_BACKENDS) that ran and passed the check; None where no
+    backend was forced (the comparison with torch.sdpa alone is speedup_vs_torch.sdpa)."""
+    timed = {name: row["median_s"] for name, row in results.items()
+             if (name == "torch.sdpa" or name in SDPA_BACKENDS) and "median_s" in row and row.get("ok", True)}
+    if not any(name in SDPA_BACKENDS for name in timed):
+        return None
+    return min(timed, key=timed.get)
 
 
 def inputs(cfg: Settings, n: int, rng) -> tuple:

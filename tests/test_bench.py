@@ -179,3 +179,21 @@ def test_asv_time_ratio_agrees_with_the_table(tmp_path):
         track.teardown("numba.flash", shape, False)
     print(f"numba.flash / torch.sdpa: table {table:.2f}, asv track {paired:.2f}")
     assert 0.5 < paired / table < 2, (table, paired)
+
+
+def test_fastest_torch_is_the_quickest_backend_that_ran_and_passed():
+    """The GPU table's "vs torch.fastest" divides by the fastest of torch.sdpa and its forced
+    backends in the row: a backend that failed (refused the dtype) or missed the check does
+    not count, and without forced backends there is no such column (torch.sdpa's own is it)."""
+    from attnkern_bench import harness
+
+    results = {"torch.sdpa": {"median_s": 2.0, "ok": True},
+               "torch.sdpa[cudnn]": {"median_s": 1.0, "ok": True},
+               "torch.sdpa[flash]": {"failed": "RuntimeError: No available kernel"},
+               "torch.sdpa[efficient]": {"median_s": 0.5, "ok": False},
+               "cuda.flash": {"median_s": 0.1, "ok": True}}
+    assert harness.fastest_torch(results) == "torch.sdpa[cudnn]"
+    results["torch.sdpa[cudnn]"]["median_s"] = 3.0
+    assert harness.fastest_torch(results) == "torch.sdpa"
+    assert harness.fastest_torch({"torch.sdpa": {"median_s": 2.0, "ok": True},
+                                  "cuda.flash": {"median_s": 1.0, "ok": True}}) is None
