@@ -298,3 +298,15 @@ def test_direct_decode_reports_nonfinite_cache_rows(isa, kind):
         with pytest.raises(ValueError, match=which):
             attnkern.attention(q, kk, vv, kernel="native.flash", causal="bottom_right")
         assert _attn.last_split() >= 2
+
+
+def test_other_build_says_what_is_missing(tmp_path):
+    """other_build (A/B timing of two builds) refuses a path that is no extension file
+    with a message naming it, and leaves this build's kernels in place."""
+    from attnkern.backends import native
+
+    with pytest.raises(FileNotFoundError, match="no compiled extension"):
+        with native.other_build(str(tmp_path / "missing.so")):
+            pass
+    q = np.ones((1, 1, 1, 8), np.float32)
+    assert np.isfinite(attnkern.attention(q, q, q, kernel="native.flash")).all()

@@ -157,6 +157,9 @@ def other_build(path: str):
     import importlib.util
 
     global _attn
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"other_build: no compiled extension at {path!r} (give the path of another "
+                                f"build's attnkern/backends/native/_attn*.so)")
     module = _OTHER_BUILDS.get(path)
     if module is None:  # loaded once a path: the block's own cost is two assignments
         name = "attnkern_other_build._attn"  # the last part names the extension's init function
