@@ -186,6 +186,8 @@ def event_times(fns, runs):
             fn()
     torch.cuda.synchronize()
     clock = CudaEventClock(torch)
+    for fn in fns.values():
+        clock.busy(fn)
     samples = {name: [] for name in fns}
     for _ in range(runs):
         for name, fn in fns.items():

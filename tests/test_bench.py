@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,47 @@ def test_take_turns_round_robin_with_warmup():
     assert calls == (["a"] * 7 + ["b"] * 7) * 2
     assert {name: len(s) for name, s in samples.items()} == {"a": 4, "b": 4}
     assert all(t >= 0 for s in samples.values() for t in s)
+
+
+def test_a_gpu_clock_keeps_each_kernel_busy_before_its_samples():
+    # A GPU that idled (while the host checked a result) clocks down and needs a while
+    # of steady work to clock up: CudaEventClock.busy runs the kernel, waiting for each
+    # call, for warmup_s seconds before the turn's samples; a fake torch counts syncs.
+    class FakeCuda:
+        syncs = 0
+
+        def synchronize(self):
+            FakeCuda.syncs += 1
+
+    class FakeTorch:
+        cuda = FakeCuda()
+
+    clock = timing.CudaEventClock(FakeTorch(), warmup_s=0.05)
+    calls = []
+    t0 = time.perf_counter()
+    clock.busy(lambda: calls.append(1))
+    assert time.perf_counter() - t0 >= 0.05
+    assert len(calls) == FakeCuda.syncs > 3  # every call waited for
+
+    class Counting:  # a clock with busy(): take_turns calls it once per turn, after the counted warm-up
+        def __init__(self):
+            self.busy_for = []
+
+        def busy(self, fn):
+            self.busy_for.append(len(order))
+            fn()
+
+        def seconds(self, fn, calls=1):
+            for _ in range(calls):
+                fn()
+            return 1.0
+
+    order = []
+    clock = Counting()
+    timing.take_turns({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeat=2, warmup=2,
+                      clock=clock)
+    assert clock.busy_for == [2, 7]  # after a's two warm-up calls, then after b's
+    assert order == ["a"] * 5 + ["b"] * 5
 
 
 @pytest.mark.slow
