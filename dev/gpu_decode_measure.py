@@ -12,7 +12,8 @@ D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
 --before adds cuda.flash as it ran before 2026-11-26 (every call on the general path,
 attnkern.backends.cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
 combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1; the 264-block split,
-cpp.DECODE_SPLIT_RULE = "blocks"; 32-key tiles, one warp) and triton.flash on
+cpp.DECODE_SPLIT_RULE = "blocks"; 32-key tiles, one warp; two launches, cpp.DECODE_FUSED = False) and
+triton.flash on
 the general path, in turns with today's code in one process. --decode-configs TILExSTAGES[xKW][:RULE][+NAME=N...]
 adds cuda.flash's decode kernel with other K/V tiles, pipeline depths, key warps and split rules
 (cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS, 1 unless given, cpp.DECODE_SPLIT_RULE,
@@ -107,7 +108,8 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
            "triton.flash": (ours("triton.flash"), "split-K decode")}
     if before:
         out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1,
-                                           DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1, DECODE_TILE=32),
+                                           DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1, DECODE_TILE=32,
+                                           DECODE_FUSED=False),
                                      "general path, double-buffered decode kernel, serial combine, 264-block split")
         out["triton.flash[before]"] = (_with(ours("triton.flash"), False), "general path")
     if regular:

@@ -634,7 +634,8 @@ register(
                   choices=(0, 1), switch=True),
             Param("split_k", 0, 0, DECODE_MAX_SPLITS,
                   "float16/bfloat16 forward: the split-K decode path's key chunks (one block per chunk and k/v "
-                  "head, the group's query heads packed into its rows, a log-sum-exp combine): 0 by shape (nq <= "
+                  "head, the group's query heads packed into its rows, a log-sum-exp combine in chunk order by the "
+                  "last block of each k/v head, in the same launch): 0 by shape (nq <= "
                   "16, kv_group nq <= 128, nk >= 1024: enough chunks of >= 256 keys for 264 blocks where that "
                   "makes at most 264 blocks; else chunks of about 1280 keys, their blocks rounded to whole waves "
                   "of the blocks the GPU holds at once, chunks >= 128 keys), 1 off, N >= 2 forced (at most "
