@@ -424,28 +424,28 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     // key warp 0 merges (the others wait at the fused variant's barriers below, or are done)
     if (kw == 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float mx = m[0][h];
-        for (int w = 1; w < KW; ++w) mx = fmaxf(mx, xs[((u64)((w - 1) * NW + warp) * VALS + NO * 4 + h) * 32 + lane]);
-        // a part that saw no key (max -inf) adds nothing; every factor is 0 where no part saw one
-        const float mc = mx == NEG_INF ? 0.f : mx * c;
-        const float a0 = m[0][h] == NEG_INF ? 0.f : ex2(m[0][h] * c - mc);
-        l[0][h] *= a0;
+        for (int h = 0; h < 2; ++h) {
+            float mx = m[0][h];
+            for (int w = 1; w < KW; ++w) mx = fmaxf(mx, xs[((u64)((w - 1) * NW + warp) * VALS + NO * 4 + h) * 32 + lane]);
+            // a part that saw no key (max -inf) adds nothing; every factor is 0 where no part saw one
+            const float mc = mx == NEG_INF ? 0.f : mx * c;
+            const float a0 = m[0][h] == NEG_INF ? 0.f : ex2(m[0][h] * c - mc);
+            l[0][h] *= a0;
 #pragma unroll
-        for (int j = 0; j < NO; ++j) o[0][j][2 * h] *= a0, o[0][j][2 * h + 1] *= a0;
-        for (int w = 1; w < KW; ++w) {
-            const float* theirs = xs + (u64)((w - 1) * NW + warp) * VALS * 32 + lane;
-            const float mw = theirs[(NO * 4 + h) * 32];
-            const float aw = mw == NEG_INF ? 0.f : ex2(mw * c - mc);
-            l[0][h] = fmaf(theirs[(NO * 4 + 2 + h) * 32], aw, l[0][h]);
+            for (int j = 0; j < NO; ++j) o[0][j][2 * h] *= a0, o[0][j][2 * h + 1] *= a0;
+            for (int w = 1; w < KW; ++w) {
+                const float* theirs = xs + (u64)((w - 1) * NW + warp) * VALS * 32 + lane;
+                const float mw = theirs[(NO * 4 + h) * 32];
+                const float aw = mw == NEG_INF ? 0.f : ex2(mw * c - mc);
+                l[0][h] = fmaf(theirs[(NO * 4 + 2 + h) * 32], aw, l[0][h]);
 #pragma unroll
-            for (int j = 0; j < NO; ++j) {
-                o[0][j][2 * h] = fmaf(theirs[(j * 4 + 2 * h) * 32], aw, o[0][j][2 * h]);
-                o[0][j][2 * h + 1] = fmaf(theirs[(j * 4 + 2 * h + 1) * 32], aw, o[0][j][2 * h + 1]);
+                for (int j = 0; j < NO; ++j) {
+                    o[0][j][2 * h] = fmaf(theirs[(j * 4 + 2 * h) * 32], aw, o[0][j][2 * h]);
+                    o[0][j][2 * h + 1] = fmaf(theirs[(j * 4 + 2 * h + 1) * 32], aw, o[0][j][2 * h + 1]);
+                }
             }
+            m[0][h] = mx;
         }
-        m[0][h] = mx;
-    }
     }
 #endif
     // the partial of (k/v row b, split x): rows normalised by their own sums, float32
