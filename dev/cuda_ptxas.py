@@ -33,6 +33,11 @@ KERNELS = [
        dict(D=d, BF16=1, BN=bk, STAGES=st, MT=1, NW=w, KW=kw, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0),
        MMA + ("int", "int"))
       for d in (128, 64) for w in (1, 2) for bk, kw in ((32, 2), (64, 2), (64, 4)) for st in (2, 3)),
+    # the fused decode (one launch: the last block of a k/v row merges, ATTNKERN_FUSED), as cpp builds it
+    *(("flash_mma.cu", f"decode_bf16_d{d}_w{w}_k{bk}_s{st}_kw{kw}_fused",
+       dict(D=d, BF16=1, BN=bk, STAGES=st, MT=1, NW=w, KW=kw, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0,
+            FUSED=1, UNROLL=8, THREADS=32 * w * kw), MMA + ("int", "int", "u64", "u64", "u64"))
+      for d in (128, 64) for w, bk, st, kw in ((1, 64, 2, 4), (1, 32, 3, 1), (2, 64, 2, 2), (8, 64, 2, 1))),
     *(("flash_combine.cu", f"combine_bf16_d{d}_u{u}", dict(D=d, BF16=1, FAST=0, UNROLL=u),
        ("u64",) * 4 + ("int",) * 4) for d in (128, 64) for u in (1, 8)),
     *(("flash_mma.cu", f"mma_bf16_d128_{name}",

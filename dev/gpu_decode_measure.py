@@ -5,18 +5,22 @@ D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
 
     python3 dev/gpu_decode_measure.py [--batches 1 4 8] [--nk 4096 16384 65536 131072] [--nq 1 4]
                                       [--runs 9] [--json decode.json] [--before]
-                                      [--decode-configs 32x2 32x4 16x4] [--regular] [--rules]
+                                      [--decode-configs 32x2 64x2x4+FUSED=0] [--regular] [--rules]
+                                      [--host-profile 20]
     ATTNKERN_BENCH_SMOKE=1 python3 dev/gpu_decode_measure.py    # one small shape, 2 runs
 
 --before adds cuda.flash as it ran before 2026-11-26 (every call on the general path,
 attnkern.backends.cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
 combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1; the 264-block split,
-cpp.DECODE_SPLIT_RULE = "blocks"; 32-key tiles, one warp) and triton.flash on
-the general path, in turns with today's code in one process. --decode-configs TILExSTAGES[xKW][:RULE]
+cpp.DECODE_SPLIT_RULE = "blocks"; 32-key tiles, one warp; two launches, cpp.DECODE_FUSED = False) and
+triton.flash on
+the general path, in turns with today's code in one process. --decode-configs TILExSTAGES[xKW][:RULE][+NAME=N...]
 adds cuda.flash's decode kernel with other K/V tiles, pipeline depths, key warps and split rules
 (cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS, 1 unless given, cpp.DECODE_SPLIT_RULE,
-today's unless given: 32x3x1:waves is the default before the long chunks; on the general path, so
-its call time is the general path's).
+today's unless given: 32x3x1:waves is the default before the long chunks; +NAME=N sets
+cpp.DECODE_NAME, e.g. 64x2x4+FUSED=0 (two launches), 64x2x4+LONG_MIN_CHUNK=128; on the general
+path, so its call time is the general path's). --host-profile N: where an isolated call's host
+time goes (host_profile).
 
 attnkern runs attention(q, k, v, causal="bottom_right", check_finite=False) on torch
 tensors; torch runs scaled_dot_product_attention(q, k, v) (Nq = 1: bottom-right causal
@@ -104,7 +108,8 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
            "triton.flash": (ours("triton.flash"), "split-K decode")}
     if before:
         out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1,
-                                           DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1, DECODE_TILE=32),
+                                           DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1, DECODE_TILE=32,
+                                           DECODE_FUSED=False),
                                      "general path, double-buffered decode kernel, serial combine, 264-block split")
         out["triton.flash[before]"] = (_with(ours("triton.flash"), False), "general path")
     if regular:
@@ -113,13 +118,14 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
         out[f"cuda.flash[{n}]"] = (_with(ours("cuda.flash"), False, **constants), "split rule forced, general path")
     for n in splits:
         out[f"cuda.flash[split_k={n}]"] = (ours("cuda.flash", split_k=n), "split-K decode, forced")
-    for tile, stages, kw, rule in configs:
+    for tile, stages, kw, rule, extra in configs:
         constants = dict(DECODE_TILE=tile, DECODE_STAGES=stages, DECODE_KEY_WARPS=kw)
         if rule:
             constants["DECODE_SPLIT_RULE"] = rule
-        out[f"cuda.flash[{tile}x{stages}x{kw}{':' + rule if rule else ''}]"] = (
+        constants.update({f"DECODE_{n}": x for n, x in extra})
+        out[f"cuda.flash[{tile}x{stages}x{kw}{':' + rule if rule else ''}{''.join(f'+{n}={x}' for n, x in extra)}]"] = (
             _with(ours("cuda.flash"), False, **constants),
-            "split-K decode, K/V tile x stages x key warps (and split rule) forced, general path")
+            "split-K decode, K/V tile x stages x key warps (and split rule, constants) forced, general path")
     rep = None
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
@@ -183,6 +189,71 @@ def call_sample(fn) -> tuple[float, float]:
     return a.elapsed_time(b) / 1e3, host
 
 
+def parse_config(text: str) -> tuple:
+    """--decode-configs' TILExSTAGES[xKW][:RULE][+NAME=INT...] as (tile, stages, key warps, rule or
+    "", ((NAME, int), ...)): NAME a cpp.DECODE_ constant without its prefix (FUSED=0: two launches;
+    LONG_MIN_CHUNK=128)."""
+    head, *extra = text.split("+")
+    sizes, _, rule = head.partition(":")
+    tile, stages, kw = (tuple(int(x) for x in sizes.split("x")) + (1,))[:3]
+    pairs = tuple((n.upper(), int(x)) for n, _, x in (e.partition("=") for e in extra))
+    return tile, stages, kw, rule, pairs
+
+
+def host_profile(named: dict, calls: int, top: int, sleep_cycles: int) -> dict:
+    """Where an isolated call's host time goes: for each contender, the host's time in one call
+    (until it returned) after a synchronize (isolated), after a synchronize that waited for a
+    sleep_cycles GPU sleep (after a wait: as call_sample's calls, which follow a kernel sample),
+    and with the GPU still busy with the previous call (back to back), medians of `calls`; a
+    control (torch.empty and one tiny kernel) likewise; and cProfile's heaviest functions (own
+    time) over `calls` isolated calls of each of attnkern's contenders."""
+    import cProfile
+    import pstats
+
+    def control():
+        return torch.empty(1, device="cuda").fill_(1.0)
+
+    result = {}
+    for n, fn in [("control: torch.empty + fill_", control)] + [(n, f) for n, (f, _) in named.items()]:
+        iso, waited, b2b = [], [], []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            iso.append(time.perf_counter() - t0)
+            torch.cuda._sleep(sleep_cycles)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            waited.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            b2b.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        result[n] = dict(isolated_host_us=statistics.median(iso) * 1e6, after_wait_host_us=statistics.median(waited) * 1e6,
+                         back_to_back_host_us=statistics.median(b2b) * 1e6)
+        print(f"  host {n:32s} isolated {result[n]['isolated_host_us']:7.1f} us, after a wait "
+              f"{result[n]['after_wait_host_us']:7.1f} us, back to back {result[n]['back_to_back_host_us']:7.1f} us")
+    for n in ("cuda.flash", "triton.flash"):
+        prof = cProfile.Profile()
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            prof.enable()
+            named[n][0]()
+            prof.disable()
+        torch.cuda.synchronize()
+        # (pstats prints seconds to 3 decimals: here microseconds a call, own and cumulative)
+        stats = sorted(pstats.Stats(prof).stats.items(), key=lambda item: -item[1][2])[:top]
+        lines = [f"{tt / calls * 1e6:8.1f} {ct / calls * 1e6:8.1f} {nc / calls:5.1f}  {os.path.basename(f)}:{line}({fn})"
+                 for (f, line, fn), (_, nc, tt, ct, _) in stats]
+        result[n]["profile"] = "\n".join(lines)
+        print(f"  cProfile of {calls} isolated calls of {n}: us a call own, cumulative, calls a call, function")
+        print("\n".join("    " + line for line in lines))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
@@ -191,10 +262,11 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="cuda.flash's split_k values to add")
     parser.add_argument("--decode-configs", nargs="*", default=[],
-                        help="cuda.flash decode kernels to add, TILExSTAGES[xKEYWARPS][:RULE] (cpp.DECODE_TILE "
-                             "16/32/64, cpp.DECODE_STAGES 2-4, cpp.DECODE_KEY_WARPS 1 (default), 2 or 4: at least "
-                             "16 keys a warp; cpp.DECODE_SPLIT_RULE waves, blocks or long, today's unless given), "
-                             "e.g. 32x2 16x4 32x3x1:waves 64x2x4:long")
+                        help="cuda.flash decode kernels to add, TILExSTAGES[xKEYWARPS][:RULE][+NAME=N...] "
+                             "(cpp.DECODE_TILE 16/32/64, cpp.DECODE_STAGES 2-4, cpp.DECODE_KEY_WARPS 1 (default), "
+                             "2 or 4: at least 16 keys a warp; cpp.DECODE_SPLIT_RULE waves, blocks, long or "
+                             "long_waves, today's unless given; +NAME=N sets cpp.DECODE_NAME), "
+                             "e.g. 32x2 32x3x1:waves 64x2x4:long 64x2x4+FUSED=0 64x2x4+LONG_MIN_CHUNK=128")
     parser.add_argument("--nq", type=int, nargs="+", default=[1], help="query rows a head")
     parser.add_argument("--rules", action="store_true",
                         help="add cuda.flash with the split rule before 2026-11-26 (cpp.DECODE_SPLIT_RULE='blocks') "
@@ -202,6 +274,9 @@ def main() -> None:
     parser.add_argument("--before", action="store_true", help="add cuda.flash and triton.flash as before 2026-11-26")
     parser.add_argument("--regular", action="store_true", help="add cuda.flash's regular kernel (split_k=1)")
     parser.add_argument("--math-max-nk", type=int, default=16384, help="torch's math backend up to this Nk")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                        help="after each shape's timings: the host's time in isolated and back-to-back calls, "
+                             "and a cProfile of CALLS isolated calls of cuda.flash and triton.flash")
     parser.add_argument("--torch", nargs="*", default=["cudnn", "flash", "efficient", "math"],
                         help="torch SDPA backends to time")
     args = parser.parse_args()
@@ -211,8 +286,7 @@ def main() -> None:
     hz = sleep_cycles_per_s()
     device = torch.cuda.get_device_name()
     print(f"{device}: device-to-device copy {copy_bw / 1e9:.0f} GB/s; H={H}, H_kv={H_KV}, D={D}, bfloat16")
-    configs = [(tuple(int(x) for x in c.partition(":")[0].split("x")) + (1,))[:3] + (c.partition(":")[2],)
-               for c in args.decode_configs]
+    configs = [parse_config(c) for c in args.decode_configs]
     rows = []
     for batch, nq, nk in ((b, n, k) for n in args.nq for b in args.batches for k in args.nk):
         g = torch.Generator(device="cuda").manual_seed(batch * nk)
@@ -263,6 +337,10 @@ def main() -> None:
                   f"({row['of_copy']:4.0%} of copy)"
                   f"{'  cpu-bound ' + str(flagged[n]) if flagged[n] else ''}  [{note}] chunks {splits.get(n)}"
                   f" diff {diffs[n]:.2g}")
+        host = host_profile(named, args.host_profile, 14, sleep) if args.host_profile else {}
+        for r in rows[-len(named):]:
+            if r["kernel"] in host:
+                r["host_profile"] = host[r["kernel"]]
         fastest_torch = min((r for r in rows[-len(named):] if r["kernel"].startswith("torch.")),
                             key=lambda r: r["kernel_us"])
         fastest_call = min((r for r in rows[-len(named):] if r["kernel"].startswith("torch.")),

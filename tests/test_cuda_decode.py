@@ -74,6 +74,17 @@ def test_split_rules():
                 got = [_split.decode_chunk(nk, cpp.decode_auto_splits(8 * batch, 1, nk, 128, 0, 4))[1]
                        for nk in (4096, 16384, 65536, 131072)]
                 assert got == chunks, (rule, batch, got)
+        # the long chunks' shortest (cpp.DECODE_LONG_MIN_CHUNK): 128 splits B = 1 at 4k keys in 32, not 16
+        saved_min = cpp.DECODE_LONG_MIN_CHUNK
+        try:
+            cpp.DECODE_LONG_MIN_CHUNK = 128
+            for rule in ("long", "long_waves"):
+                cpp.DECODE_SPLIT_RULE = rule
+                got = [_split.decode_chunk(nk, cpp.decode_auto_splits(8, 1, nk, 128, 0, 4))[1]
+                       for nk in (4096, 16384, 65536, 131072)]
+                assert got == [32, 32, 32, 33], (rule, got)
+        finally:
+            cpp.DECODE_LONG_MIN_CHUNK = saved_min
         cpp.DECODE_SPLIT_RULE = "long_waves"
         assert cpp.decode_auto_splits(8, 1, 1000, 128, 0, 4) == 0 and cpp.decode_auto_splits(8, 1, 4096, 128, 5, 4) == 5
         for batch_kv, nk in ((8, 131072), (8, 16384), (8, 4096), (32, 65536), (64, 131072), (512, 8192)):
@@ -114,6 +125,21 @@ def test_key_warps_fit_the_tile_and_the_block():
         cpp.DECODE_TILE, cpp.DECODE_KEY_WARPS = saved
     with pytest.raises(ValueError, match="cannot be shared by 4 warps"):
         cpp.flash_decode_kernel("bfloat16", 128, 1, 32, key_warps=4)
+
+
+def test_fused_decode_counters():
+    """The fused decode's counters (cpp.decode_counters): int32 zeros on the current device, at
+    least as many as asked for, made once (the same array while it is large enough), grown when
+    too small with the smaller one kept (a prepared launch may hold its address)."""
+    from attnkern.backends.cuda import arrays, cpp
+
+    first = cpp.decode_counters(8)
+    assert first.dtype == np.int32 and first.shape[0] >= 8
+    assert cpp.decode_counters(first.shape[0]) is first
+    grown = cpp.decode_counters(first.shape[0] + 1)
+    assert grown.shape[0] > first.shape[0] and cpp.decode_counters(5) is grown
+    assert first in cpp._COUNTERS[next(k for k, v in cpp._COUNTERS.items() if grown in v)]
+    assert not arrays.to_host(grown).any() and not arrays.to_host(first).any()
 
 
 @pytest.mark.parametrize("kernel", ["cuda.flash", "triton.flash"])
@@ -411,3 +437,97 @@ def test_decode_pipeline_depth_changes_no_bits(tile, key_warps):
     _check(first_out, first_lse, q, k, v, feats)
     for key, (out, lse) in results.items():
         assert torch.equal(out, first_out) and torch.equal(lse, first_lse), key
+
+
+def _counters_are_zero():
+    """Every fused-decode counter of every device is back at zero (each launch's last blocks reset them)."""
+    from attnkern.backends.cuda import arrays, cpp
+
+    return all(not arrays.to_host(c).any() for have in cpp._COUNTERS.values() for c in have)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["mha-nq1", "gqa4-nq1-br", "gqa4-nq4-odd", "gqa8-nq16", "lengths", "window",
+                                  "softcap-scale", "d64-mqa"])
+def test_fused_decode_gives_the_bits_of_two_launches(name):
+    """cpp.DECODE_FUSED (one launch: the last block of each k/v row to finish merges the row's
+    chunks, in chunk order) against the two launches (the partials, then flash_combine.cu): the
+    same bits, out and lse, at the automatic split and forced splits (2, 13, 1024: more chunks
+    than tiles, clamped), with today's tiles (64x2x4) and those before (32x3x1); within the bound
+    of the float64 reference; bit-identical run to run; the counters back at zero after the calls."""
+    torch = _torch()
+    from attnkern.backends.cuda import cpp
+
+    shape, feats = CASES[name]
+    q, k, v = _inputs(shape, "bfloat16", seed=20 + len(name))
+    saved = cpp.DECODE_FUSED, cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS
+    try:
+        for cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS in ((64, 2, 4), (32, 3, 1)):
+            for split_k in (0, 2, 13, 1024):
+                results = []
+                for cpp.DECODE_FUSED in (True, True, False):
+                    results.append(_general(lambda: _run("cuda.flash", q, k, v, feats, split_k=split_k)))
+                (out, lse, splits), again, two = results
+                assert splits >= 1 and again[2] == two[2] == splits
+                assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), "fused: not bit-identical run to run"
+                assert torch.equal(out, two[0]) and torch.equal(lse, two[1]), "fused and two launches differ"
+                if split_k in (0, 13):
+                    _check(out, lse, q, k, v, feats)
+    finally:
+        cpp.DECODE_FUSED, cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS = saved
+    torch.cuda.synchronize()
+    assert _counters_are_zero()
+
+
+@gpu
+def test_fused_decode_with_more_kv_rows_than_counters():
+    """A fused decode call over more k/v rows than the first counters hold (4096): the counters
+    grow, the call gives the two launches' bits and agrees with the regular kernel, and every
+    counter is back at zero after it; out only (the fused variant without lse)."""
+    torch = _torch()
+    from attnkern.backends.cuda import cpp
+
+    q, k, v = _inputs((520, 8, 8, 1, 1024, 64), "bfloat16", seed=5)
+    saved = cpp.DECODE_FUSED
+    try:
+        got = {}
+        for cpp.DECODE_FUSED in (True, False):
+            got[cpp.DECODE_FUSED] = _general(lambda: attnkern.attention(q, k, v, kernel="cuda.flash", split_k=3))
+            assert attnkern.backends.cuda.last_split() == 3
+    finally:
+        cpp.DECODE_FUSED = saved
+    assert torch.equal(got[True], got[False])
+    regular = attnkern.attention(q, k, v, kernel="cuda.flash", split_k=1)
+    bound = 2 * tolerance("bfloat16", rounds_p=True) * float(v.abs().max())
+    assert float((got[True].double() - regular.double()).abs().max()) <= bound
+    torch.cuda.synchronize()
+    assert max(c.shape[0] for have in cpp._COUNTERS.values() for c in have) >= 4160
+    assert _counters_are_zero()
+
+
+@gpu
+@pytest.mark.parametrize("fused", [True, False])
+def test_shorter_long_chunks_match_the_reference(fused):
+    """cpp.DECODE_LONG_MIN_CHUNK = 128 (B = 1, H 32/8, Nk = 4096: 32 chunks of 128 keys, 256
+    blocks), fused and not, Nq 1 and 4: within the bound of the reference, bit-identical run to
+    run, and (fused) the bits of the two launches."""
+    torch = _torch()
+    from attnkern.backends.cuda import cpp
+
+    saved = cpp.DECODE_LONG_MIN_CHUNK, cpp.DECODE_FUSED
+    feats = dict(causal="bottom_right")
+    try:
+        cpp.DECODE_LONG_MIN_CHUNK, cpp.DECODE_FUSED = 128, fused
+        for nq in (1, 4):
+            q, k, v = _inputs((1, 32, 8, nq, 4096, 128), "bfloat16", seed=30 + nq)
+            out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats))
+            assert splits == 32
+            _check(out, lse, q, k, v, feats)
+            again = _general(lambda: _run("cuda.flash", q, k, v, feats))
+            assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+            cpp.DECODE_FUSED = not fused
+            other = _general(lambda: _run("cuda.flash", q, k, v, feats))
+            cpp.DECODE_FUSED = fused
+            assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+    finally:
+        cpp.DECODE_LONG_MIN_CHUNK, cpp.DECODE_FUSED = saved

@@ -350,8 +350,8 @@ def prepared_flash(batch: int, nq: int, nk: int, d: int, dv: int, dtype, causal:
 
 
 def _prepared_decode(roles: list, causal: bool, scale: float, feat, splits: int, fast: bool):
-    """prepared_flash's answer for a call on the split-K decode path: its two launches
-    (cpp.flash_decode_launches) prepared, taking the addresses of the roles (q, k, v,
+    """prepared_flash's answer for a call on the split-K decode path: its launches
+    (cpp.flash_decode_launches: one fused, or two) prepared, taking the addresses of the roles (q, k, v,
     out[, lse]) and of the call's float32 scratch memory; or None where they are not
     compiled yet. A launch records its chunks for last_split(), as _cuda_flash does."""
     from . import cpp, launch
@@ -369,14 +369,13 @@ def _prepared_decode(roles: list, causal: bool, scale: float, feat, splits: int,
         if raw is None:
             return None
         steps.append(launch.Prepared(raw, grid, block, args, everything))
-    first, second = steps
     lse_at = part_lse.ptr  # the lse's offset in the scratch (its base was 0)
 
     def run(*ptrs):  # q, k, v, out[, lse], scratch
         base = ptrs[-1]
         full = (*ptrs[:-1], base, base + lse_at)
-        first(*full)
-        second(*full)
+        for step in steps:  # one (cpp.DECODE_FUSED) or two
+            step(*full)
         _LAST.splits = splits
 
     return run, cpp.decode_aligned, elems
@@ -635,7 +634,8 @@ register(
                   choices=(0, 1), switch=True),
             Param("split_k", 0, 0, DECODE_MAX_SPLITS,
                   "float16/bfloat16 forward: the split-K decode path's key chunks (one block per chunk and k/v "
-                  "head, the group's query heads packed into its rows, a log-sum-exp combine): 0 by shape (nq <= "
+                  "head, the group's query heads packed into its rows, a log-sum-exp combine in chunk order by the "
+                  "last block of each k/v head, in the same launch): 0 by shape (nq <= "
                   "16, kv_group nq <= 128, nk >= 1024: enough chunks of >= 256 keys for 264 blocks where that "
                   "makes at most 264 blocks; else chunks of about 1280 keys, their blocks rounded to whole waves "
                   "of the blocks the GPU holds at once, chunks >= 128 keys), 1 off, N >= 2 forced (at most "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 
 import numpy as np
 from numba import config, cuda
@@ -827,10 +828,19 @@ DECODE_COMBINE_UNROLL = 8
 DECODE_SPLIT_RULES = ("waves", "blocks", "long", "long_waves")
 DECODE_SPLIT_RULE = "long_waves"
 DECODE_MIN_CHUNK = 128
+# the "long" rule's (and "long_waves"'s) shortest chunk, in keys: _split.DECODE_MIN_CHUNK (256) by
+# default; 128 splits a short cache finer (B = 1, H_kv = 8, Nk = 4096: 32 chunks, 256 blocks, not 16)
+DECODE_LONG_MIN_CHUNK = 256
 DECODE_SMS = 132  # the H100's and H200's SMs: a constant, so that the split depends on the shape only
 DECODE_SM_SHARED = 228 * 1024  # shared memory of an SM (H100, H200), 1 KB of it reserved a block
 DECODE_SM_REGISTERS = 65536  # 32-bit registers of an SM
 DECODE_REGISTERS = 168  # a decode thread's registers at D = 128 (ptxas, sm_90a: 164-172; fewer at D = 64)
+# True: one launch a decode call (flash_mma.cu's ATTNKERN_FUSED: the last block of a k/v row to
+# finish merges its chunks, in chunk order, found by a per-row counter: decode_counters); False:
+# the partials' kernel, then flash_combine.cu's. The same bits either way. Read at each call.
+DECODE_FUSED = True
+_COUNTERS: dict = {}  # device id -> the fused decode's int32 counters, the largest last (decode_counters)
+_COUNTERS_LOCK = threading.Lock()
 
 
 def decode_key_warps(warps: int) -> int:
@@ -863,7 +873,7 @@ def decode_auto_splits(batch_kv: int, nq: int, nk: int, d: int, split_k: int, kv
         raise ValueError(f"cuda.flash decode: cpp.DECODE_SPLIT_RULE must be one of {DECODE_SPLIT_RULES}, "
                          f"not {DECODE_SPLIT_RULE!r}")
     if DECODE_SPLIT_RULE in ("long", "long_waves"):
-        splits = decode_splits(batch_kv, nq, nk, split_k)
+        splits = decode_splits(batch_kv, nq, nk, split_k, min_chunk=DECODE_LONG_MIN_CHUNK)
         if DECODE_SPLIT_RULE == "long" or split_k or splits == 0 or \
                 batch_kv * decode_chunk(nk, splits)[1] <= DECODE_TARGET_BLOCKS:
             return splits
@@ -891,24 +901,43 @@ def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) ->
 
 
 def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False, stages: int = 2,
-                        key_warps: int = 1):
+                        key_warps: int = 1, fused_unroll: int = 0):
     """The decode variant of flash_mma.cu (ATTNKERN_DECODE) for warps 16-row mma tiles
     of a group's query rows, K/V tiles of block_k keys in `stages` buffers, each tile's
     keys shared by key_warps warps (warps key_warps threads' warps a block): Q's fragments
     in registers, one mma tile a warp, the features compiled in (PLAIN_WORDS for a plain
-    call), two more parameters (query rows a head, keys a chunk); fast: the fastmath variant."""
+    call), two more parameters (query rows a head, keys a chunk); fast: the fastmath variant;
+    fused_unroll > 0: the fused variant (ATTNKERN_FUSED, its merge reading that many partials
+    at once; three more parameters: the output rows, their lse, the counters)."""
     if block_k % (16 * key_warps):
         raise ValueError(f"cuda.flash decode: a K/V tile of {block_k} keys cannot be shared by {key_warps} warps "
                          "(16 keys a warp at least, a multiple of 16)")
     shared = 2 * stages * block_k * (d + 8) * 2
+    fused = (("FUSED", 1), ("UNROLL", fused_unroll)) if fused_unroll else ()
     return _linked_kernel("flash_mma.cu",
                           f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}s{stages}kw{key_warps}"
-                          f"{'_fm' if fast else ''}",
+                          f"{f'_f{fused_unroll}' if fused_unroll else ''}{'_fm' if fast else ''}",
                           (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", block_k), ("STAGES", stages),
                            ("MT", 1), ("NW", warps), ("KW", key_warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0),
-                           ("ALIBI", 0), ("DECODE", 1), ("FAST", int(fast))),
-                          ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("i32", "i32"),
+                           ("ALIBI", 0), ("DECODE", 1), ("FAST", int(fast)), *fused),
+                          ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("i32", "i32")
+                          + ("u64",) * (3 if fused_unroll else 0),
                           32 * warps * key_warps, shared)
+
+
+def decode_counters(rows: int) -> GpuArray:
+    """The fused decode's counters on the current device: at least `rows` int32, zero (each
+    launch's last block of a k/v row sets its counter back to zero). Made once per device (grown
+    by doubling; the smaller ones stay allocated, as prepared launches may hold their address).
+    Every decode launch runs on the legacy default stream, so launches never share them at once."""
+    device = getattr(cuda.get_current_device(), "id", 0)  # (the simulator's device has none)
+    with _COUNTERS_LOCK:
+        have = _COUNTERS.setdefault(device, [])
+        if not have or have[-1].shape[0] < rows:
+            from .arrays import from_host
+
+            have.append(from_host(np.zeros(max(4096, 2 * rows), np.int32)))
+        return have[-1]
 
 
 def flash_combine_kernel(dtype: str, d: int, fast: bool = False, unroll: int = 1):
@@ -935,11 +964,12 @@ def decode_scratch(batch: int, batch_kv: int, nq: int, nk: int, d: int, splits: 
 
 def flash_decode_launches(q, k, v, out, lse, part_o, part_lse, causal: bool, scale: float, feat, splits: int,
                           chunk: int, fast: bool = False) -> list:
-    """The decode path's two launches, (kernel, grid, block, args) each (launch() takes them,
+    """The decode path's launches, (kernel, grid, block, args) each (launch() takes them,
     or Prepared): the partials of `splits` chunks of `chunk` keys into part_o and part_lse
     (decode_scratch's float32 scratch: parts x D, then parts), then their combine into out
-    (and lse unless None). With the tile, stages, key warps and unroll of DECODE_TILE,
-    DECODE_STAGES, DECODE_KEY_WARPS and DECODE_COMBINE_UNROLL as they are now."""
+    (and lse unless None): with DECODE_FUSED one launch that does both (its last block of each
+    k/v row merges, decode_counters), else two. With the tile, stages, key warps and unroll of
+    DECODE_TILE, DECODE_STAGES, DECODE_KEY_WARPS and DECODE_COMBINE_UNROLL as they are now."""
     batch, nq, d = q.shape
     batch_kv, nk = k.shape[0], k.shape[1]
     rows = batch // batch_kv * nq  # a group's query rows
@@ -947,6 +977,12 @@ def flash_decode_launches(q, k, v, out, lse, part_o, part_lse, causal: bool, sca
     kw = decode_key_warps(warps)
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     dtype = q.dtype.name
+    if DECODE_FUSED:
+        return [(flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, DECODE_COMBINE_UNROLL),
+                 (splits, batch_kv), 32 * warps * kw,
+                 (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
+                  np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None), *words, np.int32(nq),
+                  np.int32(chunk), Addr(out), Addr(out if lse is None else lse), Addr(decode_counters(batch_kv))))]
     return [
         (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw), (splits, batch_kv),
          32 * warps * kw,
@@ -970,8 +1006,8 @@ def flash_decode(q, k, v, out, causal: bool, scale: float, lse, feat, splits: in
     decode_aligned addresses): the keys in `splits` chunks (decode_chunk), one block
     per (chunk, k/v row) holding the group's kv_group nq query rows, each writing a
     float32 partial and its lse to scratch memory (arrays.workspace), then the
-    combine (flash_combine.cu) in split order; fast: their fastmath variants
-    (flash_decode_launches). Returns the chunks run."""
+    combine (flash_combine.cu, or the fused variant's last block: DECODE_FUSED) in split
+    order; fast: their fastmath variants (flash_decode_launches). Returns the chunks run."""
     from .arrays import workspace
 
     batch, nq, d = q.shape

@@ -603,3 +603,80 @@ static __device__ __forceinline__ void store_half_rows(u16* out, u16* lse, const
     }
 }
 #endif
+
+// The split-K decode's merge of one output row from its chunks' partials (flash_combine.cu's
+// kernel, and flash_mma.cu's fused decode variant in the last block of a k/v row), a warp per
+// row: lane t holds columns 4t..4t + 3. part: the row's partial of chunk 0 (DH floats), the next
+// chunk's `stride` rows further; plse: its lse (log2 domain, -inf where the chunk saw no key of
+// the row), likewise. The chunks are added in their order, one after another (w_s = 2^(lse_s - M),
+// out = sum w_s o_s / sum w_s, lse = (M + log2 sum w_s) ln 2; a row that saw no key: 0, -inf), so
+// the result does not depend on which block or kernel merges. U chunks' partials are loaded before
+// they are added (in order: the same bits for every U), so that a warp has U reads in flight.
+// COHERENT 0 reads through the read-only cache (partials written by an earlier kernel); 1 at L2
+// (ld.global.cg: partials other blocks of this kernel wrote, behind their fences). lse: the row's
+// lse (input dtype) to write, or null.
+template <bool COHERENT>
+static __device__ __forceinline__ float4 combine_load4(const float* p) {
+    float4 x;
+    // volatile: kept where it is written (not sunk into the branch that uses it), so that a loop's
+    // loads are all issued before their first use
+    if (COHERENT)
+        asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(p));
+    else
+        asm volatile("ld.global.nc.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(p));
+    return x;
+}
+
+template <bool COHERENT>
+static __device__ __forceinline__ float combine_load1(const float* p) {
+    float x;
+    if (COHERENT)
+        asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(x) : "l"(p));
+    else
+        asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(x) : "l"(p));
+    return x;
+}
+
+template <int DH, int U, bool COHERENT>
+static __device__ __forceinline__ void combine_row(const float* part, const float* plse, int splits, int stride,
+                                                   u16* out, u16* lse) {
+    const int lane = threadIdx.x & 31;
+    const float NEG_INF = neg_inf();
+    float mx = NEG_INF;
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, combine_load1<COHERENT>(plse + (u64)s * stride));
+#pragma unroll
+    for (int w = 16; w > 0; w >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, w));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, den = 0.f;
+    // adds chunk s's partial (x, its lse ls) to the row, in chunk order
+    const auto add = [&](float ls, const float4& x) {
+        if (ls == NEG_INF) return;  // the chunk saw no key of this row: its partial is 0
+        const float w = ex2(ls - mx);
+        den += w;
+        acc[0] = fmaf(w, x.x, acc[0]);
+        acc[1] = fmaf(w, x.y, acc[1]);
+        acc[2] = fmaf(w, x.z, acc[2]);
+        acc[3] = fmaf(w, x.w, acc[3]);
+    };
+    const bool cols = 4 * lane < DH;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mx != NEG_INF) {
+        int s = 0;
+        for (; s + U <= splits; s += U) {
+            float ls[U];
+            float4 x[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                ls[u] = combine_load1<COHERENT>(plse + (u64)(s + u) * stride);
+                x[u] = cols ? combine_load4<COHERENT>(part + (u64)(s + u) * stride * DH + 4 * lane) : zero;
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) add(ls[u], x[u]);
+        }
+        for (; s < splits; ++s)
+            add(combine_load1<COHERENT>(plse + (u64)s * stride),
+                cols ? combine_load4<COHERENT>(part + (u64)s * stride * DH + 4 * lane) : zero);
+    }
+    const float inv = den > 0.f ? recip(den) : 0.f;  // a row that sees no key: 0, lse -inf
+    if (cols) *(uint2*)(out + 4 * lane) = make_uint2(pack2(acc[0] * inv, acc[1] * inv), pack2(acc[2] * inv, acc[3] * inv));
+    if (lse != nullptr && lane == 0) *lse = pack1(mx == NEG_INF ? NEG_INF : (mx + lg2(den)) * 0.6931471805599453f);
+}

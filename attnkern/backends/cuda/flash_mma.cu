@@ -58,6 +58,10 @@
 // Each keeps its own running max, sums and output rows; at the end the key warps' rows are
 // merged through shared memory in key-warp order (out = sum 2^(m_w c - M c) o_w, likewise the
 // sums, M the largest m_w): a fixed order, so the same bits run after run.
+// ATTNKERN_FUSED (decode only; with ATTNKERN_UNROLL): one launch instead of two. The last block
+// of a k/v row to finish (found by a per-row int32 counter in global memory, countp: zero before
+// the launch, set back to zero by that block) merges the row's partials into outp (and olsep) as
+// flash_combine.cu would, in chunk order: the same bits whichever block is last.
 
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
@@ -127,7 +131,10 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
     }
 }
 
-#if ATTNKERN_DECODE
+#if ATTNKERN_DECODE && ATTNKERN_FUSED
+// the fused decode's output rows, their lse (with_lse) and its int32 counters, one a k/v row
+#define DECODE_PARAMS , int qrows, int chunk, u64 outp, u64 olsep, u64 countp
+#elif ATTNKERN_DECODE
 #define DECODE_PARAMS , int qrows, int chunk
 #else
 #define DECODE_PARAMS
@@ -414,35 +421,57 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         mine[(NO * 4 + 3) * 32] = l[0][1];
     }
     __syncthreads();
-    if (kw > 0) return;
+    // key warp 0 merges (the others wait at the fused variant's barriers below, or are done)
+    if (kw == 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float mx = m[0][h];
-        for (int w = 1; w < KW; ++w) mx = fmaxf(mx, xs[((u64)((w - 1) * NW + warp) * VALS + NO * 4 + h) * 32 + lane]);
-        // a part that saw no key (max -inf) adds nothing; every factor is 0 where no part saw one
-        const float mc = mx == NEG_INF ? 0.f : mx * c;
-        const float a0 = m[0][h] == NEG_INF ? 0.f : ex2(m[0][h] * c - mc);
-        l[0][h] *= a0;
+        for (int h = 0; h < 2; ++h) {
+            float mx = m[0][h];
+            for (int w = 1; w < KW; ++w) mx = fmaxf(mx, xs[((u64)((w - 1) * NW + warp) * VALS + NO * 4 + h) * 32 + lane]);
+            // a part that saw no key (max -inf) adds nothing; every factor is 0 where no part saw one
+            const float mc = mx == NEG_INF ? 0.f : mx * c;
+            const float a0 = m[0][h] == NEG_INF ? 0.f : ex2(m[0][h] * c - mc);
+            l[0][h] *= a0;
 #pragma unroll
-        for (int j = 0; j < NO; ++j) o[0][j][2 * h] *= a0, o[0][j][2 * h + 1] *= a0;
-        for (int w = 1; w < KW; ++w) {
-            const float* theirs = xs + (u64)((w - 1) * NW + warp) * VALS * 32 + lane;
-            const float mw = theirs[(NO * 4 + h) * 32];
-            const float aw = mw == NEG_INF ? 0.f : ex2(mw * c - mc);
-            l[0][h] = fmaf(theirs[(NO * 4 + 2 + h) * 32], aw, l[0][h]);
+            for (int j = 0; j < NO; ++j) o[0][j][2 * h] *= a0, o[0][j][2 * h + 1] *= a0;
+            for (int w = 1; w < KW; ++w) {
+                const float* theirs = xs + (u64)((w - 1) * NW + warp) * VALS * 32 + lane;
+                const float mw = theirs[(NO * 4 + h) * 32];
+                const float aw = mw == NEG_INF ? 0.f : ex2(mw * c - mc);
+                l[0][h] = fmaf(theirs[(NO * 4 + 2 + h) * 32], aw, l[0][h]);
 #pragma unroll
-            for (int j = 0; j < NO; ++j) {
-                o[0][j][2 * h] = fmaf(theirs[(j * 4 + 2 * h) * 32], aw, o[0][j][2 * h]);
-                o[0][j][2 * h + 1] = fmaf(theirs[(j * 4 + 2 * h + 1) * 32], aw, o[0][j][2 * h + 1]);
+                for (int j = 0; j < NO; ++j) {
+                    o[0][j][2 * h] = fmaf(theirs[(j * 4 + 2 * h) * 32], aw, o[0][j][2 * h]);
+                    o[0][j][2 * h + 1] = fmaf(theirs[(j * 4 + 2 * h + 1) * 32], aw, o[0][j][2 * h + 1]);
+                }
             }
+            m[0][h] = mx;
         }
-        m[0][h] = mx;
     }
 #endif
     // the partial of (k/v row b, split x): rows normalised by their own sums, float32
     const u64 part = b * gridDim.x + blockIdx.x;
-    store_partial_rows<D>((float*)op + part * (u64)nq * D, (float*)lsep + part * (u64)nq, o[0], l[0], m[0], c,
-                          wr0 + g, nq);
+    if (kw == 0)
+        store_partial_rows<D>((float*)op + part * (u64)nq * D, (float*)lsep + part * (u64)nq, o[0], l[0], m[0], c,
+                              wr0 + g, nq);
+#if ATTNKERN_FUSED
+    // The last block of k/v row b to finish merges its chunks' partials into the output rows:
+    // each thread's partial stores are made visible device-wide (fence) before the block counts
+    // itself done on row b's counter; the block that counts last (gridDim.x - 1 before it) sees
+    // every chunk's partial (fence again, then reads at L2) and merges them in chunk order
+    // (combine_row: the bits of flash_combine.cu), then sets the counter back to 0 for the
+    // next launch (every launch runs on the legacy default stream, one after another).
+    __threadfence();
+    __syncthreads();
+    int* count = (int*)countp + b;
+    if (!__syncthreads_or(tid == 0 && atomicAdd(count, 1) == (int)gridDim.x - 1)) return;
+    __threadfence();
+    for (int r = tid >> 5; r < nq; r += NTHREADS / 32)
+        combine_row<D, ATTNKERN_UNROLL, true>((const float*)op + (b * gridDim.x * nq + r) * (u64)D,
+                                              (const float*)lsep + b * gridDim.x * nq + r, (int)gridDim.x, nq,
+                                              (u16*)outp + (b * nq + r) * (u64)D,
+                                              with_lse ? (u16*)olsep + b * nq + r : nullptr);
+    if (tid == 0) *count = 0;
+#endif
     return;
 #endif
 #if ATTNKERN_WIDE
