@@ -1,0 +1,54 @@
+#!/bin/bash
+# The device machine's run for the warp-specialized Hopper dK/dV kernel (flash_bwd_mma.cu part 3 with
+# ATTNKERN_WS, cpp.BwdConfig's w suffix; docs/gpu-backward-wgmma.md), one call of about 5 minutes: the
+# divisions test restricted to the w divisions and their counterparts (ATTNKERN_TEST_WS_ONLY; 4
+# processes, dtype x D: within FlashAttention's rule, bit-identical run to run and to the counterpart),
+# the config/routing tests, the forward's wgmma tests (the mbarrier helpers moved to
+# flash_wgmma_common.cuh) and dev/gpu_bwd_wgmma_check.py with the w divisions against float64, while
+# dev/gpu_bwd_versions.py compiles; then the divisions timed in turns (D = 64, then 128), then attnkern
+# bench --backward at D = 64 with the fastest bit-identical division (dev/gpu_bwd_best.py). Run from a
+# folder holding whl/ (the attnkern cp312 wheel and NumPy 2.4), tests/ and dev/; 8 files under $OUT.
+pip install -q --no-index --no-deps --target /tmp/site-gpubwd4 whl/*.whl > /dev/null 2>&1
+export PYTHONPATH=/tmp/site-gpubwd4 PYTHONUNBUFFERED=1
+L=/tmp/logs; mkdir -p $L; rm -f /tmp/phase1_done /tmp/v64_done
+here=$PWD
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee $L/gpu.txt
+V64="qwg1x128s2kvwg1x128s2 qwg1x128s2kvwg2x64s4 qwg1x128s2kvwg2x64s4w qwg1x128s2kvwg1x64s3w qwg1x128s2kvwg1x64s2w"
+V128="qwg2x128s2kvwg2x64s3 qwg2x128s2kvwg2x64s3w qwg2x128s2kvwg2x64s4w qwg2x128s2kvwg1x64s2 qwg2x128s2kvwg1x64s2w"
+v() { cd /tmp && timeout $4 python3 $here/dev/gpu_bwd_versions.py --dims $1 --sizes 4096 8192 --runs 5 \
+        --json $OUT/versions_$1.json --wait-for $2 --configs $3 > $L/v$1.log 2>&1; touch /tmp/v$1_done; }
+v 64 /tmp/phase1_done "$V64" 200 & vp1=$!
+v 128 /tmp/v64_done "$V128" 235 & vp2=$!
+t() { ATTNKERN_TEST_GPU=1 ATTNKERN_TEST_WS_ONLY=1 timeout 130 python3 -m pytest tests/$1 -q -p no:cacheprovider \
+        -k "$2" > $L/t_$3.log 2>&1; echo "tests $3: $(tail -1 $L/t_$3.log)"; }
+pids=()
+t test_cuda_backward.py "wgmma_divisions and bfloat16 and 64]" A & pids+=($!)
+t test_cuda_backward.py "wgmma_divisions and bfloat16 and 128]" B & pids+=($!)
+t test_cuda_backward.py "wgmma_divisions and not bfloat16 and 64]" C & pids+=($!)
+t test_cuda_backward.py "wgmma_divisions and not bfloat16 and 128]" D & pids+=($!)
+t test_cuda_backward.py "registered or wgmma_backward_routing or block_shares" E & pids+=($!)
+t test_cuda.py "features_half_cuda_cpp and bfloat16" G & pids+=($!)
+(timeout 130 python3 dev/gpu_bwd_wgmma_check.py --sizes 1000 4096 --json $OUT/check.json \
+   --configs 64=qwg1x128s2kvwg2x64s4w 64=qwg1x128s2kvwg1x64s3w 128=qwg2x128s2kvwg2x64s3w 128=qwg2x128s2kvwg1x64s2w \
+   > $L/check.log 2>&1; echo "check: $(tail -1 $L/check.log)") & pids+=($!)
+wait "${pids[@]}"
+touch /tmp/phase1_done
+cat $L/gpu.txt $L/t_*.log $L/check.log > $OUT/tests.log
+grep -h -aE "^FAILED|^E  " $L/t_*.log | head -30
+grep -a FAIL $L/check.log | head -8
+wait $vp1 $vp2
+cat $L/gpu.txt $L/v64.log $L/v128.log | grep -v Warn > $L/run.log
+grep -v "^ *$" $L/run.log
+# not chosen: every division of a D whose divisions test did not pass, and those that failed the check
+ok() { tail -1 $L/t_$1.log | grep -q passed && ! tail -1 $L/t_$1.log | grep -qE "failed|error"; }
+failed="$(grep -a FAIL $L/check.log | grep -o "qwg[0-9a-z]*kvwg[0-9a-z]*")"
+{ ok A && ok C; } || failed="$failed $V64"
+{ ok B && ok D; } || failed="$failed $V128"
+echo "not chosen: $failed" | tee -a $L/run.log
+cd /tmp
+python3 -c "import json; print(json.dumps(sum((json.load(open(f'$OUT/versions_{d}.json')) for d in (64, 128)), [])))" \
+   > /tmp/versions.json
+timeout 50 python3 $here/dev/gpu_bwd_best.py /tmp/versions.json --failed $failed -- bench --device cuda --backward \
+   --dtype bfloat16 --dim 64 --sizes 2048 4096 8192 16384 --repeat 5 --json $OUT/bench_bfloat16_64.json 2>&1 \
+   | grep -v "Warning\|run_backward" | tee -a $L/run.log
+cp $L/run.log $OUT/run.log
