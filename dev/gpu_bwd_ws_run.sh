@@ -17,8 +17,8 @@ V64="qwg1x128s2kvwg1x128s2 qwg1x128s2kvwg2x64s4 qwg1x128s2kvwg2x64s4w qwg1x128s2
 V128="qwg2x128s2kvwg2x64s3 qwg2x128s2kvwg2x64s3w qwg2x128s2kvwg2x64s4w qwg2x128s2kvwg1x64s2 qwg2x128s2kvwg1x64s2w"
 v() { cd /tmp && timeout $4 python3 $here/dev/gpu_bwd_versions.py --dims $1 --sizes 4096 8192 --runs 5 \
         --json $OUT/versions_$1.json --wait-for $2 --configs $3 > $L/v$1.log 2>&1; touch /tmp/v$1_done; }
-v 64 /tmp/phase1_done "$V64" 200 & vp1=$!
-v 128 /tmp/v64_done "$V128" 235 & vp2=$!
+v 64 /tmp/phase1_done "$V64" 190 & vp1=$!
+v 128 /tmp/v64_done "$V128" 240 & vp2=$!
 t() { ATTNKERN_TEST_GPU=1 ATTNKERN_TEST_WS_ONLY=1 timeout 130 python3 -m pytest tests/$1 -q -p no:cacheprovider \
         -k "$2" > $L/t_$3.log 2>&1; echo "tests $3: $(tail -1 $L/t_$3.log)"; }
 pids=()

@@ -669,6 +669,7 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool
 # double buffering at D = 64, 1.13-1.17x at D = 128), in 2 stages (3 leave one block an SM at D = 64)
 # but for D = 128's dK/dV, 3 (within 1% of 2).
 BWD_WGMMA = True
+BWD_WS_VARIANT = 0
 BWD_WGMMA_DIVISIONS = {64: "qwg1x128s2kvwg1x128s2", 128: "qwg2x128s2kvwg2x64s3"}
 
 
@@ -719,11 +720,12 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
               ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), *_variant(dropout, varlen))
     params = BWD_PARAMS + FEAT_TYPES
     return tuple(
-        _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config.part_name(part)}{suffix}",
+        _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config.part_name(part)}{suffix}"
+                       + (f"_v{BWD_WS_VARIANT}" if part == 2 and config.kv_ws and BWD_WS_VARIANT else ""),
                        (*common, ("PART", kernel_part), ("NW", warps), ("MT", mt), ("BN", rows),
                         *((("STAGES", config.stages(part)),) if kernel_part > 2 else ()),
-                        *((("WS", 1), ("MINBLOCKS", 2 if config.kv_wg == 1 else 1)) if part == 2 and config.kv_ws
-                          else ()),
+                        *((("WS", 1), ("MINBLOCKS", 2 if config.kv_wg == 1 else 1), ("WSVAR", BWD_WS_VARIANT))
+                          if part == 2 and config.kv_ws else ()),
                         *((("DSPLIT", config.split(part)),) if config.split(part) > 1 else ())), params,
                        config.threads(part), config.shared_bytes(d, part, 4 if dtype == "float32" else 2))
         for part, kernel_part, (warps, mt, rows) in ((p, config.kernel_part(p), config.part(p)) for p in (1, 2)))

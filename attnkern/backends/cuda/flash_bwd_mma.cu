@@ -896,6 +896,9 @@ static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 3: 64- or
 #ifndef ATTNKERN_WS
 #define ATTNKERN_WS 0
 #endif
+#ifndef ATTNKERN_WSVAR
+#define ATTNKERN_WSVAR 0
+#endif
 #define KV_BYTES (BW * D * 2)  // K or V of the block
 #define QT_BYTES (BN * D * 2)  // one streamed Q or dO tile
 // + lse, delta; + room to align to 1024; + the warp-specialized ring's 2 STAGES mbarriers
@@ -918,7 +921,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #else
     __shared__ __align__(1024) u16 smem[WG_SMEM_BYTES / 2];
 #endif
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+#if ATTNKERN_WS && (ATTNKERN_WSVAR & 1)
+    const int tid = (int)threadIdx.x - 128;  // the producer first: its threads -128...-1
+#else
+    const int tid = threadIdx.x;
+#endif
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     // the warpgroup (NW / 4: the producer), uniform across the warp (broadcast from lane 0: else the
     // compiler serializes the wgmma of a branch on it)
     const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
@@ -980,15 +988,15 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const u32 full = sl0 + STAGES * 8 * BN, empty = full + 8 * STAGES;  // the stages' mbarriers
     if (tid == 0) {
         for (int st = 0; st < STAGES; ++st) {
-            mbar_init(full + 8 * st, 128);
+            mbar_init(full + 8 * st, (ATTNKERN_WSVAR & 16) ? 256 : 128);
             mbar_init(empty + 8 * st, NTHREADS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    if (wg == NW / 4) {  // the producer
-        regs_down<PRODUCER_REGS>();
-        const int pt = tid - NTHREADS;
+    if (wg == ((ATTNKERN_WSVAR & 1) ? -1 : NW / 4)) {  // the producer
+        if (!(ATTNKERN_WSVAR & 2)) regs_down<PRODUCER_REGS>();
+        const int pt = (ATTNKERN_WSVAR & 1) ? tid + 128 : tid - NTHREADS;
         for (int u = 0; u < total; ++u) {
             const int h = u / nt, i0 = (it0 + u % nt) * BN, st = u % STAGES;
             const u64 qb = (b0 + h) * (u64)nq;
@@ -997,15 +1005,26 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             load_whole<BN, 128>((const u16*)dop + qb * D, dos0 + st * QT_BYTES, i0, nq, pt);
             for (int i = pt; i < 2 * BN; i += 128) {
                 const int r = i0 + (i < BN ? i : i - BN);
-                cp_async4(sl0 + (u32)(st * 2 * BN + i) * 4u, (const float*)(i < BN ? lsefp : deltap) + qb + min(r, nq - 1),
-                          r < nq ? 4 : 0);
+                const float* src = (const float*)(i < BN ? lsefp : deltap) + qb + min(r, nq - 1);
+                if (ATTNKERN_WSVAR & 16)
+                    sl[st * 2 * BN + i] = r < nq ? *src : 0.f;
+                else
+                    cp_async4(sl0 + (u32)(st * 2 * BN + i) * 4u, src, r < nq ? 4 : 0);
             }
-            mbar_arrive_cp_async(full + 8 * st);
+            if (ATTNKERN_WSVAR & 16) {
+                mbar_arrive(full + 8 * st);  // its plain stores of lse and delta (release)
+                mbar_arrive_cp_async(full + 8 * st);  // and its copies of Q and dO once they land
+            } else if (ATTNKERN_WSVAR & 8) {
+                cp_async_wait_all();
+                mbar_arrive(full + 8 * st);
+            } else {
+                mbar_arrive_cp_async(full + 8 * st);
+            }
         }
         cp_async_wait_all();
         return;
     }
-    regs_up<CONSUMER_REGS>();
+    if (!(ATTNKERN_WSVAR & 2)) regs_up<CONSUMER_REGS>();
     load_swizzled<BW, NTHREADS>(k, ks, k0, f0.len, tid);  // keys past the length: zero, never read
     load_swizzled<BW, NTHREADS>(v, vs, k0, f0.len, tid);
     cp_async_wait_all();
@@ -1015,7 +1034,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         const int st = u % STAGES;
         mbar_wait(full + 8 * st, (u / STAGES) & 1);
         fence_async_shared();  // the producer's cp.async writes visible to wgmma
+        if (ATTNKERN_WSVAR & 4) named_barrier(2 + wg, 128);
         tile(u, st);
+        if (ATTNKERN_WSVAR & 4) named_barrier(2 + wg, 128);
         mbar_arrive(empty + 8 * st);
     }
 #else
