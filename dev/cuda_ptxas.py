@@ -56,14 +56,6 @@ KERNELS = [
       for part in (3, 4) for d, nw, bn, st in ((64, 4, 128, 2), (64, 4, 128, 3), (64, 4, 64, 3), (64, 8, 128, 3),
                                                (128, 8, 64, 3), (128, 8, 128, 2), (128, 8, 64, 4))
       for feat in (0, 1)),
-    # the dK/dV kernel warp-specialized (WS: a producer warpgroup beside the NW / 4 consumers; MINBLOCKS
-    # as cpp._linked_kernel's launch bounds: the consumers' registers after setmaxnreg are what the spills tell)
-    *(("flash_bwd_mma.cu", f"bwd3_bf16_d{d}_w{nw}_n{bn}_s{st}_ws{'_feat' if feat else ''}",
-       dict(D=d, BF16=1, TF32=0, PART=3, NW=nw, MT=1, BN=bn, FEAT=feat, MASK=0, ALIBI=0, STAGES=st, WS=1,
-            THREADS=32 * nw + 128, MINBLOCKS=2 if nw == 4 else 1), BWD)
-      for d, nw, bn, st in ((64, 4, 128, 2), (64, 8, 128, 3), (64, 4, 64, 2), (64, 4, 64, 3), (64, 8, 64, 4),
-                            (128, 4, 64, 2), (128, 8, 64, 3), (128, 8, 64, 4))
-      for feat in (0, 1)),
     # the dropout variants (forward on mma.sync, both backward kernels) beside the backward's featured ones
     *(("flash_mma.cu", f"mma_bf16_d{d}_feat_dropout",
        dict(D=d, BF16=1, BN=64, MT=2, NW=4, QSMEM=int(d > 64), FEAT=1, MASK=0, ALIBI=0, FAST=0, DROPOUT=1), MMA)
@@ -115,9 +107,8 @@ def source(path: str, name: str, defines: dict, params: tuple) -> str:
     names = ", ".join(f"a{i}" for i in range(len(params)))
     # as numba-cuda's launch_bounds
     threads = defines.get("THREADS") or (32 * defines["NW"] if "NW" in defines else 0)
-    # (MINBLOCKS blocks an SM, 1 unless given, for the warp-specialized variants, as cpp._linked_kernel asks)
-    minb = f", {defines.get('MINBLOCKS', 1)}" if defines.get("WS") else ""
-    bounds = f"__launch_bounds__({threads}{minb}) " if threads else ""
+    # (one block an SM for the warp-specialized variant, as cpp._linked_kernel asks)
+    bounds = f"__launch_bounds__({threads}{', 1' if defines.get('WS') else ''}) " if threads else ""
     return text + f'extern "C" __global__ void {bounds}k_{name}({args}) {{ {name}({names}); }}\n'
 
 

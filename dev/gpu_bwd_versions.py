@@ -52,13 +52,10 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"])
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--configs", nargs="+", help="divisions to time (default: the lists above), the first the base")
-    p.add_argument("--ws-variant", type=int, default=0, help="cpp.BWD_WS_VARIANT: the warp-specialized dK/dV "
-                   "kernel's variant (flash_bwd_mma.cu's ATTNKERN_WSVAR bits)")
     p.add_argument("--json")
     p.add_argument("--wait-for", help="a file: compile every division (all shapes) first, then wait until it "
                    "exists before timing (so that other GPU work sharing the machine can finish meanwhile)")
     a = p.parse_args()
-    cpp.BWD_WS_VARIANT = a.ws_variant
     if a.wait_for:
         import os
         import time

@@ -33,12 +33,9 @@ def main():
     attnkern.backends.cuda.FAST_PATH = False
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--ws-variant", type=int, default=0, help="cpp.BWD_WS_VARIANT: the warp-specialized dK/dV "
-                   "kernel's variant (flash_bwd_mma.cu's ATTNKERN_WSVAR bits)")
     p.add_argument("--json")
     p.add_argument("--configs", nargs="*", default=[], help="D=division: also run it as D's wgmma default")
     a = p.parse_args()
-    cpp.BWD_WS_VARIANT = a.ws_variant
     extra = {}
     for spec in a.configs:
         d, name = spec.split("=")

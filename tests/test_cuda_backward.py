@@ -556,20 +556,6 @@ def test_half_backward_registered():
     for name in ("q4x64s3kv4x64", "q4x64kv4x64s2", "qwg1x64m2s3kvwg1x64"):
         with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
             cpp.BwdConfig.parse(name)
-    # the warp-specialized dK/dV kernel (the w suffix after its stages): a producer warpgroup more, its
-    # mbarriers in shared memory; on the dK/dV half only, with stages, 64-row tiles and 1 or 2 consumers
-    ws = cpp.BwdConfig.parse("qwg2x128s2kvwg2x64s3w")
-    assert (ws.kv_ws, ws.part_name(1), ws.part_name(2), str(ws)) == (True, "qwg2x128s2", "kvwg2x64s3w",
-                                                                     "qwg2x128s2kvwg2x64s3w")
-    assert (ws.threads(1), ws.threads(2), ring.threads(2)) == (256, 384, 256)
-    assert ws.shared_bytes(128, 2) == ring.shared_bytes(128, 2) + 16 * 3
-    for name in ("qwg2x128s2wkvwg2x64s3", "qwg2x128s2kvwg2x64w", "q4x64kv4x64s2w", "qwg1x64kv4x64s2w"):
-        with pytest.raises(ValueError, match="not a flash_bwd_mma.cu division"):
-            cpp.BwdConfig.parse(name)
-    for config in (cpp.BwdConfig.parse("qwg1x128s2kvwg1x128s2w"), cpp.BwdConfig.parse("qwg1x128s2kvwg4x64s2w"),
-                   cpp.BwdConfig(4, 128, 8, 64, kv_wg=2, dq_wg=1, dq_stages=2, kv_ws=True)):  # no stages
-        with pytest.raises(ValueError, match="warp-specialized dK/dV kernel"):
-            cpp.flash_bwd_kernels("bfloat16", 64, config)
     for name, why in (("qwg2x128s3kvwg2x64", "shared memory within"), ("qwg1x64s5kvwg1x64", "stages \\(2 to 4\\)")):
         with pytest.raises(ValueError, match=why):
             cpp.flash_bwd_kernels("bfloat16", 128, cpp.BwdConfig.parse(name))
@@ -713,10 +699,6 @@ WGMMA_DIVISIONS = {64: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x128
                    128: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x64", "qwg2x128kvwg2x64",
                          "qwg2x128s2kvwg2x64s2", "qwg2x64s3kvwg2x64s3", "qwg2x128s2kvwg2x64s3", "qwg2x64s4kvwg2x64s4",
                          "qwg2x128s2kvwg2x64s4"]}
-# the warp-specialized dK/dV kernel's divisions (the w suffix): each gives the bits of its
-# counterpart without the producer warpgroup (the same name without the w), which the tests check
-WS_DIVISIONS = {64: ["qwg1x128s2kvwg2x64s4w", "qwg1x128s2kvwg1x64s3w", "qwg1x128s2kvwg1x64s2w"],
-                128: ["qwg2x128s2kvwg2x64s3w", "qwg2x128s2kvwg2x64s4w", "qwg2x128s2kvwg1x64s2w"]}
 
 
 @half_gpu
@@ -746,18 +728,11 @@ def test_half_backward_wgmma_divisions(dtype, d):
         scale = -0.9 / d ** 0.5 if i == 3 else 1 / d ** 0.5
         out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, scale=scale, return_lse=True,
                                       **feats)
-        names = [str(cpp.bwd_config(d, dtype, wgmma=False)), *WGMMA_DIVISIONS[d]]
-        if os.environ.get("ATTNKERN_TEST_WS_ONLY"):  # the warp-specialized divisions alone (a device call's time)
-            names = [n for n in names if n + "w" in WS_DIVISIONS[d]]
-        for name in names + WS_DIVISIONS[d]:
+        for name in [str(cpp.bwd_config(d, dtype, wgmma=False)), *WGMMA_DIVISIONS[d]]:
             config = cpp.BwdConfig.parse(name)
             runs = [_flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats) for _ in range(2)]
             check_gradients(runs[0], q, k, v, dout, causal, scale, feats, (dtype, i, name))
             assert all(torch.equal(g, a) for g, a in zip(*runs)), name
-            if config.kv_ws:  # the same products in the same order as without the producer warpgroup
-                plain = _flash_bwd_with(cpp, cpp.BwdConfig.parse(name[:-1]), q, k, v, out, dout, lse, causal, scale,
-                                        feats)
-                assert all(torch.equal(g, a) for g, a in zip(runs[0], plain)), name
 
 
 def _flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats):

@@ -160,8 +160,7 @@ def _linked_kernel(source: str, name: str, defines: tuple, params: tuple, thread
     exec(f"def kernel({args}):\n    attend({args})\n", scope)
     # flash_wgmma.cu's warp-specialized variant moves registers between its warpgroups (setmaxnreg),
     # which needs the kernel to hold the most the bounds allow: one block an SM asks ptxas for that
-    # (flash_bwd_mma.cu's warp-specialized dK/dV kernel with one consumer: MINBLOCKS 2, two blocks an SM)
-    bounds = (threads, defines.get("MINBLOCKS", 1)) if defines.get("WS") else threads
+    bounds = (threads, 1) if defines.get("WS") else threads
     kernel = cuda.jit(sig, launch_bounds=bounds)(scope["kernel"])
     compiled = next(iter(kernel.overloads.values()))
     raw = dynamic_raw_kernel(compiled, shared) if dynamic else RawKernel(compiled)
@@ -531,12 +530,7 @@ class BwdConfig:
     whole tiles copied at constant offsets (flash_bwd_mma.cu's ATTNKERN_STAGES). dq_split / kv_split
     (mma.sync kernels only; named by a c suffix, q4x32kv4x32c2): the dQ (dK and dV) accumulators'
     columns split over that many blocks (flash_bwd_mma.cu's ATTNKERN_DSPLIT), each recomputing the
-    scores and dP for its slice: the accumulators of D columns would not fit registers above 128.
-    kv_ws (the wgmma dK/dV kernel with kv_stages 2-4, 64-row tiles; named by a w suffix after the
-    stages, kvwg2x64s3w): FlashAttention-3's warp specialization, one more producer warpgroup copying
-    the Q/dO tiles and their lse, delta into the ring behind mbarriers, no block barrier a tile, the
-    consumers with 232 registers (setmaxnreg; flash_bwd_mma.cu's ATTNKERN_WS): the same sums, the same
-    bits; 128-row tiles spill there."""
+    scores and dP for its slice: the accumulators of D columns would not fit registers above 128."""
 
     dq_warps: int = 4
     dq_keys: int = 64
@@ -550,7 +544,6 @@ class BwdConfig:
     dq_stages: int = 0
     dq_split: int = 1
     kv_split: int = 1
-    kv_ws: bool = False
 
     def split(self, part: int) -> int:
         """The ATTNKERN_DSPLIT of part 1 (dQ) or 2 (dK/dV): column slices of its accumulators."""
@@ -564,11 +557,6 @@ class BwdConfig:
         """The ATTNKERN_PART of part 1 (dQ: 1 on mma.sync, 4 on wgmma) or 2 (dK/dV: 2, or 3 on wgmma)."""
         return (4 if self.dq_wg else 1) if part == 1 else (3 if self.kv_wg else 2)
 
-    def threads(self, part: int) -> int:
-        """Threads of a block of part 1 (dQ) or 2 (dK/dV): 32 a warp, and the dK/dV kernel's
-        producer warpgroup (kv_ws)."""
-        return 32 * self.part(part)[0] + (128 if part == 2 and self.kv_ws else 0)
-
     def stages(self, part: int) -> int:
         """The ATTNKERN_STAGES of part 1 (dQ) or 2 (dK/dV): 0 for double buffering by load_swizzled."""
         return self.dq_stages if part == 1 else self.kv_stages
@@ -579,13 +567,11 @@ class BwdConfig:
         padded to d + 8 elements of itemsize bytes: 2 for the half dtypes, 4 for float32),
         and for part 2 the streamed rows' lse and delta; the wgmma kernels' rows are
         unpadded (their swizzled layout), with 1 KB to align them to 1024 bytes, and their
-        streamed tiles (and lse, delta) in stages(part) buffers (2 for 0), and kv_ws's 2 stages
-        mbarriers."""
+        streamed tiles (and lse, delta) in stages(part) buffers (2 for 0)."""
         warps, mt, rows = self.part(part)
         if self.kernel_part(part) > 2:
             st = self.stages(part) or 2
-            return ((2 * 64 * warps // 4 + 2 * st * rows) * d * itemsize + (8 * st * rows if part == 2 else 0) + 1024
-                    + (16 * st if part == 2 and self.kv_ws else 0))  # + the producer's mbarriers
+            return (2 * 64 * warps // 4 + 2 * st * rows) * d * itemsize + (8 * st * rows if part == 2 else 0) + 1024
         return (2 * 16 * mt * warps + 4 * rows) * (d + 8) * itemsize + (16 * rows if part == 2 else 0)
 
     def part_name(self, part: int) -> str:
@@ -597,7 +583,7 @@ class BwdConfig:
         if part == 1:
             return (f"qwg{self.dq_wg}x{self.dq_keys}{st(self.dq_stages)}" if self.dq_wg
                     else f"q{self.dq_warps}x{self.dq_keys}{m(self.dq_mt)}{c(self.dq_split)}")
-        return (f"kvwg{self.kv_wg}x{self.kv_rows}{st(self.kv_stages)}{'w' * self.kv_ws}" if self.kv_wg
+        return (f"kvwg{self.kv_wg}x{self.kv_rows}{st(self.kv_stages)}" if self.kv_wg
                 else f"kv{self.kv_warps}x{self.kv_rows}{m(self.kv_mt)}{c(self.kv_split)}")
 
     def __str__(self) -> str:
@@ -607,23 +593,21 @@ class BwdConfig:
     def parse(cls, name: str) -> "BwdConfig":
         """The division str() names (q4x64kv4x32m2: 4 warps x 64 keys, then 4 warps of 2 tiles x 32 rows;
         qwg2x64kvwg2x64: both kernels on wgmma, 2 warpgroups each, 64-key and 64-row tiles;
-        qwg1x128s3kvwg1x128s3: on wgmma with 3-stage rings; q4x32kv4x32c2: dK and dV's columns in 2 slices;
-        qwg2x128s2kvwg2x64s3w: the dK/dV kernel warp-specialized)."""
+        qwg1x128s3kvwg1x128s3: on wgmma with 3-stage rings; q4x32kv4x32c2: dK and dV's columns in 2 slices)."""
         import re
 
-        half = r"(wg)?(\d+)x(\d+)(?:m(\d))?(?:s(\d)(w)?)?(?:c(\d))?"
+        half = r"(wg)?(\d+)x(\d+)(?:m(\d))?(?:s(\d))?(?:c(\d))?"
         found = re.fullmatch(f"q{half}kv{half}", name)
-        # per half (wg, warps, rows, m, s, w, c): m and c on mma.sync only, s on wgmma only, w on dK/dV's
-        halves = (found.groups()[:7], found.groups()[7:]) if found else ()
-        if found is None or halves[0][5] or any((wg and (m or c)) or (s and not wg) for wg, _, _, m, s, _, c in halves):
+        # per half (wg, warps, rows, m, s, c): m and c on mma.sync only, s on wgmma only
+        halves = (found.groups()[:6], found.groups()[6:]) if found else ()
+        if found is None or any((wg and (m or c)) or (s and not wg) for wg, _, _, m, s, c in halves):
             raise ValueError(f"not a flash_bwd_mma.cu division: {name!r} (e.g. q4x64kv4x32m2, qwg2x64kvwg2x64, "
                              "qwg1x128s3kvwg1x128s3: stages on wgmma kernels only; q4x32kv4x32c2: column slices on "
-                             "mma.sync kernels only; qwg2x128s2kvwg2x64s3w: the warp-specialized dK/dV kernel)")
-        (qwg, w1, k1, m1, s1, _, c1), (kvwg, w2, r2, m2, s2, ws, c2) = halves
+                             "mma.sync kernels only)")
+        (qwg, w1, k1, m1, s1, c1), (kvwg, w2, r2, m2, s2, c2) = halves
         w1, w2 = int(w1), int(w2)
         return cls(4 * w1 if qwg else w1, int(k1), 4 * w2 if kvwg else w2, int(r2), int(m1 or 1), int(m2 or 1),
-                   w2 if kvwg else 0, w1 if qwg else 0, int(s2 or 0), int(s1 or 0), int(c1 or 1), int(c2 or 1),
-                   bool(ws))
+                   w2 if kvwg else 0, w1 if qwg else 0, int(s2 or 0), int(s1 or 0), int(c1 or 1), int(c2 or 1))
 
 
 def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool = False) -> BwdConfig:
@@ -669,7 +653,6 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool
 # double buffering at D = 64, 1.13-1.17x at D = 128), in 2 stages (3 leave one block an SM at D = 64)
 # but for D = 128's dK/dV, 3 (within 1% of 2).
 BWD_WGMMA = True
-BWD_WS_VARIANT = 0
 BWD_WGMMA_DIVISIONS = {64: "qwg1x128s2kvwg1x128s2", 128: "qwg2x128s2kvwg2x64s3"}
 
 
@@ -704,9 +687,6 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     if (config.dq_stages and not config.dq_wg) or (config.kv_stages and not config.kv_wg) or not all(
             s in (0, 2, 3, 4) for s in (config.dq_stages, config.kv_stages)):
         raise ValueError(f"flash_bwd_mma.cu division {config}: stages (2 to 4) are for the wgmma kernels only")
-    if config.kv_ws and not (config.kv_wg in (1, 2) and config.kv_stages and config.kv_rows == 64):
-        raise ValueError(f"flash_bwd_mma.cu division {config}: the warp-specialized dK/dV kernel (w) takes 1 or 2 "
-                         "warpgroups, 64-row Q/dO tiles (128-row ones spill) and 2-4 stages")
     if not (half_head_size_ok(d, d) if dtype in MMA_DTYPES else mma_head_size_ok(d, d)):
         raise ValueError(f"flash_bwd_mma.cu takes float16/bfloat16 at D a multiple of 16 up to {HALF_MAX_HEAD}, "
                          f"float32 up to 128, not {dtype} at D = {d}")
@@ -720,14 +700,11 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
               ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), *_variant(dropout, varlen))
     params = BWD_PARAMS + FEAT_TYPES
     return tuple(
-        _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config.part_name(part)}{suffix}"
-                       + (f"_v{BWD_WS_VARIANT}" if part == 2 and config.kv_ws and BWD_WS_VARIANT else ""),
+        _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd{part}_{dtype}_{d}_{config.part_name(part)}{suffix}",
                        (*common, ("PART", kernel_part), ("NW", warps), ("MT", mt), ("BN", rows),
                         *((("STAGES", config.stages(part)),) if kernel_part > 2 else ()),
-                        *((("WS", 1), ("MINBLOCKS", 2 if config.kv_wg == 1 else 1), ("WSVAR", BWD_WS_VARIANT))
-                          if part == 2 and config.kv_ws else ()),
-                        *((("DSPLIT", config.split(part)),) if config.split(part) > 1 else ())), params,
-                       config.threads(part), config.shared_bytes(d, part, 4 if dtype == "float32" else 2))
+                        *((("DSPLIT", config.split(part)),) if config.split(part) > 1 else ())), params, 32 * warps,
+                       config.shared_bytes(d, part, 4 if dtype == "float32" else 2))
         for part, kernel_part, (warps, mt, rows) in ((p, config.kernel_part(p), config.part(p)) for p in (1, 2)))
 
 
@@ -808,9 +785,9 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
     rows, keys = (feat.max_q, feat.max_k) if _varlen_of(feat) else (nq, nk)
     # the first axis: row (key) blocks times their column slices
     return [(dq_kernel, _grid(-(-rows // (16 * config.dq_mt * config.dq_warps)) * config.dq_split, batch, feat),
-             config.threads(1), args),
+             32 * config.dq_warps, args),
             (kv_kernel, _grid(-(-keys // (16 * config.kv_mt * config.kv_warps)) * config.kv_split, k.shape[0], feat),
-             config.threads(2), args)]
+             32 * config.kv_warps, args)]
 
 
 # ---------------------------------------------------------------- cuda.flash's split-K decode

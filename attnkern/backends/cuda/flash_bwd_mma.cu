@@ -644,7 +644,8 @@ static __device__ __forceinline__ void issue_scores(float (&s)[NT][4], float (&d
 
 // acc += F B, one commit group: F the register A operand (fr, the packed 8-column tiles of an
 // accumulator, 16 columns a k step: tiles 2 cc and 2 cc + 1), B the BN rows of the streamed tile
-// at b read transposed (MN-major): dQ += dS K, dV += P^T dO, dK += dS^T Q
+// at b read transposed (MN-major): the dK/dV kernel's dV += P^T dO and dK += dS^T Q (the dQ kernel
+// writes its dQ += dS K out: through this helper ptxas built a different binary, whose speed is unmeasured)
 template <int NT>
 static __device__ __forceinline__ void issue_rs(float (&acc)[NT][4], AFrag (&fr)[BN / 8], u32 b) {
     pin(fr);
@@ -878,39 +879,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 // mma.sync's, so they are the register A operand as they stand) and issues dV += P^T dO and
 // dK += dS^T Q (m64nDk16, dO and Q MN-major B operands read transposed). The other warpgroups'
 // products run on the tensor cores meanwhile. Sums in part 2's order, no atomics.
-//
-// ATTNKERN_WS (cpp.BwdConfig.kv_ws, the division's w suffix; 2-4 stages): FlashAttention-3's warp
-// specialization instead of a block barrier a tile. One more warpgroup, the producer (the block's
-// last, threads NTHREADS...), copies each tile's Q and dO rows and its rows' lse and delta into the
-// ring by cp.async (whole tiles at constant offsets, rows past nq zero-filled: a zero lse and delta
-// with zero Q and dO rows add exact zeros, as the +inf lse of the barrier ring's tail does) and
-// announces the stage on its mbarrier `full` (the copies' 128 arrivals); it waits for the stage's
-// `empty` mbarrier (128 arrivals a consumer warpgroup) before refilling it. The consumer warpgroups
-// wait only for the tile they compute and free its stage once its products are in, so that none
-// waits for another, and they get the producer's registers (setmaxnreg). The same products in the
-// same order: the same bits as without it.
 #if ATTNKERN_TF32 || ATTNKERN_MASK || ATTNKERN_ALIBI || ATTNKERN_DROPOUT || ATTNKERN_VARLEN || (D != 64 && D != 128)
 #error "the wgmma dK/dV kernel is float16/bfloat16 at D = 64 or 128 without masks, ALiBi, dropout or varlen"
 #endif
 static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 3: 64- or 128-row Q/dO tiles, warpgroups");
-#ifndef ATTNKERN_WS
-#define ATTNKERN_WS 0
-#endif
-#ifndef ATTNKERN_WSVAR
-#define ATTNKERN_WSVAR 0
-#endif
 #define KV_BYTES (BW * D * 2)  // K or V of the block
 #define QT_BYTES (BN * D * 2)  // one streamed Q or dO tile
-// + lse, delta; + room to align to 1024; + the warp-specialized ring's 2 STAGES mbarriers
-#define WG_SMEM_BYTES (2 * KV_BYTES + STAGES * (2 * QT_BYTES + 8 * BN) + 1024 + 16 * STAGES)
-#if ATTNKERN_WS
-static_assert(ATTNKERN_STAGES >= 2 && (NW == 4 || NW == 8), "part 3's producer: 2-4 stages, 1 or 2 consumers");
-// Registers a thread after the reallocation (setmaxnreg; the block's at launch: cpp.py's launch
-// bounds): one consumer, two blocks an SM of 256 threads at 128 registers (24 + 232 = 2 x 128);
-// two consumers, one block an SM of 384 threads at 168 (24 + 2 x 240 = 3 x 168)
-#define PRODUCER_REGS (NW == 4 ? 24 : 40)
-#define CONSUMER_REGS 232
-#endif
+#define WG_SMEM_BYTES (2 * KV_BYTES + STAGES * (2 * QT_BYTES + 8 * BN) + 1024)  // + lse, delta; + room to align to 1024
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
                                          u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
@@ -921,15 +896,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 #else
     __shared__ __align__(1024) u16 smem[WG_SMEM_BYTES / 2];
 #endif
-#if ATTNKERN_WS && (ATTNKERN_WSVAR & 1)
-    const int tid = (int)threadIdx.x - 128;  // the producer first: its threads -128...-1
-#else
-    const int tid = threadIdx.x;
-#endif
-    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
-    // the warpgroup (NW / 4: the producer), uniform across the warp (broadcast from lane 0: else the
-    // compiler serializes the wgmma of a branch on it)
-    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, wg = warp >> 2;
     const u64 bkv = blockIdx.y;
     // the block's, the warpgroup's and the warp's first key
     const int k0 = blockIdx.x * BW, kg0 = k0 + 64 * wg, kw0 = k0 + warp * 16;
@@ -943,105 +910,11 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     float* sl = (float*)((char*)smem + (sl0 - base));  // [stage][lse2 BN, delta BN]
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
 
+    load_swizzled<BW, NTHREADS>(k, ks, k0, f0.len, tid);  // keys past the length: zero, never read
+    load_swizzled<BW, NTHREADS>(v, vs, k0, f0.len, tid);
     int it0, it1;
     query_tiles(f0, k0, nq, causal, it0, it1);
     const int nt = it1 - it0, total = group * nt;  // tiles: query rows of the group in order, then row tiles
-
-    float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
-
-    // tile u (in stage buf, its copies in): the warpgroup's products and gradients, unless none of its
-    // keys sees the tile's rows (wgmma is collective)
-    const auto tile = [&](int u, int buf) {
-        const int h = u / nt, i0 = (it0 + u % nt) * BN;
-        const Feat f = ATTNKERN_FEAT ? make_feat(b0 + h, nq, nk, causal, FEAT_ARGS) : f0;
-        const int last = min(i0 + BN, nq) - 1;
-        if (tile_unseen(f, kg0, 64, i0, last)) return;
-        const u32 qb = qs0 + buf * QT_BYTES, dob = dos0 + buf * QT_BYTES;
-        const float* tl = sl + buf * 2 * BN;
-        float s[NQ][4], dp[NQ][4];
-        issue_scores(s, dp, ks, vs, 64 * wg, qb, dob);  // S^T, dP^T
-        wgmma_wait<1>();
-        pin(s);
-        AFrag pf[NQ], dsf[NQ];
-        float unused[2] = {0.f, 0.f};  // the dK/dV kernel needs no row sums of P
-        const auto lse_of = [&](int, int n, int e) { return tl[n * 8 + ACC_COL(lane, e)]; };
-        if (tile_masked(f, kw0, 16, i0, last))
-            wg_probs(true, s, pf, unused, kw0 + g, i0, false, lse_of, f, sgn, c);
-        else
-            wg_probs(false, s, pf, unused, kw0 + g, i0, false, lse_of, f, sgn, c);
-        // dV += P^T dO, then dK += dS^T Q: dS^T is computed while dV's products run
-        issue_rs(dv, pf, dob);
-        wgmma_wait<1>();  // dP^T in (dV's products may still run)
-        pin(dp);
-        wg_dscores(s, dp, dsf, [&](int, int n, int e) { return tl[BN + n * 8 + ACC_COL(lane, e)]; });
-        issue_rs(dk, dsf, qb);
-        wgmma_wait<0>();  // this tile's Q and dO read before their stage is refilled
-        pin(dv);
-        pin(dk);
-    };
-
-#if ATTNKERN_WS
-    const u32 full = sl0 + STAGES * 8 * BN, empty = full + 8 * STAGES;  // the stages' mbarriers
-    if (tid == 0) {
-        for (int st = 0; st < STAGES; ++st) {
-            mbar_init(full + 8 * st, (ATTNKERN_WSVAR & 16) ? 256 : 128);
-            mbar_init(empty + 8 * st, NTHREADS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    if (wg == ((ATTNKERN_WSVAR & 1) ? -1 : NW / 4)) {  // the producer
-        if (!(ATTNKERN_WSVAR & 2)) regs_down<PRODUCER_REGS>();
-        const int pt = (ATTNKERN_WSVAR & 1) ? tid + 128 : tid - NTHREADS;
-        for (int u = 0; u < total; ++u) {
-            const int h = u / nt, i0 = (it0 + u % nt) * BN, st = u % STAGES;
-            const u64 qb = (b0 + h) * (u64)nq;
-            mbar_wait(empty + 8 * st, ((u / STAGES) & 1) ^ 1);  // (a fresh stage passes)
-            load_whole<BN, 128>((const u16*)qp + qb * D, qs0 + st * QT_BYTES, i0, nq, pt);
-            load_whole<BN, 128>((const u16*)dop + qb * D, dos0 + st * QT_BYTES, i0, nq, pt);
-            for (int i = pt; i < 2 * BN; i += 128) {
-                const int r = i0 + (i < BN ? i : i - BN);
-                const float* src = (const float*)(i < BN ? lsefp : deltap) + qb + min(r, nq - 1);
-                if (ATTNKERN_WSVAR & 16)
-                    sl[st * 2 * BN + i] = r < nq ? *src : 0.f;
-                else
-                    cp_async4(sl0 + (u32)(st * 2 * BN + i) * 4u, src, r < nq ? 4 : 0);
-            }
-            if (ATTNKERN_WSVAR & 16) {
-                mbar_arrive(full + 8 * st);  // its plain stores of lse and delta (release)
-                mbar_arrive_cp_async(full + 8 * st);  // and its copies of Q and dO once they land
-            } else if (ATTNKERN_WSVAR & 8) {
-                cp_async_wait_all();
-                mbar_arrive(full + 8 * st);
-            } else {
-                mbar_arrive_cp_async(full + 8 * st);
-            }
-        }
-        cp_async_wait_all();
-        return;
-    }
-    if (!(ATTNKERN_WSVAR & 2)) regs_up<CONSUMER_REGS>();
-    load_swizzled<BW, NTHREADS>(k, ks, k0, f0.len, tid);  // keys past the length: zero, never read
-    load_swizzled<BW, NTHREADS>(v, vs, k0, f0.len, tid);
-    cp_async_wait_all();
-    fence_async_shared();
-    named_barrier(1, NTHREADS);  // K and V in, visible to every consumer's wgmma
-    for (int u = 0; u < total; ++u) {
-        const int st = u % STAGES;
-        mbar_wait(full + 8 * st, (u / STAGES) & 1);
-        fence_async_shared();  // the producer's cp.async writes visible to wgmma
-        if (ATTNKERN_WSVAR & 4) named_barrier(2 + wg, 128);
-        tile(u, st);
-        if (ATTNKERN_WSVAR & 4) named_barrier(2 + wg, 128);
-        mbar_arrive(empty + 8 * st);
-    }
-#else
-    load_swizzled<BW, NTHREADS>(k, ks, k0, f0.len, tid);  // keys past the length: zero, never read
-    load_swizzled<BW, NTHREADS>(v, vs, k0, f0.len, tid);
 
     // tile u's Q and dO rows (cp.async) and lse, delta into stage u % STAGES (the caller commits):
     // lse and delta by cp.async too where the staged ring copies a whole tile, else plain loads
@@ -1064,16 +937,48 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         if (u < total) load(u);
         cp_async_commit();
     }
+
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+
     for (int u = 0; u < total; ++u) {
+        const int h = u / nt, i0 = (it0 + u % nt) * BN, buf = u % STAGES;
         cp_async_wait_group<STAGES - 2>();  // tile u's group in; the later tiles' may still be in flight
         fence_async_shared();  // the cp.async writes (and K, V) visible to wgmma
         __syncthreads();       // tile u in; every warpgroup is done with tile u - 1, whose stage refills now
         if (u + STAGES - 1 < total) load(u + STAGES - 1);
         cp_async_commit();
-        tile(u, u % STAGES);
+        const Feat f = ATTNKERN_FEAT ? make_feat(b0 + h, nq, nk, causal, FEAT_ARGS) : f0;
+        const int last = min(i0 + BN, nq) - 1;
+        if (tile_unseen(f, kg0, 64, i0, last)) continue;  // the warpgroup's 64 keys: wgmma is collective
+        const u32 qb = qs0 + buf * QT_BYTES, dob = dos0 + buf * QT_BYTES;
+        const float* tl = sl + buf * 2 * BN;
+        // S^T and dP^T, one commit group each: P^T is computed while dP^T is still on the tensor cores
+        float s[NQ][4], dp[NQ][4];
+        issue_scores(s, dp, ks, vs, 64 * wg, qb, dob);
+        wgmma_wait<1>();
+        pin(s);
+        AFrag pf[NQ], dsf[NQ];
+        float unused[2] = {0.f, 0.f};  // the dK/dV kernel needs no row sums of P
+        const auto lse_of = [&](int, int n, int e) { return tl[n * 8 + ACC_COL(lane, e)]; };
+        if (tile_masked(f, kw0, 16, i0, last))
+            wg_probs(true, s, pf, unused, kw0 + g, i0, false, lse_of, f, sgn, c);
+        else
+            wg_probs(false, s, pf, unused, kw0 + g, i0, false, lse_of, f, sgn, c);
+        // dV += P^T dO, then dK += dS^T Q: dS^T is computed while dV's products run
+        issue_rs(dv, pf, dob);
+        wgmma_wait<1>();  // dP^T in (dV's products may still run)
+        pin(dp);
+        wg_dscores(s, dp, dsf, [&](int, int n, int e) { return tl[BN + n * 8 + ACC_COL(lane, e)]; });
+        issue_rs(dk, dsf, qb);
+        wgmma_wait<0>();  // this tile's Q and dO read before the next barrier refills their buffers
+        pin(dv);
+        pin(dk);
     }
     cp_async_wait_all();
-#endif
 
     const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
     store_rows((u16*)dkp + kvrow * D, dk, sc, kw0 + g, nk);
@@ -1168,7 +1073,16 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         wgmma_wait<0>();
         pin(dp);
         wg_dscores(s, dp, dsf, [&](int h, int, int) { return delta[h]; });
-        issue_rs(dq, dsf, kb);  // dQ += dS K
+        // dQ += dS K: the A fragment of keys 16 cc... is the 8-key tiles 2 cc, 2 cc + 1
+        pin(dsf);
+        pin(dq);
+        wgmma_fence();
+#pragma unroll
+        for (int cc = 0; cc < BN / 16; ++cc) {
+            const u32 af[4] = {dsf[2 * cc][0], dsf[2 * cc][1], dsf[2 * cc + 1][0], dsf[2 * cc + 1][1]};
+            wgmma_rs(dq, af, mndesc<BN>(kb, cc));
+        }
+        wgmma_commit();
         wgmma_wait<0>();  // this tile's K read before the next barrier refills its buffer
         pin(dq);
     }

@@ -1,5 +1,5 @@
 // Hopper's warpgroup MMAs (wgmma, sm_90a) for the float16/bfloat16 kernels that use them:
-// flash_wgmma.cu (the forward) and flash_bwd_mma.cu's dK/dV and dQ kernels (ATTNKERN_PART 3, 4).
+// flash_wgmma.cu (the forward) and flash_bwd_mma.cu's dK/dV kernel (ATTNKERN_PART 3).
 // cpp._linked_kernel puts this file after flash_common.cuh and before the kernel's source
 // (ATTNKERN_BF16 and ATTNKERN_D come first). Operands in shared memory lie in wgmma's
 // 128-byte-swizzled layout: ATTNKERN_D / 64 blocks of 64 columns, each its rows of 128 bytes,
@@ -160,43 +160,7 @@ static __device__ __forceinline__ void load_whole(const u16* src, u32 dst, int r
     load_swizzled<ROWS, NT>(src, dst, r0, n, tid);
 }
 
-// 4 bytes from global memory at src into shared memory at dst by cp.async (cache at all levels);
-// src_bytes 0 writes zeros and reads nothing
-static __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int src_bytes = 4) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+// 4 bytes from global memory at src into shared memory at dst by cp.async (cache at all levels)
+static __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
-
-// ---------------------------------------------------------------- mbarriers, register reallocation
-// (the warp-specialized kernels: flash_wgmma.cu's forward, flash_bwd_mma.cu's dK/dV kernel with ATTNKERN_WS)
-
-static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-static __device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// the arrival of this thread on bar once its cp.async copies issued so far have landed
-// (noinc: the arrival counts as one of the phase's expected ones)
-static __device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-// until the phase of parity `parity` of bar has completed
-static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-
-// a barrier of the `threads` threads (whole warps) that name barrier `id` (1...15; 0 is __syncthreads')
-static __device__ __forceinline__ void named_barrier(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-template <int N>
-static __device__ __forceinline__ void regs_down() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-static __device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-
