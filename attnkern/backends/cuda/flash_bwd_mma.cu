@@ -624,6 +624,40 @@ static __device__ __forceinline__ void load_stream(const u16* src, u32 dst, int 
     else
         load_swizzled<ROWS, NTHREADS>(src, dst, r0, n, tid);
 }
+
+// A tile's S and dP (the dQ kernel) or S^T and dP^T (the dK/dV kernel), one commit group each, so
+// that the exponentials of s run while dp is still on the tensor cores: s = A0 B0^T and dp = A1 B1^T
+// over the D columns, A the 64 rows arow... of the BW-row buffers a0, a1 (the block's own operands:
+// Q and dO, or K and V), B the BN rows of the streamed tiles b0, b1 (K and V, or Q and dO), all
+// K-major in shared memory
+template <int NT>
+static __device__ __forceinline__ void issue_scores(float (&s)[NT][4], float (&dp)[NT][4], u32 a0, u32 a1, int arow,
+                                                    u32 b0, u32 b1) {
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(s, kmajor<BW>(a0, arow, kc), kmajor<BN>(b0, 0, kc), kc);
+    wgmma_commit();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(dp, kmajor<BW>(a1, arow, kc), kmajor<BN>(b1, 0, kc), kc);
+    wgmma_commit();
+}
+
+// acc += F B, one commit group: F the register A operand (fr, the packed 8-column tiles of an
+// accumulator, 16 columns a k step: tiles 2 cc and 2 cc + 1), B the BN rows of the streamed tile
+// at b read transposed (MN-major): the dK/dV kernel's dV += P^T dO and dK += dS^T Q (the dQ kernel
+// writes its dQ += dS K out: through this helper ptxas built a different binary, whose speed is unmeasured)
+template <int NT>
+static __device__ __forceinline__ void issue_rs(float (&acc)[NT][4], AFrag (&fr)[BN / 8], u32 b) {
+    pin(fr);
+    pin(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int cc = 0; cc < BN / 16; ++cc) {
+        const u32 af[4] = {fr[2 * cc][0], fr[2 * cc][1], fr[2 * cc + 1][0], fr[2 * cc + 1][1]};
+        wgmma_rs(acc, af, mndesc<BN>(b, cc));
+    }
+    wgmma_commit();
+}
 #endif
 
 #if ATTNKERN_PART == 1
@@ -924,13 +958,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         const float* tl = sl + buf * 2 * BN;
         // S^T and dP^T, one commit group each: P^T is computed while dP^T is still on the tensor cores
         float s[NQ][4], dp[NQ][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(s, kmajor<BW>(ks, 64 * wg, kc), kmajor<BN>(qb, 0, kc), kc);
-        wgmma_commit();
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(dp, kmajor<BW>(vs, 64 * wg, kc), kmajor<BN>(dob, 0, kc), kc);
-        wgmma_commit();
+        issue_scores(s, dp, ks, vs, 64 * wg, qb, dob);
         wgmma_wait<1>();
         pin(s);
         AFrag pf[NQ], dsf[NQ];
@@ -940,29 +968,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
             wg_probs(true, s, pf, unused, kw0 + g, i0, false, lse_of, f, sgn, c);
         else
             wg_probs(false, s, pf, unused, kw0 + g, i0, false, lse_of, f, sgn, c);
-        // dV += P^T dO and dK += dS^T Q: the A fragment of query rows 16 cc... is the 8-row tiles
-        // 2 cc, 2 cc + 1; dS^T is computed while dV's products run
-        pin(pf);
-        pin(dv);
-        wgmma_fence();
-#pragma unroll
-        for (int cc = 0; cc < BN / 16; ++cc) {
-            const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
-            wgmma_rs(dv, af, mndesc<BN>(dob, cc));
-        }
-        wgmma_commit();
+        // dV += P^T dO, then dK += dS^T Q: dS^T is computed while dV's products run
+        issue_rs(dv, pf, dob);
         wgmma_wait<1>();  // dP^T in (dV's products may still run)
         pin(dp);
         wg_dscores(s, dp, dsf, [&](int, int n, int e) { return tl[BN + n * 8 + ACC_COL(lane, e)]; });
-        pin(dsf);
-        pin(dk);
-        wgmma_fence();
-#pragma unroll
-        for (int cc = 0; cc < BN / 16; ++cc) {
-            const u32 af[4] = {dsf[2 * cc][0], dsf[2 * cc][1], dsf[2 * cc + 1][0], dsf[2 * cc + 1][1]};
-            wgmma_rs(dk, af, mndesc<BN>(qb, cc));
-        }
-        wgmma_commit();
+        issue_rs(dk, dsf, qb);
         wgmma_wait<0>();  // this tile's Q and dO read before the next barrier refills their buffers
         pin(dv);
         pin(dk);
@@ -1050,13 +1061,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         if (tile_unseen(f, j0, BN, g0, g0 + 63)) continue;  // the warpgroup's 64 rows: wgmma is collective
         // S and dP, one commit group each: P is computed while dP is still on the tensor cores
         float s[NS][4], dp[NS][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(s, kmajor<BW>(qs, 64 * wg, kc), kmajor<BN>(kb, 0, kc), kc);
-        wgmma_commit();
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(dp, kmajor<BW>(dos, 64 * wg, kc), kmajor<BN>(vb, 0, kc), kc);
-        wgmma_commit();
+        issue_scores(s, dp, qs, dos, 64 * wg, kb, vb);
         wgmma_wait<1>();
         pin(s);
         AFrag pf[NS], dsf[NS];  // pf: P in the input dtype, unused here (the compiler drops it)
