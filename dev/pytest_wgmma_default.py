@@ -6,7 +6,7 @@ before it becomes the default:
         python3 -m pytest -p pytest_wgmma_default tests/test_cuda.py
 
 Each entry is D=division, a division named as dev/gpu_flash_versions.py names them
-(wg{warpgroups}k{keys}[s{stages}[p][e]])."""
+(wg{warpgroups}k{keys}[s{stages}[p][e][t]])."""
 
 import os
 import re
@@ -20,8 +20,8 @@ def pytest_configure(config):
 
     for entry in spec.split(","):
         d, name = entry.split("=")
-        wg, bk, stages, pingpong, early = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?)?", name).groups()
-        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early))
+        wg, bk, stages, pingpong, early, tma = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?)?", name).groups()
+        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early), bool(tma))
         division.check(int(d))
         cpp.WGMMA_DEFAULT[int(d)] = division
 

@@ -226,6 +226,44 @@ def test_half_head_size_refusals():
         assert config.shared_bytes(d) <= 163 * 1024
 
 
+def test_wgmma_tma_division_and_prepared_tensor_maps(monkeypatch):
+    """flash_wgmma.cu's TMA producer (WgmmaConfig.tma, named by a t suffix) needs the
+    warp-specialized variant; featured kernels run the division without it; a prepared launch
+    writes each call's K/V descriptor address (launch.TensorMap: looked up per call from the
+    array's address), never the array's address, and looks nothing up for the placeholders."""
+    import ctypes
+
+    from attnkern._gpuarray import GpuArray
+    from attnkern.backends.cuda import cpp, launch
+
+    tma = cpp.WgmmaConfig(2, 128, 3, early_k=True, tma=True)
+    assert str(tma) == "wg2k128s3et" and tma.tma_off() == cpp.WgmmaConfig(2, 128, 3, early_k=True)
+    tma.check(128)
+    with pytest.raises(ValueError, match="TMA with stages"):
+        cpp.WgmmaConfig(2, 128, 0, tma=True).check(64)
+    looked_up = []
+
+    def fake_address(ptr, shape, box_rows):
+        looked_up.append((ptr, shape, box_rows))
+        return 2 * ptr + box_rows
+
+    monkeypatch.setattr(launch, "tensor_map_address", fake_address)
+    roles = [GpuArray((2, 8, 64), np.uint16, None, ptr=0) for _ in range(2)]
+    seen = []
+
+    def raw(grid, block, params_at):
+        params = (ctypes.c_void_p * 3).from_address(params_at)
+        seen.append([ctypes.c_uint64.from_address(p).value for p in params])
+
+    prepared = launch.Prepared(raw, (1, 1), 128, (launch.Addr(roles[0]), launch.TensorMap(roles[1], 128),
+                                                  np.int32(5)), roles)
+    assert looked_up == []
+    prepared(4096, 8192)
+    prepared(4096, 16384)
+    assert seen == [[4096, 2 * 8192 + 128, 5], [4096, 2 * 16384 + 128, 5]]
+    assert looked_up == [(8192, (2, 8, 64), 128), (16384, (2, 8, 64), 128)]
+
+
 @pytest.mark.skipif(not SIMULATED, reason="what the simulator runs (on a GPU, the C++ tests below)")
 def test_the_simulator_runs_the_numba_kernels_and_no_cuda_cpp():
     """docs/gpu.md: in the simulator cuda.flash's float32 calls never reach its CUDA C++

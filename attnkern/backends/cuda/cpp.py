@@ -16,8 +16,8 @@ from numba import config, cuda
 from ..._gpuarray import GpuArray
 from .._split import DECODE_TARGET_BLOCKS, decode_chunk, decode_splits, rows_refusal
 
-from .launch import (FEAT_TYPES, LOG2E, PLAIN_WORDS, SHARED_BYTES, Addr, RawKernel, dynamic_raw_kernel, launch,
-                     register_raw, round_up, shared_limit)
+from .launch import (FEAT_TYPES, LOG2E, PLAIN_WORDS, SHARED_BYTES, Addr, RawKernel, TensorMap, dynamic_raw_kernel,
+                     launch, register_raw, round_up, shared_limit)
 
 # ---------------------------------------------------------------- cuda.flash, float32 register-blocked
 
@@ -291,13 +291,17 @@ class WgmmaConfig:
     `pingpong` (with stages and two consumers): the consumers take turns to issue their
     products (ATTNKERN_PINGPONG), one's softmax overlapping the other's products; `early_k`
     (with stages): a tile's K slot freed once its scores are in and K copied a tile ahead of V
-    (ATTNKERN_EARLYK), else K and V freed together once its P V is in."""
+    (ATTNKERN_EARLYK), else K and V freed together once its P V is in; `tma` (with stages): the
+    producer is one thread copying whole tiles with the tensor memory accelerator (ATTNKERN_TMA,
+    launch.TensorMap descriptors of K and V), plain calls only (a featured call runs the same
+    division with cp.async copies: tma_off)."""
 
     warpgroups: int = 3
     block_k: int = 128
     stages: int = 0
     pingpong: bool = False
     early_k: bool = False
+    tma: bool = False
 
     def check(self, d: int) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size."""
@@ -307,11 +311,11 @@ class WgmmaConfig:
                 self.shared_bytes(d) <= WGMMA_SHARED_LIMIT
         else:
             ok = ok and self.warpgroups in (1, 2, 3)
-        if self.pingpong or self.early_k:
+        if self.pingpong or self.early_k or self.tma:
             ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
-                             "bytes of shared memory; ping-pong with stages and 2, early K with stages), 64- or "
+                             "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages), 64- or "
                              f"128-key tiles and D = 64 or 128, not {self} at D = {d}")
 
     @property
@@ -332,7 +336,12 @@ class WgmmaConfig:
 
     def __str__(self) -> str:
         return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
-                + ("p" if self.pingpong else "") + ("e" if self.early_k else ""))
+                + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else ""))
+
+    def tma_off(self) -> "WgmmaConfig":
+        """This division with cp.async copies: the featured kernels' (the TMA fills K/V rows past nk
+        with zeros, not those past a sequence's key length)."""
+        return dataclasses.replace(self, tma=False)
 
 
 WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
@@ -439,13 +448,15 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
                          "kernels only")
     drop = _variant(dropout, varlen)
     if isinstance(config, WgmmaConfig):
+        config = config.tma_off() if featured else config
         config.check(d)
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
                                ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
                                ("ALIBI", int(alibi)), ("FAST", int(fast)), *widen,
                                *((("WS", 1), ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
-                                  ("EARLYK", int(config.early_k))) if config.stages else ())),
+                                  ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)))
+                                 if config.stages else ())),
                               params, config.threads, config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
                 ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), ("FAST", int(fast)))
@@ -483,12 +494,15 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
                          "kernels (float16/bfloat16, float32 with tensor_cores=1); pass tensor_cores=0 in float32")
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
+    # flash_wgmma.cu's TMA producer takes K's and V's tensor maps where the others take their addresses
+    tma = isinstance(config, WgmmaConfig) and config.tma and feat is None
+    kv = (TensorMap(k, config.block_k), TensorMap(v, config.block_k)) if tma else (Addr(k), Addr(v))
     return (flash_mma_kernel(dtype, d, config, feat is not None,
                               mask=0 if feat is None else feat.mask_kind,
                               alibi=feat is not None and feat.alibi is not None, fast=fast, wide=wide,
                               dropout=dropout, varlen=varlen),
             _grid(-(-(feat.max_q if varlen else nq) // config.block_q), batch, feat), config.threads,
-            (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
+            (Addr(q), *kv, Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
              *words))
 

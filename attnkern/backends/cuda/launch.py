@@ -257,6 +257,68 @@ class Addr:
         self.array = array
 
 
+class TensorMap:
+    """A kernel argument that is the global address of a TMA descriptor (CUtensorMap) of a
+    GpuArray (batch, n, d) of 2-byte elements, d = 64 or 128 (flash_wgmma.cu's ATTNKERN_TMA):
+    3-D (d, n, batch), boxes of 64 columns x box_rows rows x 1, the 128-byte swizzle of the
+    wgmma layout, rows past n read as zeros. A Prepared launch maps each call's address to its
+    descriptor (tensor_map_address)."""
+
+    __slots__ = ("array", "box_rows")
+
+    def __init__(self, array, box_rows: int):
+        self.array, self.box_rows = array, box_rows
+
+    def address(self, ptr: int) -> int:
+        return tensor_map_address(ptr, self.array.shape, self.box_rows)
+
+
+MAP_BYTES, MAP_SLOTS = 128, 1024  # a descriptor's bytes (64-byte aligned), descriptors kept per device
+_MAPS: dict = {}  # (array address, shape, box rows) -> its descriptor's global address
+_MAP_POOLS: dict = {}  # device id -> [device memory of MAP_SLOTS descriptors, slots used]
+_MAP_LOCK = threading.Lock()
+
+
+def tensor_map_address(ptr: int, shape: tuple, box_rows: int) -> int:
+    """The global address of the TMA descriptor of the array (batch, n, d) at ptr (TensorMap),
+    encoded (cuTensorMapEncodeTiled) and copied to the current device once per (address, shape,
+    box): a descriptor depends on nothing else, so a call on the same memory (torch's caching
+    allocator hands addresses out again) reuses it. Descriptors live in a pool of MAP_SLOTS per
+    device; a full pool starts over. The copy runs on the legacy default stream, as the kernels:
+    a slot written again is written after the kernels queued before that read it."""
+    key = (ptr, shape, box_rows)
+    at = _MAPS.get(key)
+    if at is not None:
+        return at
+    from cuda.bindings import driver as cu
+
+    batch, n, d = (max(int(x), 1) for x in shape)
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, ptr, [u64(d), u64(n), u64(batch)],
+        [u64(2 * d), u64(2 * d * n)], [u32(64), u32(box_rows), u32(1)], [u32(1), u32(1), u32(1)],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    _check(err, "cuTensorMapEncodeTiled")
+    raw = np.frombuffer(ctypes.string_at(tmap.getPtr(), MAP_BYTES), np.uint8)
+    with _MAP_LOCK:
+        device = cuda.get_current_device().id
+        pool = _MAP_POOLS.get(device)
+        if pool is None:
+            pool = _MAP_POOLS[device] = [cuda.device_array(MAP_SLOTS * MAP_BYTES, np.uint8), 0]
+        if pool[1] == MAP_SLOTS:  # full: every address of this pool forgotten, its slots written anew
+            base = pool[0].device_ctypes_pointer.value
+            for k in [k for k, a in _MAPS.items() if base <= a < base + MAP_SLOTS * MAP_BYTES]:
+                del _MAPS[k]
+            pool[1] = 0
+        slot = pool[1]
+        pool[0][slot * MAP_BYTES:(slot + 1) * MAP_BYTES].copy_to_device(raw)
+        pool[1] += 1
+        at = _MAPS[key] = pool[0].device_ctypes_pointer.value + slot * MAP_BYTES
+    return at
+
+
 _MASK64 = (1 << 64) - 1
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -266,15 +328,21 @@ def _words(args, roles=()):
     word per parameter (a narrower value in its low bytes, which is all the
     driver copies): a GpuArray as the fields of Numba's 1-D C-contiguous array
     (meminfo, parent, size, itemsize, data pointer, shape, stride), an Addr as
-    its array's address, a bool as is, Python ints and floats as the C types
-    Numba types them as (int64, float64), NumPy scalars as their own. Returns
-    (words, [(word index, role index)]) where a GpuArray's or an Addr's array
-    is `roles[role index]` (by identity)."""
+    its array's address, a TensorMap as its descriptor's address, a bool as is, Python ints
+    and floats as the C types Numba types them as (int64, float64), NumPy scalars as their
+    own. Returns (words, [(word index, role index, None or a TensorMap's address function)])
+    where a GpuArray's, an Addr's or a TensorMap's array is `roles[role index]` (by identity)."""
     words, slots = [], []
     for a in args:
-        array = a.array if isinstance(a, Addr) else a if isinstance(a, GpuArray) else None
+        array = a.array if isinstance(a, (Addr, TensorMap)) else a if isinstance(a, GpuArray) else None
         if array is not None:
             role = next((i for i, r in enumerate(roles) if r is array), None)
+            if isinstance(a, TensorMap):  # a role's descriptor is looked up per call
+                at = len(words)
+                words.append(0 if role is not None else a.address(array.ptr))
+                if role is not None:
+                    slots.append((at, role, a.address))
+                continue
             if isinstance(a, GpuArray):
                 n, itemsize = a.size, a.dtype.itemsize
                 words += (0, 0, n, itemsize)
@@ -284,7 +352,7 @@ def _words(args, roles=()):
                 at = len(words)
                 words.append(array.ptr)
             if role is not None:
-                slots.append((at, role))
+                slots.append((at, role, None))
         elif isinstance(a, bool):
             words.append(int(a))
         elif isinstance(a, int):
@@ -312,8 +380,8 @@ class Prepared:
 
     def __call__(self, *ptrs) -> None:
         words = self._words
-        for at, role in self._slots:
-            words[at] = ptrs[role]
+        for at, role, mapped in self._slots:
+            words[at] = ptrs[role] if mapped is None else mapped(ptrs[role])
         self._raw(self._grid, self._block, self._params_at)
 
 
@@ -340,8 +408,8 @@ def launch(dispatcher, grid, block, *args) -> None:
     through RawKernel, the arguments laid out as _words says."""
     raw = raw_kernel(dispatcher)
     if raw is None:
-        flat = [a.flat if isinstance(a, GpuArray) else np.uint64(a.array.ptr) if isinstance(a, Addr) else a
-                for a in args]
+        flat = [a.flat if isinstance(a, GpuArray) else np.uint64(a.array.ptr) if isinstance(a, Addr)
+                else np.uint64(a.address(a.array.ptr)) if isinstance(a, TensorMap) else a for a in args]
         shared = _DYNAMIC_SHARED.get(dispatcher, 0)
         if shared and not config.ENABLE_CUDASIM:
             # the limit must be raised before the first launch: compile for these
