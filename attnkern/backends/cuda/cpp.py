@@ -305,7 +305,7 @@ class WgmmaConfig:
 
     def check(self, d: int) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size."""
-        ok = self.block_k in (64, 128) and d in WGMMA_HEAD_SIZES
+        ok = (self.block_k in (64, 128) or (self.stages and self.block_k in WS_WIDE_TILES)) and d in WGMMA_HEAD_SIZES
         if self.stages:
             ok = ok and self.warpgroups in (2, 3) and 2 <= self.stages <= 6 and \
                 self.shared_bytes(d) <= WGMMA_SHARED_LIMIT
@@ -316,7 +316,7 @@ class WgmmaConfig:
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
                              "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages), 64- or "
-                             f"128-key tiles and D = 64 or 128, not {self} at D = {d}")
+                             f"128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} at D = {d}")
 
     @property
     def block_q(self) -> int:
@@ -344,6 +344,7 @@ class WgmmaConfig:
         return dataclasses.replace(self, tma=False)
 
 
+WS_WIDE_TILES = (160, 176, 192)  # the warp-specialized variant's wider K/V tiles (wgmma_ss's N)
 WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
 WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
 WGMMA_SHARED_LIMIT = 227 * 1024  # a block's shared memory on the H100 and H200 (opt-in)
