@@ -152,6 +152,8 @@ def test_cuda_flash_half_every_division(dtype):
                           ((2, 128, 3, False), (2, 128, 2, True), (3, 64, 4, False), (2, 176, 2, False),
                            (2, 192, 3, True))]
             divisions.append(cpp.WgmmaConfig(2, 160, 2, early_k=True))  # a wider tile with cp.async copies
+            divisions = [c for c in divisions if not isinstance(c, cpp.WgmmaConfig)
+                         or c.shared_bytes(d) <= cpp.WGMMA_SHARED_LIMIT]  # 192-key tiles in 3 stages: D = 64 only
         for i, (batch, nq, nk) in enumerate([(2, 77, 77), (1, 45, 300), (3, 200, 33), (1, 1, 5), (1, 257, 257)]):
             q, k, v = _inputs(torch, dtype, (batch,), nq, nk, d, d, 200 + i)
             scale = -0.6 / d ** 0.5 if i == 1 else 1 / d ** 0.5

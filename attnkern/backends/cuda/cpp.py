@@ -370,9 +370,10 @@ def tensor_core_config(d: int, dtype: str) -> "MmaConfig | WgmmaConfig":
 # flash_wgmma.cu's default division per head size (half_config), read at each call: a
 # module-level table so that a measurement can swap it (dev/gpu_flash_versions.py compares them,
 # dev/pytest_wgmma_default.py runs the tests with another). The warp-specialized variant, two
-# consumers of 64 rows, 128-key tiles in 3 stages, K freed early: on an H100 1.4-1.7x the
-# double-buffered wg3k128 in every measured bfloat16/float16 row (docs/results.md, 2026-11-26).
-WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True), 128: WgmmaConfig(2, 128, 3, early_k=True)}
+# consumers of 64 rows, 128-key tiles in 3 stages, K freed early, K/V copied by the TMA: on an
+# H100 1.03-1.08x the same division with cp.async copies (wg2k128s3e, itself 1.4-1.7x the
+# double-buffered wg3k128) in each of 12 measured bfloat16 rows (docs/results.md, 2026-11-26).
+WGMMA_DEFAULT = {d: WgmmaConfig(2, 128, 3, early_k=True, tma=True) for d in (64, 128)}
 WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the default's (225 KB at D = 128)
 
 
