@@ -149,7 +149,7 @@ def test_cuda_flash_half_every_division(dtype):
                           ((2, 128, 3, False), (2, 128, 3, True), (2, 64, 6, True), (3, 64, 4, True))]
             # and its TMA producer (K/V tiles copied by the tensor memory accelerator), with ping-pong too
             divisions += [cpp.WgmmaConfig(w, bk, st, pp, True, True) for w, bk, st, pp in
-                          ((2, 128, 3, False), (2, 128, 2, True), (3, 64, 4, False), (2, 176, 2, False),
+                          ((2, 128, 3, False), (2, 128, 2, True), (3, 64, 4, False), (2, 176, 2, True),
                            (2, 192, 3, True))]
             divisions.append(cpp.WgmmaConfig(2, 160, 2, early_k=True))  # a wider tile with cp.async copies
             divisions = [c for c in divisions if not isinstance(c, cpp.WgmmaConfig)
