@@ -228,7 +228,8 @@ def test_half_head_size_refusals():
 
 def test_wgmma_tma_division_and_prepared_tensor_maps(monkeypatch):
     """flash_wgmma.cu's TMA producer (WgmmaConfig.tma, named by a t suffix) needs the
-    warp-specialized variant; featured kernels run the division without it; a prepared launch
+    warp-specialized variant; the plain kernel's default has it, the featured and float32-rows
+    kernels' default (WGMMA_OTHER) not, nor does an explicit division's featured kernel; a prepared launch
     writes each call's K/V descriptor address (launch.TensorMap: looked up per call from the
     array's address), never the array's address, and looks nothing up for the placeholders."""
     import ctypes
@@ -239,6 +240,12 @@ def test_wgmma_tma_division_and_prepared_tensor_maps(monkeypatch):
     tma = cpp.WgmmaConfig(2, 128, 3, early_k=True, tma=True)
     assert str(tma) == "wg2k128s3et" and tma.tma_off() == cpp.WgmmaConfig(2, 128, 3, early_k=True)
     tma.check(128)
+    # the plain kernel's default takes the TMA; the featured and float32-rows kernels' default never
+    monkeypatch.setattr(cpp, "wgmma_applies", lambda d, dv: True)
+    monkeypatch.setattr(cpp, "shared_limit", lambda: cpp.WGMMA_SHARED_LIMIT)
+    for d in (64, 128):
+        assert cpp.half_config(d) is cpp.WGMMA_DEFAULT[d] and cpp.half_config(d).tma
+        assert cpp.half_config(d, plain=False) is cpp.WGMMA_OTHER[d] and not cpp.WGMMA_OTHER[d].tma
     with pytest.raises(ValueError, match="TMA with stages"):
         cpp.WgmmaConfig(2, 128, 0, tma=True).check(64)
     looked_up = []

@@ -315,8 +315,9 @@ class WgmmaConfig:
             ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
-                             "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages), 64- or "
-                             f"128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} at D = {d}")
+                             "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages), "
+                             f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
+                             f"at D = {d}")
 
     @property
     def block_q(self) -> int:
@@ -362,29 +363,37 @@ def _capability(device_id: int) -> tuple:
     return tuple(cuda.get_current_device().compute_capability)
 
 
-def tensor_core_config(d: int, dtype: str) -> "MmaConfig | WgmmaConfig":
-    """The default division of the dtype's tensor-core kernel at head size d."""
-    return mma_config(d, dtype) if dtype == "float32" else half_config(d, dtype)
+def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | WgmmaConfig":
+    """The default division of the dtype's tensor-core kernel at head size d (plain: for the
+    plain kernel, else for the featured and float32-rows variants: half_config)."""
+    return mma_config(d, dtype) if dtype == "float32" else half_config(d, dtype, plain)
 
 
 # flash_wgmma.cu's default division per head size (half_config), read at each call: a
 # module-level table so that a measurement can swap it (dev/gpu_flash_versions.py compares them,
 # dev/pytest_wgmma_default.py runs the tests with another). The warp-specialized variant, two
-# consumers of 64 rows, 128-key tiles in 3 stages, K freed early, K/V copied by the TMA: on an
-# H100 1.03-1.08x the same division with cp.async copies (wg2k128s3e, itself 1.4-1.7x the
-# double-buffered wg3k128) in each of 12 measured bfloat16 rows (docs/results.md, 2026-11-26).
-WGMMA_DEFAULT = {d: WgmmaConfig(2, 128, 3, early_k=True, tma=True) for d in (64, 128)}
+# consumers of 64 rows, K freed early, K/V copied by the TMA; at D = 64 128-key tiles in 3
+# stages, at D = 128 176-key tiles in 2 stages with ping-pong (FlashAttention-3's tile). On an
+# H100 (docs/results.md, 2026-11-26, two runs of 12 bfloat16 rows) 1.03-1.05x (D = 64) and
+# 0.99-1.18x (D = 128, 11 of 12 rows faster) the previous default wg2k128s3e, which has cp.async
+# copies, itself 1.4-1.7x the double-buffered wg3k128.
+WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True),
+                 128: WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True)}
+# The featured kernels' and the float32-rows (ATTNKERN_WIDE) variant's: the previous default,
+# whose every feature the GPU tests have checked (the TMA is for plain calls: WgmmaConfig.tma)
+WGMMA_OTHER = {d: WgmmaConfig(2, 128, 3, early_k=True) for d in (64, 128)}
 WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the default's (225 KB at D = 128)
 
 
-def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
+def half_config(d: int, dtype: str = "bfloat16", plain: bool = True) -> "MmaConfig | WgmmaConfig":
     """The float16/bfloat16 kernel's default division at head size d: flash_wgmma.cu's
-    WGMMA_DEFAULT[d] where it applies (Hopper, D = 64 or 128; WGMMA_FALLBACK where this
+    WGMMA_DEFAULT[d] (plain: the plain kernel's; else WGMMA_OTHER[d], the featured and
+    float32-rows variants') where it applies (Hopper, D = 64 or 128; WGMMA_FALLBACK where this
     GPU's shared memory a block is short of it), else flash_mma.cu's (mma_config).
     dev/gpu_flash_versions.py compares them."""
     if not wgmma_applies(d, d):
         return mma_config(d, dtype)
-    division = WGMMA_DEFAULT[d]
+    division = (WGMMA_DEFAULT if plain else WGMMA_OTHER)[d]
     return division if division.shared_bytes(d) <= shared_limit() else WGMMA_FALLBACK
 
 
@@ -441,7 +450,7 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
     featured flash_mma.cu variant that multiplies P by dropout's Philox mask (ATTNKERN_DROPOUT;
     flash_tf32.cu and flash_wgmma.cu have none: a ValueError); varlen: likewise, the variant over
     packed sequences (ATTNKERN_VARLEN, a grid of (query blocks, heads, sequences))."""
-    config = config or tensor_core_config(d, dtype)
+    config = config or tensor_core_config(d, dtype, plain=not featured and not wide)
     params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES
     suffix = _suffix(featured, mask, alibi, fast, dropout, varlen) + ("_w" if wide else "")
     widen = (("WIDE", 1),) if wide else ()
@@ -490,7 +499,8 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     batch, nq, d = q.shape
     dtype = q.dtype.name
     dropout, varlen = _dropout_of(feat), _varlen_of(feat)
-    config = config or (mma_config(d, dtype) if dropout or varlen else tensor_core_config(d, dtype))
+    config = config or (mma_config(d, dtype) if dropout or varlen
+                        else tensor_core_config(d, dtype, plain=feat is None and not wide))
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
