@@ -4,8 +4,10 @@ library's fast path (_torch_cuda.attention) returned over 30 calls (a result, No
 general path ran, or Pending: a plan was made), the host's time per call and the GPU's
 (CUDA events, 5 back to back, median of 15, in turns with the prepared kernel), the
 library with the fast path off, and cProfile's top functions (cumulative) of 10 calls.
+--with-torch: torch's SDPA backends in the turns too, as dev/gpu_flash_versions.py has them
+(there the library read 0.79-0.97x the kernel; alone with it, 1.005x).
 
-    python3 dev/gpu_library_gap.py OUT.json [--shapes 16384x128,4096x128]"""
+    python3 dev/gpu_library_gap.py OUT.json [--shapes 16384x128,4096x128] [--with-torch]"""
 
 import argparse
 import cProfile
@@ -21,13 +23,14 @@ import torch
 import attnkern
 from attnkern import _torch_cuda
 from attnkern_bench.timing import CudaEventClock
-from gpu_flash_versions import Kernel, inputs, parse_config
+from gpu_flash_versions import Kernel, inputs, parse_config, sdpa_backends
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--shapes", default="16384x128,4096x128")
+    ap.add_argument("--with-torch", action="store_true")
     a = ap.parse_args()
     rows = []
     for shape in a.shapes.split(","):
@@ -70,6 +73,9 @@ def main() -> int:
                     _torch_cuda.FAST_PATH = True
 
             fns = {"library": library, "prepared": prepared, "general_path": general}
+            if a.with_torch:
+                fns = {**{name: (lambda call=call: call(q, k, v, causal)) for name, call in sdpa_backends().items()},
+                       **fns}
             clock, samples = CudaEventClock(torch), {name: [] for name in fns}
             for fn in fns.values():
                 fn()
