@@ -356,51 +356,44 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
     if (wg == 0) {
         regs_down<PRODUCER_REGS>();
-#if ATTNKERN_TMA
-        // one thread copies: per tile and stage one expect_tx arrival (the tile's bytes) and D / 64
-        // boxes of 64 columns x BN keys of the tensor map (head size, keys, batch rows), which the
-        // TMA writes in the wgmma layout (its 128-byte swizzle) and zero-fills past nk
-        if (tid == 0) {
-            tma_map_acquire(kp);
-            tma_map_acquire(vp);
-            const int kv_row = (int)f.kv_row;
-            const auto load = [&](u64 map, u32 buf, u32 empty, u32 full, int jt) {
-                const int i = jt - jt0, s = i % STAGES;
-                mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
-                mbar_arrive_expect_tx(full + 8 * s, TILE_BYTES);
-#pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb)
-                    tma_load_3d(buf + s * TILE_BYTES + cb * BN * 128, map, 64 * cb, jt * BN, kv_row, full + 8 * s);
-            };
-            if (ATTNKERN_EARLYK && jt0 < jt1) load(kp, ks0, empty_k, full_k, jt0);
-            for (int jt = jt0; jt < jt1; ++jt) {
-                if (!ATTNKERN_EARLYK)
-                    load(kp, ks0, empty_k, full_k, jt);
-                else if (jt + 1 < jt1)
-                    load(kp, ks0, empty_k, full_k, jt + 1);
-                load(vp, vs0, empty_v, full_v, jt);
-            }
-        }
-        return;
-#else
         // tile jt's K (V) into its stage once the slot's last tile is freed (a fresh one passes)
+#if ATTNKERN_TMA
+        // by one thread: per tile and stage one expect_tx arrival (the tile's bytes) and D / 64 boxes
+        // of 64 columns x BN keys of the tensor map (head size, keys, batch rows), which the TMA
+        // writes in the wgmma layout (its 128-byte swizzle) and zero-fills past nk
+        if (tid != 0) return;
+        tma_map_acquire(kp);
+        tma_map_acquire(vp);
+        const int kv_row = (int)f.kv_row;
+        const u64 ksrc = kp, vsrc = vp;
+        const auto load = [&](u64 map, u32 buf, u32 empty, u32 full, int jt) {
+            const int i = jt - jt0, s = i % STAGES;
+            mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
+            mbar_arrive_expect_tx(full + 8 * s, TILE_BYTES);
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb)
+                tma_load_3d(buf + s * TILE_BYTES + cb * BN * 128, map, 64 * cb, jt * BN, kv_row, full + 8 * s);
+        };
+#else
+        // by the warpgroup's 128 threads, whose copies' completions arrive on the full mbarrier
+        const u16 *ksrc = k, *vsrc = v;
         const auto load = [&](const u16* src, u32 buf, u32 empty, u32 full, int jt) {
             const int i = jt - jt0, s = i % STAGES;
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
             load_tile<128>(src, buf + s * TILE_BYTES, jt * BN, f.len, tid);
             mbar_arrive_cp_async(full + 8 * s);
         };
-        if (ATTNKERN_EARLYK && jt0 < jt1) load(k, ks0, empty_k, full_k, jt0);
+#endif
+        if (ATTNKERN_EARLYK && jt0 < jt1) load(ksrc, ks0, empty_k, full_k, jt0);
         for (int jt = jt0; jt < jt1; ++jt) {
             if (!ATTNKERN_EARLYK)
-                load(k, ks0, empty_k, full_k, jt);
+                load(ksrc, ks0, empty_k, full_k, jt);
             else if (jt + 1 < jt1)
-                load(k, ks0, empty_k, full_k, jt + 1);
-            load(v, vs0, empty_v, full_v, jt);
+                load(ksrc, ks0, empty_k, full_k, jt + 1);
+            load(vsrc, vs0, empty_v, full_v, jt);
         }
-        cp_async_wait_all();  // tiles the consumers skip are never waited for
+        if (!ATTNKERN_TMA) cp_async_wait_all();  // tiles the consumers skip are never waited for
         return;
-#endif
     }
     regs_up<CONSUMER_REGS>();
 

@@ -48,30 +48,28 @@
                "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91,  "\
                "%92, %93, %94, %95}"
 
+// one wgmma m64nNk16 with A and B from shared memory: REGS the accumulators' operands %0...,
+// A, B, P the operand numbers of the descriptors and the accumulate flag
+#define WGMMA_SS_ASM(N, REGS, ACC, A, B, P)                                                                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                         \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." WG_TYPES " " REGS ", %" #A ", %" #B    \
+                 ", p, 1, 1, 0, 0;\n}\n"                                                                     \
+                 : ACC : "l"(a), "l"(b), "r"(accumulate))
+
 // d (64 x 8 NT) (+)= a (64 x 16, shared memory) b (16 x 8 NT, shared memory, K-major)
 template <int NT>
 static __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], u64 a, u64 b, int accumulate) {
     static_assert(NT == 8 || NT == 16 || NT == 20 || NT == 22 || NT == 24, "wgmma_ss: N = 64, 128, 160, 176 or 192");
     if constexpr (NT == 8)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPES " " REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : ACC64 : "l"(a), "l"(b), "r"(accumulate));
+        WGMMA_SS_ASM(64, REGS32, ACC64, 32, 33, 34);
     else if constexpr (NT == 16)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPES " " REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                     : ACC128 : "l"(a), "l"(b), "r"(accumulate));
+        WGMMA_SS_ASM(128, REGS64, ACC128, 64, 65, 66);
     else if constexpr (NT == 20)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n160k16.f32." WG_TYPES " " REGS80 ", %80, %81, p, 1, 1, 0, 0;\n}\n"
-                     : ACC160 : "l"(a), "l"(b), "r"(accumulate));
+        WGMMA_SS_ASM(160, REGS80, ACC160, 80, 81, 82);
     else if constexpr (NT == 22)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n176k16.f32." WG_TYPES " " REGS88 ", %88, %89, p, 1, 1, 0, 0;\n}\n"
-                     : ACC176 : "l"(a), "l"(b), "r"(accumulate));
-    else if constexpr (NT == 24)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n192k16.f32." WG_TYPES " " REGS96 ", %96, %97, p, 1, 1, 0, 0;\n}\n"
-                     : ACC192 : "l"(a), "l"(b), "r"(accumulate));
+        WGMMA_SS_ASM(176, REGS88, ACC176, 88, 89, 90);
+    else
+        WGMMA_SS_ASM(192, REGS96, ACC192, 96, 97, 98);
 }
 
 // d (64 x 8 NT) += a (64 x 16, registers: mma.sync's A fragment of the warp's 16 rows)
