@@ -271,6 +271,46 @@ def test_wgmma_tma_division_and_prepared_tensor_maps(monkeypatch):
     assert looked_up == [(8192, (2, 8, 64), 128), (16384, (2, 8, 64), 128)]
 
 
+def test_tensor_map_pool(monkeypatch):
+    """launch.tensor_map_address: one descriptor per (address, shape, box), encoded and written
+    once; a full pool's addresses are forgotten and a new pool takes over, no slot written twice,
+    the last MAP_RETIRED full pools kept alive."""
+    from attnkern.backends.cuda import launch
+
+    pools, encoded = [], []
+
+    def new_pool():
+        pools.append([np.zeros(launch.MAP_SLOTS * launch.MAP_BYTES, np.uint8), 1 << 20 * (len(pools) + 1), 0])
+        return pools[-1]
+
+    def write(pool, slot, raw):
+        at = slot * launch.MAP_BYTES
+        assert not pool[0][at:at + launch.MAP_BYTES].any()  # never written twice
+        pool[0][at:at + launch.MAP_BYTES] = raw
+
+    def encode(ptr, shape, box_rows):
+        encoded.append(ptr)
+        return np.full(launch.MAP_BYTES, len(encoded), np.uint8)
+
+    for name, value in (("_new_map_pool", new_pool), ("_write_map", write), ("_encode_tensor_map", encode),
+                        ("_device_id", lambda: 0),
+                        ("MAP_SLOTS", 2), ("MAP_RETIRED", 1), ("_MAPS", {}), ("_MAP_POOLS", {}),
+                        ("_MAP_RETIRED", [])):
+        monkeypatch.setattr(launch, name, value)
+    shape = (2, 300, 128)
+    first = launch.tensor_map_address(4096, shape, 176)
+    assert launch.tensor_map_address(4096, shape, 176) == first and encoded == [4096]
+    assert launch.tensor_map_address(4096, shape, 128) != first  # another box: another descriptor
+    assert len(encoded) == 2 and len(pools) == 1
+    third = launch.tensor_map_address(8192, shape, 176)  # the first pool is full: a second one
+    assert len(pools) == 2 and third == pools[1][1] and launch._MAP_RETIRED == [pools[0]]
+    again = launch.tensor_map_address(4096, shape, 176)  # forgotten with its pool, encoded anew
+    assert again == pools[1][1] + launch.MAP_BYTES and encoded == [4096, 4096, 8192, 4096]
+    assert (pools[1][0][launch.MAP_BYTES:2 * launch.MAP_BYTES] == 4).all()
+    launch.tensor_map_address(1, shape, 176)
+    assert len(pools) == 3 and launch._MAP_RETIRED == [pools[1]]  # one full pool kept
+
+
 @pytest.mark.skipif(not SIMULATED, reason="what the simulator runs (on a GPU, the C++ tests below)")
 def test_the_simulator_runs_the_numba_kernels_and_no_cuda_cpp():
     """docs/gpu.md: in the simulator cuda.flash's float32 calls never reach its CUDA C++

@@ -275,7 +275,9 @@ class TensorMap:
 
 MAP_BYTES, MAP_SLOTS = 128, 1024  # a descriptor's bytes (64-byte aligned), descriptors kept per device
 _MAPS: dict = {}  # (array address, shape, box rows) -> its descriptor's global address
-_MAP_POOLS: dict = {}  # device id -> [device memory of MAP_SLOTS descriptors, slots used]
+_MAP_POOLS: dict = {}  # device id -> [device memory of MAP_SLOTS descriptors, its address, slots used]
+_MAP_RETIRED: list = []  # the last MAP_RETIRED full pools, kept alive for launches still using them
+MAP_RETIRED = 4
 _MAP_LOCK = threading.Lock()
 
 
@@ -284,12 +286,36 @@ def tensor_map_address(ptr: int, shape: tuple, box_rows: int) -> int:
     encoded (cuTensorMapEncodeTiled) and copied to the current device once per (address, shape,
     box): a descriptor depends on nothing else, so a call on the same memory (torch's caching
     allocator hands addresses out again) reuses it. Descriptors live in a pool of MAP_SLOTS per
-    device; a full pool starts over. The copy runs on the legacy default stream, as the kernels:
-    a slot written again is written after the kernels queued before that read it."""
+    device, never written twice: a full pool's addresses are forgotten and a new pool takes over,
+    the full one kept alive until MAP_RETIRED newer ones have filled (a launch that looked an
+    address up just before still reads its own descriptor). The copy runs on the legacy default
+    stream, as the kernels."""
     key = (ptr, shape, box_rows)
     at = _MAPS.get(key)
     if at is not None:
         return at
+    raw = _encode_tensor_map(ptr, shape, box_rows)
+    with _MAP_LOCK:
+        device = _device_id()
+        pool = _MAP_POOLS.get(device)
+        if pool is not None and pool[2] == MAP_SLOTS:  # full: its addresses forgotten, the pool retired
+            for k in [k for k, a in _MAPS.items() if pool[1] <= a < pool[1] + MAP_SLOTS * MAP_BYTES]:
+                del _MAPS[k]
+            _MAP_RETIRED.append(pool)
+            del _MAP_RETIRED[:-MAP_RETIRED]
+            pool = None
+        if pool is None:
+            pool = _MAP_POOLS[device] = _new_map_pool()
+        slot = pool[2]
+        _write_map(pool, slot, raw)
+        pool[2] += 1
+        at = _MAPS[key] = pool[1] + slot * MAP_BYTES
+    return at
+
+
+def _encode_tensor_map(ptr: int, shape: tuple, box_rows: int) -> np.ndarray:
+    """The MAP_BYTES bytes of tensor_map_address's descriptor (3-D: d, n, batch; boxes of 64 x
+    box_rows x 1 two-byte elements, 128-byte swizzle, zeros out of bounds)."""
     from cuda.bindings import driver as cu
 
     batch, n, d = (max(int(x), 1) for x in shape)
@@ -301,22 +327,21 @@ def tensor_map_address(ptr: int, shape: tuple, box_rows: int) -> int:
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     _check(err, "cuTensorMapEncodeTiled")
-    raw = np.frombuffer(ctypes.string_at(tmap.getPtr(), MAP_BYTES), np.uint8)
-    with _MAP_LOCK:
-        device = cuda.get_current_device().id
-        pool = _MAP_POOLS.get(device)
-        if pool is None:
-            pool = _MAP_POOLS[device] = [cuda.device_array(MAP_SLOTS * MAP_BYTES, np.uint8), 0]
-        if pool[1] == MAP_SLOTS:  # full: every address of this pool forgotten, its slots written anew
-            base = pool[0].device_ctypes_pointer.value
-            for k in [k for k, a in _MAPS.items() if base <= a < base + MAP_SLOTS * MAP_BYTES]:
-                del _MAPS[k]
-            pool[1] = 0
-        slot = pool[1]
-        pool[0][slot * MAP_BYTES:(slot + 1) * MAP_BYTES].copy_to_device(raw)
-        pool[1] += 1
-        at = _MAPS[key] = pool[0].device_ctypes_pointer.value + slot * MAP_BYTES
-    return at
+    return np.frombuffer(ctypes.string_at(tmap.getPtr(), MAP_BYTES), np.uint8)
+
+
+def _device_id() -> int:
+    return cuda.get_current_device().id
+
+
+def _new_map_pool() -> list:
+    """A pool of MAP_SLOTS descriptors on the current device: [its memory, address, slots used]."""
+    memory = cuda.device_array(MAP_SLOTS * MAP_BYTES, np.uint8)
+    return [memory, memory.device_ctypes_pointer.value, 0]
+
+
+def _write_map(pool: list, slot: int, raw: np.ndarray) -> None:
+    pool[0][slot * MAP_BYTES:(slot + 1) * MAP_BYTES].copy_to_device(raw)
 
 
 _MASK64 = (1 << 64) - 1
