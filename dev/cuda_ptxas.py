@@ -76,6 +76,17 @@ KERNELS = [
             **(dict(WS=1, STAGES=st, PINGPONG=pp) if st else {}), THREADS=128 * (nwg + bool(st))), MMA)
       for d in (64, 128) for nwg, bn, st, pp in ((3, 128, 0, 0), (2, 128, 2, 0), (2, 128, 3, 1), (3, 64, 3, 0))
       for feat in (0, 1)),
+    # its TMA producer (plain kernels only; K freed early, as the default)
+    *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg{nwg}k{bn}s{st}{'p' * pp}et{'_wide' * wide}",
+       dict(D=d, BF16=1, BN=bn, NWG=nwg, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=wide, WS=1, STAGES=st, PINGPONG=pp,
+            EARLYK=1, TMA=1, THREADS=128 * (nwg + 1)), MMA)
+      for d in (64, 128) for nwg, bn, st, pp, wide in ((2, 128, 3, 0, 0), (2, 128, 2, 1, 0), (2, 128, 3, 0, 1))),
+    # its wider K/V tiles (FlashAttention-3's 128 x 176 at D = 128), with the TMA producer and without
+    *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k{bn}s{st}{'p' * pp}e{'t' * tma}",
+       dict(D=d, BF16=1, BN=bn, NWG=2, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=pp,
+            EARLYK=1, TMA=tma, THREADS=384), MMA)
+      for d, bn, st, pp, tma in ((128, 176, 2, 0, 1), (128, 176, 2, 1, 1), (128, 160, 2, 0, 1), (128, 176, 2, 0, 0),
+                                 (64, 192, 3, 0, 1), (64, 192, 3, 1, 1), (64, 176, 3, 0, 1))),
     # the packed-sequence variants (varlen), with dropout as attention_varlen may ask
     ("flash_mma.cu", "mma_bf16_d128_feat_varlen",
      dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=1, MASK=0, ALIBI=0, FAST=0, VARLEN=1, DROPOUT=1), MMA),

@@ -15,8 +15,8 @@ reloaded from shared memory; for float16/bfloat16 on Hopper at D = 64 and 128 al
 flash_wgmma.cu's cpp.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 also a cpp.SimtConfig of the
 register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
 thread's). A WgmmaConfig with stages, "wg{consumer warpgroups}k{keys}s{stages}" ("p" after
-it: ping-pong, then "e": early K), is the warp-specialized variant (a producer warpgroup and
-a ring of K/V stages). "default" is the division the library picks for the head size (marked
+it: ping-pong, then "e": early K, then "t": K/V copied by the TMA), is the warp-specialized
+variant (a producer warpgroup and a ring of K/V stages; keys 64, 128, 160, 176 or 192). "default" is the division the library picks for the head size (marked
 *); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
 --library: attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
 library's whole call on torch tensors.
@@ -35,6 +35,12 @@ each of its backends forced with torch.nn.attention.sdpa_kernel ("torch.cudnn",
 against the default, x_best against the fastest of them, TF32 off (torch's float32 kernel then runs 3xTF32 on tensor
 cores, as flash_tf32.cu does; flash_simt.cu runs float32 FMAs). TFLOP/s count
 4 B H N^2 D, half that with causal masking.
+
+--overhead: the host's time per call at (1, 8, 16, 64) bfloat16 (no GPU work to wait for),
+the median over 5 rounds of 2000 calls back to back of the mean: attnkern.attention (the
+library's fast path, check_finite=False) and the prepared launch alone, once with each
+--overhead-configs division as the default at D = 64 (the fast path's plans cleared between
+them), and cProfile's top functions of the library's calls.
 """
 
 import argparse
@@ -76,7 +82,7 @@ def flat3(x):
 
 
 SIMT_NAME, MMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?"
-WGMMA_NAME = r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?)?"
+WGMMA_NAME = r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?)?"
 
 
 def parse_config(text, d, dtype):
@@ -97,7 +103,7 @@ def parse_config(text, d, dtype):
         if not ok:
             return None
         config = cpp.WgmmaConfig(warpgroups=int(wg[1]), block_k=int(wg[2]), stages=int(wg[3] or 0),
-                                 pingpong=bool(wg[4]), early_k=bool(wg[5]))
+                                 pingpong=bool(wg[4]), early_k=bool(wg[5]), tma=bool(wg[6]))
         try:
             config.check(d)
         except ValueError:
@@ -212,6 +218,56 @@ def sdpa_backends():
             "torch.efficient": forced(SDPBackend.EFFICIENT_ATTENTION)}
 
 
+def overhead(names):
+    """Host microseconds per call at (1, 8, 16, 64) bfloat16 of attnkern.attention and of the
+    prepared launch alone, with each named division the default at D = 64, and cProfile's top
+    functions of the library's calls (the last division)."""
+    import cProfile
+    import io
+    import pstats
+
+    import attnkern
+    from attnkern import _torch_cuda
+
+    q, k, v = inputs((1, 8, 16, 64), "bfloat16", 7)
+    rows, saved = {}, cpp.WGMMA_DEFAULT[64]
+
+    def per_call(fn, calls=2000):
+        means = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            means.append((time.perf_counter() - t) / calls * 1e6)
+        return statistics.median(means)
+
+    try:
+        for name in names:
+            config = parse_config(name, 64, "bfloat16")
+            if config is None:
+                continue
+            cpp.WGMMA_DEFAULT[64] = config
+            _torch_cuda._plans().clear()
+            library = lambda: attnkern.attention(q, k, v, kernel="cuda.flash", check_finite=False)  # noqa: E731
+            library()
+            out = torch.empty_like(q)
+            prepared = Kernel(config, 64, "bfloat16").prepared(q, k, v, out, False, 1 / 8)
+            rows[str(config)] = {"library_us": per_call(library), "prepared_us": per_call(prepared)}
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(2000):
+            library()
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+        rows["profile"] = text.getvalue()[-6000:]
+    finally:
+        cpp.WGMMA_DEFAULT[64] = saved
+        _torch_cuda._plans().clear()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -222,6 +278,8 @@ def main():
                     help="work divisions to compare, comma-separated (default, wg3k128, mt2w4k64, mt2w4k32qs, 64x64t4x8, ...)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--library", action="store_true")
+    ap.add_argument("--overhead", action="store_true")
+    ap.add_argument("--overhead-configs", default="default")
     ap.add_argument("--after", default="",
                     help="a file whose appearance the timings wait for (up to 10 minutes): the builds and checks "
                          "(all first) may run beside other GPU work (the correctness runs of one device call), "
@@ -233,6 +291,11 @@ def main():
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": a.runs,
               "back_to_back": BACK_TO_BACK, "checks": [], "timings": []}
     # every kernel built and checked first (beside other work, if any), then timed
+    if a.overhead:
+        result["overhead"] = overhead(a.overhead_configs.split(","))
+        print(json.dumps(result["overhead"]), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
     blocks = {}
     for dtype in a.dtypes.split(","):
         for d in (int(x) for x in a.dims.split(",")):

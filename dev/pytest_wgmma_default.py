@@ -1,12 +1,13 @@
 """A pytest plugin that runs the test suites with another default division of
-flash_wgmma.cu (cpp.WGMMA_DEFAULT), to check a candidate division on every feature
-before it becomes the default:
+flash_wgmma.cu (cpp.WGMMA_DEFAULT, and its cp.async form for the featured and float32-rows
+kernels, cpp.WGMMA_OTHER), to check a candidate division on every feature before it becomes
+the default:
 
     WGMMA_DEFAULT="64=wg2k128s3,128=wg2k128s2" PYTHONPATH=dev ATTNKERN_TEST_GPU=1 \\
         python3 -m pytest -p pytest_wgmma_default tests/test_cuda.py
 
 Each entry is D=division, a division named as dev/gpu_flash_versions.py names them
-(wg{warpgroups}k{keys}[s{stages}[p][e]])."""
+(wg{warpgroups}k{keys}[s{stages}[p][e][t]])."""
 
 import os
 import re
@@ -20,10 +21,11 @@ def pytest_configure(config):
 
     for entry in spec.split(","):
         d, name = entry.split("=")
-        wg, bk, stages, pingpong, early = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?)?", name).groups()
-        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early))
+        wg, bk, stages, pingpong, early, tma = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?)?", name).groups()
+        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early), bool(tma))
         division.check(int(d))
         cpp.WGMMA_DEFAULT[int(d)] = division
+        cpp.WGMMA_OTHER[int(d)] = division.tma_off()  # the featured and float32-rows kernels' form of it
 
 
 def pytest_report_header(config):

@@ -226,6 +226,91 @@ def test_half_head_size_refusals():
         assert config.shared_bytes(d) <= 163 * 1024
 
 
+def test_wgmma_tma_division_and_prepared_tensor_maps(monkeypatch):
+    """flash_wgmma.cu's TMA producer (WgmmaConfig.tma, named by a t suffix) needs the
+    warp-specialized variant; the plain kernel's default has it, the featured and float32-rows
+    kernels' default (WGMMA_OTHER) not, nor does an explicit division's featured kernel; a prepared launch
+    writes each call's K/V descriptor address (launch.TensorMap: looked up per call from the
+    array's address), never the array's address, and looks nothing up for the placeholders."""
+    import ctypes
+
+    from attnkern._gpuarray import GpuArray
+    from attnkern.backends.cuda import cpp, launch
+
+    tma = cpp.WgmmaConfig(2, 128, 3, early_k=True, tma=True)
+    assert str(tma) == "wg2k128s3et" and tma.tma_off() == cpp.WgmmaConfig(2, 128, 3, early_k=True)
+    tma.check(128)
+    # the plain kernel's default takes the TMA; the featured and float32-rows kernels' default never
+    monkeypatch.setattr(cpp, "wgmma_applies", lambda d, dv: True)
+    monkeypatch.setattr(cpp, "shared_limit", lambda: cpp.WGMMA_SHARED_LIMIT)
+    for d in (64, 128):
+        assert cpp.half_config(d) is cpp.WGMMA_DEFAULT[d] and cpp.half_config(d).tma
+        assert cpp.half_config(d, plain=False) is cpp.WGMMA_OTHER[d] and not cpp.WGMMA_OTHER[d].tma
+    with pytest.raises(ValueError, match="TMA with stages"):
+        cpp.WgmmaConfig(2, 128, 0, tma=True).check(64)
+    looked_up = []
+
+    def fake_address(ptr, shape, box_rows):
+        looked_up.append((ptr, shape, box_rows))
+        return 2 * ptr + box_rows
+
+    monkeypatch.setattr(launch, "tensor_map_address", fake_address)
+    roles = [GpuArray((2, 8, 64), np.uint16, None, ptr=0) for _ in range(2)]
+    seen = []
+
+    def raw(grid, block, params_at):
+        params = (ctypes.c_void_p * 3).from_address(params_at)
+        seen.append([ctypes.c_uint64.from_address(p).value for p in params])
+
+    prepared = launch.Prepared(raw, (1, 1), 128, (launch.Addr(roles[0]), launch.TensorMap(roles[1], 128),
+                                                  np.int32(5)), roles)
+    assert looked_up == []
+    prepared(4096, 8192)
+    prepared(4096, 16384)
+    assert seen == [[4096, 2 * 8192 + 128, 5], [4096, 2 * 16384 + 128, 5]]
+    assert looked_up == [(8192, (2, 8, 64), 128), (16384, (2, 8, 64), 128)]
+
+
+def test_tensor_map_pool(monkeypatch):
+    """launch.tensor_map_address: one descriptor per (address, shape, box), encoded and written
+    once; a full pool's addresses are forgotten and a new pool takes over, no slot written twice,
+    the last MAP_RETIRED full pools kept alive."""
+    from attnkern.backends.cuda import launch
+
+    pools, encoded = [], []
+
+    def new_pool():
+        pools.append([np.zeros(launch.MAP_SLOTS * launch.MAP_BYTES, np.uint8), 1 << 20 * (len(pools) + 1), 0])
+        return pools[-1]
+
+    def write(pool, slot, raw):
+        at = slot * launch.MAP_BYTES
+        assert not pool[0][at:at + launch.MAP_BYTES].any()  # never written twice
+        pool[0][at:at + launch.MAP_BYTES] = raw
+
+    def encode(ptr, shape, box_rows):
+        encoded.append(ptr)
+        return np.full(launch.MAP_BYTES, len(encoded), np.uint8)
+
+    for name, value in (("_new_map_pool", new_pool), ("_write_map", write), ("_encode_tensor_map", encode),
+                        ("_device_id", lambda: 0),
+                        ("MAP_SLOTS", 2), ("MAP_RETIRED", 1), ("_MAPS", {}), ("_MAP_POOLS", {}),
+                        ("_MAP_RETIRED", [])):
+        monkeypatch.setattr(launch, name, value)
+    shape = (2, 300, 128)
+    first = launch.tensor_map_address(4096, shape, 176)
+    assert launch.tensor_map_address(4096, shape, 176) == first and encoded == [4096]
+    assert launch.tensor_map_address(4096, shape, 128) != first  # another box: another descriptor
+    assert len(encoded) == 2 and len(pools) == 1
+    third = launch.tensor_map_address(8192, shape, 176)  # the first pool is full: a second one
+    assert len(pools) == 2 and third == pools[1][1] and launch._MAP_RETIRED == [pools[0]]
+    again = launch.tensor_map_address(4096, shape, 176)  # forgotten with its pool, encoded anew
+    assert again == pools[1][1] + launch.MAP_BYTES and encoded == [4096, 4096, 8192, 4096]
+    assert (pools[1][0][launch.MAP_BYTES:2 * launch.MAP_BYTES] == 4).all()
+    launch.tensor_map_address(1, shape, 176)
+    assert len(pools) == 3 and launch._MAP_RETIRED == [pools[1]]  # one full pool kept
+
+
 @pytest.mark.skipif(not SIMULATED, reason="what the simulator runs (on a GPU, the C++ tests below)")
 def test_the_simulator_runs_the_numba_kernels_and_no_cuda_cpp():
     """docs/gpu.md: in the simulator cuda.flash's float32 calls never reach its CUDA C++

@@ -127,7 +127,7 @@ def test_cuda_flash_half_matches_reference(dtype, causal):
 def test_cuda_flash_half_every_division(dtype):
     """Both half-precision kernels launched directly in each of their divisions:
     flash_wgmma.cu (Hopper only: 1-3 warpgroups x 64 or 128 keys, D = 64 and 128, and
-    its warp-specialized variant in four divisions)
+    its warp-specialized variant in four divisions, and five with its TMA producer, 64-192-key tiles)
     and flash_mma.cu's default division; causal and not, with lse, partial blocks,
     nq != nk, a negative scale, against float64 and bit-identical run to run. On
     Hopper the library's default is the wgmma kernel."""
@@ -147,6 +147,13 @@ def test_cuda_flash_half_every_division(dtype):
             # the warp-specialized variant: two or three consumers, 3-6 K/V stages, K freed early or not
             divisions += [cpp.WgmmaConfig(w, bk, st, early_k=e) for w, bk, st, e in
                           ((2, 128, 3, False), (2, 128, 3, True), (2, 64, 6, True), (3, 64, 4, True))]
+            # and its TMA producer (K/V tiles copied by the tensor memory accelerator), with ping-pong too
+            divisions += [cpp.WgmmaConfig(w, bk, st, pp, True, True) for w, bk, st, pp in
+                          ((2, 128, 3, False), (2, 128, 2, True), (3, 64, 4, False), (2, 176, 2, True),
+                           (2, 192, 3, True))]
+            divisions.append(cpp.WgmmaConfig(2, 160, 2, early_k=True))  # a wider tile with cp.async copies
+            divisions = [c for c in divisions if not isinstance(c, cpp.WgmmaConfig)
+                         or c.shared_bytes(d) <= cpp.WGMMA_SHARED_LIMIT]  # 192-key tiles in 3 stages: D = 64 only
         for i, (batch, nq, nk) in enumerate([(2, 77, 77), (1, 45, 300), (3, 200, 33), (1, 1, 5), (1, 257, 257)]):
             q, k, v = _inputs(torch, dtype, (batch,), nq, nk, d, d, 200 + i)
             scale = -0.6 / d ** 0.5 if i == 1 else 1 / d ** 0.5

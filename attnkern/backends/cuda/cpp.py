@@ -17,8 +17,8 @@ from numba import config, cuda
 from ..._gpuarray import GpuArray
 from .._split import DECODE_TARGET_BLOCKS, decode_chunk, decode_splits, rows_refusal
 
-from .launch import (FEAT_TYPES, LOG2E, PLAIN_WORDS, SHARED_BYTES, Addr, RawKernel, dynamic_raw_kernel, launch,
-                     register_raw, round_up, shared_limit)
+from .launch import (FEAT_TYPES, LOG2E, PLAIN_WORDS, SHARED_BYTES, Addr, RawKernel, TensorMap, dynamic_raw_kernel,
+                     launch, register_raw, round_up, shared_limit)
 
 # ---------------------------------------------------------------- cuda.flash, float32 register-blocked
 
@@ -292,28 +292,33 @@ class WgmmaConfig:
     `pingpong` (with stages and two consumers): the consumers take turns to issue their
     products (ATTNKERN_PINGPONG), one's softmax overlapping the other's products; `early_k`
     (with stages): a tile's K slot freed once its scores are in and K copied a tile ahead of V
-    (ATTNKERN_EARLYK), else K and V freed together once its P V is in."""
+    (ATTNKERN_EARLYK), else K and V freed together once its P V is in; `tma` (with stages): the
+    producer is one thread copying whole tiles with the tensor memory accelerator (ATTNKERN_TMA,
+    launch.TensorMap descriptors of K and V), plain calls only (a featured call runs the same
+    division with cp.async copies: tma_off)."""
 
     warpgroups: int = 3
     block_k: int = 128
     stages: int = 0
     pingpong: bool = False
     early_k: bool = False
+    tma: bool = False
 
     def check(self, d: int) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size."""
-        ok = self.block_k in (64, 128) and d in WGMMA_HEAD_SIZES
+        ok = (self.block_k in (64, 128) or (self.stages and self.block_k in WS_WIDE_TILES)) and d in WGMMA_HEAD_SIZES
         if self.stages:
             ok = ok and self.warpgroups in (2, 3) and 2 <= self.stages <= 6 and \
                 self.shared_bytes(d) <= WGMMA_SHARED_LIMIT
         else:
             ok = ok and self.warpgroups in (1, 2, 3)
-        if self.pingpong or self.early_k:
+        if self.pingpong or self.early_k or self.tma:
             ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
-                             "bytes of shared memory; ping-pong with stages and 2, early K with stages), 64- or "
-                             f"128-key tiles and D = 64 or 128, not {self} at D = {d}")
+                             "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages), "
+                             f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
+                             f"at D = {d}")
 
     @property
     def block_q(self) -> int:
@@ -333,9 +338,15 @@ class WgmmaConfig:
 
     def __str__(self) -> str:
         return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
-                + ("p" if self.pingpong else "") + ("e" if self.early_k else ""))
+                + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else ""))
+
+    def tma_off(self) -> "WgmmaConfig":
+        """This division with cp.async copies: the featured kernels' (the TMA fills K/V rows past nk
+        with zeros, not those past a sequence's key length)."""
+        return dataclasses.replace(self, tma=False)
 
 
+WS_WIDE_TILES = (160, 176, 192)  # the warp-specialized variant's wider K/V tiles (wgmma_ss's N)
 WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
 WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
 WGMMA_SHARED_LIMIT = 227 * 1024  # a block's shared memory on the H100 and H200 (opt-in)
@@ -353,28 +364,37 @@ def _capability(device_id: int) -> tuple:
     return tuple(cuda.get_current_device().compute_capability)
 
 
-def tensor_core_config(d: int, dtype: str) -> "MmaConfig | WgmmaConfig":
-    """The default division of the dtype's tensor-core kernel at head size d."""
-    return mma_config(d, dtype) if dtype == "float32" else half_config(d, dtype)
+def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | WgmmaConfig":
+    """The default division of the dtype's tensor-core kernel at head size d (plain: for the
+    plain kernel, else for the featured and float32-rows variants: half_config)."""
+    return mma_config(d, dtype) if dtype == "float32" else half_config(d, dtype, plain)
 
 
 # flash_wgmma.cu's default division per head size (half_config), read at each call: a
 # module-level table so that a measurement can swap it (dev/gpu_flash_versions.py compares them,
 # dev/pytest_wgmma_default.py runs the tests with another). The warp-specialized variant, two
-# consumers of 64 rows, 128-key tiles in 3 stages, K freed early: on an H100 1.4-1.7x the
-# double-buffered wg3k128 in every measured bfloat16/float16 row (docs/results.md, 2026-11-26).
-WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True), 128: WgmmaConfig(2, 128, 3, early_k=True)}
+# consumers of 64 rows, K freed early, K/V copied by the TMA; at D = 64 128-key tiles in 3
+# stages, at D = 128 176-key tiles in 2 stages with ping-pong (FlashAttention-3's tile). On an
+# H100 (docs/results.md, 2026-11-26, two runs of 12 bfloat16 rows) 1.03-1.05x (D = 64) and
+# 0.99-1.18x (D = 128, 11 of 12 rows faster) the previous default wg2k128s3e, which has cp.async
+# copies, itself 1.4-1.7x the double-buffered wg3k128.
+WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True),
+                 128: WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True)}
+# The featured kernels' and the float32-rows (ATTNKERN_WIDE) variant's: the previous default,
+# whose every feature the GPU tests have checked (the TMA is for plain calls: WgmmaConfig.tma)
+WGMMA_OTHER = {d: WgmmaConfig(2, 128, 3, early_k=True) for d in (64, 128)}
 WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the default's (225 KB at D = 128)
 
 
-def half_config(d: int, dtype: str = "bfloat16") -> "MmaConfig | WgmmaConfig":
+def half_config(d: int, dtype: str = "bfloat16", plain: bool = True) -> "MmaConfig | WgmmaConfig":
     """The float16/bfloat16 kernel's default division at head size d: flash_wgmma.cu's
-    WGMMA_DEFAULT[d] where it applies (Hopper, D = 64 or 128; WGMMA_FALLBACK where this
+    WGMMA_DEFAULT[d] (plain: the plain kernel's; else WGMMA_OTHER[d], the featured and
+    float32-rows variants') where it applies (Hopper, D = 64 or 128; WGMMA_FALLBACK where this
     GPU's shared memory a block is short of it), else flash_mma.cu's (mma_config).
     dev/gpu_flash_versions.py compares them."""
     if not wgmma_applies(d, d):
         return mma_config(d, dtype)
-    division = WGMMA_DEFAULT[d]
+    division = (WGMMA_DEFAULT if plain else WGMMA_OTHER)[d]
     return division if division.shared_bytes(d) <= shared_limit() else WGMMA_FALLBACK
 
 
@@ -431,7 +451,7 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
     featured flash_mma.cu variant that multiplies P by dropout's Philox mask (ATTNKERN_DROPOUT;
     flash_tf32.cu and flash_wgmma.cu have none: a ValueError); varlen: likewise, the variant over
     packed sequences (ATTNKERN_VARLEN, a grid of (query blocks, heads, sequences))."""
-    config = config or tensor_core_config(d, dtype)
+    config = config or tensor_core_config(d, dtype, plain=not featured and not wide)
     params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES
     suffix = _suffix(featured, mask, alibi, fast, dropout, varlen) + ("_w" if wide else "")
     widen = (("WIDE", 1),) if wide else ()
@@ -440,13 +460,15 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
                          "kernels only")
     drop = _variant(dropout, varlen)
     if isinstance(config, WgmmaConfig):
+        config = config.tma_off() if featured else config
         config.check(d)
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
                                ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
                                ("ALIBI", int(alibi)), ("FAST", int(fast)), *widen,
                                *((("WS", 1), ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
-                                  ("EARLYK", int(config.early_k))) if config.stages else ())),
+                                  ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)))
+                                 if config.stages else ())),
                               params, config.threads, config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
                 ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), ("FAST", int(fast)))
@@ -478,18 +500,22 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     batch, nq, d = q.shape
     dtype = q.dtype.name
     dropout, varlen = _dropout_of(feat), _varlen_of(feat)
-    config = config or (mma_config(d, dtype) if dropout or varlen else tensor_core_config(d, dtype))
+    config = config or (mma_config(d, dtype) if dropout or varlen
+                        else tensor_core_config(d, dtype, plain=feat is None and not wide))
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
                          "kernels (float16/bfloat16, float32 with tensor_cores=1); pass tensor_cores=0 in float32")
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
+    # flash_wgmma.cu's TMA producer takes K's and V's tensor maps where the others take their addresses
+    tma = isinstance(config, WgmmaConfig) and config.tma and feat is None
+    kv = (TensorMap(k, config.block_k), TensorMap(v, config.block_k)) if tma else (Addr(k), Addr(v))
     return (flash_mma_kernel(dtype, d, config, feat is not None,
                               mask=0 if feat is None else feat.mask_kind,
                               alibi=feat is not None and feat.alibi is not None, fast=fast, wide=wide,
                               dropout=dropout, varlen=varlen),
             _grid(-(-(feat.max_q if varlen else nq) // config.block_q), batch, feat), config.threads,
-            (Addr(q), Addr(k), Addr(v), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
+            (Addr(q), *kv, Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
              *words))
 

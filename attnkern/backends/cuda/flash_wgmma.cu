@@ -11,12 +11,15 @@
 //   ATTNKERN_D        the head size (D = Dv): 64 or 128
 //   ATTNKERN_BF16     1 for bfloat16, 0 for float16
 //   ATTNKERN_NAME     the function's name
-//   ATTNKERN_BN       keys per K/V tile: 64 or 128
+//   ATTNKERN_BN       keys per K/V tile: 64 or 128 (the warp-specialized variant also 160, 176, 192)
 //   ATTNKERN_NWG      warpgroups (4 warps each) per block: a block owns BM = 64 NWG query rows
 //   ATTNKERN_DYNAMIC  1: shared memory is the launch's dynamic shared memory
 //   ATTNKERN_WS       1: the warp-specialized variant (below; the library's default), with
 //   ATTNKERN_STAGES   its K/V ring's stages (2-6), ATTNKERN_EARLYK 1: K slots freed early,
-//   ATTNKERN_PINGPONG 1: its two consumers take turns to issue their products
+//   ATTNKERN_PINGPONG 1: its two consumers take turns to issue their products,
+//   ATTNKERN_TMA      1: its producer copies K/V tiles with the tensor memory accelerator (TMA):
+//                     kp and vp are then the global addresses of K's and V's CUtensorMap
+//                     (launch.TensorMap), not of their elements
 // and then flash_common.cuh and flash_wgmma_common.cuh (the wgmma wrappers, descriptors and
 // swizzled copies, shared with flash_bwd_mma.cu's Hopper kernels). The grid is (query blocks, batch).
 //
@@ -49,7 +52,11 @@
 // stages behind mbarriers, the NWG consumer warpgroups get its registers (setmaxnreg) and
 // issue tile j's scores with tile j - 1's P V, running tile j's softmax while P V runs. On
 // an H100 it is 1.4-1.7x the variant above (docs/results.md); dev/gpu_flash_versions.py
-// compares divisions.
+// compares divisions. With ATTNKERN_TMA (plain kernels; the default's) one producer thread
+// copies each K or V tile as D / 64 TMA boxes (cp.async.bulk.tensor, 64 columns x BN keys,
+// the 128-byte swizzle written by the copy engine, rows past nk zero-filled) counted on the
+// tile's full mbarrier (expect_tx), instead of 128 threads issuing 16-byte cp.async copies:
+// 3-8% faster on an H100, and 24 registers for the producer, 240 for each of two consumers.
 
 #ifndef ATTNKERN_WS
 #define ATTNKERN_WS 0
@@ -59,6 +66,13 @@
 #endif
 #ifndef ATTNKERN_EARLYK
 #define ATTNKERN_EARLYK 0
+#endif
+#ifndef ATTNKERN_TMA
+#define ATTNKERN_TMA 0
+#endif
+#if ATTNKERN_TMA && (ATTNKERN_FEAT || !ATTNKERN_WS)
+// the TMA fills rows past nk with zeros, not those past a sequence's key length: plain calls only
+#error "ATTNKERN_TMA: the warp-specialized variant's plain kernel only"
 #endif
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
@@ -260,9 +274,37 @@ template <int N>
 static __device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
 // Registers a thread after the reallocation: the producer warpgroup gives its registers to the
-// consumers' accumulators (the SM's 64K registers: 128 PRODUCER_REGS + 128 NWG CONSUMER_REGS)
+// consumers' accumulators (the SM's 64K registers: 128 PRODUCER_REGS + 128 NWG CONSUMER_REGS); a
+// TMA producer (one thread issuing whole tiles) needs the fewest setmaxnreg allows
+#if ATTNKERN_TMA
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS (NWG == 2 ? 240 : 160)
+#else
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS (NWG == 2 ? 232 : 152)
+#endif
+
+// ---------------------------------------------------------------- the tensor memory accelerator (TMA)
+
+// one arrival on bar that also expects `bytes` more bytes of asynchronous copies (complete_tx)
+// before the phase completes
+static __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// the box at coordinates (c0, c1, c2) of the 3-D tensor map at global address map into shared
+// memory at dst (the map's 128-byte swizzle applied), its bytes counted on bar when they land
+static __device__ __forceinline__ void tma_load_3d(u32 dst, u64 map, int c0, int c1, int c2, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
+// the host's writes of the tensor map at map (a copy into global memory before the launch)
+// ordered before this thread's TMA reads of it
+static __device__ __forceinline__ void tma_map_acquire(u64 map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+}
 
 // The warp-specialized variant (ATTNKERN_WS, FlashAttention-3's design): warpgroup 0 is the
 // producer, which only copies K and V tiles (cp.async, 16 bytes a thread) into a ring of STAGES
@@ -298,8 +340,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_k + 8 * s, 128);
-            mbar_init(full_v + 8 * s, 128);
+            // the producer's copies arrive: 128 threads' cp.async, or one thread's expect_tx
+            mbar_init(full_k + 8 * s, ATTNKERN_TMA ? 1 : 128);
+            mbar_init(full_v + 8 * s, ATTNKERN_TMA ? 1 : 128);
             mbar_init(empty_k + 8 * s, 128 * NWG);
             mbar_init(empty_v + 8 * s, 128 * NWG);
         }
@@ -314,21 +357,42 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     if (wg == 0) {
         regs_down<PRODUCER_REGS>();
         // tile jt's K (V) into its stage once the slot's last tile is freed (a fresh one passes)
+#if ATTNKERN_TMA
+        // by one thread: per tile and stage one expect_tx arrival (the tile's bytes) and D / 64 boxes
+        // of 64 columns x BN keys of the tensor map (head size, keys, batch rows), which the TMA
+        // writes in the wgmma layout (its 128-byte swizzle) and zero-fills past nk
+        if (tid != 0) return;
+        tma_map_acquire(kp);
+        tma_map_acquire(vp);
+        const int kv_row = (int)f.kv_row;
+        const u64 ksrc = kp, vsrc = vp;
+        const auto load = [&](u64 map, u32 buf, u32 empty, u32 full, int jt) {
+            const int i = jt - jt0, s = i % STAGES;
+            mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
+            mbar_arrive_expect_tx(full + 8 * s, TILE_BYTES);
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb)
+                tma_load_3d(buf + s * TILE_BYTES + cb * BN * 128, map, 64 * cb, jt * BN, kv_row, full + 8 * s);
+        };
+#else
+        // by the warpgroup's 128 threads, whose copies' completions arrive on the full mbarrier
+        const u16 *ksrc = k, *vsrc = v;
         const auto load = [&](const u16* src, u32 buf, u32 empty, u32 full, int jt) {
             const int i = jt - jt0, s = i % STAGES;
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
             load_tile<128>(src, buf + s * TILE_BYTES, jt * BN, f.len, tid);
             mbar_arrive_cp_async(full + 8 * s);
         };
-        if (ATTNKERN_EARLYK && jt0 < jt1) load(k, ks0, empty_k, full_k, jt0);
+#endif
+        if (ATTNKERN_EARLYK && jt0 < jt1) load(ksrc, ks0, empty_k, full_k, jt0);
         for (int jt = jt0; jt < jt1; ++jt) {
             if (!ATTNKERN_EARLYK)
-                load(k, ks0, empty_k, full_k, jt);
+                load(ksrc, ks0, empty_k, full_k, jt);
             else if (jt + 1 < jt1)
-                load(k, ks0, empty_k, full_k, jt + 1);
-            load(v, vs0, empty_v, full_v, jt);
+                load(ksrc, ks0, empty_k, full_k, jt + 1);
+            load(vsrc, vs0, empty_v, full_v, jt);
         }
-        cp_async_wait_all();  // tiles the consumers skip are never waited for
+        if (!ATTNKERN_TMA) cp_async_wait_all();  // tiles the consumers skip are never waited for
         return;
     }
     regs_up<CONSUMER_REGS>();

@@ -27,18 +27,49 @@
                "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "   \
                "%56, %57, %58, %59, %60, %61, %62, %63}"
 
+// the wider score tiles of the warp-specialized variant (BN = 160, 176, 192 keys)
+#define ACC160 ACC128, ACC8(16), ACC8(17), ACC8(18), ACC8(19)
+#define ACC176 ACC160, ACC8(20), ACC8(21)
+#define ACC192 ACC176, ACC8(22), ACC8(23)
+#define REGS80 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19,  "\
+               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37,  "\
+               "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55,  "\
+               "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73,  "\
+               "%74, %75, %76, %77, %78, %79}"
+#define REGS88 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19,  "\
+               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37,  "\
+               "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55,  "\
+               "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73,  "\
+               "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
+#define REGS96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19,  "\
+               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37,  "\
+               "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55,  "\
+               "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73,  "\
+               "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91,  "\
+               "%92, %93, %94, %95}"
+
+// one wgmma m64nNk16 with A and B from shared memory: REGS the accumulators' operands %0...,
+// A, B, P the operand numbers of the descriptors and the accumulate flag
+#define WGMMA_SS_ASM(N, REGS, ACC, A, B, P)                                                                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                         \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." WG_TYPES " " REGS ", %" #A ", %" #B    \
+                 ", p, 1, 1, 0, 0;\n}\n"                                                                     \
+                 : ACC : "l"(a), "l"(b), "r"(accumulate))
+
 // d (64 x 8 NT) (+)= a (64 x 16, shared memory) b (16 x 8 NT, shared memory, K-major)
 template <int NT>
 static __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], u64 a, u64 b, int accumulate) {
-    static_assert(NT == 8 || NT == 16, "wgmma_ss: N = 64 or 128");
+    static_assert(NT == 8 || NT == 16 || NT == 20 || NT == 22 || NT == 24, "wgmma_ss: N = 64, 128, 160, 176 or 192");
     if constexpr (NT == 8)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPES " " REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : ACC64 : "l"(a), "l"(b), "r"(accumulate));
+        WGMMA_SS_ASM(64, REGS32, ACC64, 32, 33, 34);
+    else if constexpr (NT == 16)
+        WGMMA_SS_ASM(128, REGS64, ACC128, 64, 65, 66);
+    else if constexpr (NT == 20)
+        WGMMA_SS_ASM(160, REGS80, ACC160, 80, 81, 82);
+    else if constexpr (NT == 22)
+        WGMMA_SS_ASM(176, REGS88, ACC176, 88, 89, 90);
     else
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPES " " REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                     : ACC128 : "l"(a), "l"(b), "r"(accumulate));
+        WGMMA_SS_ASM(192, REGS96, ACC192, 96, 97, 98);
 }
 
 // d (64 x 8 NT) += a (64 x 16, registers: mma.sync's A fragment of the warp's 16 rows)

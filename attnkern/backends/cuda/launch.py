@@ -257,6 +257,93 @@ class Addr:
         self.array = array
 
 
+class TensorMap:
+    """A kernel argument that is the global address of a TMA descriptor (CUtensorMap) of a
+    GpuArray (batch, n, d) of 2-byte elements, d = 64 or 128 (flash_wgmma.cu's ATTNKERN_TMA):
+    3-D (d, n, batch), boxes of 64 columns x box_rows rows x 1, the 128-byte swizzle of the
+    wgmma layout, rows past n read as zeros. A Prepared launch maps each call's address to its
+    descriptor (tensor_map_address)."""
+
+    __slots__ = ("array", "box_rows")
+
+    def __init__(self, array, box_rows: int):
+        self.array, self.box_rows = array, box_rows
+
+    def address(self, ptr: int) -> int:
+        return tensor_map_address(ptr, self.array.shape, self.box_rows)
+
+
+MAP_BYTES, MAP_SLOTS = 128, 1024  # a descriptor's bytes (64-byte aligned), descriptors kept per device
+_MAPS: dict = {}  # (array address, shape, box rows) -> its descriptor's global address
+_MAP_POOLS: dict = {}  # device id -> [device memory of MAP_SLOTS descriptors, its address, slots used]
+_MAP_RETIRED: list = []  # the last MAP_RETIRED full pools, kept alive for launches still using them
+MAP_RETIRED = 4
+_MAP_LOCK = threading.Lock()
+
+
+def tensor_map_address(ptr: int, shape: tuple, box_rows: int) -> int:
+    """The global address of the TMA descriptor of the array (batch, n, d) at ptr (TensorMap),
+    encoded (cuTensorMapEncodeTiled) and copied to the current device once per (address, shape,
+    box): a descriptor depends on nothing else, so a call on the same memory (torch's caching
+    allocator hands addresses out again) reuses it. Descriptors live in a pool of MAP_SLOTS per
+    device, never written twice: a full pool's addresses are forgotten and a new pool takes over,
+    the full one kept alive until MAP_RETIRED newer ones have filled (a launch that looked an
+    address up just before still reads its own descriptor). The copy runs on the legacy default
+    stream, as the kernels."""
+    key = (ptr, shape, box_rows)
+    at = _MAPS.get(key)
+    if at is not None:
+        return at
+    raw = _encode_tensor_map(ptr, shape, box_rows)
+    with _MAP_LOCK:
+        device = _device_id()
+        pool = _MAP_POOLS.get(device)
+        if pool is not None and pool[2] == MAP_SLOTS:  # full: its addresses forgotten, the pool retired
+            for k in [k for k, a in _MAPS.items() if pool[1] <= a < pool[1] + MAP_SLOTS * MAP_BYTES]:
+                del _MAPS[k]
+            _MAP_RETIRED.append(pool)
+            del _MAP_RETIRED[:-MAP_RETIRED]
+            pool = None
+        if pool is None:
+            pool = _MAP_POOLS[device] = _new_map_pool()
+        slot = pool[2]
+        _write_map(pool, slot, raw)
+        pool[2] += 1
+        at = _MAPS[key] = pool[1] + slot * MAP_BYTES
+    return at
+
+
+def _encode_tensor_map(ptr: int, shape: tuple, box_rows: int) -> np.ndarray:
+    """The MAP_BYTES bytes of tensor_map_address's descriptor (3-D: d, n, batch; boxes of 64 x
+    box_rows x 1 two-byte elements, 128-byte swizzle, zeros out of bounds)."""
+    from cuda.bindings import driver as cu
+
+    batch, n, d = (max(int(x), 1) for x in shape)
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, ptr, [u64(d), u64(n), u64(batch)],
+        [u64(2 * d), u64(2 * d * n)], [u32(64), u32(box_rows), u32(1)], [u32(1), u32(1), u32(1)],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    _check(err, "cuTensorMapEncodeTiled")
+    return np.frombuffer(ctypes.string_at(tmap.getPtr(), MAP_BYTES), np.uint8)
+
+
+def _device_id() -> int:
+    return cuda.get_current_device().id
+
+
+def _new_map_pool() -> list:
+    """A pool of MAP_SLOTS descriptors on the current device: [its memory, address, slots used]."""
+    memory = cuda.device_array(MAP_SLOTS * MAP_BYTES, np.uint8)
+    return [memory, memory.device_ctypes_pointer.value, 0]
+
+
+def _write_map(pool: list, slot: int, raw: np.ndarray) -> None:
+    pool[0][slot * MAP_BYTES:(slot + 1) * MAP_BYTES].copy_to_device(raw)
+
+
 _MASK64 = (1 << 64) - 1
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -266,15 +353,21 @@ def _words(args, roles=()):
     word per parameter (a narrower value in its low bytes, which is all the
     driver copies): a GpuArray as the fields of Numba's 1-D C-contiguous array
     (meminfo, parent, size, itemsize, data pointer, shape, stride), an Addr as
-    its array's address, a bool as is, Python ints and floats as the C types
-    Numba types them as (int64, float64), NumPy scalars as their own. Returns
-    (words, [(word index, role index)]) where a GpuArray's or an Addr's array
-    is `roles[role index]` (by identity)."""
+    its array's address, a TensorMap as its descriptor's address, a bool as is, Python ints
+    and floats as the C types Numba types them as (int64, float64), NumPy scalars as their
+    own. Returns (words, [(word index, role index, None or a TensorMap's address function)])
+    where a GpuArray's, an Addr's or a TensorMap's array is `roles[role index]` (by identity)."""
     words, slots = [], []
     for a in args:
-        array = a.array if isinstance(a, Addr) else a if isinstance(a, GpuArray) else None
+        array = a.array if isinstance(a, (Addr, TensorMap)) else a if isinstance(a, GpuArray) else None
         if array is not None:
             role = next((i for i, r in enumerate(roles) if r is array), None)
+            if isinstance(a, TensorMap):  # a role's descriptor is looked up per call
+                at = len(words)
+                words.append(0 if role is not None else a.address(array.ptr))
+                if role is not None:
+                    slots.append((at, role, a.address))
+                continue
             if isinstance(a, GpuArray):
                 n, itemsize = a.size, a.dtype.itemsize
                 words += (0, 0, n, itemsize)
@@ -284,7 +377,7 @@ def _words(args, roles=()):
                 at = len(words)
                 words.append(array.ptr)
             if role is not None:
-                slots.append((at, role))
+                slots.append((at, role, None))
         elif isinstance(a, bool):
             words.append(int(a))
         elif isinstance(a, int):
@@ -312,8 +405,8 @@ class Prepared:
 
     def __call__(self, *ptrs) -> None:
         words = self._words
-        for at, role in self._slots:
-            words[at] = ptrs[role]
+        for at, role, mapped in self._slots:
+            words[at] = ptrs[role] if mapped is None else mapped(ptrs[role])
         self._raw(self._grid, self._block, self._params_at)
 
 
@@ -340,8 +433,8 @@ def launch(dispatcher, grid, block, *args) -> None:
     through RawKernel, the arguments laid out as _words says."""
     raw = raw_kernel(dispatcher)
     if raw is None:
-        flat = [a.flat if isinstance(a, GpuArray) else np.uint64(a.array.ptr) if isinstance(a, Addr) else a
-                for a in args]
+        flat = [a.flat if isinstance(a, GpuArray) else np.uint64(a.array.ptr) if isinstance(a, Addr)
+                else np.uint64(a.address(a.array.ptr)) if isinstance(a, TensorMap) else a for a in args]
         shared = _DYNAMIC_SHARED.get(dispatcher, 0)
         if shared and not config.ENABLE_CUDASIM:
             # the limit must be raised before the first launch: compile for these
