@@ -112,12 +112,14 @@ def _arguments_fit(causal, scale, kernel, params) -> bool:
 
 
 def _plans(name: str = "plans") -> dict:
-    """This thread's plans: the forward's ("plans") or the backward's ("backward_plans")."""
-    plans = getattr(_LOCAL, name, None)
-    if plans is None:
-        plans = {}
-        setattr(_LOCAL, name, plans)
-    return plans
+    """This thread's plans: the forward's ("plans") or the backward's ("backward_plans"),
+    emptied when the cuda backend's forget_plans() was called since they were made."""
+    epoch = _USABLE[1].PLANS_EPOCH[0] if _USABLE else 0
+    got = getattr(_LOCAL, name, None)
+    if got is None or got[0] != epoch:
+        got = (epoch, {})
+        setattr(_LOCAL, name, got)
+    return got[1]
 
 
 def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params, backward=False):

@@ -227,7 +227,7 @@ def overhead(names):
     import pstats
 
     import attnkern
-    from attnkern import _torch_cuda
+    from attnkern.backends import cuda
 
     q, k, v = inputs((1, 8, 16, 64), "bfloat16", 7)
     rows, saved = {}, cpp.WGMMA_DEFAULT[64]
@@ -248,7 +248,7 @@ def overhead(names):
             if config is None:
                 continue
             cpp.WGMMA_DEFAULT[64] = config
-            _torch_cuda._plans().clear()
+            cuda.forget_plans()
             library = lambda: attnkern.attention(q, k, v, kernel="cuda.flash", check_finite=False)  # noqa: E731
             library()
             out = torch.empty_like(q)
@@ -264,7 +264,7 @@ def overhead(names):
         rows["profile"] = text.getvalue()[-6000:]
     finally:
         cpp.WGMMA_DEFAULT[64] = saved
-        _torch_cuda._plans().clear()
+        cuda.forget_plans()
     return rows
 
 

@@ -1,9 +1,9 @@
 """Why attnkern.attention reads slower than cuda.flash's kernel launched directly (dev/
-gpu_flash_versions.py --library): at (1, 16, N, D) bfloat16, per call shape, what the
-library's fast path (_torch_cuda.attention) returned over 30 calls (a result, None: the
-general path ran, or Pending: a plan was made), the host's time per call and the GPU's
+gpu_flash_versions.py --library): at (1, 16, N, D) bfloat16, per call shape, the
+host's time per call (after 30 calls: the prepared launch made) and the GPU's
 (CUDA events, 5 back to back, median of 15, in turns with the prepared kernel), the
-library with the fast path off, and cProfile's top functions (cumulative) of 10 calls.
+library with the fast path off (attnkern.backends.cuda.FAST_PATH), and cProfile's top
+functions (cumulative) of 10 calls, which show the path the calls took.
 --with-torch: torch's SDPA backends in the turns too, as dev/gpu_flash_versions.py has them
 (there the library read 0.79-0.97x the kernel; alone with it, 1.005x).
 
@@ -21,7 +21,7 @@ import time
 import torch
 
 import attnkern
-from attnkern import _torch_cuda
+from attnkern.backends import cuda
 from attnkern_bench.timing import CudaEventClock
 from gpu_flash_versions import Kernel, inputs, parse_config, sdpa_backends
 
@@ -41,20 +41,8 @@ def main() -> int:
                 return attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", check_finite=False)
 
             library()
-            seen = []
-            real = _torch_cuda.attention
-
-            def counted(*args, **kw):
-                got = real(*args, **kw)
-                seen.append("none" if got is None else type(got).__name__)
-                return got
-
-            _torch_cuda.attention = counted
-            try:
-                for _ in range(30):
-                    library()
-            finally:
-                _torch_cuda.attention = real
+            for _ in range(30):
+                library()
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(10):
@@ -66,11 +54,11 @@ def main() -> int:
                                                                                             1 / d**0.5)
 
             def general():
-                _torch_cuda.FAST_PATH = False
+                cuda.FAST_PATH = False
                 try:
                     return library()
                 finally:
-                    _torch_cuda.FAST_PATH = True
+                    cuda.FAST_PATH = True
 
             fns = {"library": library, "prepared": prepared, "general_path": general}
             if a.with_torch:
@@ -90,8 +78,7 @@ def main() -> int:
             profile.disable()
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
-            row = {"n": n, "d": d, "causal": causal, "fast_path_returns": {x: seen.count(x) for x in set(seen)},
-                   "library_host_us": host_us, **{f"{k}_ms": statistics.median(x) * 1e3 for k, x in samples.items()},
+            row = {"n": n, "d": d, "causal": causal, "library_host_us": host_us, **{f"{k}_ms": statistics.median(x) * 1e3 for k, x in samples.items()},
                    "profile": text.getvalue()[-5000:]}
             print(json.dumps({k: x for k, x in row.items() if k != "profile"}), flush=True)
             rows.append(row)

@@ -364,7 +364,7 @@ def test_prepared_decode_matches_the_general_path(kernel, nq):
             for a, b in zip(got if with_lse else (got,), want if with_lse else (want,)):
                 assert torch.equal(a, b), "the prepared launch differs from the general path"
     # this test's call shape (other tests' plans, e.g. of split_k=1 on the regular kernel, have none)
-    plans = [p for key, p in _torch_cuda._LOCAL.plans.items()
+    plans = [p for key, p in _torch_cuda._plans().items()
              if key[0] == q.shape and key[3] == q.dtype and key[9] == kernel and key[7] == "bottom_right"
              and not key[12]]
     assert plans and all(p.launch is not None and p.scratch > 0 for p in plans), "no prepared decode plan"

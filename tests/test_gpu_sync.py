@@ -90,7 +90,7 @@ def test_prepared_calls_match_the_general_path_bit_for_bit(autograd_path):
         for _ in range(3):
             grads = attnkern.attention_backward(q.detach(), k.detach(), v.detach(), out, dout, lse, causal=causal)
         assert all(torch.equal(a, b) for a, b in zip(grads, general[1]))
-    plans = [p for p in _torch_cuda._LOCAL.backward_plans.values() if p.launch is not None]
+    plans = [p for p in _torch_cuda._plans("backward_plans").values() if p.launch is not None]
     assert len(plans) >= 3, "attention_backward did not take the prepared backward"
 
 

@@ -371,7 +371,7 @@ def test_triton_fast_path_matches_general_path():
                 for a, b in zip(*(x if return_lse else (x,) for x in (want, got))):
                     assert torch.equal(a, b)
         # this test's plans (earlier tests leave plans of featured calls, which have no launch)
-        plans = [p for key, p in _torch_cuda._LOCAL.plans.items() if key[9] == "triton.flash" and key[0] == q.shape]
+        plans = [p for key, p in _torch_cuda._plans().items() if key[9] == "triton.flash" and key[0] == q.shape]
         assert plans and all(p.launch is not None for p in plans)
 
 

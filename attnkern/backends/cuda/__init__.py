@@ -142,6 +142,17 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
 # False: attention() on torch CUDA tensors runs every call of cuda.flash and triton.flash through the
 # general path, not the frontend's prepared launches (_torch_cuda): measurements compare the two
 FAST_PATH = True
+# Bumped by forget_plans(): the frontend's prepared launches (_torch_cuda) made before are dropped
+PLANS_EPOCH = [0]
+
+
+def forget_plans() -> None:
+    """Makes attention() on torch CUDA tensors plan each call shape again: a prepared launch
+    keeps the kernel chosen when it was made, so a measurement that changes cpp's default
+    divisions (cpp.WGMMA_DEFAULT, ...) between calls calls this after each change."""
+    PLANS_EPOCH[0] += 1
+
+
 # False: every differentiable call on torch CUDA tensors goes through the custom op attnkern::attention,
 # also outside torch.compile, not the core's eager autograd Function: measurements compare the two
 EAGER_AUTOGRAD = True
