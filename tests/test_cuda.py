@@ -460,6 +460,12 @@ def test_torch_fast_path_matches_the_general_path():
                                  kw.get("causal", False), kw.get("scale"))
     plans = [p for p in fast._plans().values() if p.launch is not None]
     assert plans, "no call took the prepared launch"
+    from attnkern.backends import cuda
+
+    cuda.forget_plans()  # the public way to make every call shape plan again
+    assert not fast._plans()
+    q, k, v = tensors()
+    assert torch.equal(attnkern.attention(q, k, v), general(q, k, v)) and len(fast._plans()) == 1
     q, k, v = tensors(nq=45)
     for _ in range(2):  # q, k and v one tensor
         assert torch.equal(attnkern.attention(q, q, q), general(q, q, q))
