@@ -123,7 +123,8 @@ def run(sizes, batch: int, heads: int, dim: int, dtype: str, causal_modes, repea
                 rows.append(row)
                 print(f"{n:>6} {str(bool(causal)):>6} {name:>22} {both[name] * 1e3:>11.3f} {alone[name] * 1e3:>9.3f} "
                       f"{row['bwd_tflops']:>11.1f} {row['fwd_bwd_ratio']:>13.2f} {row['bwd_ratio']:>9.2f}")
-            print(f"#   cuda.flash gradients vs float64: max relative error {error:.2e}")
+            print(f"#   cuda.flash gradients vs float64: max relative error {error:.2e}" if n <= 4096 else
+                  "#   cuda.flash gradients not checked above N = 4096 (torch's float64 math backend's N x N buffers)")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
