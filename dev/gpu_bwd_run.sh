@@ -5,7 +5,7 @@
 # Usage: dev/gpu_bwd_run.sh [tests|bench|all] [pytest -k expression]
 set -u
 what=${1:-all}
-pip install -q --no-index --no-deps --target /tmp/site whl/*.whl
+pip install -q --no-index --no-deps --upgrade --target /tmp/site whl/*.whl
 # src/ (optional): the package's Python and CUDA sources, laid over the wheel's (no rebuild for them)
 [ -d src ] && cp -r src/. /tmp/site/
 export PYTHONPATH=/tmp/site

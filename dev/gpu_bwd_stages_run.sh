@@ -6,7 +6,7 @@
 # the divisions timed in turns (D = 64, then 128), then attnkern bench --backward with the fastest
 # bit-identical divisions (dev/gpu_bwd_best.py). Run from a folder holding whl/ (the attnkern cp312 wheel
 # and NumPy 2.4), tests/ and dev/; 8 files under $OUT.
-pip install -q --no-index --no-deps --target /tmp/site-gpubwd3 whl/*.whl > /dev/null 2>&1
+pip install -q --no-index --no-deps --upgrade --target /tmp/site-gpubwd3 whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/site-gpubwd3 PYTHONUNBUFFERED=1
 L=/tmp/logs; mkdir -p $L; rm -f /tmp/phase1_done /tmp/v64_done
 here=$PWD

@@ -3,7 +3,7 @@
 # 2026-11-26 (docs/gpu-backward-wgmma.md): test_cuda_backward.py and test_dropout.py -k cuda in parallel
 # groups, dev/gpu_bwd_wgmma_check.py, then the divisions side by side and attnkern bench --backward.
 # Run from a folder holding whl/ (the attnkern cp312 wheel and NumPy 2.4), tests/ and dev/; results under $OUT.
-pip install -q --no-index --no-deps --target /tmp/site-gpubwd2 whl/*.whl > /dev/null 2>&1
+pip install -q --no-index --no-deps --upgrade --target /tmp/site-gpubwd2 whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/site-gpubwd2 PYTHONUNBUFFERED=1
 L=/tmp/logs; mkdir -p $L
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee $OUT/gpu.txt

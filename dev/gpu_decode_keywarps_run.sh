@@ -4,7 +4,7 @@
 # of a carried folder holding whl/ (the attnkern and NumPy 2.4 cp312 wheels), tests/, dev/ and
 # pyproject.toml (docs/gpu-device.md), and run `bash FOLDER/gpu_decode_keywarps_run.sh` there.
 cd "$(dirname "$0")"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site-gpudec2 whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site-gpudec2 whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site-gpudec2 PYTHONUNBUFFERED=1 ATTNKERN_TEST_GPU=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > $OUT/gpu.txt 2>&1
 T=tests/test_cuda_decode.py

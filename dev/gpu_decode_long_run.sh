@@ -8,7 +8,7 @@
 cd "$(dirname "$0")"
 budget=${1:-230}
 start=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --target /tmp/site-gpudec3 whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site-gpudec3 whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site-gpudec3 PYTHONUNBUFFERED=1 ATTNKERN_TEST_GPU=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > $OUT/gpu.txt 2>&1
 python3 -c "from attnkern.backends.cuda import cpp; print('defaults', cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS, cpp.DECODE_SPLIT_RULE)"

@@ -8,7 +8,7 @@
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 S=/tmp/site-triover
-pip install -q --no-index --no-deps --target $S whl/*.whl > /dev/null 2>&1
+pip install -q --no-index --no-deps --upgrade --target $S whl/*.whl > /dev/null 2>&1
 [ -d overlay ] && cp -r overlay/. $S/attnkern/
 export PYTHONPATH=$S PYTHONUNBUFFERED=1
 L=/tmp/logs; mkdir -p $L
