@@ -6,7 +6,7 @@
 # measures the errors; its timings wait for the tests to end. Logs and JSON under $OUT.
 set -u
 out=${OUT:-/tmp/fp8-out}; mkdir -p "$out"
-pip install -q --no-index --no-deps --target /tmp/site-gpufp8 whl/*.whl
+pip install -q --upgrade --no-index --no-deps --target /tmp/site-gpufp8 whl/*.whl
 export PYTHONPATH=/tmp/site-gpufp8
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv > "$out/gpu.txt"
 rm -f /tmp/fp8-tests-done
