@@ -787,6 +787,7 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     exact for this block).
     NumPy arrays or torch tensors (CPU or CUDA), in the kernel's dtypes; the kernel
     must have a backward (kernel_info(name)["backward"])."""
+    _fp8.refuse(("q", q), ("k", k), ("v", v), what="attention_backward")
     args = (q, k, v, out, dout, lse)
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
              "dropout_p": dropout_p, "dropout_seed": dropout_seed, "alibi_slopes": alibi_slopes}
@@ -1218,6 +1219,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     across sequences); any other kernel runs one (H, len, D) call per sequence.
     torch CPU tensors give torch tensors, differentiable through
     attention_varlen_backward."""
+    _fp8.refuse(("q", q), ("k", k), ("v", v), what="attention_varlen")
     torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
     seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
     kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
@@ -1263,6 +1265,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     return_lse=True) returned them, the same keywords (dropout_seed required with
     dropout). dk and dv have k's and v's shapes. return_lse is accepted for symmetry
     with attention_varlen and ignored."""
+    _fp8.refuse(("q", q), ("k", k), ("v", v), what="attention_varlen_backward")
     kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
           "dropout_seed": dropout_seed, "kernel": kernel, "alibi_slopes": alibi_slopes}
     arrays = (q, k, v, out, dout, lse)

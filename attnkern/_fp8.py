@@ -41,6 +41,15 @@ def is_fp8(x) -> bool:
     return "float8" in str(getattr(x, "dtype", ""))
 
 
+def refuse(*named, what: str) -> None:
+    """TypeError where any of the (name, array) pairs is a float8 tensor: FP8 has attention()'s
+    forward only (no backward, no varlen)."""
+    for name, x in named:
+        if is_fp8(x):
+            raise TypeError(f"{what} has no FP8: {name} is {x.dtype}; float8_e4m3fn runs attention()'s forward "
+                            "only (cuda.flash on Hopper, with descale_q/k/v)")
+
+
 def hadamard_matrix(d: int, device=None, dtype=None):
     """The orthonormal Hadamard matrix of size d (a power of two), Sylvester's construction
     scaled by 1 / sqrt(d): H H^T = I, H symmetric, a torch tensor (float32 unless dtype)."""

@@ -105,6 +105,18 @@ def test_v_transpose_follows_the_fragment_order():
         assert vt[0, :, col].tolist() == [want] * 128, col
 
 
+def test_backward_and_varlen_refuse_fp8():
+    x8 = torch.zeros(1, 2, 8, 128).to(torch.float8_e4m3fn)
+    x = torch.zeros(1, 2, 8, 128)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="attention_backward has no FP8: v is torch.float8_e4m3fn"):
+        attnkern.attention_backward(x, x, x8, x, x, torch.zeros(1, 2, 8))
+    with pytest.raises(TypeError, match="attention_varlen has no FP8: q is"):
+        attnkern.attention_varlen(x8[0].transpose(0, 1), x8[0].transpose(0, 1), x8[0].transpose(0, 1), cu, cu)
+    with pytest.raises(TypeError, match="attention_varlen_backward has no FP8: k is"):
+        attnkern.attention_varlen_backward(x[0], x8[0], x[0], x[0], x[0], torch.zeros(2, 8), cu, cu)
+
+
 def test_kernel_info_lists_fp8_forward_only():
     info = attnkern.kernel_info("cuda.flash")
     assert "float8_e4m3fn" in info["dtypes"] and "float8_e4m3fn" not in info["backward_dtypes"]
