@@ -19,6 +19,7 @@
 from . import backends  # noqa: F401  (registers the kernels)
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward, kernel_info
 from ._dropin import flash_attn_func, flash_attn_varlen_func, sdpa
+from ._fp8 import Fp8Inputs, hadamard_matrix, quantize_fp8
 from ._reference import reference, reference_backward
 from ._registry import kernels, threads_used
 from ._version import __version__  # noqa: F401  (re-exported)
@@ -60,4 +61,5 @@ def tune(q_shape, k_shape=None, *, kernel="native.flash", dtype="float32", causa
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "reference",
            "reference_backward", "kernels", "kernel_info", "active_isa", "supported_isas", "machine", "tune", "cache_dir",
-           "threads_used", "sdpa", "flash_attn_func", "flash_attn_varlen_func"]
+           "threads_used", "sdpa", "flash_attn_func", "flash_attn_varlen_func", "quantize_fp8",
+           "hadamard_matrix", "Fp8Inputs"]

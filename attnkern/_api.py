@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _gpu, _gpuarray, _registry, _torch_api, _torch_cuda, _torch_ops, _tuned
+from . import _fp8, _gpu, _gpuarray, _registry, _torch_api, _torch_cuda, _torch_ops, _tuned
 
 
 def _half_dtypes() -> tuple[np.dtype, ...]:
@@ -455,7 +455,7 @@ def _auto(device: bool = False, dtype: str = "float32", return_lse: bool = False
 
 def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, key_lengths=None, softcap=None,
               attn_mask=None, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, check_finite=True,
-              return_lse=False, **params):
+              return_lse=False, descale_q=None, descale_k=None, descale_v=None, **params):
     """softmax(q k^T * scale) v.
 
     q (..., Nq, D), k (..., Nk, D), v (..., Nk, Dv) with the same 0 to 2 leading
@@ -502,10 +502,23 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     C-contiguous arrays are used in place. With check_finite, inputs with NaN/inf
     raise ValueError and a non-finite result (scores overflowing the dtype) raises
     FloatingPointError.
+
+    FP8: torch CUDA tensors of dtype torch.float8_e4m3fn (all three) with descale_q,
+    descale_k, descale_v (x ~ x8 * descale_x, per tensor: attnkern.quantize_fp8 makes
+    them) run cuda.flash's FP8 forward on Hopper and return bfloat16; D = Dv = 128,
+    causal and grouped k/v heads only (docs/gpu-fp8.md).
     """
     # NumPy arrays (the common host call) need no look at the module of each argument
     torch_inputs = not (type(q) is type(k) is type(v) is np.ndarray) and (_is_torch(q) or _is_torch(k) or
                                                                          _is_torch(v))
+    descales = (descale_q, descale_k, descale_v)
+    if torch_inputs and (_fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v)):
+        feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
+                 "dropout_p": dropout_p, "alibi_slopes": alibi_slopes}
+        return _fp8.attention(q, k, v, causal, scale, kernel, feats, params, descales, return_lse, check_finite)
+    if any(x is not None for x in descales):
+        raise ValueError("descale_q, descale_k and descale_v are for float8_e4m3fn torch tensors only (quantize_fp8 "
+                         f"makes them); these inputs are {getattr(q, 'dtype', type(q).__name__)}")
     if dropout_p and dropout_seed is None:
         dropout_seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
@@ -774,6 +787,7 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     exact for this block).
     NumPy arrays or torch tensors (CPU or CUDA), in the kernel's dtypes; the kernel
     must have a backward (kernel_info(name)["backward"])."""
+    _fp8.refuse(("q", q), ("k", k), ("v", v), what="attention_backward")
     args = (q, k, v, out, dout, lse)
     feats = {"window": window, "key_lengths": key_lengths, "softcap": softcap, "attn_mask": attn_mask,
              "dropout_p": dropout_p, "dropout_seed": dropout_seed, "alibi_slopes": alibi_slopes}
@@ -1205,6 +1219,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     across sequences); any other kernel runs one (H, len, D) call per sequence.
     torch CPU tensors give torch tensors, differentiable through
     attention_varlen_backward."""
+    _fp8.refuse(("q", q), ("k", k), ("v", v), what="attention_varlen")
     torch_inputs = _is_torch(q) or _is_torch(k) or _is_torch(v)
     seed = _draw_seed(dropout_p, dropout_seed, torch_inputs)
     kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
@@ -1250,6 +1265,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     return_lse=True) returned them, the same keywords (dropout_seed required with
     dropout). dk and dv have k's and v's shapes. return_lse is accepted for symmetry
     with attention_varlen and ignored."""
+    _fp8.refuse(("q", q), ("k", k), ("v", v), what="attention_varlen_backward")
     kw = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout_p": dropout_p,
           "dropout_seed": dropout_seed, "kernel": kernel, "alibi_slopes": alibi_slopes}
     arrays = (q, k, v, out, dout, lse)

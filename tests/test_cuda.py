@@ -1003,7 +1003,10 @@ def test_dropout_in_half_precision_runs_on_the_tensor_core_kernels():
     refuses one without dropout."""
     info = attnkern.kernel_info("cuda.flash")
     assert "dropout" in info["features"] and "dropout" in info["backward_features"]
-    assert info["feature_dtypes"] == {"varlen": ["float16", "bfloat16"]}  # dropout in every dtype
+    # dropout in every dtype but FP8, whose forward has grouped k/v heads and bottom-right causal only
+    wide = ["float32", "float64", "float16", "bfloat16"]
+    assert info["feature_dtypes"] == {"varlen": ["float16", "bfloat16"], **{f: wide for f in (
+        "window", "key_lengths", "softcap", "mask", "dropout", "alibi")}}
     if SIMULATED:
         q = np.ones((1, 2, 16, 16), np.float16)
         with pytest.raises(RuntimeError, match="simulator cannot run"):

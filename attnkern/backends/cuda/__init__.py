@@ -218,6 +218,8 @@ def _cuda_flash(q, k, v, causal, scale, block_q=0, block_k=0, tensor_cores=1, fa
     return out
 
 
+# cuda.flash's dtypes but FP8, which has grouped k/v heads and bottom-right causal masking only
+WIDE_DTYPES = ("float32", "float64", "float16", "bfloat16")
 # the dtypes in which cuda.flash runs packed varlen sequences in one launch (flash_mma.cu's and
 # flash_bwd_mma.cu's ATTNKERN_VARLEN variants); in the others attention_varlen runs one call a sequence
 VARLEN_DTYPES = ("float16", "bfloat16")
@@ -535,6 +537,8 @@ def _flash_head_sizes(d: int, dv: int, dtype: str) -> str | None:
     if dtype in cpp.MMA_DTYPES and not cpp.half_head_size_ok(d, dv):
         return (f"float16/bfloat16 need D = Dv, a multiple of 16 up to {cpp.HALF_MAX_HEAD} (got D={d}, Dv={dv}); "
                 "use triton.flash, or float32")
+    if dtype == "float8_e4m3fn" and not d == dv in cpp.FP8_HEAD_SIZES:
+        return f"float8_e4m3fn needs D = Dv = 128 (got D={d}, Dv={dv}); use bfloat16"
     return None
 
 
@@ -662,10 +666,13 @@ register(
         # one launch) in float16/bfloat16 only (float32/float64 run one call a sequence)
         features=frozenset({"gqa", "bottom_right", "window", "key_lengths", "softcap", "mask", "alibi", "dropout",
                             "varlen"}),
-        feature_dtypes={"varlen": VARLEN_DTYPES},
+        # FP8 (float8_e4m3fn, forward only, Hopper) has grouped k/v heads and bottom-right causal only
+        feature_dtypes={"varlen": VARLEN_DTYPES, **{f: WIDE_DTYPES for f in ("window", "key_lengths", "softcap",
+                                                                             "mask", "alibi", "dropout")}},
         # float16/bfloat16: the tensor-core forward (flash_mma.cu, flash_wgmma.cu) and backward
-        # (flash_bwd_mma.cu), D = Dv a multiple of 16 up to 256 (_flash_head_sizes)
-        dtypes=("float32", "float64", "float16", "bfloat16"),
+        # (flash_bwd_mma.cu), D = Dv a multiple of 16 up to 256 (_flash_head_sizes); float8_e4m3fn:
+        # the FP8 forward (attnkern._fp8, flash_wgmma.cu's ATTNKERN_FP8) on Hopper, D = Dv = 128, no backward
+        dtypes=("float32", "float64", "float16", "bfloat16", "float8_e4m3fn"),
         backward_dtypes=("float32", "float64", "float16", "bfloat16"),
         head_sizes=_flash_head_sizes,
         search_space=_flash_search_space,

@@ -304,12 +304,12 @@ class WgmmaConfig:
     early_k: bool = False
     tma: bool = False
 
-    def check(self, d: int) -> None:
-        """ValueError unless flash_wgmma.cu has this division and head size."""
+    def check(self, d: int, itemsize: int = 2) -> None:
+        """ValueError unless flash_wgmma.cu has this division and head size (itemsize 1: FP8)."""
         ok = (self.block_k in (64, 128) or (self.stages and self.block_k in WS_WIDE_TILES)) and d in WGMMA_HEAD_SIZES
         if self.stages:
             ok = ok and self.warpgroups in (2, 3) and 2 <= self.stages <= 6 and \
-                self.shared_bytes(d) <= WGMMA_SHARED_LIMIT
+                self.shared_bytes(d, itemsize) <= WGMMA_SHARED_LIMIT
         else:
             ok = ok and self.warpgroups in (1, 2, 3)
         if self.pingpong or self.early_k or self.tma:
@@ -479,6 +479,67 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
                                                      *widen, *drop), 2
     return _linked_kernel(source, f"attnkern_flash_mma_{dtype}_{d}_{config}{suffix}", defines, params,
                           config.threads, config.shared_bytes(d, itemsize))
+
+
+# ---------------------------------------------------------------- cuda.flash in FP8 (e4m3) on Hopper
+
+# flash_wgmma.cu's FP8 variant (ATTNKERN_FP8): the warp-specialized kernel at D = 128, 128-key tiles;
+# its division, read at each call (dev/gpu_fp8_measure.py swaps it to compare)
+FP8_DEFAULT = WgmmaConfig(2, 128, 3, early_k=True)
+FP8_HEAD_SIZES = (128,)
+FP8_P_SCALE = 256.0  # the kernel's factor on P before its rounding to e4m3 (P_SCALE), undone in out_scale
+FP8_VT_KEYS = 128  # V^T's rows are padded to a multiple of the kernel's key tile
+
+
+def flash_fp8_kernel(config: WgmmaConfig | None = None, featured: bool = False):
+    """flash_wgmma.cu's FP8 variant at D = 128 for a division (default FP8_DEFAULT, warp-specialized,
+    128-key tiles): e4m3 q, k and V^T (fp8_transpose_v's layout), bfloat16 out and lse; featured: the
+    variant that takes grouped k/v heads and bottom-right causal masking (ATTNKERN_FEAT; no other
+    feature has an FP8 kernel)."""
+    config = config or FP8_DEFAULT
+    if not config.stages or config.tma or config.block_k != FP8_VT_KEYS:
+        raise ValueError(f"cuda.flash FP8 runs the warp-specialized division with cp.async copies and {FP8_VT_KEYS}-key "
+                         f"tiles, not {config}")
+    config.check(128, 1)
+    params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("f32", "i32")
+    return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_fp8_128_{config}{_suffix(featured, 0, False)}",
+                          (("D", 128), ("BF16", 1), ("FP8", 1), ("BN", config.block_k), ("NWG", config.warpgroups),
+                           ("FEAT", int(featured)), ("MASK", 0), ("ALIBI", 0), ("FAST", 0), ("WS", 1),
+                           ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
+                           ("EARLYK", int(config.early_k))),
+                          params, config.threads, config.shared_bytes(128, 1))
+
+
+def fp8_transpose_v(v, keys: int):
+    """V (rows, nk, D), a torch tensor of e4m3, as flash_fp8_launch's V^T: (rows, D, nk rounded up to `keys`) bytes, zero past
+    nk, the keys of every 32 in the order of the 8-bit A fragment (flash_wgmma.cu's ATTNKERN_FP8
+    comment): key 16h + 8a + 2t + b at column 16h + 4t + 2a + b. One copy (and a padding copy where
+    nk is not a multiple of `keys`)."""
+    import torch
+
+    rows, nk, d = v.shape
+    nkp = -(-nk // keys) * keys
+    x = v.view(torch.uint8)
+    if nkp != nk:
+        x = torch.nn.functional.pad(x, (0, 0, 0, nkp - nk))
+    # (rows, chunk, h, a, t, b, d) -> (rows, d, chunk, h, t, a, b)
+    return x.view(rows, nkp // 32, 2, 2, 4, 2, d).permute(0, 6, 1, 2, 4, 3, 5).reshape(rows, d, nkp)
+
+
+def flash_fp8_launch(q, k, vt, out, lse, causal: bool, scale_log2: float, out_scale: float, feat=None,
+                     config: WgmmaConfig | None = None):
+    """(kernel, grid, block, args) of the FP8 forward: q (batch, nq, 128) and k (batch_kv, nk, 128)
+    e4m3, vt (batch_kv, 128, vt_stride) e4m3 (fp8_transpose_v's), out (batch, nq, 128) and lse
+    (batch, nq) or None bfloat16 (GpuArrays: only their addresses and shapes are read); scale_log2:
+    the softmax scale times descale_q descale_k times log2(e); out_scale: descale_v / FP8_P_SCALE;
+    feat: a launch.KernelFeatures of grouped k/v heads and bottom-right masking only, or None."""
+    config = config or FP8_DEFAULT
+    batch, nq, _ = q.shape
+    words = PLAIN_WORDS if feat is None else feat.words(1.0)
+    return (flash_fp8_kernel(config, feat is not None), (-(-nq // config.block_q), batch), config.threads,
+            (Addr(q), Addr(k), Addr(vt), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
+             np.int32(k.shape[1]), np.float32(scale_log2), np.int32(bool(causal)), np.int32(lse is not None),
+             *words, np.float32(out_scale), np.int32(vt.shape[2])))
 
 
 def mma_aligned(*ptrs) -> bool:

@@ -47,6 +47,20 @@
 // last row, a warpgroup skips tiles entirely above its rows, and the blocks with the
 // most tiles go first.
 //
+// ATTNKERN_FP8 (with ATTNKERN_WS, D = 128, BN = 128): q, k and v in float8 e4m3 (one byte an
+// element; output bfloat16), wgmma's k32 e4m3 instructions. Both shared operands of an 8-bit
+// wgmma are K-major, so P V reads V transposed: the caller passes V^T (batch rows of D rows of
+// vt_stride keys, a multiple of BN, zero past nk), each 32 keys stored in the order of the
+// 8-bit A fragment. A thread's float32 scores of a 32-key step are the keys 2t, 2t + 1 of each
+// 8-key tile (t = lane % 4); the A fragment wants its bytes 4t..4t + 3 and 16 + 4t..16 + 4t + 3.
+// Calling the keys 2t, 2t + 1, 8 + 2t, 9 + 2t fragment columns 4t..4t + 3 (and 16 more for the
+// other half) makes P's fragment the thread's own scores, four to a register with no shuffle,
+// if V^T's columns follow that order: key 16h + 8a + 2t + b at column 16h + 4t + 2a + b (the
+// caller's transpose does it at no cost). P is scaled by 2^8 before it is rounded to e4m3
+// (values in [0, 256], within e4m3's 448; small probabilities keep 3 bits of mantissa down
+// to 2^-14 rather than flushing below 2^-9), and the output by out_scale = descale_v / 2^8;
+// scale_log2 carries descale_q descale_k.
+//
 // ATTNKERN_WS (WgmmaConfig.stages > 0) is FlashAttention-3's design instead (the comment at
 // its function has the details): a producer warpgroup copies K/V tiles into a ring of
 // stages behind mbarriers, the NWG consumer warpgroups get its registers (setmaxnreg) and
@@ -78,8 +92,20 @@
 #define BN ATTNKERN_BN
 #define NWG ATTNKERN_NWG
 #define BM (64 * NWG)
-#define Q_BYTES (BM * D * 2)
-#define TILE_BYTES (BN * D * 2)
+#define ESIZE (ATTNKERN_FP8 ? 1 : 2)  // bytes an element
+#define Q_BYTES (BM * D * ESIZE)
+#define TILE_BYTES (BN * D * ESIZE)   // a K tile, a V tile (FP8: a V^T tile of D rows of BN keys)
+#if ATTNKERN_FP8
+#if !ATTNKERN_WS || ATTNKERN_TMA || D != 128 || BN != 128
+#error "the FP8 variant is the warp-specialized one (cp.async copies) at D = 128 with 128-key tiles"
+#endif
+#define FP8_PARAMS , float out_scale, int vt_stride
+#define SIGN_BITS 0x80808080u  // negates the four e4m3 values of a word
+#define P_SCALE 256.f          // P's factor before its rounding to e4m3
+#else
+#define FP8_PARAMS
+#define SIGN_BITS 0x80008000u  // negates both halves of a pair
+#endif
 #if ATTNKERN_WS
 #define STAGES ATTNKERN_STAGES
 #define NTHREADS (128 * (NWG + 1))  // NWG consumer warpgroups and one producer warpgroup
@@ -106,15 +132,15 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
 }
 
 // Q's rows r0...r0 + ROWS - 1 of the block's BM (block rows q0...; rows past nq zero) into
-// the swizzled BM-row Q buffer at qs, Q's sign flipped on the way (sign: 0x80008000 or 0),
+// the swizzled BM-row Q buffer at qs, Q's sign flipped on the way (sign: SIGN_BITS or 0),
 // by THREADS threads (tid 0...)
 template <int ROWS, int THREADS>
 static __device__ __forceinline__ void load_q(const u16* q, u32 qs, int q0, int r0, int nq, u32 sign, int tid) {
-    for (int i = tid; i < ROWS * D / 8; i += THREADS) {
+    for (int i = tid; i < ROWS * ROW16 / 8; i += THREADS) {
         const int r = r0 + chunk_row<ROWS>(i), ch = i & 7, row = q0 + r;
         u32x4 x = {0u, 0u, 0u, 0u};
         if (row < nq) {
-            x = *(const u32x4*)(q + (u64)row * D + chunk_col<ROWS>(i));
+            x = *(const u32x4*)(q + (u64)row * ROW16 + chunk_col<ROWS>(i));
             x.x ^= sign; x.y ^= sign; x.z ^= sign; x.w ^= sign;
         }
         const u32 at = qs + (u32)((i / (ROWS * 8)) * BM * 128 + r * 128 + ((ch ^ (r & 7)) << 4));
@@ -156,7 +182,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const int g0 = q0 + 64 * wg;          // the warpgroup's first row
     const int wr0 = g0 + 16 * (warp & 3);  // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
     const float c = fabsf(scale_log2);
-    const u32 sign = scale_log2 < 0.f ? 0x80008000u : 0u;  // negates both halves of a Q pair
+    const u32 sign = scale_log2 < 0.f ? SIGN_BITS : 0u;  // negates Q
     const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + 2 * TILE_BYTES;
 
     // Q's BM rows (rows past nq zero), the sign applied on the way; the first tile's
@@ -320,9 +346,29 @@ static __device__ __forceinline__ void tma_map_acquire(u64 map) {
 // tensor cores still add P_{j-1} V_{j-1}, then waits for that, frees tile j - 1's stage,
 // rescales the output and rounds P_j. The softmax is the same as the other variant's
 // (flash_common.cuh), over BN keys at once.
+#if ATTNKERN_FP8
+// the D rows of V^T's BN keys j0... (columns of rows of vt_stride bytes, all inside) into the
+// swizzled tile at dst: a row of 128 bytes, 8 chunks, by the producer's 128 threads
+static __device__ __forceinline__ void load_vt(const unsigned char* vt, u32 dst, int j0, int vt_stride, int tid) {
+    const int ch = tid & 7;
+#pragma unroll
+    for (int r = tid >> 3; r < D; r += 16)
+        cp_async16(dst + r * 128 + ((ch ^ (r & 7)) << 4), vt + (u64)r * vt_stride + j0 + ch * 16, 16);
+}
+
+// four float32 values as e4m3 (round to nearest, saturating), the first in the lowest byte
+static __device__ __forceinline__ u32 pack4_e4m3(float a, float b, float c, float d) {
+    u32 r;
+    asm("{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\ncvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};\n}\n" : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+    return r;
+}
+#endif
+
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
-                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS) {
+                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS FP8_PARAMS) {
     constexpr int NO = D / 8, NS = BN / 8;  // 8-column tiles of the output and of a tile's scores
+    constexpr int NP = ATTNKERN_FP8 ? NS / 2 : NS;  // pairs of P words: 8 keys (16-bit), 16 keys (FP8)
     extern __shared__ __align__(1024) u16 smem[];
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
@@ -332,8 +378,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u64 b = blockIdx.y;
     const int q0 = block_first_row(causal, BM);
     const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
-    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * D;
+    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * ROW16;
+#if ATTNKERN_FP8
+    const unsigned char* v = (const unsigned char*)vp + f.kv_row * (u64)D * vt_stride;
+#else
     const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
+#endif
     const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + STAGES * TILE_BYTES;
     const u32 full_k = vs0 + STAGES * TILE_BYTES, full_v = full_k + 8 * STAGES, empty_k = full_v + 8 * STAGES,
               empty_v = empty_k + 8 * STAGES;
@@ -376,11 +426,17 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         };
 #else
         // by the warpgroup's 128 threads, whose copies' completions arrive on the full mbarrier
-        const u16 *ksrc = k, *vsrc = v;
-        const auto load = [&](const u16* src, u32 buf, u32 empty, u32 full, int jt) {
+        // (no generic lambda: NVRTC's JIT mode takes their templated call operators for host functions)
+        const void *ksrc = k, *vsrc = v;
+        const auto load = [&](const void* src, u32 buf, u32 empty, u32 full, int jt) {
             const int i = jt - jt0, s = i % STAGES;
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
-            load_tile<128>(src, buf + s * TILE_BYTES, jt * BN, f.len, tid);
+#if ATTNKERN_FP8
+            if (buf == vs0)  // V^T (FP8); known at each inlined call
+                load_vt((const unsigned char*)src, buf + s * TILE_BYTES, jt * BN, vt_stride, tid);
+            else
+#endif
+                load_tile<128>((const u16*)src, buf + s * TILE_BYTES, jt * BN, f.len, tid);
             mbar_arrive_cp_async(full + 8 * s);
         };
 #endif
@@ -401,9 +457,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const int g0 = q0 + 64 * cw;                   // the consumer's first row
     const int wr0 = g0 + 16 * (warp & 3);           // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
     const float c = fabsf(scale_log2);
-    const u32 sign = scale_log2 < 0.f ? 0x80008000u : 0u;  // negates both halves of a Q pair
+    const u32 sign = scale_log2 < 0.f ? SIGN_BITS : 0u;  // negates Q
 
-    load_q<64, 128>((const u16*)qp + b * (u64)nq * D, qs0, q0, 64 * cw, nq, sign, ct);
+    load_q<64, 128>((const u16*)qp + b * (u64)nq * ROW16, qs0, q0, 64 * cw, nq, sign, ct);
     fence_async_shared();
     named_barrier(1 + cw, 128);  // the consumer's Q rows are in, visible to its wgmma
 
@@ -412,12 +468,15 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // running max of raw scores; lane's partial row sums
 
-    u32 pf[NS][2];  // P of the pending tile in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8 keys
+    // P of the pending tile in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8
+    // keys; FP8: per 16 keys 8i.. (row g, keys 8i + 2t, 8i + 2t + 1, 8i + 8 + 2t, 8i + 9 + 2t), row g + 8's
+    u32 pf[NP][2];
     int pend;       // the ring index of the tile whose P V is pending
-    // S = Q K^T of the K tile at kb: D/16 steps of 16 along the head size, one commit group
+    // S = Q K^T of the K tile at kb: steps of 32 bytes along the head size (16 elements, FP8 32),
+    // one commit group
     const auto issue_s = [&](float (&sc)[NS][4], u32 kb) {
 #pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(sc, kmajor<BM>(qs0, 64 * cw, kc), kmajor<BN>(kb, 0, kc), kc);
+        for (int kc = 0; kc < D * ESIZE / 32; ++kc) wgmma_ss(sc, kmajor<BM>(qs0, 64 * cw, kc), kmajor<BN>(kb, 0, kc), kc);
         wgmma_commit();
     };
     // O += P V of the pending tile, one commit group (its V waited for: wait_v)
@@ -425,9 +484,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const auto issue_pv = [&]() {
         const u32 vb = vs0 + (pend % STAGES) * TILE_BYTES;
 #pragma unroll
-        for (int cc = 0; cc < BN / 16; ++cc) {
+        for (int cc = 0; cc < BN * ESIZE / 32; ++cc) {  // k steps of 16 keys (FP8 32)
             const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
+#if ATTNKERN_FP8
+            wgmma_rs(o, af, kmajor<D>(vb, 0, cc));  // V^T: D rows of keys, K-major
+#else
             wgmma_rs(o, af, mndesc<BN>(vb, cc));
+#endif
         }
         wgmma_commit();
     };
@@ -445,9 +508,15 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         pin(o);
         if (warp_any(a[0] != 1.f || a[1] != 1.f)) scale_rows(o, a);
 #pragma unroll
-        for (int n = 0; n < NS; ++n) {
+        for (int n = 0; n < NP; ++n) {
+#if ATTNKERN_FP8
+            const float (&x)[4] = sc[2 * n], (&y)[4] = sc[2 * n + 1];
+            pf[n][0] = pack4_e4m3(x[0] * P_SCALE, x[1] * P_SCALE, y[0] * P_SCALE, y[1] * P_SCALE);
+            pf[n][1] = pack4_e4m3(x[2] * P_SCALE, x[3] * P_SCALE, y[2] * P_SCALE, y[3] * P_SCALE);
+#else
             pf[n][0] = pack2(sc[n][0], sc[n][1]);
             pf[n][1] = pack2(sc[n][2], sc[n][3]);
+#endif
         }
     };
 
@@ -552,6 +621,10 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         take_turn();
         pass_turn();
     }
+#endif
+#if ATTNKERN_FP8
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j][0] *= out_scale, o[j][1] *= out_scale, o[j][2] *= out_scale, o[j][3] *= out_scale;
 #endif
     store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
 }

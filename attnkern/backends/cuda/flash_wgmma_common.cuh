@@ -6,10 +6,31 @@
 // the 16-byte chunk c of row r stored at chunk c ^ (r % 8), so that wgmma's reads of 8 rows hit
 // distinct banks; 8-row groups lie 1024 bytes apart.
 
-#if ATTNKERN_BF16
+#ifndef ATTNKERN_FP8
+#define ATTNKERN_FP8 0
+#endif
+// WG_SHAPE: the k of one instruction (32 bytes of each operand's row either way); WG_TRANS:
+// the transpose immediates, which only the 16-bit types have (8-bit operands are K-major)
+#if ATTNKERN_FP8
+#define WG_TYPES "e4m3.e4m3"
+#define WG_K "k32"
+#define WG_TRANS_SS ""
+#define WG_TRANS_RS ""
+#elif ATTNKERN_BF16
 #define WG_TYPES "bf16.bf16"
 #else
 #define WG_TYPES "f16.f16"
+#endif
+#if !ATTNKERN_FP8
+#define WG_K "k16"
+#define WG_TRANS_SS ", 0, 0"
+#define WG_TRANS_RS ", 1"
+#endif
+// a row of an operand in 16-bit units: D elements of 2 bytes, or (FP8) of 1 byte
+#if ATTNKERN_FP8
+#define ROW16 (ATTNKERN_D / 2)
+#else
+#define ROW16 ATTNKERN_D
 #endif
 
 
@@ -48,15 +69,16 @@
                "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91,  "\
                "%92, %93, %94, %95}"
 
-// one wgmma m64nNk16 with A and B from shared memory: REGS the accumulators' operands %0...,
+// one wgmma m64nNk16 (FP8: k32) with A and B from shared memory: REGS the accumulators' operands %0...,
 // A, B, P the operand numbers of the descriptors and the accumulate flag
 #define WGMMA_SS_ASM(N, REGS, ACC, A, B, P)                                                                  \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                         \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." WG_TYPES " " REGS ", %" #A ", %" #B    \
-                 ", p, 1, 1, 0, 0;\n}\n"                                                                     \
+                 "wgmma.mma_async.sync.aligned.m64n" #N WG_K ".f32." WG_TYPES " " REGS ", %" #A ", %" #B   \
+                 ", p, 1, 1" WG_TRANS_SS ";\n}\n"                                                             \
                  : ACC : "l"(a), "l"(b), "r"(accumulate))
 
-// d (64 x 8 NT) (+)= a (64 x 16, shared memory) b (16 x 8 NT, shared memory, K-major)
+// d (64 x 8 NT) (+)= a (64 x 16, shared memory) b (16 x 8 NT, shared memory, K-major); FP8:
+// 32 along k
 template <int NT>
 static __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], u64 a, u64 b, int accumulate) {
     static_assert(NT == 8 || NT == 16 || NT == 20 || NT == 22 || NT == 24, "wgmma_ss: N = 64, 128, 160, 176 or 192");
@@ -73,19 +95,21 @@ static __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], u64 a, u64 b,
 }
 
 // d (64 x 8 NT) += a (64 x 16, registers: mma.sync's A fragment of the warp's 16 rows)
-// b (16 x 8 NT, shared memory, MN-major: read transposed)
+// b (16 x 8 NT, shared memory, MN-major: read transposed); FP8: a 64 x 32 (the 8-bit A
+// fragment: row g bytes 4t.., row g + 8 bytes 4t.., then both at 16 + 4t..) and b 32 x 8 NT
+// K-major (no transpose for 8-bit types)
 template <int NT>
 static __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const u32 (&a)[4], u64 b) {
     static_assert(NT == 8 || NT == 16, "wgmma_rs: N = 64 or 128");
     if constexpr (NT == 8)
         asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPES " " REGS32
-                     ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                     "wgmma.mma_async.sync.aligned.m64n64" WG_K ".f32." WG_TYPES " " REGS32
+                     ", {%32, %33, %34, %35}, %36, p, 1, 1" WG_TRANS_RS ";\n}\n"
                      : ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
     else
         asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_TYPES " " REGS64
-                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     "wgmma.mma_async.sync.aligned.m64n128" WG_K ".f32." WG_TYPES " " REGS64
+                     ", {%64, %65, %66, %67}, %68, p, 1, 1" WG_TRANS_RS ";\n}\n"
                      : ACC128 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
@@ -152,16 +176,16 @@ static __device__ __forceinline__ u64 mndesc(u32 base, int cc) {
     return descriptor(base + (u32)(cc * 2048), ROWS * 128, 1024u);
 }
 
-// rows r0... of a ROWS-row buffer of ATTNKERN_D columns (K/V tiles, the backward's Q/dO tiles
+// rows r0... of a ROWS-row buffer of ATTNKERN_D columns (ROW16 16-bit units) (K/V tiles, the backward's Q/dO tiles
 // and its K, V rows) into shared memory at dst in the swizzled layout by cp.async, NT threads,
 // rows at or past n zero-filled, never read
 template <int ROWS, int NT>
 static __device__ __forceinline__ void load_swizzled(const u16* src, u32 dst, int r0, int n, int tid) {
 #pragma unroll
-    for (int i = tid; i < ROWS * ATTNKERN_D / 8; i += NT) {
+    for (int i = tid; i < ROWS * ROW16 / 8; i += NT) {
         const int row = r0 + chunk_row<ROWS>(i);
         const bool live = row < n;
-        cp_async16(dst + chunk_at<ROWS>(i), src + (u64)(live ? row : 0) * ATTNKERN_D + chunk_col<ROWS>(i),
+        cp_async16(dst + chunk_at<ROWS>(i), src + (u64)(live ? row : 0) * ROW16 + chunk_col<ROWS>(i),
                    live ? 16 : 0);
     }
 }
@@ -178,13 +202,13 @@ static __device__ __forceinline__ void load_whole(const u16* src, u32 dst, int r
     if constexpr (ROWS % RPP == 0 && RPP % 8 == 0) {
         if (r0 + ROWS <= n) {
             const int rt = tid >> 3, ch = tid & 7;
-            const u16* s0 = src + (u64)(r0 + rt) * ATTNKERN_D + ch * 8;
+            const u16* s0 = src + (u64)(r0 + rt) * ROW16 + ch * 8;
             const u32 d0 = dst + rt * 128 + ((ch ^ (rt & 7)) << 4);
 #pragma unroll
-            for (int cb = 0; cb < ATTNKERN_D / 64; ++cb)
+            for (int cb = 0; cb < ROW16 / 64; ++cb)
 #pragma unroll
                 for (int p = 0; p < ROWS / RPP; ++p)
-                    cp_async16(d0 + (cb * ROWS + p * RPP) * 128, s0 + p * RPP * ATTNKERN_D + cb * 64, 16);
+                    cp_async16(d0 + (cb * ROWS + p * RPP) * 128, s0 + p * RPP * ROW16 + cb * 64, 16);
             return;
         }
     }

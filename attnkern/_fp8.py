@@ -1,0 +1,218 @@
+"""FP8 (float8 e4m3) attention on Hopper, a frontend beside _torch_api: attention() hands it
+torch CUDA tensors of dtype torch.float8_e4m3fn, with their per-tensor descales, and it runs
+cuda.flash's FP8 forward (flash_wgmma.cu's ATTNKERN_FP8 variant, cpp.flash_fp8_launch):
+output in bfloat16. quantize_fp8 makes such inputs from wider ones (per-tensor scales amax / 448,
+optionally after an orthonormal Hadamard rotation of q and k: q H (k H)^T = q k^T, and the
+rotation spreads a few large channels over all of them before the rounding to e4m3).
+
+What FP8 has: D = Dv = 128, causal (top-left and bottom-right), grouped k/v heads, return_lse.
+Everything else (other head sizes, windows, key lengths, softcap, masks, ALiBi, dropout, varlen,
+tunables, a backward) is refused with a ValueError that names it, and so is a GPU without FP8
+wgmma (compute capability other than 9.0: Hopper's sm_90a)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
+FP8_CAPABILITY = (9, 0)  # wgmma with e4m3 operands is sm_90a's (Hopper's) only
+FP8_DTYPE = "float8_e4m3fn"  # torch's name of the dtype
+
+
+class Fp8Inputs(NamedTuple):
+    """quantize_fp8's result: e4m3 tensors and the per-tensor descales (Python floats) that
+    attention(q, k, v, descale_q=..., descale_k=..., descale_v=...) takes: x ~ x8 * descale_x."""
+
+    q: object
+    k: object
+    v: object
+    descale_q: float
+    descale_k: float
+    descale_v: float
+
+    def kwargs(self) -> dict:
+        """The descales as attention()'s keywords."""
+        return {"descale_q": self.descale_q, "descale_k": self.descale_k, "descale_v": self.descale_v}
+
+
+def is_fp8(x) -> bool:
+    """Whether x is a torch tensor of a float8 dtype (without importing torch)."""
+    return "float8" in str(getattr(x, "dtype", ""))
+
+
+def refuse(*named, what: str) -> None:
+    """TypeError where any of the (name, array) pairs is a float8 tensor: FP8 has attention()'s
+    forward only (no backward, no varlen)."""
+    for name, x in named:
+        if is_fp8(x):
+            raise TypeError(f"{what} has no FP8: {name} is {x.dtype}; float8_e4m3fn runs attention()'s forward "
+                            "only (cuda.flash on Hopper, with descale_q/k/v)")
+
+
+def hadamard_matrix(d: int, device=None, dtype=None):
+    """The orthonormal Hadamard matrix of size d (a power of two), Sylvester's construction
+    scaled by 1 / sqrt(d): H H^T = I, H symmetric, a torch tensor (float32 unless dtype)."""
+    import torch
+
+    if not isinstance(d, int) or d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard matrix needs a size that is a power of two, not {d!r}")
+    h = torch.ones((1, 1), dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / math.sqrt(d)).to(device=device, dtype=dtype or torch.float32)
+
+
+def _scale_of(x) -> float:
+    """x's per-tensor scale: its largest magnitude over E4M3_MAX (1 for an all-zero tensor)."""
+    amax = float(x.abs().amax()) if x.numel() else 0.0
+    if not math.isfinite(amax):
+        raise ValueError("quantize_fp8: the input has NaN or inf")
+    return amax / E4M3_MAX if amax > 0 else 1.0
+
+
+def quantize_fp8(q, k, v, *, hadamard: bool = False) -> Fp8Inputs:
+    """q, k, v (torch tensors of a float dtype, (..., N, D)) as float8 e4m3 with per-tensor scales
+    (amax / 448: the largest magnitude maps to e4m3's largest value), rounded to nearest. hadamard:
+    q and k are rotated first by the orthonormal Hadamard matrix of size D (q H, k H; D a power of
+    two), which leaves q k^T unchanged and spreads outlier channels before the rounding (v is not
+    rotated: the output would be rotated too). Returns Fp8Inputs(q8, k8, v8, descale_q, descale_k,
+    descale_v); attention(*r[:3], **r.kwargs()) runs them."""
+    import torch
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or is_fp8(x):
+            raise TypeError(f"quantize_fp8: {name} must be a torch tensor of float32, float16 or bfloat16, "
+                            f"not {getattr(x, 'dtype', type(x).__name__)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"quantize_fp8: q and k must have one head size, not {q.shape[-1]} and {k.shape[-1]}")
+    if hadamard:
+        h = hadamard_matrix(q.shape[-1], q.device)
+        q, k = (x.float() @ h for x in (q, k))
+    out, descales = [], []
+    for x in (q, k, v):
+        s = _scale_of(x)
+        out.append((x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
+        descales.append(s)
+    return Fp8Inputs(*out, *descales)
+
+
+# attention()'s feature keywords, none of which FP8 has (dropout_p: any nonzero value)
+_FEATURE_NAMES = ("window", "key_lengths", "softcap", "attn_mask", "alibi_slopes")
+
+
+def _descale(value, name: str) -> float:
+    """A descale as a positive finite float (a Python number or a one-element tensor)."""
+    if value is None:
+        raise ValueError(f"FP8 inputs need their descales: {name}= is missing (quantize_fp8 gives them; 1.0 "
+                         "for values stored unscaled)")
+    try:
+        out = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a number or a one-element tensor, not {type(value).__name__}") from None
+    if not (math.isfinite(out) and out > 0):
+        raise ValueError(f"{name} must be positive and finite, not {out}")
+    return out
+
+
+def check(q, k, v, causal, scale, kernel, feats: dict, params: dict, descales: tuple) -> tuple:
+    """Validates an FP8 call; returns (align, scale, kv_group, descales) or raises a ValueError or
+    TypeError that says what to fix."""
+    import torch
+
+    if kernel not in ("auto", "cuda.flash"):
+        raise ValueError(f"FP8 (float8_e4m3fn) inputs run on cuda.flash only, not {kernel!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"FP8 inputs must all be torch tensors: {name} is a {type(x).__name__}")
+        if x.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"FP8 attention takes q, k and v all of dtype torch.float8_e4m3fn: {name} is "
+                            f"{x.dtype} (quantize_fp8 converts)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not x.is_cuda:
+            raise ValueError(f"FP8 inputs must be CUDA tensors: {name} is on {x.device}")
+        if x.requires_grad:
+            raise ValueError("cuda.flash has no FP8 backward: FP8 inputs must not require grad")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, not {q.device}, {k.device}, {v.device}")
+    capability = torch.cuda.get_device_capability(q.device)
+    if tuple(capability) != FP8_CAPABILITY:
+        raise ValueError(f"cuda.flash's FP8 forward needs Hopper's FP8 wgmma (compute capability 9.0, sm_90a); "
+                         f"{torch.cuda.get_device_name(q.device)} has compute capability "
+                         f"{capability[0]}.{capability[1]}: use bfloat16 or float16 there")
+    if not 2 <= q.ndim <= 4 or not q.ndim == k.ndim == v.ndim:
+        raise ValueError(f"q, k, v must be (N, D), (H, N, D) or (B, H, N, D) alike, not ranks {q.ndim}, {k.ndim}, "
+                         f"{v.ndim}")
+    if k.shape != v.shape:
+        raise ValueError(f"FP8: k and v must have one shape, not {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != 128 or k.shape[-1] != 128:
+        raise ValueError(f"cuda.flash's FP8 forward takes head size D = Dv = 128 only, not D={q.shape[-1]}, "
+                         f"Dv={v.shape[-1]}")
+    if q.ndim == 4 and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have one batch size, not {q.shape[0]} and {k.shape[0]}")
+    heads, kv_heads = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"k/v heads ({kv_heads}) must divide q's heads ({heads})")
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not x.is_contiguous():
+            raise ValueError(f"FP8: {name} must be contiguous (pass {name}.contiguous())")
+    given = [n for n, val in feats.items() if n in _FEATURE_NAMES and val is not None]
+    if feats.get("dropout_p"):
+        given.append("dropout_p")
+    if given:
+        raise ValueError(f"cuda.flash's FP8 forward has causal masking (top-left, bottom-right) and grouped k/v "
+                         f"heads only: {', '.join(given)} is not supported in FP8 (use bfloat16)")
+    if params:
+        raise ValueError(f"cuda.flash's FP8 forward has no tunables: {', '.join(sorted(params))} given")
+    if causal not in (False, True, "top_left", "bottom_right"):
+        raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', not {causal!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, not {scale!r}")
+    ds = tuple(_descale(x, n) for x, n in zip(descales, ("descale_q", "descale_k", "descale_v")))
+    return ("bottom_right" if causal == "bottom_right" else "top_left"), float(scale), heads // kv_heads, ds
+
+
+def attention(q, k, v, causal, scale, kernel, feats: dict, params: dict, descales: tuple, return_lse: bool,
+              check_finite: bool):
+    """attention() on FP8 torch CUDA tensors (see the module's docstring): bfloat16 out (and lse)."""
+    import numpy as np
+    import torch
+
+    from ._gpuarray import GpuArray, raw_stream
+    from .backends.cuda import cpp, launch
+
+    align, scale, group, (dq, dk, dv) = check(q, k, v, causal, scale, kernel, feats, params, descales)
+    if check_finite:  # e4m3fn has no infinity; NaN is every bit of exponent and mantissa set
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if bool(((x.view(torch.uint8) & 0x7F) == 0x7F).any()):
+                raise ValueError(f"{name} has NaN (pass check_finite=False to skip this scan)")
+    lead, nq, nk, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
+    rows, rows_kv = math.prod(lead), math.prod(k.shape[:-2])
+    out = torch.empty((*lead, nq, d), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((*lead, nq), dtype=torch.bfloat16, device=q.device) if return_lse else None
+    if rows == 0 or nq == 0 or nk == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return (out, lse) if return_lse else out
+    with torch.cuda.device(q.device):
+        vt = cpp.fp8_transpose_v(v.reshape(rows_kv, nk, d), cpp.FP8_VT_KEYS)
+        if raw_stream(q.device.index):  # the kernel runs on the legacy default stream: torch's work first
+            torch.cuda.current_stream(q.device).synchronize()
+
+        def view(x, shape):
+            return GpuArray(shape, np.uint8, None, ptr=x.data_ptr(), owner=x)
+
+        feat = None
+        if group > 1 or align == "bottom_right":
+            feat = launch.KernelFeatures(group, None, rows, int(align == "bottom_right"), -1, -1, 0.0)
+        args = cpp.flash_fp8_launch(view(q, (rows, nq, d)), view(k, (rows_kv, nk, d)), view(vt, tuple(vt.shape)),
+                                    view(out, (rows, nq, d)), None if lse is None else view(lse, (rows, nq)),
+                                    bool(causal), scale * dq * dk * launch.LOG2E, dv / cpp.FP8_P_SCALE, feat)
+        launch.launch(*args[:3], *args[3])
+        if raw_stream(q.device.index):  # V^T must outlive the kernel: torch's stream may reuse its memory
+            torch.cuda.synchronize(q.device)
+    if check_finite and not bool(torch.isfinite(out).all()):
+        raise FloatingPointError("FP8 attention gave a non-finite output (descales too large for bfloat16?)")
+    return (out, lse) if return_lse else out

@@ -1,0 +1,189 @@
+"""cuda.flash's FP8 (e4m3) forward against its bfloat16 one and torch's SDPA on one Hopper GPU:
+error against float64 (FP8 with and without a Hadamard rotation of q and k, on Gaussian inputs
+and inputs with outliers) and speed.
+
+    python3 dev/gpu_fp8_measure.py OUT.json [--sizes 4096,8192,16384] [--heads 16]
+        [--fp8-configs wg2k128s3e,wg2k128s4e,wg2k128s4pe] [--runs 20] [--after FILE]
+
+Error, at (1, 8, --error-n, 128), causal and not: rms(out - ref) / rms(ref) and
+max |out - ref| / max |ref| against the float64 answer for the float32 inputs (torch float64 on
+the GPU), for our bfloat16 kernel on the inputs rounded to bfloat16, FP8 with per-tensor scales
+(quantize_fp8), and FP8 after the Hadamard rotation; inputs "gaussian" (N(0, 1)), "outliers"
+(FA3's: N(0, 10^2) added to 0.1% of q's and k's elements) and "channels" (4 of the 128 channels
+of q and k 10 times larger).
+
+Speed, at (1, --heads, N, 128), causal and not, CUDA events, the median of --runs samples of
+5 back-to-back calls, every kernel in turns (dev/gpu_flash_versions.py's event_times):
+- "bf16.kernel": our bfloat16 default division, launched directly; "bf16.attention": the
+  library's whole call (attnkern.attention, check_finite=False);
+- "torch.sdpa", "torch.cudnn", "torch.flash", "torch.efficient": torch's SDPA in bfloat16, its
+  default and each backend forced (one that refuses is left out);
+- "fp8.kernel.<division>": the FP8 kernel alone, V^T made beforehand (not counted);
+- "fp8.attention": attnkern.attention on e4m3 tensors (check_finite=False): V^T's pre-pass
+  counted; "fp8.quantize+attention": quantize_fp8 of the bfloat16 tensors (per-tensor amax,
+  a host read of each scale) then attention: everything counted.
+TFLOP/s count 4 B H N^2 D, half with causal masking; x_bf16 is bf16.kernel's time over each.
+--after: a file whose appearance the timings wait for (up to 10 minutes), so that they do not
+overlap other GPU work of the same device call (the builds and error runs go first)."""
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_flash_versions import Kernel, event_times, parse_config, sdpa_backends  # noqa: E402
+
+import attnkern  # noqa: E402
+from attnkern.backends.cuda import arrays, cpp, launch  # noqa: E402
+
+D = 128
+
+
+def rel_errors(out, ref):
+    diff = out.double() - ref
+    return {"rms": float(diff.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()),
+            "max": float(diff.abs().max() / ref.abs().max())}
+
+
+def make_inputs(kind, shape, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g, device="cuda") for _ in range(3))
+    if kind == "outliers":
+        q, k = (x + 10 * torch.randn(shape, generator=g, device="cuda")
+                * (torch.rand(shape, generator=g, device="cuda") < 1e-3) for x in (q, k))
+    elif kind == "channels":
+        ch = torch.randperm(D, generator=torch.Generator().manual_seed(seed))[:4].cuda()
+        q[..., ch] *= 10
+        k[..., ch] *= 10
+    return q, k, v
+
+
+def reference(q, k, v, causal):
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v.double()
+
+
+def error_table(n):
+    rows = []
+    for kind in ("gaussian", "outliers", "channels"):
+        for causal in (False, True):
+            q, k, v = make_inputs(kind, (1, 8, n, D), seed=len(rows))
+            ref = reference(q, k, v, causal)
+            row = {"inputs": kind, "causal": causal, "n": n}
+            row["bf16"] = rel_errors(attnkern.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal), ref)
+            for had in (False, True):
+                r = attnkern.quantize_fp8(q, k, v, hadamard=had)
+                out = attnkern.attention(*r[:3], causal=causal, **r.kwargs())
+                row["fp8_hadamard" if had else "fp8"] = rel_errors(out, ref)
+                again = attnkern.attention(*r[:3], causal=causal, **r.kwargs())
+                row.setdefault("bit_identical", True)
+                row["bit_identical"] &= bool(torch.equal(out, again))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def fp8_division(text):
+    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?", text)
+    if not m:
+        raise SystemExit(f"--fp8-configs: {text!r} is not a warp-specialized division like wg2k128s3e")
+    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3]), pingpong=bool(m[4]), early_k=bool(m[5]))
+
+
+def fp8_prepared(config, q8, k8, vt, out, causal, scale_log2, out_scale):
+    """The FP8 kernel's launch, prepared once (compiled and launched once first)."""
+    def view(x, *shape):
+        return arrays.GpuArray(shape, "uint8", None, ptr=x.data_ptr(), owner=x)
+
+    bh, n = q8.shape[0] * q8.shape[1], q8.shape[2]
+    kernel, grid, block, args = cpp.flash_fp8_launch(view(q8, bh, n, D), view(k8, bh, n, D),
+                                                     view(vt, *vt.shape), view(out, bh, n, D), None, causal,
+                                                     scale_log2, out_scale, None, config)
+    launch.launch(kernel, grid, block, *args)
+    return launch.Prepared(launch.raw_kernel(kernel), grid, block, args)
+
+
+def timings(sizes, heads, configs, runs):
+    rows = []
+    bf16 = Kernel(parse_config("default", D, "bfloat16"), D, "bfloat16")
+    sdpa = sdpa_backends()
+    for n in sizes:
+        for causal in (False, True):
+            q, k, v = (x.bfloat16() for x in make_inputs("gaussian", (1, heads, n, D), seed=n))
+            out = torch.empty_like(q)
+            r = attnkern.quantize_fp8(q, k, v)
+            vt = cpp.fp8_transpose_v(r.v.reshape(heads, n, D), cpp.FP8_VT_KEYS)
+            out8 = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+            scale_log2 = r.descale_q * r.descale_k / math.sqrt(D) * launch.LOG2E
+            fns = {"bf16.kernel": bf16.prepared(q, k, v, out, causal, 1 / math.sqrt(D)),
+                   "bf16.attention": lambda: attnkern.attention(q, k, v, causal=causal, check_finite=False)}
+            for name, fn in sdpa.items():
+                try:
+                    fn(q, k, v, causal)
+                except RuntimeError:
+                    continue
+                fns[name] = lambda fn=fn: fn(q, k, v, causal)
+            for config in configs:
+                fns[f"fp8.kernel.{config}"] = fp8_prepared(config, r.q, r.k, vt, out8, causal, scale_log2,
+                                                           r.descale_v / cpp.FP8_P_SCALE)
+            fns["fp8.attention"] = lambda: attnkern.attention(*r[:3], causal=causal, check_finite=False,
+                                                              **r.kwargs())
+
+            def quantized(q=q, k=k, v=v, causal=causal):
+                x = attnkern.quantize_fp8(q, k, v)
+                return attnkern.attention(*x[:3], causal=causal, check_finite=False, **x.kwargs())
+
+            fns["fp8.quantize+attention"] = quantized
+            times = event_times(fns, runs)
+            flops = 4 * heads * n * n * D / (2 if causal else 1)
+            row = {"n": n, "causal": causal, "heads": heads, "kernels": {
+                name: {"ms": t * 1e3, "tflops": flops / t / 1e12, "x_bf16": times["bf16.kernel"] / t}
+                for name, t in times.items()}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--sizes", default="4096,8192,16384")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--fp8-configs", default="wg2k128s3e,wg2k128s4e,wg2k128s4pe")
+    ap.add_argument("--error-n", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--after", default="")
+    a = ap.parse_args()
+    configs = [fp8_division(c) for c in a.fp8_configs.split(",")]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": a.runs,
+              "fp8_default": str(cpp.FP8_DEFAULT)}
+    result["failed"] = {}
+    for config in list(configs):  # compiled before the timings wait (NVRTC takes seconds a kernel)
+        try:
+            cpp.flash_fp8_kernel(config)
+        except Exception as exc:  # noqa: BLE001  (reported, the others measured)
+            result["failed"][str(config)] = repr(exc)[-2000:]
+            configs.remove(config)
+    result["errors"] = error_table(a.error_n)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if a.after:
+        until = time.monotonic() + 600
+        while not os.path.exists(a.after) and time.monotonic() < until:
+            time.sleep(1)
+    result["timings"] = timings([int(x) for x in a.sizes.split(",")], a.heads, configs, a.runs)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

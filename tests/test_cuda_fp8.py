@@ -1,0 +1,288 @@
+"""cuda.flash's FP8 (float8 e4m3) forward on Hopper (attnkern._fp8, flash_wgmma.cu's
+ATTNKERN_FP8 variant) and its helpers.
+
+Here, without a GPU: the Hadamard matrix (orthonormal, q H (k H)^T = q k^T), quantize_fp8's
+per-tensor scales (amax / 448) and its rounding (e4m3: within 2^-4 relative of each value),
+V^T's key order, kernel_info, and the refusals that need no GPU.
+
+With ATTNKERN_TEST_GPU=1 on an H100/H200: against the float64 reference on fresh random inputs
+(plain, top-left and bottom-right causal, grouped k/v heads, lengths that are not a multiple
+of the 128-key tile, a negative scale), out and lse. Two bounds, each able to fail:
+- against the exact answer for the FP8 inputs (the reference on the dequantized q, k, v):
+  the kernel's own error, P rounded to e4m3 (x 256) being its main part, within 1.5 x that
+  of a float64 emulation that rounds P the same way (global row max), plus 5e-3 for the
+  bfloat16 output's rounding (2^-9 relative, twice);
+- against the float64 answer for the unquantized inputs, next to our bfloat16 kernel's on
+  the same inputs: FP8 <= 40 x bfloat16 (e4m3 keeps 4 significant bits, bfloat16 8: a rounding
+  step 2^4 = 16 times larger, and P is rounded to e4m3 on top; docs/gpu-fp8.md states the
+  measured ratios).
+Hadamard: on inputs with outlier channels (4 of q's and k's 128 channels 5 times larger: their
+products are a few large terms of each score, whose rounding errors the rotation spreads over
+128 terms that round independently) the rotation must lower the error; on Gaussian inputs it
+must not raise it by more than 25%.
+Bit-identical repeats; refusals (other head sizes, features, kernels, dtypes, a GPU of
+another compute capability)."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+import attnkern
+from attnkern.backends.cuda import cpp
+
+torch = pytest.importorskip("torch")
+
+GPU = os.environ.get("ATTNKERN_TEST_GPU") == "1" and torch.cuda.is_available() and \
+    torch.cuda.get_device_capability() == (9, 0)
+gpu = pytest.mark.skipif(not GPU, reason="FP8 runs on Hopper (ATTNKERN_TEST_GPU=1 on an H100/H200)")
+
+
+# ---------------------------------------------------------------- without a GPU
+
+@pytest.mark.parametrize("d", [1, 2, 16, 64, 128, 256])
+def test_hadamard_is_orthonormal_and_keeps_scores(d):
+    h = attnkern.hadamard_matrix(d, dtype=torch.float64)
+    assert torch.allclose(h @ h.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(h.abs(), torch.full((d, d), 1 / math.sqrt(d), dtype=torch.float64))
+    g = torch.Generator().manual_seed(d)
+    q, k = torch.randn(5, d, generator=g, dtype=torch.float64), torch.randn(7, d, generator=g, dtype=torch.float64)
+    assert torch.allclose((q @ h) @ (k @ h).T, q @ k.T, atol=1e-10)
+
+
+@pytest.mark.parametrize("d", [0, 3, 96, 2.0])
+def test_hadamard_refuses_sizes_not_a_power_of_two(d):
+    with pytest.raises(ValueError, match="power of two"):
+        attnkern.hadamard_matrix(d)
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_quantize_fp8_scales_and_rounding(hadamard):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 40, 128, generator=g) * s for s in (1.0, 5.0, 0.01))
+    r = attnkern.quantize_fp8(q, k, v, hadamard=hadamard)
+    assert all(x.dtype == torch.float8_e4m3fn and x.shape == y.shape for x, y in zip(r[:3], (q, k, v)))
+    h = attnkern.hadamard_matrix(128) if hadamard else torch.eye(128)
+    for x8, x, ds in ((r.q, q @ h, r.descale_q), (r.k, k @ h, r.descale_k), (r.v, v, r.descale_v)):
+        assert ds == pytest.approx(float(x.abs().max()) / 448, rel=1e-6)  # amax / 448
+        back = x8.float() * ds
+        assert float(back.abs().max()) == pytest.approx(float(x.abs().max()), rel=1e-6)  # amax maps to 448
+        # round to nearest: within half a step, 2^-4 relative for normal values (2^-6 and up), and
+        # half the subnormal step 2^-10 (in units of the scale) below
+        bound = torch.maximum(x.abs() * 2.0**-4, torch.full_like(x, 2.0**-10 * ds))
+        assert bool(((back - x).abs() <= bound * (1 + 1e-6)).all())
+    assert r.kwargs() == {"descale_q": r.descale_q, "descale_k": r.descale_k, "descale_v": r.descale_v}
+
+
+def test_quantize_fp8_of_zeros_and_its_refusals():
+    z = torch.zeros(4, 128)
+    r = attnkern.quantize_fp8(z, z, z)
+    assert (r.descale_q, r.descale_k, r.descale_v) == (1.0, 1.0, 1.0) and not r.q.float().any()
+    with pytest.raises(TypeError, match="q must be a torch tensor"):
+        attnkern.quantize_fp8(np.zeros((4, 128)), z, z)
+    with pytest.raises(TypeError, match="k must be a torch tensor"):
+        attnkern.quantize_fp8(z, z.to(torch.float8_e4m3fn), z)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        attnkern.quantize_fp8(z, z, torch.full((4, 128), math.nan))
+    with pytest.raises(ValueError, match="one head size"):
+        attnkern.quantize_fp8(z, torch.zeros(4, 64), z)
+
+
+def test_v_transpose_follows_the_fragment_order():
+    """Column 16h + 4t + 2a + b of each 32 holds key 16h + 8a + 2t + b; zeros past nk."""
+    nk = 200
+    v = (torch.arange(nk).repeat(128, 1).T % 251).to(torch.uint8).reshape(1, nk, 128).view(torch.float8_e4m3fn)
+    vt = cpp.fp8_transpose_v(v, 128).view(torch.uint8)
+    assert vt.shape == (1, 128, 256)
+    for col in range(256):
+        c, rest = divmod(col, 32)
+        h, rest = divmod(rest, 16)
+        t, rest = divmod(rest, 4)
+        a, b = divmod(rest, 2)
+        key = 32 * c + 16 * h + 8 * a + 2 * t + b
+        want = key % 251 if key < nk else 0
+        assert vt[0, :, col].tolist() == [want] * 128, col
+
+
+def test_backward_and_varlen_refuse_fp8():
+    x8 = torch.zeros(1, 2, 8, 128).to(torch.float8_e4m3fn)
+    x = torch.zeros(1, 2, 8, 128)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="attention_backward has no FP8: v is torch.float8_e4m3fn"):
+        attnkern.attention_backward(x, x, x8, x, x, torch.zeros(1, 2, 8))
+    with pytest.raises(TypeError, match="attention_varlen has no FP8: q is"):
+        attnkern.attention_varlen(x8[0].transpose(0, 1), x8[0].transpose(0, 1), x8[0].transpose(0, 1), cu, cu)
+    with pytest.raises(TypeError, match="attention_varlen_backward has no FP8: k is"):
+        attnkern.attention_varlen_backward(x[0], x8[0], x[0], x[0], x[0], torch.zeros(2, 8), cu, cu)
+
+
+def test_kernel_info_lists_fp8_forward_only():
+    info = attnkern.kernel_info("cuda.flash")
+    assert "float8_e4m3fn" in info["dtypes"] and "float8_e4m3fn" not in info["backward_dtypes"]
+    for feature in ("window", "key_lengths", "softcap", "mask", "alibi", "dropout", "varlen"):
+        assert "float8_e4m3fn" not in info["feature_dtypes"][feature], feature
+    for feature in ("gqa", "bottom_right"):
+        assert feature in info["features"] and feature not in info["feature_dtypes"]
+    assert all("float8_e4m3fn" not in attnkern.kernel_info(k)["dtypes"] for k in attnkern.kernels()
+               if k != "cuda.flash")
+
+
+def test_descales_need_fp8_inputs_and_fp8_needs_cuda():
+    x = torch.zeros(1, 8, 128)
+    with pytest.raises(ValueError, match="float8_e4m3fn torch tensors only"):
+        attnkern.attention(x, x, x, descale_q=1.0)
+    x8 = x.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="must be CUDA tensors"):
+        attnkern.attention(x8, x8, x8, descale_q=1.0, descale_k=1.0, descale_v=1.0)
+    with pytest.raises(TypeError, match="all of dtype torch.float8_e4m3fn: k is torch.float32"):
+        attnkern.attention(x8, x, x8, descale_q=1.0, descale_k=1.0, descale_v=1.0)
+    with pytest.raises(ValueError, match="cuda.flash only"):
+        attnkern.attention(x8, x8, x8, kernel="native.flash", descale_q=1.0, descale_k=1.0, descale_v=1.0)
+
+
+# ---------------------------------------------------------------- on Hopper
+
+
+def rms_error(out, ref) -> float:
+    """rms(out - ref) / rms(ref), both as float64."""
+    out, ref = torch.as_tensor(np.asarray(out, np.float64)), torch.as_tensor(np.asarray(ref, np.float64))
+    return float((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
+def host64(x):
+    return x.double().cpu().numpy()
+
+
+def dequantized(r):
+    return tuple(host64(x.double() * s) for x, s in zip(r[:3], r[3:]))
+
+
+def emulate(r, causal, scale):
+    """The FP8 kernel's arithmetic in float64 (GPU): exact scores of the dequantized inputs, P
+    (against the row's global max) times 256 rounded to e4m3, the row sum unrounded."""
+    q, k, v = (x.double() * s for x, s in zip(r[:3], r[3:]))
+    group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+    k, v = (x.repeat_interleave(group, dim=-3) if group > 1 else x for x in (k, v))
+    s = (q @ k.transpose(-1, -2)) * scale
+    nq, nk = s.shape[-2:]
+    if causal:
+        off = nk - nq if causal == "bottom_right" else 0
+        keep = torch.arange(nk, device=s.device)[None, :] <= torch.arange(nq, device=s.device)[:, None] + off
+        s = s.masked_fill(~keep, -math.inf)
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    p8 = (p * 256).to(torch.float8_e4m3fn).double() / 256
+    return (p8 @ v) / p.sum(-1, keepdim=True)
+
+
+def inputs(shape_q, shape_kv, seed, outliers=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=g, device="cuda") for s in (shape_q, shape_kv, shape_kv))
+    if outliers:  # 4 channels of q and k 5 times larger (the same in both)
+        ch = torch.randperm(q.shape[-1], generator=g, device="cuda")[:4]
+        q[..., ch] *= 5
+        k[..., ch] *= 5
+    return q, k, v
+
+
+CASES = [  # (q shape, k/v shape, causal)
+    ((1, 4, 512, 128), (1, 4, 512, 128), False),
+    ((1, 4, 512, 128), (1, 4, 512, 128), True),
+    ((2, 4, 300, 128), (2, 2, 700, 128), "bottom_right"),  # grouped k/v heads, Nk not a multiple of 128
+    ((2, 4, 77, 128), (2, 4, 200, 128), False),
+    ((3, 130, 128), (3, 333, 128), True),
+    ((1000, 128), (1000, 128), "bottom_right"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("shape_q, shape_kv, causal", CASES)
+def test_fp8_matches_float64(shape_q, shape_kv, causal):
+    q, k, v = inputs(shape_q, shape_kv, seed=hash((shape_q, causal)) % 2**31)
+    r = attnkern.quantize_fp8(q, k, v)
+    scale = 1 / math.sqrt(128)
+    out, lse = attnkern.attention(*r[:3], causal=causal, return_lse=True, **r.kwargs())
+    assert out.dtype == lse.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == q.shape[:-1]
+    ref8, lse8 = attnkern.reference(*dequantized(r), causal=causal, return_lse=True)
+    own, emu = rms_error(host64(out), ref8), rms_error(host64(emulate(r, causal, scale)), ref8)
+    assert own <= 1.5 * emu + 5e-3, f"FP8 kernel {own:.3g} against emulated P rounding {emu:.3g}"
+    # lse in bfloat16: its rounding (2^-9 relative) and the scores' (the descales' product in float32)
+    assert np.allclose(host64(lse), lse8, rtol=2**-7, atol=2**-7)
+    ref = attnkern.reference(host64(q), host64(k), host64(v), causal=causal)
+    bf16 = attnkern.attention(*(x.bfloat16() for x in (q, k, v)), causal=causal)
+    fp8_err, bf16_err = rms_error(host64(out), ref), rms_error(host64(bf16), ref)
+    assert fp8_err <= 40 * bf16_err, f"FP8 {fp8_err:.3g} vs bfloat16 {bf16_err:.3g}"
+
+
+@gpu
+def test_fp8_negative_scale_and_descales():
+    q, k, v = inputs((2, 2, 256, 128), (2, 2, 256, 128), seed=5)
+    r = attnkern.quantize_fp8(q * 3, k, v / 7)
+    out = attnkern.attention(*r[:3], scale=-0.05, **r.kwargs())
+    ref = attnkern.reference(*dequantized(r), scale=-0.05)
+    assert rms_error(host64(out), ref) <= 1.5 * rms_error(host64(emulate(r, False, -0.05)), ref) + 5e-3
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_hadamard_lowers_the_error_with_outliers(causal):
+    errs = {}
+    for outliers in (False, True):
+        q, k, v = inputs((1, 8, 1024, 128), (1, 8, 1024, 128), seed=11 + outliers, outliers=outliers)
+        ref = attnkern.reference(host64(q), host64(k), host64(v), causal=causal)
+        for had in (False, True):
+            r = attnkern.quantize_fp8(q, k, v, hadamard=had)
+            errs[outliers, had] = rms_error(host64(attnkern.attention(*r[:3], causal=causal, **r.kwargs())), ref)
+    assert errs[True, True] < errs[True, False], errs
+    assert errs[False, True] <= 1.25 * errs[False, False], errs
+
+
+@gpu
+def test_fp8_bit_identical_repeats():
+    q, k, v = inputs((2, 8, 1000, 128), (2, 4, 1500, 128), seed=3)
+    r = attnkern.quantize_fp8(q, k, v)
+    outs = [attnkern.attention(*r[:3], causal="bottom_right", return_lse=True, **r.kwargs()) for _ in range(3)]
+    assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs[1:])
+
+
+@gpu
+def test_fp8_empty_and_keyless_rows():
+    q8 = torch.zeros(1, 2, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+    k8 = torch.zeros(1, 2, 0, 128, device="cuda").to(torch.float8_e4m3fn)
+    out, lse = attnkern.attention(q8, k8, k8, return_lse=True, descale_q=1.0, descale_k=1.0, descale_v=1.0)
+    assert not out.any() and bool(torch.isinf(lse).all())
+    # top-left causal with Nk < Nq: rows past Nk still see keys; bottom-right: the first rows see none
+    q, k, v = inputs((1, 2, 200, 128), (1, 2, 64, 128), seed=9)
+    r = attnkern.quantize_fp8(q, k, v)
+    out = attnkern.attention(*r[:3], causal="bottom_right", **r.kwargs())
+    assert not out[:, :, :136].any()
+    ref = attnkern.reference(*dequantized(r), causal="bottom_right")
+    assert rms_error(host64(out[:, :, 136:]), ref[:, :, 136:]) < 0.05
+
+
+@gpu
+def test_fp8_refusals(monkeypatch):
+    x8 = torch.zeros(1, 2, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+    ds = {"descale_q": 1.0, "descale_k": 1.0, "descale_v": 1.0}
+    small = torch.zeros(1, 2, 64, 64, device="cuda").to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="D = Dv = 128 only"):
+        attnkern.attention(small, small, small, **ds)
+    for feature, value in (("window", (16, 0)), ("softcap", 30.0), ("key_lengths", [10]), ("dropout_p", 0.1),
+                           ("alibi_slopes", np.ones(2))):
+        with pytest.raises(ValueError, match=f"{feature} is not supported in FP8"):
+            attnkern.attention(x8, x8, x8, **{feature: value}, **ds)
+    with pytest.raises(ValueError, match="descale_v= is missing"):
+        attnkern.attention(x8, x8, x8, descale_q=1.0, descale_k=1.0)
+    with pytest.raises(ValueError, match="positive and finite"):
+        attnkern.attention(x8, x8, x8, **{**ds, "descale_k": -1.0})
+    with pytest.raises(ValueError, match="no tunables"):
+        attnkern.attention(x8, x8, x8, block_q=64, **ds)
+    with pytest.raises(TypeError, match="float8_e4m3fn: v is torch.float8_e5m2"):
+        attnkern.attention(x8, x8, torch.zeros(1, 2, 64, 128, device="cuda").to(torch.float8_e5m2), **ds)
+    nan = x8.clone()
+    nan.view(torch.uint8)[0, 0, 3, 5] = 0x7F
+    with pytest.raises(ValueError, match="k has NaN"):
+        attnkern.attention(x8, nan, x8, **ds)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        attnkern.attention(x8, x8, x8, **ds)
