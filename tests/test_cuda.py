@@ -1016,20 +1016,27 @@ def test_dropout_in_half_precision_runs_on_the_tensor_core_kernels():
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d, causal", [(64, False), (128, True), (64, True)])
-def test_half_kernel_writes_its_rows_unrounded_in_float32(dtype, d, causal):
+def test_half_kernel_writes_its_rows_unrounded_in_float32(dtype, d, causal, monkeypatch):
     """flash_half_float32 (ring attention's blocks, the ATTNKERN_WIDE variant): a float32 out
-    that rounds to the half kernel's own out bit for bit, and a log2-domain lse that, in
-    natural units, rounds to within one rounding of the half lse; both closer to float64."""
+    that rounds bit for bit to the half kernel's out in the same work division (on Hopper
+    cpp.WGMMA_OTHER: the plain default at D = 128 has 176-key tiles, another order of sums), and
+    a log2-domain lse that, in natural units, rounds to within one rounding of the half lse;
+    both closer to float64."""
     import torch
 
     from attnkern._gpu import from_torch
-    from attnkern.backends.cuda import flash_half_float32
+    from attnkern.backends.cuda import cpp, flash_half_float32, forget_plans
     from attnkern_bench.accuracy import reference_lse
 
     gen = torch.Generator().manual_seed(d)
     tdt = getattr(torch, dtype)
     q, k, v = (torch.randn(6, 200, d, generator=gen).to(tdt).cuda() for _ in range(3))
-    half_out, half_lse = attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", return_lse=True)
+    monkeypatch.setitem(cpp.WGMMA_DEFAULT, d, cpp.WGMMA_OTHER[d])  # the plain kernel in the variant's division
+    forget_plans()
+    try:
+        half_out, half_lse = attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", return_lse=True)
+    finally:
+        forget_plans()
     out = torch.empty(6, 200, d, device="cuda")
     lse = torch.empty(6, 200, device="cuda")
     assert flash_half_float32(*(from_torch(x, "x") for x in (q, k, v, out, lse)), causal, d ** -0.5)
