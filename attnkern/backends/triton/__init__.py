@@ -393,10 +393,17 @@ def _launcher_at(kernel, grid, args, roles):
 
 
 def _launcher(kernel, grid, tail):
+    from .flash import ensure_allocator
+
     run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
     gx, gy = grid[0], grid[1]
+    # the forward's Hopper variant builds tensor descriptors in global scratch, which Triton's
+    # launcher takes from the allocator of the calling thread's context
+    scratch = getattr(getattr(kernel, "metadata", None), "global_scratch_size", 0)
 
     def go(q, k, v, out, lse=None):
+        if scratch:
+            ensure_allocator()
         # the key lengths' pointer (unused without them) is q's, as when the kernel was compiled
         run(gx, gy, 1, 0, function, metadata, None, None, None, q, k, v, out, out if lse is None else lse, q, *tail)
 

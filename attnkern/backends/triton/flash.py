@@ -99,6 +99,74 @@ CANDIDATES = {"forward": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64
 # tests and measurements: kernel name -> a config that replaces the table's for every call
 OVERRIDE: dict = {}
 
+# The forward's Hopper variant (TMA: K and V of the unmasked stage through tensor descriptors), per
+# (dtype size, head-size class, sequence class, masked) as TABLE's forward keys:
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize). It runs where its key has an entry and
+# the call can take it (hopper_ready); everything else runs the pointer-load kernel of TABLE.
+HOPPER_TABLE = {
+    (2, 64, "large", False): (128, 64, 4, 3, False),
+    (2, 64, "large", True): (128, 64, 4, 3, False),
+    (2, 128, "large", False): (128, 64, 8, 3, False),
+    (2, 128, "large", True): (128, 64, 8, 3, False),
+}
+# what a key without an entry takes where ATTNKERN_TRITON_HOPPER=all forces the variant on every
+# call that can take it (tests of the variant's features at small shapes)
+HOPPER_DEFAULT = (64, 64, 4, 3, False)
+
+
+def hopper_config(itemsize: int, head: int, bucket: int, masked: bool):
+    """The forward's Hopper variant config (HOPPER_TABLE) for a call (config's arguments), or
+    None: no entry, or ATTNKERN_TRITON_HOPPER=0. OVERRIDE["forward_hopper"] replaces it (None:
+    the variant off); ATTNKERN_TRITON_HOPPER=all gives keys without an entry HOPPER_DEFAULT."""
+    import os
+
+    if "forward_hopper" in OVERRIDE:
+        return OVERRIDE["forward_hopper"]
+    mode = os.environ.get("ATTNKERN_TRITON_HOPPER", "")
+    if mode == "0":
+        return None
+    size = "small" if bucket <= 512 else "large"
+    cls = 64 if head <= 64 else 128 if head <= 128 else 256
+    found = HOPPER_TABLE.get((itemsize, cls, size, masked))
+    return HOPPER_DEFAULT if found is None and mode == "all" else found
+
+
+_HOPPER_GPU: dict = {}
+
+
+def hopper_ready(tensors, d: int, dv: int, itemsize: int) -> bool:
+    """Whether a forward call can run the Hopper variant: this Triton has device-side tensor
+    descriptors, the GPU is a Hopper or later (compute capability 9+), 16-bit inputs, rows of
+    a multiple of 16 bytes (d, dv multiples of 8) and 16-byte-aligned addresses, as the copy
+    engine requires."""
+    if itemsize != 2 or d % 8 or dv % 8 or not hasattr(tl, "make_tensor_descriptor") \
+            or not hasattr(triton, "set_allocator") or any(t.data_ptr() % 16 for t in tensors):
+        return False
+    if "ok" not in _HOPPER_GPU:
+        try:
+            target = triton.runtime.driver.active.get_current_target()
+            _HOPPER_GPU["ok"] = target.backend == "cuda" and int(target.arch) >= 90
+        except Exception:  # no driver, an unknown backend: the pointer-load kernel
+            _HOPPER_GPU["ok"] = False
+    return _HOPPER_GPU["ok"]
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Triton's allocator for the descriptors' global scratch (128 bytes per descriptor and
+    program): torch's caching allocator, on torch's current stream."""
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Sets _scratch as Triton's allocator where none is set in this context (Triton keeps it in
+    a context variable: each thread starts without one); an allocator set by the caller stays."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
 
 def config(kernel: str, itemsize: int, head: int, bucket: int, masked: bool) -> tuple:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dq", "dkdv") for inputs of
@@ -256,7 +324,8 @@ def _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, off
                   cap_in, cap_out, length, off, left, right,
                   MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """One K/V block of keys start_n + offs_n folded into the running (acc, l_i, m_i)."""
+    """One K/V block of keys start_n + offs_n (loaded through pointers) folded into the running
+    (acc, l_i, m_i)."""
     keys = start_n + offs_n
     kt_ptrs = k_base + keys[None, :] * d + offs_d[:, None]  # K^T: (HEAD_DIM, BLOCK_N)
     v_ptrs = v_base + keys[:, None] * dv + offs_e[None, :]
@@ -272,17 +341,34 @@ def _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, off
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=offs_e[None, :] < dv, other=0.0)
-    s, _ = _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)
-    if MASKED:
-        s = tl.where(_visible(offs_m, keys, length, off, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-        # a row may see no key of this block, nor of any before: keep exp2's arguments finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return _fold(acc, l_i, m_i, q, kt, v, keys, offs_m, qk_scale, cap_in, cap_out, length, off, left, right,
+                 MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION, False)
+
+
+@triton.jit
+def _fold(acc, l_i, m_i, q, kt, v, keys, offs_m, qk_scale, cap_in, cap_out, length, off, left, right,
+          MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+          PRECISION: tl.constexpr, SCALE_LATE: tl.constexpr):
+    """The block of keys `keys` (K^T kt, V v) folded into the running (acc, l_i, m_i). SCALE_LATE
+    (unmasked, no softcap): the row maximum is taken of the unscaled products and each
+    exponent is one FMA, q.k qk_scale - m, as in Triton's fused-attention tutorial."""
+    if SCALE_LATE:
+        dot = tl.dot(q, kt, input_precision=PRECISION)
+        m_new = tl.maximum(m_i, tl.max(dot, 1) * qk_scale)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(dot * qk_scale - m_new[:, None])
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
+        s, _ = _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)
+        if MASKED:
+            s = tl.where(_visible(offs_m, keys, length, off, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+            # a row may see no key of this block, nor of any before: keep exp2's arguments finite
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -295,8 +381,13 @@ def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_ou
                   HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr, GROUP_GT1: tl.constexpr, WITH_LSE: tl.constexpr,
                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, O: (batch, nq, d|dv) rows; K, V: (batch / GROUP, nk, d|dv); LSE: (batch, nq); all C-contiguous
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
+                  WARP_SPECIALIZE: tl.constexpr = False):
+    # Q, O: (batch, nq, d|dv) rows; K, V: (batch / GROUP, nk, d|dv); LSE: (batch, nq); all C-contiguous.
+    # TMA (Hopper): the unmasked middle stage loads its K and V blocks through tensor descriptors
+    # (the copy engine, asynchronously), optionally in a warp-specialized loop (WARP_SPECIALIZE:
+    # producer warps load, consumer warps compute); the masked stages keep pointer loads, whose
+    # masks give zeros past nk (a descriptor over every k/v head's rows would read the next head's)
     start_m = _block_start(BLOCK_M, HAS_RIGHT)
     bh = tl.program_id(1)
     bh_kv = bh
@@ -324,10 +415,26 @@ def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_ou
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
                                       nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True,
                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
-    for start_n in range(a, b, BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
-                                      nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, False,
-                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
+    if TMA:
+        # every k/v head's rows as one (batch_kv nk, d) matrix; this head's start at row bh_kv nk; the
+        # stage's keys [a, b) lie below length <= nk, so its blocks never reach the next head's rows.
+        # Columns past d (HEAD_DIM > d) come as zeros.
+        kv_rows = tl.num_programs(1) // GROUP * nk
+        k_desc = tl.make_tensor_descriptor(K, shape=[kv_rows, d], strides=[d, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V, shape=[kv_rows, dv], strides=[dv, 1],
+                                           block_shape=[BLOCK_N, HEAD_DV])
+        row0 = bh_kv * nk
+        for start_n in tl.range(a, b, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            kt = k_desc.load([row0 + start_n, 0]).T
+            v = v_desc.load([row0 + start_n, 0])
+            acc, l_i, m_i = _fold(acc, l_i, m_i, q, kt, v, start_n + offs_n, offs_m, qk_scale, cap_in, cap_out,
+                                  length, off, left, right, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION,
+                                  not SOFTCAP)
+    else:
+        for start_n in range(a, b, BLOCK_N):
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d,
+                                          offs_e, nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right,
+                                          False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
     for start_n in range(b, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
                                       nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True,
@@ -699,7 +806,8 @@ def _configs_of(scalars: dict, switches: dict, dtype_name: str, *kernels: str):
     head = max(switches["HEAD_DIM"], switches["HEAD_DV"])
     bucket = max(scalars["N_BUCKET_Q"], scalars["N_BUCKET_K"])
     masked = switches["HAS_LEFT"] or switches["HAS_RIGHT"]
-    return [config(kernel, itemsize, head, bucket, masked) for kernel in kernels]
+    return [hopper_config(itemsize, head, bucket, masked) if kernel == "hopper" else
+            config(kernel, itemsize, head, bucket, masked) for kernel in kernels]
 
 
 def launch(q, k, v, out, lse, lens, batch: int, batch_kv: int, nq: int, nk: int, d: int, dv: int, causal: bool,
@@ -710,8 +818,15 @@ def launch(q, k, v, out, lse, lens, batch: int, batch_kv: int, nq: int, nk: int,
     products in 3xTF32 with tensor_cores, else exact. Returns (the compiled kernel, its
     arguments in the kernel's order, its grid) for prepared launches."""
     scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
-    switches.update(WITH_LSE=lse is not None, EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
+    switches.update(WITH_LSE=lse is not None, EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv,
+                    TMA=False, WARP_SPECIALIZE=False)
     (chosen,) = _configs_of(scalars, switches, dtype_name, "forward")
+    hopper = None if _autotuning() else _configs_of(scalars, switches, dtype_name, "hopper")[0]
+    if hopper is not None and hopper_ready((q, k, v), d, dv, 4 if dtype_name == "float32" else 2):
+        ensure_allocator()
+        *chosen, ws = hopper
+        chosen = tuple(chosen)
+        switches.update(TMA=True, WARP_SPECIALIZE=bool(ws))
 
     def grid(bm, bn):
         return (triton.cdiv(nq, bm), batch)
