@@ -3,7 +3,7 @@ Hopper variant (TMA loads of K and V in the unmasked stage, flash.HOPPER_TABLE),
 torch SDPA backend, on one GPU.
 
     python3 dev/triton_hopper_sweep.py --out OUT.json [--ns 4096,8192,16384] [--dims 64,128]
-        [--runs 3] [--reps 20] [--warm-slice i/n]
+        [--runs 3] [--reps 15] [--warm-slice i/n]
 
 Per head size D and mask (causal and not), bfloat16, (1, 16, N, D): each config of CONFIGS
 (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize; "table": the pointer-load kernel
@@ -11,7 +11,7 @@ at flash.TABLE's config) launched straight through flash.launch with flash.OVERR
 Correctness, at the first N: 512 sampled query rows of every head against float64 (the
 largest error, and cuDNN's on the same rows); a config passes with an error within
 max(2 x cuDNN's, 4 u) (u = 2^-8). Timing: every kernel first kept busy for 0.1 s
-(attnkern_bench.timing.CudaEventClock.busy), then --reps samples, each between CUDA events,
+(attnkern_bench.timing.CudaEventClock.busy), then --reps (15) samples, each between CUDA events,
 the kernels taking turns sample by sample; medians. The whole sweep --runs times in the same
 process (the spread between runs). x_fastest: the fastest torch backend's time over ours.
 --warm-slice i/n only compiles slice i of the configs (worker processes that fill Triton's
@@ -79,8 +79,10 @@ def warm(part, parts):
     for i, (d, causal, cfg) in enumerate(cases):
         if i % parts != part:
             continue
-        q, k, v = _inputs(256, d, i)
-        out, lse = torch.empty_like(q), torch.empty(HEADS, 256, dtype=q.dtype, device="cuda")
+        # N = 1024: a long-sequence bucket (TABLE's "large" configs), int arguments divisible by 16 as
+        # at N = 4096-16384, so that the sweep's calls find these compiled kernels
+        q, k, v = _inputs(1024, d, i)
+        out, lse = torch.empty_like(q), torch.empty(HEADS, 1024, dtype=q.dtype, device="cuda")
         try:
             _launcher(q, k, v, out, lse, causal, cfg)()
             torch.cuda.synchronize()
@@ -161,7 +163,7 @@ def main():
     p.add_argument("--ns", default="4096,8192,16384")
     p.add_argument("--dims", default="64,128")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warm-slice", default="")
     a = p.parse_args()
     if a.warm_slice:
