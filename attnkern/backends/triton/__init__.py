@@ -434,7 +434,8 @@ register(
     Kernel(
         name="triton.flash",
         description="Triton: FlashAttention-2 forward, Q K^T and P V on tensor cores (float32: 3xTF32, or exact "
-                    "float32 products), online softmax in float32, block sizes from a fixed table per dtype, head size and mask; GQA, bottom-right, "
+                    "float32 products), online softmax in float32, block sizes from a fixed table per dtype, head size and mask (on Hopper, "
+                    "16-bit, D a multiple of 8, sequences over 512: the forward loads its unmasked K/V blocks by TMA); GQA, bottom-right, "
                     "window, key lengths, softcap; deterministic backward in two (dQ per query block, dK/dV per "
                     "key block)",
         run=_run,

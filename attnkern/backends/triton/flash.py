@@ -46,6 +46,13 @@ ATTNKERN_TRITON_AUTOTUNE=1 hands the choice to triton.autotune instead (opt-in).
 With a causal mask (or a window's right side) the forward and dQ programs take
 their query blocks last first: the blocks that see the most keys start in the
 first wave and the short ones fill the tail.
+
+The forward's Hopper variant (the switch TMA; HOPPER_TABLE, hopper_ready) loads
+the K and V blocks of the unmasked middle stage through device-side tensor
+descriptors (the copy engine), optionally in a warp-specialized loop, and folds
+the scale into one FMA there; the masked stages keep pointer loads. Calls it
+cannot take, or whose compilation fails, run the pointer-load kernel
+(docs/triton.md).
 """
 
 from __future__ import annotations
