@@ -36,8 +36,9 @@ JITS = {"forward": flash.flash_forward, "dq": flash.flash_backward_dq, "dkdv": f
 
 def compile_one(kernel, cfg, d, causal):
     fn = JITS[kernel]
-    bm, bn, warps, stages = cfg
-    consts = dict(HEAD_DIM=d, HEAD_DV=d, HAS_LEFT=False, HAS_RIGHT=causal, HAS_LENS=False, SOFTCAP=False,
+    bm, bn, warps, stages, *hopper = cfg  # forward: (..., TMA, warp_specialize) for its Hopper variant
+    tma, ws = hopper or (False, False)
+    consts = dict(TMA=bool(tma), WARP_SPECIALIZE=bool(ws), HEAD_DIM=d, HEAD_DV=d, HAS_LEFT=False, HAS_RIGHT=causal, HAS_LENS=False, SOFTCAP=False,
                   GROUP_GT1=False, WITH_LSE=True, EVEN_D=True, EVEN_DV=True, PRECISION="tf32", BLOCK_M=bm,
                   BLOCK_N=bn)
     signature, constexprs, attrs = {}, {}, {}
@@ -74,7 +75,7 @@ def main():
     p.add_argument("--dims", default="64,128")
     p.add_argument("--kernels", default="forward,dq,dkdv")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--only", default="", help="BM,BN,W,S;... instead of triton_measure's candidates")
+    p.add_argument("--only", default="", help="BM,BN,W,S[,TMA,WS];... instead of triton_measure's candidates")
     a = p.parse_args()
     if a.only:
         only = [tuple(int(x) for x in c.split(",")) for c in a.only.split(";")]

@@ -348,6 +348,124 @@ def test_triton_features_match_reference(dtype):
         check_gradients([x.grad for x in leaves], q, k, v, dout, causal, scale, feats, (dtype, i))
 
 
+# the Hopper variant's cases: (lead, k/v heads, nq, nk, d, dv, causal, features): long enough for
+# unmasked middle blocks (TMA loads) beside the masked ones, GQA, D not a power of two (72: the
+# descriptor's zero columns), Dv != D, key lengths below nk, bottom-right, window, softcap
+HOPPER_CASES = [((1, 4), 2, 700, 700, 64, 64, False, {}),
+                ((1, 4), 1, 600, 900, 72, 72, "bottom_right", {"key_lengths": [700]}),
+                ((2, 2), 2, 650, 650, 128, 128, True, {"window": (200, None)}),
+                ((1, 2), 2, 520, 520, 40, 24, False, {"softcap": 5.0, "window": (300, 100)})]
+
+
+@gpu
+def test_triton_hopper_variant_matches_reference(monkeypatch):
+    """The forward's Hopper variant (TMA loads of K and V; ATTNKERN_TRITON_HOPPER=all forces it on
+    every call that can take it) with GQA, key lengths, bottom-right causal, windows and softcap
+    against float64 within the table's bound, the same bits on a second call, and the variant
+    chosen exactly where the GPU and the call allow it (else the pointer-load kernel)."""
+    import torch
+
+    from attnkern.backends.triton import flash
+
+    monkeypatch.setenv("ATTNKERN_TRITON_HOPPER", "all")
+    capable = torch.cuda.get_device_capability()[0] >= 9 and hasattr(flash.tl, "make_tensor_descriptor")
+    for i, (lead, h_kv, nq, nk, d, dv, causal, feats) in enumerate(HOPPER_CASES):
+        q = _inputs(torch, "bfloat16", lead, nq, nq, d, dv, 1500 + i)[0]
+        _, k, v = _inputs(torch, "bfloat16", (lead[0], h_kv), nq, nk, d, dv, 1600 + i)
+        assert flash.hopper_ready((q, k, v), d, dv, 2) == capable
+        out, lse = attnkern.attention(q, k, v, causal=causal, kernel="triton.flash", return_lse=True, **feats)
+        host = [_host(x) for x in (q, k, v)]
+        ref, ref_lse = attnkern.reference(*host, causal=causal, return_lse=True, **feats)
+        err = np.abs(_host(out) - ref).max() / (max(1.0, np.abs(host[2]).max()) * conditioning(host[0], host[1]))
+        assert err <= kernel_tolerance("triton.flash", q.dtype), (i, err)
+        seen = np.isfinite(ref_lse)
+        assert np.isneginf(_host(lse)[~seen]).all() and lse_error(_host(lse)[seen], ref_lse[seen]) <= \
+            lse_tolerance("bfloat16"), i
+        again = attnkern.attention(q, k, v, causal=causal, kernel="triton.flash", return_lse=True, **feats)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), i
+    # what launch chose: TMA on a capable GPU for 16-bit rows of a multiple of 8, never else
+    for dtype, d, want in (("bfloat16", 64, capable), ("float16", 72, capable), ("bfloat16", 36, False),
+                           ("float32", 64, False)):
+        q, k, v = _inputs(torch, dtype, (2,), 600, 600, d, d, 1700)
+        out = torch.empty_like(q)
+        _, args, _ = flash.launch(q, k, v, out, None, None, 2, 2, 600, 600, d, d, True, d ** -0.5, dtype)
+        named = dict(zip(flash.flash_forward.arg_names, args))
+        # where the toolchain failed to compile the variant for this call, the failure is on record
+        assert named["TMA"] == want or (want and flash.HOPPER_FAILED), (dtype, d)
+        check(out, None, q, k, v, True, d ** -0.5, "triton.flash", (dtype, d))
+    monkeypatch.setenv("ATTNKERN_TRITON_HOPPER", "0")
+    assert flash.hopper_config(2, 64, 16384, False) is None
+
+
+def test_hopper_variant_falls_back_where_it_does_not_compile(monkeypatch):
+    """A call whose Hopper variant fails to compile (Triton 3.6's ptxas crashed on some) runs the
+    pointer-load kernel at TABLE's config instead, and the failure is remembered: the next call
+    of that specialization does not try again."""
+    pytest.importorskip("triton")
+    from attnkern.backends.triton import flash
+
+    class Ptr:  # what launch needs of an array: its address
+        def __init__(self, at):
+            self.at = at
+
+        def data_ptr(self):
+            return self.at
+
+    tried = []
+
+    def fake_launch(jit, kernel, chosen, key, grid, args, switches):
+        tried.append((chosen, switches["TMA"], switches["WARP_SPECIALIZE"]))
+        if switches["TMA"]:
+            raise RuntimeError("PTXAS error: `ptxas` failed with error code -11")
+        return "compiled", chosen[:2]
+
+    monkeypatch.setattr(flash, "_launch", fake_launch)
+    monkeypatch.setattr(flash, "hopper_ready", lambda *a: True)
+    monkeypatch.setattr(flash, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(flash, "HOPPER_FAILED", set())
+    monkeypatch.setitem(flash.OVERRIDE, "forward_hopper", (128, 64, 8, 3, 1))
+    q, k, v, out, lse = (Ptr(4096 * i) for i in range(1, 6))
+    for call in range(2):
+        kernel, args, grid = flash.launch(q, k, v, out, lse, None, 8, 2, 1030, 1030, 64, 64, True, 0.125,
+                                          "bfloat16")
+        named = dict(zip(flash.flash_forward.arg_names, args))
+        table = flash.config("forward", 2, 64, flash._bucket(1030), True)
+        assert kernel == "compiled" and not named["TMA"] and not named["WARP_SPECIALIZE"]
+        assert (named["BLOCK_M"], named["BLOCK_N"]) == table[:2] and grid == (-(-1030 // table[0]), 8)
+    assert tried == [((128, 64, 8, 3), True, True), (table, False, False), (table, False, False)]
+    assert len(flash.HOPPER_FAILED) == 1
+
+
+def test_hopper_table_is_data():
+    """The Hopper variant's configs come from HOPPER_TABLE (keys of the forward's TABLE keys),
+    off with ATTNKERN_TRITON_HOPPER=0, forced (HOPPER_DEFAULT) with "all", and the override
+    (measurements; None: off) replaces them."""
+    pytest.importorskip("triton")
+    from attnkern.backends.triton import flash
+
+    env = os.environ.pop("ATTNKERN_TRITON_HOPPER", None)
+    try:
+        for (itemsize, head, size, masked), cfg in flash.HOPPER_TABLE.items():
+            assert ("forward", itemsize, head, size, masked) in flash.TABLE
+            assert flash.hopper_config(itemsize, head, 16384 if size == "large" else 256, masked) == cfg
+            bm, bn, warps, stages, ws = cfg
+            assert all(x & (x - 1) == 0 for x in (bm, bn, warps)) and 1 <= stages <= 5 and ws in (0, 1)
+        assert flash.hopper_config(2, 64, 256, False) is None  # no entry: the pointer-load kernel
+        os.environ["ATTNKERN_TRITON_HOPPER"] = "all"
+        assert flash.hopper_config(2, 64, 256, False) == flash.HOPPER_DEFAULT
+        os.environ["ATTNKERN_TRITON_HOPPER"] = "0"
+        assert flash.hopper_config(2, 64, 16384, False) is None
+        flash.OVERRIDE["forward_hopper"] = (64, 32, 4, 2, 0)
+        assert flash.hopper_config(2, 128, 256, True) == (64, 32, 4, 2, 0)
+        flash.OVERRIDE["forward_hopper"] = None
+        assert flash.hopper_config(2, 128, 16384, True) is None
+    finally:
+        flash.OVERRIDE.clear()
+        os.environ.pop("ATTNKERN_TRITON_HOPPER", None)
+        if env is not None:
+            os.environ["ATTNKERN_TRITON_HOPPER"] = env
+
+
 @gpu
 def test_triton_fast_path_matches_general_path():
     """Repeated calls on torch CUDA tensors take the prepared launch (_torch_cuda) and give what

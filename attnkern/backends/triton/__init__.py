@@ -393,10 +393,17 @@ def _launcher_at(kernel, grid, args, roles):
 
 
 def _launcher(kernel, grid, tail):
+    from .flash import ensure_allocator
+
     run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
     gx, gy = grid[0], grid[1]
+    # the forward's Hopper variant builds tensor descriptors in global scratch, which Triton's
+    # launcher takes from the allocator of the calling thread's context
+    scratch = getattr(getattr(kernel, "metadata", None), "global_scratch_size", 0)
 
     def go(q, k, v, out, lse=None):
+        if scratch:
+            ensure_allocator()
         # the key lengths' pointer (unused without them) is q's, as when the kernel was compiled
         run(gx, gy, 1, 0, function, metadata, None, None, None, q, k, v, out, out if lse is None else lse, q, *tail)
 
@@ -427,7 +434,8 @@ register(
     Kernel(
         name="triton.flash",
         description="Triton: FlashAttention-2 forward, Q K^T and P V on tensor cores (float32: 3xTF32, or exact "
-                    "float32 products), online softmax in float32, block sizes from a fixed table per dtype, head size and mask; GQA, bottom-right, "
+                    "float32 products), online softmax in float32, block sizes from a fixed table per dtype, head size and mask (on Hopper, "
+                    "16-bit, D a multiple of 8, sequences over 512: the forward loads its unmasked K/V blocks by TMA); GQA, bottom-right, "
                     "window, key lengths, softcap; deterministic backward in two (dQ per query block, dK/dV per "
                     "key block)",
         run=_run,

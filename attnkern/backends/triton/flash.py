@@ -46,6 +46,13 @@ ATTNKERN_TRITON_AUTOTUNE=1 hands the choice to triton.autotune instead (opt-in).
 With a causal mask (or a window's right side) the forward and dQ programs take
 their query blocks last first: the blocks that see the most keys start in the
 first wave and the short ones fill the tail.
+
+The forward's Hopper variant (the switch TMA; HOPPER_TABLE, hopper_ready) loads
+the K and V blocks of the unmasked middle stage through device-side tensor
+descriptors (the copy engine), optionally in a warp-specialized loop, and folds
+the scale into one FMA there; the masked stages keep pointer loads. Calls it
+cannot take, or whose compilation fails, run the pointer-load kernel
+(docs/triton.md).
 """
 
 from __future__ import annotations
@@ -98,6 +105,77 @@ CANDIDATES = {"forward": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64
               "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 8, 3), (32, 32, 4, 2)]}
 # tests and measurements: kernel name -> a config that replaces the table's for every call
 OVERRIDE: dict = {}
+
+# The forward's Hopper variant (TMA: K and V of the unmasked stage through tensor descriptors), per
+# (dtype size, head-size class, sequence class, masked) as TABLE's forward keys:
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize). It runs where its key has an entry and
+# the call can take it (hopper_ready); everything else runs the pointer-load kernel of TABLE.
+# The entries were measured on an H100 (2026-11-26, Triton 3.6.0, torch 2.11) at (1, 16, N, D)
+# bfloat16, N 4096-16384, 3 runs: the config with the best worst-N ratio to cuDNN
+# (dev/triton_hopper_sweep.py; docs/triton.md).
+HOPPER_TABLE = {
+    (2, 64, "large", False): (128, 64, 8, 3, True),
+    (2, 64, "large", True): (64, 64, 4, 3, False),
+    (2, 128, "large", False): (128, 128, 8, 3, True),
+    (2, 128, "large", True): (128, 128, 8, 3, True),
+}
+# what a key without an entry takes where ATTNKERN_TRITON_HOPPER=all forces the variant on every
+# call that can take it (tests of the variant's features at small shapes)
+HOPPER_DEFAULT = (64, 64, 4, 3, False)
+
+
+def hopper_config(itemsize: int, head: int, bucket: int, masked: bool):
+    """The forward's Hopper variant config (HOPPER_TABLE) for a call (config's arguments), or
+    None: no entry, or ATTNKERN_TRITON_HOPPER=0. OVERRIDE["forward_hopper"] replaces it (None:
+    the variant off); ATTNKERN_TRITON_HOPPER=all gives keys without an entry HOPPER_DEFAULT."""
+    import os
+
+    if "forward_hopper" in OVERRIDE:
+        return OVERRIDE["forward_hopper"]
+    mode = os.environ.get("ATTNKERN_TRITON_HOPPER", "")
+    if mode == "0":
+        return None
+    size = "small" if bucket <= 512 else "large"
+    cls = 64 if head <= 64 else 128 if head <= 128 else 256
+    found = HOPPER_TABLE.get((itemsize, cls, size, masked))
+    return HOPPER_DEFAULT if found is None and mode == "all" else found
+
+
+_HOPPER_GPU: dict = {}
+
+
+def hopper_ready(tensors, d: int, dv: int, itemsize: int) -> bool:
+    """Whether a forward call can run the Hopper variant: this Triton has device-side tensor
+    descriptors, the GPU is a Hopper or later (compute capability 9+), 16-bit inputs, rows of
+    a multiple of 16 bytes (d, dv multiples of 8) and 16-byte-aligned addresses, as the copy
+    engine requires."""
+    if itemsize != 2 or d % 8 or dv % 8 or not hasattr(tl, "make_tensor_descriptor") \
+            or not hasattr(triton, "set_allocator") or any(t.data_ptr() % 16 for t in tensors):
+        return False
+    if "ok" not in _HOPPER_GPU:
+        try:
+            target = triton.runtime.driver.active.get_current_target()
+            _HOPPER_GPU["ok"] = target.backend == "cuda" and int(target.arch) >= 90
+        except Exception:  # no driver, an unknown backend: the pointer-load kernel
+            _HOPPER_GPU["ok"] = False
+    return _HOPPER_GPU["ok"]
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Triton's allocator for the descriptors' global scratch (128 bytes per descriptor and
+    program): torch's caching allocator, on torch's current stream."""
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Sets _scratch as Triton's allocator where none is set in this context (Triton keeps it in
+    a context variable: each thread starts without one); an allocator set by the caller stays."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def config(kernel: str, itemsize: int, head: int, bucket: int, masked: bool) -> tuple:
@@ -256,7 +334,8 @@ def _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, off
                   cap_in, cap_out, length, off, left, right,
                   MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr):
-    """One K/V block of keys start_n + offs_n folded into the running (acc, l_i, m_i)."""
+    """One K/V block of keys start_n + offs_n (loaded through pointers) folded into the running
+    (acc, l_i, m_i)."""
     keys = start_n + offs_n
     kt_ptrs = k_base + keys[None, :] * d + offs_d[:, None]  # K^T: (HEAD_DIM, BLOCK_N)
     v_ptrs = v_base + keys[:, None] * dv + offs_e[None, :]
@@ -272,17 +351,34 @@ def _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, off
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=offs_e[None, :] < dv, other=0.0)
-    s, _ = _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)
-    if MASKED:
-        s = tl.where(_visible(offs_m, keys, length, off, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-        # a row may see no key of this block, nor of any before: keep exp2's arguments finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return _fold(acc, l_i, m_i, q, kt, v, keys, offs_m, qk_scale, cap_in, cap_out, length, off, left, right,
+                 MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION, False)
+
+
+@triton.jit
+def _fold(acc, l_i, m_i, q, kt, v, keys, offs_m, qk_scale, cap_in, cap_out, length, off, left, right,
+          MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+          PRECISION: tl.constexpr, SCALE_LATE: tl.constexpr):
+    """The block of keys `keys` (K^T kt, V v) folded into the running (acc, l_i, m_i). SCALE_LATE
+    (unmasked, no softcap): the row maximum is taken of the unscaled products and each
+    exponent is one FMA, q.k qk_scale - m, as in Triton's fused-attention tutorial."""
+    if SCALE_LATE:
+        dot = tl.dot(q, kt, input_precision=PRECISION)
+        m_new = tl.maximum(m_i, tl.max(dot, 1) * qk_scale)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(dot * qk_scale - m_new[:, None])
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
+        s, _ = _scores(q, kt, qk_scale, cap_in, cap_out, SOFTCAP, PRECISION)
+        if MASKED:
+            s = tl.where(_visible(offs_m, keys, length, off, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+            # a row may see no key of this block, nor of any before: keep exp2's arguments finite
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -295,8 +391,13 @@ def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_ou
                   HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr, GROUP_GT1: tl.constexpr, WITH_LSE: tl.constexpr,
                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, O: (batch, nq, d|dv) rows; K, V: (batch / GROUP, nk, d|dv); LSE: (batch, nq); all C-contiguous
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
+                  WARP_SPECIALIZE: tl.constexpr = False):
+    # Q, O: (batch, nq, d|dv) rows; K, V: (batch / GROUP, nk, d|dv); LSE: (batch, nq); all C-contiguous.
+    # TMA (Hopper): the unmasked middle stage loads its K and V blocks through tensor descriptors
+    # (the copy engine, asynchronously), optionally in a warp-specialized loop (WARP_SPECIALIZE:
+    # producer warps load, consumer warps compute); the masked stages keep pointer loads, whose
+    # masks give zeros past nk (a descriptor over every k/v head's rows would read the next head's)
     start_m = _block_start(BLOCK_M, HAS_RIGHT)
     bh = tl.program_id(1)
     bh_kv = bh
@@ -324,10 +425,26 @@ def flash_forward(Q, K, V, O, LSE, LENS, nq, nk, d, dv, qk_scale, cap_in, cap_ou
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
                                       nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True,
                                       HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
-    for start_n in range(a, b, BLOCK_N):
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
-                                      nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, False,
-                                      HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
+    if TMA:
+        # every k/v head's rows as one (batch_kv nk, d) matrix; this head's start at row bh_kv nk; the
+        # stage's keys [a, b) lie below length <= nk, so its blocks never reach the next head's rows.
+        # Columns past d (HEAD_DIM > d) come as zeros.
+        kv_rows = tl.num_programs(1) // GROUP * nk
+        k_desc = tl.make_tensor_descriptor(K, shape=[kv_rows, d], strides=[d, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V, shape=[kv_rows, dv], strides=[dv, 1],
+                                           block_shape=[BLOCK_N, HEAD_DV])
+        row0 = bh_kv * nk
+        for start_n in tl.range(a, b, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            kt = k_desc.load([row0 + start_n, 0]).T
+            v = v_desc.load([row0 + start_n, 0])
+            acc, l_i, m_i = _fold(acc, l_i, m_i, q, kt, v, start_n + offs_n, offs_m, qk_scale, cap_in, cap_out,
+                                  length, off, left, right, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, PRECISION,
+                                  not SOFTCAP)
+    else:
+        for start_n in range(a, b, BLOCK_N):
+            acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d,
+                                          offs_e, nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right,
+                                          False, HAS_LEFT, HAS_RIGHT, SOFTCAP, EVEN_D, EVEN_DV, PRECISION)
     for start_n in range(b, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, offs_e,
                                       nk, d, dv, qk_scale, cap_in, cap_out, length, off, left, right, True,
@@ -699,7 +816,36 @@ def _configs_of(scalars: dict, switches: dict, dtype_name: str, *kernels: str):
     head = max(switches["HEAD_DIM"], switches["HEAD_DV"])
     bucket = max(scalars["N_BUCKET_Q"], scalars["N_BUCKET_K"])
     masked = switches["HAS_LEFT"] or switches["HAS_RIGHT"]
-    return [config(kernel, itemsize, head, bucket, masked) for kernel in kernels]
+    return [hopper_config(itemsize, head, bucket, masked) if kernel == "hopper" else
+            config(kernel, itemsize, head, bucket, masked) for kernel in kernels]
+
+
+# the Hopper variant's compilations that failed: (switches, config, the int arguments' and output
+# pointers' specialization, as Triton's): their calls run the pointer-load kernel
+HOPPER_FAILED: set = set()
+
+
+def _hopper_launch(hopper: tuple, grid, args, switches: dict, outputs):
+    """Launch the forward's Hopper variant at config hopper; (the compiled kernel, (BLOCK_M,
+    BLOCK_N)), or None where it does not compile here. Triton 3.6's ptxas crashed
+    (SIGSEGV) on some specializations of it (64 x 64 blocks, 4 warps: grouped k/v heads with
+    some lengths and lse settings), and a toolchain may lack a feature it uses: those calls
+    keep the pointer-load kernel (switches unchanged), which compiled before."""
+    *chosen, ws = hopper
+    trial = dict(switches, TMA=True, WARP_SPECIALIZE=bool(ws))
+    spec = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int)) + \
+        tuple(p.data_ptr() % 16 == 0 for p in outputs)
+    key = (tuple(sorted(trial.items())), tuple(hopper), spec)
+    if key in HOPPER_FAILED:
+        return None
+    ensure_allocator()
+    try:
+        found = _launch(flash_forward, "forward", tuple(chosen), [], grid, args, trial)
+    except Exception:  # a compiler failure, raised before anything ran on the GPU
+        HOPPER_FAILED.add(key)
+        return None
+    switches.update(TMA=True, WARP_SPECIALIZE=bool(ws))
+    return found
 
 
 def launch(q, k, v, out, lse, lens, batch: int, batch_kv: int, nq: int, nk: int, d: int, dv: int, causal: bool,
@@ -710,15 +856,26 @@ def launch(q, k, v, out, lse, lens, batch: int, batch_kv: int, nq: int, nk: int,
     products in 3xTF32 with tensor_cores, else exact. Returns (the compiled kernel, its
     arguments in the kernel's order, its grid) for prepared launches."""
     scalars, switches = problem(batch, batch_kv, nq, nk, d, dv, causal, scale, features, dtype_name, tensor_cores)
-    switches.update(WITH_LSE=lse is not None, EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv)
+    switches.update(WITH_LSE=lse is not None, EVEN_D=switches["HEAD_DIM"] == d, EVEN_DV=switches["HEAD_DV"] == dv,
+                    TMA=False, WARP_SPECIALIZE=False)
     (chosen,) = _configs_of(scalars, switches, dtype_name, "forward")
+    hopper = None if _autotuning() else _configs_of(scalars, switches, dtype_name, "hopper")[0]
 
     def grid(bm, bn):
         return (triton.cdiv(nq, bm), batch)
 
     pointers = (q, k, v, out, out if lse is None else lse, q if lens is None else lens)
     args = [*pointers, *(scalars[n] for n in _FORWARD_SCALARS)]
-    kernel, (bm, bn) = _launch(flash_forward, "forward", chosen, _KEY + ["WITH_LSE"], grid, args, switches)
+    found = None
+    if hopper is not None and hopper_ready((q, k, v), d, dv, 4 if dtype_name == "float32" else 2):
+        # warp specialization ran on the GPU (its tests) only in calls without windows, key lengths,
+        # softcaps or bottom-right alignment: those keep the config's blocks without it
+        if switches["HAS_LEFT"] or switches["HAS_LENS"] or switches["SOFTCAP"] or scalars["bottom_right"]:
+            hopper = (*hopper[:4], False)
+        found = _hopper_launch(hopper, grid, args, switches, pointers[3:5])
+    if found is None:
+        found = _launch(flash_forward, "forward", chosen, _KEY + ["WITH_LSE"], grid, args, switches)
+    kernel, (bm, bn) = found
     named = dict(zip(("Q", "K", "V", "O", "LSE", "LENS"), pointers), **scalars, **switches, BLOCK_M=bm, BLOCK_N=bn)
     return kernel, [named[n] for n in flash_forward.arg_names], grid(bm, bn)
 

@@ -1,0 +1,194 @@
+"""triton.flash's forward, the pointer-load kernel (flash.TABLE's config) beside configs of its
+Hopper variant (TMA loads of K and V in the unmasked stage, flash.HOPPER_TABLE), against every
+torch SDPA backend, on one GPU.
+
+    python3 dev/triton_hopper_sweep.py --out OUT.json [--ns 4096,8192,16384] [--dims 64,128]
+        [--runs 3] [--reps 15] [--warm-slice i/n]
+
+Per head size D and mask (causal and not), bfloat16, (1, 16, N, D): each config of CONFIGS
+(BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize; "table": the pointer-load kernel
+at flash.TABLE's config) launched straight through flash.launch with flash.OVERRIDE set.
+Correctness, at the first N: 512 sampled query rows of every head against float64 (the
+largest error, and cuDNN's on the same rows); a config passes with an error within
+max(2 x cuDNN's, 4 u) (u = 2^-8). Timing: every kernel first kept busy for 0.1 s
+(attnkern_bench.timing.CudaEventClock.busy), then --reps (15) samples, each between CUDA events,
+the kernels taking turns sample by sample; medians. The whole sweep --runs times in the same
+process (the spread between runs). x_fastest: the fastest torch backend's time over ours.
+--warm-slice i/n only compiles slice i of the configs (worker processes that fill Triton's
+cache while the tests run).
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from attnkern.backends.triton import flash
+from attnkern_bench.timing import CudaEventClock
+
+# the Hopper variant's candidates per D: those that compile for sm_90 without spills
+# (dev/triton_compile_check.py --only BM,BN,W,S,1,WS); warp specialization (last field) compiles
+# with Triton 3.6 for sm_90 at 8 warps only (4 warps: the NVGPUWarpSpecialization pass fails)
+CONFIGS = {
+    64: [(128, 64, 4, 3, 0), (128, 64, 4, 4, 0), (128, 64, 4, 2, 0), (128, 128, 8, 3, 0), (128, 64, 8, 3, 0),
+         (128, 32, 4, 3, 0), (64, 64, 4, 3, 0), (128, 64, 8, 3, 1), (128, 128, 8, 3, 1), (128, 64, 8, 2, 1)],
+    128: [(128, 64, 8, 3, 0), (128, 64, 8, 4, 0), (128, 64, 8, 2, 0), (128, 128, 8, 3, 0), (128, 128, 8, 2, 0),
+          (128, 32, 8, 3, 0), (64, 64, 4, 3, 0), (128, 64, 8, 3, 1), (128, 128, 8, 3, 1), (128, 64, 8, 2, 1)],
+}
+HEADS = 16
+
+
+def _name(cfg):
+    return "table" if cfg is None else "tma %dx%d w%d s%d%s" % (*cfg[:4], " ws" if cfg[4] else "")
+
+
+def _launcher(q, k, v, out, lse, causal, cfg):
+    """A forward launch of config cfg (None: the pointer-load kernel at TABLE's config)."""
+    batch, n, d = q.shape
+
+    def fn():
+        if cfg is None:
+            flash.OVERRIDE["forward_hopper"] = None
+        else:
+            flash.OVERRIDE["forward_hopper"] = cfg
+        try:
+            flash.launch(q, k, v, out, lse, None, batch, batch, n, n, d, d, causal, d ** -0.5, "bfloat16", 1, None)
+        finally:
+            flash.OVERRIDE.pop("forward_hopper", None)
+    return fn
+
+
+def _inputs(n, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(HEADS, n, d, generator=g).to(torch.bfloat16).cuda() for _ in range(3)]
+
+
+def _reference_rows(q, k, v, causal, rows):
+    """float64 attention of the query rows `rows` (every head)."""
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    s = q64[:, rows] @ k64.transpose(1, 2) * q.shape[2] ** -0.5
+    if causal:
+        keys = torch.arange(k.shape[1], device=q.device)
+        s = s.masked_fill(keys[None, None, :] > rows[None, :, None], float("-inf"))
+    return torch.softmax(s, -1) @ v64
+
+
+def warm(part, parts):
+    cases = [(d, causal, cfg) for d in CONFIGS for causal in (False, True) for cfg in [None] + CONFIGS[d]]
+    for i, (d, causal, cfg) in enumerate(cases):
+        if i % parts != part:
+            continue
+        # N = 1024: a long-sequence bucket (TABLE's "large" configs), int arguments divisible by 16 as
+        # at N = 4096-16384, so that the sweep's calls find these compiled kernels
+        q, k, v = _inputs(1024, d, i)
+        out, lse = torch.empty_like(q), torch.empty(HEADS, 1024, dtype=q.dtype, device="cuda")
+        try:
+            _launcher(q, k, v, out, lse, causal, cfg)()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a config that does not compile: the sweep reports it
+            print("warm", d, causal, _name(cfg), repr(exc)[:200], flush=True)
+
+
+def sweep(ns, dims, reps, checked, result, save):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    backends = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    clock = CudaEventClock(torch, warmup_s=0.1)
+    rows = []
+    for d in dims:
+        for causal in (False, True):
+            for n in ns:
+                q, k, v = _inputs(n, d, n + d)
+                q4, k4, v4 = (x.view(1, HEADS, n, d) for x in (q, k, v))
+                fns = {}
+                for cfg in [None] + CONFIGS[d]:
+                    out, lse = torch.empty_like(q), torch.empty(HEADS, n, dtype=q.dtype, device="cuda")
+                    fn = _launcher(q, k, v, out, lse, causal, cfg)
+                    key = (d, causal, _name(cfg))
+                    try:
+                        fn()
+                        torch.cuda.synchronize()
+                    except Exception as exc:
+                        checked.setdefault(key, {"failed": repr(exc)[:300]})
+                        continue
+                    if key not in checked:  # correctness, once per (D, mask, config)
+                        sample = torch.randperm(n, generator=torch.Generator().manual_seed(n))[:512].cuda()
+                        ref = _reference_rows(q, k, v, causal, sample)
+                        err = (out[:, sample].double() - ref).abs().max().item()
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+                            theirs = sdpa(q4, k4, v4, is_causal=causal)[0]
+                        terr = (theirs[:, sample].double() - ref).abs().max().item()
+                        checked[key] = {"err": err, "cudnn_err": terr, "n": n,
+                                        "passed": err <= max(2 * terr, 4 * 2.0 ** -8)}
+                        del ref
+                    if checked[key].get("passed"):
+                        fns[_name(cfg)] = fn
+                for be in backends:
+                    def theirs(be=be):
+                        with sdpa_kernel(be), torch.no_grad():
+                            sdpa(q4, k4, v4, is_causal=causal)
+                    try:
+                        theirs()
+                        torch.cuda.synchronize()
+                    except RuntimeError:
+                        continue
+                    fns[f"torch {be.name}"] = theirs
+                for fn in fns.values():
+                    clock.busy(fn)
+                samples = {name: [] for name in fns}
+                for _ in range(reps):
+                    for name, fn in fns.items():
+                        samples[name].append(clock.seconds(fn))
+                ms = {name: statistics.median(t) * 1e3 for name, t in samples.items()}
+                best_torch = min(t for name, t in ms.items() if name.startswith("torch"))
+                flops = 4 * HEADS * n * n * d * (0.5 if causal else 1)
+                row = {"d": d, "causal": causal, "n": n, "ms": {k_: round(t, 4) for k_, t in ms.items()},
+                       "x_fastest": {k_: round(best_torch / t, 3) for k_, t in ms.items() if not k_.startswith("torch")},
+                       "tflops": {k_: round(flops / t / 1e9, 1) for k_, t in ms.items()}}
+                rows.append(row)
+                top = sorted(row["x_fastest"].items(), key=lambda x: -x[1])[:3]
+                print(d, causal, n, "table", row["x_fastest"].get("table"), "best", top, flush=True)
+                result["runs"][-1] = rows
+                save()
+                del fns, q, k, v
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    p.add_argument("--ns", default="4096,8192,16384")
+    p.add_argument("--dims", default="64,128")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--warm-slice", default="")
+    a = p.parse_args()
+    if a.warm_slice:
+        part, parts = (int(x) for x in a.warm_slice.split("/"))
+        warm(part, parts)
+        return
+    import triton
+
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "table": {str(k): v for k, v in flash.TABLE.items() if k[0] == "forward"}, "configs": CONFIGS,
+              "runs": [], "checked": {}}
+    checked = {}
+
+    def save():
+        result["checked"] = {" ".join(map(str, k)): v for k, v in checked.items()}
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    ns, dims = [int(x) for x in a.ns.split(",")], [int(x) for x in a.dims.split(",")]
+    for _ in range(a.runs):
+        result["runs"].append([])
+        sweep(ns, dims, a.reps, checked, result, save)
+    save()
+
+
+if __name__ == "__main__":
+    main()
