@@ -174,6 +174,18 @@ def test_tunables_are_validated():
     assert info["block_q"]["choices"] == [0, 8, 16, 32, 64, 128]
 
 
+def test_the_fast_path_keys_numpy_scales_and_refuses_ambiguous_arguments():
+    # A NumPy scale (1 / np.sqrt(d)) keys a plan as the float it equals; True (== 1) does not
+    from attnkern._torch_cuda import _arguments_fit
+
+    for scale in (None, 0.125, 2, np.float64(0.125), np.float32(0.5), np.int64(3)):
+        assert _arguments_fit(False, scale, "cuda.flash", {}), scale
+    assert {(False, np.float64(0.125)): 1}[(False, 0.125)] == 1  # equal keys, one plan
+    for causal, scale, params in ((1, None, {}), (False, True, {}), (False, "0.1", {}),
+                                  (False, None, {"block_q": 64.0})):
+        assert not _arguments_fit(causal, scale, "cuda.flash", params), (causal, scale, params)
+
+
 def test_bitwise_deterministic():
     rng = np.random.default_rng(6)
     q, k, v = random_qkv(rng, (), 17, 15, 6, 3, np.float32)
@@ -451,7 +463,8 @@ def test_torch_fast_path_matches_the_general_path():
         finally:
             fast.FAST_PATH = True
 
-    for kw in ({}, {"causal": True, "scale": 0.3}, {"block_q": 16, "block_k": 32}, {"check_finite": False}):
+    for kw in ({}, {"causal": True, "scale": 0.3}, {"block_q": 16, "block_k": 32}, {"check_finite": False},
+               {"scale": np.float64(0.3)}):
         for _ in range(3):  # the first call builds the plan; the later ones use it, on new tensors
             q, k, v = tensors()
             out = attnkern.attention(q, k, v, **kw)
