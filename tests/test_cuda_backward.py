@@ -698,7 +698,7 @@ WGMMA_DIVISIONS = {64: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x128
                         "qwg2x128s3kvwg2x128s3", "qwg1x128s2kvwg1x64s4"],
                    128: ["qwg2x64kvwg2x64", "qwg1x64kvwg1x64", "qwg1x128kvwg1x64", "qwg2x128kvwg2x64",
                          "qwg2x128s2kvwg2x64s2", "qwg2x64s3kvwg2x64s3", "qwg2x128s2kvwg2x64s3", "qwg2x64s4kvwg2x64s4",
-                         "qwg2x128s2kvwg2x64s4"]}
+                         "qwg2x128s2kvwg2x64s4", "qwg2x128s2kvwg1x64s2"]}
 
 
 @half_gpu
