@@ -25,7 +25,7 @@ to read, only the wrapper, the checks and the thread team.
 
 --base-so PATH adds a third contender, native.flash run by another build of the C
 module (the _attn extension of a checkout or wheel built before a change, e.g.
-build/cp311/attnkern/backends/native/_attn*.so there): its time and the ratio base /
+build-editable/attnkern/backends/native/_attn*.so there): its time and the ratio base /
 ours, sampled in the same turns, so that the load of a busy machine falls on both."""
 
 from __future__ import annotations

@@ -26,17 +26,6 @@ assert all(attnkern.kernel_info(k)["available"] for k in CUDA), [attnkern.kernel
 from numba import cuda  # noqa: E402  (numba-cuda is there: the kernels are available)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_simulator_barriers():
-    """The simulator's launcher polls its threads while they wait at barriers;
-    with Python's default 5 ms GIL switch interval each barrier costs a switch
-    per thread. 0.5 ms makes these tests about 4x faster."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(before)
-
-
 def is_gpu_array(x):
     # the simulator's device arrays have no __cuda_array_interface__
     simulated = type(x).__module__.startswith("numba.cuda.simulator")

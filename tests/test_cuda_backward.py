@@ -14,7 +14,6 @@ wrong term is an error of order 1e-2 or more.
 """
 
 import os
-import sys
 import zlib
 
 import ml_dtypes
@@ -55,15 +54,6 @@ def _simulate_float32_once(first: bool, dtype) -> None:
 # (causal: keys no query sees get zero gradients), Dv != D, batch 2
 SHAPES = [(1, 13, 11, 5, 3), (2, 9, 20, 17, 8), (2, 16, 7, 4, 4)]
 TILES = {"block_q": 8, "block_k": 8}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_simulator_barriers():
-    """As in test_cuda.py: a 0.5 ms GIL switch interval makes the simulator's barriers cheaper."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(before)
 
 
 def reference(q, k, v, dout, causal, scale):
