@@ -156,6 +156,8 @@ def check(q, k, v, causal, scale, kernel, feats: dict, params: dict, descales: t
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if not x.is_contiguous():
             raise ValueError(f"FP8: {name} must be contiguous (pass {name}.contiguous())")
+        if x.data_ptr() % 16:  # the kernels' 16-byte copies and the TMA's tensor maps
+            raise ValueError(f"FP8: {name} must start at a 16-byte aligned address (pass {name}.clone())")
     given = [n for n, val in feats.items() if n in _FEATURE_NAMES and val is not None]
     if feats.get("dropout_p"):
         given.append("dropout_p")
@@ -197,12 +199,18 @@ def attention(q, k, v, causal, scale, kernel, feats: dict, params: dict, descale
             lse.fill_(-math.inf)
         return (out, lse) if return_lse else out
     with torch.cuda.device(q.device):
-        vt = cpp.fp8_transpose_v(v.reshape(rows_kv, nk, d), cpp.FP8_VT_KEYS)
-        if raw_stream(q.device.index):  # the kernel runs on the legacy default stream: torch's work first
-            torch.cuda.current_stream(q.device).synchronize()
-
         def view(x, shape):
             return GpuArray(shape, np.uint8, None, ptr=x.data_ptr(), owner=x)
+
+        if raw_stream(q.device.index):  # the kernels run on the legacy default stream: torch's work first
+            torch.cuda.current_stream(q.device).synchronize()
+        if cpp.FP8_VT_KERNEL:  # V^T by flash_fp8_vt.cu, on the legacy default stream as the kernel
+            nkp = -(-nk // cpp.FP8_VT_KEYS) * cpp.FP8_VT_KEYS
+            vt = torch.empty((rows_kv, d, nkp), dtype=torch.uint8, device=q.device)
+            kernel, grid, block, args = cpp.fp8_vt_launch(view(v, (rows_kv, nk, d)), view(vt, tuple(vt.shape)))
+            launch.launch(kernel, grid, block, *args)
+        else:
+            vt = cpp.fp8_transpose_v(v.reshape(rows_kv, nk, d), cpp.FP8_VT_KEYS)
 
         feat = None
         if group > 1 or align == "bottom_right":

@@ -105,6 +105,32 @@ def test_v_transpose_follows_the_fragment_order():
         assert vt[0, :, col].tolist() == [want] * 128, col
 
 
+def test_fp8_divisions_and_their_refusals():
+    """The FP8 divisions flash_wgmma.cu has: cp.async copies at 128-key tiles, the TMA at 128-192
+    keys (multiples of e4m3's 32-key step); V^T tiles take whole 128-key blocks of shared memory."""
+    for text in ("wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s3et"):
+        cpp.fp8_config_check(division(text))
+    for text, why in (("wg2k192s3e", "128-key tiles with cp.async"), ("wg2k176s2pet", r"\(128, 160, 192\) keys"),
+                      ("wg2k64s3et", r"\(128, 160, 192\) keys"), ("wg3k128", "warp-specialized")):
+        with pytest.raises(ValueError, match=why):
+            cpp.fp8_config_check(division(text))
+    with pytest.raises(ValueError, match="shared memory"):  # 16 KB Q, 4 x (24 KB K + 32 KB V^T)
+        cpp.fp8_config_check(division("wg2k192s4pet"))
+    # Q, then per stage a K tile (block_k rows of 128 bytes) and a V^T tile (128 rows of 128-key blocks)
+    assert division("wg2k128s3pet").shared_bytes(128, 1) == 128 * 128 + 3 * (128 * 128 + 128 * 128) + 1024 + 96
+    assert division("wg2k192s2pet").shared_bytes(128, 1) == 128 * 128 + 2 * (192 * 128 + 128 * 256) + 1024 + 64
+
+
+def division(text):
+    """A WgmmaConfig from its name (wg2k192s2pet: 2 consumers, 192-key tiles, 2 stages, ping-pong,
+    early K, TMA)."""
+    import re
+
+    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)", text)
+    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3] or 0), pingpong=bool(m[4]), early_k=bool(m[5]),
+                           tma=bool(m[6]))
+
+
 def test_backward_and_varlen_refuse_fp8():
     x8 = torch.zeros(1, 2, 8, 128).to(torch.float8_e4m3fn)
     x = torch.zeros(1, 2, 8, 128)
@@ -185,6 +211,50 @@ def inputs(shape_q, shape_kv, seed, outliers=False):
     return q, k, v
 
 
+# the FP8 divisions the GPU tests run (each test below for each, FP8_DEFAULT swapped): the cp.async
+# one and the TMA ones with ping-pong at 128, 160 and 192 keys a tile (and 192 without ping-pong)
+DIVISIONS = ["wg2k128s3e", "wg2k128s3pet", "wg2k128s4pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet",
+             "wg2k192s3et"]
+
+
+@pytest.fixture(params=DIVISIONS)
+def fp8_division(request, monkeypatch):
+    """Each FP8 division as the default in turn (attention() runs cpp.FP8_DEFAULT)."""
+    monkeypatch.setattr(cpp, "FP8_DEFAULT", division(request.param))
+    return request.param
+
+
+@gpu
+@pytest.mark.parametrize("nk", [1, 31, 128, 200, 1000, 4103])
+def test_v_transpose_kernel_matches_the_torch_copy(nk):
+    """flash_fp8_vt.cu writes the bytes of fp8_transpose_v (the fragment order, zeros past nk)."""
+    from attnkern._gpuarray import GpuArray
+    from attnkern.backends.cuda import launch
+
+    g = torch.Generator(device="cuda").manual_seed(nk)
+    v = torch.randint(0, 256, (3, nk, 128), generator=g, device="cuda", dtype=torch.uint8)
+    want = cpp.fp8_transpose_v(v.view(torch.float8_e4m3fn), cpp.FP8_VT_KEYS)
+    vt = torch.full(want.shape, 0xAB, dtype=torch.uint8, device="cuda")  # every byte must be written
+    torch.cuda.synchronize()
+    kernel, grid, block, args = cpp.fp8_vt_launch(GpuArray(tuple(v.shape), np.uint8, None, ptr=v.data_ptr(), owner=v),
+                                                  GpuArray(tuple(vt.shape), np.uint8, None, ptr=vt.data_ptr(),
+                                                           owner=vt))
+    launch.launch(kernel, grid, block, *args)
+    torch.cuda.synchronize()
+    assert torch.equal(vt, want)
+
+
+@gpu
+@pytest.mark.parametrize("vt_kernel", [False, True])
+def test_fp8_same_bits_either_v_transpose(vt_kernel, monkeypatch):
+    q, k, v = inputs((1, 4, 300, 128), (1, 2, 333, 128), seed=21)
+    r = attnkern.quantize_fp8(q, k, v)
+    monkeypatch.setattr(cpp, "FP8_VT_KERNEL", not vt_kernel)
+    want = attnkern.attention(*r[:3], causal="bottom_right", **r.kwargs())
+    monkeypatch.setattr(cpp, "FP8_VT_KERNEL", vt_kernel)
+    assert torch.equal(attnkern.attention(*r[:3], causal="bottom_right", **r.kwargs()), want)
+
+
 CASES = [  # (q shape, k/v shape, causal)
     ((1, 4, 512, 128), (1, 4, 512, 128), False),
     ((1, 4, 512, 128), (1, 4, 512, 128), True),
@@ -192,12 +262,13 @@ CASES = [  # (q shape, k/v shape, causal)
     ((2, 4, 77, 128), (2, 4, 200, 128), False),
     ((3, 130, 128), (3, 333, 128), True),
     ((1000, 128), (1000, 128), "bottom_right"),
+    ((1, 2, 2048, 128), (1, 2, 2048, 128), True),  # many tiles: the ping-pong's turns, the ring's phases
 ]
 
 
 @gpu
 @pytest.mark.parametrize("shape_q, shape_kv, causal", CASES)
-def test_fp8_matches_float64(shape_q, shape_kv, causal):
+def test_fp8_matches_float64(shape_q, shape_kv, causal, fp8_division):
     q, k, v = inputs(shape_q, shape_kv, seed=hash((shape_q, causal)) % 2**31)
     r = attnkern.quantize_fp8(q, k, v)
     scale = 1 / math.sqrt(128)
@@ -215,7 +286,7 @@ def test_fp8_matches_float64(shape_q, shape_kv, causal):
 
 
 @gpu
-def test_fp8_negative_scale_and_descales():
+def test_fp8_negative_scale_and_descales(fp8_division):
     q, k, v = inputs((2, 2, 256, 128), (2, 2, 256, 128), seed=5)
     r = attnkern.quantize_fp8(q * 3, k, v / 7)
     out = attnkern.attention(*r[:3], scale=-0.05, **r.kwargs())
@@ -225,7 +296,7 @@ def test_fp8_negative_scale_and_descales():
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_hadamard_lowers_the_error_with_outliers(causal):
+def test_hadamard_lowers_the_error_with_outliers(causal, fp8_division):
     errs = {}
     for outliers in (False, True):
         q, k, v = inputs((1, 8, 1024, 128), (1, 8, 1024, 128), seed=11 + outliers, outliers=outliers)
@@ -238,7 +309,7 @@ def test_hadamard_lowers_the_error_with_outliers(causal):
 
 
 @gpu
-def test_fp8_bit_identical_repeats():
+def test_fp8_bit_identical_repeats(fp8_division):
     q, k, v = inputs((2, 8, 1000, 128), (2, 4, 1500, 128), seed=3)
     r = attnkern.quantize_fp8(q, k, v)
     outs = [attnkern.attention(*r[:3], causal="bottom_right", return_lse=True, **r.kwargs()) for _ in range(3)]
@@ -246,7 +317,7 @@ def test_fp8_bit_identical_repeats():
 
 
 @gpu
-def test_fp8_empty_and_keyless_rows():
+def test_fp8_empty_and_keyless_rows(fp8_division):
     q8 = torch.zeros(1, 2, 64, 128, device="cuda").to(torch.float8_e4m3fn)
     k8 = torch.zeros(1, 2, 0, 128, device="cuda").to(torch.float8_e4m3fn)
     out, lse = attnkern.attention(q8, k8, k8, return_lse=True, descale_q=1.0, descale_k=1.0, descale_v=1.0)
@@ -279,6 +350,9 @@ def test_fp8_refusals(monkeypatch):
         attnkern.attention(x8, x8, x8, block_q=64, **ds)
     with pytest.raises(TypeError, match="float8_e4m3fn: v is torch.float8_e5m2"):
         attnkern.attention(x8, x8, torch.zeros(1, 2, 64, 128, device="cuda").to(torch.float8_e5m2), **ds)
+    odd = torch.zeros(1 + 2 * 64 * 128, device="cuda").to(torch.float8_e4m3fn)[1:].view(1, 2, 64, 128)
+    with pytest.raises(ValueError, match="q must start at a 16-byte aligned address"):
+        attnkern.attention(odd, x8, x8, **ds)
     nan = x8.clone()
     nan.view(torch.uint8)[0, 0, 3, 5] = 0x7F
     with pytest.raises(ValueError, match="k has NaN"):

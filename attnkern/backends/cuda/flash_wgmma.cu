@@ -84,9 +84,11 @@
 #ifndef ATTNKERN_TMA
 #define ATTNKERN_TMA 0
 #endif
-#if ATTNKERN_TMA && (ATTNKERN_FEAT || !ATTNKERN_WS)
+#if ATTNKERN_TMA && ((ATTNKERN_FEAT && !ATTNKERN_FP8) || !ATTNKERN_WS)
 // the TMA fills rows past nk with zeros, not those past a sequence's key length: plain calls only
-#error "ATTNKERN_TMA: the warp-specialized variant's plain kernel only"
+// (and FP8's featured kernel, whose only features, grouped k/v heads and bottom-right masking,
+// read every key below nk)
+#error "ATTNKERN_TMA: the warp-specialized variant's plain kernel only (FP8: also its featured one)"
 #endif
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
@@ -94,10 +96,15 @@
 #define BM (64 * NWG)
 #define ESIZE (ATTNKERN_FP8 ? 1 : 2)  // bytes an element
 #define Q_BYTES (BM * D * ESIZE)
-#define TILE_BYTES (BN * D * ESIZE)   // a K tile, a V tile (FP8: a V^T tile of D rows of BN keys)
+#define TILE_BYTES (BN * D * ESIZE)   // a K tile, a V tile
 #if ATTNKERN_FP8
-#if !ATTNKERN_WS || ATTNKERN_TMA || D != 128 || BN != 128
-#error "the FP8 variant is the warp-specialized one (cp.async copies) at D = 128 with 128-key tiles"
+// a V^T tile: D rows of BN keys, in column blocks of 128 keys (one 128-byte swizzled row each);
+// the TMA copies whole blocks, so a 160- or 192-key tile holds 256 keys' room (the last block
+// partly used: its keys past BN are the next tile's, copied and never read)
+#define VT_BLOCKS ((BN + 127) / 128)
+#define VTILE_BYTES (D * 128 * VT_BLOCKS)
+#if !ATTNKERN_WS || D != 128 || BN % 32 || (!ATTNKERN_TMA && BN != 128) || BN > 192
+#error "the FP8 variant is the warp-specialized one at D = 128: 128-key tiles with cp.async copies, 128-192 (a multiple of 32) with the TMA"
 #endif
 #define FP8_PARAMS , float out_scale, int vt_stride
 #define SIGN_BITS 0x80808080u  // negates the four e4m3 values of a word
@@ -105,12 +112,13 @@
 #else
 #define FP8_PARAMS
 #define SIGN_BITS 0x80008000u  // negates both halves of a pair
+#define VTILE_BYTES TILE_BYTES
 #endif
 #if ATTNKERN_WS
 #define STAGES ATTNKERN_STAGES
 #define NTHREADS (128 * (NWG + 1))  // NWG consumer warpgroups and one producer warpgroup
 // Q, STAGES K and V tiles, room to align to 1024 bytes, and 4 STAGES mbarriers
-#define SMEM_BYTES (Q_BYTES + 2 * STAGES * TILE_BYTES + 1024 + 32 * STAGES)
+#define SMEM_BYTES (Q_BYTES + STAGES * (TILE_BYTES + VTILE_BYTES) + 1024 + 32 * STAGES)
 #else
 #define NTHREADS (128 * NWG)
 #define SMEM_BYTES (Q_BYTES + 4 * TILE_BYTES + 1024)  // + room to align to 1024 bytes
@@ -385,7 +393,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
 #endif
     const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + STAGES * TILE_BYTES;
-    const u32 full_k = vs0 + STAGES * TILE_BYTES, full_v = full_k + 8 * STAGES, empty_k = full_v + 8 * STAGES,
+    const u32 full_k = vs0 + STAGES * VTILE_BYTES, full_v = full_k + 8 * STAGES, empty_k = full_v + 8 * STAGES,
               empty_v = empty_k + 8 * STAGES;
 
     if (tid == 0) {
@@ -419,9 +427,20 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         const auto load = [&](u64 map, u32 buf, u32 empty, u32 full, int jt) {
             const int i = jt - jt0, s = i % STAGES;
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
+#if ATTNKERN_FP8
+            if (buf == vs0) {  // V^T (known at each inlined call): VT_BLOCKS boxes of 128 keys x D rows,
+                // the map's columns 16-bit pairs of keys (fp8_vt_map), zeros past its padded length
+                mbar_arrive_expect_tx(full + 8 * s, VTILE_BYTES);
+#pragma unroll
+                for (int cb = 0; cb < VT_BLOCKS; ++cb)
+                    tma_load_3d(buf + s * VTILE_BYTES + cb * D * 128, map, (jt * BN) / 2 + 64 * cb, 0, kv_row,
+                                full + 8 * s);
+                return;
+            }
+#endif
             mbar_arrive_expect_tx(full + 8 * s, TILE_BYTES);
 #pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb)
+            for (int cb = 0; cb < ROW16 / 64; ++cb)  // a K row of FP8 is one box of 64 16-bit units
                 tma_load_3d(buf + s * TILE_BYTES + cb * BN * 128, map, 64 * cb, jt * BN, kv_row, full + 8 * s);
         };
 #else
@@ -433,7 +452,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
 #if ATTNKERN_FP8
             if (buf == vs0)  // V^T (FP8); known at each inlined call
-                load_vt((const unsigned char*)src, buf + s * TILE_BYTES, jt * BN, vt_stride, tid);
+                load_vt((const unsigned char*)src, buf + s * VTILE_BYTES, jt * BN, vt_stride, tid);
             else
 #endif
                 load_tile<128>((const u16*)src, buf + s * TILE_BYTES, jt * BN, f.len, tid);
@@ -482,7 +501,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     // O += P V of the pending tile, one commit group (its V waited for: wait_v)
     const auto wait_v = [&]() { mbar_wait(full_v + 8 * (pend % STAGES), (pend / STAGES) & 1); };
     const auto issue_pv = [&]() {
-        const u32 vb = vs0 + (pend % STAGES) * TILE_BYTES;
+        const u32 vb = vs0 + (pend % STAGES) * VTILE_BYTES;
 #pragma unroll
         for (int cc = 0; cc < BN * ESIZE / 32; ++cc) {  // k steps of 16 keys (FP8 32)
             const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
