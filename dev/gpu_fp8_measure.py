@@ -3,7 +3,7 @@ error against float64 (FP8 with and without a Hadamard rotation of q and k, on G
 and inputs with outliers) and speed.
 
     python3 dev/gpu_fp8_measure.py OUT.json [--sizes 4096,8192,16384] [--heads 16]
-        [--fp8-configs wg2k128s3e,wg2k128s4e,wg2k128s4pe] [--runs 20] [--after FILE]
+        [--fp8-configs wg2k128s3e,wg2k128s3pet,...] [--runs 20] [--after FILE]
 
 Error, at (1, 8, --error-n, 128), causal and not: rms(out - ref) / rms(ref) and
 max |out - ref| / max |ref| against the float64 answer for the float32 inputs (torch float64 on
@@ -18,10 +18,15 @@ Speed, at (1, --heads, N, 128), causal and not, CUDA events, the median of --run
   library's whole call (attnkern.attention, check_finite=False);
 - "torch.sdpa", "torch.cudnn", "torch.flash", "torch.efficient": torch's SDPA in bfloat16, its
   default and each backend forced (one that refuses is left out);
-- "fp8.kernel.<division>": the FP8 kernel alone, V^T made beforehand (not counted);
-- "fp8.attention": attnkern.attention on e4m3 tensors (check_finite=False): V^T's pre-pass
-  counted; "fp8.quantize+attention": quantize_fp8 of the bfloat16 tensors (per-tensor amax,
-  a host read of each scale) then attention: everything counted.
+- "fp8.kernel.<division>": the FP8 kernel alone, V^T made beforehand (not counted); divisions
+  with a t are on the TMA producer (tensor maps of K and V^T);
+- "fp8.vt.kernel": V^T's pre-pass alone by flash_fp8_vt.cu (cpp.FP8_VT_KERNEL), "fp8.vt.torch":
+  by fp8_transpose_v's torch copy (the pre-pass before it);
+- "fp8.attention.<division>": attnkern.attention on e4m3 tensors (check_finite=False) with that
+  division the default and V^T by flash_fp8_vt.cu: V^T's pre-pass counted;
+  "fp8.attention.<division>.torchvt": the same with the torch copy (the library as it was, for
+  the first division); "fp8.quantize+attention.<division>": quantize_fp8 of the bfloat16 tensors
+  (per-tensor amax, a host read of each scale) then attention: everything counted.
 TFLOP/s count 4 B H N^2 D, half with causal masking; x_bf16 is bf16.kernel's time over each.
 --after: a file whose appearance the timings wait for (up to 10 minutes), so that they do not
 overlap other GPU work of the same device call (the builds and error runs go first)."""
@@ -72,7 +77,9 @@ def reference(q, k, v, causal):
     return torch.softmax(s, -1) @ v.double()
 
 
-def error_table(n):
+def error_table(n, configs):
+    """The error rows; FP8's (plain and Hadamard-rotated) for the default division, and for each of
+    configs under "fp8.<division>" / "fp8_hadamard.<division>"."""
     rows = []
     for kind in ("gaussian", "outliers", "channels"):
         for causal in (False, True):
@@ -87,16 +94,47 @@ def error_table(n):
                 again = attnkern.attention(*r[:3], causal=causal, **r.kwargs())
                 row.setdefault("bit_identical", True)
                 row["bit_identical"] &= bool(torch.equal(out, again))
+                for config in configs:
+                    run = with_settings(lambda r=r: attnkern.attention(*r[:3], causal=causal, **r.kwargs()),
+                                        FP8_DEFAULT=config)
+                    out = run()
+                    row[f"{'fp8_hadamard' if had else 'fp8'}.{config}"] = rel_errors(out, ref)
+                    row["bit_identical"] &= bool(torch.equal(out, run()))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
 def fp8_division(text):
-    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?", text)
+    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?(t)?", text)
     if not m:
         raise SystemExit(f"--fp8-configs: {text!r} is not a warp-specialized division like wg2k128s3e")
-    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3]), pingpong=bool(m[4]), early_k=bool(m[5]))
+    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3]), pingpong=bool(m[4]), early_k=bool(m[5]),
+                           tma=bool(m[6]))
+
+
+def with_settings(fn, **settings):
+    """fn run with cpp's module settings (FP8_DEFAULT, FP8_VT_KERNEL) swapped for the call."""
+    def call():
+        before = {name: getattr(cpp, name) for name in settings}
+        for name, value in settings.items():
+            setattr(cpp, name, value)
+        try:
+            return fn()
+        finally:
+            for name, value in before.items():
+                setattr(cpp, name, value)
+    return call
+
+
+def vt_kernel_prepared(v8, vt):
+    """flash_fp8_vt.cu's launch of V (heads, n, D) into vt, prepared once (launched once first)."""
+    kernel, grid, block, args = cpp.fp8_vt_launch(arrays.GpuArray(tuple(v8.shape), "uint8", None, ptr=v8.data_ptr(),
+                                                                  owner=v8),
+                                                  arrays.GpuArray(tuple(vt.shape), "uint8", None, ptr=vt.data_ptr(),
+                                                                  owner=vt))
+    launch.launch(kernel, grid, block, *args)
+    return launch.Prepared(launch.raw_kernel(kernel), grid, block, args)
 
 
 def fp8_prepared(config, q8, k8, vt, out, causal, scale_log2, out_scale):
@@ -135,14 +173,25 @@ def timings(sizes, heads, configs, runs):
             for config in configs:
                 fns[f"fp8.kernel.{config}"] = fp8_prepared(config, r.q, r.k, vt, out8, causal, scale_log2,
                                                            r.descale_v / cpp.FP8_P_SCALE)
-            fns["fp8.attention"] = lambda: attnkern.attention(*r[:3], causal=causal, check_finite=False,
-                                                              **r.kwargs())
+            vt2 = torch.empty_like(vt)
+            fns["fp8.vt.kernel"] = vt_kernel_prepared(r.v.reshape(heads, n, D), vt2)
+            assert torch.equal(vt2, vt), "flash_fp8_vt.cu's V^T differs from the torch copy's"
+            fns["fp8.vt.torch"] = lambda: cpp.fp8_transpose_v(r.v.reshape(heads, n, D), cpp.FP8_VT_KEYS)
+
+            def library(r=r, causal=causal):
+                return attnkern.attention(*r[:3], causal=causal, check_finite=False, **r.kwargs())
 
             def quantized(q=q, k=k, v=v, causal=causal):
                 x = attnkern.quantize_fp8(q, k, v)
                 return attnkern.attention(*x[:3], causal=causal, check_finite=False, **x.kwargs())
 
-            fns["fp8.quantize+attention"] = quantized
+            for i, config in enumerate(configs):
+                fns[f"fp8.attention.{config}"] = with_settings(library, FP8_DEFAULT=config, FP8_VT_KERNEL=True)
+                if i == 0:
+                    fns[f"fp8.attention.{config}.torchvt"] = with_settings(library, FP8_DEFAULT=config,
+                                                                           FP8_VT_KERNEL=False)
+                fns[f"fp8.quantize+attention.{config}"] = with_settings(quantized, FP8_DEFAULT=config,
+                                                                        FP8_VT_KERNEL=True)
             times = event_times(fns, runs)
             flops = 4 * heads * n * n * D / (2 if causal else 1)
             row = {"n": n, "causal": causal, "heads": heads, "kernels": {
@@ -158,7 +207,8 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--sizes", default="4096,8192,16384")
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--fp8-configs", default="wg2k128s3e,wg2k128s4e,wg2k128s4pe")
+    ap.add_argument("--fp8-configs", default="wg2k128s3e,wg2k128s3pet,wg2k128s4pet,wg2k160s3pet,wg2k192s2pet,"
+                                             "wg2k192s3pet,wg2k192s3et")
     ap.add_argument("--error-n", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--after", default="")
@@ -170,10 +220,11 @@ def main():
     for config in list(configs):  # compiled before the timings wait (NVRTC takes seconds a kernel)
         try:
             cpp.flash_fp8_kernel(config)
+            cpp.flash_fp8_kernel(config, featured=True)
         except Exception as exc:  # noqa: BLE001  (reported, the others measured)
             result["failed"][str(config)] = repr(exc)[-2000:]
             configs.remove(config)
-    result["errors"] = error_table(a.error_n)
+    result["errors"] = error_table(a.error_n, configs)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     if a.after:
