@@ -87,16 +87,16 @@ KERNELS = [
             EARLYK=1, TMA=tma, THREADS=384), MMA)
       for d, bn, st, pp, tma in ((128, 176, 2, 0, 1), (128, 176, 2, 1, 1), (128, 160, 2, 0, 1), (128, 176, 2, 0, 0),
                                  (64, 192, 3, 0, 1), (64, 192, 3, 1, 1), (64, 176, 3, 0, 1))),
-    # its FP8 variant (e4m3 q, k, V^T; the kernel's two more parameters: out_scale, vt_stride), plain and
-    # featured (grouped k/v heads, bottom-right causal)
+    # its FP8 variant (e4m3 q, k, V^T; the kernel's three more parameters: out_scale, vt_stride,
+    # descales), plain and featured (grouped k/v heads, bottom-right causal)
     *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k128s{st}{'p' * pp}e" + "_feat" * feat,
        dict(D=128, BF16=1, FP8=1, BN=128, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st,
-            PINGPONG=pp, EARLYK=1, THREADS=384), MMA + ("float", "int"))
+            PINGPONG=pp, EARLYK=1, THREADS=384), MMA + ("float", "int", "u64"))
       for st, pp in ((3, 0), (4, 0), (4, 1)) for feat in (0, 1)),
     # ... and on the TMA producer (one thread, K and V^T by tensor maps), 128-192 keys a tile, with ping-pong
     *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k{bn}s{st}{'p' * pp}et" + "_feat" * feat,
        dict(D=128, BF16=1, FP8=1, BN=bn, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st,
-            PINGPONG=pp, EARLYK=1, TMA=1, THREADS=384), MMA + ("float", "int"))
+            PINGPONG=pp, EARLYK=1, TMA=1, THREADS=384), MMA + ("float", "int", "u64"))
       for bn, st, pp in ((128, 3, 1), (128, 4, 1), (160, 3, 1), (192, 2, 1), (192, 3, 1), (192, 3, 0))
       for feat in (0, 1)),
     # FP8's V^T pre-pass (cpp.fp8_vt_kernel)

@@ -73,6 +73,10 @@ def test_quantize_fp8_scales_and_rounding(hadamard):
         bound = torch.maximum(x.abs() * 2.0**-4, torch.full_like(x, 2.0**-10 * ds))
         assert bool(((back - x).abs() <= bound * (1 + 1e-6)).all())
     assert r.kwargs() == {"descale_q": r.descale_q, "descale_k": r.descale_k, "descale_v": r.descale_v}
+    kept = attnkern.quantize_fp8(q, k, v, hadamard=hadamard, device_scales=True)  # the scales as tensors
+    for a, b, x8, y8 in zip(r[3:], kept[3:], r[:3], kept[:3]):
+        assert isinstance(b, torch.Tensor) and b.shape == (1,) and float(b) == pytest.approx(a, rel=1e-6)
+        assert (x8.float() - y8.float()).abs().max() <= x8.float().abs().max() * 2.0**-3  # a rounding at most
 
 
 def test_quantize_fp8_of_zeros_and_its_refusals():
@@ -329,6 +333,44 @@ def test_fp8_empty_and_keyless_rows(fp8_division):
     assert not out[:, :, :136].any()
     ref = attnkern.reference(*dequantized(r), causal="bottom_right")
     assert rms_error(host64(out[:, :, 136:]), ref[:, :, 136:]) < 0.05
+
+
+@gpu
+def test_fp8_descales_on_the_device():
+    """quantize_fp8(device_scales=True) keeps the scales on the GPU and attention's kernel reads them
+    there: the same answer as with Python floats, and no host synchronization on the way."""
+    q, k, v = inputs((2, 4, 700, 128), (2, 2, 900, 128), seed=17)
+    host = attnkern.quantize_fp8(q, k, v)
+    dev = attnkern.quantize_fp8(q, k, v, device_scales=True)
+    for a, b in zip(host[3:], dev[3:]):
+        assert isinstance(b, torch.Tensor) and b.is_cuda and b.shape == (1,) and float(b) == pytest.approx(a, rel=1e-6)
+    ref = attnkern.attention(*host[:3], causal="bottom_right", **host.kwargs())
+    out = attnkern.attention(*dev[:3], causal="bottom_right", **dev.kwargs())
+    assert rms_error(host64(out), host64(ref)) < 2e-3  # the scales' float32 roundings, in other places
+    mixed = attnkern.attention(*host[:3], causal="bottom_right", **{**host.kwargs(), "descale_v": dev.descale_v})
+    assert rms_error(host64(mixed), host64(ref)) < 2e-3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing torch call raises
+    try:
+        x = attnkern.quantize_fp8(q, k, v, device_scales=True)
+        again = attnkern.attention(*x[:3], causal="bottom_right", check_finite=False, **x.kwargs())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, out)
+
+
+@gpu
+def test_fp8_device_descales_checked_in_the_kernel():
+    x8 = torch.ones(1, 2, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones(1, device="cuda")
+    with pytest.raises(FloatingPointError, match="not positive and finite"):
+        attnkern.attention(x8, x8, x8, descale_q=one, descale_k=-one, descale_v=1.0)
+    out = attnkern.attention(x8, x8, x8, descale_q=one, descale_k=one, descale_v=one * math.inf, check_finite=False)
+    assert bool(torch.isnan(out).all())
+    with pytest.raises(ValueError, match="descale_v as a CUDA tensor must have one element"):
+        attnkern.attention(x8, x8, x8, descale_q=one, descale_k=one, descale_v=torch.ones(2, device="cuda"))
+    out = attnkern.attention(x8, x8, x8, descale_q=one * 0.5, descale_k=one, descale_v=2.0)
+    assert torch.equal(out, torch.full_like(out, 2.0))  # every score equal: the mean of v, 1 x 2
 
 
 @gpu

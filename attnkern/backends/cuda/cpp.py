@@ -523,7 +523,7 @@ def flash_fp8_kernel(config: WgmmaConfig | None = None, featured: bool = False):
     FP8 kernel; with the TMA too, as both read every key below nk)."""
     config = config or FP8_DEFAULT
     fp8_config_check(config)
-    params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("f32", "i32")
+    params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("f32", "i32", "u64")
     return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_fp8_128_{config}{_suffix(featured, 0, False)}",
                           (("D", 128), ("BF16", 1), ("FP8", 1), ("BN", config.block_k), ("NWG", config.warpgroups),
                            ("FEAT", int(featured)), ("MASK", 0), ("ALIBI", 0), ("FAST", 0), ("WS", 1),
@@ -571,12 +571,15 @@ def _bytes_as_pairs(x, shape: tuple):
 
 
 def flash_fp8_launch(q, k, vt, out, lse, causal: bool, scale_log2: float, out_scale: float, feat=None,
-                     config: WgmmaConfig | None = None):
+                     config: WgmmaConfig | None = None, descales=None):
     """(kernel, grid, block, args) of the FP8 forward: q (batch, nq, 128) and k (batch_kv, nk, 128)
     e4m3, vt (batch_kv, 128, vt_stride) e4m3 (fp8_transpose_v's), out (batch, nq, 128) and lse
     (batch, nq) or None bfloat16 (GpuArrays: only their addresses and shapes are read); scale_log2:
     the softmax scale times descale_q descale_k times log2(e); out_scale: descale_v / FP8_P_SCALE;
-    feat: a launch.KernelFeatures of grouped k/v heads and bottom-right masking only, or None. A TMA
+    feat: a launch.KernelFeatures of grouped k/v heads and bottom-right masking only, or None;
+    descales: None, or a GpuArray of 3 float32 (descale_q, descale_k, descale_v) that the kernel
+    reads and multiplies in (scale_log2 and out_scale then without them; a descale that is not
+    positive and finite makes the output NaN). A TMA
     division takes tensor maps where the other takes addresses: K's rows of 128 bytes as 64 16-bit
     units in boxes of block_k rows, V^T's D rows of vt_stride bytes in boxes of 128 keys (64 units)
     x 128 rows."""
@@ -592,7 +595,8 @@ def flash_fp8_launch(q, k, vt, out, lse, causal: bool, scale_log2: float, out_sc
     return (flash_fp8_kernel(config, feat is not None), (-(-nq // config.block_q), batch), config.threads,
             (Addr(q), *kv, Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale_log2), np.int32(bool(causal)), np.int32(lse is not None),
-             *words, np.float32(out_scale), np.int32(vt.shape[2])))
+             *words, np.float32(out_scale), np.int32(vt.shape[2]),
+             np.uint64(0) if descales is None else Addr(descales)))
 
 
 def mma_aligned(*ptrs) -> bool:

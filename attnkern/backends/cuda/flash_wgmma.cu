@@ -59,7 +59,9 @@
 // caller's transpose does it at no cost). P is scaled by 2^8 before it is rounded to e4m3
 // (values in [0, 256], within e4m3's 448; small probabilities keep 3 bits of mantissa down
 // to 2^-14 rather than flushing below 2^-9), and the output by out_scale = descale_v / 2^8;
-// scale_log2 carries descale_q descale_k.
+// scale_log2 carries descale_q descale_k. Or, descales nonzero: the address of descale_q,
+// descale_k, descale_v (float32, on the device), which the consumers read and multiply in
+// (scale_log2 and out_scale then without them), so that a caller's scales need no host read.
 //
 // ATTNKERN_WS (WgmmaConfig.stages > 0) is FlashAttention-3's design instead (the comment at
 // its function has the details): a producer warpgroup copies K/V tiles into a ring of
@@ -106,7 +108,7 @@
 #if !ATTNKERN_WS || D != 128 || BN % 32 || (!ATTNKERN_TMA && BN != 128) || BN > 192
 #error "the FP8 variant is the warp-specialized one at D = 128: 128-key tiles with cp.async copies, 128-192 (a multiple of 32) with the TMA"
 #endif
-#define FP8_PARAMS , float out_scale, int vt_stride
+#define FP8_PARAMS , float out_scale, int vt_stride, u64 descales
 #define SIGN_BITS 0x80808080u  // negates the four e4m3 values of a word
 #define P_SCALE 256.f          // P's factor before its rounding to e4m3
 #else
@@ -475,8 +477,18 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const int cw = wg - 1, ct = tid - 128 * wg;  // the consumer's index and its thread's
     const int g0 = q0 + 64 * cw;                   // the consumer's first row
     const int wr0 = g0 + 16 * (warp & 3);           // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
-    const float c = fabsf(scale_log2);
+    float c = fabsf(scale_log2);
     const u32 sign = scale_log2 < 0.f ? SIGN_BITS : 0u;  // negates Q
+#if ATTNKERN_FP8
+    if (descales) {  // descale_q, descale_k, descale_v as 3 float32 in device memory (no host read)
+        const float* ds = (const float*)descales;
+        const float dq = ds[0], dk = ds[1], dv = ds[2];
+        // a descale that is not positive and finite makes every output NaN, which check_finite reports
+        const bool ok = dq > 0.f && dk > 0.f && dv > 0.f && isfinite(dq * dk) && isfinite(dv);
+        c = ok ? c * (dq * dk) : __int_as_float(0x7fffffff);
+        out_scale *= dv;
+    }
+#endif
 
     load_q<64, 128>((const u16*)qp + b * (u64)nq * ROW16, qs0, q0, 64 * cw, nq, sign, ct);
     fence_async_shared();
