@@ -26,7 +26,8 @@ Speed, at (1, --heads, N, 128), causal and not, CUDA events, the median of --run
   division the default and V^T by flash_fp8_vt.cu: V^T's pre-pass counted;
   "fp8.attention.<division>.torchvt": the same with the torch copy (the library as it was, for
   the first division); "fp8.quantize+attention.<division>": quantize_fp8 of the bfloat16 tensors
-  (per-tensor amax, a host read of each scale) then attention: everything counted.
+  (per-tensor amax, a host read of each scale) then attention: everything counted; with
+  ".device_scales": quantize_fp8(device_scales=True), the scales kept on the GPU (no host read).
 TFLOP/s count 4 B H N^2 D, half with causal masking; x_bf16 is bf16.kernel's time over each.
 --after: a file whose appearance the timings wait for (up to 10 minutes), so that they do not
 overlap other GPU work of the same device call (the builds and error runs go first)."""
@@ -192,6 +193,10 @@ def timings(sizes, heads, configs, runs):
                                                                            FP8_VT_KERNEL=False)
                 fns[f"fp8.quantize+attention.{config}"] = with_settings(quantized, FP8_DEFAULT=config,
                                                                         FP8_VT_KERNEL=True)
+                fns[f"fp8.quantize+attention.{config}.device_scales"] = with_settings(
+                    lambda q=q, k=k, v=v, causal=causal: attnkern.attention(
+                        *(x := attnkern.quantize_fp8(q, k, v, device_scales=True))[:3], causal=causal,
+                        check_finite=False, **x.kwargs()), FP8_DEFAULT=config, FP8_VT_KERNEL=True)
             times = event_times(fns, runs)
             flops = 4 * heads * n * n * D / (2 if causal else 1)
             row = {"n": n, "causal": causal, "heads": heads, "kernels": {
