@@ -229,15 +229,16 @@ def attention(q, k, v, causal, scale, kernel, feats: dict, params: dict, descale
         def view(x, shape):
             return GpuArray(shape, np.uint8, None, ptr=x.data_ptr(), owner=x)
 
-        if raw_stream(q.device.index):  # the kernels run on the legacy default stream: torch's work first
-            torch.cuda.current_stream(q.device).synchronize()
-        if cpp.FP8_VT_KERNEL:  # V^T by flash_fp8_vt.cu, on the legacy default stream as the kernel
+        if cpp.FP8_VT_KERNEL:  # V^T by flash_fp8_vt.cu below, on the legacy default stream as the kernel
             nkp = -(-nk // cpp.FP8_VT_KEYS) * cpp.FP8_VT_KEYS
             vt = torch.empty((rows_kv, d, nkp), dtype=torch.uint8, device=q.device)
+        else:  # by a torch copy, on torch's stream
+            vt = cpp.fp8_transpose_v(v.reshape(rows_kv, nk, d), cpp.FP8_VT_KEYS)
+        if raw_stream(q.device.index):  # the kernels run on the legacy default stream: torch's work first
+            torch.cuda.current_stream(q.device).synchronize()
+        if cpp.FP8_VT_KERNEL:
             kernel, grid, block, args = cpp.fp8_vt_launch(view(v, (rows_kv, nk, d)), view(vt, tuple(vt.shape)))
             launch.launch(kernel, grid, block, *args)
-        else:
-            vt = cpp.fp8_transpose_v(v.reshape(rows_kv, nk, d), cpp.FP8_VT_KEYS)
 
         feat = None
         if group > 1 or align == "bottom_right":
