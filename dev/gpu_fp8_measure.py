@@ -3,7 +3,8 @@ error against float64 (FP8 with and without a Hadamard rotation of q and k, on G
 and inputs with outliers) and speed.
 
     python3 dev/gpu_fp8_measure.py OUT.json [--sizes 4096,8192,16384] [--heads 16]
-        [--fp8-configs wg2k128s3e,wg2k128s3pet,...] [--runs 20] [--after FILE]
+        [--fp8-configs wg2k128s3e,wg2k192s2pet,...] [--runs 20] [--after FILE] [--profile]
+        [--quantized-configs 2]
 
 Error, at (1, 8, --error-n, 128), causal and not: rms(out - ref) / rms(ref) and
 max |out - ref| / max |ref| against the float64 answer for the float32 inputs (torch float64 on
@@ -107,11 +108,11 @@ def error_table(n, configs):
 
 
 def fp8_division(text):
-    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?(t)?", text)
+    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?(t)?(?:x(\d+))?", text)
     if not m:
         raise SystemExit(f"--fp8-configs: {text!r} is not a warp-specialized division like wg2k128s3e")
     return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3]), pingpong=bool(m[4]), early_k=bool(m[5]),
-                           tma=bool(m[6]))
+                           tma=bool(m[6]), fp8_exp=int(m[7] or 0))
 
 
 def with_settings(fn, **settings):
@@ -151,8 +152,9 @@ def fp8_prepared(config, q8, k8, vt, out, causal, scale_log2, out_scale):
     return launch.Prepared(launch.raw_kernel(kernel), grid, block, args)
 
 
-def timings(sizes, heads, configs, runs, done=lambda rows: None):
-    """The speed rows; done(rows) after each (the caller saves what is measured so far)."""
+def timings(sizes, heads, configs, runs, done=lambda rows: None, quantized_configs=2):
+    """The speed rows; done(rows) after each (the caller saves what is measured so far); quantize_fp8
+    + attention for the first quantized_configs divisions only."""
     rows = []
     bf16 = Kernel(parse_config("default", D, "bfloat16"), D, "bfloat16")
     sdpa = sdpa_backends()
@@ -192,6 +194,8 @@ def timings(sizes, heads, configs, runs, done=lambda rows: None):
                 if i == 0:
                     fns[f"fp8.attention.{config}.torchvt"] = with_settings(library, FP8_DEFAULT=config,
                                                                            FP8_VT_KERNEL=False)
+                if i >= quantized_configs:
+                    continue
                 fns[f"fp8.quantize+attention.{config}"] = with_settings(quantized, FP8_DEFAULT=config,
                                                                         FP8_VT_KERNEL=True)
                 fns[f"fp8.quantize+attention.{config}.device_scales"] = with_settings(
@@ -209,15 +213,47 @@ def timings(sizes, heads, configs, runs, done=lambda rows: None):
     return rows
 
 
+def host_profile(config, calls=300):
+    """cProfile's top functions (by own time) of `calls` FP8 attention() calls at (1, 16, 4096, 128),
+    check_finite=False, with that division the default: where the host's time a call goes."""
+    import cProfile
+    import io
+    import pstats
+
+    q, k, v = (x.bfloat16() for x in make_inputs("gaussian", (1, 16, 4096, D), seed=1))
+    r = attnkern.quantize_fp8(q, k, v)
+    call = with_settings(lambda: attnkern.attention(*r[:3], check_finite=False, **r.kwargs()), FP8_DEFAULT=config)
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - t0) / calls  # the host's time a call, the GPU queue not yet full
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    return {"config": str(config), "host_us_per_call": host * 1e6, "top": out.getvalue()[-6000:]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--sizes", default="4096,8192,16384")
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--fp8-configs", default="wg2k128s3e,wg2k128s3pet,wg2k160s3pet,wg2k192s2pet,wg2k192s3pet")
+    ap.add_argument("--fp8-configs", default="wg2k128s3e,wg2k192s2pet,wg2k192s2petx1,wg2k192s2petx4,wg2k192s2petx6,"
+                                             "wg2k192s2petx8,wg2k160s3pet")
     ap.add_argument("--error-n", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--after", default="")
+    ap.add_argument("--quantized-configs", type=int, default=2, help="divisions (the first) timed with quantize_fp8")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the host's part of attention() first")
     a = ap.parse_args()
     configs = [fp8_division(c) for c in a.fp8_configs.split(",")]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": a.runs,
@@ -242,7 +278,10 @@ def main():
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    save(timings([int(x) for x in a.sizes.split(",")], a.heads, configs, a.runs, save))
+    if a.profile:
+        result["host_profile"] = host_profile(configs[min(1, len(configs) - 1)])
+        print(result["host_profile"]["top"], flush=True)
+    save(timings([int(x) for x in a.sizes.split(",")], a.heads, configs, a.runs, save, a.quantized_configs))
 
 
 if __name__ == "__main__":

@@ -112,8 +112,14 @@ def test_v_transpose_follows_the_fragment_order():
 def test_fp8_divisions_and_their_refusals():
     """The FP8 divisions flash_wgmma.cu has: cp.async copies at 128-key tiles, the TMA at 128-192
     keys (multiples of e4m3's 32-key step); V^T tiles take whole 128-key blocks of shared memory."""
-    for text in ("wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s3et"):
+    for text in ("wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s3et",
+                 "wg2k192s2petx1", "wg2k192s2petx8", "wg2k128s3ex16"):
         cpp.fp8_config_check(division(text))
+    assert str(division("wg2k192s2petx4")) == "wg2k192s2petx4" and str(cpp.FP8_DEFAULT) == "wg2k192s2pet"
+    with pytest.raises(ValueError, match="exponent variant"):  # every 25th of 24 8-key tiles
+        cpp.fp8_config_check(division("wg2k192s2petx25"))
+    with pytest.raises(ValueError, match="in FP8 only"):  # no exponent variant in float16/bfloat16
+        division("wg2k176s2petx1").check(128)
     for text, why in (("wg2k192s3e", "128-key tiles with cp.async"), ("wg2k176s2pet", r"\(128, 160, 192\) keys"),
                       ("wg2k64s3et", r"\(128, 160, 192\) keys"), ("wg3k128", "warp-specialized")):
         with pytest.raises(ValueError, match=why):
@@ -130,9 +136,9 @@ def division(text):
     early K, TMA)."""
     import re
 
-    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)", text)
+    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?", text)
     return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3] or 0), pingpong=bool(m[4]), early_k=bool(m[5]),
-                           tma=bool(m[6]))
+                           tma=bool(m[6]), fp8_exp=int(m[7] or 0))
 
 
 def test_backward_and_varlen_refuse_fp8():
@@ -216,8 +222,11 @@ def inputs(shape_q, shape_kv, seed, outliers=False):
 
 
 # the FP8 divisions the GPU tests run (each test below for each, FP8_DEFAULT swapped): the cp.async
-# one and the TMA ones with ping-pong at 128, 160 and 192 keys a tile (dev/gpu_fp8_measure.py's)
-DIVISIONS = ["wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet"]
+# one and the TMA ones with ping-pong at 128, 160 and 192 keys a tile (dev/gpu_fp8_measure.py's),
+# and the default's exponent variants (x1: P's 2^8 in the exponent; xk: also every k-th 8-key
+# tile's probabilities by exp2_fma)
+DIVISIONS = ["wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s2petx1",
+             "wg2k192s2petx4", "wg2k192s2petx6", "wg2k192s2petx8"]
 
 
 @pytest.fixture(params=DIVISIONS)

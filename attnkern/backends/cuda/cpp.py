@@ -295,7 +295,9 @@ class WgmmaConfig:
     (ATTNKERN_EARLYK), else K and V freed together once its P V is in; `tma` (with stages): the
     producer is one thread copying whole tiles with the tensor memory accelerator (ATTNKERN_TMA,
     launch.TensorMap descriptors of K and V), plain calls only (a featured call runs the same
-    division with cp.async copies: tma_off)."""
+    division with cp.async copies: tma_off); `fp8_exp` (FP8 only, ATTNKERN_FP8_EXP): k > 0 scales
+    P by 2^8 in its exponent instead of a multiply, k > 1 also computes the probabilities of every
+    k-th 8-key tile on the FMA pipes (flash_common.cuh's exp2_fma) beside the ex2 unit."""
 
     warpgroups: int = 3
     block_k: int = 128
@@ -303,6 +305,7 @@ class WgmmaConfig:
     pingpong: bool = False
     early_k: bool = False
     tma: bool = False
+    fp8_exp: int = 0
 
     def check(self, d: int, itemsize: int = 2) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size (itemsize 1: FP8)."""
@@ -314,9 +317,11 @@ class WgmmaConfig:
             ok = ok and self.warpgroups in (1, 2, 3)
         if self.pingpong or self.early_k or self.tma:
             ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
+        ok = ok and (self.fp8_exp == 0 or (itemsize == 1 and 0 < self.fp8_exp <= self.block_k // 8))
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
-                             "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages), "
+                             "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages, "
+                             "an FP8 exponent variant x1... in FP8 only), "
                              f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
                              f"at D = {d}")
 
@@ -341,7 +346,8 @@ class WgmmaConfig:
 
     def __str__(self) -> str:
         return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
-                + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else ""))
+                + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else "")
+                + (f"x{self.fp8_exp}" if self.fp8_exp else ""))
 
     def tma_off(self) -> "WgmmaConfig":
         """This division with cp.async copies: the featured kernels' (the TMA fills K/V rows past nk
@@ -531,7 +537,7 @@ def flash_fp8_kernel(config: WgmmaConfig | None = None, featured: bool = False):
                           (("D", 128), ("BF16", 1), ("FP8", 1), ("BN", config.block_k), ("NWG", config.warpgroups),
                            ("FEAT", int(featured)), ("MASK", 0), ("ALIBI", 0), ("FAST", 0), ("WS", 1),
                            ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
-                           ("EARLYK", int(config.early_k)), ("TMA", int(config.tma))),
+                           ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)), ("FP8_EXP", config.fp8_exp)),
                           params, config.threads, config.shared_bytes(128, 1))
 
 

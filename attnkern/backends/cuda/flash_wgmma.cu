@@ -111,6 +111,9 @@
 #define FP8_PARAMS , float out_scale, int vt_stride, u64 descales
 #define SIGN_BITS 0x80808080u  // negates the four e4m3 values of a word
 #define P_SCALE 256.f          // P's factor before its rounding to e4m3
+// the factor P still takes here: none where softmax_tile hands it out scaled (ATTNKERN_FP8_EXP),
+// whose row sums are then 2^8 too, undone before the output's store
+#define P_MUL (ATTNKERN_FP8_EXP ? 1.f : P_SCALE)
 #else
 #define FP8_PARAMS
 #define SIGN_BITS 0x80008000u  // negates both halves of a pair
@@ -543,8 +546,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         for (int n = 0; n < NP; ++n) {
 #if ATTNKERN_FP8
             const float (&x)[4] = sc[2 * n], (&y)[4] = sc[2 * n + 1];
-            pf[n][0] = pack4_e4m3(x[0] * P_SCALE, x[1] * P_SCALE, y[0] * P_SCALE, y[1] * P_SCALE);
-            pf[n][1] = pack4_e4m3(x[2] * P_SCALE, x[3] * P_SCALE, y[2] * P_SCALE, y[3] * P_SCALE);
+            pf[n][0] = pack4_e4m3(x[0] * P_MUL, x[1] * P_MUL, y[0] * P_MUL, y[1] * P_MUL);
+            pf[n][1] = pack4_e4m3(x[2] * P_MUL, x[3] * P_MUL, y[2] * P_MUL, y[3] * P_MUL);
 #else
             pf[n][0] = pack2(sc[n][0], sc[n][1]);
             pf[n][1] = pack2(sc[n][2], sc[n][3]);
@@ -657,6 +660,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #if ATTNKERN_FP8
 #pragma unroll
     for (int j = 0; j < NO; ++j) o[j][0] *= out_scale, o[j][1] *= out_scale, o[j][2] *= out_scale, o[j][3] *= out_scale;
+    if (ATTNKERN_FP8_EXP) l[0] *= 1.f / P_SCALE, l[1] *= 1.f / P_SCALE;  // the sums of 2^8 p (exact)
 #endif
     store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
 }
