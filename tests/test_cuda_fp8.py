@@ -115,7 +115,7 @@ def test_fp8_divisions_and_their_refusals():
     for text in ("wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s3et",
                  "wg2k192s2petx1", "wg2k192s2petx8", "wg2k128s3ex16"):
         cpp.fp8_config_check(division(text))
-    assert str(division("wg2k192s2petx4")) == "wg2k192s2petx4" and str(cpp.FP8_DEFAULT) == "wg2k192s2pet"
+    assert str(division("wg2k192s2petx4")) == "wg2k192s2petx4" and str(cpp.FP8_DEFAULT) == "wg2k192s2petx1"
     with pytest.raises(ValueError, match="exponent variant"):  # every 25th of 24 8-key tiles
         cpp.fp8_config_check(division("wg2k192s2petx25"))
     with pytest.raises(ValueError, match="in FP8 only"):  # no exponent variant in float16/bfloat16
