@@ -21,7 +21,11 @@ products are a few large terms of each score, whose rounding errors the rotation
 128 terms that round independently) the rotation must lower the error; on Gaussian inputs it
 must not raise it by more than 25%.
 Bit-identical repeats; refusals (other head sizes, features, kernels, dtypes, a GPU of
-another compute capability)."""
+another compute capability, unaligned tensors). The float64, Hadamard, repeat and keyless-row
+tests run for each FP8 division (DIVISIONS: cp.async and TMA producers, 128-192-key tiles, the
+exponent variants); V^T's kernel (flash_fp8_vt.cu) against the torch copy byte for byte; descales
+kept on the GPU (quantize_fp8(device_scales=True)): the same answer, no synchronizing torch call,
+and a descale that is not positive and finite reported through check_finite."""
 
 import math
 import os

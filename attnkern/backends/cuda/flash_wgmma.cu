@@ -47,11 +47,14 @@
 // last row, a warpgroup skips tiles entirely above its rows, and the blocks with the
 // most tiles go first.
 //
-// ATTNKERN_FP8 (with ATTNKERN_WS, D = 128, BN = 128): q, k and v in float8 e4m3 (one byte an
-// element; output bfloat16), wgmma's k32 e4m3 instructions. Both shared operands of an 8-bit
-// wgmma are K-major, so P V reads V transposed: the caller passes V^T (batch rows of D rows of
-// vt_stride keys, a multiple of BN, zero past nk), each 32 keys stored in the order of the
-// 8-bit A fragment. A thread's float32 scores of a 32-key step are the keys 2t, 2t + 1 of each
+// ATTNKERN_FP8 (with ATTNKERN_WS, D = 128; BN = 128 with cp.async copies, 128-192 a multiple of
+// 32 with ATTNKERN_TMA): q, k and v in float8 e4m3 (one byte an element; output bfloat16), wgmma's
+// k32 e4m3 instructions. Both shared operands of an 8-bit wgmma are K-major, so P V reads V
+// transposed: the caller passes V^T (batch rows of D rows of vt_stride keys, a multiple of 128,
+// zero past nk; flash_fp8_vt.cu makes it), each 32 keys stored in the order of the 8-bit A
+// fragment. A V^T tile is VT_BLOCKS column blocks of 128 keys (D rows of 128 bytes each, as a K
+// tile's rows); the TMA producer copies K as boxes of 64 16-bit units (a 128-byte row) and V^T as
+// boxes of 128 keys x D rows. A thread's float32 scores of a 32-key step are the keys 2t, 2t + 1 of each
 // 8-key tile (t = lane % 4); the A fragment wants its bytes 4t..4t + 3 and 16 + 4t..16 + 4t + 3.
 // Calling the keys 2t, 2t + 1, 8 + 2t, 9 + 2t fragment columns 4t..4t + 3 (and 16 more for the
 // other half) makes P's fragment the thread's own scores, four to a register with no shuffle,
