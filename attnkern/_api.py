@@ -505,8 +505,9 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
 
     FP8: torch CUDA tensors of dtype torch.float8_e4m3fn (all three) with descale_q,
     descale_k, descale_v (x ~ x8 * descale_x, per tensor: attnkern.quantize_fp8 makes
-    them) run cuda.flash's FP8 forward on Hopper and return bfloat16; D = Dv = 128,
-    causal and grouped k/v heads only (docs/gpu-fp8.md).
+    them; numbers, or one-element CUDA tensors that the kernel reads on the GPU) run
+    cuda.flash's FP8 forward on Hopper and return bfloat16; D = Dv = 128, causal and
+    grouped k/v heads only (docs/gpu-fp8.md).
     """
     # NumPy arrays (the common host call) need no look at the module of each argument
     torch_inputs = not (type(q) is type(k) is type(v) is np.ndarray) and (_is_torch(q) or _is_torch(k) or

@@ -21,8 +21,9 @@ FP8_DTYPE = "float8_e4m3fn"  # torch's name of the dtype
 
 
 class Fp8Inputs(NamedTuple):
-    """quantize_fp8's result: e4m3 tensors and the per-tensor descales (Python floats) that
-    attention(q, k, v, descale_q=..., descale_k=..., descale_v=...) takes: x ~ x8 * descale_x."""
+    """quantize_fp8's result: e4m3 tensors and the per-tensor descales (Python floats, or with
+    device_scales one-element float32 tensors on the inputs' device) that attention(q, k, v,
+    descale_q=..., descale_k=..., descale_v=...) takes: x ~ x8 * descale_x."""
 
     q: object
     k: object
@@ -71,13 +72,25 @@ def _scale_of(x) -> float:
     return amax / E4M3_MAX if amax > 0 else 1.0
 
 
-def quantize_fp8(q, k, v, *, hadamard: bool = False) -> Fp8Inputs:
+def _device_scale_of(x):
+    """_scale_of as a one-element float32 tensor on x's device, with no host read: NaN for an input
+    with NaN or inf (attention's check_finite scan of the e4m3 inputs then reports it)."""
+    import torch
+
+    amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).reshape(1)
+
+
+def quantize_fp8(q, k, v, *, hadamard: bool = False, device_scales: bool = False) -> Fp8Inputs:
     """q, k, v (torch tensors of a float dtype, (..., N, D)) as float8 e4m3 with per-tensor scales
     (amax / 448: the largest magnitude maps to e4m3's largest value), rounded to nearest. hadamard:
     q and k are rotated first by the orthonormal Hadamard matrix of size D (q H, k H; D a power of
     two), which leaves q k^T unchanged and spreads outlier channels before the rounding (v is not
     rotated: the output would be rotated too). Returns Fp8Inputs(q8, k8, v8, descale_q, descale_k,
-    descale_v); attention(*r[:3], **r.kwargs()) runs them."""
+    descale_v); attention(*r[:3], **r.kwargs()) runs them. device_scales: the descales stay on the
+    inputs' device as one-element float32 tensors (no host read: nothing waits for the GPU; an input
+    with NaN or inf is then found by attention's check_finite scan, not here), which attention's
+    kernel reads there."""
     import torch
 
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -91,7 +104,7 @@ def quantize_fp8(q, k, v, *, hadamard: bool = False) -> Fp8Inputs:
         q, k = (x.float() @ h for x in (q, k))
     out, descales = [], []
     for x in (q, k, v):
-        s = _scale_of(x)
+        s = _device_scale_of(x) if device_scales else _scale_of(x)
         out.append((x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
         descales.append(s)
     return Fp8Inputs(*out, *descales)
@@ -101,11 +114,20 @@ def quantize_fp8(q, k, v, *, hadamard: bool = False) -> Fp8Inputs:
 _FEATURE_NAMES = ("window", "key_lengths", "softcap", "attn_mask", "alibi_slopes")
 
 
-def _descale(value, name: str) -> float:
-    """A descale as a positive finite float (a Python number or a one-element tensor)."""
+def _descale(value, name: str, device):
+    """A descale as a positive finite float (a Python number or a one-element tensor on the host), or
+    a one-element floating tensor on the inputs' CUDA device as a float32 scalar tensor, unread (the
+    kernel reads it; one that is not positive and finite makes the output NaN)."""
+    import torch
+
     if value is None:
         raise ValueError(f"FP8 inputs need their descales: {name}= is missing (quantize_fp8 gives them; 1.0 "
                          "for values stored unscaled)")
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        if value.numel() != 1 or not value.is_floating_point() or value.device != device:
+            raise ValueError(f"{name} as a CUDA tensor must have one element of a floating dtype on the inputs' "
+                             f"device {device}, not {tuple(value.shape)} {value.dtype} on {value.device}")
+        return value.reshape(()).float()
     try:
         out = float(value)
     except (TypeError, ValueError, RuntimeError):
@@ -117,7 +139,8 @@ def _descale(value, name: str) -> float:
 
 def check(q, k, v, causal, scale, kernel, feats: dict, params: dict, descales: tuple) -> tuple:
     """Validates an FP8 call; returns (align, scale, kv_group, descales) or raises a ValueError or
-    TypeError that says what to fix."""
+    TypeError that says what to fix. descales: three floats, or, where any was given as a CUDA
+    tensor, the three as a (3,) float32 tensor on the inputs' device (read by the kernel alone)."""
     import torch
 
     if kernel not in ("auto", "cuda.flash"):
@@ -156,6 +179,8 @@ def check(q, k, v, causal, scale, kernel, feats: dict, params: dict, descales: t
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if not x.is_contiguous():
             raise ValueError(f"FP8: {name} must be contiguous (pass {name}.contiguous())")
+        if x.data_ptr() % 16:  # the kernels' 16-byte copies and the TMA's tensor maps
+            raise ValueError(f"FP8: {name} must start at a 16-byte aligned address (pass {name}.clone())")
     given = [n for n, val in feats.items() if n in _FEATURE_NAMES and val is not None]
     if feats.get("dropout_p"):
         given.append("dropout_p")
@@ -169,7 +194,9 @@ def check(q, k, v, causal, scale, kernel, feats: dict, params: dict, descales: t
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, not {scale!r}")
-    ds = tuple(_descale(x, n) for x, n in zip(descales, ("descale_q", "descale_k", "descale_v")))
+    ds = tuple(_descale(x, n, q.device) for x, n in zip(descales, ("descale_q", "descale_k", "descale_v")))
+    if any(isinstance(x, torch.Tensor) for x in ds):  # read by the kernel: the three in one device array
+        ds = torch.stack([x if isinstance(x, torch.Tensor) else torch.full((), x, device=q.device) for x in ds])
     return ("bottom_right" if causal == "bottom_right" else "top_left"), float(scale), heads // kv_heads, ds
 
 
@@ -182,7 +209,9 @@ def attention(q, k, v, causal, scale, kernel, feats: dict, params: dict, descale
     from ._gpuarray import GpuArray, raw_stream
     from .backends.cuda import cpp, launch
 
-    align, scale, group, (dq, dk, dv) = check(q, k, v, causal, scale, kernel, feats, params, descales)
+    align, scale, group, descales = check(q, k, v, causal, scale, kernel, feats, params, descales)
+    on_device = isinstance(descales, torch.Tensor)  # (3,) float32 on the GPU: the kernel multiplies them in
+    dq, dk, dv = (1.0, 1.0, 1.0) if on_device else descales
     if check_finite:  # e4m3fn has no infinity; NaN is every bit of exponent and mantissa set
         for name, x in (("q", q), ("k", k), ("v", v)):
             if bool(((x.view(torch.uint8) & 0x7F) == 0x7F).any()):
@@ -197,22 +226,32 @@ def attention(q, k, v, causal, scale, kernel, feats: dict, params: dict, descale
             lse.fill_(-math.inf)
         return (out, lse) if return_lse else out
     with torch.cuda.device(q.device):
-        vt = cpp.fp8_transpose_v(v.reshape(rows_kv, nk, d), cpp.FP8_VT_KEYS)
-        if raw_stream(q.device.index):  # the kernel runs on the legacy default stream: torch's work first
-            torch.cuda.current_stream(q.device).synchronize()
-
         def view(x, shape):
             return GpuArray(shape, np.uint8, None, ptr=x.data_ptr(), owner=x)
+
+        if cpp.FP8_VT_KERNEL:  # V^T by flash_fp8_vt.cu below, on the legacy default stream as the kernel
+            nkp = -(-nk // cpp.FP8_VT_KEYS) * cpp.FP8_VT_KEYS
+            vt = torch.empty((rows_kv, d, nkp), dtype=torch.uint8, device=q.device)
+        else:  # by a torch copy, on torch's stream
+            vt = cpp.fp8_transpose_v(v.reshape(rows_kv, nk, d), cpp.FP8_VT_KEYS)
+        if raw_stream(q.device.index):  # the kernels run on the legacy default stream: torch's work first
+            torch.cuda.current_stream(q.device).synchronize()
+        if cpp.FP8_VT_KERNEL:
+            kernel, grid, block, args = cpp.fp8_vt_launch(view(v, (rows_kv, nk, d)), view(vt, tuple(vt.shape)))
+            launch.launch(kernel, grid, block, *args)
 
         feat = None
         if group > 1 or align == "bottom_right":
             feat = launch.KernelFeatures(group, None, rows, int(align == "bottom_right"), -1, -1, 0.0)
         args = cpp.flash_fp8_launch(view(q, (rows, nq, d)), view(k, (rows_kv, nk, d)), view(vt, tuple(vt.shape)),
                                     view(out, (rows, nq, d)), None if lse is None else view(lse, (rows, nq)),
-                                    bool(causal), scale * dq * dk * launch.LOG2E, dv / cpp.FP8_P_SCALE, feat)
+                                    bool(causal), scale * dq * dk * launch.LOG2E, dv / cpp.FP8_P_SCALE, feat,
+                                    descales=GpuArray((3,), np.float32, None, ptr=descales.data_ptr(), owner=descales)
+                                    if on_device else None)
         launch.launch(*args[:3], *args[3])
         if raw_stream(q.device.index):  # V^T must outlive the kernel: torch's stream may reuse its memory
             torch.cuda.synchronize(q.device)
     if check_finite and not bool(torch.isfinite(out).all()):
-        raise FloatingPointError("FP8 attention gave a non-finite output (descales too large for bfloat16?)")
+        raise FloatingPointError("FP8 attention gave a non-finite output (descales too large for bfloat16, or, "
+                                 "given as CUDA tensors, not positive and finite?)")
     return (out, lse) if return_lse else out

@@ -87,12 +87,26 @@ KERNELS = [
             EARLYK=1, TMA=tma, THREADS=384), MMA)
       for d, bn, st, pp, tma in ((128, 176, 2, 0, 1), (128, 176, 2, 1, 1), (128, 160, 2, 0, 1), (128, 176, 2, 0, 0),
                                  (64, 192, 3, 0, 1), (64, 192, 3, 1, 1), (64, 176, 3, 0, 1))),
-    # its FP8 variant (e4m3 q, k, V^T; the kernel's two more parameters: out_scale, vt_stride), plain and
-    # featured (grouped k/v heads, bottom-right causal)
+    # its FP8 variant (e4m3 q, k, V^T; the kernel's three more parameters: out_scale, vt_stride,
+    # descales), plain and featured (grouped k/v heads, bottom-right causal)
     *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k128s{st}{'p' * pp}e" + "_feat" * feat,
        dict(D=128, BF16=1, FP8=1, BN=128, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st,
-            PINGPONG=pp, EARLYK=1, THREADS=384), MMA + ("float", "int"))
+            PINGPONG=pp, EARLYK=1, THREADS=384), MMA + ("float", "int", "u64"))
       for st, pp in ((3, 0), (4, 0), (4, 1)) for feat in (0, 1)),
+    # ... and on the TMA producer (one thread, K and V^T by tensor maps), 128-192 keys a tile, with ping-pong
+    *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k{bn}s{st}{'p' * pp}et" + "_feat" * feat,
+       dict(D=128, BF16=1, FP8=1, BN=bn, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st,
+            PINGPONG=pp, EARLYK=1, TMA=1, THREADS=384), MMA + ("float", "int", "u64"))
+      for bn, st, pp in ((128, 3, 1), (128, 4, 1), (160, 3, 1), (192, 2, 1), (192, 3, 1), (192, 3, 0))
+      for feat in (0, 1)),
+    # the default's exponent variants (cpp.WgmmaConfig.fp8_exp: x1 P's 2^8 in the exponent, xk also
+    # every k-th 8-key tile's probabilities on the FMA pipes)
+    *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k192s2petx{x}" + "_feat" * feat,
+       dict(D=128, BF16=1, FP8=1, BN=192, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=2,
+            PINGPONG=1, EARLYK=1, TMA=1, FP8_EXP=x, THREADS=384), MMA + ("float", "int", "u64"))
+      for x in (1, 4, 6, 8) for feat in (0, 1)),
+    # FP8's V^T pre-pass (cpp.fp8_vt_kernel)
+    ("flash_fp8_vt.cu", "fp8_vt_128", dict(THREADS=256), ("u64", "u64", "int", "int")),
     # the packed-sequence variants (varlen), with dropout as attention_varlen may ask
     ("flash_mma.cu", "mma_bf16_d128_feat_varlen",
      dict(D=128, BF16=1, BN=64, MT=2, NW=4, QSMEM=1, FEAT=1, MASK=0, ALIBI=0, FAST=0, VARLEN=1, DROPOUT=1), MMA),

@@ -3,7 +3,8 @@ error against float64 (FP8 with and without a Hadamard rotation of q and k, on G
 and inputs with outliers) and speed.
 
     python3 dev/gpu_fp8_measure.py OUT.json [--sizes 4096,8192,16384] [--heads 16]
-        [--fp8-configs wg2k128s3e,wg2k128s4e,wg2k128s4pe] [--runs 20] [--after FILE]
+        [--fp8-configs wg2k128s3e,wg2k192s2pet,...] [--runs 20] [--after FILE] [--profile]
+        [--quantized-configs 2]
 
 Error, at (1, 8, --error-n, 128), causal and not: rms(out - ref) / rms(ref) and
 max |out - ref| / max |ref| against the float64 answer for the float32 inputs (torch float64 on
@@ -18,10 +19,16 @@ Speed, at (1, --heads, N, 128), causal and not, CUDA events, the median of --run
   library's whole call (attnkern.attention, check_finite=False);
 - "torch.sdpa", "torch.cudnn", "torch.flash", "torch.efficient": torch's SDPA in bfloat16, its
   default and each backend forced (one that refuses is left out);
-- "fp8.kernel.<division>": the FP8 kernel alone, V^T made beforehand (not counted);
-- "fp8.attention": attnkern.attention on e4m3 tensors (check_finite=False): V^T's pre-pass
-  counted; "fp8.quantize+attention": quantize_fp8 of the bfloat16 tensors (per-tensor amax,
-  a host read of each scale) then attention: everything counted.
+- "fp8.kernel.<division>": the FP8 kernel alone, V^T made beforehand (not counted); divisions
+  with a t are on the TMA producer (tensor maps of K and V^T);
+- "fp8.vt.kernel": V^T's pre-pass alone by flash_fp8_vt.cu (cpp.FP8_VT_KERNEL), "fp8.vt.torch":
+  by fp8_transpose_v's torch copy (the pre-pass before it);
+- "fp8.attention.<division>": attnkern.attention on e4m3 tensors (check_finite=False) with that
+  division the default and V^T by flash_fp8_vt.cu: V^T's pre-pass counted;
+  "fp8.attention.<division>.torchvt": the same with the torch copy (the library as it was, for
+  the first division); "fp8.quantize+attention.<division>": quantize_fp8 of the bfloat16 tensors
+  (per-tensor amax, a host read of each scale) then attention: everything counted; with
+  ".device_scales": quantize_fp8(device_scales=True), the scales kept on the GPU (no host read).
 TFLOP/s count 4 B H N^2 D, half with causal masking; x_bf16 is bf16.kernel's time over each.
 --after: a file whose appearance the timings wait for (up to 10 minutes), so that they do not
 overlap other GPU work of the same device call (the builds and error runs go first)."""
@@ -72,7 +79,9 @@ def reference(q, k, v, causal):
     return torch.softmax(s, -1) @ v.double()
 
 
-def error_table(n):
+def error_table(n, configs):
+    """The error rows; FP8's (plain and Hadamard-rotated) for the default division, and for each of
+    configs under "fp8.<division>" / "fp8_hadamard.<division>"."""
     rows = []
     for kind in ("gaussian", "outliers", "channels"):
         for causal in (False, True):
@@ -87,16 +96,47 @@ def error_table(n):
                 again = attnkern.attention(*r[:3], causal=causal, **r.kwargs())
                 row.setdefault("bit_identical", True)
                 row["bit_identical"] &= bool(torch.equal(out, again))
+                for config in configs:
+                    run = with_settings(lambda r=r: attnkern.attention(*r[:3], causal=causal, **r.kwargs()),
+                                        FP8_DEFAULT=config)
+                    out = run()
+                    row[f"{'fp8_hadamard' if had else 'fp8'}.{config}"] = rel_errors(out, ref)
+                    row["bit_identical"] &= bool(torch.equal(out, run()))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
 def fp8_division(text):
-    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?", text)
+    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?(t)?(?:x(\d+))?", text)
     if not m:
         raise SystemExit(f"--fp8-configs: {text!r} is not a warp-specialized division like wg2k128s3e")
-    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3]), pingpong=bool(m[4]), early_k=bool(m[5]))
+    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3]), pingpong=bool(m[4]), early_k=bool(m[5]),
+                           tma=bool(m[6]), fp8_exp=int(m[7] or 0))
+
+
+def with_settings(fn, **settings):
+    """fn run with cpp's module settings (FP8_DEFAULT, FP8_VT_KERNEL) swapped for the call."""
+    def call():
+        before = {name: getattr(cpp, name) for name in settings}
+        for name, value in settings.items():
+            setattr(cpp, name, value)
+        try:
+            return fn()
+        finally:
+            for name, value in before.items():
+                setattr(cpp, name, value)
+    return call
+
+
+def vt_kernel_prepared(v8, vt):
+    """flash_fp8_vt.cu's launch of V (heads, n, D) into vt, prepared once (launched once first)."""
+    kernel, grid, block, args = cpp.fp8_vt_launch(arrays.GpuArray(tuple(v8.shape), "uint8", None, ptr=v8.data_ptr(),
+                                                                  owner=v8),
+                                                  arrays.GpuArray(tuple(vt.shape), "uint8", None, ptr=vt.data_ptr(),
+                                                                  owner=vt))
+    launch.launch(kernel, grid, block, *args)
+    return launch.Prepared(launch.raw_kernel(kernel), grid, block, args)
 
 
 def fp8_prepared(config, q8, k8, vt, out, causal, scale_log2, out_scale):
@@ -112,7 +152,9 @@ def fp8_prepared(config, q8, k8, vt, out, causal, scale_log2, out_scale):
     return launch.Prepared(launch.raw_kernel(kernel), grid, block, args)
 
 
-def timings(sizes, heads, configs, runs):
+def timings(sizes, heads, configs, runs, done=lambda rows: None, quantized_configs=2):
+    """The speed rows; done(rows) after each (the caller saves what is measured so far); quantize_fp8
+    + attention for the first quantized_configs divisions only."""
     rows = []
     bf16 = Kernel(parse_config("default", D, "bfloat16"), D, "bfloat16")
     sdpa = sdpa_backends()
@@ -135,14 +177,31 @@ def timings(sizes, heads, configs, runs):
             for config in configs:
                 fns[f"fp8.kernel.{config}"] = fp8_prepared(config, r.q, r.k, vt, out8, causal, scale_log2,
                                                            r.descale_v / cpp.FP8_P_SCALE)
-            fns["fp8.attention"] = lambda: attnkern.attention(*r[:3], causal=causal, check_finite=False,
-                                                              **r.kwargs())
+            vt2 = torch.empty_like(vt)
+            fns["fp8.vt.kernel"] = vt_kernel_prepared(r.v.reshape(heads, n, D), vt2)
+            assert torch.equal(vt2, vt), "flash_fp8_vt.cu's V^T differs from the torch copy's"
+            fns["fp8.vt.torch"] = lambda: cpp.fp8_transpose_v(r.v.reshape(heads, n, D), cpp.FP8_VT_KEYS)
+
+            def library(r=r, causal=causal):
+                return attnkern.attention(*r[:3], causal=causal, check_finite=False, **r.kwargs())
 
             def quantized(q=q, k=k, v=v, causal=causal):
                 x = attnkern.quantize_fp8(q, k, v)
                 return attnkern.attention(*x[:3], causal=causal, check_finite=False, **x.kwargs())
 
-            fns["fp8.quantize+attention"] = quantized
+            for i, config in enumerate(configs):
+                fns[f"fp8.attention.{config}"] = with_settings(library, FP8_DEFAULT=config, FP8_VT_KERNEL=True)
+                if i == 0:
+                    fns[f"fp8.attention.{config}.torchvt"] = with_settings(library, FP8_DEFAULT=config,
+                                                                           FP8_VT_KERNEL=False)
+                if i >= quantized_configs:
+                    continue
+                fns[f"fp8.quantize+attention.{config}"] = with_settings(quantized, FP8_DEFAULT=config,
+                                                                        FP8_VT_KERNEL=True)
+                fns[f"fp8.quantize+attention.{config}.device_scales"] = with_settings(
+                    lambda q=q, k=k, v=v, causal=causal: attnkern.attention(
+                        *(x := attnkern.quantize_fp8(q, k, v, device_scales=True))[:3], causal=causal,
+                        check_finite=False, **x.kwargs()), FP8_DEFAULT=config, FP8_VT_KERNEL=True)
             times = event_times(fns, runs)
             flops = 4 * heads * n * n * D / (2 if causal else 1)
             row = {"n": n, "causal": causal, "heads": heads, "kernels": {
@@ -150,7 +209,37 @@ def timings(sizes, heads, configs, runs):
                 for name, t in times.items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            done(rows)
     return rows
+
+
+def host_profile(config, calls=300):
+    """cProfile's top functions (by own time) of `calls` FP8 attention() calls at (1, 16, 4096, 128),
+    check_finite=False, with that division the default: where the host's time a call goes."""
+    import cProfile
+    import io
+    import pstats
+
+    q, k, v = (x.bfloat16() for x in make_inputs("gaussian", (1, 16, 4096, D), seed=1))
+    r = attnkern.quantize_fp8(q, k, v)
+    call = with_settings(lambda: attnkern.attention(*r[:3], check_finite=False, **r.kwargs()), FP8_DEFAULT=config)
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - t0) / calls  # the host's time a call, the GPU queue not yet full
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    return {"config": str(config), "host_us_per_call": host * 1e6, "top": out.getvalue()[-6000:]}
 
 
 def main():
@@ -158,10 +247,13 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--sizes", default="4096,8192,16384")
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--fp8-configs", default="wg2k128s3e,wg2k128s4e,wg2k128s4pe")
+    ap.add_argument("--fp8-configs", default="wg2k128s3e,wg2k192s2pet,wg2k192s2petx1,wg2k192s2petx4,wg2k192s2petx6,"
+                                             "wg2k192s2petx8,wg2k160s3pet")
     ap.add_argument("--error-n", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--after", default="")
+    ap.add_argument("--quantized-configs", type=int, default=2, help="divisions (the first) timed with quantize_fp8")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the host's part of attention() first")
     a = ap.parse_args()
     configs = [fp8_division(c) for c in a.fp8_configs.split(",")]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": a.runs,
@@ -170,19 +262,26 @@ def main():
     for config in list(configs):  # compiled before the timings wait (NVRTC takes seconds a kernel)
         try:
             cpp.flash_fp8_kernel(config)
+            cpp.flash_fp8_kernel(config, featured=True)
         except Exception as exc:  # noqa: BLE001  (reported, the others measured)
             result["failed"][str(config)] = repr(exc)[-2000:]
             configs.remove(config)
-    result["errors"] = error_table(a.error_n)
+    result["errors"] = error_table(a.error_n, configs)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     if a.after:
         until = time.monotonic() + 600
         while not os.path.exists(a.after) and time.monotonic() < until:
             time.sleep(1)
-    result["timings"] = timings([int(x) for x in a.sizes.split(",")], a.heads, configs, a.runs)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+    def save(rows):
+        result["timings"] = rows
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if a.profile:
+        result["host_profile"] = host_profile(configs[min(1, len(configs) - 1)])
+        print(result["host_profile"]["top"], flush=True)
+    save(timings([int(x) for x in a.sizes.split(",")], a.heads, configs, a.runs, save, a.quantized_configs))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ products are a few large terms of each score, whose rounding errors the rotation
 128 terms that round independently) the rotation must lower the error; on Gaussian inputs it
 must not raise it by more than 25%.
 Bit-identical repeats; refusals (other head sizes, features, kernels, dtypes, a GPU of
-another compute capability)."""
+another compute capability, unaligned tensors). The float64, Hadamard, repeat and keyless-row
+tests run for each FP8 division (DIVISIONS: cp.async and TMA producers, 128-192-key tiles, the
+exponent variants); V^T's kernel (flash_fp8_vt.cu) against the torch copy byte for byte; descales
+kept on the GPU (quantize_fp8(device_scales=True)): the same answer, no synchronizing torch call,
+and a descale that is not positive and finite reported through check_finite."""
 
 import math
 import os
@@ -73,6 +77,10 @@ def test_quantize_fp8_scales_and_rounding(hadamard):
         bound = torch.maximum(x.abs() * 2.0**-4, torch.full_like(x, 2.0**-10 * ds))
         assert bool(((back - x).abs() <= bound * (1 + 1e-6)).all())
     assert r.kwargs() == {"descale_q": r.descale_q, "descale_k": r.descale_k, "descale_v": r.descale_v}
+    kept = attnkern.quantize_fp8(q, k, v, hadamard=hadamard, device_scales=True)  # the scales as tensors
+    for a, b, x8, y8 in zip(r[3:], kept[3:], r[:3], kept[:3]):
+        assert isinstance(b, torch.Tensor) and b.shape == (1,) and float(b) == pytest.approx(a, rel=1e-6)
+        assert (x8.float() - y8.float()).abs().max() <= x8.float().abs().max() * 2.0**-3  # a rounding at most
 
 
 def test_quantize_fp8_of_zeros_and_its_refusals():
@@ -103,6 +111,38 @@ def test_v_transpose_follows_the_fragment_order():
         key = 32 * c + 16 * h + 8 * a + 2 * t + b
         want = key % 251 if key < nk else 0
         assert vt[0, :, col].tolist() == [want] * 128, col
+
+
+def test_fp8_divisions_and_their_refusals():
+    """The FP8 divisions flash_wgmma.cu has: cp.async copies at 128-key tiles, the TMA at 128-192
+    keys (multiples of e4m3's 32-key step); V^T tiles take whole 128-key blocks of shared memory."""
+    for text in ("wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s3et",
+                 "wg2k192s2petx1", "wg2k192s2petx8", "wg2k128s3ex16"):
+        cpp.fp8_config_check(division(text))
+    assert str(division("wg2k192s2petx4")) == "wg2k192s2petx4" and str(cpp.FP8_DEFAULT) == "wg2k192s2petx1"
+    with pytest.raises(ValueError, match="exponent variant"):  # every 25th of 24 8-key tiles
+        cpp.fp8_config_check(division("wg2k192s2petx25"))
+    with pytest.raises(ValueError, match="in FP8 only"):  # no exponent variant in float16/bfloat16
+        division("wg2k176s2petx1").check(128)
+    for text, why in (("wg2k192s3e", "128-key tiles with cp.async"), ("wg2k176s2pet", r"\(128, 160, 192\) keys"),
+                      ("wg2k64s3et", r"\(128, 160, 192\) keys"), ("wg3k128", "warp-specialized")):
+        with pytest.raises(ValueError, match=why):
+            cpp.fp8_config_check(division(text))
+    with pytest.raises(ValueError, match="shared memory"):  # 16 KB Q, 4 x (24 KB K + 32 KB V^T)
+        cpp.fp8_config_check(division("wg2k192s4pet"))
+    # Q, then per stage a K tile (block_k rows of 128 bytes) and a V^T tile (128 rows of 128-key blocks)
+    assert division("wg2k128s3pet").shared_bytes(128, 1) == 128 * 128 + 3 * (128 * 128 + 128 * 128) + 1024 + 96
+    assert division("wg2k192s2pet").shared_bytes(128, 1) == 128 * 128 + 2 * (192 * 128 + 128 * 256) + 1024 + 64
+
+
+def division(text):
+    """A WgmmaConfig from its name (wg2k192s2pet: 2 consumers, 192-key tiles, 2 stages, ping-pong,
+    early K, TMA)."""
+    import re
+
+    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?", text)
+    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3] or 0), pingpong=bool(m[4]), early_k=bool(m[5]),
+                           tma=bool(m[6]), fp8_exp=int(m[7] or 0))
 
 
 def test_backward_and_varlen_refuse_fp8():
@@ -185,6 +225,52 @@ def inputs(shape_q, shape_kv, seed, outliers=False):
     return q, k, v
 
 
+# the FP8 divisions the GPU tests run (each test below for each, FP8_DEFAULT swapped): the cp.async
+# one and the TMA ones with ping-pong at 128, 160 and 192 keys a tile (dev/gpu_fp8_measure.py's),
+# and the default's exponent variants (x1: P's 2^8 in the exponent; xk: also every k-th 8-key
+# tile's probabilities by exp2_fma)
+DIVISIONS = ["wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s2petx1",
+             "wg2k192s2petx4", "wg2k192s2petx6", "wg2k192s2petx8"]
+
+
+@pytest.fixture(params=DIVISIONS)
+def fp8_division(request, monkeypatch):
+    """Each FP8 division as the default in turn (attention() runs cpp.FP8_DEFAULT)."""
+    monkeypatch.setattr(cpp, "FP8_DEFAULT", division(request.param))
+    return request.param
+
+
+@gpu
+@pytest.mark.parametrize("nk", [1, 31, 128, 200, 1000, 4103])
+def test_v_transpose_kernel_matches_the_torch_copy(nk):
+    """flash_fp8_vt.cu writes the bytes of fp8_transpose_v (the fragment order, zeros past nk)."""
+    from attnkern._gpuarray import GpuArray
+    from attnkern.backends.cuda import launch
+
+    g = torch.Generator(device="cuda").manual_seed(nk)
+    v = torch.randint(0, 256, (3, nk, 128), generator=g, device="cuda", dtype=torch.uint8)
+    want = cpp.fp8_transpose_v(v.view(torch.float8_e4m3fn), cpp.FP8_VT_KEYS)
+    vt = torch.full(want.shape, 0xAB, dtype=torch.uint8, device="cuda")  # every byte must be written
+    torch.cuda.synchronize()
+    kernel, grid, block, args = cpp.fp8_vt_launch(GpuArray(tuple(v.shape), np.uint8, None, ptr=v.data_ptr(), owner=v),
+                                                  GpuArray(tuple(vt.shape), np.uint8, None, ptr=vt.data_ptr(),
+                                                           owner=vt))
+    launch.launch(kernel, grid, block, *args)
+    torch.cuda.synchronize()
+    assert torch.equal(vt, want)
+
+
+@gpu
+@pytest.mark.parametrize("vt_kernel", [False, True])
+def test_fp8_same_bits_either_v_transpose(vt_kernel, monkeypatch):
+    q, k, v = inputs((1, 4, 300, 128), (1, 2, 333, 128), seed=21)
+    r = attnkern.quantize_fp8(q, k, v)
+    monkeypatch.setattr(cpp, "FP8_VT_KERNEL", not vt_kernel)
+    want = attnkern.attention(*r[:3], causal="bottom_right", **r.kwargs())
+    monkeypatch.setattr(cpp, "FP8_VT_KERNEL", vt_kernel)
+    assert torch.equal(attnkern.attention(*r[:3], causal="bottom_right", **r.kwargs()), want)
+
+
 CASES = [  # (q shape, k/v shape, causal)
     ((1, 4, 512, 128), (1, 4, 512, 128), False),
     ((1, 4, 512, 128), (1, 4, 512, 128), True),
@@ -192,12 +278,13 @@ CASES = [  # (q shape, k/v shape, causal)
     ((2, 4, 77, 128), (2, 4, 200, 128), False),
     ((3, 130, 128), (3, 333, 128), True),
     ((1000, 128), (1000, 128), "bottom_right"),
+    ((1, 2, 2048, 128), (1, 2, 2048, 128), True),  # many tiles: the ping-pong's turns, the ring's phases
 ]
 
 
 @gpu
 @pytest.mark.parametrize("shape_q, shape_kv, causal", CASES)
-def test_fp8_matches_float64(shape_q, shape_kv, causal):
+def test_fp8_matches_float64(shape_q, shape_kv, causal, fp8_division):
     q, k, v = inputs(shape_q, shape_kv, seed=hash((shape_q, causal)) % 2**31)
     r = attnkern.quantize_fp8(q, k, v)
     scale = 1 / math.sqrt(128)
@@ -215,7 +302,7 @@ def test_fp8_matches_float64(shape_q, shape_kv, causal):
 
 
 @gpu
-def test_fp8_negative_scale_and_descales():
+def test_fp8_negative_scale_and_descales(fp8_division):
     q, k, v = inputs((2, 2, 256, 128), (2, 2, 256, 128), seed=5)
     r = attnkern.quantize_fp8(q * 3, k, v / 7)
     out = attnkern.attention(*r[:3], scale=-0.05, **r.kwargs())
@@ -225,7 +312,7 @@ def test_fp8_negative_scale_and_descales():
 
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_hadamard_lowers_the_error_with_outliers(causal):
+def test_hadamard_lowers_the_error_with_outliers(causal, fp8_division):
     errs = {}
     for outliers in (False, True):
         q, k, v = inputs((1, 8, 1024, 128), (1, 8, 1024, 128), seed=11 + outliers, outliers=outliers)
@@ -238,7 +325,7 @@ def test_hadamard_lowers_the_error_with_outliers(causal):
 
 
 @gpu
-def test_fp8_bit_identical_repeats():
+def test_fp8_bit_identical_repeats(fp8_division):
     q, k, v = inputs((2, 8, 1000, 128), (2, 4, 1500, 128), seed=3)
     r = attnkern.quantize_fp8(q, k, v)
     outs = [attnkern.attention(*r[:3], causal="bottom_right", return_lse=True, **r.kwargs()) for _ in range(3)]
@@ -246,7 +333,7 @@ def test_fp8_bit_identical_repeats():
 
 
 @gpu
-def test_fp8_empty_and_keyless_rows():
+def test_fp8_empty_and_keyless_rows(fp8_division):
     q8 = torch.zeros(1, 2, 64, 128, device="cuda").to(torch.float8_e4m3fn)
     k8 = torch.zeros(1, 2, 0, 128, device="cuda").to(torch.float8_e4m3fn)
     out, lse = attnkern.attention(q8, k8, k8, return_lse=True, descale_q=1.0, descale_k=1.0, descale_v=1.0)
@@ -258,6 +345,44 @@ def test_fp8_empty_and_keyless_rows():
     assert not out[:, :, :136].any()
     ref = attnkern.reference(*dequantized(r), causal="bottom_right")
     assert rms_error(host64(out[:, :, 136:]), ref[:, :, 136:]) < 0.05
+
+
+@gpu
+def test_fp8_descales_on_the_device():
+    """quantize_fp8(device_scales=True) keeps the scales on the GPU and attention's kernel reads them
+    there: the same answer as with Python floats, and no host synchronization on the way."""
+    q, k, v = inputs((2, 4, 700, 128), (2, 2, 900, 128), seed=17)
+    host = attnkern.quantize_fp8(q, k, v)
+    dev = attnkern.quantize_fp8(q, k, v, device_scales=True)
+    for a, b in zip(host[3:], dev[3:]):
+        assert isinstance(b, torch.Tensor) and b.is_cuda and b.shape == (1,) and float(b) == pytest.approx(a, rel=1e-6)
+    ref = attnkern.attention(*host[:3], causal="bottom_right", **host.kwargs())
+    out = attnkern.attention(*dev[:3], causal="bottom_right", **dev.kwargs())
+    assert rms_error(host64(out), host64(ref)) < 2e-3  # the scales' float32 roundings, in other places
+    mixed = attnkern.attention(*host[:3], causal="bottom_right", **{**host.kwargs(), "descale_v": dev.descale_v})
+    assert rms_error(host64(mixed), host64(ref)) < 2e-3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing torch call raises
+    try:
+        x = attnkern.quantize_fp8(q, k, v, device_scales=True)
+        again = attnkern.attention(*x[:3], causal="bottom_right", check_finite=False, **x.kwargs())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, out)
+
+
+@gpu
+def test_fp8_device_descales_checked_in_the_kernel():
+    x8 = torch.ones(1, 2, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones(1, device="cuda")
+    with pytest.raises(FloatingPointError, match="not positive and finite"):
+        attnkern.attention(x8, x8, x8, descale_q=one, descale_k=-one, descale_v=1.0)
+    out = attnkern.attention(x8, x8, x8, descale_q=one, descale_k=one, descale_v=one * math.inf, check_finite=False)
+    assert bool(torch.isnan(out).all())
+    with pytest.raises(ValueError, match="descale_v as a CUDA tensor must have one element"):
+        attnkern.attention(x8, x8, x8, descale_q=one, descale_k=one, descale_v=torch.ones(2, device="cuda"))
+    out = attnkern.attention(x8, x8, x8, descale_q=one * 0.5, descale_k=one, descale_v=2.0)
+    assert torch.equal(out, torch.full_like(out, 2.0))  # every score equal: the mean of v, 1 x 2
 
 
 @gpu
@@ -279,6 +404,9 @@ def test_fp8_refusals(monkeypatch):
         attnkern.attention(x8, x8, x8, block_q=64, **ds)
     with pytest.raises(TypeError, match="float8_e4m3fn: v is torch.float8_e5m2"):
         attnkern.attention(x8, x8, torch.zeros(1, 2, 64, 128, device="cuda").to(torch.float8_e5m2), **ds)
+    odd = torch.zeros(1 + 2 * 64 * 128, device="cuda").to(torch.float8_e4m3fn)[1:].view(1, 2, 64, 128)
+    with pytest.raises(ValueError, match="q must start at a 16-byte aligned address"):
+        attnkern.attention(odd, x8, x8, **ds)
     nan = x8.clone()
     nan.view(torch.uint8)[0, 0, 3, 5] = 0x7F
     with pytest.raises(ValueError, match="k has NaN"):

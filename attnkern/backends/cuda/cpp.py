@@ -295,7 +295,9 @@ class WgmmaConfig:
     (ATTNKERN_EARLYK), else K and V freed together once its P V is in; `tma` (with stages): the
     producer is one thread copying whole tiles with the tensor memory accelerator (ATTNKERN_TMA,
     launch.TensorMap descriptors of K and V), plain calls only (a featured call runs the same
-    division with cp.async copies: tma_off)."""
+    division with cp.async copies: tma_off); `fp8_exp` (FP8 only, ATTNKERN_FP8_EXP): k > 0 scales
+    P by 2^8 in its exponent instead of a multiply, k > 1 also computes the probabilities of every
+    k-th 8-key tile on the FMA pipes (flash_common.cuh's exp2_fma) beside the ex2 unit."""
 
     warpgroups: int = 3
     block_k: int = 128
@@ -303,6 +305,7 @@ class WgmmaConfig:
     pingpong: bool = False
     early_k: bool = False
     tma: bool = False
+    fp8_exp: int = 0
 
     def check(self, d: int, itemsize: int = 2) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size (itemsize 1: FP8)."""
@@ -314,9 +317,11 @@ class WgmmaConfig:
             ok = ok and self.warpgroups in (1, 2, 3)
         if self.pingpong or self.early_k or self.tma:
             ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
+        ok = ok and (self.fp8_exp == 0 or (itemsize == 1 and 0 < self.fp8_exp <= self.block_k // 8))
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
-                             "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages), "
+                             "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages, "
+                             "an FP8 exponent variant x1... in FP8 only), "
                              f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
                              f"at D = {d}")
 
@@ -332,13 +337,17 @@ class WgmmaConfig:
         """Shared memory of one block at head size d: Q, two K and two V tiles (or `stages`
         of each, and their 4 mbarriers a stage), unpadded, and 1 KB to align them to the
         1024 bytes of the swizzle pattern."""
+        if self.stages and itemsize == 1:  # FP8: a V^T tile is D rows of whole 128-key blocks (fp8_vt_blocks)
+            return (self.block_q + self.stages * self.block_k) * d + self.stages * d * 128 * fp8_vt_blocks(
+                self.block_k) + 1024 + 32 * self.stages
         if self.stages:
             return (self.block_q + 2 * self.stages * self.block_k) * d * itemsize + 1024 + 32 * self.stages
         return (self.block_q + 4 * self.block_k) * d * itemsize + 1024
 
     def __str__(self) -> str:
         return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
-                + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else ""))
+                + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else "")
+                + (f"x{self.fp8_exp}" if self.fp8_exp else ""))
 
     def tma_off(self) -> "WgmmaConfig":
         """This division with cp.async copies: the featured kernels' (the TMA fills K/V rows past nk
@@ -483,30 +492,54 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
 
 # ---------------------------------------------------------------- cuda.flash in FP8 (e4m3) on Hopper
 
-# flash_wgmma.cu's FP8 variant (ATTNKERN_FP8): the warp-specialized kernel at D = 128, 128-key tiles;
-# its division, read at each call (dev/gpu_fp8_measure.py swaps it to compare)
-FP8_DEFAULT = WgmmaConfig(2, 128, 3, early_k=True)
+# flash_wgmma.cu's FP8 variant (ATTNKERN_FP8) at D = 128: its default division, read at each call
+# (dev/gpu_fp8_measure.py swaps it to compare). FP8_CP_ASYNC: the division before the TMA one,
+# 128-key tiles copied by a producer warpgroup's cp.async, no ping-pong (wg2k128s3e); the TMA
+# divisions (one producer thread, K and V^T by tensor maps, ping-pong) take 128-192 keys a tile.
+# wg2k192s2pet (192-key tiles in 2 stages, ping-pong, TMA) was the fastest of five divisions in all 6
+# rows on an H100 (docs/gpu-fp8.md, 2026-11-26): 1.21-1.28x our bfloat16 kernel, where wg2k128s3e was
+# 1.02-1.09x; the default, its x1 variant (P's 2^8 in the exponent: one multiply a score less), was
+# 1-5% faster than it in all 6 rows of a second run (1.24-1.38x bfloat16); x4, x6, x8 (a share of the
+# exps on the FMA pipes) were slower than x1 in every row. The GPU tests passed for each.
+FP8_CP_ASYNC = WgmmaConfig(2, 128, 3, early_k=True)
+FP8_DEFAULT = WgmmaConfig(2, 192, 2, pingpong=True, early_k=True, tma=True, fp8_exp=1)
 FP8_HEAD_SIZES = (128,)
 FP8_P_SCALE = 256.0  # the kernel's factor on P before its rounding to e4m3 (P_SCALE), undone in out_scale
-FP8_VT_KEYS = 128  # V^T's rows are padded to a multiple of the kernel's key tile
+FP8_VT_KEYS = 128  # V^T's rows are padded to a multiple of 128 keys (the TMA's box, the cp.async tile)
+FP8_TMA_TILES = (128, 160, 192)  # the TMA divisions' key tiles: multiples of e4m3's 32-key k step
+# True: V^T made by flash_fp8_vt.cu (one pass, on the legacy default stream); False: fp8_transpose_v's
+# torch copy (the reference). The same bytes. Read at each call.
+FP8_VT_KERNEL = True
+
+
+def fp8_vt_blocks(block_k: int) -> int:
+    """The 128-key column blocks of an FP8 V^T tile of block_k keys (flash_wgmma.cu's VT_BLOCKS)."""
+    return -(-block_k // 128)
+
+
+def fp8_config_check(config: WgmmaConfig) -> None:
+    """ValueError unless flash_wgmma.cu's FP8 variant has this division: warp-specialized, 128-key
+    tiles with cp.async copies, or 128, 160 or 192 with the TMA (ping-pong with two consumers)."""
+    tiles = FP8_TMA_TILES if config.tma else (FP8_VT_KEYS,)
+    if not config.stages or config.block_k not in tiles:
+        raise ValueError(f"cuda.flash FP8 runs the warp-specialized divisions: {FP8_VT_KEYS}-key tiles with cp.async "
+                         f"copies, or {FP8_TMA_TILES} keys with the TMA (t); not {config}")
+    config.check(128, 1)
 
 
 def flash_fp8_kernel(config: WgmmaConfig | None = None, featured: bool = False):
-    """flash_wgmma.cu's FP8 variant at D = 128 for a division (default FP8_DEFAULT, warp-specialized,
-    128-key tiles): e4m3 q, k and V^T (fp8_transpose_v's layout), bfloat16 out and lse; featured: the
-    variant that takes grouped k/v heads and bottom-right causal masking (ATTNKERN_FEAT; no other
-    feature has an FP8 kernel)."""
+    """flash_wgmma.cu's FP8 variant at D = 128 for a division (default FP8_DEFAULT; fp8_config_check):
+    e4m3 q, k and V^T (fp8_transpose_v's layout), bfloat16 out and lse; featured: the variant that
+    takes grouped k/v heads and bottom-right causal masking (ATTNKERN_FEAT; no other feature has an
+    FP8 kernel; with the TMA too, as both read every key below nk)."""
     config = config or FP8_DEFAULT
-    if not config.stages or config.tma or config.block_k != FP8_VT_KEYS:
-        raise ValueError(f"cuda.flash FP8 runs the warp-specialized division with cp.async copies and {FP8_VT_KEYS}-key "
-                         f"tiles, not {config}")
-    config.check(128, 1)
-    params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("f32", "i32")
+    fp8_config_check(config)
+    params = ("u64",) * 5 + ("i32", "i32", "f32", "i32", "i32") + FEAT_TYPES + ("f32", "i32", "u64")
     return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_fp8_128_{config}{_suffix(featured, 0, False)}",
                           (("D", 128), ("BF16", 1), ("FP8", 1), ("BN", config.block_k), ("NWG", config.warpgroups),
                            ("FEAT", int(featured)), ("MASK", 0), ("ALIBI", 0), ("FAST", 0), ("WS", 1),
                            ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
-                           ("EARLYK", int(config.early_k))),
+                           ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)), ("FP8_EXP", config.fp8_exp)),
                           params, config.threads, config.shared_bytes(128, 1))
 
 
@@ -514,7 +547,7 @@ def fp8_transpose_v(v, keys: int):
     """V (rows, nk, D), a torch tensor of e4m3, as flash_fp8_launch's V^T: (rows, D, nk rounded up to `keys`) bytes, zero past
     nk, the keys of every 32 in the order of the 8-bit A fragment (flash_wgmma.cu's ATTNKERN_FP8
     comment): key 16h + 8a + 2t + b at column 16h + 4t + 2a + b. One copy (and a padding copy where
-    nk is not a multiple of `keys`)."""
+    nk is not a multiple of `keys`). The reference of fp8_vt (flash_fp8_vt.cu: the same bytes)."""
     import torch
 
     rows, nk, d = v.shape
@@ -526,20 +559,55 @@ def fp8_transpose_v(v, keys: int):
     return x.view(rows, nkp // 32, 2, 2, 4, 2, d).permute(0, 6, 1, 2, 4, 3, 5).reshape(rows, d, nkp)
 
 
+def fp8_vt_kernel():
+    """flash_fp8_vt.cu: V (rows, nk, 128) e4m3 into fp8_transpose_v's V^T, 128 keys a block of 256 threads."""
+    return _linked_kernel("flash_fp8_vt.cu", "attnkern_flash_fp8_vt_128", (), ("u64", "u64", "i32", "i32"), 256, 0)
+
+
+def fp8_vt_launch(v, vt):
+    """(kernel, grid, block, args) of flash_fp8_vt.cu: v (rows, nk, 128) and vt (rows, 128, vt_stride),
+    vt_stride a multiple of FP8_VT_KEYS (GpuArrays of bytes at 16-byte aligned addresses)."""
+    rows, nk, d = v.shape
+    if d != 128 or vt.shape != (rows, 128, vt.shape[2]) or vt.shape[2] % FP8_VT_KEYS or vt.shape[2] < nk \
+            or v.ptr % 16 or vt.ptr % 16:
+        raise ValueError(f"cuda.flash FP8: V^T {vt.shape} does not fit V {v.shape} (rows, 128 rows of a multiple "
+                         f"of {FP8_VT_KEYS} keys at least nk, 16-byte aligned)")
+    return (fp8_vt_kernel(), (vt.shape[2] // FP8_VT_KEYS, rows), 256,
+            (Addr(v), Addr(vt), np.int32(nk), np.int32(vt.shape[2])))
+
+
+def _bytes_as_pairs(x, shape: tuple):
+    """A GpuArray of bytes seen as 16-bit units of `shape` (a TensorMap's (batch, n, d) of 2-byte elements)."""
+    return GpuArray(shape, np.uint16, None, ptr=x.ptr, owner=x)
+
+
 def flash_fp8_launch(q, k, vt, out, lse, causal: bool, scale_log2: float, out_scale: float, feat=None,
-                     config: WgmmaConfig | None = None):
+                     config: WgmmaConfig | None = None, descales=None):
     """(kernel, grid, block, args) of the FP8 forward: q (batch, nq, 128) and k (batch_kv, nk, 128)
     e4m3, vt (batch_kv, 128, vt_stride) e4m3 (fp8_transpose_v's), out (batch, nq, 128) and lse
     (batch, nq) or None bfloat16 (GpuArrays: only their addresses and shapes are read); scale_log2:
     the softmax scale times descale_q descale_k times log2(e); out_scale: descale_v / FP8_P_SCALE;
-    feat: a launch.KernelFeatures of grouped k/v heads and bottom-right masking only, or None."""
+    feat: a launch.KernelFeatures of grouped k/v heads and bottom-right masking only, or None;
+    descales: None, or a GpuArray of 3 float32 (descale_q, descale_k, descale_v) that the kernel
+    reads and multiplies in (scale_log2 and out_scale then without them; a descale that is not
+    positive and finite makes the output NaN). A TMA
+    division takes tensor maps where the other takes addresses: K's rows of 128 bytes as 64 16-bit
+    units in boxes of block_k rows, V^T's D rows of vt_stride bytes in boxes of 128 keys (64 units)
+    x 128 rows."""
     config = config or FP8_DEFAULT
     batch, nq, _ = q.shape
     words = PLAIN_WORDS if feat is None else feat.words(1.0)
+    if config.tma:
+        rows_kv, nk, d = k.shape
+        kv = (TensorMap(_bytes_as_pairs(k, (rows_kv, nk, d // 2)), config.block_k),
+              TensorMap(_bytes_as_pairs(vt, (rows_kv, d, vt.shape[2] // 2)), 128))
+    else:
+        kv = (Addr(k), Addr(vt))
     return (flash_fp8_kernel(config, feat is not None), (-(-nq // config.block_q), batch), config.threads,
-            (Addr(q), Addr(k), Addr(vt), Addr(out), Addr(out if lse is None else lse), np.int32(nq),
+            (Addr(q), *kv, Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale_log2), np.int32(bool(causal)), np.int32(lse is not None),
-             *words, np.float32(out_scale), np.int32(vt.shape[2])))
+             *words, np.float32(out_scale), np.int32(vt.shape[2]),
+             np.uint64(0) if descales is None else Addr(descales)))
 
 
 def mma_aligned(*ptrs) -> bool:

@@ -47,6 +47,27 @@ static __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+// ATTNKERN_FP8_EXP (flash_wgmma.cu's FP8 variant; 0 elsewhere): k > 0 hands softmax_tile's
+// probabilities out times 2^8 (FP8's P scale, flash_wgmma.cu's P_SCALE) by an offset of 8 in the
+// exponent rather than a multiply a score; k > 1 also computes those of every k-th 8-key tile with
+// exp2_fma, on the FMA and integer pipes, beside the ex2 unit (16 results a clock an SM, which the
+// softmax of FP8's twice-as-fast products waits on).
+#ifndef ATTNKERN_FP8_EXP
+#define ATTNKERN_FP8_EXP 0
+#endif
+
+// 2^x for x <= 0 without the ex2 unit: x clamped to -125 (smaller results are below any e4m3
+// probability), x = j + f with j = rint(x) (the 1.5 2^23 shift: t's low mantissa bits are j) and
+// f in [-0.5, 0.5], 2^f by a degree-3 polynomial (relative error 7.5e-5, a fit for 1 / 2^f
+// weights), 2^j added to its exponent bits (t's bits shifted by 23 are j's, 0x4B400000's drop out)
+static __device__ __forceinline__ float exp2_fma(float x) {
+    x = fmaxf(x, -125.f);
+    const float t = x + 12582912.f, f = x - (t - 12582912.f);
+    const float p = fmaf(fmaf(fmaf(0.05517161637544632f, f, 0.24261116981506348f), f, 0.6932610273361206f), f,
+                         0.9999280571937561f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 static __device__ __forceinline__ float lg2(float x) {
 #if ATTNKERN_FAST
     float y;
@@ -470,12 +491,18 @@ static __device__ __forceinline__ void softmax_tile(float (&s)[NS][4], float (&m
     m[0] = mx0;
     m[1] = mx1;
     float ps0 = 0.f, ps1 = 0.f;
+#if ATTNKERN_FP8_EXP
+    const float mp0 = mc0 - 8.f, mp1 = mc1 - 8.f;  // p times 2^8 (ATTNKERN_FP8_EXP)
+#else
+    const float mp0 = mc0, mp1 = mc1;
+#endif
 #pragma unroll
     for (int n = 0; n < NS; ++n) {
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            p[e] = ex2(fmaf(s[n][e], c, -(e < 2 ? mc0 : mc1)));
+            const float x = fmaf(s[n][e], c, -(e < 2 ? mp0 : mp1));
+            p[e] = ATTNKERN_FP8_EXP > 1 && n % ATTNKERN_FP8_EXP == ATTNKERN_FP8_EXP - 1 ? exp2_fma(x) : ex2(x);
             if (MASK && s[n][e] == NEG_INF) p[e] = 0.f;  // also where c = 0
         }
         ps0 += p[0] + p[1];

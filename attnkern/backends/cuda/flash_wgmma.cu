@@ -47,11 +47,14 @@
 // last row, a warpgroup skips tiles entirely above its rows, and the blocks with the
 // most tiles go first.
 //
-// ATTNKERN_FP8 (with ATTNKERN_WS, D = 128, BN = 128): q, k and v in float8 e4m3 (one byte an
-// element; output bfloat16), wgmma's k32 e4m3 instructions. Both shared operands of an 8-bit
-// wgmma are K-major, so P V reads V transposed: the caller passes V^T (batch rows of D rows of
-// vt_stride keys, a multiple of BN, zero past nk), each 32 keys stored in the order of the
-// 8-bit A fragment. A thread's float32 scores of a 32-key step are the keys 2t, 2t + 1 of each
+// ATTNKERN_FP8 (with ATTNKERN_WS, D = 128; BN = 128 with cp.async copies, 128-192 a multiple of
+// 32 with ATTNKERN_TMA): q, k and v in float8 e4m3 (one byte an element; output bfloat16), wgmma's
+// k32 e4m3 instructions. Both shared operands of an 8-bit wgmma are K-major, so P V reads V
+// transposed: the caller passes V^T (batch rows of D rows of vt_stride keys, a multiple of 128,
+// zero past nk; flash_fp8_vt.cu makes it), each 32 keys stored in the order of the 8-bit A
+// fragment. A V^T tile is VT_BLOCKS column blocks of 128 keys (D rows of 128 bytes each, as a K
+// tile's rows); the TMA producer copies K as boxes of 64 16-bit units (a 128-byte row) and V^T as
+// boxes of 128 keys x D rows. A thread's float32 scores of a 32-key step are the keys 2t, 2t + 1 of each
 // 8-key tile (t = lane % 4); the A fragment wants its bytes 4t..4t + 3 and 16 + 4t..16 + 4t + 3.
 // Calling the keys 2t, 2t + 1, 8 + 2t, 9 + 2t fragment columns 4t..4t + 3 (and 16 more for the
 // other half) makes P's fragment the thread's own scores, four to a register with no shuffle,
@@ -59,7 +62,9 @@
 // caller's transpose does it at no cost). P is scaled by 2^8 before it is rounded to e4m3
 // (values in [0, 256], within e4m3's 448; small probabilities keep 3 bits of mantissa down
 // to 2^-14 rather than flushing below 2^-9), and the output by out_scale = descale_v / 2^8;
-// scale_log2 carries descale_q descale_k.
+// scale_log2 carries descale_q descale_k. Or, descales nonzero: the address of descale_q,
+// descale_k, descale_v (float32, on the device), which the consumers read and multiply in
+// (scale_log2 and out_scale then without them), so that a caller's scales need no host read.
 //
 // ATTNKERN_WS (WgmmaConfig.stages > 0) is FlashAttention-3's design instead (the comment at
 // its function has the details): a producer warpgroup copies K/V tiles into a ring of
@@ -84,9 +89,11 @@
 #ifndef ATTNKERN_TMA
 #define ATTNKERN_TMA 0
 #endif
-#if ATTNKERN_TMA && (ATTNKERN_FEAT || !ATTNKERN_WS)
+#if ATTNKERN_TMA && ((ATTNKERN_FEAT && !ATTNKERN_FP8) || !ATTNKERN_WS)
 // the TMA fills rows past nk with zeros, not those past a sequence's key length: plain calls only
-#error "ATTNKERN_TMA: the warp-specialized variant's plain kernel only"
+// (and FP8's featured kernel, whose only features, grouped k/v heads and bottom-right masking,
+// read every key below nk)
+#error "ATTNKERN_TMA: the warp-specialized variant's plain kernel only (FP8: also its featured one)"
 #endif
 #define D ATTNKERN_D
 #define BN ATTNKERN_BN
@@ -94,23 +101,32 @@
 #define BM (64 * NWG)
 #define ESIZE (ATTNKERN_FP8 ? 1 : 2)  // bytes an element
 #define Q_BYTES (BM * D * ESIZE)
-#define TILE_BYTES (BN * D * ESIZE)   // a K tile, a V tile (FP8: a V^T tile of D rows of BN keys)
+#define TILE_BYTES (BN * D * ESIZE)   // a K tile, a V tile
 #if ATTNKERN_FP8
-#if !ATTNKERN_WS || ATTNKERN_TMA || D != 128 || BN != 128
-#error "the FP8 variant is the warp-specialized one (cp.async copies) at D = 128 with 128-key tiles"
+// a V^T tile: D rows of BN keys, in column blocks of 128 keys (one 128-byte swizzled row each);
+// the TMA copies whole blocks, so a 160- or 192-key tile holds 256 keys' room (the last block
+// partly used: its keys past BN are the next tile's, copied and never read)
+#define VT_BLOCKS ((BN + 127) / 128)
+#define VTILE_BYTES (D * 128 * VT_BLOCKS)
+#if !ATTNKERN_WS || D != 128 || BN % 32 || (!ATTNKERN_TMA && BN != 128) || BN > 192
+#error "the FP8 variant is the warp-specialized one at D = 128: 128-key tiles with cp.async copies, 128-192 (a multiple of 32) with the TMA"
 #endif
-#define FP8_PARAMS , float out_scale, int vt_stride
+#define FP8_PARAMS , float out_scale, int vt_stride, u64 descales
 #define SIGN_BITS 0x80808080u  // negates the four e4m3 values of a word
 #define P_SCALE 256.f          // P's factor before its rounding to e4m3
+// the factor P still takes here: none where softmax_tile hands it out scaled (ATTNKERN_FP8_EXP),
+// whose row sums are then 2^8 too, undone before the output's store
+#define P_MUL (ATTNKERN_FP8_EXP ? 1.f : P_SCALE)
 #else
 #define FP8_PARAMS
 #define SIGN_BITS 0x80008000u  // negates both halves of a pair
+#define VTILE_BYTES TILE_BYTES
 #endif
 #if ATTNKERN_WS
 #define STAGES ATTNKERN_STAGES
 #define NTHREADS (128 * (NWG + 1))  // NWG consumer warpgroups and one producer warpgroup
 // Q, STAGES K and V tiles, room to align to 1024 bytes, and 4 STAGES mbarriers
-#define SMEM_BYTES (Q_BYTES + 2 * STAGES * TILE_BYTES + 1024 + 32 * STAGES)
+#define SMEM_BYTES (Q_BYTES + STAGES * (TILE_BYTES + VTILE_BYTES) + 1024 + 32 * STAGES)
 #else
 #define NTHREADS (128 * NWG)
 #define SMEM_BYTES (Q_BYTES + 4 * TILE_BYTES + 1024)  // + room to align to 1024 bytes
@@ -385,7 +401,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
 #endif
     const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + STAGES * TILE_BYTES;
-    const u32 full_k = vs0 + STAGES * TILE_BYTES, full_v = full_k + 8 * STAGES, empty_k = full_v + 8 * STAGES,
+    const u32 full_k = vs0 + STAGES * VTILE_BYTES, full_v = full_k + 8 * STAGES, empty_k = full_v + 8 * STAGES,
               empty_v = empty_k + 8 * STAGES;
 
     if (tid == 0) {
@@ -419,9 +435,20 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         const auto load = [&](u64 map, u32 buf, u32 empty, u32 full, int jt) {
             const int i = jt - jt0, s = i % STAGES;
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
+#if ATTNKERN_FP8
+            if (buf == vs0) {  // V^T (known at each inlined call): VT_BLOCKS boxes of 128 keys x D rows,
+                // the map's columns 16-bit pairs of keys (fp8_vt_map), zeros past its padded length
+                mbar_arrive_expect_tx(full + 8 * s, VTILE_BYTES);
+#pragma unroll
+                for (int cb = 0; cb < VT_BLOCKS; ++cb)
+                    tma_load_3d(buf + s * VTILE_BYTES + cb * D * 128, map, (jt * BN) / 2 + 64 * cb, 0, kv_row,
+                                full + 8 * s);
+                return;
+            }
+#endif
             mbar_arrive_expect_tx(full + 8 * s, TILE_BYTES);
 #pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb)
+            for (int cb = 0; cb < ROW16 / 64; ++cb)  // a K row of FP8 is one box of 64 16-bit units
                 tma_load_3d(buf + s * TILE_BYTES + cb * BN * 128, map, 64 * cb, jt * BN, kv_row, full + 8 * s);
         };
 #else
@@ -433,7 +460,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
 #if ATTNKERN_FP8
             if (buf == vs0)  // V^T (FP8); known at each inlined call
-                load_vt((const unsigned char*)src, buf + s * TILE_BYTES, jt * BN, vt_stride, tid);
+                load_vt((const unsigned char*)src, buf + s * VTILE_BYTES, jt * BN, vt_stride, tid);
             else
 #endif
                 load_tile<128>((const u16*)src, buf + s * TILE_BYTES, jt * BN, f.len, tid);
@@ -456,8 +483,19 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const int cw = wg - 1, ct = tid - 128 * wg;  // the consumer's index and its thread's
     const int g0 = q0 + 64 * cw;                   // the consumer's first row
     const int wr0 = g0 + 16 * (warp & 3);           // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
-    const float c = fabsf(scale_log2);
+    float c = fabsf(scale_log2);
     const u32 sign = scale_log2 < 0.f ? SIGN_BITS : 0u;  // negates Q
+#if ATTNKERN_FP8
+    if (descales) {  // descale_q, descale_k, descale_v as 3 float32 in device memory (no host read)
+        const float* ds = (const float*)descales;
+        const float dq = ds[0], dk = ds[1], dv = ds[2];
+        // a descale that is not positive and finite makes every output NaN, which check_finite reports
+        const float inf = -neg_inf();
+        const bool ok = dq > 0.f && dk > 0.f && dv > 0.f && dq * dk < inf && dv < inf;  // (NaN fails each)
+        c = ok ? c * (dq * dk) : __int_as_float(0x7fffffff);
+        out_scale *= dv;
+    }
+#endif
 
     load_q<64, 128>((const u16*)qp + b * (u64)nq * ROW16, qs0, q0, 64 * cw, nq, sign, ct);
     fence_async_shared();
@@ -482,7 +520,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     // O += P V of the pending tile, one commit group (its V waited for: wait_v)
     const auto wait_v = [&]() { mbar_wait(full_v + 8 * (pend % STAGES), (pend / STAGES) & 1); };
     const auto issue_pv = [&]() {
-        const u32 vb = vs0 + (pend % STAGES) * TILE_BYTES;
+        const u32 vb = vs0 + (pend % STAGES) * VTILE_BYTES;
 #pragma unroll
         for (int cc = 0; cc < BN * ESIZE / 32; ++cc) {  // k steps of 16 keys (FP8 32)
             const u32 af[4] = {pf[2 * cc][0], pf[2 * cc][1], pf[2 * cc + 1][0], pf[2 * cc + 1][1]};
@@ -511,8 +549,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         for (int n = 0; n < NP; ++n) {
 #if ATTNKERN_FP8
             const float (&x)[4] = sc[2 * n], (&y)[4] = sc[2 * n + 1];
-            pf[n][0] = pack4_e4m3(x[0] * P_SCALE, x[1] * P_SCALE, y[0] * P_SCALE, y[1] * P_SCALE);
-            pf[n][1] = pack4_e4m3(x[2] * P_SCALE, x[3] * P_SCALE, y[2] * P_SCALE, y[3] * P_SCALE);
+            pf[n][0] = pack4_e4m3(x[0] * P_MUL, x[1] * P_MUL, y[0] * P_MUL, y[1] * P_MUL);
+            pf[n][1] = pack4_e4m3(x[2] * P_MUL, x[3] * P_MUL, y[2] * P_MUL, y[3] * P_MUL);
 #else
             pf[n][0] = pack2(sc[n][0], sc[n][1]);
             pf[n][1] = pack2(sc[n][2], sc[n][3]);
@@ -625,6 +663,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #if ATTNKERN_FP8
 #pragma unroll
     for (int j = 0; j < NO; ++j) o[j][0] *= out_scale, o[j][1] *= out_scale, o[j][2] *= out_scale, o[j][3] *= out_scale;
+    if (ATTNKERN_FP8_EXP) l[0] *= 1.f / P_SCALE, l[1] *= 1.f / P_SCALE;  // the sums of 2^8 p (exact)
 #endif
     store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
 }
