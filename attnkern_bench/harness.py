@@ -60,7 +60,8 @@ class CpuTarget:
                 pass
             else:
                 return (f"torch {self.dtype} matmul 2048^3", *torch_matmul_turn(torch, self.dtype, self.threads))
-        return ("NumPy float32 matmul 2048^3", *sgemm_turn())
+        flops, call, label = sgemm_turn(2048, self.threads)
+        return label, flops, call
 
     def ceiling(self) -> tuple[str, float]:
         name, flops, call = self._ceiling_op()

@@ -57,3 +57,36 @@ def test_roofline_command(tmp_path, capsys):
 def test_roofline_refuses_absurd_sizes():
     with pytest.raises(SystemExit, match="at least 1"):
         cli.main(["roofline", "--stream-mib", "0"])
+
+
+def test_the_matmul_ceiling_runs_openblas_strongest_kernel(monkeypatch):
+    """Where NumPy's OpenBLAS chose a kernel without AVX-512 on a CPU that has it, the
+    ceiling's matmul runs in a worker with OpenBLAS's AVX-512 kernel; the worker reports
+    the kernel that ran."""
+    import attnkern
+    from attnkern_bench import ceilings
+
+    if not ceilings.blas_kernel().startswith("OpenBLAS"):
+        pytest.skip("NumPy's BLAS here is not OpenBLAS")
+    monkeypatch.delenv("ATTNKERN_SGEMM_CORETYPE", raising=False)
+    monkeypatch.setattr(ceilings, "blas_kernel", lambda: "OpenBLAS 0.3.31 Haswell")
+    monkeypatch.setattr(attnkern, "supported_isas", lambda: ("generic", "avx2", "avx512"))
+    assert ceilings.openblas_override() == "SkylakeX"
+    monkeypatch.setattr(attnkern, "supported_isas", lambda: ("generic", "avx2"))
+    assert ceilings.openblas_override() is None
+    monkeypatch.setattr(ceilings, "blas_kernel", lambda: "OpenBLAS 0.3.31 SkylakeX")
+    monkeypatch.setattr(attnkern, "supported_isas", lambda: ("generic", "avx2", "avx512"))
+    assert ceilings.openblas_override() is None
+    monkeypatch.undo()
+
+    # a kernel every x86-64 CPU with AVX2 runs, forced: the worker runs it and says so
+    monkeypatch.setenv("ATTNKERN_SGEMM_CORETYPE", "Haswell")
+    flops, call, label = ceilings.sgemm_turn(64, 1)
+    assert isinstance(call, ceilings.SgemmWorker) and flops == 2.0 * 64**3
+    assert call.architecture == "Haswell" and "OpenBLAS Haswell in a worker process" in label
+    call()
+    call()
+    assert "this process's OpenBLAS chose" in label
+    monkeypatch.setenv("ATTNKERN_SGEMM_CORETYPE", "")  # OpenBLAS's own choice, in the worker too
+    flops, call, label = ceilings.sgemm_turn(64, 1)
+    assert isinstance(call, ceilings.SgemmWorker) and call.architecture and "chose" not in label
