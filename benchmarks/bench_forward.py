@@ -109,6 +109,44 @@ def gpu_setup(bench, kernel, shape, dtype, causal, **params):
     torch.cuda.synchronize()
 
 
+class ForwardGpuFp8:
+    """cuda.flash's FP8 (e4m3) forward on Hopper at D = 128 beside its bfloat16 forward and torch's
+    SDPA in bfloat16: q, k, v quantized once in setup (quantize_fp8, per-tensor descales kept on
+    the GPU), then attention() on them each call (V's transpose included, as a user pays it).
+    Skipped without a Hopper GPU, in commits without FP8, and for torch in FP8 (it has none)."""
+
+    params = [["cuda.flash", "torch.sdpa"], axis(["1x16x4096x128", "1x16x16384x128"]),
+              ["float8_e4m3fn", "bfloat16"], [False, True]]
+    param_names = ["kernel", "shape", "dtype", "causal"]
+    rounds = 2
+    repeat = (3, 20, 2.0)
+    warmup_time = 0.5
+    timeout = 300
+
+    def setup(self, kernel, shape, dtype, causal):
+        if dtype == "bfloat16":
+            gpu_setup(self, kernel, shape, dtype, causal)
+            return
+        if kernel != "cuda.flash":
+            raise NotImplementedError(f"{kernel} takes no FP8")
+        if torch is None or not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+            raise NotImplementedError("FP8 attention needs a Hopper GPU")
+        if not hasattr(attnkern, "quantize_fp8"):
+            raise NotImplementedError("this commit has no FP8 forward")
+        q, k, v = (torch.from_numpy(x).cuda().to(torch.bfloat16) for x in random_qkv(shape))
+        r = attnkern.quantize_fp8(q, k, v, device_scales=True)
+        self.q, self.k, self.v = r[:3]
+        kw = r.kwargs()
+        self.call = lambda q, k, v, c: attnkern.attention(q, k, v, causal=c, kernel="cuda.flash",
+                                                          check_finite=False, **kw)
+        self.call(self.q, self.k, self.v, causal)
+        torch.cuda.synchronize()
+
+    def time_forward(self, kernel, shape, dtype, causal):
+        self.call(self.q, self.k, self.v, causal)
+        torch.cuda.synchronize()
+
+
 class DecodeGpu:
     """Decode on the GPU, as ForwardGpu but with a KV cache's shapes, which its q = k = v
     shape axis cannot name: Nq query rows per head of H heads over H_kv k/v heads of Nk keys
