@@ -355,7 +355,7 @@ class WgmmaConfig:
         return dataclasses.replace(self, tma=False)
 
 
-WS_WIDE_TILES = (160, 176, 192)  # the warp-specialized variant's wider K/V tiles (wgmma_ss's N)
+WS_WIDE_TILES = (160, 176, 192, 256)  # the warp-specialized variant's wider K/V tiles (wgmma_ss's N)
 WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
 WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
 WGMMA_SHARED_LIMIT = 227 * 1024  # a block's shared memory on the H100 and H200 (opt-in)
