@@ -4,7 +4,8 @@ turns): per call of a sample, the host's time of each step of attnkern.attention
 (perf_counter_ns: the call's entry, _torch_cuda.attention's entry, the cuLaunchKernel call and
 its return, the call's return) and the GPU's time from the sample's start event to an event
 recorded after each call (so the GPU's wait for the first launch shows). The same for the
-prepared launch alone and for a torch control (torch.empty_like + the prepared launch).
+prepared launch alone, for a torch control (torch.empty_like + the prepared launch) and for
+the library call without its quick path (library_whole: attention()'s checks first, then the plan).
 
 Settings, each in turns with the prepared kernel at (1, 16, N, D) bfloat16:
   alone      the library and the prepared launch only
@@ -14,7 +15,8 @@ Settings, each in turns with the prepared kernel at (1, 16, N, D) bfloat16:
   busy       as torch, without the wait at a sample's end (the GPU drains once a round of all the
              functions: the host's time a call while the GPU is busy)
 
-    python3 dev/gpu_library_host.py OUT.json [--shapes 4096x128,16384x128] [--runs 15]"""
+    python3 dev/gpu_library_host.py OUT.json [--shapes 4096x128,16384x128] [--runs 15]
+        [--settings alone,torch,torch_gc,torch_pin,busy]"""
 
 import argparse
 import gc
@@ -37,8 +39,13 @@ STAMPS: list = []  # (label, ns) of the current call
 
 
 def instrument():
-    """Stamps at _torch_cuda.attention's entry and around every cuLaunchKernel."""
-    real_attention, real_launch = _torch_cuda.attention, launch.RawKernel.__call__
+    """Stamps at _torch_cuda.quick's and _torch_cuda.attention's entries and around every
+    cuLaunchKernel."""
+    real_quick, real_attention, real_launch = _torch_cuda.quick, _torch_cuda.attention, launch.RawKernel.__call__
+
+    def quick(*a, **kw):
+        STAMPS.append(("quick", NS()))
+        return real_quick(*a, **kw)
 
     def attention(*a, **kw):
         STAMPS.append(("fast_path", NS()))
@@ -49,7 +56,7 @@ def instrument():
         real_launch(self, grid, block, params)
         STAMPS.append(("launched", NS()))
 
-    _torch_cuda.attention = attention
+    _torch_cuda.quick, _torch_cuda.attention = quick, attention
     launch.RawKernel.__call__ = raw_call
 
 
@@ -107,6 +114,7 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--shapes", default="4096x128,16384x128")
     ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--settings", default="alone,torch,torch_gc,torch_pin,busy")
     a = ap.parse_args()
     instrument()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS, "rows": []}
@@ -127,23 +135,36 @@ def main() -> int:
             torch.empty_like(q)
             prepared()
 
-        ours = {"library": library, "prepared": prepared, "control": control}
+        def library_whole():  # attention()'s whole way: its checks, then the plan (before the quick path)
+            saved = _torch_cuda._QUICK
+            _torch_cuda._QUICK = []
+            try:
+                return library()
+            finally:
+                _torch_cuda._QUICK = saved
+
+        ours = {"library": library, "library_whole": library_whole, "prepared": prepared, "control": control}
         torch_fns = {name: (lambda call=call: call(q, k, v, False)) for name, call in sdpa_backends().items()}
-        settings = {}
-        settings["alone"] = run(ours, a.runs)
-        settings["torch"] = run({**torch_fns, **ours}, a.runs)
-        gc.disable()
-        try:
-            settings["torch_gc"] = run({**torch_fns, **ours}, a.runs)
-        finally:
-            gc.enable()
-        cpus = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {min(cpus)})
-        try:
-            settings["torch_pin"] = run({**torch_fns, **ours}, a.runs)
-        finally:
-            os.sched_setaffinity(0, cpus)
-        settings["busy"] = run({**torch_fns, **ours}, a.runs, wait=False)
+        settings, wanted = {}, a.settings.split(",")
+        if "alone" in wanted:
+            settings["alone"] = run(ours, a.runs)
+        if "torch" in wanted:
+            settings["torch"] = run({**torch_fns, **ours}, a.runs)
+        if "torch_gc" in wanted:
+            gc.disable()
+            try:
+                settings["torch_gc"] = run({**torch_fns, **ours}, a.runs)
+            finally:
+                gc.enable()
+        if "torch_pin" in wanted:
+            cpus = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {min(cpus)})
+            try:
+                settings["torch_pin"] = run({**torch_fns, **ours}, a.runs)
+            finally:
+                os.sched_setaffinity(0, cpus)
+        if "busy" in wanted:
+            settings["busy"] = run({**torch_fns, **ours}, a.runs, wait=False)
         for name, got in settings.items():
             for fn, calls in got.items():
                 row = {"n": n, "d": d, "setting": name, "fn": fn, "calls": calls}
@@ -152,7 +173,7 @@ def main() -> int:
                     print(json.dumps({"n": n, "setting": name, "fn": fn,
                                       "host_us": [c["host_us"] for c in calls],
                                       "gpu_us": [c["gpu_us"] for c in calls],
-                                      **({"first": calls[0]} if fn == "library" else {})}), flush=True)
+                                      **({"first": calls[0]} if fn.startswith("library") else {})}), flush=True)
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0
