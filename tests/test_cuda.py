@@ -506,6 +506,9 @@ def test_planned_calls_skip_attentions_checks(monkeypatch):
     from attnkern import _api
     from attnkern import _torch_cuda as fast
 
+    # plans whose tunables were looked up are rebuilt after RECHECK_S (1 s): the autocast and
+    # autograd calls below compile kernels for longer than that
+    monkeypatch.setattr(fast, "RECHECK_S", 1e9)
     rng = np.random.default_rng(11)
     q, k, v = (torch.from_numpy(x).cuda() for x in random_qkv(rng, (2, 3), 40, 40, 16, 16, np.float32))
     attnkern.attention(q, k, v, causal=True)  # plans the shape
