@@ -13,7 +13,9 @@ parameters laid out once, the addresses written in per call), the output shapes
 and, with check_finite, the scan of q, k, v and the output prepared likewise.
 Later calls check what the plan cannot know (tensor types, grad, devices,
 contiguity, torch's current stream, alignment), allocate the outputs with torch
-and launch. A call on a split-K decode path (grouped k/v heads and bottom-right
+and launch; a call without features outside autograd, torch.compile and autocast
+reaches its plan from attention()'s first line (quick()), before the checks the plan
+already made for its shape. A call on a split-K decode path (grouped k/v heads and bottom-right
 causal masking at most: backends._split.PREPARED_FEATURES) has two launches and
 scratch memory, allocated with torch per call on the legacy default stream (on
 another stream such a call takes the general path). Anything else, any other

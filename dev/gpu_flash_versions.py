@@ -16,7 +16,7 @@ flash_wgmma.cu's cpp.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 al
 register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
 thread's). A WgmmaConfig with stages, "wg{consumer warpgroups}k{keys}s{stages}" ("p" after
 it: ping-pong, then "e": early K, then "t": K/V copied by the TMA), is the warp-specialized
-variant (a producer warpgroup and a ring of K/V stages; keys 64, 128, 160, 176 or 192). "default" is the division the library picks for the head size (marked
+variant (a producer warpgroup and a ring of K/V stages; keys 64, 128, 160, 176, 192 or 256). "default" is the division the library picks for the head size (marked
 *); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
 --library: attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
 library's whole call on torch tensors.
