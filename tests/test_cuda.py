@@ -249,6 +249,11 @@ def test_wgmma_tma_division_and_prepared_tensor_maps(monkeypatch):
         assert cpp.half_config(d, plain=False) is cpp.WGMMA_OTHER[d] and not cpp.WGMMA_OTHER[d].tma
     with pytest.raises(ValueError, match="TMA with stages"):
         cpp.WgmmaConfig(2, 128, 0, tma=True).check(64)
+    cpp.WgmmaConfig(2, 256, 2, pingpong=True, early_k=True, tma=True).check(64)  # m64n256 scores at D = 64
+    with pytest.raises(ValueError, match="256-key tiles not in FP8"):
+        cpp.WgmmaConfig(2, 256, 2, pingpong=True, early_k=True, tma=True).check(128, itemsize=1)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        cpp.WgmmaConfig(2, 256, 2, pingpong=True, early_k=True, tma=True).check(128)  # 294 KB at D = 128
     looked_up = []
 
     def fake_address(ptr, shape, box_rows):
