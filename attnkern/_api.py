@@ -509,6 +509,14 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
     cuda.flash's FP8 forward on Hopper and return bfloat16; D = Dv = 128, causal and
     grouped k/v heads only (docs/gpu-fp8.md).
     """
+    if (_torch_cuda._QUICK and window is None and key_lengths is None and softcap is None and attn_mask is None
+            and alibi_slopes is None and dropout_seed is None and descale_q is None and descale_k is None
+            and descale_v is None and type(dropout_p) in (float, int) and dropout_p == 0):
+        # torch CUDA tensors of a planned call shape: the plan at once, before the checks below
+        # (which it has made for that shape), whose Python work outlasts the launch
+        got = _torch_cuda.quick(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+        if got is not None:
+            return got
     # NumPy arrays (the common host call) need no look at the module of each argument
     torch_inputs = not (type(q) is type(k) is type(v) is np.ndarray) and (_is_torch(q) or _is_torch(k) or
                                                                          _is_torch(v))

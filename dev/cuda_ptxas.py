@@ -86,7 +86,8 @@ KERNELS = [
        dict(D=d, BF16=1, BN=bn, NWG=2, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=pp,
             EARLYK=1, TMA=tma, THREADS=384), MMA)
       for d, bn, st, pp, tma in ((128, 176, 2, 0, 1), (128, 176, 2, 1, 1), (128, 160, 2, 0, 1), (128, 176, 2, 0, 0),
-                                 (64, 192, 3, 0, 1), (64, 192, 3, 1, 1), (64, 176, 3, 0, 1))),
+                                 (64, 192, 3, 0, 1), (64, 192, 3, 1, 1), (64, 176, 3, 0, 1),
+                                 (64, 256, 2, 0, 1), (64, 256, 2, 1, 1), (64, 256, 3, 1, 1))),
     # its FP8 variant (e4m3 q, k, V^T; the kernel's three more parameters: out_scale, vt_stride,
     # descales), plain and featured (grouped k/v heads, bottom-right causal)
     *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k128s{st}{'p' * pp}e" + "_feat" * feat,

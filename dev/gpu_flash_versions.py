@@ -6,7 +6,7 @@ float32 kernel (flash_simt.cu).
 
     python3 dev/gpu_flash_versions.py OUT.json [--dims 64,128] [--sizes 4096,8192]
         [--dtypes bfloat16,float16,float32] [--configs default,mt2w4k64,64x64t4x8,...]
-        [--runs 20] [--library]
+        [--runs 20] [--library] [--batches 1,2,4,8] [--warmup-s 0.3]
 
 Kernels: one per --configs entry that names a division of the dtype's kernel,
 launched directly (prepared once, below Numba's dispatcher): a tensor-core kernel's
@@ -16,7 +16,7 @@ flash_wgmma.cu's cpp.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 al
 register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
 thread's). A WgmmaConfig with stages, "wg{consumer warpgroups}k{keys}s{stages}" ("p" after
 it: ping-pong, then "e": early K, then "t": K/V copied by the TMA), is the warp-specialized
-variant (a producer warpgroup and a ring of K/V stages; keys 64, 128, 160, 176 or 192). "default" is the division the library picks for the head size (marked
+variant (a producer warpgroup and a ring of K/V stages; keys 64, 128, 160, 176, 192 or 256). "default" is the division the library picks for the head size (marked
 *); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
 --library: attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
 library's whole call on torch tensors.
@@ -26,10 +26,10 @@ negative scale) causal and not, output and log-sum-exp against float64 with the
 bounds of attnkern_bench.accuracy, and two runs bit-identical; at each timed size,
 about 256 sampled query rows of every head against float64 (torch's SDPA's too).
 
-Timing: (1, 16, N, D), causal and not; each sample is a pair of CUDA events around
+Timing: (B, 16, N, D) for each --batches B (default 1), causal and not; each sample is a pair of CUDA events around
 5 back-to-back calls, 3 warm-up samples, the median of --runs samples, the kernels in
 turns (sample r of every kernel, then sample r + 1: a load that comes and goes hits
-them alike); torch's SDPA on the same tensors, its default choice ("torch.sdpa") and
+them alike), each kernel first kept busy for --warmup-s seconds; torch's SDPA on the same tensors, its default choice ("torch.sdpa") and
 each of its backends forced with torch.nn.attention.sdpa_kernel ("torch.cudnn",
 "torch.flash", "torch.efficient"; one that refuses the shape is left out); x_torch is
 against the default, x_best against the fastest of them, TF32 off (torch's float32 kernel then runs 3xTF32 on tensor
@@ -163,8 +163,9 @@ def err(x, ref, scale_by):
 
 
 def inputs(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*shape, generator=g).to(getattr(torch, dtype)).cuda() for _ in range(3))
+    """q, k, v: standard normal, drawn on the GPU (batch 8 at N = 16384 is 268M numbers a tensor)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g, device="cuda").to(getattr(torch, dtype)) for _ in range(3))
 
 
 def check_odd(kern, d, dtype):
@@ -183,7 +184,7 @@ def check_odd(kern, d, dtype):
     return {"odd_error": worst, "odd_ok": worst <= TOL[dtype], "bit_identical": identical}
 
 
-def event_times(fns, runs):
+def event_times(fns, runs, warmup_s=0.3):
     """Median seconds per call of each fn (a dict by name): 3 warm-up calls each, then
     `runs` rounds in which every fn takes one sample of BACK_TO_BACK calls between CUDA
     events (attnkern_bench.timing.CudaEventClock)."""
@@ -191,7 +192,7 @@ def event_times(fns, runs):
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
-    clock = CudaEventClock(torch)
+    clock = CudaEventClock(torch, warmup_s)
     for fn in fns.values():
         clock.busy(fn)
     samples = {name: [] for name in fns}
@@ -278,6 +279,8 @@ def main():
                     help="work divisions to compare, comma-separated (default, wg3k128, mt2w4k64, mt2w4k32qs, 64x64t4x8, ...)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--library", action="store_true")
+    ap.add_argument("--batches", default="1", help="batch sizes B of the timed (B, 16, N, D) shapes")
+    ap.add_argument("--warmup-s", type=float, default=0.3, help="seconds each kernel is kept busy before its turns")
     ap.add_argument("--overhead", action="store_true")
     ap.add_argument("--overhead-configs", default="default")
     ap.add_argument("--after", default="",
@@ -321,15 +324,15 @@ def main():
     for dtype in a.dtypes.split(","):
         for d in (int(x) for x in a.dims.split(",")):
             timed_kernels = blocks[dtype, d]
-            for n in (int(x) for x in a.sizes.split(",")):
-                q, k, v = inputs((1, 16, n, d), dtype, n + d)
+            for batch, n in ((int(b), int(x)) for b in a.batches.split(",") for x in a.sizes.split(",")):
+                q, k, v = inputs((batch, 16, n, d), dtype, n + d)
                 out = torch.empty_like(q)
                 rows = torch.unique(torch.cat([torch.randint(0, n, (250,), generator=torch.Generator().manual_seed(n)),
                                                torch.tensor([0, 1, 2, n - 3, n - 2, n - 1])])).cuda()
                 for causal in (False, True):
-                    flops = 4 * 16 * n * n * d / (2 if causal else 1)
+                    flops = 4 * batch * 16 * n * n * d / (2 if causal else 1)
                     ref, _ = reference(q, k, v, causal, 1 / d**0.5, rows)
-                    base = {"dtype": dtype, "d": d, "n": n, "causal": causal}
+                    base = {"dtype": dtype, "d": d, "batch": batch, "n": n, "causal": causal}
                     fns, errors = {}, {}
                     for name, call in sdpa_backends().items():
                         try:
@@ -350,7 +353,7 @@ def main():
                             return attnkern.attention(q, k, v, causal=causal, kernel="cuda.flash", check_finite=False)
                         errors["attention"] = err(library()[..., rows, :], ref, v.abs().max())
                         fns["attention"] = library
-                    times = event_times(fns, a.runs)
+                    times = event_times(fns, a.runs, a.warmup_s)
                     best = min(t for name, t in times.items() if name.startswith("torch."))
                     rows_out = [{**base, "kernel": name, "seconds": t, "tflops": flops / t / 1e12,
                                  "error": errors[name],
@@ -363,10 +366,10 @@ def main():
                     result["timings"] += rows_out
             with open(a.out, "w") as f:  # after each head size: a run cut short keeps what it measured
                 json.dump(result, f, indent=1)
-    print(f"{'dtype':9} {'D':>4} {'N':>6} {'causal':6} {'kernel':15} {'TFLOP/s':>8} {'x torch':>8} {'x best':>7} "
+    print(f"{'dtype':9} {'D':>4} {'B':>2} {'N':>6} {'causal':6} {'kernel':15} {'TFLOP/s':>8} {'x torch':>8} {'x best':>7} "
           f"{'error':>9}")
     for r in result["timings"]:
-        print(f"{r['dtype']:9} {r['d']:4} {r['n']:6} {str(r['causal']):6} {r['kernel']:15} {r['tflops']:8.1f} "
+        print(f"{r['dtype']:9} {r['d']:4} {r['batch']:2} {r['n']:6} {str(r['causal']):6} {r['kernel']:15} {r['tflops']:8.1f} "
               f"{r['x_torch']:8.2f} {r['x_best']:7.2f} {r.get('error', math.nan):9.2e}")
     return 0
 

@@ -249,6 +249,11 @@ def test_wgmma_tma_division_and_prepared_tensor_maps(monkeypatch):
         assert cpp.half_config(d, plain=False) is cpp.WGMMA_OTHER[d] and not cpp.WGMMA_OTHER[d].tma
     with pytest.raises(ValueError, match="TMA with stages"):
         cpp.WgmmaConfig(2, 128, 0, tma=True).check(64)
+    cpp.WgmmaConfig(2, 256, 2, pingpong=True, early_k=True, tma=True).check(64)  # m64n256 scores at D = 64
+    with pytest.raises(ValueError, match="256-key tiles not in FP8"):
+        cpp.WgmmaConfig(2, 256, 2, pingpong=True, early_k=True, tma=True).check(128, itemsize=1)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        cpp.WgmmaConfig(2, 256, 2, pingpong=True, early_k=True, tma=True).check(128)  # 294 KB at D = 128
     looked_up = []
 
     def fake_address(ptr, shape, box_rows):
@@ -494,6 +499,61 @@ def test_torch_fast_path_matches_the_general_path():
         odd.copy_(q)
         with pytest.raises(ValueError, match="16-byte aligned"):
             attnkern.attention(odd, k, v)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+def test_planned_calls_skip_attentions_checks(monkeypatch):
+    """A call shape with a plan runs it from attention()'s first line (_torch_cuda.quick),
+    bit-identical to the general path; a call under autograd or autocast, with a feature,
+    with check_finite changed or with the fast path off takes attention()'s whole way."""
+    import torch
+
+    from attnkern import _api
+    from attnkern import _torch_cuda as fast
+
+    # plans whose tunables were looked up are rebuilt after RECHECK_S (1 s): the autocast and
+    # autograd calls below compile kernels for longer than that
+    monkeypatch.setattr(fast, "RECHECK_S", 1e9)
+    rng = np.random.default_rng(11)
+    q, k, v = (torch.from_numpy(x).cuda() for x in random_qkv(rng, (2, 3), 40, 40, 16, 16, np.float32))
+    attnkern.attention(q, k, v, causal=True)  # plans the shape
+    whole = []
+    real = _api._torch_attention
+    monkeypatch.setattr(_api, "_torch_attention", lambda *a: whole.append(1) or real(*a))
+    out = attnkern.attention(q, k, v, causal=True)
+    assert not whole, "a planned call took attention()'s whole way"
+    fast.FAST_PATH = False
+    try:
+        assert torch.equal(out, attnkern.attention(q, k, v, causal=True)) and len(whole) == 1
+    finally:
+        fast.FAST_PATH = True
+    attnkern.attention(q, k, v, causal=True, window=(8, 0))
+    attnkern.attention(q, k, v, causal=True, check_finite=False)  # another plan's key: planned now
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        attnkern.attention(q, k, v, causal=True)
+    qg = q.clone().requires_grad_()
+    attnkern.attention(qg, k, v, causal=True).sum().backward()
+    assert len(whole) == 5 and qg.grad is not None
+    assert torch.equal(attnkern.attention(q, k, v, causal=True, check_finite=False), out) and len(whole) == 5
+
+
+def test_quick_path_leaves_other_arrays_alone(monkeypatch):
+    """With a plan made (_torch_cuda._QUICK set), NumPy arrays and CPU tensors still take
+    attention()'s whole way, with the same results."""
+    import torch
+
+    from attnkern import _torch_cuda as fast
+
+    rng = np.random.default_rng(12)
+    q, k, v = random_qkv(rng, (2,), 24, 24, 16, 16, np.float32)
+    before = attnkern.attention(q, k, v, causal=True, kernel="numpy.naive")
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    tbefore = attnkern.attention(tq, tk, tv, kernel="numpy.naive")
+    monkeypatch.setattr(fast, "_QUICK", [torch.Tensor, torch.is_grad_enabled, torch.compiler.is_compiling,
+                                         torch.is_autocast_enabled])
+    assert fast.quick(tq, tk, tv, False, None, "numpy.naive", True, False, {}) is None
+    np.testing.assert_array_equal(attnkern.attention(q, k, v, causal=True, kernel="numpy.naive"), before)
+    assert torch.equal(attnkern.attention(tq, tk, tv, kernel="numpy.naive"), tbefore)
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")

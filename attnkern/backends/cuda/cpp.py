@@ -318,10 +318,11 @@ class WgmmaConfig:
         if self.pingpong or self.early_k or self.tma:
             ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
         ok = ok and (self.fp8_exp == 0 or (itemsize == 1 and 0 < self.fp8_exp <= self.block_k // 8))
+        ok = ok and (self.block_k != 256 or itemsize == 2)  # 256-key tiles: float16/bfloat16 only (FP8 untried)
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
                              "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages, "
-                             "an FP8 exponent variant x1... in FP8 only), "
+                             "an FP8 exponent variant x1... in FP8 only, 256-key tiles not in FP8), "
                              f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
                              f"at D = {d}")
 
@@ -355,7 +356,7 @@ class WgmmaConfig:
         return dataclasses.replace(self, tma=False)
 
 
-WS_WIDE_TILES = (160, 176, 192)  # the warp-specialized variant's wider K/V tiles (wgmma_ss's N)
+WS_WIDE_TILES = (160, 176, 192, 256)  # the warp-specialized variant's wider K/V tiles (wgmma_ss's N)
 WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
 WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
 WGMMA_SHARED_LIMIT = 227 * 1024  # a block's shared memory on the H100 and H200 (opt-in)

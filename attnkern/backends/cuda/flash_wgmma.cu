@@ -11,7 +11,7 @@
 //   ATTNKERN_D        the head size (D = Dv): 64 or 128
 //   ATTNKERN_BF16     1 for bfloat16, 0 for float16
 //   ATTNKERN_NAME     the function's name
-//   ATTNKERN_BN       keys per K/V tile: 64 or 128 (the warp-specialized variant also 160, 176, 192)
+//   ATTNKERN_BN       keys per K/V tile: 64 or 128 (the warp-specialized variant also 160, 176, 192, 256)
 //   ATTNKERN_NWG      warpgroups (4 warps each) per block: a block owns BM = 64 NWG query rows
 //   ATTNKERN_DYNAMIC  1: shared memory is the launch's dynamic shared memory
 //   ATTNKERN_WS       1: the warp-specialized variant (below; the library's default), with
