@@ -167,6 +167,27 @@ def assert_lse_matches_reference(lse, q, k, causal=False, scale=None):
     assert err <= lse_tolerance(lse.dtype), f"lse error {err:.3g} > {lse_tolerance(lse.dtype):.3g}"
 
 
+# The asv environment of the end-to-end tests (test_asv, test_history) holds what their
+# benchmarks need (NumPy; threadpoolctl, with which the suite pins BLAS threads) and the
+# build tools, not the whole suite's matrix: the suite's environment (torch, Numba,
+# numba-cuda, optuna, sentence-transformers: 1.8 GB) took 50 s to create on a fresh machine
+# where this one takes 13 s. `make bench` and tests/test_suite.py run the whole suite in the
+# whole matrix. The environments live beside the repository's (.asv/env), a cache.
+ASV_TEST_REQS = ("numpy", "threadpoolctl", "meson-python", "meson", "ninja", "Cython")
+
+
+def asv_test_config(repo_root, **updates) -> dict:
+    """The repository's asv.conf.json with the tests' smaller matrix and `updates`."""
+    from asv.util import load_json
+
+    config = load_json(str(repo_root / "asv.conf.json"), js_comments=True)
+    reqs = config["matrix"]["req"]
+    assert set(ASV_TEST_REQS) <= set(reqs), "asv.conf.json's matrix lost a package the tests' environment takes"
+    config["matrix"]["req"] = {name: reqs[name] for name in ASV_TEST_REQS}
+    config.update(env_dir=str(repo_root / ".asv" / "env"), **updates)
+    return config
+
+
 def run(cmd, cwd, check=True, env=None):
     """subprocess.run with output captured; a failure (with check) raises with the output."""
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)

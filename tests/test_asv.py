@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import git, run  # noqa: E402
+from conftest import asv_test_config, git, run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +41,8 @@ sys.path.insert(0, str(REPO / "tools"))
 from calibrate_gate import INJECT_FILE, KEYS_FOR_LEVEL, inject_slowdown  # noqa: E402
 
 ASV = [sys.executable, "-m", "asv"]
-# Virtualenvs are a cache: the test's asv environments live beside the repository's (.asv/env).
+# the tests' asv environments (conftest.asv_test_config)
 ASV_ENV_DIR = REPO / ".asv" / "env"
-# The test's environment holds what its benchmarks need (NumPy; threadpoolctl, with which the
-# suite pins BLAS threads) and the build tools, not the whole suite's matrix: the suite's
-# environment (torch, Numba, numba-cuda, optuna, sentence-transformers: 1.8 GB) took 50 s to
-# create on a fresh machine where this one takes 13 s; `make bench` and tests/test_suite.py
-# run the whole suite in the whole matrix.
-ASV_TEST_REQS = ("numpy", "threadpoolctl", "meson-python", "meson", "ninja", "Cython")
 MACHINE = "attnkern-selftest"  # its own entry in ~/.asv-machine.json; other entries are left alone
 # where the site test leaves its screenshot
 SCREENSHOTS = Path(os.environ.get("ATTNKERN_SCREENSHOTS", REPO / "bench-results"))
@@ -96,19 +90,8 @@ def history(tmp_path_factory):
     d = git(clone, "rev-parse", "HEAD")
     git(clone, "checkout", "-q", "main")
 
-    from asv.util import load_json
-
-    config = load_json(str(REPO / "asv.conf.json"), js_comments=True)
-    reqs = config["matrix"]["req"]
-    assert set(ASV_TEST_REQS) <= set(reqs), "asv.conf.json's matrix lost a package the test's environment takes"
-    config["matrix"]["req"] = {name: reqs[name] for name in ASV_TEST_REQS}
-    config.update(
-        repo=str(clone),
-        benchmark_dir=str(clone / "benchmarks"),
-        env_dir=str(ASV_ENV_DIR),
-        results_dir=str(tmp / "results"),
-        html_dir=str(tmp / "html"),
-    )
+    config = asv_test_config(REPO, repo=str(clone), benchmark_dir=str(clone / "benchmarks"),
+                             results_dir=str(tmp / "results"), html_dir=str(tmp / "html"))
     conf = tmp / "asv.conf.json"
     conf.write_text(json.dumps(config, indent=2))
 

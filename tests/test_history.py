@@ -1,11 +1,11 @@
 """`make history` (tools/history.py): the last N commits of main measured by asv.
 
 Fast: the Makefile's wiring, the refusal of a shallow clone, the commits picked.
-Slow (about a minute when asv's virtualenv and HEAD's wheel are already there,
-as after tests/test_asv.py): in a temporary clone whose main is HEAD plus a
-commit that does not build, the script over both with one small timing; HEAD is
-measured, the broken commit is recorded as failed and named, the exit status is
-0, a second run skips both, and `asv publish` makes the site.
+Slow (seconds when the tests' asv virtualenv, conftest.asv_test_config, and HEAD's
+wheel are already there, as after tests/test_asv.py): in a temporary clone whose
+main is HEAD plus a commit that does not build, the script over both with one small
+timing; HEAD is measured, the broken commit is recorded as failed and named, the
+exit status is 0, a second run skips both, and `asv publish` makes the site.
 """
 
 import json
@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import git, run  # noqa: E402
+from conftest import asv_test_config, git, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HISTORY = [sys.executable, str(REPO / "tools" / "history.py")]
-# the virtualenvs and their wheel caches are shared with the repository's, as in tests/test_asv.py
-ASV_ENV_DIR = REPO / ".asv" / "env"
 MACHINE = "attnkern-selftest"
 # one quick timing (tens of microseconds a call); the counted benchmarks take minutes a commit
 TINY = r"^bench_forward\.Forward\.time_forward\('native\.flash', '1x1x128x64', False\)$"
@@ -69,11 +67,8 @@ def test_history_over_a_commit_that_does_not_build(tmp_path):
     git(clone, "commit", "-q", "-am", "meson.build: broken on purpose")
     broken = git(clone, "rev-parse", "HEAD")
 
-    from asv.util import load_json
-
-    config = load_json(str(REPO / "asv.conf.json"), js_comments=True)
-    config.update(repo=str(clone), benchmark_dir=str(clone / "benchmarks"), env_dir=str(ASV_ENV_DIR),
-                  results_dir=str(tmp_path / "results"), html_dir=str(tmp_path / "html"))
+    config = asv_test_config(REPO, repo=str(clone), benchmark_dir=str(clone / "benchmarks"),
+                             results_dir=str(tmp_path / "results"), html_dir=str(tmp_path / "html"))
     conf = tmp_path / "asv.conf.json"
     conf.write_text(json.dumps(config, indent=2))
     history = [*HISTORY, "--config", str(conf), "--machine", MACHINE, "--commits", "2", "-b", TINY]
