@@ -173,7 +173,7 @@ def quick(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
     Python steps before the plan took 15 of a call's 45 µs, and 77 of 189 µs where the call
     followed other work (torch's SDPA calls, a wait for the GPU: code and data cold), which
     a timed run of 5 calls at (1, 16, 4096, 128) bfloat16 read as 13% over the kernel."""
-    if not _QUICK or not usable():
+    if not _QUICK or not usable() or not _USABLE[1].QUICK_PATH:
         return None
     tensor, grad_enabled, compiling, autocast = _QUICK
     if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
@@ -217,7 +217,7 @@ def _run_plan(plan, q, k, v, device, with_lse):
     if plan.scratch:
         # from torch's caching allocator on the legacy default stream, the launches' stream: a later
         # reuse of this memory is queued after them
-        scratch = q.new_empty(plan.scratch, dtype=torch.float32)
+        scratch = q.new_empty(plan.scratch, dtype=_torch().float32)
         plan.launch(*ptrs, scratch.data_ptr())
     else:
         plan.launch(*ptrs)

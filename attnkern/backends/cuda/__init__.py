@@ -142,6 +142,10 @@ def _flash_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> 
 # False: attention() on torch CUDA tensors runs every call of cuda.flash and triton.flash through the
 # general path, not the frontend's prepared launches (_torch_cuda): measurements compare the two
 FAST_PATH = True
+# False: a planned call shape on torch CUDA tensors takes attention()'s whole way (its checks,
+# then the plan) instead of running the plan from attention()'s first line; dev/gpu_library_host.py
+# measures the difference
+QUICK_PATH = True
 # Bumped by forget_plans(): the frontend's prepared launches (_torch_cuda) made before are dropped
 PLANS_EPOCH = [0]
 
