@@ -141,9 +141,9 @@ def division(text):
     early K, TMA)."""
     import re
 
-    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?", text)
+    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?(h?)", text)
     return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3] or 0), pingpong=bool(m[4]), early_k=bool(m[5]),
-                           tma=bool(m[6]), fp8_exp=int(m[7] or 0))
+                           tma=bool(m[6]), fp8_exp=int(m[7] or 0), half_exp=bool(m[8]))
 
 
 def test_backward_and_varlen_refuse_fp8():
@@ -229,9 +229,9 @@ def inputs(shape_q, shape_kv, seed, outliers=False):
 # the FP8 divisions the GPU tests run (each test below for each, FP8_DEFAULT swapped): the cp.async
 # one and the TMA ones with ping-pong at 128, 160 and 192 keys a tile (dev/gpu_fp8_measure.py's),
 # and the default's exponent variants (x1: P's 2^8 in the exponent; xk: also every k-th 8-key
-# tile's probabilities by exp2_fma)
+# tile's probabilities by exp2_fma; x1h: the exponentials two at a time in half precision)
 DIVISIONS = ["wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s2petx1",
-             "wg2k192s2petx4", "wg2k192s2petx6", "wg2k192s2petx8"]
+             "wg2k192s2petx4", "wg2k192s2petx6", "wg2k192s2petx8", "wg2k192s2petx1h"]
 
 
 @pytest.fixture(params=DIVISIONS)
