@@ -89,7 +89,8 @@ def quantize_fp8(q, k, v, *, hadamard: bool = False, device_scales: bool = False
     two), which leaves q k^T unchanged and spreads outlier channels before the rounding (v is not
     rotated: the output would be rotated too). Returns Fp8Inputs(q8, k8, v8, descale_q, descale_k,
     descale_v); attention(*r[:3], **r.kwargs()) runs them. device_scales: the descales stay on the
-    inputs' device as one-element float32 tensors (no host read: nothing waits for the GPU; an input
+    inputs' device as one-element float32 tensors, views of one (3,) tensor whose address the kernel
+    takes as is (no host read: nothing waits for the GPU; an input
     with NaN or inf is then found by attention's check_finite scan, not here), which attention's
     kernel reads there."""
     import torch
