@@ -13,6 +13,7 @@ wgmma (compute capability other than 9.0: Hopper's sm_90a)."""
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
@@ -88,7 +89,8 @@ def quantize_fp8(q, k, v, *, hadamard: bool = False, device_scales: bool = False
     two), which leaves q k^T unchanged and spreads outlier channels before the rounding (v is not
     rotated: the output would be rotated too). Returns Fp8Inputs(q8, k8, v8, descale_q, descale_k,
     descale_v); attention(*r[:3], **r.kwargs()) runs them. device_scales: the descales stay on the
-    inputs' device as one-element float32 tensors (no host read: nothing waits for the GPU; an input
+    inputs' device as one-element float32 tensors, views of one (3,) tensor whose address the kernel
+    takes as is (no host read: nothing waits for the GPU; an input
     with NaN or inf is then found by attention's check_finite scan, not here), which attention's
     kernel reads there."""
     import torch
@@ -102,12 +104,13 @@ def quantize_fp8(q, k, v, *, hadamard: bool = False, device_scales: bool = False
     if hadamard:
         h = hadamard_matrix(q.shape[-1], q.device)
         q, k = (x.float() @ h for x in (q, k))
-    out, descales = [], []
-    for x in (q, k, v):
-        s = _device_scale_of(x) if device_scales else _scale_of(x)
-        out.append((x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
-        descales.append(s)
-    return Fp8Inputs(*out, *descales)
+    if device_scales:  # one (3,) tensor, its elements the descales: attention() passes its address as is
+        both = torch.cat([_device_scale_of(x) for x in (q, k, v)])
+        scales = [both[i:i + 1] for i in range(3)]
+    else:
+        scales = [_scale_of(x) for x in (q, k, v)]
+    out = [(x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn) for x, s in zip((q, k, v), scales)]
+    return Fp8Inputs(*out, *scales)
 
 
 # attention()'s feature keywords, none of which FP8 has (dropout_p: any nonzero value)
@@ -196,7 +199,11 @@ def check(q, k, v, causal, scale, kernel, feats: dict, params: dict, descales: t
         raise ValueError(f"scale must be a finite number, not {scale!r}")
     ds = tuple(_descale(x, n, q.device) for x, n in zip(descales, ("descale_q", "descale_k", "descale_v")))
     if any(isinstance(x, torch.Tensor) for x in ds):  # read by the kernel: the three in one device array
-        ds = torch.stack([x if isinstance(x, torch.Tensor) else torch.full((), x, device=q.device) for x in ds])
+        if all(isinstance(x, torch.Tensor) for x in ds):  # consecutive elements of one tensor: used in place
+            ds = _device_descales(ds, q.device)
+        else:
+            ds = torch.stack([x if isinstance(x, torch.Tensor) else torch.full((), x, device=q.device)
+                              for x in ds])
     return ("bottom_right" if causal == "bottom_right" else "top_left"), float(scale), heads // kv_heads, ds
 
 
@@ -209,6 +216,13 @@ def attention(q, k, v, causal, scale, kernel, feats: dict, params: dict, descale
     from ._gpuarray import GpuArray, raw_stream
     from .backends.cuda import cpp, launch
 
+    key = _plan_key(q, k, v, causal, scale, kernel, feats, params, descales, return_lse, check_finite)
+    plans = _plans()
+    plan = plans.get(key) if key is not None else None
+    if plan is not None:
+        got = plan.run(q, k, v, descales, check_finite)
+        if got is not None:
+            return got
     align, scale, group, descales = check(q, k, v, causal, scale, kernel, feats, params, descales)
     on_device = isinstance(descales, torch.Tensor)  # (3,) float32 on the GPU: the kernel multiplies them in
     dq, dk, dv = (1.0, 1.0, 1.0) if on_device else descales
@@ -251,7 +265,161 @@ def attention(q, k, v, causal, scale, kernel, feats: dict, params: dict, descale
         launch.launch(*args[:3], *args[3])
         if raw_stream(q.device.index):  # V^T must outlive the kernel: torch's stream may reuse its memory
             torch.cuda.synchronize(q.device)
+        elif key is not None and plan is None:
+            made = _Plan.make(rows, rows_kv, nq, nk, d, tuple(vt.shape), bool(causal), scale * dq * dk,
+                              dv, feat, on_device, out.shape, None if lse is None else lse.shape)
+            if made is not None:
+                if len(plans) >= 64:  # many shapes in turn: start over rather than keep them all
+                    plans.clear()
+                plans[key] = made
     if check_finite and not bool(torch.isfinite(out).all()):
         raise FloatingPointError("FP8 attention gave a non-finite output (descales too large for bfloat16, or, "
                                  "given as CUDA tensors, not positive and finite?)")
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------- per-shape plans
+
+_LOCAL = threading.local()  # per thread: (the cuda backend's plan epoch, {key: _Plan})
+
+
+def _plans() -> dict:
+    """This thread's FP8 plans, emptied when the cuda backend's forget_plans() was called since they
+    were made (as _torch_cuda's)."""
+    from .backends import cuda
+
+    epoch = cuda.PLANS_EPOCH[0]
+    got = getattr(_LOCAL, "plans", None)
+    if got is None or got[0] != epoch:
+        got = (epoch, {})
+        _LOCAL.plans = got
+    return got[1]
+
+
+def _plan_key(q, k, v, causal, scale, kernel, feats, params, descales, return_lse, check_finite):
+    """The key of a call's plan, or None where the call is not planned (features, tunables,
+    arguments whose equality is not their identity for the call). Everything check() decides from
+    other than the tensors' addresses, grad and the descale tensors' values is in it: shapes,
+    dtypes, device, causal, scale, kernel, the host descales' values (device ones as "device"), and
+    cpp's FP8 settings (a measurement swaps cpp.FP8_DEFAULT and cpp.FP8_VT_KERNEL between calls)."""
+    import torch
+
+    from .backends.cuda import cpp
+
+    if params or any(feats.get(n) is not None for n in _FEATURE_NAMES) or feats.get("dropout_p"):
+        return None
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    if (causal is not True and causal is not False and causal != "top_left" and causal != "bottom_right") \
+            or type(kernel) is not str or not (scale is None or type(scale) in (float, int)):
+        return None
+    kinds = []
+    for x in descales:
+        if type(x) is float or type(x) is int:
+            kinds.append(x)
+        elif type(x) is torch.Tensor and x.is_cuda:
+            kinds.append("device")
+        else:
+            return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, causal, scale, kernel, tuple(kinds),
+            bool(return_lse), bool(check_finite), cpp.FP8_DEFAULT, cpp.FP8_VT_KERNEL)
+
+
+class _Plan:
+    """An FP8 call shape's launches with everything fixed but the addresses (launch.Prepared): the
+    V^T kernel's (v, V^T) and the attention kernel's (q, k, V^T, out, lse, descales), made after
+    the shape's first call went through check() and the general launches (which compiled the
+    kernels). A later call of the key checks what the key cannot know (devices, contiguity, 16-byte
+    alignment, grad, the descale tensors, torch's current stream), allocates out, lse and V^T with
+    torch and launches: the host's work a call is two Prepared calls, not check(), two argument
+    layouts and the tensor maps' lookups by shape."""
+
+    __slots__ = ("vt_launch", "main", "vt_shape", "out_shape", "lse_shape", "on_device")
+
+    @classmethod
+    def make(cls, rows, rows_kv, nq, nk, d, vt_shape, causal, scale, dv, feat, on_device, out_shape, lse_shape):
+        """The plan, or None where a kernel has no raw launch (the simulator, the torch V^T copy)."""
+        import numpy as np
+
+        from ._gpuarray import GpuArray
+        from .backends.cuda import cpp, launch
+
+        if not cpp.FP8_VT_KERNEL:
+            return None
+        v_, vt_ = GpuArray((rows_kv, nk, d), np.uint8, None, ptr=0), GpuArray(vt_shape, np.uint8, None, ptr=0)
+        q_, k_ = GpuArray((rows, nq, d), np.uint8, None, ptr=0), GpuArray((rows_kv, nk, d), np.uint8, None, ptr=0)
+        out_, lse_ = GpuArray((rows, nq, d), np.uint8, None, ptr=0), GpuArray((rows, nq), np.uint8, None, ptr=0)
+        ds_ = GpuArray((3,), np.float32, None, ptr=0)
+        vt_kernel, grid, block, vt_args = cpp.fp8_vt_launch(v_, vt_)
+        kernel, mgrid, mblock, margs = cpp.flash_fp8_launch(
+            q_, k_, vt_, out_, None if lse_shape is None else lse_, causal, scale * launch.LOG2E,
+            dv / cpp.FP8_P_SCALE, feat, descales=ds_ if on_device else None)
+        raw_vt, raw = launch.raw_kernel(vt_kernel), launch.raw_kernel(kernel)
+        if raw_vt is None or raw is None:
+            return None
+        # the tensor maps' arrays are views of k and V^T made by flash_fp8_launch: their roles are theirs
+        maps = [a.array for a in margs if isinstance(a, launch.TensorMap)]
+        k_role, vt_role = maps if len(maps) == 2 else (k_, vt_)
+        plan = cls()
+        plan.vt_launch = launch.Prepared(raw_vt, grid, block, vt_args, (v_, vt_))
+        plan.main = launch.Prepared(raw, mgrid, mblock, margs, (q_, k_role, vt_role, out_, lse_, ds_))
+        plan.vt_shape, plan.out_shape, plan.lse_shape, plan.on_device = vt_shape, out_shape, lse_shape, on_device
+        return plan
+
+    def run(self, q, k, v, descales, check_finite):
+        """The planned call's result, or None where the general way must run (it then raises
+        what is wrong, worded in one place, or runs a call this plan cannot)."""
+        import torch
+
+        from ._gpuarray import raw_stream
+
+        device = q.device
+        # the launches go to the current device's context, on the legacy default stream
+        if k.device != device or v.device != device or device.index != torch.cuda.current_device() \
+                or raw_stream(device.index):
+            return None
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            return None
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            return None
+        ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+        if any(p % 16 for p in ptrs):
+            return None
+        ds_ptr = 0
+        if self.on_device:
+            ds = _device_descales(descales, device)
+            if ds is None:
+                return None
+            ds_ptr = ds.data_ptr()
+        if check_finite:  # as attention() below
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                if bool(((x.view(torch.uint8) & 0x7F) == 0x7F).any()):
+                    raise ValueError(f"{name} has NaN (pass check_finite=False to skip this scan)")
+        out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=device)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.bfloat16, device=device)
+        # from torch's caching allocator on the legacy default stream, the launches' stream: a later
+        # reuse of this memory is queued after them
+        vt = torch.empty(self.vt_shape, dtype=torch.uint8, device=device)
+        self.vt_launch(ptrs[2], vt.data_ptr())
+        self.main(ptrs[0], ptrs[1], vt.data_ptr(), out.data_ptr(),
+                  out.data_ptr() if lse is None else lse.data_ptr(), ds_ptr)
+        if check_finite and not bool(torch.isfinite(out).all()):
+            return None  # the general way runs the call again and raises its error
+        return (out, lse) if lse is not None else out
+
+
+def _device_descales(descales, device):
+    """The three CUDA descales as one (3,) float32 tensor, or None where one is not a one-element
+    floating CUDA tensor on `device`: three consecutive float32 elements of one tensor (as
+    quantize_fp8(device_scales=True) makes them) are used in place, others are stacked."""
+    import torch
+
+    for x in descales:
+        if type(x) is not torch.Tensor or x.device != device or x.numel() != 1 or not x.is_floating_point():
+            return None
+    dq, dk, dv = descales
+    base = dq.data_ptr()
+    if (dq.dtype == dk.dtype == dv.dtype == torch.float32 and dk.data_ptr() == base + 4
+            and dv.data_ptr() == base + 8 and dq.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()):
+        return dq
+    return torch.stack([x.reshape(()).float() for x in descales])

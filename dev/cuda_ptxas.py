@@ -101,11 +101,12 @@ KERNELS = [
       for bn, st, pp in ((128, 3, 1), (128, 4, 1), (160, 3, 1), (192, 2, 1), (192, 3, 1), (192, 3, 0))
       for feat in (0, 1)),
     # the default's exponent variants (cpp.WgmmaConfig.fp8_exp: x1 P's 2^8 in the exponent, xk also
-    # every k-th 8-key tile's probabilities on the FMA pipes)
-    *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k192s2petx{x}" + "_feat" * feat,
+    # every k-th 8-key tile's probabilities on the FMA pipes; x1h the exponentials two at a time in half
+    # precision, ex2.approx.f16x2)
+    *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k192s2petx{x}{'h' * h}" + "_feat" * feat,
        dict(D=128, BF16=1, FP8=1, BN=192, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=2,
-            PINGPONG=1, EARLYK=1, TMA=1, FP8_EXP=x, THREADS=384), MMA + ("float", "int", "u64"))
-      for x in (1, 4, 6, 8) for feat in (0, 1)),
+            PINGPONG=1, EARLYK=1, TMA=1, FP8_EXP=x, FP8_EXP_H=h, THREADS=384), MMA + ("float", "int", "u64"))
+      for x, h in ((1, 0), (4, 0), (6, 0), (8, 0), (1, 1)) for feat in (0, 1)),
     # FP8's V^T pre-pass (cpp.fp8_vt_kernel)
     ("flash_fp8_vt.cu", "fp8_vt_128", dict(THREADS=256), ("u64", "u64", "int", "int")),
     # the packed-sequence variants (varlen), with dropout as attention_varlen may ask

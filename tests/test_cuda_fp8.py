@@ -25,7 +25,8 @@ another compute capability, unaligned tensors). The float64, Hadamard, repeat an
 tests run for each FP8 division (DIVISIONS: cp.async and TMA producers, 128-192-key tiles, the
 exponent variants); V^T's kernel (flash_fp8_vt.cu) against the torch copy byte for byte; descales
 kept on the GPU (quantize_fp8(device_scales=True)): the same answer, no synchronizing torch call,
-and a descale that is not positive and finite reported through check_finite."""
+and a descale that is not positive and finite reported through check_finite; a call shape's plan
+(the second call on) bit-identical to the general way, forget_plans() dropping it."""
 
 import math
 import os
@@ -140,9 +141,9 @@ def division(text):
     early K, TMA)."""
     import re
 
-    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?", text)
+    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?(h?)", text)
     return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3] or 0), pingpong=bool(m[4]), early_k=bool(m[5]),
-                           tma=bool(m[6]), fp8_exp=int(m[7] or 0))
+                           tma=bool(m[6]), fp8_exp=int(m[7] or 0), half_exp=bool(m[8]))
 
 
 def test_backward_and_varlen_refuse_fp8():
@@ -228,9 +229,9 @@ def inputs(shape_q, shape_kv, seed, outliers=False):
 # the FP8 divisions the GPU tests run (each test below for each, FP8_DEFAULT swapped): the cp.async
 # one and the TMA ones with ping-pong at 128, 160 and 192 keys a tile (dev/gpu_fp8_measure.py's),
 # and the default's exponent variants (x1: P's 2^8 in the exponent; xk: also every k-th 8-key
-# tile's probabilities by exp2_fma)
+# tile's probabilities by exp2_fma; x1h: the exponentials two at a time in half precision)
 DIVISIONS = ["wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s2petx1",
-             "wg2k192s2petx4", "wg2k192s2petx6", "wg2k192s2petx8"]
+             "wg2k192s2petx4", "wg2k192s2petx6", "wg2k192s2petx8", "wg2k192s2petx1h"]
 
 
 @pytest.fixture(params=DIVISIONS)
@@ -369,6 +370,46 @@ def test_fp8_descales_on_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(again, out)
+
+
+@gpu
+@pytest.mark.parametrize("device_scales", [False, True])
+def test_fp8_planned_calls_match_the_first(device_scales):
+    """The second call of a call shape runs its plan (_fp8._Plan: prepared launches of V^T's and the
+    attention kernel): bit-identical to the first call's general way on fresh inputs of that shape,
+    with other descales, lse and check_finite; an unaligned or non-contiguous input still takes the
+    general way (its refusal); forget_plans() drops the plans."""
+    from attnkern import _fp8
+    from attnkern.backends import cuda as cuda_backend
+
+    cuda_backend.forget_plans()
+    shapes = ((2, 4, 700, 128), (2, 2, 900, 128))
+    first = attnkern.quantize_fp8(*inputs(*shapes, seed=31), device_scales=device_scales)
+    want = attnkern.attention(*first[:3], causal="bottom_right", return_lse=True, **first.kwargs())
+    assert len(_fp8._plans()) == 1
+    plan = next(iter(_fp8._plans().values()))
+    again = attnkern.attention(*first[:3], causal="bottom_right", return_lse=True, **first.kwargs())
+    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
+    assert next(iter(_fp8._plans().values())) is plan  # used, not made again
+    fresh = attnkern.quantize_fp8(*inputs(*shapes, seed=32), device_scales=device_scales)
+    planned = attnkern.attention(*fresh[:3], causal="bottom_right", return_lse=True, **fresh.kwargs())
+    if not device_scales:  # other host descales: another key, so the general way; then its plan
+        planned = attnkern.attention(*fresh[:3], causal="bottom_right", return_lse=True, **fresh.kwargs())
+    cuda_backend.forget_plans()
+    assert not _fp8._plans()
+    general = attnkern.attention(*fresh[:3], causal="bottom_right", return_lse=True, **fresh.kwargs())
+    assert torch.equal(planned[0], general[0]) and torch.equal(planned[1], general[1])
+    ref = attnkern.reference(*dequantized(fresh), causal="bottom_right")
+    assert rms_error(host64(planned[0]), ref) < 0.05
+    q8 = fresh.q
+    unaligned = torch.empty(q8.numel() + 16, dtype=torch.uint8, device="cuda")[1:1 + q8.numel()]
+    unaligned = unaligned.view(torch.float8_e4m3fn).view(q8.shape)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        attnkern.attention(unaligned, *fresh[1:3], causal="bottom_right", return_lse=True, **fresh.kwargs())
+    with pytest.raises(ValueError, match="contiguous"):
+        wide = torch.zeros((*q8.shape[:-1], 256), dtype=torch.uint8, device="cuda")[..., :128]
+        attnkern.attention(wide.view(torch.float8_e4m3fn), *fresh[1:3],
+                           causal="bottom_right", return_lse=True, **fresh.kwargs())
 
 
 @gpu

@@ -297,7 +297,9 @@ class WgmmaConfig:
     launch.TensorMap descriptors of K and V), plain calls only (a featured call runs the same
     division with cp.async copies: tma_off); `fp8_exp` (FP8 only, ATTNKERN_FP8_EXP): k > 0 scales
     P by 2^8 in its exponent instead of a multiply, k > 1 also computes the probabilities of every
-    k-th 8-key tile on the FMA pipes (flash_common.cuh's exp2_fma) beside the ex2 unit."""
+    k-th 8-key tile on the FMA pipes (flash_common.cuh's exp2_fma) beside the ex2 unit; `half_exp`
+    (FP8 with fp8_exp 1 only, ATTNKERN_FP8_EXP_H): the exponentials two at a time in half precision
+    (ex2.approx.f16x2), their arguments formed in float32."""
 
     warpgroups: int = 3
     block_k: int = 128
@@ -306,6 +308,7 @@ class WgmmaConfig:
     early_k: bool = False
     tma: bool = False
     fp8_exp: int = 0
+    half_exp: bool = False
 
     def check(self, d: int, itemsize: int = 2) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size (itemsize 1: FP8)."""
@@ -318,11 +321,12 @@ class WgmmaConfig:
         if self.pingpong or self.early_k or self.tma:
             ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
         ok = ok and (self.fp8_exp == 0 or (itemsize == 1 and 0 < self.fp8_exp <= self.block_k // 8))
+        ok = ok and (not self.half_exp or self.fp8_exp == 1)
         ok = ok and (self.block_k != 256 or itemsize == 2)  # 256-key tiles: float16/bfloat16 only (FP8 untried)
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
                              "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages, "
-                             "an FP8 exponent variant x1... in FP8 only, 256-key tiles not in FP8), "
+                             "an FP8 exponent variant x1... in FP8 only, h with x1 only, 256-key tiles not in FP8), "
                              f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
                              f"at D = {d}")
 
@@ -348,7 +352,7 @@ class WgmmaConfig:
     def __str__(self) -> str:
         return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
                 + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else "")
-                + (f"x{self.fp8_exp}" if self.fp8_exp else ""))
+                + (f"x{self.fp8_exp}" if self.fp8_exp else "") + ("h" if self.half_exp else ""))
 
     def tma_off(self) -> "WgmmaConfig":
         """This division with cp.async copies: the featured kernels' (the TMA fills K/V rows past nk
@@ -540,7 +544,8 @@ def flash_fp8_kernel(config: WgmmaConfig | None = None, featured: bool = False):
                           (("D", 128), ("BF16", 1), ("FP8", 1), ("BN", config.block_k), ("NWG", config.warpgroups),
                            ("FEAT", int(featured)), ("MASK", 0), ("ALIBI", 0), ("FAST", 0), ("WS", 1),
                            ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
-                           ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)), ("FP8_EXP", config.fp8_exp)),
+                           ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)), ("FP8_EXP", config.fp8_exp),
+                           ("FP8_EXP_H", int(config.half_exp))),
                           params, config.threads, config.shared_bytes(128, 1))
 
 
