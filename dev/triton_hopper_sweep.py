@@ -28,6 +28,9 @@ N, D, mask; bfloat16 at every batch, float16 at --float16-batches. Correctness, 
 of each (dtype, D, mask, B): 256 sampled query rows of every head against float64, beside
 cuDNN's error on the same rows (passes within max(2 x cuDNN's, 4 u)). Timing as above (--busy s
 of each kernel first, --reps samples in turns, medians), the whole grid --runs times.
+--diagnose adds to each turn the library call with check_finite=False and the kernel launched
+straight (flash.launch at the table's config, as the config sweep above), and the JSON records
+flash.HOPPER_FAILED (Hopper-variant compilations that fell back to the pointer-load kernel).
 --warm-slice i/n with --library compiles the library call's kernels of slice i at N = 1024.
 """
 
@@ -215,6 +218,18 @@ def library_sweep(a, result, save):
                 g = torch.Generator().manual_seed(n + d + b)
                 q, k, v = (torch.randn(b, HEADS, n, d, generator=g).to(getattr(torch, dt)).cuda() for _ in range(3))
                 fns = {"triton.flash": _library_call(q, k, v, causal)}
+                if a.diagnose:
+                    import attnkern
+
+                    fns["triton.flash check_finite=False"] = lambda: attnkern.attention(
+                        q, k, v, causal=causal, kernel="triton.flash", check_finite=False)
+                    qh, kh, vh = (x.reshape(b * HEADS, n, d) for x in (q, k, v))
+                    out_ = torch.empty_like(qh)
+
+                    def straight(qh=qh, kh=kh, vh=vh, out_=out_):
+                        flash.launch(qh, kh, vh, out_, None, None, b * HEADS, b * HEADS, n, n, d, d, causal,
+                                     d ** -0.5, dt, 1, None)
+                    fns["kernel straight"] = straight
                 for be in backends:
                     def theirs(be=be):
                         with sdpa_kernel(be), torch.no_grad():
@@ -253,6 +268,10 @@ def library_sweep(a, result, save):
                        "ms": {k_: round(t, 4) for k_, t in ms.items()}, "fastest_torch": best[1],
                        "x_fastest": round(best[0] / ms["triton.flash"], 3),
                        "tflops": {k_: round(flops / t / 1e9, 1) for k_, t in ms.items()}}
+                if a.diagnose:
+                    row["x_fastest_all"] = {k_: round(best[0] / t, 3) for k_, t in ms.items()
+                                            if not k_.startswith("torch")}
+                    result["hopper_failed"] = sorted(map(repr, getattr(flash, "HOPPER_FAILED", ())))
                 rows.append(row)
                 print(dt, d, causal, b, n, "x_fastest", row["x_fastest"], best[1], row["tflops"], flush=True)
                 result["runs"][-1] = rows
@@ -267,6 +286,7 @@ def main():
     p.add_argument("--out")
     p.add_argument("--library", action="store_true", help="the library call per batch (see above)")
     p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--diagnose", action="store_true", help="with --library: see above")
     p.add_argument("--float16-batches", default="1")
     p.add_argument("--busy", type=float, default=0.1)
     p.add_argument("--ns", default=None)
