@@ -6,6 +6,10 @@
 #
 #   OUT=<dir> bash dev/triton_hopper_run.sh       (env: TEST_S, WARM_S, SWEEP_S: time limits)
 #
+# MODE=library: no tests; the worker processes compile the library call's kernels, then
+# dev/triton_hopper_sweep.py --library $SWEEP_ARGS (the library call per batch against every torch
+# SDPA backend, 3 runs) writes $OUT/sweep.json.
+#
 # Run from a folder holding whl/ (the attnkern cp312 wheel and a NumPy 2.4 wheel), tests/, dev/
 # and pyproject.toml (no attnkern/ source tree: the wheel is imported). Writes $OUT/log.txt,
 # tests.txt, sweep.json.
@@ -25,22 +29,27 @@ tests() {  # N -k EXPR
       echo "exit $? after $(( $(date +%s) - start )) s: $*" >> /tmp/tests-$n.txt ) &
     pids+=($!)
 }
+MODE=${MODE:-}
+LIB=""
+if [ "$MODE" = library ]; then LIB=--library; fi
+if [ -z "$LIB" ]; then
 tests 1 -k "triton_matches_reference"
 tests 2 -k "triton_backward"
 tests 3 -k "features or table or autotun or fast_path"
 tests 4 -k "hopper or prepared or compile or registered"
 tests 5 -k "cuda_flash or half_precision or numpy_half"
+fi
 wpids=()
 for i in 0 1 2 3 4 5 6 7; do
-    timeout ${WARM_S:-150} python3 dev/triton_hopper_sweep.py --warm-slice $i/8 > /tmp/warm-$i.txt 2>&1 &
+    timeout ${WARM_S:-150} python3 dev/triton_hopper_sweep.py $LIB ${SWEEP_ARGS:-} --warm-slice $i/8 > /tmp/warm-$i.txt 2>&1 &
     wpids+=($!)
 done
 for p in "${wpids[@]}"; do wait $p; done
 echo "warm done after $(( $(date +%s) - start )) s" >> $LOG
 cat /tmp/warm-*.txt >> $LOG
-for p in "${pids[@]}"; do wait $p; done
+for p in "${pids[@]+"${pids[@]}"}"; do wait $p; done
 cat /tmp/tests-*.txt > $OUT/tests.txt 2>/dev/null
 echo "tests done after $(( $(date +%s) - start )) s" >> $LOG
 grep -h "passed\|failed\|exit" /tmp/tests-*.txt >> $LOG
-timeout ${SWEEP_S:-120} python3 dev/triton_hopper_sweep.py --out $OUT/sweep.json --runs 3 >> $LOG 2>&1
+timeout ${SWEEP_S:-120} python3 dev/triton_hopper_sweep.py $LIB ${SWEEP_ARGS:-} --out $OUT/sweep.json --runs 3 >> $LOG 2>&1
 echo "sweep exit $? after $(( $(date +%s) - start )) s" >> $LOG

@@ -16,6 +16,22 @@ the kernels taking turns sample by sample; medians. The whole sweep --runs times
 process (the spread between runs). x_fastest: the fastest torch backend's time over ours.
 --warm-slice i/n only compiles slice i of the configs (worker processes that fill Triton's
 cache while the tests run).
+
+    python3 dev/triton_hopper_sweep.py --library --out OUT.json [--batches 1,2,4,8]
+        [--ns 2048,4096,8192,16384] [--dims 64,128] [--float16-batches 1] [--runs 3] [--reps 10]
+        [--busy 0.05] [--warm-slice i/n]
+
+--library: the library call, attnkern.attention(q, k, v, causal=..., kernel="triton.flash") on
+(B, 16, N, D) CUDA tensors (the table's config, the Hopper variant where it applies; the
+defaults, check_finite included), against every torch SDPA backend, per batch B of --batches,
+N, D, mask; bfloat16 at every batch, float16 at --float16-batches. Correctness, at the first N
+of each (dtype, D, mask, B): 256 sampled query rows of every head against float64, beside
+cuDNN's error on the same rows (passes within max(2 x cuDNN's, 4 u)). Timing as above (--busy s
+of each kernel first, --reps samples in turns, medians), the whole grid --runs times.
+--diagnose adds to each turn the library call with check_finite=False and the kernel launched
+straight (flash.launch at the table's config, as the config sweep above), and the JSON records
+flash.HOPPER_FAILED (Hopper-variant compilations that fell back to the pointer-load kernel).
+--warm-slice i/n with --library compiles the library call's kernels of slice i at N = 1024.
 """
 
 import argparse
@@ -157,18 +173,135 @@ def sweep(ns, dims, reps, checked, result, save):
     return rows
 
 
+def _library_cases(a):
+    """(dtype, D, causal, batches) of the library grid."""
+    dims = [int(x) for x in a.dims.split(",")]
+    batches = [int(x) for x in a.batches.split(",")]
+    half = [int(x) for x in a.float16_batches.split(",") if x]
+    return [(dt, d, causal, bs) for dt, bs in (("bfloat16", batches), ("float16", half)) if bs
+            for d in dims for causal in (False, True)]
+
+
+def _library_call(q, k, v, causal):
+    import attnkern
+
+    return lambda: attnkern.attention(q, k, v, causal=causal, kernel="triton.flash")
+
+
+def library_warm(a, part, parts):
+    # batch 1 and batch 2 compile apart (Triton specializes an integer argument equal to 1);
+    # N = 1024 is in the long-sequence bucket and divisible by 16, as N = 2048-16384
+    jobs = [(dt, d, causal, b) for dt, d, causal, bs in _library_cases(a) for b in sorted({min(b, 2) for b in bs})]
+    for i, (dt, d, causal, b) in enumerate(jobs):
+        if i % parts != part:
+            continue
+        g = torch.Generator().manual_seed(i)
+        q, k, v = (torch.randn(b, HEADS, 1024, d, generator=g).to(getattr(torch, dt)).cuda() for _ in range(3))
+        try:
+            _library_call(q, k, v, causal)()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            print("warm", dt, d, causal, b, repr(exc)[:200], flush=True)
+
+
+def library_sweep(a, result, save):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    backends = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    clock = CudaEventClock(torch, warmup_s=a.busy)
+    ns = [int(x) for x in a.ns.split(",")]
+    rows = []
+    for dt, d, causal, batches in _library_cases(a):
+        for b in batches:
+            for n in ns:
+                g = torch.Generator().manual_seed(n + d + b)
+                q, k, v = (torch.randn(b, HEADS, n, d, generator=g).to(getattr(torch, dt)).cuda() for _ in range(3))
+                fns = {"triton.flash": _library_call(q, k, v, causal)}
+                if a.diagnose:
+                    import attnkern
+
+                    fns["triton.flash check_finite=False"] = lambda: attnkern.attention(
+                        q, k, v, causal=causal, kernel="triton.flash", check_finite=False)
+                    qh, kh, vh = (x.reshape(b * HEADS, n, d) for x in (q, k, v))
+                    out_ = torch.empty_like(qh)
+
+                    def straight(qh=qh, kh=kh, vh=vh, out_=out_):
+                        flash.launch(qh, kh, vh, out_, None, None, b * HEADS, b * HEADS, n, n, d, d, causal,
+                                     d ** -0.5, dt, 1, None)
+                    fns["kernel straight"] = straight
+                for be in backends:
+                    def theirs(be=be):
+                        with sdpa_kernel(be), torch.no_grad():
+                            return sdpa(q, k, v, is_causal=causal)
+                    try:
+                        theirs()
+                        torch.cuda.synchronize()
+                    except RuntimeError:
+                        continue
+                    fns[f"torch {be.name}"] = theirs
+                key = " ".join(map(str, (dt, d, causal, b)))
+                if key not in result["checked"]:  # correctness, once per (dtype, D, mask, batch)
+                    sample = torch.randperm(n, generator=torch.Generator().manual_seed(n))[:256].cuda()
+                    qh, kh, vh = (x.reshape(b * HEADS, n, d) for x in (q, k, v))
+                    ref = _reference_rows(qh, kh, vh, causal, sample)
+                    ours = fns["triton.flash"]().reshape(b * HEADS, n, d)
+                    err = (ours[:, sample].double() - ref).abs().max().item()
+                    terr = None
+                    if "torch CUDNN_ATTENTION" in fns:
+                        theirs = fns["torch CUDNN_ATTENTION"]().reshape(b * HEADS, n, d)
+                        terr = (theirs[:, sample].double() - ref).abs().max().item()
+                    result["checked"][key] = {"err": err, "cudnn_err": terr, "n": n,
+                                              "passed": err <= max(2 * (terr or 0), 4 * 2.0 ** -8)}
+                    print("check", key, result["checked"][key], flush=True)
+                    del ref, ours
+                for fn in fns.values():
+                    clock.busy(fn)
+                samples = {name: [] for name in fns}
+                for _ in range(a.reps):
+                    for name, fn in fns.items():
+                        samples[name].append(clock.seconds(fn))
+                ms = {name: statistics.median(t) * 1e3 for name, t in samples.items()}
+                best = min((t, name) for name, t in ms.items() if name.startswith("torch"))
+                flops = 4 * b * HEADS * n * n * d * (0.5 if causal else 1)
+                row = {"dtype": dt, "batch": b, "d": d, "causal": causal, "n": n,
+                       "ms": {k_: round(t, 4) for k_, t in ms.items()}, "fastest_torch": best[1],
+                       "x_fastest": round(best[0] / ms["triton.flash"], 3),
+                       "tflops": {k_: round(flops / t / 1e9, 1) for k_, t in ms.items()}}
+                if a.diagnose:
+                    row["x_fastest_all"] = {k_: round(best[0] / t, 3) for k_, t in ms.items()
+                                            if not k_.startswith("torch")}
+                    result["hopper_failed"] = sorted(map(repr, getattr(flash, "HOPPER_FAILED", ())))
+                rows.append(row)
+                print(dt, d, causal, b, n, "x_fastest", row["x_fastest"], best[1], row["tflops"], flush=True)
+                result["runs"][-1] = rows
+                save()
+                del fns, q, k, v
+                torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out")
-    p.add_argument("--ns", default="4096,8192,16384")
+    p.add_argument("--library", action="store_true", help="the library call per batch (see above)")
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--diagnose", action="store_true", help="with --library: see above")
+    p.add_argument("--float16-batches", default="1")
+    p.add_argument("--busy", type=float, default=0.1)
+    p.add_argument("--ns", default=None)
     p.add_argument("--dims", default="64,128")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--reps", type=int, default=None)
     p.add_argument("--warm-slice", default="")
     a = p.parse_args()
+    if a.ns is None:
+        a.ns = "2048,4096,8192,16384" if a.library else "4096,8192,16384"
+    if a.reps is None:
+        a.reps = 10 if a.library else 15
     if a.warm_slice:
         part, parts = (int(x) for x in a.warm_slice.split("/"))
-        warm(part, parts)
+        (library_warm(a, part, parts) if a.library else warm(part, parts))
         return
     import triton
 
@@ -183,6 +316,19 @@ def main():
             with open(a.out, "w") as f:
                 json.dump(result, f, indent=1)
 
+    if a.library:
+        result.update(configs=None, hopper_table={str(k): v for k, v in flash.HOPPER_TABLE.items()},
+                      mode="library", reps=a.reps, busy_s=a.busy)
+
+        def save_library():
+            if a.out:
+                with open(a.out, "w") as f:
+                    json.dump(result, f, indent=1)
+        for _ in range(a.runs):
+            result["runs"].append([])
+            library_sweep(a, result, save_library)
+        save_library()
+        return
     ns, dims = [int(x) for x in a.ns.split(",")], [int(x) for x in a.dims.split(",")]
     for _ in range(a.runs):
         result["runs"].append([])
