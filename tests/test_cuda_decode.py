@@ -129,6 +129,23 @@ def test_key_warps_fit_the_tile_and_the_block():
         cpp.flash_decode_kernel("bfloat16", 128, 1, 64, key_warps=4, prefetch=100)
 
 
+def test_decode_prefetch_from_the_environment(monkeypatch):
+    """ATTNKERN_DECODE_PREFETCH sets cpp.DECODE_PREFETCH at import: unset or empty is 0 (no hint),
+    a size of DECODE_PREFETCHES is taken, anything else is a ValueError naming the sizes."""
+    require_cuda_kernels()
+    from attnkern.backends.cuda import cpp
+
+    for text, size in (("", 0), (" 128 ", 128), ("256", 256), ("0", 0)):
+        monkeypatch.setenv("ATTNKERN_DECODE_PREFETCH", text)
+        assert cpp._prefetch_from_env() == size
+    monkeypatch.delenv("ATTNKERN_DECODE_PREFETCH")
+    assert cpp._prefetch_from_env() == 0
+    for text in ("100", "L2", "64B"):
+        monkeypatch.setenv("ATTNKERN_DECODE_PREFETCH", text)
+        with pytest.raises(ValueError, match=r"ATTNKERN_DECODE_PREFETCH must be one of \(0, 64, 128, 256\)"):
+            cpp._prefetch_from_env()
+
+
 def test_fused_decode_counters():
     """The fused decode's counters (cpp.decode_counters): int32 zeros on the current device, at
     least as many as asked for, made once (the same array while it is large enough), grown when

@@ -1002,9 +1002,27 @@ DECODE_REGISTERS = 168  # a decode thread's registers at D = 128 (ptxas, sm_90a:
 # the partials' kernel, then flash_combine.cu's. The same bits either way. Read at each call.
 DECODE_FUSED = True
 # the decode kernel's K/V loads' L2 prefetch size in bytes (flash_mma.cu's ATTNKERN_PREFETCH: 0, 64,
-# 128 or 256; 0: no hint). The same bits at every size. Read at each call.
-DECODE_PREFETCH = 0
+# 128 or 256; 0: no hint, the default). The same bits at every size. Read at each call (a prepared
+# call keeps the size of its first call); the environment variable ATTNKERN_DECODE_PREFETCH sets it
+# at import, so a whole process (a test run, a measurement) takes the variant from its start.
 DECODE_PREFETCHES = (0, 64, 128, 256)
+
+
+def _prefetch_from_env() -> int:
+    """ATTNKERN_DECODE_PREFETCH as one of DECODE_PREFETCHES (0 where unset or empty)."""
+    text = os.environ.get("ATTNKERN_DECODE_PREFETCH", "").strip()
+    if not text:
+        return 0
+    try:
+        size = int(text)
+    except ValueError:
+        size = None
+    if size not in DECODE_PREFETCHES:
+        raise ValueError(f"ATTNKERN_DECODE_PREFETCH must be one of {DECODE_PREFETCHES} (bytes), not {text!r}")
+    return size
+
+
+DECODE_PREFETCH = _prefetch_from_env()
 _COUNTERS: dict = {}  # device id -> the fused decode's int32 counters, the largest last (decode_counters)
 _COUNTERS_LOCK = threading.Lock()
 
