@@ -130,16 +130,18 @@ def test_key_warps_fit_the_tile_and_the_block():
 
 
 def test_decode_prefetch_from_the_environment(monkeypatch):
-    """ATTNKERN_DECODE_PREFETCH sets cpp.DECODE_PREFETCH at import: unset or empty is 0 (no hint),
-    a size of DECODE_PREFETCHES is taken, anything else is a ValueError naming the sizes."""
+    """ATTNKERN_DECODE_PREFETCH sets cpp.DECODE_PREFETCH at import: unset or empty is the default
+    (128 bytes), a size of DECODE_PREFETCHES is taken (0: no hint), anything else is a ValueError
+    naming the sizes."""
     require_cuda_kernels()
     from attnkern.backends.cuda import cpp
 
-    for text, size in (("", 0), (" 128 ", 128), ("256", 256), ("0", 0)):
+    assert cpp.DECODE_PREFETCH_DEFAULT == 128
+    for text, size in (("", 128), (" 64 ", 64), ("256", 256), ("0", 0)):
         monkeypatch.setenv("ATTNKERN_DECODE_PREFETCH", text)
         assert cpp._prefetch_from_env() == size
     monkeypatch.delenv("ATTNKERN_DECODE_PREFETCH")
-    assert cpp._prefetch_from_env() == 0
+    assert cpp._prefetch_from_env() == 128
     for text in ("100", "L2", "64B"):
         monkeypatch.setenv("ATTNKERN_DECODE_PREFETCH", text)
         with pytest.raises(ValueError, match=r"ATTNKERN_DECODE_PREFETCH must be one of \(0, 64, 128, 256\)"):

@@ -1002,17 +1002,20 @@ DECODE_REGISTERS = 168  # a decode thread's registers at D = 128 (ptxas, sm_90a:
 # the partials' kernel, then flash_combine.cu's. The same bits either way. Read at each call.
 DECODE_FUSED = True
 # the decode kernel's K/V loads' L2 prefetch size in bytes (flash_mma.cu's ATTNKERN_PREFETCH: 0, 64,
-# 128 or 256; 0: no hint, the default). The same bits at every size. Read at each call (a prepared
-# call keeps the size of its first call); the environment variable ATTNKERN_DECODE_PREFETCH sets it
-# at import, so a whole process (a test run, a measurement) takes the variant from its start.
+# 128 or 256; 0: no hint). 128 by default: 0.7-1.7% faster than no hint at 11 of 12 decode shapes
+# on an H100 (docs/gpu-decode-h100.md), 64 no faster. The same bits at every size. Read at each call
+# (a prepared call keeps the size of its first call); the environment variable
+# ATTNKERN_DECODE_PREFETCH sets it at import, so a whole process (a test run, a measurement) takes
+# another size from its start.
 DECODE_PREFETCHES = (0, 64, 128, 256)
+DECODE_PREFETCH_DEFAULT = 128
 
 
 def _prefetch_from_env() -> int:
-    """ATTNKERN_DECODE_PREFETCH as one of DECODE_PREFETCHES (0 where unset or empty)."""
+    """ATTNKERN_DECODE_PREFETCH as one of DECODE_PREFETCHES (DECODE_PREFETCH_DEFAULT where unset or empty)."""
     text = os.environ.get("ATTNKERN_DECODE_PREFETCH", "").strip()
     if not text:
-        return 0
+        return DECODE_PREFETCH_DEFAULT
     try:
         size = int(text)
     except ValueError:
