@@ -38,6 +38,11 @@ KERNELS = [
        dict(D=d, BF16=1, BN=bk, STAGES=st, MT=1, NW=w, KW=kw, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0,
             FUSED=1, UNROLL=8, THREADS=32 * w * kw), MMA + ("int", "int", "u64", "u64", "u64"))
       for d in (128, 64) for w, bk, st, kw in ((1, 64, 2, 4), (1, 32, 3, 1), (2, 64, 2, 2), (8, 64, 2, 1))),
+    # ... with the K/V loads' L2 prefetch hint (ATTNKERN_PREFETCH)
+    *(("flash_mma.cu", f"decode_bf16_d128_w1_k64_s{st}_kw4_fused_p{p}",
+       dict(D=128, BF16=1, BN=64, STAGES=st, MT=1, NW=1, KW=4, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0,
+            FUSED=1, UNROLL=8, PREFETCH=p, THREADS=128), MMA + ("int", "int", "u64", "u64", "u64"))
+      for st in (2, 3) for p in (64, 128, 256)),
     *(("flash_combine.cu", f"combine_bf16_d{d}_u{u}", dict(D=d, BF16=1, FAST=0, UNROLL=u),
        ("u64",) * 4 + ("int",) * 4) for d in (128, 64) for u in (1, 8)),
     *(("flash_mma.cu", f"mma_bf16_d128_{name}",

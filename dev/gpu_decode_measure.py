@@ -12,13 +12,14 @@ D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
 --before adds cuda.flash as it ran before 2026-11-26 (every call on the general path,
 attnkern.backends.cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
 combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1; the 264-block split,
-cpp.DECODE_SPLIT_RULE = "blocks"; 32-key tiles, one warp; two launches, cpp.DECODE_FUSED = False) and
+cpp.DECODE_SPLIT_RULE = "blocks"; 32-key tiles, one warp; two launches, cpp.DECODE_FUSED = False; no
+L2 prefetch hint, cpp.DECODE_PREFETCH = 0) and
 triton.flash on
 the general path, in turns with today's code in one process. --decode-configs TILExSTAGES[xKW][:RULE][+NAME=N...]
 adds cuda.flash's decode kernel with other K/V tiles, pipeline depths, key warps and split rules
 (cpp.DECODE_TILE, cpp.DECODE_STAGES, cpp.DECODE_KEY_WARPS, 1 unless given, cpp.DECODE_SPLIT_RULE,
 today's unless given: 32x3x1:waves is the default before the long chunks; +NAME=N sets
-cpp.DECODE_NAME, e.g. 64x2x4+FUSED=0 (two launches), 64x2x4+LONG_MIN_CHUNK=128; on the general
+cpp.DECODE_NAME, e.g. 64x2x4+FUSED=0 (two launches), 64x2x4+LONG_MIN_CHUNK=128, 64x2x4+PREFETCH=0; on the general
 path, so its call time is the general path's). --host-profile N: where an isolated call's host
 time goes (host_profile).
 
@@ -109,7 +110,7 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
     if before:
         out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1,
                                            DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1, DECODE_TILE=32,
-                                           DECODE_FUSED=False),
+                                           DECODE_FUSED=False, DECODE_PREFETCH=0),
                                      "general path, double-buffered decode kernel, serial combine, 264-block split")
         out["triton.flash[before]"] = (_with(ours("triton.flash"), False), "general path")
     if regular:

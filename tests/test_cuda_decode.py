@@ -125,6 +125,27 @@ def test_key_warps_fit_the_tile_and_the_block():
         cpp.DECODE_TILE, cpp.DECODE_KEY_WARPS = saved
     with pytest.raises(ValueError, match="cannot be shared by 4 warps"):
         cpp.flash_decode_kernel("bfloat16", 128, 1, 32, key_warps=4)
+    with pytest.raises(ValueError, match=r"DECODE_PREFETCH must be one of \(0, 64, 128, 256\)"):
+        cpp.flash_decode_kernel("bfloat16", 128, 1, 64, key_warps=4, prefetch=100)
+
+
+def test_decode_prefetch_from_the_environment(monkeypatch):
+    """ATTNKERN_DECODE_PREFETCH sets cpp.DECODE_PREFETCH at import: unset or empty is the default
+    (128 bytes), a size of DECODE_PREFETCHES is taken (0: no hint), anything else is a ValueError
+    naming the sizes."""
+    require_cuda_kernels()
+    from attnkern.backends.cuda import cpp
+
+    assert cpp.DECODE_PREFETCH_DEFAULT == 128
+    for text, size in (("", 128), (" 64 ", 64), ("256", 256), ("0", 0)):
+        monkeypatch.setenv("ATTNKERN_DECODE_PREFETCH", text)
+        assert cpp._prefetch_from_env() == size
+    monkeypatch.delenv("ATTNKERN_DECODE_PREFETCH")
+    assert cpp._prefetch_from_env() == 128
+    for text in ("100", "L2", "64B"):
+        monkeypatch.setenv("ATTNKERN_DECODE_PREFETCH", text)
+        with pytest.raises(ValueError, match=r"ATTNKERN_DECODE_PREFETCH must be one of \(0, 64, 128, 256\)"):
+            cpp._prefetch_from_env()
 
 
 def test_fused_decode_counters():
@@ -531,3 +552,31 @@ def test_shorter_long_chunks_match_the_reference(fused):
             assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
     finally:
         cpp.DECODE_LONG_MIN_CHUNK, cpp.DECODE_FUSED = saved
+
+
+@gpu
+@pytest.mark.parametrize("stages", [2, 3])
+def test_decode_prefetch_changes_no_bits(stages):
+    """The K/V loads' L2 prefetch hint (cpp.DECODE_PREFETCH 64, 128, 256 bytes) changes how the
+    cache is fetched, not what is computed: the bits of no hint, fused and in two launches, at
+    64-key tiles with 2 and 3 buffers, within the bound of the reference."""
+    torch = _torch()
+    from attnkern.backends.cuda import cpp
+
+    shape, feats = CASES["lengths"]
+    q, k, v = _inputs(shape, "bfloat16", seed=40 + stages)
+    saved = cpp.DECODE_PREFETCH, cpp.DECODE_FUSED, cpp.DECODE_STAGES
+    results = {}
+    try:
+        cpp.DECODE_STAGES = stages
+        for cpp.DECODE_FUSED in (True, False):
+            for cpp.DECODE_PREFETCH in (0, 64, 128, 256):
+                out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats, split_k=13))
+                assert splits >= 2
+                results[cpp.DECODE_FUSED, cpp.DECODE_PREFETCH] = out, lse
+    finally:
+        cpp.DECODE_PREFETCH, cpp.DECODE_FUSED, cpp.DECODE_STAGES = saved
+    first_out, first_lse = results[True, 0]
+    _check(first_out, first_lse, q, k, v, feats)
+    for key, (out, lse) in results.items():
+        assert torch.equal(out, first_out) and torch.equal(lse, first_lse), key

@@ -1001,6 +1001,31 @@ DECODE_REGISTERS = 168  # a decode thread's registers at D = 128 (ptxas, sm_90a:
 # finish merges its chunks, in chunk order, found by a per-row counter: decode_counters); False:
 # the partials' kernel, then flash_combine.cu's. The same bits either way. Read at each call.
 DECODE_FUSED = True
+# the decode kernel's K/V loads' L2 prefetch size in bytes (flash_mma.cu's ATTNKERN_PREFETCH: 0, 64,
+# 128 or 256; 0: no hint). 128 by default: 0.7-1.7% faster than no hint at 11 of 12 decode shapes
+# on an H100 (docs/gpu-decode-h100.md), 64 no faster. The same bits at every size. Read at each call
+# (a prepared call keeps the size of its first call); the environment variable
+# ATTNKERN_DECODE_PREFETCH sets it at import, so a whole process (a test run, a measurement) takes
+# another size from its start.
+DECODE_PREFETCHES = (0, 64, 128, 256)
+DECODE_PREFETCH_DEFAULT = 128
+
+
+def _prefetch_from_env() -> int:
+    """ATTNKERN_DECODE_PREFETCH as one of DECODE_PREFETCHES (DECODE_PREFETCH_DEFAULT where unset or empty)."""
+    text = os.environ.get("ATTNKERN_DECODE_PREFETCH", "").strip()
+    if not text:
+        return DECODE_PREFETCH_DEFAULT
+    try:
+        size = int(text)
+    except ValueError:
+        size = None
+    if size not in DECODE_PREFETCHES:
+        raise ValueError(f"ATTNKERN_DECODE_PREFETCH must be one of {DECODE_PREFETCHES} (bytes), not {text!r}")
+    return size
+
+
+DECODE_PREFETCH = _prefetch_from_env()
 _COUNTERS: dict = {}  # device id -> the fused decode's int32 counters, the largest last (decode_counters)
 _COUNTERS_LOCK = threading.Lock()
 
@@ -1063,22 +1088,28 @@ def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) ->
 
 
 def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False, stages: int = 2,
-                        key_warps: int = 1, fused_unroll: int = 0):
+                        key_warps: int = 1, fused_unroll: int = 0, prefetch: int = 0):
     """The decode variant of flash_mma.cu (ATTNKERN_DECODE) for warps 16-row mma tiles
     of a group's query rows, K/V tiles of block_k keys in `stages` buffers, each tile's
     keys shared by key_warps warps (warps key_warps threads' warps a block): Q's fragments
     in registers, one mma tile a warp, the features compiled in (PLAIN_WORDS for a plain
     call), two more parameters (query rows a head, keys a chunk); fast: the fastmath variant;
     fused_unroll > 0: the fused variant (ATTNKERN_FUSED, its merge reading that many partials
-    at once; three more parameters: the output rows, their lse, the counters)."""
+    at once; three more parameters: the output rows, their lse, the counters); prefetch: the K/V
+    loads' L2 prefetch size in bytes (DECODE_PREFETCHES; 0: none)."""
+    if prefetch not in DECODE_PREFETCHES:
+        raise ValueError(f"cuda.flash decode: cpp.DECODE_PREFETCH must be one of {DECODE_PREFETCHES} (bytes), "
+                         f"not {prefetch!r}")
     if block_k % (16 * key_warps):
         raise ValueError(f"cuda.flash decode: a K/V tile of {block_k} keys cannot be shared by {key_warps} warps "
                          "(16 keys a warp at least, a multiple of 16)")
     shared = 2 * stages * block_k * (d + 8) * 2
-    fused = (("FUSED", 1), ("UNROLL", fused_unroll)) if fused_unroll else ()
+    fused = ((("FUSED", 1), ("UNROLL", fused_unroll)) if fused_unroll else ()) + (
+        (("PREFETCH", prefetch),) if prefetch else ())
     return _linked_kernel("flash_mma.cu",
                           f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}s{stages}kw{key_warps}"
-                          f"{f'_f{fused_unroll}' if fused_unroll else ''}{'_fm' if fast else ''}",
+                          f"{f'_f{fused_unroll}' if fused_unroll else ''}{f'_p{prefetch}' if prefetch else ''}"
+                          f"{'_fm' if fast else ''}",
                           (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", block_k), ("STAGES", stages),
                            ("MT", 1), ("NW", warps), ("KW", key_warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0),
                            ("ALIBI", 0), ("DECODE", 1), ("FAST", int(fast)), *fused),
@@ -1140,13 +1171,15 @@ def flash_decode_launches(q, k, v, out, lse, part_o, part_lse, causal: bool, sca
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     dtype = q.dtype.name
     if DECODE_FUSED:
-        return [(flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, DECODE_COMBINE_UNROLL),
+        return [(flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, DECODE_COMBINE_UNROLL,
+                                     DECODE_PREFETCH),
                  (splits, batch_kv), 32 * warps * kw,
                  (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
                   np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None), *words, np.int32(nq),
                   np.int32(chunk), Addr(out), Addr(out if lse is None else lse), Addr(decode_counters(batch_kv))))]
     return [
-        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw), (splits, batch_kv),
+        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, prefetch=DECODE_PREFETCH),
+         (splits, batch_kv),
          32 * warps * kw,
          (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
           np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(0), *words, np.int32(nq), np.int32(chunk))),

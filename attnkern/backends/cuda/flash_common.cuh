@@ -20,6 +20,22 @@ static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// cp_async16 with an L2 prefetch-size hint (PTX .L2::64B, .L2::128B, .L2::256B: an L2 miss may
+// fetch that many bytes around the 16 asked for): P 0 is cp_async16 itself. The data and its
+// arithmetic are the same; only how the L2 fetches from memory changes.
+template <int P>
+static __device__ __forceinline__ void cp_async16_prefetch(u32 dst, const void* src, int src_bytes) {
+    static_assert(P == 0 || P == 64 || P == 128 || P == 256, "an L2 prefetch size of 0, 64, 128 or 256 bytes");
+    if (P == 256)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+    else if (P == 128)
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+    else if (P == 64)
+        asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+    else
+        cp_async16(dst, src, src_bytes);
+}
+
 static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }

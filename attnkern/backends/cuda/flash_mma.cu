@@ -58,6 +58,8 @@
 // Each keeps its own running max, sums and output rows; at the end the key warps' rows are
 // merged through shared memory in key-warp order (out = sum 2^(m_w c - M c) o_w, likewise the
 // sums, M the largest m_w): a fixed order, so the same bits run after run.
+// ATTNKERN_PREFETCH (decode only; default 0): the K/V loads' L2 prefetch size in bytes (64, 128,
+// 256: PTX's .L2::NB hint on cp.async), for a cache streamed once; the same bits.
 // ATTNKERN_FUSED (decode only; with ATTNKERN_UNROLL): one launch instead of two. The last block
 // of a k/v row to finish (found by a per-row int32 counter in global memory, countp: zero before
 // the launch, set back to zero by that block) merges the row's partials into outp (and olsep) as
@@ -75,6 +77,12 @@
 #define KW 1
 #endif
 #define BNW (BN / KW)  // keys of a K/V tile that one warp computes
+// the K/V tiles' L2 prefetch size (flash_common.cuh's cp_async16_prefetch): decode only, 0 unless given
+#if ATTNKERN_DECODE && defined(ATTNKERN_PREFETCH)
+#define PREFETCH ATTNKERN_PREFETCH
+#else
+#define PREFETCH 0
+#endif
 #define NTHREADS (32 * NW * KW)
 #define LD (D + 8)  // shared row stride, in elements
 // K/V buffers: two (double buffering), or in the decode variant ATTNKERN_STAGES (STAGES - 1
@@ -127,7 +135,8 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
         const int row = c / CPR, col = (c % CPR) * 8;
         const int key = j0 + row;
         const bool live = key < nk;
-        cp_async16(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col, live ? 16 : 0);
+        cp_async16_prefetch<PREFETCH>(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col,
+                                      live ? 16 : 0);
     }
 }
 
