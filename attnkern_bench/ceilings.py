@@ -52,7 +52,8 @@ def openblas_override() -> str | None:
         return os.environ["ATTNKERN_SGEMM_CORETYPE"] or None
     import attnkern
 
-    chosen = blas_kernel().split(" ")[-1] if blas_kernel().startswith("OpenBLAS") else ""
+    blas = blas_kernel()
+    chosen = blas.split(" ")[-1] if blas.startswith("OpenBLAS") else ""
     return "SkylakeX" if chosen in _NO_AVX512 and "avx512" in attnkern.supported_isas() else None
 
 
