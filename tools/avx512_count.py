@@ -44,6 +44,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gate_table import GateError, print_table, resolve  # noqa: E402  (the gate's table and revisions)
+
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = Path(__file__).resolve().parent / "avx512count" / "harness.c"
 NATIVE = "attnkern/backends/native"
@@ -238,7 +241,7 @@ def count_commits(repo: Path, shas: dict[str, str], cfgs, log=print) -> dict[str
 
 
 def rows(counted: dict[str, dict[str, dict]], threshold: float) -> list[dict]:
-    """Rows of the gate's table (tools/gate.py print_table), signal 'avx512-counted'."""
+    """Rows of the gate's table (tools/gate_table.py print_table), signal 'avx512-counted'."""
     out = []
     for key, base in counted["baseline"].items():
         cand = counted["candidate"][key]
@@ -286,17 +289,14 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"counts": counts}, indent=1))
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import gate  # the table and the commit resolution of the regression gate
-
     repo = Path(args.repo)
-    shas = {"baseline": gate.resolve(repo, args.base), "candidate": gate.resolve(repo, args.head)}
+    shas = {"baseline": resolve(repo, args.base), "candidate": resolve(repo, args.head)}
     counted = count_commits(repo, shas, cfgs, log=lambda m: print(m, file=sys.stderr))
     table = rows(counted, args.threshold)
     print(f"# {shas['baseline'][:10]} (baseline) -> {shas['candidate'][:10]} (candidate)")
     print(f"# avx512-counted: instructions of attn_avx512.c in one call, 1 thread, trace-pc instrumentation; "
           f"slower above {args.threshold:+.1%}")
-    gate.print_table(table)
+    print_table(table)
     slower = [r for r in table if r["verdict"] == "slower"]
     minutes = (time.perf_counter() - t0) / 60
     print(f"# {len(slower)} slower, {sum(r['verdict'] == 'faster' for r in table)} faster, "
@@ -311,6 +311,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         raise SystemExit(main())
-    except (CountError, OSError, subprocess.CalledProcessError) as exc:
+    except (CountError, GateError, OSError, subprocess.CalledProcessError) as exc:
         print(f"avx512_count: {exc}", file=sys.stderr)
         raise SystemExit(2)

@@ -72,13 +72,10 @@ sys.path.append(str(REPO))  # attnkern_bench from the source tree where no attnk
 import counting  # noqa: E402  (benchmarks/counting.py: the counted signal's harness)
 sys.path.insert(0, str(REPO / "tools"))
 import avx512_count  # noqa: E402  (tools/avx512_count.py: the AVX-512 path's counted signal)
+from gate_table import GateError, print_table, resolve  # noqa: E402,F401  (shared with avx512_count.py)
 import gpu_counting  # noqa: E402  (benchmarks/gpu_counting.py: the GPU's counted signal, through ncu)
 import turns  # noqa: E402  (benchmarks/turns.py: paired timing in worker processes)
 from attnkern_bench.machine import cpu_name  # noqa: E402  (the builds compared run in workers)
-
-class GateError(Exception):
-    """The gate could not compare (a bad revision, a failed build): exit status 2."""
-
 
 KERNELS = ["native.flash", "native.tiled", "native.naive", "numba.flash", "numpy.naive"]
 TIME_SHAPES = ["1x8x512x64", "1x8x1024x64"]
@@ -95,14 +92,6 @@ GPU_NOT_COUNTED = {"triton.flash": "not counted: run-to-run equality of its coun
 
 
 # ---------------------------------------------------------------- builds
-def resolve(repo: Path, rev: str) -> str:
-    proc = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=repo,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise GateError(f"{rev!r} is not a commit of {repo}")
-    return proc.stdout.strip()
-
-
 def build_wheel(repo: Path, sha: str, wheels: Path, python: str = sys.executable) -> Path:
     """The wheel of commit `sha`, built like asv builds it (`pip wheel
     --no-build-isolation` with the build tools of `python`), written into `wheels`."""
@@ -386,26 +375,6 @@ def rows_of(counted, timed, args, gpu_counted=None) -> list[dict]:
                      "verdict": verdict(lo, hi, args.time_threshold), "rounds": p["rounds"],
                      "calls_per_turn": p["calls"]})
     return rows
-
-
-def print_table(rows) -> None:
-    head = f"{'benchmark':<36} {'signal':<14} {'baseline':>12} {'candidate':>12} {'ratio':>7} {'95% interval':>17}  verdict"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        if r["verdict"] == "skipped":
-            print(f"{r['benchmark']:<36} {r['signal']:<14} {'':>12} {'':>12} {'':>7} {'':>17}  skipped: {r['note']}")
-            continue
-        if r.get("unit") == "bytes":
-            b, c, iv = f"{r['baseline'] / 1e6:.2f} MB", f"{r['candidate'] / 1e6:.2f} MB", "counted"
-        elif r["signal"] != "time":
-            b, c = f"{r['baseline'] / 1e6:.3f}M", f"{r['candidate'] / 1e6:.3f}M"
-            iv = "exact" if r["signal"] in ("counted", "avx512-counted") else "counted"
-        else:
-            b, c = f"{r['baseline'] * 1e3:.3f} ms", f"{r['candidate'] * 1e3:.3f} ms"
-            iv = f"[{r['interval'][0]:.3f}, {r['interval'][1]:.3f}]"
-        mark = {"slower": "SLOWER", "faster": "faster", "same": "same"}[r["verdict"]]
-        print(f"{r['benchmark']:<36} {r['signal']:<14} {b:>12} {c:>12} {r['ratio']:>7.3f} {iv:>17}  {mark}")
 
 
 def parse_args(argv=None):
