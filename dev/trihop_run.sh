@@ -27,7 +27,7 @@ tests() {  # NAME ENV... -- PYTEST ARGS
     local envs=()
     while [ "$1" != "--" ]; do envs+=("$1"); shift; done
     shift
-    ( env ATTNKERN_TEST_GPU=1 "${envs[@]}" timeout ${TEST_S:-140} python3 -m pytest -q -p no:cacheprovider "$@" \
+    ( env ATTNKERN_TEST_GPU=1 "${envs[@]}" timeout ${TEST_S:-135} python3 -m pytest -q -p no:cacheprovider "$@" \
         > /tmp/tests-$n.txt 2>&1
       echo "exit $? after $(( $(date +%s) - start )) s: ${envs[*]} $*" >> /tmp/tests-$n.txt ) &
     pids+=($!)
@@ -47,7 +47,7 @@ for cfg in 128,64,8,3,0 128,64,4,4,0 128,128,8,3,0 128,64,8,4,0; do
 done
 wpids=()
 for i in 0 1 2 3 4 5; do
-    timeout ${WARM_S:-110} python3 dev/trihop_sweep.py --warm-slice $i/6 > /tmp/warm-$i.txt 2>&1 &
+    timeout ${WARM_S:-105} python3 dev/trihop_sweep.py --warm-slice $i/6 > /tmp/warm-$i.txt 2>&1 &
     wpids+=($!)
 done
 for p in "${wpids[@]}"; do wait $p; done
@@ -57,6 +57,6 @@ for p in "${pids[@]}"; do wait $p; done
 cat /tmp/tests-*.txt > $OUT/tests.txt 2>/dev/null
 echo "tests done after $(( $(date +%s) - start )) s" >> $LOG
 grep -h "passed\|failed\|exit" /tmp/tests-*.txt >> $LOG
-left=$(( ${END_S:-262} - ($(date +%s) - start) ))
-timeout $(( left + 25 )) python3 dev/trihop_sweep.py --out $OUT/sweep.json --runs 3 --deadline $left >> $LOG 2>&1
+left=$(( ${END_S:-245} - ($(date +%s) - start) ))
+timeout $(( left + 20 )) python3 dev/trihop_sweep.py --out $OUT/sweep.json --runs 3 --deadline $left >> $LOG 2>&1
 echo "sweep exit $? after $(( $(date +%s) - start )) s" >> $LOG
