@@ -4,8 +4,9 @@ finite scan's cost and candidate configs of the Hopper variant, in one process.
     python3 dev/trihop_sweep.py --out OUT.json [--batches 1,2,4,8] [--ns 2048,4096,8192,16384]
         [--dims 64,128] [--runs 3] [--reps 8] [--busy 0.01] [--deadline S] [--warm-slice i/n]
 
-Per row ((B, 16, N, D) bfloat16, causal and not), in turns sample by sample (CUDA events, one
-call per sample, every function first kept busy --busy s; medians):
+Per row ((B, 16, N, D) bfloat16, causal and not), in turns sample by sample, the order rotated
+each sample, the scans' turns after the others' (CUDA events, one call per sample, every
+function first kept busy --busy s; medians):
   lib            attnkern.attention(q, k, v, causal=..., kernel="triton.flash", check_finite=False)
   lib checked    the same with check_finite=True (the default: the finite scan of q, k, v and the
                  output, and the wait for its flags, in the call)
@@ -20,6 +21,12 @@ x: the fastest torch backend's time over each function's. Correctness, at the fi
 lib checked's output equal to lib's bit for bit. The grid --runs times; --deadline stops
 between rows (the JSON says where). --warm-slice i/n compiles slice i of the kernels (worker
 processes that fill Triton's cache while the tests run).
+
+    python3 dev/trihop_sweep.py --summary OUT.json
+
+prints the tables of docs/triton.md from a sweep's JSON: per row the ratios over the runs
+(min-max (median)), the candidates' gain over the table's config by the table config's time,
+and the finite scan's times and bandwidth.
 """
 
 import argparse
@@ -205,9 +212,16 @@ def row(a, b, n, d, causal, result, clock):
     for fn in fns.values():
         clock.busy(fn)
     samples = {name: [] for name in fns}
+    # the attention calls in turns, the order rotated each sample: at the heaviest rows (10-30 ms a
+    # call) the first call of a fixed order, after the light scans, ran up to 18% faster than the
+    # same kernel later in the turn (the GPU's clock drops under sustained power); the scans after
+    heavy = [name for name in fns if not name.startswith("scan")]
+    for rep in range(a.reps):
+        for name in heavy[rep % len(heavy):] + heavy[:rep % len(heavy)]:
+            samples[name].append(clock.seconds(fns[name]))
     for _ in range(a.reps):
-        for name, fn in fns.items():
-            samples[name].append(clock.seconds(fn))
+        for name in ("scan", "scan old"):
+            samples[name].append(clock.seconds(fns[name]))
     ms = {name: statistics.median(t) * 1e3 for name, t in samples.items()}
     best = min((t, name) for name, t in ms.items() if name.startswith("torch"))
     flops = 4 * b * HEADS * n * n * d * (0.5 if causal else 1)
@@ -218,7 +232,69 @@ def row(a, b, n, d, causal, result, clock):
             "failed": failed}
 
 
+def _band(ms):
+    return next(name for top, name in ((0.4, "< 0.4 ms"), (1, "0.4-1 ms"), (2.5, "1-2.5 ms"), (5, "2.5-5 ms"),
+                                       (1e9, "> 5 ms")) if ms < top)
+
+
+def summary(path):
+    r = json.load(open(path))
+    rows = {}
+    for run in r["runs"]:
+        for x in run:
+            if "error" not in x:
+                rows.setdefault((x["d"], x["causal"], x["batch"]), {}).setdefault(x["n"], []).append(x)
+    ns = sorted({n for per in rows.values() for n in per})
+
+    def cell(xs, name):
+        v = [x["x"][name] for x in xs]
+        return "%.2f-%.2f (%.2f)" % (min(v), max(v), statistics.median(v)) if len(v) > 1 else "%.2f" % v[0]
+
+    print("| D | mask | B | " + " | ".join(f"N {n}" for n in ns) + " | default, N " + " / ".join(map(str, ns)) +
+          f" | TFLOP/s at {ns[-1]} (lib / torch's fastest) |")
+    print("|---" * (4 + len(ns)) + "|---|")
+    for (d, causal, b), per in sorted(rows.items()):
+        last = per[ns[-1]]
+        tf = statistics.median(x["tflops"]["lib"] for x in last), \
+            statistics.median(x["tflops"][x["fastest_torch"]] for x in last)
+        default = " / ".join("%.2f" % statistics.median(x["x"]["lib checked"] for x in per[n]) for n in ns)
+        print(f"| {d} | {'causal' if causal else 'none'} | {b} | " + " | ".join(cell(per[n], "lib") for n in ns) +
+              f" | {default} | {tf[0]:.0f} / {tf[1]:.0f} |")
+    print()
+    gains = {}
+    for (d, causal, b), per in rows.items():
+        for xs in per.values():
+            for x in xs:
+                for name, t in x["ms"].items():
+                    if name.startswith("cand"):
+                        gains.setdefault((d, causal, name), {}).setdefault(_band(x["ms"]["straight"]), []).append(
+                            x["ms"]["straight"] / t)
+    bands = ["< 0.4 ms", "0.4-1 ms", "1-2.5 ms", "2.5-5 ms", "> 5 ms"]
+    print("| D | mask | candidate | " + " | ".join(bands) + " |")
+    print("|---" * (3 + len(bands)) + "|")
+    for (d, causal, name), per in sorted(gains.items()):
+        print(f"| {d} | {'causal' if causal else 'none'} | {name[5:]} | " + " | ".join(
+            "%.3f (%.2f-%.2f)" % (statistics.median(per[k]), min(per[k]), max(per[k])) if k in per else "-"
+            for k in bands) + " |")
+    print()
+    print("| B x 16 x N x D | scan, ms (GB/s) | before, ms (GB/s) |")
+    print("|---|---|---|")
+    seen = set()
+    for (d, causal, b), per in sorted(rows.items()):
+        for n, xs in sorted(per.items()):
+            size = 4 * b * HEADS * n * d * 2
+            if size in seen or causal:
+                continue
+            seen.add(size)
+            new = statistics.median(x["ms"]["scan"] for x in xs)
+            old = statistics.median(x["ms"]["scan old"] for x in xs)
+            print(f"| {b} x 16 x {n} x {d} | {new:.3f} ({size / new / 1e6:.0f}) | {old:.3f} ({size / old / 1e6:.0f}) |")
+
+
 def main():
+    if sys.argv[1:2] == ["--summary"]:
+        summary(sys.argv[2])
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--out")
     p.add_argument("--batches", default="1,2,4,8")
