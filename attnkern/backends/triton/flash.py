@@ -114,7 +114,8 @@ OVERRIDE: dict = {}
 # bfloat16, B 1-8, N 2048-16384, 3 runs, launched without lse as the library call's default: each
 # candidate against the previous entry in the same turns (dev/trihop_sweep.py; docs/triton.md).
 # Without warp specialization the same tiles (and at D = 64 causal 128 x 64 tiles of 8 warps
-# rather than 64 x 64 of 4) were 1-8% faster in every call of 0.4-5 ms, within 2% either way in longer ones.
+# rather than 64 x 64 of 4) were at least as fast in every call of 0.4-5 ms (medians 1-8% faster),
+# their medians within 2% either way in longer calls.
 HOPPER_TABLE = {
     (2, 64, "large", False): (128, 64, 8, 3, False),
     (2, 64, "large", True): (128, 64, 8, 3, False),
