@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_hopper_sweep import HEADS, _reference_rows  # noqa: E402
+from triton_hopper_sweep import HEADS, _launcher, _reference_rows  # noqa: E402
 
 import attnkern  # noqa: E402
 from attnkern.backends.triton import flash  # noqa: E402
@@ -63,16 +63,7 @@ def _name(cfg):
 
 def _straight(q, k, v, out, causal, cfg=None):
     """flash.launch on (B H, N, D) views at the table's config, or a candidate's."""
-    bh, n, d = q.shape
-
-    def fn():
-        if cfg is not None:
-            flash.OVERRIDE["forward_hopper"] = cfg
-        try:
-            flash.launch(q, k, v, out, None, None, bh, bh, n, n, d, d, causal, d ** -0.5, "bfloat16", 1, None)
-        finally:
-            flash.OVERRIDE.pop("forward_hopper", None)
-    return fn
+    return _launcher(q, k, v, out, None, causal, cfg or "table")
 
 
 def _old_scan_kernel():
