@@ -60,13 +60,12 @@ def _name(cfg):
 
 
 def _launcher(q, k, v, out, lse, causal, cfg):
-    """A forward launch of config cfg (None: the pointer-load kernel at TABLE's config)."""
+    """A forward launch of config cfg (None: the pointer-load kernel at TABLE's config; "table":
+    the configs of the tables, as the library call takes them)."""
     batch, n, d = q.shape
 
     def fn():
-        if cfg is None:
-            flash.OVERRIDE["forward_hopper"] = None
-        else:
+        if cfg != "table":
             flash.OVERRIDE["forward_hopper"] = cfg
         try:
             flash.launch(q, k, v, out, lse, None, batch, batch, n, n, d, d, causal, d ** -0.5, "bfloat16", 1, None)

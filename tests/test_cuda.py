@@ -1112,3 +1112,93 @@ def test_half_kernel_writes_its_rows_unrounded_in_float32(dtype, d, causal, monk
     assert np.abs(out.double().cpu().numpy() - ref).max() < np.abs(half_out.double().cpu().numpy() - ref).max()
     ref_lse = reference_lse(*host[:2], causal=causal)
     assert np.abs(lse.double().cpu().numpy() - ref_lse).max() < np.abs(half_lse.double().cpu().numpy() - ref_lse).max()
+
+
+# bit patterns of each width: exponent bits all set (NaN, +-inf) and their nearest finite neighbours
+_NONFINITE_BITS = {np.float16: ([0x7C00, 0xFC00, 0x7E00, 0x7C01], [0x7BFF, 0xFBFF, 0x03FF, 0x8000]),
+                   "bfloat16": ([0x7F80, 0xFF80, 0x7FC0, 0x7F81], [0x7F7F, 0xFF7F, 0x007F, 0x8000]),
+                   np.float32: ([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001], [0x7F7FFFFF, 0xFF7FFFFF, 1, 0]),
+                   np.float64: ([0x7FF0 << 48, 0xFFF0 << 48, 0x7FF8 << 48, (0x7FF0 << 48) + 1],
+                                [(0x7FF0 << 48) - 1, (0xFFF0 << 48) - 1, 1, 0])}
+
+
+@pytest.mark.parametrize("dtype", list(_NONFINITE_BITS), ids=str)
+def test_nonfinite_scan_finds_every_position(dtype):
+    """The finite scan's kernel (64-bit words, then the elements past them) on the
+    simulator's threads: one NaN or infinity at any position of any of its four
+    arrays, in the words or the tail, whole or not read as words (nw = 0: an unaligned
+    address), flags that array and no other; the largest finite values, subnormals
+    and negative zeros flag nothing."""
+    from attnkern.backends.cuda import launch
+
+    name = "bfloat16" if dtype == "bfloat16" else np.dtype(dtype).name
+    itype, mask = launch._EXPONENT[name]
+    size = np.dtype(itype).itemsize
+    lanes = 8 // size
+    wmask, wadd = launch._word_constants(size, mask)
+    kernel = launch.nonfinite_kernel(size)
+    bad, good = _NONFINITE_BITS[dtype]
+    rng = np.random.default_rng(5)
+    sizes = [0, 1, lanes + 1, 37, 8 * 64 + 3]  # more words than the simulator's grid (2 x 32 threads)
+
+    def flags(arrays, words):
+        host = [np.zeros(-(-max(len(a), 1) // lanes) * lanes, itype) for a in arrays]
+        for h, a in zip(host, arrays):
+            h[:len(a)] = a
+        nws = [len(a) // lanes if words else 0 for a in arrays]
+        wide = [cuda.to_device(h.view(np.uint64)[:max(nw, 1)]) for h, nw in zip(host, nws)]
+        elems = [cuda.to_device(h) for h in host]
+        out = cuda.to_device(np.zeros(4, np.int32))
+        kernel[2, 32](*wide, *elems, *nws, *(len(a) for a in arrays), wmask, wadd, itype(mask), out)
+        return out.copy_to_host().tolist()
+
+    for words in (True, False):
+        clean = [rng.choice(np.array(good, dtype=itype), n) for n in sizes[1:]]
+        assert flags(clean, words) == [0, 0, 0, 0]
+        assert flags([np.zeros(0, itype)] * 4, words) == [0, 0, 0, 0]
+        for which, base in enumerate(clean):
+            n = len(base)
+            for at in sorted({0, n - 1, n // 2, (n // lanes) * lanes, n - 1 - n % lanes} & set(range(n))):
+                arrays = [x.copy() for x in clean]
+                arrays[which][at] = bad[at % len(bad)]
+                assert flags(arrays, words) == [int(i == which) for i in range(4)], (which, at, words)
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+def test_prepared_finite_scan_on_gpu():
+    """The finite scan on a GPU, the general path's (launch.nonfinite) and the fast path's
+    prepared one (launch.FiniteScan), by words at 8-byte-aligned addresses and element by
+    element at others: one NaN or infinity anywhere in any of four arrays is seen (and
+    named by the general path), finite arrays pass, for each 16- and 32-bit dtype."""
+    import torch
+
+    from attnkern._gpuarray import GpuArray
+    from attnkern.backends.cuda import launch
+
+    dtypes = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32)}
+    if importlib.util.find_spec("ml_dtypes") is not None:
+        import ml_dtypes
+
+        dtypes[torch.bfloat16] = np.dtype(ml_dtypes.bfloat16)
+    sizes = (4099, 1, 8, 20483)
+    for dtype, npdtype in dtypes.items():
+        pool = torch.randn(sum(sizes) + 64, device="cuda").to(dtype)
+        for shift in (0, 1):  # element offsets: every address aligned (the pool's start is), or none
+            views, at = [], shift
+            for n in sizes:
+                views.append(pool[at:at + n])
+                at += -(-(n + shift) // 8) * 8
+            ptrs = [x.data_ptr() for x in views]
+            assert all((p % 8 == 0) == (shift == 0) for p in ptrs)
+            arrays = [GpuArray((n,), npdtype, None, ptr=p, owner=x) for n, p, x in zip(sizes, ptrs, views)]
+            assert launch.nonfinite(arrays) == [False] * 4
+            scan = launch.FiniteScan.prepare(npdtype, sizes)
+            assert scan is not None and scan(*ptrs) is False
+            for which, x in enumerate(views):
+                for pos in sorted({0, len(x) - 1, len(x) // 2}):
+                    keep = x[pos].clone()
+                    x[pos] = float("nan") if pos % 2 else float("-inf")
+                    assert scan(*ptrs) is True, (dtype, shift, which, pos)
+                    assert launch.nonfinite(arrays) == [i == which for i in range(4)], (dtype, shift, which, pos)
+                    x[pos] = keep
+            assert scan(*ptrs) is False

@@ -460,29 +460,58 @@ _EXPONENT = {"float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80),
              "float32": (np.uint32, 0x7F800000), "float64": (np.uint64, 0x7FF0000000000000)}
 
 
+def _word_constants(itemsize: int, mask: int):
+    """(mask, add) for 64-bit words of 8 // itemsize lanes: each lane's exponent bits
+    (mask) and their lowest bit (add). A lane's exponent bits x are at most mask, in
+    steps of add, so x + add stays within the lane and reaches its top bit (mask + add,
+    the sign bit) exactly when every exponent bit is set: NaN or infinity."""
+    lanes = 8 // itemsize
+    add = mask & -mask
+    spread = sum(1 << (8 * itemsize * i) for i in range(lanes))
+    return np.uint64(mask * spread), np.uint64(add * spread)
+
+
 @functools.cache
 def nonfinite_kernel(itemsize: int):
-    """A scan of up to four flat arrays of one width, viewed as unsigned integers:
-    flags[i] = 1 where array i has an element whose exponent bits are all set."""
+    """A scan of up to four flat arrays of one width: flags[i] = 1 where array i has
+    an element whose exponent bits are all set. Each array comes twice: its first nw
+    64-bit words (8 // itemsize elements each; nw is 0 where the address is not
+    8-byte aligned) and its n elements as unsigned integers of their width, of which
+    those past the words are read one by one. The words' loop takes four per thread
+    per step and keeps no branch on the data (their lanes' tests are ORed), so that
+    a thread's loads are in flight together. On an H100 this read q, k, v and the
+    output of (8, 16, 16384, 128) bfloat16 at 2.8 TB/s (0.77 ms), where one 2-byte
+    load per step, with a branch on each, read 0.65 TB/s (3.3 ms; docs/triton.md)."""
+    lanes = 8 // itemsize
 
     @cuda.jit(device=True)
-    def seen(a, n, mask, start, stride):
-        for i in range(start, n, stride):
-            if (a[i] & mask) == mask:
-                return True
-        return False
+    def seen(words, nw, elems, n, wmask, wadd, emask, start, stride):
+        acc = wmask ^ wmask  # a uint64 zero
+        i = start
+        while i + 3 * stride < nw:
+            acc |= (((words[i] & wmask) + wadd) | ((words[i + stride] & wmask) + wadd)
+                    | ((words[i + 2 * stride] & wmask) + wadd) | ((words[i + 3 * stride] & wmask) + wadd))
+            i += 4 * stride
+        while i < nw:
+            acc |= (words[i] & wmask) + wadd
+            i += stride
+        hit = (acc & (wmask + wadd)) != 0
+        for j in range(nw * lanes + start, n, stride):
+            if (elems[j] & emask) == emask:
+                hit = True
+        return hit
 
     @cuda.jit
-    def scan(a0, a1, a2, a3, n0, n1, n2, n3, mask0, mask1, mask2, mask3, flags):
+    def scan(w0, w1, w2, w3, e0, e1, e2, e3, nw0, nw1, nw2, nw3, n0, n1, n2, n3, wmask, wadd, emask, flags):
         start = cuda.grid(1)
         stride = cuda.gridsize(1)
-        if seen(a0, n0, mask0, start, stride):
+        if seen(w0, nw0, e0, n0, wmask, wadd, emask, start, stride):
             flags[0] = 1
-        if seen(a1, n1, mask1, start, stride):
+        if seen(w1, nw1, e1, n1, wmask, wadd, emask, start, stride):
             flags[1] = 1
-        if seen(a2, n2, mask2, start, stride):
+        if seen(w2, nw2, e2, n2, wmask, wadd, emask, start, stride):
             flags[2] = 1
-        if seen(a3, n3, mask3, start, stride):
+        if seen(w3, nw3, e3, n3, wmask, wadd, emask, start, stride):
             flags[3] = 1
 
     return scan
@@ -502,18 +531,29 @@ def _flags():
     return f
 
 
-def _scan_launch(arrays, flags):
-    """(kernel, grid, block, args) of one scan over up to four GpuArrays of one
-    dtype: each viewed as unsigned integers of its width, a grid no larger than
-    the largest needs."""
+def _scan_launch(arrays, flags, words=None):
+    """((kernel, grid, block, args), word views, element views) of one scan over up to
+    four GpuArrays of one dtype: each as 64-bit words where words (default: every
+    address 8-byte aligned) and as unsigned integers of its width, a grid no larger
+    than the largest needs; the views padded to four with the first's (n = 0)."""
     itype, mask = _EXPONENT[arrays[0].dtype.name]
-    ints = [GpuArray((a.size,), itype, None, ptr=a.ptr, owner=a.owner) for a in arrays]
-    sizes = [x.size for x in ints] + [0] * (4 - len(ints))
-    while len(ints) < 4:
-        ints.append(ints[0])
-    blocks = max(1, min(SCAN_BLOCKS, -(-max(sizes) // SCAN_THREADS)))
-    return (nonfinite_kernel(np.dtype(itype).itemsize), blocks, SCAN_THREADS,
-            (*ints, *sizes, *([itype(mask)] * 4), flags)), ints
+    size = np.dtype(itype).itemsize
+    lanes = 8 // size
+    if words is None:
+        words = all(a.ptr % 8 == 0 for a in arrays)
+    elems = [GpuArray((a.size,), itype, None, ptr=a.ptr, owner=a.owner) for a in arrays]
+    nws = [a.size // lanes if words else 0 for a in arrays]
+    wide = [GpuArray((nw,), np.uint64, None, ptr=a.ptr, owner=a.owner) for a, nw in zip(arrays, nws)]
+    sizes = [x.size for x in elems] + [0] * (4 - len(elems))
+    nws += [0] * (4 - len(nws))
+    while len(elems) < 4:
+        elems.append(elems[0])
+        wide.append(wide[0])
+    loads = max(max(nw, n - nw * lanes) for nw, n in zip(nws, sizes))
+    blocks = max(1, min(SCAN_BLOCKS, -(-loads // SCAN_THREADS)))
+    wmask, wadd = _word_constants(size, mask)
+    return ((nonfinite_kernel(size), blocks, SCAN_THREADS,
+             (*wide, *elems, *nws, *sizes, wmask, wadd, itype(mask), flags)), wide, elems)
 
 
 SPIN_S = 1e-3  # how long _wait polls before it leaves the wait to the driver
@@ -573,25 +613,31 @@ def nonfinite(arrays) -> list[bool]:
 class FiniteScan:
     """nonfinite() prepared for arrays of fixed dtype and sizes at addresses given
     per call: calling it with the arrays' addresses returns whether any of them
-    holds a NaN or an infinity. prepare() returns None until the scan has been
-    launched once (compiled). It writes this thread's flags: one thread's."""
+    holds a NaN or an infinity (by 64-bit words where every address is 8-byte
+    aligned, else element by element). prepare() returns None until the scan has
+    been launched once (compiled). It writes this thread's flags: one thread's."""
 
-    def __init__(self, prepared, at):
-        self._prepared, self._at = prepared, at
+    def __init__(self, words, elements, at):
+        self._words, self._elements, self._at = words, elements, at
 
     @classmethod
     def prepare(cls, dtype, sizes):
         view, at, _ = _flags()
         roles = [GpuArray((n,), dtype, None, ptr=0) for n in sizes]
-        (kernel, grid, block, args), ints = _scan_launch(roles, view)
-        raw = raw_kernel(kernel)
-        if raw is None:
-            return None
-        return cls(Prepared(raw, grid, block, args, ints[:len(sizes)]), at)
+        prepared = []
+        for words in (True, False):
+            (kernel, grid, block, args), wide, elems = _scan_launch(roles, view, words)
+            raw = raw_kernel(kernel)
+            if raw is None:
+                return None
+            # each address fills its array's two views
+            prepared.append(Prepared(raw, grid, block, args, wide[:len(sizes)] + elems[:len(sizes)]))
+        return cls(*prepared, at)
 
     def __call__(self, *ptrs) -> bool:
         ctypes.memset(self._at, 0, 16)
-        self._prepared(*ptrs)
+        aligned = not any(p & 7 for p in ptrs)
+        (self._words if aligned else self._elements)(*ptrs, *ptrs)
         _wait()
         return ctypes.string_at(self._at, 16) != _NO_FLAGS
 
