@@ -426,24 +426,25 @@ def prepared_flash_backward(batch: int, nq: int, nk: int, d: int, dv: int, dtype
               (batch, nq, d), (batch_kv, nk, d), (batch_kv, nk, dv)]
     roles = [GpuArray(shape, dtype, None, ptr=0) for shape in shapes]
     rows = batch * nq
-    lse32, delta = cpp.bwd_scratch_views(0, rows)
     feat = launch.KernelFeatures.of(features, batch, dtype)
+    fused = cpp.bwd_fused_config(d, dtype.name, feat) is not None  # cpp.BWD_DETERMINISTIC False
+    lse32, delta, dq32 = cpp.bwd_scratch_views(0, rows, None, d if fused else 0)
+    scratch = [lse32, delta] + ([dq32] if fused else [])
     steps = []
-    for kernel, grid, block, args in cpp.flash_bwd_launches(*roles, lse32, delta, causal, scale, feat):
+    for kernel, grid, block, args in cpp.flash_bwd_launches(*roles, lse32, delta, causal, scale, feat, dq32=dq32):
         raw = launch.raw_kernel(kernel)
         if raw is None:
             return None
-        steps.append(launch.Prepared(raw, grid, block, args, roles + [lse32, delta]))
-    first, second = steps
-    delta_at = delta.ptr  # delta's offset in the scratch (its base was 0)
+        steps.append(launch.Prepared(raw, grid, block, args, roles + scratch))
+    offsets = [a.ptr for a in scratch]  # the scratch arrays' offsets (its base was 0)
 
     def run(*ptrs):  # q, k, v, out, dout, lse, dq, dk, dv, scratch
         base = ptrs[-1]
-        full = (*ptrs[:-1], base, base + delta_at)
-        first(*full)
-        second(*full)
+        full = (*ptrs[:-1], *(base + at for at in offsets))
+        for step in steps:  # two launches, or the fused backward's three
+            step(*full)
 
-    return run, cpp.bwd_aligned(2 * dtype.itemsize), 2 * rows
+    return run, cpp.bwd_aligned(2 * dtype.itemsize), cpp.bwd_scratch_elems(rows, d, fused)
 
 
 def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:
