@@ -736,7 +736,17 @@ def test_fused_backward_routing(monkeypatch):
     from attnkern.backends.cuda.arrays import GpuArray
 
     monkeypatch.setattr(cpp, "wgmma_applies", lambda d, dv: d == dv and d in (64, 128))
-    assert cpp.BWD_DETERMINISTIC and cpp.bwd_fused_config(64, "bfloat16") is None  # the default
+    monkeypatch.setattr(cpp, "BWD_DETERMINISTIC", True)
+    assert cpp.bwd_fused_config(64, "bfloat16") is None
+    for text, value in (("", True), ("1", True), (" 0 ", False)):  # ATTNKERN_BWD_DETERMINISTIC, read at import
+        monkeypatch.setenv("ATTNKERN_BWD_DETERMINISTIC", text)
+        assert cpp._deterministic_from_env() is value
+    monkeypatch.delenv("ATTNKERN_BWD_DETERMINISTIC")
+    assert cpp._deterministic_from_env() is True  # the default
+    for text in ("no", "false", "2"):
+        monkeypatch.setenv("ATTNKERN_BWD_DETERMINISTIC", text)
+        with pytest.raises(ValueError, match="ATTNKERN_BWD_DETERMINISTIC must be 0"):
+            cpp._deterministic_from_env()
     monkeypatch.setattr(cpp, "BWD_DETERMINISTIC", False)
     fused = cpp.BwdConfig.parse(cpp.BWD_FUSED_DIVISIONS[64])
     base = dict(mask_kind=0, alibi=None, dropout_p=0.0, cu_q=None)

@@ -829,8 +829,19 @@ BWD_WGMMA_DIVISIONS = {64: "qwg1x128s2kvwg1x128s2", 128: "qwg2x128s2kvwg1x64s2"}
 # are chosen: the torch fast path keeps a call shape's plan, so call attnkern.backends.cuda.forget_plans()
 # after changing it. The division names the first kernel's half (qwg..., the dQ kernel's grid and
 # key tiles) and the fused kernel's (kvwg1x...: one warpgroup of 64 keys; ptxas, sm_90a: 200
-# registers with 64-row Q/dO tiles, 245 featured, no spills; 128-row tiles spill featured).
-BWD_DETERMINISTIC = True
+# registers with 64-row Q/dO tiles, 245 featured, no spills; 128-row tiles spill featured). The
+# environment variable ATTNKERN_BWD_DETERMINISTIC sets it at import ("0": False, "1" or unset: True),
+# so that a whole process (a test run, `attnkern bench`) takes the fused backward from its start.
+def _deterministic_from_env() -> bool:
+    """ATTNKERN_BWD_DETERMINISTIC as BWD_DETERMINISTIC: unset or empty True, "1" True, "0" False."""
+    text = os.environ.get("ATTNKERN_BWD_DETERMINISTIC", "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"ATTNKERN_BWD_DETERMINISTIC must be 0 (the fused, non-deterministic backward where it "
+                         f"applies) or 1 (deterministic, the default), not {text!r}")
+    return text != "0"
+
+
+BWD_DETERMINISTIC = _deterministic_from_env()
 BWD_FUSED_DIVISIONS = {64: "qwg1x128s2kvwg1x64s2"}
 
 
@@ -878,7 +889,8 @@ def flash_bwd_fused_kernels(dtype: str, d: int, config: BwdConfig, featured: boo
                            (*common, ("PART", 3), ("NW", 4), ("MT", 1), ("BN", config.kv_rows),
                             ("STAGES", config.kv_stages), ("FUSEDQ", 1)), params, 128, fused_shared)
     convert = _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd6_{dtype}_{d}",
-                             (*common[:3], ("PART", 6), ("NW", 4), ("MT", 1), ("BN", 64)), CONVERT_PARAMS,
+                             (*common[:3], ("FEAT", 0), ("MASK", 0), ("ALIBI", 0), ("PART", 6), ("NW", 4),
+                              ("MT", 1), ("BN", 64)), CONVERT_PARAMS,
                              CONVERT_THREADS, 0)
     return first, fused, convert
 

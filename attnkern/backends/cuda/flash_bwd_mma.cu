@@ -897,14 +897,15 @@ static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 3: 64- or
 #if ATTNKERN_FUSEDQ
 static_assert(D == 64 && NW == 4, "the fused dQ: D = 64, one warpgroup of 64 keys a block");
 
-// The fused backward's dQ (FUSEDQ, not deterministic): this tile's dS (the warpgroup's dS^T in the
-// register A layout dsf: keys as rows) stored into shared memory at dss as a K-major A operand
-// (query rows as rows, the 64 keys along k, the 128-byte swizzle), then per 64 query rows dQ_tile
-// = dS K (an SS wgmma m64n64k16, K at ks read transposed), added unordered to the float32 rows
-// qb + i0... of dq32 (below nq) by red.global.add.v2.f32: the order of the additions over key
-// blocks is the scheduler's, so dQ's bits vary from run to run. Waits for every wgmma of the tile.
-static __device__ __forceinline__ void fused_dq(u64 dq32, u32 dss, u32 ks, const AFrag (&dsf)[BN / 8], u64 qb,
-                                                int i0, int nq) {
+// The fused backward's dQ (FUSEDQ, not deterministic), in two steps. store_ds: this tile's dS (the
+// warpgroup's dS^T in the register A layout dsf: keys as rows) into shared memory at dss as a
+// K-major A operand (query rows as rows, the 64 keys along k, the 128-byte swizzle); called
+// before dK += dS^T Q is issued, since a wgmma's A registers may not be accessed until it is
+// waited for. fused_dq: per 64 query rows dQ_tile = dS K (an SS wgmma m64n64k16, K at ks read
+// transposed), added unordered to the float32 rows qb + i0... of dq32 (below nq) by
+// red.global.add.v2.f32: the order of the additions over key blocks is the scheduler's, so dQ's
+// bits vary from run to run. It waits for every wgmma of the tile (dK's too).
+static __device__ __forceinline__ void store_ds(u32 dss, const AFrag (&dsf)[BN / 8]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n)
@@ -915,9 +916,13 @@ static __device__ __forceinline__ void fused_dq(u64 dq32, u32 dss, u32 ks, const
             for (int e = 0; e < 2; ++e) {
                 const int qr = n * 8 + ACC_COL(lane, e);
                 const u32 at = dss + qr * 128 + (((key >> 3) ^ (qr & 7)) << 4) + (key & 7) * 2;
-                asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"((u16)(dsf[n][hh] >> (16 * e))));
+                asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"((u16)(dsf[n][hh] >> (16 * e))) : "memory");
             }
         }
+}
+
+static __device__ __forceinline__ void fused_dq(u64 dq32, u32 dss, u32 ks, u64 qb, int i0, int nq) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     fence_async_shared();  // the stores visible to wgmma
     asm volatile("bar.sync 1, 128;\n" ::: "memory");
     float* dq = (float*)dq32 + qb * D;
@@ -1035,9 +1040,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         wgmma_wait<1>();  // dP^T in (dV's products may still run)
         pin(dp);
         wg_dscores(s, dp, dsf, [&](int, int n, int e) { return tl[BN + n * 8 + ACC_COL(lane, e)]; });
+#if ATTNKERN_FUSEDQ
+        store_ds(dss, dsf);
+#endif
         issue_rs(dk, dsf, qb);
 #if ATTNKERN_FUSEDQ
-        fused_dq(dqp, dss, ks, dsf, (b0 + h) * (u64)nq, i0, nq);
+        fused_dq(dqp, dss, ks, (b0 + h) * (u64)nq, i0, nq);
 #endif
         wgmma_wait<0>();  // this tile's Q and dO read before the next barrier refills their buffers
         pin(dv);
