@@ -34,12 +34,13 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
 
 def ours(q, k, v, dout, causal, fused, forward):
     """A call of our backward (forward: the forward first) with the switch set around it."""
-    n, d = q.shape[-2:]
+    b, n, d = q.shape[0] * q.shape[1], *q.shape[-2:]  # (GpuArray.reshape takes no -1)
     grads = [torch.empty_like(x) for x in (q, k, v)]
-    views = [from_torch(x, "grad").reshape(-1, n, d) for x in grads]
+    views = [from_torch(x, "grad").reshape(b, n, d) for x in grads]
+
     def views_of(out, lse):
-        arrays = [from_torch(x, "x").reshape(-1, n, d) for x in (q, k, v, out, dout)]
-        return arrays + [from_torch(lse, "lse").reshape(-1, n)]
+        arrays = [from_torch(x, "x").reshape(b, n, d) for x in (q, k, v, out, dout)]
+        return arrays + [from_torch(lse, "lse").reshape(b, n)]
 
     kept = views_of(*attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, return_lse=True))
 

@@ -825,7 +825,9 @@ BWD_WGMMA_DIVISIONS = {64: "qwg1x128s2kvwg1x128s2", 128: "qwg2x128s2kvwg1x64s2"}
 # shared memory, dQ += dS K added to a float32 accumulator by atomic adds, in the order the blocks
 # happen to run), then dQ's conversion (part 6): 5 N x N x D products and the exponentials twice,
 # instead of 7. dK and dV stay bit-identical run to run; dQ does not (its float32 additions'
-# order varies), though it is within FlashAttention's error rule. Read whenever a call's kernels
+# order varies), though it is within FlashAttention's error rule. Measured slower: 1.51-1.65x the
+# default's time on an H100 (bfloat16, N 4096-16384; docs/gpu-backward-wgmma.md: every dQ element takes
+# N / 64 atomic additions, on the consumers' path), so it stays an opt-in. Read whenever a call's kernels
 # are chosen: the torch fast path keeps a call shape's plan, so call attnkern.backends.cuda.forget_plans()
 # after changing it. The division names the first kernel's half (qwg..., the dQ kernel's grid and
 # key tiles) and the fused kernel's (kvwg1x...: one warpgroup of 64 keys; ptxas, sm_90a: 200
