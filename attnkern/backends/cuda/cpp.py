@@ -823,14 +823,14 @@ BWD_WGMMA_DIVISIONS = {64: "qwg1x128s2kvwg1x128s2", 128: "qwg2x128s2kvwg1x64s2"}
 # backward runs instead: a first kernel of S = Q K^T alone for delta and the corrected lse
 # (flash_bwd_mma.cu's part 5), then one kernel for dK, dV and dQ (part 3 with FUSEDQ: dS through
 # shared memory, dQ += dS K added to a float32 accumulator by atomic adds, in the order the blocks
-# happen to run), then dQ's conversion (part 6): 5 N x N x D products and the exponentials twice,
-# instead of 7. dK and dV stay bit-identical run to run; dQ does not (its float32 additions'
+# happen to run), then dQ's conversion (part 6): 6 N x N x D products (5 fused, S once more in the
+# first kernel) and the exponentials twice, instead of 7. dK and dV stay bit-identical run to run; dQ does not (its float32 additions'
 # order varies), though it is within FlashAttention's error rule. Measured slower: 1.51-1.65x the
 # default's time on an H100 (bfloat16, N 4096-16384; docs/gpu-backward-wgmma.md: every dQ element takes
 # N / 64 atomic additions, on the consumers' path), so it stays an opt-in. Read whenever a call's kernels
 # are chosen: the torch fast path keeps a call shape's plan, so call attnkern.backends.cuda.forget_plans()
 # after changing it. The division names the first kernel's half (qwg..., the dQ kernel's grid and
-# key tiles) and the fused kernel's (kvwg1x...: one warpgroup of 64 keys; ptxas, sm_90a: 200
+# key tiles) and the fused kernel's (kvwg1x...: one warpgroup of 64 keys; ptxas, sm_90a: 216
 # registers with 64-row Q/dO tiles, 245 featured, no spills; 128-row tiles spill featured). The
 # environment variable ATTNKERN_BWD_DETERMINISTIC sets it at import ("0": False, "1" or unset: True),
 # so that a whole process (a test run, `attnkern bench`) takes the fused backward from its start.

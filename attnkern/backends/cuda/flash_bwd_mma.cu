@@ -12,7 +12,10 @@
 //   ATTNKERN_TF32     1 for float32 (3xTF32), 0 for the half dtypes
 //   ATTNKERN_PART     1: the dQ kernel, 2: the dK/dV kernel; on Hopper (sm_90a, float16/bfloat16,
 //                     D = 64 or 128, after flash_wgmma_common.cuh) 4: the dQ kernel and 3: the dK/dV
-//                     kernel on wgmma (the same work and order of sums; NW = 4 x warpgroups, MT = 1)
+//                     kernel on wgmma (the same work and order of sums; NW = 4 x warpgroups, MT = 1);
+//                     the opt-in fused backward (cpp.BWD_DETERMINISTIC False, D = 64): 5 its first
+//                     kernel (delta, the corrected lse), 3 with ATTNKERN_FUSEDQ 1 (dK, dV and dQ
+//                     added atomically in float32), 6 dQ's conversion to the dtype
 //   ATTNKERN_NW       warps per block
 //   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
 //                     each B fragment read from shared memory feeds MT mma tiles
@@ -32,7 +35,8 @@
 //                     Philox counters; varlen: part 1's grid (query blocks, heads, sequences), part 2's
 //                     (key blocks, k/v heads, sequences))
 //
-// Two kernels, no atomics, every sum in a fixed order (bit-identical run to run):
+// Two kernels, no atomics, every sum in a fixed order (bit-identical run to run; the opt-in
+// fused backward of parts 5, 3 and 6 excepted, whose dQ is not):
 //
 // Part 1 (grid: query blocks of 16 NW rows x batch rows) runs first. It computes
 // delta_i = dO_i . O_i in float32, recomputes S = Q K^T and dP = dO V^T per K/V
