@@ -66,6 +66,16 @@ KERNELS = [
       for part in (3, 4) for d, nw, bn, st in ((64, 4, 128, 2), (64, 4, 128, 3), (64, 4, 64, 3), (64, 8, 128, 3),
                                                (128, 8, 64, 3), (128, 8, 128, 2), (128, 8, 64, 4))
       for feat in (0, 1)),
+    # the fused backward (cpp.BWD_DETERMINISTIC False, D = 64): its first kernel (part 5: S alone, the
+    # corrected lse, delta), the dK/dV kernel with dQ added atomically (part 3, FUSEDQ) and dQ's conversion
+    *(("flash_bwd_mma.cu", f"bwd5_bf16_d64_w{nw}_n{bn}_s2{'_feat' if feat else ''}",
+       dict(D=64, BF16=1, TF32=0, PART=5, NW=nw, MT=1, BN=bn, FEAT=feat, MASK=0, ALIBI=0, STAGES=2), BWD)
+      for nw, bn in ((4, 128), (8, 128)) for feat in (0, 1)),
+    *(("flash_bwd_mma.cu", f"bwd3_bf16_d64_w4_n{bn}_s{st}_fusedq{'_feat' if feat else ''}",
+       dict(D=64, BF16=1, TF32=0, PART=3, NW=4, MT=1, BN=bn, FEAT=feat, MASK=0, ALIBI=0, STAGES=st, FUSEDQ=1), BWD)
+      for bn, st in ((64, 2), (64, 3), (128, 2)) for feat in (0, 1)),
+    ("flash_bwd_mma.cu", "bwd6_bf16_d64", dict(D=64, BF16=1, TF32=0, PART=6, NW=4, MT=1, BN=64, FEAT=0, MASK=0, ALIBI=0),
+     ("u64", "u64", "u64", "float")),
     # the dropout variants (forward on mma.sync, both backward kernels) beside the backward's featured ones
     *(("flash_mma.cu", f"mma_bf16_d{d}_feat_dropout",
        dict(D=d, BF16=1, BN=64, MT=2, NW=4, QSMEM=int(d > 64), FEAT=1, MASK=0, ALIBI=0, FAST=0, DROPOUT=1), MMA)
@@ -142,7 +152,7 @@ KERNELS = [
 
 def source(path: str, name: str, defines: dict, params: tuple) -> str:
     text = "".join(f"#define ATTNKERN_{k} {v}\n" for k, v in {**defines, "NAME": name, "DYNAMIC": 1}.items())
-    wgmma = path == "flash_wgmma.cu" or defines.get("PART") in (3, 4)  # as cpp.source_headers
+    wgmma = path == "flash_wgmma.cu" or defines.get("PART", 0) >= 3  # as cpp.source_headers
     for part in ("flash_common.cuh", *(("flash_wgmma_common.cuh",) if wgmma else ()), path):
         with open(os.path.join(HERE, part)) as f:
             text += f.read() + "\n"

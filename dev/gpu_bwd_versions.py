@@ -8,6 +8,9 @@ then the next round), and its gradients compared with the first division's
 which must be of the dtype's rounding). JSON rows to --json.
 
     python3 dev/gpu_bwd_versions.py --dims 64 128 --sizes 4096 8192 --json out.json
+
+A --configs name "fused" (or fused=<division>, e.g. fused=qwg1x128s2kvwg1x128s2) times the fused backward
+(cpp.BWD_DETERMINISTIC False, cpp.BWD_FUSED_DIVISIONS); its dQ differs from run to run in its last bits.
 """
 
 import argparse
@@ -64,7 +67,11 @@ def main():
             for d in a.dims:
                 for name in a.configs or (CONFIGS_F32 if dtype == "float32" else CONFIGS)[d]:
                     try:
-                        cpp.flash_bwd_kernels(dtype, d, cpp.BwdConfig.parse(name))
+                        if name.startswith("fused"):
+                            division = name.partition("=")[2] or cpp.BWD_FUSED_DIVISIONS[d]
+                            cpp.flash_bwd_fused_kernels(dtype, d, cpp.BwdConfig.parse(division))
+                        else:
+                            cpp.flash_bwd_kernels(dtype, d, cpp.BwdConfig.parse(name))
                     except Exception as exc:  # reported again where it is timed
                         print(f"{dtype} D={d} {name}: {type(exc).__name__} {exc}"[:200])
         while not os.path.exists(a.wait_for):
@@ -82,12 +89,23 @@ def main():
                     arrays.append(from_torch(lse, "lse").reshape(16, n))
                     base, calls = None, {}
                     for name in a.configs or (CONFIGS_F32 if dtype == "float32" else CONFIGS)[d]:
-                        config = cpp.BwdConfig.parse(name)
                         grads = [torch.empty_like(x) for x in (q, k, v)]
                         views = [from_torch(x, "grad").reshape(16, n, d) for x in grads]
+                        if name.startswith("fused"):  # fused[=division]: cpp.BWD_DETERMINISTIC False
+                            division = name.partition("=")[2] or cpp.BWD_FUSED_DIVISIONS.get(d, "")
 
-                        def call(config=config, views=views):
-                            cpp.flash_bwd_mma(*arrays, *views, causal, d ** -0.5, None, config)
+                            def call(division=division, views=views):
+                                saved = cpp.BWD_FUSED_DIVISIONS.get(d)
+                                cpp.BWD_DETERMINISTIC, cpp.BWD_FUSED_DIVISIONS[d] = False, division
+                                try:
+                                    if cpp.bwd_fused_config(d, dtype) is None:
+                                        raise ValueError("the fused backward does not take this call")
+                                    cpp.flash_bwd_mma(*arrays, *views, causal, d ** -0.5, None)
+                                finally:
+                                    cpp.BWD_DETERMINISTIC, cpp.BWD_FUSED_DIVISIONS[d] = True, saved
+                        else:
+                            def call(config=cpp.BwdConfig.parse(name), views=views):
+                                cpp.flash_bwd_mma(*arrays, *views, causal, d ** -0.5, None, config)
 
                         try:
                             call()

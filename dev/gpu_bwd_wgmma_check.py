@@ -3,7 +3,9 @@ FlashAttention's rule: each of dq, dk, dv within twice the error of torch's SDPA
 backend) in the same dtype plus two roundings of the largest gradient; repeated calls
 bit-identical. Runs the default kernels (cpp.BWD_WGMMA True: wgmma on Hopper) and the mma.sync ones
 (cpp.BWD_WGMMA False) on the same inputs, and with --configs each division named (D=division, e.g.
-64=qwg1x64s3kvwg1x64s3) as the default at its D. One GPU; prints a line per case, JSON rows to --json.
+64=qwg1x64s3kvwg1x64s3) as the default at its D; with --fused the fused backward (cpp.BWD_DETERMINISTIC
+False: dQ added atomically, so only dK and dV must repeat bit for bit). One GPU; prints a line per case,
+JSON rows to --json.
 
     python3 dev/gpu_bwd_wgmma_check.py --sizes 1024 4096 --configs 128=qwg2x64s3kvwg2x64s3 --json out.json
 """
@@ -35,14 +37,19 @@ def main():
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--json")
     p.add_argument("--configs", nargs="*", default=[], help="D=division: also run it as D's wgmma default")
+    p.add_argument("--fused", action="store_true", help="also the fused backward (cpp.BWD_DETERMINISTIC False) "
+                   "at the head sizes it has (cpp.BWD_FUSED_DIVISIONS): dK and dV must repeat bit for bit, dQ need not")
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
+    p.add_argument("--only-fused", action="store_true", help="with --fused: skip the deterministic kernels")
     a = p.parse_args()
     extra = {}
     for spec in a.configs:
         d, name = spec.split("=")
         extra.setdefault(int(d), []).append(str(cpp.BwdConfig.parse(name)))
     rows, failures = [], 0
-    for dtype in ("bfloat16", "float16"):
-        for d in (64, 128):
+    for dtype in a.dtypes:
+        for d in a.dims:
             for n in a.sizes:
                 for causal in (False, True):
                     for h_kv in (8, 2):  # MHA and GQA (4 query heads a k/v head)
@@ -56,10 +63,16 @@ def main():
                                        q.double(), k.double(), v.double(), dout.double())
                         theirs = grads_of(lambda q, k, v: F.scaled_dot_product_attention(
                             q, rep(k), rep(v), is_causal=causal), q, k, v, dout)
-                        for wg, division in ((True, None), (False, None), *((True, x) for x in extra.get(d, []))):
+                        variants = [] if a.only_fused else [(True, None), (False, None),
+                                                            *((True, x) for x in extra.get(d, []))]
+                        if a.fused and d in cpp.BWD_FUSED_DIVISIONS:
+                            variants.append((True, "fused"))
+                        for wg, division in variants:
                             saved, cpp.BWD_WGMMA = cpp.BWD_WGMMA, wg
                             default = cpp.BWD_WGMMA_DIVISIONS[d]
-                            cpp.BWD_WGMMA_DIVISIONS[d] = division or default
+                            fused = division == "fused"
+                            cpp.BWD_WGMMA_DIVISIONS[d] = default if fused else division or default
+                            cpp.BWD_DETERMINISTIC = not fused
                             try:
                                 out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal,
                                                               return_lse=True)
@@ -70,10 +83,15 @@ def main():
                             finally:
                                 cpp.BWD_WGMMA = saved
                                 cpp.BWD_WGMMA_DIVISIONS[d] = default
+                                cpp.BWD_DETERMINISTIC = True
+                            if fused:
+                                division = "fused " + cpp.BWD_FUSED_DIVISIONS[d]
+                            same = [torch.equal(x, y) for x, y in zip(ours, again)]
                             row = {"dtype": dtype, "d": d, "n": n, "causal": causal, "h_kv": h_kv, "wgmma": wg,
                                    "division": division or (default if wg else "mma.sync"),
-                                   "deterministic": all(torch.equal(x, y) for x, y in zip(ours, again))}
-                            ok = row["deterministic"]
+                                   "deterministic": all(same), "dq_repeats": same[0]}
+                            # the fused backward adds dQ atomically: only dK and dV must repeat bit for bit
+                            ok = all(same[1:]) if fused else row["deterministic"]
                             for name, x, y, r in zip(("dq", "dk", "dv"), ours, theirs, ref):
                                 err = float((x.double() - r).abs().max())
                                 terr = float((y.double() - r).abs().max())

@@ -725,6 +725,101 @@ def test_half_backward_wgmma_divisions(dtype, d):
             assert all(torch.equal(g, a) for g, a in zip(*runs)), name
 
 
+def test_fused_backward_routing(monkeypatch):
+    """cpp.BWD_DETERMINISTIC False takes the fused backward only where it has the call (Hopper's wgmma,
+    float16/bfloat16 at D = 64, no mask, ALiBi, dropout or packed sequences); its three launches
+    (first kernel, dK/dV/dQ, dQ's conversion) and the scratch they share; a division it lacks is a
+    ValueError before anything compiles."""
+    from types import SimpleNamespace
+
+    from attnkern.backends.cuda import cpp
+    from attnkern.backends.cuda.arrays import GpuArray
+
+    monkeypatch.setattr(cpp, "wgmma_applies", lambda d, dv: d == dv and d in (64, 128))
+    monkeypatch.setattr(cpp, "BWD_DETERMINISTIC", True)
+    assert cpp.bwd_fused_config(64, "bfloat16") is None
+    for text, value in (("", True), ("1", True), (" 0 ", False)):  # ATTNKERN_BWD_DETERMINISTIC, read at import
+        monkeypatch.setenv("ATTNKERN_BWD_DETERMINISTIC", text)
+        assert cpp._deterministic_from_env() is value
+    monkeypatch.delenv("ATTNKERN_BWD_DETERMINISTIC")
+    assert cpp._deterministic_from_env() is True  # the default
+    for text in ("no", "false", "2"):
+        monkeypatch.setenv("ATTNKERN_BWD_DETERMINISTIC", text)
+        with pytest.raises(ValueError, match="ATTNKERN_BWD_DETERMINISTIC must be 0"):
+            cpp._deterministic_from_env()
+    monkeypatch.setattr(cpp, "BWD_DETERMINISTIC", False)
+    fused = cpp.BwdConfig.parse(cpp.BWD_FUSED_DIVISIONS[64])
+    base = dict(mask_kind=0, alibi=None, dropout_p=0.0, cu_q=None)
+    assert cpp.bwd_fused_config(64, "bfloat16") == fused == cpp.bwd_fused_config(64, "float16",
+                                                                                  SimpleNamespace(**base))
+    assert cpp.bwd_fused_config(128, "bfloat16") is None and cpp.bwd_fused_config(64, "float32") is None
+    for change in ({"mask_kind": 1}, {"alibi": object()}, {"dropout_p": 0.1}, {"cu_q": object()}):
+        assert cpp.bwd_fused_config(64, "bfloat16", SimpleNamespace(**dict(base, **change))) is None, change
+    monkeypatch.setattr(cpp, "BWD_WGMMA", False)
+    assert cpp.bwd_fused_config(64, "bfloat16") is None
+    for bad, d in (("qwg1x128s2kvwg2x64s2", 64), ("qwg1x128s2kvwg1x64s2", 128)):
+        with pytest.raises(ValueError, match="fused backward takes"):
+            cpp.flash_bwd_fused_kernels("bfloat16", d, cpp.BwdConfig.parse(bad))
+    # scratch: lse and delta, then dQ's float32 rows from a 16-byte boundary, within the elements asked for
+    for rows in (1, 3, 64):
+        lse32, delta, dq32 = cpp.bwd_scratch_views(1024, rows, None, 64)
+        assert delta.ptr == 1024 + 4 * rows and dq32.ptr % 16 == 0 and dq32.ptr >= delta.ptr + 4 * rows
+        assert (dq32.ptr - 1024) // 4 + rows * 64 == cpp.bwd_scratch_elems(rows, 64, True)
+        assert cpp.bwd_scratch_views(1024, rows)[2] is None and cpp.bwd_scratch_elems(rows, 64, False) == 2 * rows
+    monkeypatch.setattr(cpp, "flash_bwd_fused_kernels", lambda dtype, d, config, featured: ("first", "fused", "conv"))
+    x = GpuArray((2, 300, 64), np.dtype(ml_dtypes.bfloat16), None, ptr=0)
+    lse, small = GpuArray((2, 300), x.dtype, None, ptr=0), GpuArray((600,), np.float32, None, ptr=0)
+    dq32 = GpuArray((600 * 64,), np.float32, None, ptr=4800)
+    launches = cpp.flash_bwd_launches(x, x, x, x, x, lse, x, x, x, small, small, True, 0.125, None, fused, dq32)
+    assert [(kernel, grid, block) for kernel, grid, block, _ in launches] == [
+        ("first", (5, 2), 128), ("fused", (5, 2), 128), ("conv", (-(-600 * 32 // cpp.CONVERT_THREADS),), 256)]
+    assert launches[0][3] == launches[1][3] and launches[0][3][6].array is dq32  # dQ's rows: the float32 scratch
+    assert [a.array for a in launches[2][3][:2]] == [dq32, x] and launches[2][3][2:] == (600 * 32, np.float32(0.125))
+
+
+@half_gpu
+def test_half_backward_fused(monkeypatch):
+    """cpp.BWD_DETERMINISTIC False on Hopper: the fused backward (dQ added atomically in float32) at D = 64,
+    both dtypes, with GQA, both causal alignments, key lengths, a window, the softcap and a negative
+    scale: within FlashAttention's rule; dK and dV bit-identical run to run (dQ need not be); and through
+    torch autograd (the prepared plans, made again after the switch)."""
+    import attnkern.backends.cuda as cuda_backend
+    from attnkern.backends.cuda import cpp
+    from test_triton import check_gradients
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma is Hopper's (sm_90a)")
+    monkeypatch.setattr(cpp, "BWD_DETERMINISTIC", False)
+    taken = []
+    real = cpp._fused_launches
+    monkeypatch.setattr(cpp, "_fused_launches", lambda *a: taken.append(1) or real(*a))
+    cuda_backend.forget_plans()
+    cases = [((1, 2), 2, 700, 700, False, {}), ((2, 4), 2, 300, 300, "bottom_right", {"key_lengths": [300, 129]}),
+             ((1, 4), 1, 260, 200, False, {"window": (70, 20), "softcap": 8.0}), ((1, 2), 2, 1024, 1024, True, {}),
+             ((2, 2), 2, 333, 500, True, {})]
+    try:
+        for dtype in ("bfloat16", "float16"):
+            for i, (lead, h_kv, nq, nk, causal, feats) in enumerate(cases):
+                q, k, v, dout = _half_case(torch, dtype, lead, nq, nk, 64, 700 + 10 * i, kv_heads=h_kv)
+                scale = -0.9 / 8 if i == 2 else 1 / 8
+                out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, scale=scale,
+                                              return_lse=True, **feats)
+                taken.clear()
+                runs = [_flash_bwd_with(cpp, None, q, k, v, out, dout, lse, causal, scale, feats) for _ in range(2)]
+                assert len(taken) == 2, "the fused backward did not run"
+                check_gradients(runs[0], q, k, v, dout, causal, scale, feats, (dtype, i, "fused"))
+                assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2]), (dtype, i)
+            # torch autograd: the custom op's backward through a plan made with the switch off
+            q, k, v, dout = _half_case(torch, dtype, (1, 4), 1000, 1000, 64, 900, kv_heads=2)
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            taken.clear()
+            attnkern.attention(*leaves, kernel="cuda.flash", causal=True).backward(dout)
+            assert taken, "the fused backward did not run through autograd"
+            check_gradients([x.grad for x in leaves], q, k, v, dout, True, 1 / 8, {}, (dtype, "autograd"))
+    finally:
+        cuda_backend.forget_plans()  # later tests' plans: the deterministic kernels again
+
+
 def _flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats):
     """cpp.flash_bwd_mma with this division on torch CUDA tensors (batch, heads, n, d) and the
     features feats (window, key_lengths, softcap; GQA from the shapes): (dq, dk, dv)."""

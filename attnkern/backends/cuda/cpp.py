@@ -129,8 +129,8 @@ def flash_simt(q, k, v, out, causal: bool, scale: float, lse=None, config: SimtC
 def source_headers(source: str, defines: dict) -> tuple:
     """The headers a CUDA C++ source takes before it, in order: flash_common.cuh always, and
     flash_wgmma_common.cuh (the wgmma wrappers) for flash_wgmma.cu and flash_bwd_mma.cu's wgmma
-    kernels (PART 3: dK/dV, 4: dQ)."""
-    wgmma = source == "flash_wgmma.cu" or (source == "flash_bwd_mma.cu" and defines.get("PART") in (3, 4))
+    kernels (PART 3: dK/dV, 4: dQ; 5 and 6: the fused backward's first and last kernels)."""
+    wgmma = source == "flash_wgmma.cu" or (source == "flash_bwd_mma.cu" and defines.get("PART", 0) >= 3)
     return ("flash_common.cuh",) + (("flash_wgmma_common.cuh",) if wgmma else ())
 
 
@@ -817,6 +817,34 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool
 # D = 64).
 BWD_WGMMA = True
 BWD_WGMMA_DIVISIONS = {64: "qwg1x128s2kvwg1x128s2", 128: "qwg2x128s2kvwg1x64s2"}
+# True (the default): the backward is deterministic, bit-identical run to run (dQ in its own kernel,
+# every sum in a fixed order). False: on Hopper at D = 64 (BWD_FUSED_DIVISIONS), float16/bfloat16
+# without masks, ALiBi, dropout or packed sequences (bwd_wgmma_covers), FlashAttention-3's fused
+# backward runs instead: a first kernel of S = Q K^T alone for delta and the corrected lse
+# (flash_bwd_mma.cu's part 5), then one kernel for dK, dV and dQ (part 3 with FUSEDQ: dS through
+# shared memory, dQ += dS K added to a float32 accumulator by atomic adds, in the order the blocks
+# happen to run), then dQ's conversion (part 6): 6 N x N x D products (5 fused, S once more in the
+# first kernel) and the exponentials twice, instead of 7. dK and dV stay bit-identical run to run; dQ does not (its float32 additions'
+# order varies), though it is within FlashAttention's error rule. Measured slower: 1.51-1.65x the
+# default's time on an H100 (bfloat16, N 4096-16384; docs/gpu-backward-wgmma.md: every dQ element takes
+# N / 64 atomic additions, on the consumers' path), so it stays an opt-in. Read whenever a call's kernels
+# are chosen: the torch fast path keeps a call shape's plan, so call attnkern.backends.cuda.forget_plans()
+# after changing it. The division names the first kernel's half (qwg..., the dQ kernel's grid and
+# key tiles) and the fused kernel's (kvwg1x...: one warpgroup of 64 keys; ptxas, sm_90a: 216
+# registers with 64-row Q/dO tiles, 245 featured, no spills; 128-row tiles spill featured). The
+# environment variable ATTNKERN_BWD_DETERMINISTIC sets it at import ("0": False, "1" or unset: True),
+# so that a whole process (a test run, `attnkern bench`) takes the fused backward from its start.
+def _deterministic_from_env() -> bool:
+    """ATTNKERN_BWD_DETERMINISTIC as BWD_DETERMINISTIC: unset or empty True, "1" True, "0" False."""
+    text = os.environ.get("ATTNKERN_BWD_DETERMINISTIC", "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"ATTNKERN_BWD_DETERMINISTIC must be 0 (the fused, non-deterministic backward where it "
+                         f"applies) or 1 (deterministic, the default), not {text!r}")
+    return text != "0"
+
+
+BWD_DETERMINISTIC = _deterministic_from_env()
+BWD_FUSED_DIVISIONS = {64: "qwg1x128s2kvwg1x64s2"}
 
 
 def bwd_wgmma_covers(feat) -> bool:
@@ -827,6 +855,46 @@ def bwd_wgmma_covers(feat) -> bool:
 
 
 BWD_PARAMS = ("u64",) * 11 + ("i32", "i32", "f32", "f32", "i32")
+CONVERT_PARAMS = ("u64", "u64", "u64", "f32")  # part 6: dq32, dq, pairs of elements, scale
+CONVERT_THREADS = 256
+
+
+def bwd_fused_config(d: int, dtype: str, feat=None) -> "BwdConfig | None":
+    """The fused backward's division (BWD_FUSED_DIVISIONS) where it runs this call (BWD_DETERMINISTIC
+    False, float16/bfloat16 at a head size it has on Hopper's wgmma, features bwd_wgmma_covers takes),
+    else None (the deterministic kernels run)."""
+    if (BWD_DETERMINISTIC or dtype not in MMA_DTYPES or d not in BWD_FUSED_DIVISIONS or not BWD_WGMMA
+            or not wgmma_applies(d, d) or not bwd_wgmma_covers(feat)):
+        return None
+    return BwdConfig.parse(BWD_FUSED_DIVISIONS[d])
+
+
+def flash_bwd_fused_kernels(dtype: str, d: int, config: BwdConfig, featured: bool = False):
+    """(first kernel, dK/dV/dQ kernel, dQ's conversion) of the fused backward (BWD_DETERMINISTIC
+    False; flash_bwd_mma.cu's parts 5, 3 with FUSEDQ, and 6) for float16/bfloat16 at D = 64 in
+    the division config (qwg{n}x{keys}s{st}: the first kernel's; kvwg1x{64,128}s{st}: the fused one's)."""
+    if (dtype not in MMA_DTYPES or d != 64 or not config.dq_wg or config.dq_keys not in (64, 128)
+            or config.kv_wg != 1 or config.kv_rows not in (64, 128)
+            or any(s not in (0, 2, 3, 4) for s in (config.dq_stages, config.kv_stages))):
+        raise ValueError(f"the fused backward takes float16/bfloat16 at D = 64 in a division qwg<n>x<64|128>[s<st>]"
+                         f"kvwg1x<64|128>[s<st>] (one warpgroup of 64 keys), not {dtype} at D = {d} in {config}")
+    suffix = _suffix(featured, 0, False)
+    common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", 0), ("FEAT", int(featured)), ("MASK", 0),
+              ("ALIBI", 0))
+    params = BWD_PARAMS + FEAT_TYPES
+    first_shared = (64 * config.dq_wg + (config.dq_stages or 2) * config.dq_keys) * d * 2 + 1024
+    fused_shared = config.shared_bytes(d, 2) + config.kv_rows * 128 + 1024  # + dS, aligned to 1024
+    first = _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd5_{dtype}_{d}_{config.part_name(1)}{suffix}",
+                           (*common, ("PART", 5), ("NW", config.dq_warps), ("MT", 1), ("BN", config.dq_keys),
+                            ("STAGES", config.dq_stages)), params, 32 * config.dq_warps, first_shared)
+    fused = _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd3q_{dtype}_{d}_{config.part_name(2)}{suffix}",
+                           (*common, ("PART", 3), ("NW", 4), ("MT", 1), ("BN", config.kv_rows),
+                            ("STAGES", config.kv_stages), ("FUSEDQ", 1)), params, 128, fused_shared)
+    convert = _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd6_{dtype}_{d}",
+                             (*common[:3], ("FEAT", 0), ("MASK", 0), ("ALIBI", 0), ("PART", 6), ("NW", 4),
+                              ("MT", 1), ("BN", 64)), CONVERT_PARAMS,
+                             CONVERT_THREADS, 0)
+    return first, fused, convert
 
 
 def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featured: bool = False, mask: int = 0,
@@ -894,7 +962,8 @@ def flash_bwd_mma(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: floa
     """dq, dk, dv (GpuArrays to fill, the input dtype) of cuda.flash on float16,
     bfloat16 or float32 GpuArrays (batch, n, d) on tensor cores (flash_bwd_mma.cu;
     float32 in 3xTF32): the dQ kernel, which also writes delta = rowsum(dO O) and the
-    lse corrected in float32, then the dK/dV kernel; k, v, dk, dv have batch / kv_group
+    lse corrected in float32, then the dK/dV kernel (BWD_DETERMINISTIC False: the fused
+    backward where bwd_fused_config takes the call and no config is given); k, v, dk, dv have batch / kv_group
     rows. lse: the forward's, of the input dtype; feat: a launch.KernelFeatures or None.
     A call bwd_refusal refuses is a ValueError."""
     from .arrays import workspace
@@ -903,18 +972,28 @@ def flash_bwd_mma(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: floa
     if why is not None:
         raise ValueError(f"cuda.flash backward ({q.dtype.name}): {why}")
     rows = q.shape[0] * q.shape[1]
-    scratch = workspace(2 * max(rows, 1), np.float32, q.owner)  # the corrected lse, then delta
-    for kernel, grid, block, args in flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv,
-                                                        *bwd_scratch_views(scratch.ptr, rows, scratch.owner),
-                                                        causal, scale, feat, config):
+    fused = config is None and bwd_fused_config(q.shape[2], q.dtype.name, feat) is not None
+    # the corrected lse, delta (and the fused backward's float32 dQ)
+    scratch = workspace(bwd_scratch_elems(rows, q.shape[2], fused), np.float32, q.owner)
+    lse32, delta, dq32 = bwd_scratch_views(scratch.ptr, rows, scratch.owner, q.shape[2] if fused else 0)
+    for kernel, grid, block, args in flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal,
+                                                        scale, feat, config, dq32):
         launch(kernel, grid, block, *args)
 
 
-def bwd_scratch_views(base: int, rows: int, owner=None) -> tuple[GpuArray, GpuArray]:
-    """The two float32 (rows,) arrays of flash_bwd_mma's scratch memory at address base
-    (2 max(rows, 1) floats): the corrected lse, then delta."""
+def bwd_scratch_elems(rows: int, d: int, fused: bool) -> int:
+    """float32 elements of flash_bwd_mma's scratch memory (bwd_scratch_views): two per row, and
+    for the fused backward its float32 dQ (rows x d) after them, from a 16-byte boundary."""
+    return 2 * (rows + rows % 2) + rows * d if fused else 2 * max(rows, 1)
+
+
+def bwd_scratch_views(base: int, rows: int, owner=None, d: int = 0) -> tuple:
+    """The float32 arrays of flash_bwd_mma's scratch memory at address base (bwd_scratch_elems
+    floats): the corrected lse and delta (rows,), and with d > 0 (the fused backward) its dQ
+    accumulator (rows x d floats, 16-byte aligned where base is), else None."""
+    dq32 = (GpuArray((rows * d,), np.float32, None, ptr=base + 8 * (rows + rows % 2), owner=owner) if d else None)
     return (GpuArray((rows,), np.float32, None, ptr=base, owner=owner),
-            GpuArray((rows,), np.float32, None, ptr=base + 4 * rows, owner=owner))
+            GpuArray((rows,), np.float32, None, ptr=base + 4 * rows, owner=owner), dq32)
 
 
 def bwd_aligned(step: int):
@@ -927,12 +1006,16 @@ def bwd_aligned(step: int):
 
 
 def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal: bool, scale: float, feat=None,
-                       config: BwdConfig | None = None) -> list:
+                       config: BwdConfig | None = None, dq32=None) -> list:
     """[(kernel, grid, block, args)] of flash_bwd_mma's two launches (the dQ kernel, then
     the dK/dV kernel): launch() takes them, or Prepared; lse32 and delta: the float32
-    scratch arrays (bwd_scratch_views)."""
+    scratch arrays (bwd_scratch_views). dq32 (that scratch's float32 dQ): the fused backward's
+    three launches instead (flash_bwd_fused_kernels), in config or BWD_FUSED_DIVISIONS' division."""
     batch, nq, d = q.shape
     nk = k.shape[1]
+    if dq32 is not None:
+        return _fused_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, dq32, causal, scale, feat,
+                               config or BwdConfig.parse(BWD_FUSED_DIVISIONS.get(d, "")))
     config = config or bwd_config(d, q.dtype.name, varlen=_varlen_of(feat))
     if (config.kv_wg or config.dq_wg) and not bwd_wgmma_covers(feat):  # masks, ALiBi, dropout, varlen: mma.sync
         config = bwd_config(d, q.dtype.name, wgmma=False, varlen=_varlen_of(feat))
@@ -951,6 +1034,22 @@ def flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal
              32 * config.dq_warps, args),
             (kv_kernel, _grid(-(-keys // (16 * config.kv_mt * config.kv_warps)) * config.kv_split, k.shape[0], feat),
              32 * config.kv_warps, args)]
+
+
+def _fused_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, dq32, causal, scale, feat, config) -> list:
+    """flash_bwd_launches' fused backward: the first kernel (delta, the corrected lse, dq32 zeroed)
+    over query blocks, the dK/dV/dQ kernel over key blocks, dQ's conversion."""
+    batch, nq, d = q.shape
+    first, fused, convert = flash_bwd_fused_kernels(q.dtype.name, d, config, feat is not None)
+    words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
+    args = (Addr(q), Addr(k), Addr(v), Addr(out), Addr(dout), Addr(lse), Addr(dq32), Addr(dk), Addr(dv),
+            Addr(lse32), Addr(delta), np.int32(nq), np.int32(k.shape[1]), np.float32(scale * LOG2E),
+            np.float32(scale), np.int32(bool(causal)), *words)
+    pairs = batch * nq * d // 2
+    return [(first, _grid(-(-nq // (64 * config.dq_wg)), batch, feat), 32 * config.dq_warps, args),
+            (fused, _grid(-(-k.shape[1] // 64), k.shape[0], feat), 128, args),
+            (convert, (max(-(-pairs // CONVERT_THREADS), 1),), CONVERT_THREADS,
+             (Addr(dq32), Addr(dq), np.uint64(pairs), np.float32(scale)))]
 
 
 # ---------------------------------------------------------------- cuda.flash's split-K decode

@@ -12,7 +12,10 @@
 //   ATTNKERN_TF32     1 for float32 (3xTF32), 0 for the half dtypes
 //   ATTNKERN_PART     1: the dQ kernel, 2: the dK/dV kernel; on Hopper (sm_90a, float16/bfloat16,
 //                     D = 64 or 128, after flash_wgmma_common.cuh) 4: the dQ kernel and 3: the dK/dV
-//                     kernel on wgmma (the same work and order of sums; NW = 4 x warpgroups, MT = 1)
+//                     kernel on wgmma (the same work and order of sums; NW = 4 x warpgroups, MT = 1);
+//                     the opt-in fused backward (cpp.BWD_DETERMINISTIC False, D = 64): 5 its first
+//                     kernel (delta, the corrected lse), 3 with ATTNKERN_FUSEDQ 1 (dK, dV and dQ
+//                     added atomically in float32), 6 dQ's conversion to the dtype
 //   ATTNKERN_NW       warps per block
 //   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
 //                     each B fragment read from shared memory feeds MT mma tiles
@@ -32,7 +35,8 @@
 //                     Philox counters; varlen: part 1's grid (query blocks, heads, sequences), part 2's
 //                     (key blocks, k/v heads, sequences))
 //
-// Two kernels, no atomics, every sum in a fixed order (bit-identical run to run):
+// Two kernels, no atomics, every sum in a fixed order (bit-identical run to run; the opt-in
+// fused backward of parts 5, 3 and 6 excepted, whose dQ is not):
 //
 // Part 1 (grid: query blocks of 16 NW rows x batch rows) runs first. It computes
 // delta_i = dO_i . O_i in float32, recomputes S = Q K^T and dP = dO V^T per K/V
@@ -466,7 +470,7 @@ static __device__ __forceinline__ void kv_grads(bool MASK, const float (&s)[NQ][
 }
 #endif
 
-#if ATTNKERN_PART == 1 || ATTNKERN_PART == 4
+#if ATTNKERN_PART == 1 || ATTNKERN_PART == 4 || ATTNKERN_PART == 5
 // The dQ kernels' (parts 1 and 4) key tiles of BN keys [jt0, jt1) that the block of rows
 // q0..q0 + BW - 1 visits (plain: up to the block's last row with causal masking)
 static __device__ __forceinline__ void dq_key_tiles(const Feat& f, int q0, int nq, int nk, int causal, int& jt0,
@@ -537,6 +541,18 @@ static __device__ __forceinline__ void q_grads(bool MASK, const float (&s)[NS][4
     }
 }
 
+// The correction of the saved lse x (log2 domain) of row r by log2 of the row sum of the P
+// computed from it (the lane's share: lsum), within the rounding of its dtype (u |x| and a
+// float32 margin; dq_store below says why), written corrected for the dK/dV kernel (by the
+// quad's first lane, from column slice 0: c0 = 0); returns the correction
+static __device__ __forceinline__ float lse_fix(u64 lsefp, u64 qrow, float lsum, float x, int r, int nq, int c0) {
+    const float l = quad_sum(lsum);
+    const float bound = x == -neg_inf() ? 0.f : fabsf(x) * LSE_ULP + LSE_MARGIN;
+    const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
+    if ((threadIdx.x & 3) == 0 && r < nq && c0 == 0) ((float*)lsefp)[qrow + r] = x + fix;
+    return fix;
+}
+
 // The end of a dQ kernel for one 16-row tile (rows r0, r0 + 8). The saved lse corrected by log2
 // of the row sum l of the P computed from it, but only within the rounding of its dtype (u |lse|
 // and a float32 margin): an exact lse stays as it is, so out and lse of whole rows of which k, v
@@ -546,18 +562,9 @@ static __device__ __forceinline__ void q_grads(bool MASK, const float (&s)[NS][4
 static __device__ __forceinline__ void dq_store(u64 dqp, u64 lsefp, u64 qrow, const float (&dq)[DC / 8][4],
                                                 const float (&lsum)[2], const float (&lse2)[2], int r0, int nq,
                                                 float scale, int c0 = 0) {
-    const int lane = threadIdx.x & 31;
-    const float INF = -neg_inf();
     float factor[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const float l = quad_sum(lsum[h]), x = lse2[h];
-        const float bound = x == INF ? 0.f : fabsf(x) * LSE_ULP + LSE_MARGIN;
-        const float fix = fminf(fmaxf(lg2(l > 0.f ? l : 1.f), -bound), bound);
-        factor[h] = scale * ex2(-fix);
-        const int r = r0 + 8 * h;
-        if ((lane & 3) == 0 && r < nq && c0 == 0) ((float*)lsefp)[qrow + r] = x + fix;
-    }
+    for (int h = 0; h < 2; ++h) factor[h] = scale * ex2(-lse_fix(lsefp, qrow, lsum[h], lse2[h], r0 + 8 * h, nq, c0));
     store_rows((elem*)dqp + qrow * D, dq, factor, r0, nq, c0);
 }
 #endif
@@ -885,7 +892,68 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
 static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 3: 64- or 128-row Q/dO tiles, warpgroups");
 #define KV_BYTES (BW * D * 2)  // K or V of the block
 #define QT_BYTES (BN * D * 2)  // one streamed Q or dO tile
-#define WG_SMEM_BYTES (2 * KV_BYTES + STAGES * (2 * QT_BYTES + 8 * BN) + 1024)  // + lse, delta; + room to align to 1024
+#ifndef ATTNKERN_FUSEDQ
+#define ATTNKERN_FUSEDQ 0
+#endif
+// FUSEDQ: dS of a tile (BN query rows x 64 keys) in shared memory, after lse and delta, at a 1024-byte boundary
+#define DS_BYTES (ATTNKERN_FUSEDQ ? BN * 128 + 1024 : 0)
+#define WG_SMEM_BYTES (2 * KV_BYTES + STAGES * (2 * QT_BYTES + 8 * BN) + DS_BYTES + 1024)  // + lse, delta; + room to align to 1024
+#if ATTNKERN_FUSEDQ
+static_assert(D == 64 && NW == 4, "the fused dQ: D = 64, one warpgroup of 64 keys a block");
+
+// The fused backward's dQ (FUSEDQ, not deterministic), in two steps. store_ds: this tile's dS (the
+// warpgroup's dS^T in the register A layout dsf: keys as rows) into shared memory at dss as a
+// K-major A operand (query rows as rows, the 64 keys along k, the 128-byte swizzle); called
+// before dK += dS^T Q is issued, since a wgmma's A registers may not be accessed until it is
+// waited for. fused_dq: per 64 query rows dQ_tile = dS K (an SS wgmma m64n64k16, K at ks read
+// transposed), added unordered to the float32 rows qb + i0... of dq32 (below nq) by
+// red.global.add.v2.f32: the order of the additions over key blocks is the scheduler's, so dQ's
+// bits vary from run to run. It waits for every wgmma of the tile (dK's too).
+static __device__ __forceinline__ void store_ds(u32 dss, const AFrag (&dsf)[BN / 8]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int key = warp * 16 + g + 8 * hh;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int qr = n * 8 + ACC_COL(lane, e);
+                const u32 at = dss + qr * 128 + (((key >> 3) ^ (qr & 7)) << 4) + (key & 7) * 2;
+                asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"((u16)(dsf[n][hh] >> (16 * e))) : "memory");
+            }
+        }
+}
+
+static __device__ __forceinline__ void fused_dq(u64 dq32, u32 dss, u32 ks, u64 qb, int i0, int nq) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+    fence_async_shared();  // the stores visible to wgmma
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    float* dq = (float*)dq32 + qb * D;
+#pragma unroll 1
+    for (int hq = 0; hq < BN / 64; ++hq) {
+        float d[D / 8][4];  // (ACC64 names it d)
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)  // A K-major (tnspA 0), B MN-major (tnspB 1)
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_TYPES " " REGS32 ", %32, %33, p, 1, 1, 0, 1;\n}\n"
+                         : ACC64 : "l"(kmajor<BN>(dss, 64 * hq, kc)), "l"(mndesc<64>(ks, kc)), "r"(kc));
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(d);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = i0 + 64 * hq + warp * 16 + g + 8 * h;
+            if (r < nq)
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j)
+                    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dq + (u64)r * D + j * 8 + ACC_COL(lane, 0)),
+                                 "f"(d[j][2 * h]), "f"(d[j][2 * h + 1]) : "memory");
+        }
+    }
+}
+#endif
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
                                          u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
@@ -908,6 +976,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     const u32 base = smem_u32(smem), ks = (base + 1023u) & ~1023u, vs = ks + KV_BYTES, qs0 = vs + KV_BYTES,
               dos0 = qs0 + STAGES * QT_BYTES, sl0 = dos0 + STAGES * QT_BYTES;
     float* sl = (float*)((char*)smem + (sl0 - base));  // [stage][lse2 BN, delta BN]
+#if ATTNKERN_FUSEDQ
+    const u32 dss = (sl0 + STAGES * 8 * BN + 1023u) & ~1023u;
+#endif
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
 
     load_swizzled<BW, NTHREADS>(k, ks, k0, f0.len, tid);  // keys past the length: zero, never read
@@ -973,7 +1044,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         wgmma_wait<1>();  // dP^T in (dV's products may still run)
         pin(dp);
         wg_dscores(s, dp, dsf, [&](int, int n, int e) { return tl[BN + n * 8 + ACC_COL(lane, e)]; });
+#if ATTNKERN_FUSEDQ
+        store_ds(dss, dsf);
+#endif
         issue_rs(dk, dsf, qb);
+#if ATTNKERN_FUSEDQ
+        fused_dq(dqp, dss, ks, (b0 + h) * (u64)nq, i0, nq);
+#endif
         wgmma_wait<0>();  // this tile's Q and dO read before the next barrier refills their buffers
         pin(dv);
         pin(dk);
@@ -1088,5 +1165,94 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     }
     cp_async_wait_all();  // a block whose rows see no key still loaded Q and dO
     dq_store(dqp, lsefp, qrow, dq, lsum, lse2, r0, nq, scale);
+}
+#elif ATTNKERN_PART == 5
+// ---------------------------------------------------------------- the fused backward's first kernel
+// Part 5 (cpp.BWD_DETERMINISTIC False; sm_90a, float16/bfloat16, D = 64): part 4's grid, rows and
+// key tiles, with S = Q K^T alone: delta, and the lse corrected by the row sums of P exactly as
+// part 4 corrects it (the same products, tiles and order of sums: the same bits), for the fused
+// dK/dV/dQ kernel (part 3 with FUSEDQ), whose P needs the corrected lse from its first tile; and
+// the block's rows of dQ's float32 accumulator (dqp) zeroed. One product instead of part 4's three.
+#if ATTNKERN_TF32 || ATTNKERN_MASK || ATTNKERN_ALIBI || ATTNKERN_DROPOUT || ATTNKERN_VARLEN || (D != 64 && D != 128)
+#error "the fused backward's first kernel is float16/bfloat16 at D = 64 or 128 without masks, ALiBi, dropout or varlen"
+#endif
+static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 5: 64- or 128-key K tiles, warpgroups");
+#define OWN_BYTES (BW * D * 2)  // Q of the block
+#define KT_BYTES (BN * D * 2)   // one streamed K tile
+#define WG_SMEM_BYTES (OWN_BYTES + STAGES * KT_BYTES + 1024)  // + room to align to 1024
+
+extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop, u64 lsep, u64 dqp, u64 dkp,
+                                         u64 dvp, u64 lsefp, u64 deltap, int nq, int nk, float scale_log2,
+                                         float scale, int causal, FEAT_PARAMS) {
+    constexpr int NS = BN / 8;
+#if ATTNKERN_DYNAMIC
+    extern __shared__ __align__(1024) u16 smem[];
+#else
+    __shared__ __align__(1024) u16 smem[WG_SMEM_BYTES / 2];
+#endif
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, wg = warp >> 2;
+    const u64 b = blockIdx.y;
+    const int q0 = block_first_row(causal, BW);
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
+    const u64 qrow = b * (u64)nq, kvrow = f.kv_row * (u64)nk;
+    const u16* k = (const u16*)kp + kvrow * D;
+    const u32 qs = ((smem_u32(smem) + 1023u) & ~1023u), ks0 = qs + OWN_BYTES;
+    const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
+    const int load_len = ATTNKERN_FEAT ? f.len : nk;
+
+    load_swizzled<BW, NTHREADS>((const u16*)qp + qrow * D, qs, q0, nq, tid);
+    int jt0, jt1;
+    dq_key_tiles(f, q0, nq, nk, causal, jt0, jt1);
+    const auto load = [&](int jt) { load_stream<BN>(k, ks0 + ((jt - jt0) % STAGES) * KT_BYTES, jt * BN, load_len, tid); };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (jt0 + i < jt1) load(jt0 + i);
+        cp_async_commit();
+    }
+
+    const int g0 = q0 + 64 * wg, wr0 = q0 + warp * 16, r0 = wr0 + g;
+    float delta[2], lse2[2];
+    dq_row_stats(op, (const elem*)dop + qrow * D, lsep, deltap, qrow, wr0, nq, delta, lse2);
+    float lsum[2] = {0.f, 0.f};
+
+    for (int jt = jt0; jt < jt1; ++jt) {
+        const int j0 = jt * BN;
+        const u32 kb = ks0 + ((jt - jt0) % STAGES) * KT_BYTES;
+        cp_async_wait_group<STAGES - 2>();
+        fence_async_shared();
+        __syncthreads();  // tile jt (and Q) in; every warpgroup is done with tile jt - 1
+        if (jt + STAGES - 1 < jt1) load(jt + STAGES - 1);
+        cp_async_commit();
+        if (tile_unseen(f, j0, BN, g0, g0 + 63)) continue;
+        float s[NS][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) wgmma_ss(s, kmajor<BW>(qs, 64 * wg, kc), kmajor<BN>(kb, 0, kc), kc);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(s);
+        AFrag pf[NS];  // unused (the compiler drops it)
+        const auto lse_of = [&](int h, int, int) { return lse2[h]; };
+        if (tile_masked(f, j0, BN, wr0, wr0 + 15))
+            wg_probs(true, s, pf, lsum, r0, j0, true, lse_of, f, sgn, c);
+        else
+            wg_probs(false, s, pf, lsum, r0, j0, true, lse_of, f, sgn, c);
+    }
+    cp_async_wait_all();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lse_fix(lsefp, qrow, lsum[h], lse2[h], r0 + 8 * h, nq, 0);
+    float4* dq32 = (float4*)dqp + qrow * (D / 4);
+    for (int i = tid; i < BW * D / 4; i += NTHREADS)
+        if (q0 + i / (D / 4) < nq) dq32[(u64)q0 * (D / 4) + i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+#elif ATTNKERN_PART == 6
+// ---------------------------------------------------------------- the fused backward's last kernel
+// dQ = scale x dQ's float32 accumulator (part 3 with FUSEDQ), rounded to the input dtype: two
+// elements a thread, n2 pairs in all
+extern "C" __device__ void ATTNKERN_NAME(u64 dq32p, u64 dqp, u64 n2, float scale) {
+    const u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    if (i >= n2) return;
+    const float2 x = ((const float2*)dq32p)[i];
+    ((u32*)dqp)[i] = pack2(x.x * scale, x.y * scale);
 }
 #endif
