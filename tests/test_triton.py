@@ -213,6 +213,37 @@ def test_numpy_half_inputs_are_copied_there_and_back():
             assert err <= kernel_tolerance(kernel, dtype), (kernel, np.dtype(dtype).name, err)
 
 
+_PROBE = """
+import numpy as np, torch, triton, triton.language as tl
+
+@triton.jit
+def k(n_ptr, out_ptr):
+    acc = 0
+    for i in range(tl.load(n_ptr), 4):  # a loop bound loaded from memory, as the kernels' key ranges are
+        acc += i
+    tl.store(out_ptr, acc)
+
+n, out = torch.tensor([1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+k[(1,)](n, out)
+assert out.item() == 6, out
+"""
+
+
+def _interpreter_defect() -> str | None:
+    """Why Triton's interpreter here cannot run any kernel of ours, or None: Triton's
+    interpreter up to 3.6 converts a loop bound it loaded into an int with int() on a
+    1-element array, which NumPy 2.4 refuses (triton-lang/triton#9171, fixed upstream by
+    #9172). A ten-line kernel shows it apart from our code."""
+    run = subprocess.run([sys.executable, "-c", _PROBE], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    if run.returncode == 0:
+        return None
+    if "only 0-dimensional arrays can be converted" in run.stderr:
+        return ("this Triton's interpreter fails on a loop bound with this NumPy (triton-lang/triton#9171: "
+                "Triton <= 3.6 with NumPy >= 2.4); the compiled kernels are tested on a GPU")
+    raise AssertionError("a ten-line kernel failed in Triton's interpreter:\n" + run.stderr[-3000:])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                     reason="needs Triton and torch (Triton's interpreter runs the kernels on the CPU)")
 @pytest.mark.skipif(os.environ.get("ATTNKERN_TEST_GPU") == "1",
@@ -221,6 +252,9 @@ def test_numpy_half_inputs_are_copied_there_and_back():
 def test_kernels_in_triton_interpreter():
     """Forward and backward with every feature, run by Triton's interpreter on the CPU
     (tests/triton_interpreted.py): float32 within 2^7 u, float16 within 4u, of float64."""
+    why = _interpreter_defect()
+    if why:
+        pytest.skip(why)
     script = Path(__file__).with_name("triton_interpreted.py")
     run = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=600)
