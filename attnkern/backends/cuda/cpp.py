@@ -299,7 +299,7 @@ class WgmmaConfig:
     P by 2^8 in its exponent instead of a multiply, k > 1 also computes the probabilities of every
     k-th 8-key tile on the FMA pipes (flash_common.cuh's exp2_fma) beside the ex2 unit; `half_exp`
     (FP8 with fp8_exp 1 only, ATTNKERN_FP8_EXP_H): the exponentials two at a time in half precision
-    (ex2.approx.f16x2), their arguments formed in float32; `fp8_pack` (FP8 with fp8_exp > 0 and not
+    (ex2.approx.f16x2, which ptxas makes two MUFU.EX2 on sm_90a), their arguments formed in float32; `fp8_pack` (FP8 with fp8_exp > 0 and not
     half_exp, ATTNKERN_FP8_PACK): P rounded to e4m3 during the softmax into a second set of fragment
     registers rather than after the pending P V, 1 (c) by cvt (the same bits), 2 (i) by integer
     operations (ties rounded away from zero)."""
@@ -512,7 +512,9 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
 # rows on an H100 (docs/gpu-fp8.md, 2026-11-26): 1.21-1.28x our bfloat16 kernel, where wg2k128s3e was
 # 1.02-1.09x; the default, its x1 variant (P's 2^8 in the exponent: one multiply a score less), was
 # 1-5% faster than it in all 6 rows of a second run (1.24-1.38x bfloat16); x4, x6, x8 (a share of the
-# exps on the FMA pipes) were slower than x1 in every row. The GPU tests passed for each.
+# exps on the FMA pipes) were slower than x1 in every row. The GPU tests passed for each. x1c and x1i
+# (P rounded during the softmax, by cvt and by integer operations) and x8i ran at 4-9%, 12-18% and
+# 10-17% less than x1's speed in every row (H100, 2026-11-27), so x1 stays.
 FP8_CP_ASYNC = WgmmaConfig(2, 128, 3, early_k=True)
 FP8_DEFAULT = WgmmaConfig(2, 192, 2, pingpong=True, early_k=True, tma=True, fp8_exp=1)
 FP8_HEAD_SIZES = (128,)
