@@ -593,8 +593,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
         for (int n = 0; n < NP; ++n) {
 #if ATTNKERN_FP8 && ATTNKERN_FP8_PACK
-            // by a mov the compiler keeps: were pf pn's registers, P V's operands would be written
-            // during the softmax of the next tile's wait, and ptxas (C7513) would serialize every wgmma
+            // by a mov the compiler keeps: where it let a P V read pn's registers directly, they are
+            // written by the softmax while an earlier P V is in flight, and ptxas (C7513) then
+            // serializes every wgmma of the kernel
             asm volatile("mov.b32 %0, %1;\n" : "=r"(pf[n][0]) : "r"(pn[n][0]));
             asm volatile("mov.b32 %0, %1;\n" : "=r"(pf[n][1]) : "r"(pn[n][1]));
 #elif ATTNKERN_FP8
