@@ -122,6 +122,11 @@ KERNELS = [
        dict(D=128, BF16=1, FP8=1, BN=192, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=2,
             PINGPONG=1, EARLYK=1, TMA=1, FP8_EXP=x, FP8_EXP_H=h, THREADS=384), MMA + ("float", "int", "u64"))
       for x, h in ((1, 0), (4, 0), (6, 0), (8, 0), (1, 1)) for feat in (0, 1)),
+    # ... x1 (and x8) with P rounded during the softmax (cpp.WgmmaConfig.fp8_pack: c by cvt, i by integer operations)
+    *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k192s2petx{x}{'ci'[pk - 1]}" + "_feat" * feat,
+       dict(D=128, BF16=1, FP8=1, BN=192, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=2,
+            PINGPONG=1, EARLYK=1, TMA=1, FP8_EXP=x, FP8_PACK=pk, THREADS=384), MMA + ("float", "int", "u64"))
+      for x, pk in ((1, 1), (1, 2), (8, 2)) for feat in (0, 1)),
     # FP8's V^T pre-pass (cpp.fp8_vt_kernel)
     ("flash_fp8_vt.cu", "fp8_vt_128", dict(THREADS=256), ("u64", "u64", "int", "int")),
     # the packed-sequence variants (varlen), with dropout as attention_varlen may ask

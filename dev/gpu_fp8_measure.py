@@ -108,11 +108,12 @@ def error_table(n, configs):
 
 
 def fp8_division(text):
-    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?(t)?(?:x(\d+))?(h)?", text)
+    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?(t)?(?:x(\d+))?(h)?([ci])?", text)
     if not m:
         raise SystemExit(f"--fp8-configs: {text!r} is not a warp-specialized division like wg2k128s3e")
     return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3]), pingpong=bool(m[4]), early_k=bool(m[5]),
-                           tma=bool(m[6]), fp8_exp=int(m[7] or 0), half_exp=bool(m[8]))
+                           tma=bool(m[6]), fp8_exp=int(m[7] or 0), half_exp=bool(m[8]),
+                           fp8_pack=" ci".index(m[9] or " "))
 
 
 def with_settings(fn, **settings):

@@ -125,6 +125,15 @@ def test_fp8_divisions_and_their_refusals():
         cpp.fp8_config_check(division("wg2k192s2petx25"))
     with pytest.raises(ValueError, match="in FP8 only"):  # no exponent variant in float16/bfloat16
         division("wg2k176s2petx1").check(128)
+    # P rounded during the softmax (c: cvt, i: integer operations): with an exponent variant, not h
+    for text in ("wg2k192s2petx1c", "wg2k192s2petx1i", "wg2k192s2petx8i", "wg2k128s3ex1c"):
+        cpp.fp8_config_check(division(text))
+        assert str(division(text)) == text
+    for text in ("wg2k192s2petc", "wg2k192s2petx1hc", "wg2k192s2peti"):
+        with pytest.raises(ValueError, match="c or i with an x and no h"):
+            cpp.fp8_config_check(division(text))
+    with pytest.raises(ValueError, match="pack3"):  # an unknown one named as such
+        cpp.fp8_config_check(cpp.WgmmaConfig(2, 192, 2, pingpong=True, early_k=True, tma=True, fp8_exp=1, fp8_pack=3))
     for text, why in (("wg2k192s3e", "128-key tiles with cp.async"), ("wg2k176s2pet", r"\(128, 160, 192\) keys"),
                       ("wg2k64s3et", r"\(128, 160, 192\) keys"), ("wg3k128", "warp-specialized")):
         with pytest.raises(ValueError, match=why):
@@ -141,9 +150,10 @@ def division(text):
     early K, TMA)."""
     import re
 
-    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?(h?)", text)
+    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?(h?)([ci]?)", text)
     return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3] or 0), pingpong=bool(m[4]), early_k=bool(m[5]),
-                           tma=bool(m[6]), fp8_exp=int(m[7] or 0), half_exp=bool(m[8]))
+                           tma=bool(m[6]), fp8_exp=int(m[7] or 0), half_exp=bool(m[8]),
+                           fp8_pack=" ci".index(m[9] or " "))
 
 
 def test_backward_and_varlen_refuse_fp8():
@@ -229,9 +239,11 @@ def inputs(shape_q, shape_kv, seed, outliers=False):
 # the FP8 divisions the GPU tests run (each test below for each, FP8_DEFAULT swapped): the cp.async
 # one and the TMA ones with ping-pong at 128, 160 and 192 keys a tile (dev/gpu_fp8_measure.py's),
 # and the default's exponent variants (x1: P's 2^8 in the exponent; xk: also every k-th 8-key
-# tile's probabilities by exp2_fma; x1h: the exponentials two at a time in half precision)
+# tile's probabilities by exp2_fma; x1h: the exponentials two at a time in half precision; x1c, x1i:
+# P rounded to e4m3 during the softmax, by cvt and by integer operations; x8i: x8's with the latter)
 DIVISIONS = ["wg2k128s3e", "wg2k128s3pet", "wg2k160s3pet", "wg2k192s2pet", "wg2k192s3pet", "wg2k192s2petx1",
-             "wg2k192s2petx4", "wg2k192s2petx6", "wg2k192s2petx8", "wg2k192s2petx1h"]
+             "wg2k192s2petx4", "wg2k192s2petx6", "wg2k192s2petx8", "wg2k192s2petx1h", "wg2k192s2petx1c",
+             "wg2k192s2petx1i", "wg2k192s2petx8i"]
 
 
 @pytest.fixture(params=DIVISIONS)
@@ -455,3 +467,25 @@ def test_fp8_refusals(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     with pytest.raises(ValueError, match="compute capability 8.9"):
         attnkern.attention(x8, x8, x8, **ds)
+
+
+@gpu
+def test_fp8_p_rounded_during_the_softmax_same_answer(monkeypatch):
+    """x1c rounds P with x1's cvt, only earlier: the same bits; x1i rounds by integer operations,
+    whose ties go away from zero where cvt's go to even: the same lse (the row sums are of the
+    unrounded probabilities) and the same output but in the few rows where a tie falls."""
+    q, k, v = inputs((2, 4, 1000, 128), (2, 2, 1500, 128), seed=17)
+    r = attnkern.quantize_fp8(q, k, v)
+    outs = {}
+    for text in ("wg2k192s2petx1", "wg2k192s2petx1c", "wg2k192s2petx1i"):
+        monkeypatch.setattr(cpp, "FP8_DEFAULT", division(text))
+        for causal in (False, True, "bottom_right"):  # plain and featured (grouped k/v heads) kernels
+            outs[text, causal] = attnkern.attention(*r[:3], causal=causal, return_lse=True, **r.kwargs())
+    for causal in (False, True, "bottom_right"):
+        (out, lse), (out_c, lse_c), (out_i, lse_i) = (outs[t, causal] for t in ("wg2k192s2petx1", "wg2k192s2petx1c",
+                                                                                "wg2k192s2petx1i"))
+        assert torch.equal(out_c, out) and torch.equal(lse_c, lse)
+        assert torch.equal(lse_i, lse)
+        rows = (out_i != out).any(-1)
+        assert float(rows.float().mean()) < 0.02, float(rows.float().mean())
+        assert float((out_i.float() - out.float()).abs().max()) <= 0.1 * float(out.float().abs().max())

@@ -299,7 +299,10 @@ class WgmmaConfig:
     P by 2^8 in its exponent instead of a multiply, k > 1 also computes the probabilities of every
     k-th 8-key tile on the FMA pipes (flash_common.cuh's exp2_fma) beside the ex2 unit; `half_exp`
     (FP8 with fp8_exp 1 only, ATTNKERN_FP8_EXP_H): the exponentials two at a time in half precision
-    (ex2.approx.f16x2), their arguments formed in float32."""
+    (ex2.approx.f16x2, which ptxas makes two MUFU.EX2 on sm_90a), their arguments formed in float32; `fp8_pack` (FP8 with fp8_exp > 0 and not
+    half_exp, ATTNKERN_FP8_PACK): P rounded to e4m3 during the softmax into a second set of fragment
+    registers rather than after the pending P V, 1 (c) by cvt (the same bits), 2 (i) by integer
+    operations (ties rounded away from zero)."""
 
     warpgroups: int = 3
     block_k: int = 128
@@ -309,6 +312,7 @@ class WgmmaConfig:
     tma: bool = False
     fp8_exp: int = 0
     half_exp: bool = False
+    fp8_pack: int = 0
 
     def check(self, d: int, itemsize: int = 2) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size (itemsize 1: FP8)."""
@@ -322,11 +326,13 @@ class WgmmaConfig:
             ok = ok and self.stages > 0 and (self.warpgroups == 2 or not self.pingpong)
         ok = ok and (self.fp8_exp == 0 or (itemsize == 1 and 0 < self.fp8_exp <= self.block_k // 8))
         ok = ok and (not self.half_exp or self.fp8_exp == 1)
+        ok = ok and (self.fp8_pack == 0 or (self.fp8_pack in (1, 2) and self.fp8_exp > 0 and not self.half_exp))
         ok = ok and (self.block_k != 256 or itemsize == 2)  # 256-key tiles: float16/bfloat16 only (FP8 untried)
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
                              "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages, "
-                             "an FP8 exponent variant x1... in FP8 only, h with x1 only, 256-key tiles not in FP8), "
+                             "an FP8 exponent variant x1... in FP8 only, h with x1 only, c or i with an x and no h, "
+                             "256-key tiles not in FP8), "
                              f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
                              f"at D = {d}")
 
@@ -352,7 +358,8 @@ class WgmmaConfig:
     def __str__(self) -> str:
         return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
                 + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else "")
-                + (f"x{self.fp8_exp}" if self.fp8_exp else "") + ("h" if self.half_exp else ""))
+                + (f"x{self.fp8_exp}" if self.fp8_exp else "") + ("h" if self.half_exp else "")
+                + {0: "", 1: "c", 2: "i"}.get(self.fp8_pack, f"pack{self.fp8_pack}"))
 
     def tma_off(self) -> "WgmmaConfig":
         """This division with cp.async copies: the featured kernels' (the TMA fills K/V rows past nk
@@ -505,7 +512,9 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
 # rows on an H100 (docs/gpu-fp8.md, 2026-11-26): 1.21-1.28x our bfloat16 kernel, where wg2k128s3e was
 # 1.02-1.09x; the default, its x1 variant (P's 2^8 in the exponent: one multiply a score less), was
 # 1-5% faster than it in all 6 rows of a second run (1.24-1.38x bfloat16); x4, x6, x8 (a share of the
-# exps on the FMA pipes) were slower than x1 in every row. The GPU tests passed for each.
+# exps on the FMA pipes) were slower than x1 in every row. The GPU tests passed for each. x1c and x1i
+# (P rounded during the softmax, by cvt and by integer operations) and x8i ran at 4-9%, 12-18% and
+# 10-17% less than x1's speed in every row (H100, 2026-11-27), so x1 stays.
 FP8_CP_ASYNC = WgmmaConfig(2, 128, 3, early_k=True)
 FP8_DEFAULT = WgmmaConfig(2, 192, 2, pingpong=True, early_k=True, tma=True, fp8_exp=1)
 FP8_HEAD_SIZES = (128,)
@@ -545,7 +554,7 @@ def flash_fp8_kernel(config: WgmmaConfig | None = None, featured: bool = False):
                            ("FEAT", int(featured)), ("MASK", 0), ("ALIBI", 0), ("FAST", 0), ("WS", 1),
                            ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
                            ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)), ("FP8_EXP", config.fp8_exp),
-                           ("FP8_EXP_H", int(config.half_exp))),
+                           ("FP8_EXP_H", int(config.half_exp)), ("FP8_PACK", config.fp8_pack)),
                           params, config.threads, config.shared_bytes(128, 1))
 
 

@@ -72,7 +72,8 @@ static __device__ __forceinline__ float ex2(float x) {
 #define ATTNKERN_FP8_EXP 0
 #endif
 // ATTNKERN_FP8_EXP_H (with ATTNKERN_FP8_EXP 1): the probabilities two at a time by ex2.approx.f16x2
-// (one ex2 instruction for two results), their arguments s c - m c + 8 formed in float32 and rounded
+// (one PTX instruction for two results, but ptxas makes it two MUFU.EX2.F16 on sm_90a, one a half,
+// and a PRMT: no fewer ex2 unit operations), their arguments s c - m c + 8 formed in float32 and rounded
 // to half precision before it (relative error of 2^x: 2^-11 of x's magnitude times ln 2, at most
 // 0.5% for x > -32, where 2^x is below 2^-24 of the row's largest and e4m3's 2^-4 rounding of P dominates)
 #ifndef ATTNKERN_FP8_EXP_H

@@ -117,6 +117,19 @@
 // the factor P still takes here: none where softmax_tile hands it out scaled (ATTNKERN_FP8_EXP),
 // whose row sums are then 2^8 too, undone before the output's store
 #define P_MUL (ATTNKERN_FP8_EXP ? 1.f : P_SCALE)
+// ATTNKERN_FP8_PACK (with ATTNKERN_FP8_EXP > 0, whose probabilities come out already scaled):
+// 0 rounds P to e4m3 after the pending P V is in (its A fragment registers are then free), a
+// serial stretch between the softmax and the next turn; 1 rounds each 16 keys' probabilities as
+// the softmax makes them (cvt.rn.satfinite.e4m3x2.f32, the same bits as 0) into a second set of
+// fragment registers, copied into the fragment once the pending P V is in, so that the
+// conversions issue among the softmax's exponentials; 2 as 1, by integer operations instead of
+// cvt (pack4_e4m3_int: the same values, ties rounded away from zero rather than to even)
+#ifndef ATTNKERN_FP8_PACK
+#define ATTNKERN_FP8_PACK 0
+#endif
+#if ATTNKERN_FP8_PACK && !ATTNKERN_FP8_EXP
+#error "ATTNKERN_FP8_PACK: with ATTNKERN_FP8_EXP (probabilities handed out times 2^8)"
+#endif
 #else
 #define FP8_PARAMS
 #define SIGN_BITS 0x80008000u  // negates both halves of a pair
@@ -379,6 +392,27 @@ static __device__ __forceinline__ u32 pack4_e4m3(float a, float b, float c, floa
         "mov.b32 %0, {lo, hi};\n}\n" : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
     return r;
 }
+
+// x in [0, 448) as an e4m3 code by integer operations (ATTNKERN_FP8_PACK 2): x 2^-120 (mul.rn
+// without ftz, exact) puts e4m3's smallest normal 2^-6 on float32's 2^-126, so that the bits above
+// the low 20 are e4m3's exponent and 3 mantissa bits, and e4m3's subnormals float32's; adding
+// 2^19 rounds to nearest (ties away from zero, where cvt's go to even). The softmax's probabilities
+// times 2^8 are at most 256 (0x78); a NaN (a bad device descale) gives a wrong code, but its row
+// sum is NaN too, so the output is NaN as with cvt.
+static __device__ __forceinline__ u32 e4m3_code(float x) {
+    float y;
+    asm("mul.rn.f32 %0, %1, 0f03800000;\n" : "=f"(y) : "f"(x));  // 2^-120
+    return (__float_as_uint(y) + 0x80000u) >> 20;
+}
+
+static __device__ __forceinline__ u32 pack4_e4m3_int(float a, float b, float c, float d) {
+    return e4m3_code(a) | e4m3_code(b) << 8 | e4m3_code(c) << 16 | e4m3_code(d) << 24;
+}
+
+// P's four e4m3 values of a fragment register, the variant's way (ATTNKERN_FP8_PACK)
+static __device__ __forceinline__ u32 pack4_p(float a, float b, float c, float d) {
+    return ATTNKERN_FP8_PACK == 2 ? pack4_e4m3_int(a, b, c, d) : pack4_e4m3(a, b, c, d);
+}
 #endif
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
@@ -509,6 +543,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     // P of the pending tile in the input dtype: (row g, keys 2t..) and (row g+8, keys 2t..) per 8
     // keys; FP8: per 16 keys 8i.. (row g, keys 8i + 2t, 8i + 2t + 1, 8i + 8 + 2t, 8i + 9 + 2t), row g + 8's
     u32 pf[NP][2];
+#if ATTNKERN_FP8 && ATTNKERN_FP8_PACK
+    u32 pn[NP][2];  // the new tile's P, rounded during its softmax while P V still reads pf
+#endif
     int pend;       // the ring index of the tile whose P V is pending
     // S = Q K^T of the K tile at kb: steps of 32 bytes along the head size (16 elements, FP8 32),
     // one commit group
@@ -537,6 +574,14 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const auto softmax = [&](float (&sc)[NS][4], int j0, float (&a)[2]) {
         pin(sc);
         const auto emit = [&](int n, const float (&p)[4]) {
+#if ATTNKERN_FP8 && ATTNKERN_FP8_PACK
+            if (n & 1) {  // the second 8-key tile of a 16-key pair (n is constant once unrolled)
+                const float (&x)[4] = sc[n - 1];
+                pn[n / 2][0] = pack4_p(x[0], x[1], p[0], p[1]);
+                pn[n / 2][1] = pack4_p(x[2], x[3], p[2], p[3]);
+                return;
+            }
+#endif
             sc[n][0] = p[0]; sc[n][1] = p[1]; sc[n][2] = p[2]; sc[n][3] = p[3];
         };
         softmax_tile_masked_if(tile_masked(f, j0, BN, wr0, wr0 + 15), sc, m, l, a, c, j0, f, wr0 + g, emit);
@@ -547,7 +592,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         if (warp_any(a[0] != 1.f || a[1] != 1.f)) scale_rows(o, a);
 #pragma unroll
         for (int n = 0; n < NP; ++n) {
-#if ATTNKERN_FP8
+#if ATTNKERN_FP8 && ATTNKERN_FP8_PACK
+            // by a mov the compiler keeps: where it let a P V read pn's registers directly, they are
+            // written by the softmax while an earlier P V is in flight, and ptxas (C7513) then
+            // serializes every wgmma of the kernel
+            asm volatile("mov.b32 %0, %1;\n" : "=r"(pf[n][0]) : "r"(pn[n][0]));
+            asm volatile("mov.b32 %0, %1;\n" : "=r"(pf[n][1]) : "r"(pn[n][1]));
+#elif ATTNKERN_FP8
             const float (&x)[4] = sc[2 * n], (&y)[4] = sc[2 * n + 1];
             pf[n][0] = pack4_e4m3(x[0] * P_MUL, x[1] * P_MUL, y[0] * P_MUL, y[1] * P_MUL);
             pf[n][1] = pack4_e4m3(x[2] * P_MUL, x[3] * P_MUL, y[2] * P_MUL, y[3] * P_MUL);
@@ -634,6 +685,9 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             softmax(sc, j0, a);
             wgmma_wait<0>();  // the pending P V is in o: its slots are free
             pin(o);
+#if ATTNKERN_FP8 && ATTNKERN_FP8_PACK
+            pin(pf);  // read by that P V until here: pn must not take its registers before
+#endif
             if (!ATTNKERN_EARLYK) free_k(pend);
             free_v(pend);
             rescale_round(sc, a);
