@@ -316,9 +316,8 @@ def test_wgmma_persistent_division(monkeypatch):
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d, name", [(128, "wg2k176s2pet"), (64, "wg2k128s3et"), (64, "wg2k128s2pet"),
-                                     (128, "wg2k128s2pet")])
+@pytest.mark.parametrize("dtype, d, name", [("bfloat16", 128, "wg2k176s2pet"), ("bfloat16", 64, "wg2k128s3et"),
+                                            ("float16", 64, "wg2k128s2pet"), ("float16", 128, "wg2k128s3et")])
 def test_wgmma_persistent_bit_identical(dtype, d, name):
     """The persistent kernel (P) gives the same bits as the same division without it (one block a
     tile): out and lse, causal and not, a negative scale, partial blocks, more tiles than SMs (each
