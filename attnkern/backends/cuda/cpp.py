@@ -441,7 +441,10 @@ def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | W
 # stages, at D = 128 176-key tiles in 2 stages with ping-pong (FlashAttention-3's tile). On an
 # H100 (docs/results.md, 2026-11-26, two runs of 12 bfloat16 rows) 1.03-1.05x (D = 64) and
 # 0.99-1.18x (D = 128, 11 of 12 rows faster) the previous default wg2k128s3e, which has cp.async
-# copies, itself 1.4-1.7x the double-buffered wg3k128.
+# copies, itself 1.4-1.7x the double-buffered wg3k128. Their persistent forms (wg2k128s3etP,
+# wg2k176s2petP: one block an SM walking the tiles by a static stride) were bit-identical but 0.80-1.10x
+# as fast on an H100 (docs/gpu-forward-grid.md, 2026-11-27: slower causal and at N = 8192, level at
+# N = 2048 without causal masking): opt-in divisions, not defaults.
 WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True),
                  128: WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True)}
 # The featured kernels' and the float32-rows (ATTNKERN_WIDE) variant's: the previous default,

@@ -20,6 +20,10 @@
 //   ATTNKERN_TMA      1: its producer copies K/V tiles with the tensor memory accelerator (TMA):
 //                     kp and vp are then the global addresses of K's and V's CUtensorMap
 //                     (launch.TensorMap), not of their elements
+//   ATTNKERN_PERSIST  1 (with ATTNKERN_TMA, plain kernels): the persistent kernel (persist_tile),
+//                     one block an SM walking the (batch row, query block) tiles; its one more
+//                     parameter is the batch rows. Bit-identical to the kernel without it; on an H100
+//                     0.80-1.10x its speed (docs/gpu-forward-grid.md): opt-in, not a default
 // and then flash_common.cuh and flash_wgmma_common.cuh (the wgmma wrappers, descriptors and
 // swizzled copies, shared with flash_bwd_mma.cu's Hopper kernels). The grid is (query blocks, batch).
 //
