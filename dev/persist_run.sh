@@ -1,4 +1,5 @@
 #!/bin/bash
+# shellcheck disable=SC2086  # P and GRID are lists of words: split on purpose
 # The persistent forward's device call (flash_wgmma.cu's ATTNKERN_PERSIST, WgmmaConfig's P suffix), run
 # from a folder that holds whl/ (the cp312 wheel and NumPy 2.4's), tests/ and dev/. First, in parallel:
 # the GPU tests with the persistent divisions forced as the plain kernel's default
