@@ -96,6 +96,12 @@ KERNELS = [
        dict(D=d, BF16=1, BN=bn, NWG=nwg, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=wide, WS=1, STAGES=st, PINGPONG=pp,
             EARLYK=1, TMA=1, THREADS=128 * (nwg + 1)), MMA)
       for d in (64, 128) for nwg, bn, st, pp, wide in ((2, 128, 3, 0, 0), (2, 128, 2, 1, 0), (2, 128, 3, 0, 1))),
+    # its persistent form (ATTNKERN_PERSIST, cpp.WgmmaConfig's P: one block an SM walking the tiles; one more
+    # parameter, the batch rows), as the divisions dev/persist_run.sh measured
+    *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k{bn}s{st}{'p' * pp}etP",
+       dict(D=d, BF16=1, BN=bn, NWG=2, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=pp,
+            EARLYK=1, TMA=1, PERSIST=1, THREADS=384), MMA + ("int",))
+      for d, bn, st, pp in ((128, 176, 2, 1), (64, 128, 3, 0), (64, 128, 2, 1))),
     # its wider K/V tiles (FlashAttention-3's 128 x 176 at D = 128), with the TMA producer and without
     *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k{bn}s{st}{'p' * pp}e{'t' * tma}",
        dict(D=d, BF16=1, BN=bn, NWG=2, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=pp,

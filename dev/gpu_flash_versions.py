@@ -15,7 +15,8 @@ reloaded from shared memory; for float16/bfloat16 on Hopper at D = 64 and 128 al
 flash_wgmma.cu's cpp.WgmmaConfig, "wg{warpgroups}k{keys a tile}"; for float32 also a cpp.SimtConfig of the
 register-blocked kernel, "{query rows}x{keys}t{rows}x{keys}" (a block's tile, then a
 thread's). A WgmmaConfig with stages, "wg{consumer warpgroups}k{keys}s{stages}" ("p" after
-it: ping-pong, then "e": early K, then "t": K/V copied by the TMA), is the warp-specialized
+it: ping-pong, then "e": early K, then "t": K/V copied by the TMA, then "P": persistent, one block an SM
+walking the tiles), is the warp-specialized
 variant (a producer warpgroup and a ring of K/V stages; keys 64, 128, 160, 176, 192 or 256). "default" is the division the library picks for the head size (marked
 *); a division that does not fit the head size or the GPU is reported and skipped. "attention", with
 --library: attnkern.attention(..., kernel="cuda.flash", check_finite=False), the
@@ -82,7 +83,7 @@ def flat3(x):
 
 
 SIMT_NAME, MMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?"
-WGMMA_NAME = r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?)?"
+WGMMA_NAME = r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?(P)?)?"
 
 
 def parse_config(text, d, dtype):
@@ -102,8 +103,7 @@ def parse_config(text, d, dtype):
         ok = dtype != "float32" and cpp.wgmma_applies(d, d)
         if not ok:
             return None
-        config = cpp.WgmmaConfig(warpgroups=int(wg[1]), block_k=int(wg[2]), stages=int(wg[3] or 0),
-                                 pingpong=bool(wg[4]), early_k=bool(wg[5]), tma=bool(wg[6]))
+        config = cpp.WgmmaConfig.parse(text)
         try:
             config.check(d)
         except ValueError:

@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 
@@ -108,12 +107,13 @@ def error_table(n, configs):
 
 
 def fp8_division(text):
-    m = re.fullmatch(r"wg(\d+)k(\d+)s(\d+)(p)?(e)?(t)?(?:x(\d+))?(h)?([ci])?", text)
-    if not m:
+    try:
+        config = cpp.WgmmaConfig.parse(text)
+    except ValueError:
+        config = None
+    if config is None or not config.stages:
         raise SystemExit(f"--fp8-configs: {text!r} is not a warp-specialized division like wg2k128s3e")
-    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3]), pingpong=bool(m[4]), early_k=bool(m[5]),
-                           tma=bool(m[6]), fp8_exp=int(m[7] or 0), half_exp=bool(m[8]),
-                           fp8_pack=" ci".index(m[9] or " "))
+    return config
 
 
 def with_settings(fn, **settings):

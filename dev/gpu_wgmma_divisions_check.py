@@ -13,7 +13,6 @@ Each case's scaled error must be within attnkern_bench.accuracy's bound for roun
 
 import argparse
 import json
-import re
 import sys
 
 import numpy as np
@@ -77,8 +76,7 @@ def main():
     a = ap.parse_args()
     rows, failed = [], 0
     for name in a.divisions.split(","):
-        wg, bk, stages, pingpong, early = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?)?", name).groups()
-        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early))
+        division = cpp.WgmmaConfig.parse(name)
         for d in map(int, a.dims.split(",")):
             try:
                 division.check(d)

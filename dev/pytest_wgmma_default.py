@@ -7,10 +7,9 @@ the default:
         python3 -m pytest -p pytest_wgmma_default tests/test_cuda.py
 
 Each entry is D=division, a division named as dev/gpu_flash_versions.py names them
-(wg{warpgroups}k{keys}[s{stages}[p][e][t]])."""
+(wg{warpgroups}k{keys}[s{stages}[p][e][t][P]], cpp.WgmmaConfig.parse)."""
 
 import os
-import re
 
 
 def pytest_configure(config):
@@ -21,8 +20,7 @@ def pytest_configure(config):
 
     for entry in spec.split(","):
         d, name = entry.split("=")
-        wg, bk, stages, pingpong, early, tma = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?)?", name).groups()
-        division = cpp.WgmmaConfig(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early), bool(tma))
+        division = cpp.WgmmaConfig.parse(name)
         division.check(int(d))
         cpp.WGMMA_DEFAULT[int(d)] = division
         cpp.WGMMA_OTHER[int(d)] = division.tma_off()  # the featured and float32-rows kernels' form of it

@@ -277,6 +277,87 @@ def test_wgmma_tma_division_and_prepared_tensor_maps(monkeypatch):
     assert looked_up == [(8192, (2, 8, 64), 128), (16384, (2, 8, 64), 128)]
 
 
+def test_wgmma_persistent_division(monkeypatch):
+    """flash_wgmma.cu's persistent kernel (WgmmaConfig.persistent, named by a P suffix): names parse
+    back to their division; it needs the TMA producer and float16/bfloat16; the featured kernels' form
+    (tma_off) is the plain walk's; a plain launch takes min(tiles, SMs) blocks and the batch rows as one
+    more argument, the same division without P the (query blocks, batch rows) grid."""
+    from attnkern._gpuarray import GpuArray
+    from attnkern.backends.cuda import cpp
+
+    persistent = cpp.WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True, persistent=True)
+    assert str(persistent) == "wg2k176s2petP"
+    for name in ("wg2k176s2petP", "wg2k128s3etP", "wg2k128s3et", "wg3k64", "wg2k192s2petx1h", "wg2k128s3e"):
+        assert str(cpp.WgmmaConfig.parse(name)) == name
+    assert cpp.WgmmaConfig.parse("wg2k176s2petP") == persistent
+    with pytest.raises(ValueError, match="not a flash_wgmma.cu division"):
+        cpp.WgmmaConfig.parse("wg2k176s2pPet")
+    persistent.check(128)
+    cpp.WgmmaConfig.parse("wg2k128s3etP").check(64)
+    with pytest.raises(ValueError, match="persistent"):
+        cpp.WgmmaConfig.parse("wg2k128s3eP").check(64)  # cp.async copies
+    with pytest.raises(ValueError, match="persistent"):
+        cpp.WgmmaConfig(2, 192, 2, True, True, True, fp8_exp=1, persistent=True).check(128, itemsize=1)
+    assert persistent.tma_off() == cpp.WgmmaConfig(2, 176, 2, pingpong=True, early_k=True)
+    monkeypatch.setattr(cpp, "sm_count", lambda: 132)
+    assert cpp.persistent_grid(384) == (132, 1) and cpp.persistent_grid(20) == (20, 1)
+    assert cpp.persistent_grid(0) == (1, 1)
+    kernels = []
+    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d, config, *a, **kw: kernels.append(str(config)))
+    import ml_dtypes
+
+    for batch, nq, grid in ((48, 1000, (132, 1)), (2, 300, (6, 1))):  # 8 x 48 tiles; 3 x 2
+        q = GpuArray((batch, nq, 128), ml_dtypes.bfloat16, None, ptr=1 << 20)
+        _, got, _, args = cpp.flash_mma_launch(q, q, q, q, True, 0.1, None, config=persistent)
+        assert got == grid and args[-1] == np.int32(batch) and len(args) == 11 + len(cpp.FEAT_TYPES)
+        _, got, _, args = cpp.flash_mma_launch(q, q, q, q, True, 0.1, None, config=persistent.tma_off())
+        assert got == (-(-nq // 128), batch) and len(args) == 10 + len(cpp.FEAT_TYPES)
+    assert kernels == ["wg2k176s2petP", "wg2k176s2pe"] * 2
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("dtype, d, name", [("bfloat16", 128, "wg2k176s2pet"), ("bfloat16", 64, "wg2k128s3et"),
+                                            ("float16", 64, "wg2k128s2pet"), ("float16", 128, "wg2k128s3et")])
+def test_wgmma_persistent_bit_identical(dtype, d, name):
+    """The persistent kernel (P) gives the same bits as the same division without it (one block a
+    tile): out and lse, causal and not, a negative scale, partial blocks, more tiles than SMs (each
+    block walks several, its ring and ping-pong turns running on), fewer; and the float64 reference's
+    answer within the bound."""
+    import torch
+
+    from attnkern._gpu import from_torch
+    from attnkern.backends.cuda import cpp, launch
+
+    if not cpp.wgmma_applies(d, d):
+        pytest.skip("flash_wgmma.cu runs on Hopper")
+    base = cpp.WgmmaConfig.parse(name)
+    persistent = cpp.WgmmaConfig.parse(name + "P")
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(d)
+    for i, (batch, nq, nk) in enumerate(((40, 1000, 1000), (3, 77, 130), (300, 129, 64), (1, 2048, 2048),
+                                         (5, 1030, 700))):
+        q, k, v = (torch.randn(batch, n, d, generator=gen).to(tdt).cuda() for n in (nq, nk, nk))
+        scale = -0.7 / d ** 0.5 if i == 1 else d ** -0.5
+        for causal in (False, True):
+            outs = []
+            for config in (base, persistent):
+                out = torch.full((batch, nq, d), float("nan"), dtype=tdt, device="cuda")
+                lse = torch.full((batch, nq), float("nan"), dtype=tdt, device="cuda")
+                kernel, grid, block, args = cpp.flash_mma_launch(*(from_torch(x, "x") for x in (q, k, v, out)),
+                                                                 causal, scale, from_torch(lse, "lse"), config)
+                launch.launch(kernel, grid, block, *args)
+                outs.append((out, lse))
+            torch.cuda.synchronize()
+            (out, lse), (pout, plse) = outs
+            assert torch.equal(out, pout) and torch.equal(lse, plse), (batch, nq, nk, causal)
+            if i == 1:  # the half arrays as NumPy's (exact: each value came from them)
+                import ml_dtypes
+
+                half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+                assert_matches_reference(*(x.float().cpu().numpy().astype(half) for x in (pout, q, k, v)),
+                                         causal=causal, scale=scale, kernel="cuda.flash")
+
+
 def test_tensor_map_pool(monkeypatch):
     """launch.tensor_map_address: one descriptor per (address, shape, box), encoded and written
     once; a full pool's addresses are forgotten and a new pool takes over, no slot written twice,

@@ -148,12 +148,7 @@ def test_fp8_divisions_and_their_refusals():
 def division(text):
     """A WgmmaConfig from its name (wg2k192s2pet: 2 consumers, 192-key tiles, 2 stages, ping-pong,
     early K, TMA)."""
-    import re
-
-    m = re.fullmatch(r"wg(\d)k(\d+)(?:s(\d))?(p?)(e?)(t?)(?:x(\d+))?(h?)([ci]?)", text)
-    return cpp.WgmmaConfig(int(m[1]), int(m[2]), int(m[3] or 0), pingpong=bool(m[4]), early_k=bool(m[5]),
-                           tma=bool(m[6]), fp8_exp=int(m[7] or 0), half_exp=bool(m[8]),
-                           fp8_pack=" ci".index(m[9] or " "))
+    return cpp.WgmmaConfig.parse(text)
 
 
 def test_backward_and_varlen_refuse_fp8():

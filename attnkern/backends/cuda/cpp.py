@@ -302,7 +302,11 @@ class WgmmaConfig:
     (ex2.approx.f16x2, which ptxas makes two MUFU.EX2 on sm_90a), their arguments formed in float32; `fp8_pack` (FP8 with fp8_exp > 0 and not
     half_exp, ATTNKERN_FP8_PACK): P rounded to e4m3 during the softmax into a second set of fragment
     registers rather than after the pending P V, 1 (c) by cvt (the same bits), 2 (i) by integer
-    operations (ties rounded away from zero)."""
+    operations (ties rounded away from zero); `persistent` (with tma, float16/bfloat16,
+    ATTNKERN_PERSIST; named by a P suffix): one block an SM (at most one a tile) that walks the
+    (batch row, query block) tiles, its producer copying the next tile's first K/V tiles and its
+    consumers loading the next Q rows while this tile's output is stored (persistent_grid); each tile's
+    arithmetic is the other kernel's, so the results are bit-identical to the same division without P."""
 
     warpgroups: int = 3
     block_k: int = 128
@@ -313,6 +317,7 @@ class WgmmaConfig:
     fp8_exp: int = 0
     half_exp: bool = False
     fp8_pack: int = 0
+    persistent: bool = False
 
     def check(self, d: int, itemsize: int = 2) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size (itemsize 1: FP8)."""
@@ -328,11 +333,12 @@ class WgmmaConfig:
         ok = ok and (not self.half_exp or self.fp8_exp == 1)
         ok = ok and (self.fp8_pack == 0 or (self.fp8_pack in (1, 2) and self.fp8_exp > 0 and not self.half_exp))
         ok = ok and (self.block_k != 256 or itemsize == 2)  # 256-key tiles: float16/bfloat16 only (FP8 untried)
+        ok = ok and (not self.persistent or (self.tma and itemsize == 2))
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
                              "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages, "
                              "an FP8 exponent variant x1... in FP8 only, h with x1 only, c or i with an x and no h, "
-                             "256-key tiles not in FP8), "
+                             "256-key tiles not in FP8, persistent (P) with the TMA, not in FP8), "
                              f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
                              f"at D = {d}")
 
@@ -359,18 +365,55 @@ class WgmmaConfig:
         return (f"wg{self.warpgroups}k{self.block_k}" + (f"s{self.stages}" if self.stages else "")
                 + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else "")
                 + (f"x{self.fp8_exp}" if self.fp8_exp else "") + ("h" if self.half_exp else "")
-                + {0: "", 1: "c", 2: "i"}.get(self.fp8_pack, f"pack{self.fp8_pack}"))
+                + {0: "", 1: "c", 2: "i"}.get(self.fp8_pack, f"pack{self.fp8_pack}")
+                + ("P" if self.persistent else ""))
+
+    @classmethod
+    def parse(cls, name: str) -> "WgmmaConfig":
+        """The division str() names: wg{warpgroups}k{keys}[s{stages}[p][e][t][x{k}][h][c|i][P]] (wg2k176s2petP:
+        2 consumers, 176-key tiles, 2 stages, ping-pong, early K, the TMA, persistent); ValueError for
+        another name (check() tells whether flash_wgmma.cu has it at a head size)."""
+        import re
+
+        found = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?(?:x(\d+))?(h)?([ci])?(P)?)?", name)
+        if found is None:
+            raise ValueError(f"not a flash_wgmma.cu division: {name!r} (e.g. wg2k128, wg2k128s3et, wg2k176s2petP)")
+        wg, bk, stages, pingpong, early, tma, x, half, pack, persistent = found.groups()
+        return cls(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early), bool(tma), int(x or 0),
+                   bool(half), " ci".index(pack or " "), bool(persistent))
 
     def tma_off(self) -> "WgmmaConfig":
         """This division with cp.async copies: the featured kernels' (the TMA fills K/V rows past nk
-        with zeros, not those past a sequence's key length)."""
-        return dataclasses.replace(self, tma=False)
+        with zeros, not those past a sequence's key length), not persistent (the persistent walk is the
+        TMA kernel's)."""
+        return dataclasses.replace(self, tma=False, persistent=False)
+
+    def grid(self, blocks: int, rows: int) -> tuple:
+        """The launch's grid for `blocks` query blocks of `rows` batch rows: (blocks, rows), or, persistent, one
+        block an SM up to one a tile (persistent_grid)."""
+        return persistent_grid(blocks * rows) if self.persistent else (blocks, rows)
 
 
 WS_WIDE_TILES = (160, 176, 192, 256)  # the warp-specialized variant's wider K/V tiles (wgmma_ss's N)
 WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
 WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
 WGMMA_SHARED_LIMIT = 227 * 1024  # a block's shared memory on the H100 and H200 (opt-in)
+
+
+def persistent_grid(tiles: int) -> tuple:
+    """A persistent flash_wgmma.cu kernel's grid (WgmmaConfig.persistent): min(tiles, this GPU's SMs) blocks,
+    one an SM (its warp-specialized blocks hold all of an SM's registers: one fits), at least one."""
+    return (max(1, min(tiles, sm_count())), 1)
+
+
+def sm_count() -> int:
+    """The current GPU's multiprocessors (SMs)."""
+    return _sm_count(cuda.get_current_device().id)
+
+
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def wgmma_applies(d: int, dv: int) -> bool:
@@ -398,7 +441,10 @@ def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | W
 # stages, at D = 128 176-key tiles in 2 stages with ping-pong (FlashAttention-3's tile). On an
 # H100 (docs/results.md, 2026-11-26, two runs of 12 bfloat16 rows) 1.03-1.05x (D = 64) and
 # 0.99-1.18x (D = 128, 11 of 12 rows faster) the previous default wg2k128s3e, which has cp.async
-# copies, itself 1.4-1.7x the double-buffered wg3k128.
+# copies, itself 1.4-1.7x the double-buffered wg3k128. Their persistent forms (wg2k128s3etP,
+# wg2k176s2petP: one block an SM walking the tiles by a static stride) were bit-identical but 0.80-1.10x
+# as fast on an H100 (docs/gpu-forward-grid.md, 2026-11-27: slower causal and at N = 8192, level at
+# N = 2048 without causal masking): opt-in divisions, not defaults.
 WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True),
                  128: WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True)}
 # The featured kernels' and the float32-rows (ATTNKERN_WIDE) variant's: the previous default,
@@ -483,14 +529,16 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
     if isinstance(config, WgmmaConfig):
         config = config.tma_off() if featured else config
         config.check(d)
+        # the persistent kernel takes the batch rows (ATTNKERN_PERSIST's one more parameter)
+        persist = (("PERSIST", 1),) if config.persistent else ()
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
                                ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
                                ("ALIBI", int(alibi)), ("FAST", int(fast)), *widen,
                                *((("WS", 1), ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
                                   ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)))
-                                 if config.stages else ())),
-                              params, config.threads, config.shared_bytes(d))
+                                 if config.stages else ()), *persist),
+                              params + ("i32",) * len(persist), config.threads, config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
                 ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), ("FAST", int(fast)))
     if dtype == "float32":
@@ -654,14 +702,17 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     # flash_wgmma.cu's TMA producer takes K's and V's tensor maps where the others take their addresses
     tma = isinstance(config, WgmmaConfig) and config.tma and feat is None
     kv = (TensorMap(k, config.block_k), TensorMap(v, config.block_k)) if tma else (Addr(k), Addr(v))
+    blocks = -(-(feat.max_q if varlen else nq) // config.block_q)
+    # its persistent kernel (plain calls only, as the TMA) walks the tiles from one block an SM
+    persistent = tma and config.persistent
     return (flash_mma_kernel(dtype, d, config, feat is not None,
                               mask=0 if feat is None else feat.mask_kind,
                               alibi=feat is not None and feat.alibi is not None, fast=fast, wide=wide,
                               dropout=dropout, varlen=varlen),
-            _grid(-(-(feat.max_q if varlen else nq) // config.block_q), batch, feat), config.threads,
+            config.grid(blocks, batch) if persistent else _grid(blocks, batch, feat), config.threads,
             (Addr(q), *kv, Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
-             *words))
+             *words, *((np.int32(batch),) if persistent else ())))
 
 
 def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None, fast: bool = False) -> None:

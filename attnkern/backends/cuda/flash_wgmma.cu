@@ -20,6 +20,10 @@
 //   ATTNKERN_TMA      1: its producer copies K/V tiles with the tensor memory accelerator (TMA):
 //                     kp and vp are then the global addresses of K's and V's CUtensorMap
 //                     (launch.TensorMap), not of their elements
+//   ATTNKERN_PERSIST  1 (with ATTNKERN_TMA, plain kernels): the persistent kernel (persist_tile),
+//                     one block an SM walking the (batch row, query block) tiles; its one more
+//                     parameter is the batch rows. Bit-identical to the kernel without it; on an H100
+//                     0.80-1.10x its speed (docs/gpu-forward-grid.md): opt-in, not a default
 // and then flash_common.cuh and flash_wgmma_common.cuh (the wgmma wrappers, descriptors and
 // swizzled copies, shared with flash_bwd_mma.cu's Hopper kernels). The grid is (query blocks, batch).
 //
@@ -88,6 +92,18 @@
 #endif
 #ifndef ATTNKERN_TMA
 #define ATTNKERN_TMA 0
+#endif
+#ifndef ATTNKERN_PERSIST
+#define ATTNKERN_PERSIST 0
+#endif
+#if ATTNKERN_PERSIST && (!ATTNKERN_WS || !ATTNKERN_TMA || ATTNKERN_FEAT || ATTNKERN_FP8)
+// the persistent walk maps a tile to its batch row and query block with no features (the plain kernel's)
+#error "ATTNKERN_PERSIST: the warp-specialized variant's plain kernel with the TMA producer only (not FP8)"
+#endif
+#if ATTNKERN_PERSIST
+#define PERSIST_PARAMS , int rows
+#else
+#define PERSIST_PARAMS
 #endif
 #if ATTNKERN_TMA && ((ATTNKERN_FEAT && !ATTNKERN_FP8) || !ATTNKERN_WS)
 // the TMA fills rows past nk with zeros, not those past a sequence's key length: plain calls only
@@ -160,21 +176,33 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
         load_swizzled<BN, THREADS>(src, dst, j0, nk, tid);
 }
 
+// chunk i (16 bytes) of the rows r0...r0 + ROWS - 1 of Q's block rows q0... (zero past nq), the sign
+// applied (load_q)
+template <int ROWS>
+static __device__ __forceinline__ u32x4 q_chunk(const u16* q, int q0, int r0, int nq, u32 sign, int i) {
+    const int r = r0 + chunk_row<ROWS>(i), row = q0 + r;
+    u32x4 x = {0u, 0u, 0u, 0u};
+    if (row < nq) {
+        x = *(const u32x4*)(q + (u64)row * ROW16 + chunk_col<ROWS>(i));
+        x.x ^= sign; x.y ^= sign; x.z ^= sign; x.w ^= sign;
+    }
+    return x;
+}
+
+// chunk i of those rows into the swizzled BM-row Q buffer at qs
+template <int ROWS>
+static __device__ __forceinline__ void store_q_chunk(u32 qs, int r0, int i, const u32x4& x) {
+    const int r = r0 + chunk_row<ROWS>(i), ch = i & 7;
+    const u32 at = qs + (u32)((i / (ROWS * 8)) * BM * 128 + r * 128 + ((ch ^ (r & 7)) << 4));
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+}
+
 // Q's rows r0...r0 + ROWS - 1 of the block's BM (block rows q0...; rows past nq zero) into
 // the swizzled BM-row Q buffer at qs, Q's sign flipped on the way (sign: SIGN_BITS or 0),
 // by THREADS threads (tid 0...)
 template <int ROWS, int THREADS>
 static __device__ __forceinline__ void load_q(const u16* q, u32 qs, int q0, int r0, int nq, u32 sign, int tid) {
-    for (int i = tid; i < ROWS * ROW16 / 8; i += THREADS) {
-        const int r = r0 + chunk_row<ROWS>(i), ch = i & 7, row = q0 + r;
-        u32x4 x = {0u, 0u, 0u, 0u};
-        if (row < nq) {
-            x = *(const u32x4*)(q + (u64)row * ROW16 + chunk_col<ROWS>(i));
-            x.x ^= sign; x.y ^= sign; x.z ^= sign; x.w ^= sign;
-        }
-        const u32 at = qs + (u32)((i / (ROWS * 8)) * BM * 128 + r * 128 + ((ch ^ (r & 7)) << 4));
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
-    }
+    for (int i = tid; i < ROWS * ROW16 / 8; i += THREADS) store_q_chunk<ROWS>(qs, r0, i, q_chunk<ROWS>(q, q0, r0, nq, sign, i));
 }
 
 // a lane's output rows r0 and r0 + 8 of batch row b (and their lse) into out (and lse)
@@ -415,8 +443,77 @@ static __device__ __forceinline__ u32 pack4_p(float a, float b, float c, float d
 }
 #endif
 
+// a tile's features f and the key tiles [jt0, jt1) some row of its block sees, in this order
+// through the ring (b and q0 its batch row and first query row)
+#if ATTNKERN_FP8
+#define TILE_V const unsigned char* v = (const unsigned char*)vp + f.kv_row * (u64)D * vt_stride;
+#else
+#define TILE_V const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
+#endif
+// (k and v: its K and V rows, for cp.async copies)
+#define TILE_FEAT                                               \
+    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);     \
+    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * ROW16; \
+    TILE_V
+#define TILE_KEYS \
+    int jt0, jt1; \
+    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
+#if ATTNKERN_PERSIST
+// The persistent kernel (ATTNKERN_PERSIST; the host launches one block an SM, at most one a tile):
+// block x computes the (batch row, query block) tiles t = x, x + gridDim.x, ... of the nqb rows
+// query blocks (a static stride), one after the other in the same warpgroups, its K/V ring and
+// ping-pong turns running on from tile to tile: the producer copies the next tile's first K/V tiles
+// while the consumers finish this one, and a consumer loads its next Q rows while it stores its
+// output. A tile's arithmetic is the other kernel's for the same block, so the results are
+// bit-identical. Without causal masking tile t is query block t % nqb of row t / nqb (a row's blocks
+// run side by side, sharing K/V's reads in L2). With it, the rows go in groups of about 16 MB of K and
+// V and within a group the blocks with the most keys (the last) come first, every row's in turn,
+// so that the walk ends on the shortest blocks and the SMs finish together.
+static __device__ __forceinline__ void persist_tile(int t, int nqb, int rows, int nk, int causal, u64& b, int& q0) {
+    if (!causal) {
+        b = (u64)(t / nqb);
+        q0 = (t % nqb) * BM;
+        return;
+    }
+    const int group = (int)max((u64)1, (16ull << 20) / ((u64)max(nk, 1) * D * 4));  // rows of ~16 MB of K and V
+    const int first = t / (group * nqb) * group, n = min(group, rows - first), i = t - first * nqb;
+    b = (u64)(first + i % n);
+    q0 = (nqb - 1 - i / n) * BM;
+}
+// TILES_BEGIN { the body of one tile } TILES_END: the tiles of this block, each with its batch row b,
+// first query row q0, its features f, the key tiles [jt0, jt1) some row of the block sees (in this
+// order through the ring), ring (the ring index of its first K/V tile), first_tile and more (a tile
+// follows). TILE (the other kernel's one tile, the grid's (query block, batch row)) declares them
+// at the start.
+#define TILE_ROW
+#define TILE
+#define TILES_BEGIN                                                                    \
+    for (int tile = blockIdx.x, ring = 0; tile < nqb * rows; tile += gridDim.x) {      \
+        u64 b;                                                                         \
+        int q0;                                                                        \
+        persist_tile(tile, nqb, rows, nk, causal, b, q0);                              \
+        const bool first_tile = tile == (int)blockIdx.x, more = tile + (int)gridDim.x < nqb * rows; \
+        TILE_FEAT                                                                      \
+        TILE_KEYS
+#define TILES_END \
+    ring += jt1 - jt0; \
+    }
+#else
+#define TILE_ROW                                \
+    const u64 b = blockIdx.y;                   \
+    const int q0 = block_first_row(causal, BM); \
+    TILE_FEAT
+#define TILE                \
+    TILE_KEYS               \
+    constexpr int ring = 0; \
+    constexpr bool first_tile = true, more = false;
+#define TILES_BEGIN {
+#define TILES_END }
+#endif
+
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
-                                         float scale_log2, int causal, int with_lse, FEAT_PARAMS FP8_PARAMS) {
+                                         float scale_log2, int causal, int with_lse,
+                                         FEAT_PARAMS FP8_PARAMS PERSIST_PARAMS) {
     constexpr int NO = D / 8, NS = BN / 8;  // 8-column tiles of the output and of a tile's scores
     constexpr int NP = ATTNKERN_FP8 ? NS / 2 : NS;  // pairs of P words: 8 keys (16-bit), 16 keys (FP8)
     extern __shared__ __align__(1024) u16 smem[];
@@ -425,15 +522,10 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     // 0: the producer, 1..NWG: the consumers; broadcast from lane 0, so that the compiler knows it
     // uniform across the warp (else it serializes the wgmma in the consumers' branch)
     const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
-    const u64 b = blockIdx.y;
-    const int q0 = block_first_row(causal, BM);
-    const Feat f = make_feat(b, nq, nk, causal, FEAT_ARGS);
-    const u16* k = (const u16*)kp + f.kv_row * (u64)nk * ROW16;
-#if ATTNKERN_FP8
-    const unsigned char* v = (const unsigned char*)vp + f.kv_row * (u64)D * vt_stride;
-#else
-    const u16* v = (const u16*)vp + f.kv_row * (u64)nk * D;
+#if ATTNKERN_PERSIST
+    const int nqb = (nq + BM - 1) / BM;  // query blocks a batch row
 #endif
+    TILE_ROW
     const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + STAGES * TILE_BYTES;
     const u32 full_k = vs0 + STAGES * VTILE_BYTES, full_v = full_k + 8 * STAGES, empty_k = full_v + 8 * STAGES,
               empty_v = empty_k + 8 * STAGES;
@@ -449,10 +541,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-
-    // the key tiles [jt0, jt1) some row of the block sees, in this order through the ring
-    int jt0, jt1;
-    key_tiles(f, q0, BM, nq, BN, jt0, jt1);
+    TILE
 
     if (wg == 0) {
         regs_down<PRODUCER_REGS>();
@@ -464,10 +553,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         if (tid != 0) return;
         tma_map_acquire(kp);
         tma_map_acquire(vp);
+#endif
+        TILES_BEGIN
+#if ATTNKERN_TMA
         const int kv_row = (int)f.kv_row;
         const u64 ksrc = kp, vsrc = vp;
         const auto load = [&](u64 map, u32 buf, u32 empty, u32 full, int jt) {
-            const int i = jt - jt0, s = i % STAGES;
+            const int i = ring + jt - jt0, s = i % STAGES;
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
 #if ATTNKERN_FP8
             if (buf == vs0) {  // V^T (known at each inlined call): VT_BLOCKS boxes of 128 keys x D rows,
@@ -490,7 +582,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         // (no generic lambda: NVRTC's JIT mode takes their templated call operators for host functions)
         const void *ksrc = k, *vsrc = v;
         const auto load = [&](const void* src, u32 buf, u32 empty, u32 full, int jt) {
-            const int i = jt - jt0, s = i % STAGES;
+            const int i = ring + jt - jt0, s = i % STAGES;
             mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
 #if ATTNKERN_FP8
             if (buf == vs0)  // V^T (FP8); known at each inlined call
@@ -509,14 +601,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 load(ksrc, ks0, empty_k, full_k, jt + 1);
             load(vsrc, vs0, empty_v, full_v, jt);
         }
+        TILES_END
         if (!ATTNKERN_TMA) cp_async_wait_all();  // tiles the consumers skip are never waited for
         return;
     }
     regs_up<CONSUMER_REGS>();
 
     const int cw = wg - 1, ct = tid - 128 * wg;  // the consumer's index and its thread's
-    const int g0 = q0 + 64 * cw;                   // the consumer's first row
-    const int wr0 = g0 + 16 * (warp & 3);           // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
     float c = fabsf(scale_log2);
     const u32 sign = scale_log2 < 0.f ? SIGN_BITS : 0u;  // negates Q
 #if ATTNKERN_FP8
@@ -531,9 +622,14 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     }
 #endif
 
-    load_q<64, 128>((const u16*)qp + b * (u64)nq * ROW16, qs0, q0, 64 * cw, nq, sign, ct);
-    fence_async_shared();
-    named_barrier(1 + cw, 128);  // the consumer's Q rows are in, visible to its wgmma
+    TILES_BEGIN
+    const int g0 = q0 + 64 * cw;          // the consumer's first row
+    const int wr0 = g0 + 16 * (warp & 3);  // the warp's first row: it owns rows wr0 + g and wr0 + g + 8
+    if (first_tile) {  // (a later tile's Q rows were loaded during the tile before's store)
+        load_q<64, 128>((const u16*)qp + b * (u64)nq * ROW16, qs0, q0, 64 * cw, nq, sign, ct);
+        fence_async_shared();
+        named_barrier(1 + cw, 128);  // the consumer's Q rows are in, visible to its wgmma
+    }
 
     float o[NO][4];
 #pragma unroll
@@ -622,11 +718,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     };
     int turns_left = max(turns(q0), turns(q0 + 64));
     const auto take_turn = [&]() { named_barrier(1 + NWG + cw, 256); };
-    const auto pass_turn = [&]() {  // consumer 1's last one would have no turn of consumer 0's to open
-        if (cw == 0 || turns_left > 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + NWG + (cw ^ 1)) : "memory");
+    // consumer 1's last one opens consumer 0's first turn of the next tile (with none, it would
+    // open nothing), so that the turns alternate from tile to tile as within one
+    const auto pass_turn = [&]() {
+        if (cw == 0 || turns_left > 1 || more) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + NWG + (cw ^ 1)) : "memory");
         --turns_left;
     };
-    if (cw == 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + NWG) : "memory");  // consumer 0 goes first
+    if (cw == 1 && first_tile) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + NWG) : "memory");  // consumer 0 goes first
 #else
     const auto take_turn = [&]() {};
     const auto pass_turn = [&]() {};
@@ -648,10 +746,10 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     // The tiles this consumer's rows see are a contiguous run of [jt0, jt1): the ones before and
     // after it are skipped.
     int jt = jt0;
-    for (; jt < jt1 && tile_unseen(f, jt * BN, BN, g0, g0 + 63); ++jt) skip(jt - jt0);
+    for (; jt < jt1 && tile_unseen(f, jt * BN, BN, g0, g0 + 63); ++jt) skip(ring + jt - jt0);
     if (jt < jt1) {
         {  // the first tile: its scores alone
-            const int i = jt - jt0;
+            const int i = ring + jt - jt0;
             float sc[NS][4], a[2];
             mbar_wait(full_k + 8 * (i % STAGES), (i / STAGES) & 1);
             fence_async_shared();
@@ -667,7 +765,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         }
         // then per tile: its S and the pending tile's P V issued together; the softmax while P V runs
         for (++jt; jt < jt1; ++jt) {
-            const int i = jt - jt0, s = i % STAGES, j0 = jt * BN;
+            const int i = ring + jt - jt0, s = i % STAGES, j0 = jt * BN;
             if (tile_unseen(f, j0, BN, g0, g0 + 63)) break;
             mbar_wait(full_k + 8 * s, (i / STAGES) & 1);
             wait_v();
@@ -706,7 +804,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         pin(o);
         if (!ATTNKERN_EARLYK) free_k(pend);
         free_v(pend);
-        for (; jt < jt1; ++jt) skip(jt - jt0);
+        for (; jt < jt1; ++jt) skip(ring + jt - jt0);
     }
 #if ATTNKERN_PINGPONG
     while (turns_left > 0) {  // the empty turns that pair this consumer's with the other's
@@ -719,6 +817,31 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     for (int j = 0; j < NO; ++j) o[j][0] *= out_scale, o[j][1] *= out_scale, o[j][2] *= out_scale, o[j][3] *= out_scale;
     if (ATTNKERN_FP8_EXP) l[0] *= 1.f / P_SCALE, l[1] *= 1.f / P_SCALE;  // the sums of 2^8 p (exact)
 #endif
+#if ATTNKERN_PERSIST
+    if (more) {  // the next tile's Q rows: loaded into registers before this tile's output is stored
+        u64 nb;
+        int nq0;
+        persist_tile(tile + gridDim.x, nqb, rows, nk, causal, nb, nq0);
+        constexpr int NQC = 64 * ROW16 / 8 / 128;  // 16-byte chunks of the consumer's 64 rows a thread
+        const u16* qn = (const u16*)qp + nb * (u64)nq * ROW16;
+        u32x4 x[NQC];
+#pragma unroll
+        for (int n = 0; n < NQC; ++n) x[n] = q_chunk<64>(qn, nq0, 64 * cw, nq, sign, ct + 128 * n);
+        store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
+#pragma unroll
+        for (int n = 0; n < NQC; ++n) store_q_chunk<64>(qs0, 64 * cw, ct + 128 * n, x[n]);
+        fence_async_shared();
+        named_barrier(1 + cw, 128);  // the consumer's Q rows are in, visible to its wgmma
+    } else
+#endif
     store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
+    TILES_END
 }
+#undef TILE_V
+#undef TILE_FEAT
+#undef TILE_KEYS
+#undef TILE_ROW
+#undef TILE
+#undef TILES_BEGIN
+#undef TILES_END
 #endif  // ATTNKERN_WS
