@@ -102,6 +102,11 @@ KERNELS = [
        dict(D=d, BF16=1, BN=bn, NWG=2, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=pp,
             EARLYK=1, TMA=1, PERSIST=1, THREADS=384), MMA + ("int",))
       for d, bn, st, pp in ((128, 176, 2, 1), (64, 128, 3, 0), (64, 128, 2, 1))),
+    # ... with the dynamic walk (ATTNKERN_PERSIST 2, Pd: tiles taken from a counter; its address one more parameter)
+    *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k{bn}s{st}{'p' * pp}etPd",
+       dict(D=d, BF16=1, BN=bn, NWG=2, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=pp,
+            EARLYK=1, TMA=1, PERSIST=2, THREADS=384), MMA + ("int", "u64"))
+      for d, bn, st, pp in ((128, 176, 2, 1), (64, 128, 3, 0))),
     # its wider K/V tiles (FlashAttention-3's 128 x 176 at D = 128), with the TMA producer and without
     *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k{bn}s{st}{'p' * pp}e{'t' * tma}",
        dict(D=d, BF16=1, BN=bn, NWG=2, FEAT=0, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=pp,

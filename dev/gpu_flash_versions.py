@@ -83,7 +83,7 @@ def flat3(x):
 
 
 SIMT_NAME, MMA_NAME = r"(\d+)x(\d+)t(\d+)x(\d+)", r"mt(\d+)w(\d+)k(\d+)(qs)?"
-WGMMA_NAME = r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?(P)?)?"
+WGMMA_NAME = r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?(P)?(d)?)?"
 
 
 def parse_config(text, d, dtype):

@@ -17,9 +17,9 @@ rm -f /tmp/persist-*
 at installed
 P="python3 -m pytest -q -p no:cacheprovider -rf"
 T=tests/test_cuda.py
-FORCED="64=wg2k128s3etP,128=wg2k176s2petP"
+FORCED="64=wg2k128s3etPd,128=wg2k176s2petPd"
 ( export ATTNKERN_TEST_GPU=1
-  for id in bfloat16-128-wg2k176s2pet bfloat16-64-wg2k128s3et float16-64-wg2k128s2pet float16-128-wg2k128s3et; do
+  for id in Pd-bfloat16-128-wg2k176s2pet Pd-bfloat16-64-wg2k128s3et Pd-float16-64-wg2k128s2pet Pd-float16-128-wg2k128s3et; do
       timeout 140 $P "$T::test_wgmma_persistent_bit_identical[$id]" > "$O/t_bits_$id.txt" 2>&1 &
   done
   export WGMMA_DEFAULT=$FORCED
@@ -36,10 +36,10 @@ FORCED="64=wg2k128s3etP,128=wg2k176s2petP"
   wait; touch /tmp/persist-tests ) &
 V="python3 dev/gpu_flash_versions.py"
 GRID="--batches 1,2,4,8 --sizes 2048,4096,8192 --dtypes bfloat16 --runs 5 --warmup-s 0.05"
-$V "$O/grid-d128.json" --dims 128 $GRID --configs default,wg2k176s2petP --after /tmp/persist-tests \
+$V "$O/grid-d128.json" --dims 128 $GRID --configs default,wg2k176s2petP,wg2k176s2petPd --after /tmp/persist-tests \
     > "$O/grid-d128.txt" 2>&1 &
 G1=$!
-$V "$O/grid-d64.json" --dims 64 $GRID --configs default,wg2k128s3etP,wg2k128s2petP --after /tmp/persist-d128 \
+$V "$O/grid-d64.json" --dims 64 $GRID --configs default,wg2k128s3etP,wg2k128s3etPd --after /tmp/persist-d128 \
     > "$O/grid-d64.txt" 2>&1 &
 G2=$!
 while [ ! -e /tmp/persist-tests ] && [ "$(left)" -gt 0 ]; do sleep 1; done

@@ -287,7 +287,8 @@ def test_wgmma_persistent_division(monkeypatch):
 
     persistent = cpp.WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True, persistent=True)
     assert str(persistent) == "wg2k176s2petP"
-    for name in ("wg2k176s2petP", "wg2k128s3etP", "wg2k128s3et", "wg3k64", "wg2k192s2petx1h", "wg2k128s3e"):
+    for name in ("wg2k176s2petP", "wg2k128s3etP", "wg2k128s3et", "wg3k64", "wg2k192s2petx1h", "wg2k128s3e",
+                 "wg2k176s2petPd"):
         assert str(cpp.WgmmaConfig.parse(name)) == name
     assert cpp.WgmmaConfig.parse("wg2k176s2petP") == persistent
     with pytest.raises(ValueError, match="not a flash_wgmma.cu division"):
@@ -313,12 +314,22 @@ def test_wgmma_persistent_division(monkeypatch):
         _, got, _, args = cpp.flash_mma_launch(q, q, q, q, True, 0.1, None, config=persistent.tma_off())
         assert got == (-(-nq // 128), batch) and len(args) == 10 + len(cpp.FEAT_TYPES)
     assert kernels == ["wg2k176s2petP", "wg2k176s2pe"] * 2
+    # the dynamic walk (Pd): the counter's address as one more argument, its two slots in shared memory
+    dynamic = cpp.WgmmaConfig.parse("wg2k176s2petPd")
+    dynamic.check(128)
+    assert dynamic.shared_bytes(128) == persistent.shared_bytes(128) + 48
+    with pytest.raises(ValueError, match="persistent"):
+        cpp.WgmmaConfig.parse("wg2k176s2petd").check(128)
+    monkeypatch.setattr(cpp, "tile_counters", lambda: 4096)
+    _, got, _, args = cpp.flash_mma_launch(q, q, q, q, True, 0.1, None, config=dynamic)
+    assert got == (6, 1) and args[-2:] == (np.int32(2), np.uint64(4096))
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("dtype, d, name", [("bfloat16", 128, "wg2k176s2pet"), ("bfloat16", 64, "wg2k128s3et"),
                                             ("float16", 64, "wg2k128s2pet"), ("float16", 128, "wg2k128s3et")])
-def test_wgmma_persistent_bit_identical(dtype, d, name):
+@pytest.mark.parametrize("walk", ["P", "Pd"])
+def test_wgmma_persistent_bit_identical(dtype, d, name, walk):
     """The persistent kernel (P) gives the same bits as the same division without it (one block a
     tile): out and lse, causal and not, a negative scale, partial blocks, more tiles than SMs (each
     block walks several, its ring and ping-pong turns running on), fewer; and the float64 reference's
@@ -331,7 +342,7 @@ def test_wgmma_persistent_bit_identical(dtype, d, name):
     if not cpp.wgmma_applies(d, d):
         pytest.skip("flash_wgmma.cu runs on Hopper")
     base = cpp.WgmmaConfig.parse(name)
-    persistent = cpp.WgmmaConfig.parse(name + "P")
+    persistent = cpp.WgmmaConfig.parse(name + walk)
     tdt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(d)
     for i, (batch, nq, nk) in enumerate(((40, 1000, 1000), (3, 77, 130), (300, 129, 64), (1, 2048, 2048),

@@ -318,6 +318,7 @@ class WgmmaConfig:
     half_exp: bool = False
     fp8_pack: int = 0
     persistent: bool = False
+    dynamic: bool = False  # (with persistent; named Pd) the walk takes tiles from a counter (ATTNKERN_PERSIST 2)
 
     def check(self, d: int, itemsize: int = 2) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size (itemsize 1: FP8)."""
@@ -333,7 +334,7 @@ class WgmmaConfig:
         ok = ok and (not self.half_exp or self.fp8_exp == 1)
         ok = ok and (self.fp8_pack == 0 or (self.fp8_pack in (1, 2) and self.fp8_exp > 0 and not self.half_exp))
         ok = ok and (self.block_k != 256 or itemsize == 2)  # 256-key tiles: float16/bfloat16 only (FP8 untried)
-        ok = ok and (not self.persistent or (self.tma and itemsize == 2))
+        ok = ok and (not self.persistent or (self.tma and itemsize == 2)) and (not self.dynamic or self.persistent)
         if not ok:
             raise ValueError(f"flash_wgmma.cu has 1-3 warpgroups (2-3 with 2-6 stages, up to {WGMMA_SHARED_LIMIT} "
                              "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages, "
@@ -357,8 +358,9 @@ class WgmmaConfig:
         if self.stages and itemsize == 1:  # FP8: a V^T tile is D rows of whole 128-key blocks (fp8_vt_blocks)
             return (self.block_q + self.stages * self.block_k) * d + self.stages * d * 128 * fp8_vt_blocks(
                 self.block_k) + 1024 + 32 * self.stages
-        if self.stages:
-            return (self.block_q + 2 * self.stages * self.block_k) * d * itemsize + 1024 + 32 * self.stages
+        if self.stages:  # (the dynamic walk: its two tile slots and their mbarriers)
+            return (self.block_q + 2 * self.stages * self.block_k) * d * itemsize + 1024 + 32 * self.stages \
+                + 48 * self.dynamic
         return (self.block_q + 4 * self.block_k) * d * itemsize + 1024
 
     def __str__(self) -> str:
@@ -366,7 +368,7 @@ class WgmmaConfig:
                 + ("p" if self.pingpong else "") + ("e" if self.early_k else "") + ("t" if self.tma else "")
                 + (f"x{self.fp8_exp}" if self.fp8_exp else "") + ("h" if self.half_exp else "")
                 + {0: "", 1: "c", 2: "i"}.get(self.fp8_pack, f"pack{self.fp8_pack}")
-                + ("P" if self.persistent else ""))
+                + ("P" if self.persistent else "") + ("d" if self.dynamic else ""))
 
     @classmethod
     def parse(cls, name: str) -> "WgmmaConfig":
@@ -375,18 +377,18 @@ class WgmmaConfig:
         another name (check() tells whether flash_wgmma.cu has it at a head size)."""
         import re
 
-        found = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?(?:x(\d+))?(h)?([ci])?(P)?)?", name)
+        found = re.fullmatch(r"wg(\d+)k(\d+)(?:s(\d+)(p)?(e)?(t)?(?:x(\d+))?(h)?([ci])?(P)?(d)?)?", name)
         if found is None:
             raise ValueError(f"not a flash_wgmma.cu division: {name!r} (e.g. wg2k128, wg2k128s3et, wg2k176s2petP)")
-        wg, bk, stages, pingpong, early, tma, x, half, pack, persistent = found.groups()
+        wg, bk, stages, pingpong, early, tma, x, half, pack, persistent, dynamic = found.groups()
         return cls(int(wg), int(bk), int(stages or 0), bool(pingpong), bool(early), bool(tma), int(x or 0),
-                   bool(half), " ci".index(pack or " "), bool(persistent))
+                   bool(half), " ci".index(pack or " "), bool(persistent), bool(dynamic))
 
     def tma_off(self) -> "WgmmaConfig":
         """This division with cp.async copies: the featured kernels' (the TMA fills K/V rows past nk
         with zeros, not those past a sequence's key length), not persistent (the persistent walk is the
         TMA kernel's)."""
-        return dataclasses.replace(self, tma=False, persistent=False)
+        return dataclasses.replace(self, tma=False, persistent=False, dynamic=False)
 
     def grid(self, blocks: int, rows: int) -> tuple:
         """The launch's grid for `blocks` query blocks of `rows` batch rows: (blocks, rows), or, persistent, one
@@ -414,6 +416,18 @@ def sm_count() -> int:
 @functools.cache
 def _sm_count(device_id: int) -> int:
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def tile_counters() -> int:
+    """The address of the dynamic persistent walk's counter on the current GPU (WgmmaConfig.dynamic): two
+    uint32, zero between launches (each launch's last block zeroes them). One buffer for every launch:
+    launches that overlap (other streams) would share it, so they must not."""
+    return _tile_counters(cuda.get_current_device().id).device_ctypes_pointer.value
+
+
+@functools.cache
+def _tile_counters(device_id: int):
+    return cuda.to_device(np.zeros(2, np.uint32))
 
 
 def wgmma_applies(d: int, dv: int) -> bool:
@@ -530,7 +544,7 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
         config = config.tma_off() if featured else config
         config.check(d)
         # the persistent kernel takes the batch rows (ATTNKERN_PERSIST's one more parameter)
-        persist = (("PERSIST", 1),) if config.persistent else ()
+        persist = (("PERSIST", 1 + config.dynamic),) if config.persistent else ()
         return _linked_kernel("flash_wgmma.cu", f"attnkern_flash_wgmma_{dtype}_{d}_{config}{suffix}",
                               (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", config.block_k),
                                ("NWG", config.warpgroups), ("FEAT", int(featured)), ("MASK", mask),
@@ -538,7 +552,8 @@ def flash_mma_kernel(dtype: str, d: int, config: MmaConfig | WgmmaConfig | None 
                                *((("WS", 1), ("STAGES", config.stages), ("PINGPONG", int(config.pingpong)),
                                   ("EARLYK", int(config.early_k)), ("TMA", int(config.tma)))
                                  if config.stages else ()), *persist),
-                              params + ("i32",) * len(persist), config.threads, config.shared_bytes(d))
+                              params + ("i32",) * len(persist) + ("u64",) * config.dynamic, config.threads,
+                              config.shared_bytes(d))
     division = (("BN", config.block_k), ("MT", config.mt), ("NW", config.warps), ("QSMEM", int(config.q_smem)),
                 ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), ("FAST", int(fast)))
     if dtype == "float32":
@@ -712,7 +727,8 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
             config.grid(blocks, batch) if persistent else _grid(blocks, batch, feat), config.threads,
             (Addr(q), *kv, Addr(out), Addr(out if lse is None else lse), np.int32(nq),
              np.int32(k.shape[1]), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None),
-             *words, *((np.int32(batch),) if persistent else ())))
+             *words, *((np.int32(batch),) if persistent else ()),
+             *((np.uint64(tile_counters()),) if persistent and config.dynamic else ())))
 
 
 def flash_mma(q, k, v, out, causal: bool, scale: float, lse=None, feat=None, fast: bool = False) -> None:

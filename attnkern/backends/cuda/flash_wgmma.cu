@@ -100,7 +100,11 @@
 // the persistent walk maps a tile to its batch row and query block with no features (the plain kernel's)
 #error "ATTNKERN_PERSIST: the warp-specialized variant's plain kernel with the TMA producer only (not FP8)"
 #endif
-#if ATTNKERN_PERSIST
+#if ATTNKERN_PERSIST == 2
+// the dynamic walk's tile counter (two u32 in global memory: tiles taken past the first gridDim.x,
+// blocks done; zero before a launch, and zeroed again by its last block)
+#define PERSIST_PARAMS , int rows, u64 counters
+#elif ATTNKERN_PERSIST
 #define PERSIST_PARAMS , int rows
 #else
 #define PERSIST_PARAMS
@@ -155,7 +159,7 @@
 #define STAGES ATTNKERN_STAGES
 #define NTHREADS (128 * (NWG + 1))  // NWG consumer warpgroups and one producer warpgroup
 // Q, STAGES K and V tiles, room to align to 1024 bytes, and 4 STAGES mbarriers
-#define SMEM_BYTES (Q_BYTES + STAGES * (TILE_BYTES + VTILE_BYTES) + 1024 + 32 * STAGES)
+#define SMEM_BYTES (Q_BYTES + STAGES * (TILE_BYTES + VTILE_BYTES) + 1024 + 32 * STAGES + (ATTNKERN_PERSIST == 2 ? 48 : 0))
 #else
 #define NTHREADS (128 * NWG)
 #define SMEM_BYTES (Q_BYTES + 4 * TILE_BYTES + 1024)  // + room to align to 1024 bytes
@@ -498,6 +502,55 @@ static __device__ __forceinline__ void persist_tile(int t, int nqb, int rows, in
 #define TILES_END \
     ring += jt1 - jt0; \
     }
+#define NEXT_TILE (tile + (int)gridDim.x)
+#define FETCH_NEXT
+#if ATTNKERN_PERSIST == 2
+// The dynamic walk (ATTNKERN_PERSIST 2): a block takes its next tile from the counter (atomicAdd) once
+// its producer has issued a tile's copies (STAGES K/V tiles before its consumers finish it, which
+// hides the atomic's latency), so that the blocks take tiles in order as they free up (the
+// hardware's block order: causal blocks of unequal length balance, and the blocks at work stay on
+// neighbouring tiles, whose K/V rows L2 holds). The producer hands each tile's index to the consumers
+// through a slot of shared memory behind an mbarrier (tile_full; tile_empty: the consumers have read
+// it), two slots; the consumers read the next tile's index at the end of a tile (FETCH_NEXT: `more`,
+// and the next Q rows).
+#undef TILES_BEGIN
+#undef TILES_END
+#undef NEXT_TILE
+#undef FETCH_NEXT
+#define PRODUCER_TILES_BEGIN                                                           \
+    for (int n = 0, tile = blockIdx.x, ring = 0;; ++n) {                               \
+        publish(n, tile);                                                              \
+        if (tile >= nqb * rows) break;                                                 \
+        u64 b;                                                                         \
+        int q0;                                                                        \
+        persist_tile(tile, nqb, rows, nk, causal, b, q0);                              \
+        TILE_FEAT                                                                      \
+        TILE_KEYS
+#define PRODUCER_TILES_END                                 \
+    ring += jt1 - jt0;                                     \
+    tile = gridDim.x + atomicAdd((unsigned*)counters, 1u); \
+    }
+#define TILES_BEGIN                                                                    \
+    for (int n = 0, tile = take(0), ring = 0, next = 0; tile < nqb * rows; ++n) {      \
+        u64 b;                                                                         \
+        int q0;                                                                        \
+        persist_tile(tile, nqb, rows, nk, causal, b, q0);                              \
+        const bool first_tile = n == 0;                                                \
+        bool more = false;                                                             \
+        TILE_FEAT                                                                      \
+        TILE_KEYS
+#define TILES_END      \
+    ring += jt1 - jt0; \
+    tile = next;       \
+    }
+#define NEXT_TILE next
+#define FETCH_NEXT              \
+    next = take(n + 1);         \
+    more = next < nqb * rows;
+#else
+#define PRODUCER_TILES_BEGIN TILES_BEGIN
+#define PRODUCER_TILES_END TILES_END
+#endif
 #else
 #define TILE_ROW                                \
     const u64 b = blockIdx.y;                   \
@@ -509,6 +562,9 @@ static __device__ __forceinline__ void persist_tile(int t, int nqb, int rows, in
     constexpr bool first_tile = true, more = false;
 #define TILES_BEGIN {
 #define TILES_END }
+#define PRODUCER_TILES_BEGIN {
+#define PRODUCER_TILES_END }
+#define FETCH_NEXT
 #endif
 
 extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lsep, int nq, int nk,
@@ -529,6 +585,24 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     const u32 qs0 = (smem_u32(smem) + 1023u) & ~1023u, ks0 = qs0 + Q_BYTES, vs0 = ks0 + STAGES * TILE_BYTES;
     const u32 full_k = vs0 + STAGES * VTILE_BYTES, full_v = full_k + 8 * STAGES, empty_k = full_v + 8 * STAGES,
               empty_v = empty_k + 8 * STAGES;
+#if ATTNKERN_PERSIST == 2
+    // the dynamic walk's two tile slots: their mbarriers (the index written; read by the consumers) and indices
+    const u32 tile_full = empty_v + 8 * STAGES, tile_empty = tile_full + 16, tile_slot = tile_empty + 16;
+    // tile index n of this block into its slot, once the consumers have read the one before in it
+    const auto publish = [&](int n, int t) {
+        mbar_wait(tile_empty + 8 * (n & 1), ((n >> 1) & 1) ^ 1);
+        asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(tile_slot + 4 * (n & 1)), "r"(t) : "memory");
+        mbar_arrive(tile_full + 8 * (n & 1));
+    };
+    // tile index n, read by a consumer thread (which then frees the slot)
+    const auto take = [&](int n) {
+        mbar_wait(tile_full + 8 * (n & 1), (n >> 1) & 1);
+        int t;
+        asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(t) : "r"(tile_slot + 4 * (n & 1)) : "memory");
+        mbar_arrive(tile_empty + 8 * (n & 1));
+        return t;
+    };
+#endif
 
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -538,6 +612,12 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             mbar_init(empty_k + 8 * s, 128 * NWG);
             mbar_init(empty_v + 8 * s, 128 * NWG);
         }
+#if ATTNKERN_PERSIST == 2
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(tile_full + 8 * s, 1);
+            mbar_init(tile_empty + 8 * s, 128 * NWG);
+        }
+#endif
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -554,7 +634,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         tma_map_acquire(kp);
         tma_map_acquire(vp);
 #endif
-        TILES_BEGIN
+        PRODUCER_TILES_BEGIN
 #if ATTNKERN_TMA
         const int kv_row = (int)f.kv_row;
         const u64 ksrc = kp, vsrc = vp;
@@ -601,7 +681,15 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 load(ksrc, ks0, empty_k, full_k, jt + 1);
             load(vsrc, vs0, empty_v, full_v, jt);
         }
-        TILES_END
+        PRODUCER_TILES_END
+#if ATTNKERN_PERSIST == 2
+        // every tile this block took is taken: the last block done zeroes the counter for the next launch
+        __threadfence();
+        if (atomicAdd((unsigned*)counters + 1, 1u) == gridDim.x - 1) {
+            atomicExch((unsigned*)counters, 0u);
+            atomicExch((unsigned*)counters + 1, 0u);
+        }
+#endif
         if (!ATTNKERN_TMA) cp_async_wait_all();  // tiles the consumers skip are never waited for
         return;
     }
@@ -812,6 +900,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         pass_turn();
     }
 #endif
+    // The dynamic walk reads the next tile's index once this consumer has freed every slot of this
+    // tile (the producer hands it over after this tile's last copies); consumer 1's last turn
+    // (more still false) opened nothing: it opens consumer 0's first turn of the next tile now.
+    FETCH_NEXT
+#if ATTNKERN_PERSIST == 2 && ATTNKERN_PINGPONG
+    if (cw == 1 && more) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + NWG) : "memory");
+#endif
 #if ATTNKERN_FP8
 #pragma unroll
     for (int j = 0; j < NO; ++j) o[j][0] *= out_scale, o[j][1] *= out_scale, o[j][2] *= out_scale, o[j][3] *= out_scale;
@@ -821,7 +916,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     if (more) {  // the next tile's Q rows: loaded into registers before this tile's output is stored
         u64 nb;
         int nq0;
-        persist_tile(tile + gridDim.x, nqb, rows, nk, causal, nb, nq0);
+        persist_tile(NEXT_TILE, nqb, rows, nk, causal, nb, nq0);
         constexpr int NQC = 64 * ROW16 / 8 / 128;  // 16-byte chunks of the consumer's 64 rows a thread
         const u16* qn = (const u16*)qp + nb * (u64)nq * ROW16;
         u32x4 x[NQC];
@@ -844,4 +939,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #undef TILE
 #undef TILES_BEGIN
 #undef TILES_END
+#undef PRODUCER_TILES_BEGIN
+#undef PRODUCER_TILES_END
+#undef NEXT_TILE
+#undef FETCH_NEXT
 #endif  // ATTNKERN_WS
