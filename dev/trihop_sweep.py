@@ -12,7 +12,7 @@ function first kept busy --busy s; medians):
                  output, and the wait for its flags, in the call)
   straight       flash.launch at the table's config (the kernel launched directly)
   cand ...       flash.launch with flash.OVERRIDE["forward_hopper"] = a candidate of CANDIDATES
-  scan           the finite scan alone (launch._scan_launch's kernel on q, k, v and the output,
+  scan           the finite scan alone (launch.scan_launch's kernel on q, k, v and the output,
                  prepared as the fast path launches it)
   scan old       the scan before 64-bit words (OLD_SCAN: 2-byte loads, a branch each), likewise
   torch ...      SDPA under sdpa_kernel: CUDNN_ATTENTION, FLASH_ATTENTION, EFFICIENT_ATTENTION
@@ -100,12 +100,12 @@ def _scans(tensors):
     and the scan before 64-bit words, each a function that launches it (no wait)."""
     import ml_dtypes
 
-    from attnkern._gpuarray import GpuArray
     from attnkern.backends.cuda import launch
+    from attnkern.backends.cuda.arrays import GpuArray
 
     arrays = [GpuArray((t.numel(),), np.dtype(ml_dtypes.bfloat16), None, ptr=t.data_ptr(), owner=t) for t in tensors]
-    flags = launch._flags()[0]
-    (kernel, grid, block, args), _, _ = launch._scan_launch(arrays, flags)
+    kernel, grid, block, args = launch.scan_launch(arrays)
+    flags = args[-1]
     launch.launch(kernel, grid, block, *args)  # compiled, and its raw kernel kept
     new = launch.Prepared(launch.raw_kernel(kernel), grid, block, args)
     if not OLD_SCAN:

@@ -325,6 +325,40 @@ def test_wgmma_persistent_division(monkeypatch):
     assert got == (6, 1) and args[-2:] == (np.int32(2), np.uint64(4096))
 
 
+def test_plain_calls_take_the_dynamic_walk_where_it_was_measured(monkeypatch):
+    """The default division's dynamic persistent form (Pd) runs a plain call of the TMA default whose
+    query length lies in cpp.PERSIST_NQ with at least cpp.PERSIST_ROWS folded batch rows; outside that
+    range, for featured calls, the float32-rows variant, an explicit division or with the rule off
+    (PERSIST_NQ None), the division is as given."""
+    import ml_dtypes
+
+    from attnkern._gpuarray import GpuArray
+    from attnkern.backends.cuda import cpp
+
+    default = cpp.WgmmaConfig.parse("wg2k176s2pet")
+    monkeypatch.setattr(cpp, "tensor_core_config", lambda d, dtype, plain=True: default if plain else default.tma_off())
+    monkeypatch.setattr(cpp, "tile_counters", lambda: 4096)
+    monkeypatch.setattr(cpp, "sm_count", lambda: 132)
+    kernels = []
+    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d, config, *a, **kw: kernels.append(str(config)))
+    lo, hi = cpp.PERSIST_NQ
+    for rows, nq, want in ((cpp.PERSIST_ROWS, lo, "wg2k176s2petPd"), (128, hi, "wg2k176s2petPd"),
+                           (cpp.PERSIST_ROWS - 1, lo, "wg2k176s2pet"), (128, lo - 1, "wg2k176s2pet"),
+                           (128, hi + 1, "wg2k176s2pet")):
+        q = GpuArray((rows, nq, 128), ml_dtypes.bfloat16, None, ptr=1 << 20)
+        kernels.clear()
+        cpp.flash_mma_launch(q, q, q, q, True, 0.1, None)
+        assert kernels == [want], (rows, nq)
+    q = GpuArray((64, lo, 128), ml_dtypes.bfloat16, None, ptr=1 << 20)
+    kernels.clear()
+    cpp.flash_mma_launch(q, q, q, q, False, 0.1, None, config=default)  # a division given: as it is
+    cpp.flash_mma_launch(q, q, q, q, False, 0.1, None, wide=True)  # the float32 rows' variant
+    monkeypatch.setattr(cpp, "PERSIST_NQ", None)
+    cpp.flash_mma_launch(q, q, q, q, False, 0.1, None)
+    assert kernels == ["wg2k176s2pet", "wg2k176s2pe", "wg2k176s2pet"]
+    assert str(cpp.persist_rule(cpp.WgmmaConfig.parse("wg2k128s3e"), 64, lo)) == "wg2k128s3e"  # no TMA
+
+
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("dtype, d, name", [("bfloat16", 128, "wg2k176s2pet"), ("bfloat16", 64, "wg2k128s3et"),
                                             ("float16", 64, "wg2k128s2pet"), ("float16", 128, "wg2k128s3et")])

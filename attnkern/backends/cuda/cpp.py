@@ -458,13 +458,31 @@ def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | W
 # copies, itself 1.4-1.7x the double-buffered wg3k128. Their persistent forms (wg2k128s3etP,
 # wg2k176s2petP: one block an SM walking the tiles by a static stride) were bit-identical but 0.80-1.10x
 # as fast on an H100 (docs/gpu-forward-grid.md, 2026-11-27: slower causal and at N = 8192, level at
-# N = 2048 without causal masking): opt-in divisions, not defaults.
+# N = 2048 without causal masking): opt-in divisions. Their dynamic form (Pd: each block takes its next
+# tile from a counter, as the hardware's block scheduler hands out blocks) was bit-identical and at least
+# as fast as the default in all 24 rows measured (bfloat16 (B, 16, N, D), B 2-8, N 2048-4096, causal and
+# not: D = 128 1.00-1.14x on an H200, D = 64 1.03-1.24x on an H100; docs/gpu-forward-grid.md,
+# 2026-11-27), unmeasured at batch 1 and N >= 8192: the plain call takes it in that range (persist_rule).
 WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True),
                  128: WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True)}
 # The featured kernels' and the float32-rows (ATTNKERN_WIDE) variant's: the previous default,
 # whose every feature the GPU tests have checked (the TMA is for plain calls: WgmmaConfig.tma)
 WGMMA_OTHER = {d: WgmmaConfig(2, 128, 3, early_k=True) for d in (64, 128)}
 WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the default's (225 KB at D = 128)
+# Where a plain call of the TMA default runs its dynamic persistent walk instead (persist_rule): query
+# lengths in [PERSIST_NQ[0], PERSIST_NQ[1]] with at least PERSIST_ROWS folded batch rows (batch x heads),
+# the range measured at least as fast; None turns the rule off.
+PERSIST_NQ = (2048, 4096)
+PERSIST_ROWS = 32
+
+
+def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int) -> "MmaConfig | WgmmaConfig":
+    """config, or its dynamic persistent form where a plain call of `rows` folded batch rows of nq
+    queries lies in the measured range (PERSIST_NQ, PERSIST_ROWS) and config is the TMA kernel's."""
+    if (PERSIST_NQ is None or not isinstance(config, WgmmaConfig) or not config.tma or config.persistent
+            or not PERSIST_NQ[0] <= nq <= PERSIST_NQ[1] or rows < PERSIST_ROWS):
+        return config
+    return dataclasses.replace(config, persistent=True, dynamic=True)
 
 
 def half_config(d: int, dtype: str = "bfloat16", plain: bool = True) -> "MmaConfig | WgmmaConfig":
@@ -707,8 +725,11 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
     batch, nq, d = q.shape
     dtype = q.dtype.name
     dropout, varlen = _dropout_of(feat), _varlen_of(feat)
-    config = config or (mma_config(d, dtype) if dropout or varlen
-                        else tensor_core_config(d, dtype, plain=feat is None and not wide))
+    if config is None:
+        config = (mma_config(d, dtype) if dropout or varlen
+                  else tensor_core_config(d, dtype, plain=feat is None and not wide))
+        if feat is None and not wide:
+            config = persist_rule(config, batch, nq)
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "

@@ -556,6 +556,13 @@ def _scan_launch(arrays, flags, words=None):
              (*wide, *elems, *nws, *sizes, wmask, wadd, itype(mask), flags)), wide, elems)
 
 
+def scan_launch(arrays):
+    """(kernel, grid, block, args) of the finite scan over up to four GpuArrays of one dtype, as a
+    call's check launches it, writing this thread's flags (its last argument): for measuring the
+    scan alone (launch() it; nothing waits for it or reads the flags)."""
+    return _scan_launch(arrays, _flags()[0])[0]
+
+
 SPIN_S = 1e-3  # how long _wait polls before it leaves the wait to the driver
 _DRIVER = []  # cuda.bindings.driver and the legacy default stream's handle object, found on first use
 
