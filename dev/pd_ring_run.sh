@@ -9,7 +9,7 @@ at() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 nvidia-smi -L
 S=/tmp/site_f; rm -rf $S; pip install -q --no-index --no-deps --target $S .dev-lead/whl/*.whl .dev-lead/whl/optuna/*.whl 2>&1 | grep -v WARN
 export PYTHONPATH=$S PYTHONUNBUFFERED=1
-rm -rf /tmp/t && cp -r .dev-lead/src /tmp/t && cd /tmp/t
+rm -rf /tmp/t && cp -r .dev-lead/src /tmp/t && cd /tmp/t || exit
 at installed
 P="timeout 130 python3 -m pytest -q -p no:cacheprovider -rf"
 ( export ATTNKERN_TEST_GPU=1 CUDA_VISIBLE_DEVICES=1
@@ -30,7 +30,7 @@ wait $TA
 at "tests done"; for f in $L/t_*.txt; do echo "-- $f"; grep -E "passed|failed|FAILED|rror" $f | grep -v Warn | tail -4; done
 ATTNKERN_TEST_GPU=1 timeout 95 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ring.py -k nccl > $L/t_ring.txt 2>&1
 at "ring tests"; grep -E "passed|failed|FAILED|rror" $L/t_ring.txt | tail -4
-cd /tmp
+cd /tmp || exit
 for dt in bfloat16 float32; do
   timeout 60 python3 -m attnkern ring --device cuda --world-sizes 1 2 --dtype $dt --seq 32768 --dim 128 \
     --heads 16 --kernel cuda.flash --layout zigzag --causal yes --repeat 5 --profile-steps --json $O/ring-$dt.json 2>&1 | grep -v Warn | tail -14
