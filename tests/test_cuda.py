@@ -339,6 +339,7 @@ def test_plain_calls_take_the_dynamic_walk_where_it_was_measured(monkeypatch):
     monkeypatch.setattr(cpp, "tensor_core_config", lambda d, dtype, plain=True: default if plain else default.tma_off())
     monkeypatch.setattr(cpp, "tile_counters", lambda: 4096)
     monkeypatch.setattr(cpp, "sm_count", lambda: 132)
+    monkeypatch.setattr(cpp, "shared_limit", lambda: cpp.WGMMA_SHARED_LIMIT)
     kernels = []
     monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d, config, *a, **kw: kernels.append(str(config)))
     lo, hi = cpp.PERSIST_NQ
@@ -356,7 +357,10 @@ def test_plain_calls_take_the_dynamic_walk_where_it_was_measured(monkeypatch):
     monkeypatch.setattr(cpp, "PERSIST_NQ", None)
     cpp.flash_mma_launch(q, q, q, q, False, 0.1, None)
     assert kernels == ["wg2k176s2pet", "wg2k176s2pe", "wg2k176s2pet"]
-    assert str(cpp.persist_rule(cpp.WgmmaConfig.parse("wg2k128s3e"), 64, lo)) == "wg2k128s3e"  # no TMA
+    assert str(cpp.persist_rule(cpp.WgmmaConfig.parse("wg2k128s3e"), 64, lo, 128)) == "wg2k128s3e"  # no TMA
+    monkeypatch.setattr(cpp, "PERSIST_NQ", (lo, hi))
+    monkeypatch.setattr(cpp, "shared_limit", lambda: default.shared_bytes(128))  # no room for the walk's slots
+    assert cpp.persist_rule(default, 64, lo, 128) == default
 
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")

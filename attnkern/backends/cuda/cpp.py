@@ -476,13 +476,15 @@ PERSIST_NQ = (2048, 4096)
 PERSIST_ROWS = 32
 
 
-def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int) -> "MmaConfig | WgmmaConfig":
+def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int) -> "MmaConfig | WgmmaConfig":
     """config, or its dynamic persistent form where a plain call of `rows` folded batch rows of nq
-    queries lies in the measured range (PERSIST_NQ, PERSIST_ROWS) and config is the TMA kernel's."""
+    queries at head size d lies in the measured range (PERSIST_NQ, PERSIST_ROWS), config is the TMA
+    kernel's and the GPU's shared memory a block holds the walk's 48 more bytes."""
     if (PERSIST_NQ is None or not isinstance(config, WgmmaConfig) or not config.tma or config.persistent
             or not PERSIST_NQ[0] <= nq <= PERSIST_NQ[1] or rows < PERSIST_ROWS):
         return config
-    return dataclasses.replace(config, persistent=True, dynamic=True)
+    walk = dataclasses.replace(config, persistent=True, dynamic=True)
+    return walk if walk.shared_bytes(d) <= shared_limit() else config
 
 
 def half_config(d: int, dtype: str = "bfloat16", plain: bool = True) -> "MmaConfig | WgmmaConfig":
@@ -729,7 +731,7 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
         config = (mma_config(d, dtype) if dropout or varlen
                   else tensor_core_config(d, dtype, plain=feat is None and not wide))
         if feat is None and not wide:
-            config = persist_rule(config, batch, nq)
+            config = persist_rule(config, batch, nq, d)
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
