@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import attnkern
 from attnkern.backends.cuda import cpp
 
-from gpu_bwd_versions import from_torch
+from gpu_bwd_versions import from_torch, sample_ms
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -119,13 +119,7 @@ def main():
             samples = {key: [] for key in calls}
             for _ in range(a.runs):
                 for key, call in calls.items():
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    for _ in range(5):
-                        call()
-                    e.record()
-                    e.synchronize()
-                    samples[key].append(s.elapsed_time(e) / 5)
+                    samples[key].append(sample_ms(call))
             for tag in ("bwd", "fwd+bwd"):
                 ms = {name: statistics.median(x) for (tg, name), x in samples.items() if tg == tag}
                 torch_best = min(v for nm, v in ms.items() if nm.startswith("torch."))

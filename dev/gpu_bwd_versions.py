@@ -33,6 +33,17 @@ def from_torch(x, name):
              torch.float32: np.dtype(np.float32)}[x.dtype]
     return GpuArray(tuple(x.shape), dtype, None, ptr=x.data_ptr(), owner=x)
 
+
+def sample_ms(call, reps: int = 5) -> float:
+    """One timed sample: reps calls back to back between two CUDA events, ms a call."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        call()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
+
 # float32 (3xTF32): shared memory holds half the rows, and the dK/dV kernel spilled with more
 # than 32 (D = 64) or 8 (D = 128) streamed rows
 CONFIGS_F32 = {
@@ -119,13 +130,7 @@ def main():
                         calls[name] = (call, diff, [])
                     for _ in range(a.runs):  # in turns
                         for call, _, samples in calls.values():
-                            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            s.record()
-                            for _ in range(5):
-                                call()
-                            e.record()
-                            e.synchronize()
-                            samples.append(s.elapsed_time(e) / 5)
+                            samples.append(sample_ms(call))
                     for name, (call, diff, samples) in calls.items():
                         ms = statistics.median(samples)
                         tflops = 2.5 * 4 * 16 * n * n * d / (2 if causal else 1) / ms / 1e9
