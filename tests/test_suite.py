@@ -57,6 +57,8 @@ SHORT_CALL_S, SHORT_CALL_EXTRA_S = 5e-3, 0.6e-3
 # the share of the cores' time that other processes and the hypervisor (steal) may take
 # during an attnkern bench process before its row is measured again (_bench_one)
 BUSY_SHARE = 0.10
+# a disagreement must show in each of up to this many measurements (test_asv_agrees_with_attnkern_bench)
+MEASUREMENTS = 3
 
 
 def _env():
@@ -212,25 +214,29 @@ def _bench_one(tmp_path, *args, tries: int = 3) -> dict:
     return times
 
 
-def _agree(asv_times: dict, bench_times: dict, what: str) -> list[str]:
+def _agree(asv_times: dict, bench_times: dict, what: str) -> dict[str, str]:
     """Disagreements between asv's {(kernel, causal): seconds} and attnkern bench's: a
     time more than AGREE apart, or two kernels in the other order where bench puts them
-    more than AGREE apart (closer pairs have no order to keep)."""
-    problems = []
+    more than AGREE apart (closer pairs have no order to keep). Keyed by what disagreed
+    and which way (without the numbers), so that two measurements can be matched."""
+    problems = {}
     for key, a in asv_times.items():
         b = bench_times[key]
         allowed = AGREE_NOISY.get(key[0], AGREE) + (SHORT_CALL_EXTRA_S / b if b < SHORT_CALL_S else 0.0)
         if abs(a / b - 1) > allowed:
-            problems.append(f"{what} {key}: asv {a * 1e3:.2f} ms, attnkern bench {b * 1e3:.2f} ms ({a / b:.2f}x)")
+            way = "slower" if a > b else "faster"
+            problems[f"{what} {key}: asv {way}"] = \
+                f"{what} {key}: asv {a * 1e3:.2f} ms, attnkern bench {b * 1e3:.2f} ms ({a / b:.2f}x)"
     for (k1, c1), a1 in asv_times.items():
         for (k2, c2), a2 in asv_times.items():
             b1, b2 = bench_times[(k1, c1)], bench_times[(k2, c2)]
             if c1 == c2 and b1 * (1 + AGREE) < b2 and not a1 < a2:
-                problems.append(f"{what} causal={c1}: attnkern bench has {k1} faster than {k2}, asv the opposite")
+                message = f"{what} causal={c1}: attnkern bench has {k1} faster than {k2}, asv the opposite"
+                problems[message] = message
     return problems
 
 
-def _compare(asv_run, tmp_path, *asv_args) -> tuple[list[str], dict]:
+def _compare(asv_run, tmp_path, *asv_args) -> tuple[dict[str, str], dict]:
     """asv's timings of every timed class at SHAPE beside attnkern bench's: the
     disagreements, and Forward's asv/bench ratios; asv_args go to asv run."""
     kernels = "|".join(k.replace(".", r"\.") for k in KERNELS)
@@ -265,26 +271,34 @@ def _compare(asv_run, tmp_path, *asv_args) -> tuple[list[str], dict]:
         (_p("native.flash"), _p(SHAPE), _p(256), _p(256), _p(THREADS))]}
     tuned = {("native.flash", c): results["bench_tuned.Tuned.time_forward"][(_p("default"), _p(SHAPE), _p(c))]
              for c in (False, True)}
-    problems = (_agree(forward, bench, "Forward") + _agree(throughput, bench, "Throughput")
-                + _agree(sweep, bench, "BlockSweep") + _agree(tuned, bench, "Tuned")
-                + _agree(half, bench_half, "ForwardHalf"))
+    problems = {**_agree(forward, bench, "Forward"), **_agree(throughput, bench, "Throughput"),
+                **_agree(sweep, bench, "BlockSweep"), **_agree(tuned, bench, "Tuned"),
+                **_agree(half, bench_half, "ForwardHalf")}
     threads = results["bench_tracks.ThreadsUsed.track_threads"]
-    problems += [f"ThreadsUsed {k}: {v} threads, not {THREADS}" for k, v in threads.items()
-                 if v == v and v != THREADS]  # NaN: a kernel not available here
+    problems.update({f"ThreadsUsed {k}": f"ThreadsUsed {k}: {v} threads, not {THREADS}" for k, v in threads.items()
+                     if v == v and v != THREADS})  # NaN: a kernel not available here
     return problems, {key: forward[key] / bench[key] for key in forward}
 
 
 def test_asv_agrees_with_attnkern_bench(asv_run, tmp_path):
-    """Both measured twice where they disagree the first time: numpy.naive's time moves
-    by up to 18% between runs of either tool on identical code (26.4-31.3 ms in asv's
-    Forward on a 2-core AMD EPYC), more than the 15% allowed; a real disagreement (the
-    single-threaded forked benchmarks read 2x) shows in both measurements. The first
-    measurement takes one asv round (one forked process a benchmark, half the time of
-    the classes' two); the second, where the first disagrees, the classes' own rounds."""
-    problems, ratios = _compare(asv_run, tmp_path, "-a", "rounds=1")
-    if problems:
-        first = problems
+    """A disagreement fails only if every measurement shows it (the same timing off the
+    same way, or the same pair in the other order), up to MEASUREMENTS of them, each
+    taken only while the ones before still share a disagreement. Why: this VM's host
+    slows both cores 1.7x for about a second now and then, unseen by the steal counter
+    (native.flash at 1x8x1024x64 read 12.1-12.6 ms a second, and once 21.3, in one
+    process of a loop on a 2-core AMD EPYC); a burst that lands on one tool's samples
+    of one kernel reads as a 1.7x disagreement (CI: asv's numpy.naive 1.67x bench's in
+    one measurement, the causal one 1.72x in the next, the other kernels within 17%).
+    A real disagreement (the single-threaded forked benchmarks read 2x) is systematic
+    and shows in each. The first measurement takes one asv round (one forked process a
+    benchmark, half the time of the classes' two); later ones the classes' own rounds."""
+    shared, ratios = _compare(asv_run, tmp_path, "-a", "rounds=1")
+    seen = [shared]
+    while shared and len(seen) < MEASUREMENTS:
         problems, ratios = _compare(asv_run, tmp_path)
-        print("first measurement:\n" + "\n".join(first))
-    assert not problems, "\n".join(problems) + f"\nForward/bench ratios: {ratios}; median " \
-                                               f"{statistics.median(ratios.values()):.2f}"
+        seen.append(problems)
+        shared = {key: problems[key] for key in shared if key in problems}
+    for i, problems in enumerate(seen, 1):
+        print(f"measurement {i}:\n" + "\n".join(problems.values()))
+    assert not shared, "in every measurement:\n" + "\n".join(shared.values()) + \
+        f"\nForward/bench ratios of the last: {ratios}; median {statistics.median(ratios.values()):.2f}"
