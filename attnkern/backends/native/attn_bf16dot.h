@@ -156,10 +156,11 @@ static void dot_round_cols(const float *x, int64_t ldx, int64_t rows, int64_t n,
 
 /* One register tile of A B on pairs: x[r][0:DOT_NR) = sum_t A[r][t] . b[t] for r < mr,
  * A[r][t] = a[r * ars + t * ats] (a pair word), b a panel (k2 rows of DOT_NR pairs);
- * written to o + r * ldo as epi says. */
+ * written to o + r * ldo as epi says. With half, only x[r][0:16) (a panel of at most 16
+ * valid columns): half the products, the same sums for those columns. */
 static ATTN_INLINE void dot_tile(int mr, int64_t k2, const uint32_t *a, int64_t ars, int64_t ats,
                                  const uint32_t *b, float *o, int64_t ldo, float *comp, const uint8_t *seen,
-                                 float c, int epi)
+                                 float c, int epi, int half)
 {
     __m512 acc[DOT_MR][2];
     for (int r = 0; r < DOT_MR; r++)
@@ -167,12 +168,13 @@ static ATTN_INLINE void dot_tile(int mr, int64_t k2, const uint32_t *a, int64_t 
 #pragma GCC unroll 2
     for (int64_t t = 0; t < k2; t++) {
         __m512bh b0 = (__m512bh)_mm512_load_si512(b + t * DOT_NR);
-        __m512bh b1 = (__m512bh)_mm512_load_si512(b + t * DOT_NR + 16);
+        __m512bh b1 = half ? b0 : (__m512bh)_mm512_load_si512(b + t * DOT_NR + 16);
         for (int r = 0; r < DOT_MR; r++) {
             if (r < mr) {
                 __m512bh ar = (__m512bh)_mm512_set1_epi32((int)a[r * ars + t * ats]);
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+                if (!half)
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
             }
         }
     }
@@ -180,7 +182,7 @@ static ATTN_INLINE void dot_tile(int mr, int64_t k2, const uint32_t *a, int64_t 
     for (int r = 0; r < DOT_MR; r++) {
         if (r >= mr)
             continue;
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < (half ? 1 : 2); h++) {
             float *op = o + r * ldo + h * 16;
             if (epi == DOT_EPI_SCALE) {
                 _mm512_storeu_ps(op, _mm512_mul_ps(acc[r][h], vc));
@@ -199,7 +201,11 @@ static ATTN_INLINE void dot_tile(int mr, int64_t k2, const uint32_t *a, int64_t 
 
 /* o[0:rows, 0:round_up(ncols, DOT_NR)) (+)= A . B as epi says (dot_tile), A[r][t] =
  * a[r * ars + t * ats] (rows x k2 pair words), B the panels at pack (k2 pair rows of
- * each, one panel every kpanel2 pair rows of DOT_NR, ncols columns). */
+ * each, one panel every kpanel2 pair rows of DOT_NR, ncols columns). The sums into
+ * running outputs (DOT_EPI_KAHAN, DOT_EPI_ROWS: dV, dK, dQ, whose readers take their
+ * first ncols columns) leave a last panel's columns from 16 on unwritten where it has
+ * at most 16 valid ones; DOT_EPI_SCALE writes whole panels (the score buffers' padding
+ * is read as pairs). */
 static void dot_gemm(const uint32_t *a, int64_t ars, int64_t ats, int64_t rows, const uint32_t *pack,
                      int64_t kpanel2, int64_t k2, int64_t ncols, float *o, int64_t ldo, float *comp,
                      const uint8_t *seen, float c, int epi)
@@ -210,14 +216,21 @@ static void dot_gemm(const uint32_t *a, int64_t ars, int64_t ats, int64_t rows, 
             const uint32_t *ar = a + r0 * ars, *bp = pack + c0 * kpanel2;
             float *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
             const uint8_t *sr = seen ? seen + r0 : NULL;
-            if (mr == DOT_MR && epi == DOT_EPI_SCALE)
-                dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_SCALE);
+            if (epi != DOT_EPI_SCALE && ncols - c0 <= 16) {
+                if (mr == DOT_MR && epi == DOT_EPI_KAHAN)
+                    dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_KAHAN, 1);
+                else if (mr == DOT_MR)
+                    dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_ROWS, 1);
+                else
+                    dot_tile(mr, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, epi, 1);
+            } else if (mr == DOT_MR && epi == DOT_EPI_SCALE)
+                dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_SCALE, 0);
             else if (mr == DOT_MR && epi == DOT_EPI_KAHAN)
-                dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_KAHAN);
+                dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_KAHAN, 0);
             else if (mr == DOT_MR)
-                dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_ROWS);
+                dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_ROWS, 0);
             else
-                dot_tile(mr, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, epi);
+                dot_tile(mr, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, epi, 0);
         }
     }
 }

@@ -1392,28 +1392,31 @@ static void ST(gemm_abt)(T *pack, const T *a, int64_t rows, int64_t lda, const T
 
 /* o[r][0:NR) (+)= sum_t a[r * ars + t * ats] * b[t][0:NR) for r < mr, added as epi
  * says: one register tile of A B, A read with row stride ars and column stride ats
- * (A or A^T of a stored matrix), b a packed panel (kdim rows of NR contiguous columns). */
+ * (A or A^T of a stored matrix), b a packed panel (kdim rows of NR contiguous columns).
+ * With half, only the first VW columns (the panel's valid ones: head sizes up to VW, or
+ * a last panel of that many): half the FMAs, the same sums for those columns. */
 static ATTN_INLINE void ST(tile_ab)(int mr, int64_t kdim, const T *a, int64_t ars, int64_t ats,
-                                    const T *b, T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi)
+                                    const T *b, T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi, int half)
 {
     VT acc[MR][2];
     for (int r = 0; r < MR; r++)
         acc[r][0] = acc[r][1] = V(zero)();
 #pragma GCC unroll 4
     for (int64_t t = 0; t < kdim; t++) {
-        VT b0 = V(load)(b + t * NR), b1 = V(load)(b + t * NR + VW);
+        VT b0 = V(load)(b + t * NR), b1 = half ? b0 : V(load)(b + t * NR + VW);
         for (int r = 0; r < MR; r++) {
             if (r < mr) {
                 VT ar = V(set1)(a[r * ars + t * ats]);
                 acc[r][0] = V(fma)(ar, b0, acc[r][0]);
-                acc[r][1] = V(fma)(ar, b1, acc[r][1]);
+                if (!half)
+                    acc[r][1] = V(fma)(ar, b1, acc[r][1]);
             }
         }
     }
     for (int r = 0; r < MR; r++) {
         if (r >= mr)
             continue;
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < (half ? 1 : 2); h++) {
             T *op = o + r * ldo + h * VW;
             if (epi == ATTN_EPI_KAHAN) {  /* s += x: y = x - c, t = s + y, c = (t - s) - y, s = t */
                 T *cp = comp + r * ldo + h * VW;
@@ -1441,12 +1444,19 @@ static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, cons
             const T *ar = a + r0 * ars, *bp = pack + c0 * kpanel;
             T *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
             const uint8_t *sr = seen ? seen + r0 : NULL;
-            if (mr == MR && epi == ATTN_EPI_KAHAN)
-                ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_KAHAN);
+            if (ncols - c0 <= VW) {  /* a panel of at most VW valid columns: half tiles */
+                if (mr == MR && epi == ATTN_EPI_KAHAN)
+                    ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_KAHAN, 1);
+                else if (mr == MR)
+                    ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_ROWS, 1);
+                else
+                    ST(tile_ab)(mr, kdim, ar, ars, ats, bp, op, ldo, cp, sr, epi, 1);
+            } else if (mr == MR && epi == ATTN_EPI_KAHAN)
+                ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_KAHAN, 0);
             else if (mr == MR)
-                ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_ROWS);
+                ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_ROWS, 0);
             else
-                ST(tile_ab)(mr, kdim, ar, ars, ats, bp, op, ldo, cp, sr, epi);
+                ST(tile_ab)(mr, kdim, ar, ars, ats, bp, op, ldo, cp, sr, epi, 0);
         }
     }
 }
