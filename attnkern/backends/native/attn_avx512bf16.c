@@ -93,34 +93,38 @@ static ATTN_INLINE void dot_tile_qk(int mr, int64_t d2, const uint32_t *a, int64
 
 /* o[r][0:BNR) = o[r][0:BNR) * alpha[r] + sum_t p[r] pair t . b[t] pair, for r < mr:
  * one register tile of P V (p: bfloat16 probabilities, row stride ldp pairs; b: a
- * packed V panel), the online-softmax rescale fused in. */
+ * packed V panel), the online-softmax rescale fused in. With half, only o[r][0:16) (a
+ * last panel of at most 16 output columns; the others stay as they are, unread). */
 static ATTN_INLINE void dot_tile_pv(int mr, int64_t kb2, const uint32_t *p, int64_t ldp,
-                                     const uint32_t *b, float *o, int64_t ldo, const float *alpha)
+                                     const uint32_t *b, float *o, int64_t ldo, const float *alpha, int half)
 {
     __m512 acc[BMR][2];
     for (int r = 0; r < BMR; r++) {
         if (r < mr) {
             __m512 ar = _mm512_set1_ps(alpha[r]);
             acc[r][0] = _mm512_mul_ps(_mm512_load_ps(o + r * ldo), ar);
-            acc[r][1] = _mm512_mul_ps(_mm512_load_ps(o + r * ldo + 16), ar);
+            acc[r][1] = half ? acc[r][0] : _mm512_mul_ps(_mm512_load_ps(o + r * ldo + 16), ar);
         } else {
             acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         }
     }
     for (int64_t t = 0; t < kb2; t++) {
-        __m512bh b0 = as_bh(_mm512_load_si512(b + t * BNR)), b1 = as_bh(_mm512_load_si512(b + t * BNR + 16));
+        __m512bh b0 = as_bh(_mm512_load_si512(b + t * BNR));
+        __m512bh b1 = half ? b0 : as_bh(_mm512_load_si512(b + t * BNR + 16));
         for (int r = 0; r < BMR; r++) {
             if (r < mr) {
                 __m512bh pr = as_bh(_mm512_set1_epi32((int)p[r * ldp + t]));
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pr, b0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pr, b1);
+                if (!half)
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pr, b1);
             }
         }
     }
     for (int r = 0; r < BMR; r++) {
         if (r < mr) {
             _mm512_store_ps(o + r * ldo, acc[r][0]);
-            _mm512_store_ps(o + r * ldo + 16, acc[r][1]);
+            if (!half)
+                _mm512_store_ps(o + r * ldo + 16, acc[r][1]);
         }
     }
 }
@@ -136,12 +140,16 @@ static inline void dot_call_qk(int mr, int64_t d2, const uint32_t *a, int64_t ld
 }
 
 static inline void dot_call_pv(int mr, int64_t kb2, const uint32_t *p, int64_t ldp, const uint32_t *b,
-                                float *o, int64_t ldo, const float *alpha)
+                                float *o, int64_t ldo, const float *alpha, int half)
 {
-    if (mr == BMR)
-        dot_tile_pv(BMR, kb2, p, ldp, b, o, ldo, alpha);
+    if (half && mr == BMR)
+        dot_tile_pv(BMR, kb2, p, ldp, b, o, ldo, alpha, 1);
+    else if (half)
+        dot_tile_pv(mr, kb2, p, ldp, b, o, ldo, alpha, 1);
+    else if (mr == BMR)
+        dot_tile_pv(BMR, kb2, p, ldp, b, o, ldo, alpha, 0);
     else
-        dot_tile_pv(mr, kb2, p, ldp, b, o, ldo, alpha);
+        dot_tile_pv(mr, kb2, p, ldp, b, o, ldo, alpha, 0);
 }
 
 /* pb[j] = bfloat16(2^(x[j] - m)) for j < valid, 0 for valid <= j < n (n a multiple
@@ -254,7 +262,7 @@ static void flash_block_bf16dot(const attn_problem *p, const uint16_t *q, const 
                 continue; /* all p are zero and alpha is one */
             for (int64_t c0 = 0; c0 < dv_pad; c0 += BNR)
                 dot_call_pv(mr, (kv + 1) / 2, pb32 + r0 * ldp, ldp, w->vp + c0 * kb2,
-                             w->o + r0 * dv_pad + c0, dv_pad, w->alpha + r0);
+                             w->o + r0 * dv_pad + c0, dv_pad, w->alpha + r0, dv - c0 <= 16);
         }
     }
     for (int64_t r = 0; r < bq; r++) {
