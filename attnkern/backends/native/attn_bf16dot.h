@@ -199,31 +199,46 @@ static ATTN_INLINE void dot_tile(int mr, int64_t k2, const uint32_t *a, int64_t 
     }
 }
 
+/* The last panel of dot_gemm where it holds at most 16 valid columns (from column c0): 8 x 16
+ * tiles, half the products. Kept out of dot_gemm's loop so that the full tiles compile as before. */
+static __attribute__((noinline)) void dot_gemm_half(const uint32_t *a, int64_t ars, int64_t ats, int64_t rows,
+                                                    const uint32_t *pack, int64_t kpanel2, int64_t k2, int64_t c0,
+                                                    float *o, int64_t ldo, float *comp, const uint8_t *seen, int epi)
+{
+    for (int64_t r0 = 0; r0 < rows; r0 += DOT_MR) {
+        int mr = (int)(rows - r0 < DOT_MR ? rows - r0 : DOT_MR);
+        const uint32_t *ar = a + r0 * ars, *bp = pack + c0 * kpanel2;
+        float *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
+        const uint8_t *sr = seen ? seen + r0 : NULL;
+        if (mr == DOT_MR && epi == DOT_EPI_KAHAN)
+            dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, 1.0f, DOT_EPI_KAHAN, 1);
+        else if (mr == DOT_MR)
+            dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, 1.0f, DOT_EPI_ROWS, 1);
+        else
+            dot_tile(mr, k2, ar, ars, ats, bp, op, ldo, cp, sr, 1.0f, epi, 1);
+    }
+}
+
 /* o[0:rows, 0:round_up(ncols, DOT_NR)) (+)= A . B as epi says (dot_tile), A[r][t] =
  * a[r * ars + t * ats] (rows x k2 pair words), B the panels at pack (k2 pair rows of
  * each, one panel every kpanel2 pair rows of DOT_NR, ncols columns). The sums into
  * running outputs (DOT_EPI_KAHAN, DOT_EPI_ROWS: dV, dK, dQ, whose readers take their
- * first ncols columns) leave a last panel's columns from 16 on unwritten where it has
- * at most 16 valid ones; DOT_EPI_SCALE writes whole panels (the score buffers' padding
- * is read as pairs). */
+ * first ncols columns) take a last panel of at most 16 valid columns in dot_gemm_half,
+ * which leaves its columns from 16 on unwritten; DOT_EPI_SCALE writes whole panels (the
+ * score buffers' padding is read as pairs). */
 static void dot_gemm(const uint32_t *a, int64_t ars, int64_t ats, int64_t rows, const uint32_t *pack,
                      int64_t kpanel2, int64_t k2, int64_t ncols, float *o, int64_t ldo, float *comp,
                      const uint8_t *seen, float c, int epi)
 {
+    const int64_t tail = ncols % DOT_NR;
+    const int64_t full = epi != DOT_EPI_SCALE && tail && tail <= 16 ? ncols - tail : ncols;
     for (int64_t r0 = 0; r0 < rows; r0 += DOT_MR) {
         int mr = (int)(rows - r0 < DOT_MR ? rows - r0 : DOT_MR);
-        for (int64_t c0 = 0; c0 < ncols; c0 += DOT_NR) {
+        for (int64_t c0 = 0; c0 < full; c0 += DOT_NR) {
             const uint32_t *ar = a + r0 * ars, *bp = pack + c0 * kpanel2;
             float *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
             const uint8_t *sr = seen ? seen + r0 : NULL;
-            if (epi != DOT_EPI_SCALE && ncols - c0 <= 16) {
-                if (mr == DOT_MR && epi == DOT_EPI_KAHAN)
-                    dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_KAHAN, 1);
-                else if (mr == DOT_MR)
-                    dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_ROWS, 1);
-                else
-                    dot_tile(mr, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, epi, 1);
-            } else if (mr == DOT_MR && epi == DOT_EPI_SCALE)
+            if (mr == DOT_MR && epi == DOT_EPI_SCALE)
                 dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_SCALE, 0);
             else if (mr == DOT_MR && epi == DOT_EPI_KAHAN)
                 dot_tile(DOT_MR, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, DOT_EPI_KAHAN, 0);
@@ -233,6 +248,8 @@ static void dot_gemm(const uint32_t *a, int64_t ars, int64_t ats, int64_t rows, 
                 dot_tile(mr, k2, ar, ars, ats, bp, op, ldo, cp, sr, c, epi, 0);
         }
     }
+    if (full < ncols)  /* epi is DOT_EPI_KAHAN or DOT_EPI_ROWS: c is not used */
+        dot_gemm_half(a, ars, ats, rows, pack, kpanel2, k2, full, o, ldo, comp, seen, epi);
 }
 
 #endif /* ATTN_BF16DOT_H */

@@ -1431,27 +1431,44 @@ static ATTN_INLINE void ST(tile_ab)(int mr, int64_t kdim, const T *a, int64_t ar
     }
 }
 
-/* o[0:rows, 0:round_up(ncols, NR)) (+)= A . b, added as epi says (tile_ab), with
- * A[r][t] = a[r * ars + t * ats] (rows x kdim) and b kdim rows of panels packed by
- * pack_v (kpanel rows a panel, ncols columns); o (and comp) have row stride ldo,
- * seen one flag per row of o. */
-static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, const T *pack, int64_t kpanel,
-                        int64_t kdim, int64_t ncols, T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi)
+/* The last panel of gemm_ab where it holds at most VW valid columns (from column c0):
+ * MR x VW tiles, half the FMAs. Kept out of gemm_ab's loop so that the full tiles compile
+ * as before. */
+static __attribute__((noinline)) void ST(gemm_ab_half)(const T *a, int64_t ars, int64_t ats, int64_t rows,
+                                                       const T *pack, int64_t kpanel, int64_t kdim, int64_t c0,
+                                                       T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi)
 {
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-        for (int64_t c0 = 0; c0 < ncols; c0 += NR) {
+        const T *ar = a + r0 * ars, *bp = pack + c0 * kpanel;
+        T *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
+        const uint8_t *sr = seen ? seen + r0 : NULL;
+        if (mr == MR && epi == ATTN_EPI_KAHAN)
+            ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_KAHAN, 1);
+        else if (mr == MR)
+            ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_ROWS, 1);
+        else
+            ST(tile_ab)(mr, kdim, ar, ars, ats, bp, op, ldo, cp, sr, epi, 1);
+    }
+}
+
+/* o[0:rows, 0:round_up(ncols, NR)) (+)= A . b, added as epi says (tile_ab), with
+ * A[r][t] = a[r * ars + t * ats] (rows x kdim) and b kdim rows of panels packed by
+ * pack_v (kpanel rows a panel, ncols columns); o (and comp) have row stride ldo,
+ * seen one flag per row of o. A last panel of at most VW valid columns goes through
+ * gemm_ab_half, which leaves its columns from VW on unwritten: its callers (dV, dK and dQ
+ * of the backward) read only the first ncols. */
+static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, const T *pack, int64_t kpanel,
+                        int64_t kdim, int64_t ncols, T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi)
+{
+    const int64_t tail = ncols % NR, full = tail && tail <= VW ? ncols - tail : ncols;
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
+        for (int64_t c0 = 0; c0 < full; c0 += NR) {
             const T *ar = a + r0 * ars, *bp = pack + c0 * kpanel;
             T *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
             const uint8_t *sr = seen ? seen + r0 : NULL;
-            if (ncols - c0 <= VW) {  /* a panel of at most VW valid columns: half tiles */
-                if (mr == MR && epi == ATTN_EPI_KAHAN)
-                    ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_KAHAN, 1);
-                else if (mr == MR)
-                    ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_ROWS, 1);
-                else
-                    ST(tile_ab)(mr, kdim, ar, ars, ats, bp, op, ldo, cp, sr, epi, 1);
-            } else if (mr == MR && epi == ATTN_EPI_KAHAN)
+            if (mr == MR && epi == ATTN_EPI_KAHAN)
                 ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_KAHAN, 0);
             else if (mr == MR)
                 ST(tile_ab)(MR, kdim, ar, ars, ats, bp, op, ldo, cp, sr, ATTN_EPI_ROWS, 0);
@@ -1459,6 +1476,8 @@ static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, cons
                 ST(tile_ab)(mr, kdim, ar, ars, ats, bp, op, ldo, cp, sr, epi, 0);
         }
     }
+    if (full < ncols)
+        ST(gemm_ab_half)(a, ars, ats, rows, pack, kpanel, kdim, full, o, ldo, comp, seen, epi);
 }
 
 /* dK and dV sum their products over at most ATTN_BWD_CHAIN queries in one FMA chain,
