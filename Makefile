@@ -41,13 +41,18 @@ $(VENV)/.installed: pyproject.toml requirements-build.txt requirements-bench.txt
 	$(PY) tools/offline_site.py --download
 	touch $@
 
-# Set up from a fresh clone and run the tests, the slow asv end-to-end ones included.
+# Set up from a fresh clone and run the tests, the slow asv end-to-end ones included: the
+# others on two pytest-xdist workers (a file's tests on one worker; most are single-threaded
+# Python, Numba's CUDA simulator above all), then the slow ones alone, one at a time: they
+# time kernels against other tools (a busy machine would fail them) and share asv's
+# ~/.asv-machine.json.
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile
+	$(PY) -m pytest -m slow
 
 # The tests without the slow asv end-to-end ones (seconds, not minutes).
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile
 
 # Set up from a fresh clone and run the main job: the asv suite on HEAD (its wheel
 # built in asv's own virtualenv), then the site with its history, and the report

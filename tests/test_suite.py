@@ -291,11 +291,11 @@ def test_asv_agrees_with_attnkern_bench(asv_run, tmp_path):
     one measurement, the causal one 1.72x in the next, the other kernels within 17%).
     A real disagreement (the single-threaded forked benchmarks read 2x) is systematic
     and shows in each. The first measurement takes one asv round (one forked process a
-    benchmark, half the time of the classes' two); later ones the classes' own rounds."""
+    benchmark, half the time of the classes' two), as do the later ones."""
     shared, ratios = _compare(asv_run, tmp_path, "-a", "rounds=1")
     seen = [shared]
     while shared and len(seen) < MEASUREMENTS:
-        problems, ratios = _compare(asv_run, tmp_path)
+        problems, ratios = _compare(asv_run, tmp_path, "-a", "rounds=1")
         seen.append(problems)
         shared = {key: problems[key] for key in shared if key in problems}
     for i, problems in enumerate(seen, 1):
