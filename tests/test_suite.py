@@ -52,7 +52,12 @@ AGREE = 0.15
 # (3-11% in the others), though a forked child times them as its parent does (dev/fork_speed.py):
 # cause not found, so short calls get 0.6 ms on top. The single-threaded forked benchmarks this
 # test exists for read 2x.
-AGREE_NOISY = {"numpy.naive": 0.30}
+# torch.sdpa (the peer) drifts more than our kernels on a Zen 4 EPYC VM (2026-11-27): its
+# median of 10 calls at 1x8x1024x64 read 14.3-25.9 ms in one process over a minute, where
+# native.flash read 10.7-11.8 outside the host's 2x bursts; asv read it 1.05-1.31x bench in 4
+# of 4 runs in turns (CI: 1.78x, 1.28x, 1.30x), and neither asv's setup before each sample,
+# its warm-up nor its fork moved it in one process (medians 1.01x): cause not found, so 35%.
+AGREE_NOISY = {"numpy.naive": 0.30, "torch.sdpa": 0.35}
 SHORT_CALL_S, SHORT_CALL_EXTRA_S = 5e-3, 0.6e-3
 # the share of the cores' time that other processes and the hypervisor (steal) may take
 # during an attnkern bench process before its row is measured again (_bench_one)
