@@ -45,10 +45,11 @@ $(VENV)/.installed: pyproject.toml requirements-build.txt requirements-bench.txt
 # others on two pytest-xdist workers (a file's tests on one worker; most are single-threaded
 # Python, Numba's CUDA simulator above all), then the slow ones alone, one at a time: they
 # time kernels against other tools (a busy machine would fail them) and share asv's
-# ~/.asv-machine.json.
+# ~/.asv-machine.json. The slow ones print their durations: together they are about 7 of the
+# 15 minutes this command may take on a 2-core machine.
 test: setup
 	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m slow --durations=11
 
 # The tests without the slow asv end-to-end ones (seconds, not minutes).
 test-fast: setup
