@@ -55,9 +55,11 @@ AGREE = 0.15
 # torch.sdpa (the peer) drifts more than our kernels on a Zen 4 EPYC VM (2026-11-27): its
 # median of 10 calls at 1x8x1024x64 read 14.3-25.9 ms in one process over a minute, where
 # native.flash read 10.7-11.8 outside the host's 2x bursts; asv read it 1.05-1.31x bench in 4
-# of 4 runs in turns (CI: 1.78x, 1.28x, 1.30x), and neither asv's setup before each sample,
-# its warm-up nor its fork moved it in one process (medians 1.01x): cause not found, so 35%.
-AGREE_NOISY = {"numpy.naive": 0.30, "torch.sdpa": 0.35}
+# of 4 runs in turns, 1.30-1.78x (causal 1.35-1.41x) in 3 runs of asv alone against bench's
+# usual 14.2 / 10.9 ms (CI: causal 1.78x, 1.28x, 1.30x), and neither asv's setup before each
+# sample, its warm-up, its fork nor GC off moved it in one process (medians 1.01x): cause not
+# found, so 50%; the 2x this test exists for still fails it.
+AGREE_NOISY = {"numpy.naive": 0.30, "torch.sdpa": 0.50}
 SHORT_CALL_S, SHORT_CALL_EXTRA_S = 5e-3, 0.6e-3
 # the share of the cores' time that other processes and the hypervisor (steal) may take
 # during an attnkern bench process before its row is measured again (_bench_one)
