@@ -22,8 +22,8 @@ configurations once, then a few dozen properly); run with `pytest -m slow`, and 
 """
 
 import json
-import re
 import os
+import re
 import statistics
 import subprocess
 import sys
