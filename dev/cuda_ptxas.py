@@ -114,6 +114,17 @@ KERNELS = [
       for d, bn, st, pp, tma in ((128, 176, 2, 0, 1), (128, 176, 2, 1, 1), (128, 160, 2, 0, 1), (128, 176, 2, 0, 0),
                                  (64, 192, 3, 0, 1), (64, 192, 3, 1, 1), (64, 176, 3, 0, 1),
                                  (64, 256, 2, 0, 1), (64, 256, 2, 1, 1), (64, 256, 3, 1, 1))),
+    # head sizes 192 and 256 on it (64-key tiles, 2-3 stages; TMA producer, plain, and the cp.async featured form)
+    *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k64s{st}{'p' * pp}e{'t' * tma}" + "_feat" * feat,
+       dict(D=d, BF16=1, BN=64, NWG=2, FEAT=feat, MASK=0, ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=pp,
+            EARLYK=1, TMA=tma, THREADS=384), MMA)
+      for d, st in ((256, 2), (192, 2), (192, 3)) for pp in (0, 1) for tma, feat in ((1, 0), (0, 1))),
+    *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k64s{st}e_wide", dict(D=d, BF16=1, BN=64, NWG=2, FEAT=0, MASK=0,
+       ALIBI=0, FAST=0, WIDE=1, WS=1, STAGES=st, PINGPONG=0, EARLYK=1, TMA=0, THREADS=384), MMA)
+      for d, st in ((192, 3), (256, 2))),
+    *(("flash_wgmma.cu", f"wgmma_bf16_d256_wg2k64s2{'p' * pp}etPd", dict(D=256, BF16=1, BN=64, NWG=2, FEAT=0, MASK=0,
+       ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=2, PINGPONG=pp, EARLYK=1, TMA=1, PERSIST=2, THREADS=384), MMA + ("int", "u64"))
+      for pp in (0, 1)),
     # its FP8 variant (e4m3 q, k, V^T; the kernel's three more parameters: out_scale, vt_stride,
     # descales), plain and featured (grouped k/v heads, bottom-right causal)
     *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k128s{st}{'p' * pp}e" + "_feat" * feat,

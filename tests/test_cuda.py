@@ -407,6 +407,88 @@ def test_wgmma_persistent_bit_identical(dtype, d, name, walk):
                                          causal=causal, scale=scale, kernel="cuda.flash")
 
 
+def test_wgmma_large_head_divisions(monkeypatch):
+    """flash_wgmma.cu at D = 192 and 256: the warp-specialized variant with 64-key tiles only (the
+    output's D / 2 accumulators a thread leave no room for wider scores), float16/bfloat16; each
+    default (plain and featured) fits the H100's shared memory a block; the backward keeps its own
+    head sizes (mma.sync above 128); where a GPU's shared memory is short, flash_mma.cu runs."""
+    from attnkern.backends.cuda import cpp
+
+    for d in (192, 256):
+        for table in (cpp.WGMMA_DEFAULT, cpp.WGMMA_OTHER):
+            table[d].check(d)
+            assert table[d].block_k == 64 and table[d].shared_bytes(d) <= cpp.WGMMA_SHARED_LIMIT
+        assert cpp.WGMMA_DEFAULT[d].tma and not cpp.WGMMA_OTHER[d].tma
+        for name in ("wg2k128s2et", "wg3k64", "wg2k64", "wg2k176s2pet"):
+            with pytest.raises(ValueError, match="192 or 256: stages and 64-key tiles"):
+                cpp.WgmmaConfig.parse(name).check(d)
+        with pytest.raises(ValueError, match="192 or 256"):
+            cpp.WgmmaConfig.parse("wg2k64s2et").check(d, itemsize=1)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        cpp.WgmmaConfig.parse("wg2k64s3et").check(256)  # 260 KB
+    with pytest.raises(ValueError, match="D = 64 or 128"):
+        cpp.WgmmaConfig.parse("wg2k64s2et").check(160)
+    monkeypatch.setattr(cpp, "wgmma_applies", lambda d, dv: d == dv and d in cpp.WGMMA_HEAD_SIZES)
+    monkeypatch.setattr(cpp, "shared_limit", lambda: cpp.WGMMA_SHARED_LIMIT)
+    for d in (192, 256):
+        assert cpp.half_config(d) is cpp.WGMMA_DEFAULT[d] and cpp.half_config(d, plain=False) is cpp.WGMMA_OTHER[d]
+        assert cpp.persist_rule(cpp.half_config(d), 64, 4096, d) is cpp.half_config(d)  # the walk: D 64, 128
+        assert cpp.bwd_config(d, "bfloat16").kv_split == 2  # the backward's mma.sync kernels
+    monkeypatch.setattr(cpp, "shared_limit", lambda: 163 * 1024)  # an A100's, were it Hopper
+    assert cpp.half_config(256) == cpp.mma_config(256, "bfloat16")
+
+
+@pytest.mark.skipif(SIMULATED, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d, names", [(256, ("default", "wg2k64s2pet", "wg2k64s2e")),
+                                      (192, ("default", "wg2k64s3pet", "wg2k64s2pet"))])
+def test_wgmma_large_heads(dtype, d, names):
+    """flash_wgmma.cu at D = 192 and 256 (Hopper) in each division: out and lse against the float64
+    reference (causal and not, a negative scale, partial blocks and tiles, more query blocks than
+    SMs), bit-identical run to run, and the library call on the plain default (the TMA producer)."""
+    import torch
+
+    from attnkern._gpu import from_torch
+    from attnkern.backends.cuda import cpp, launch
+
+    if not cpp.wgmma_applies(d, d):
+        pytest.skip("flash_wgmma.cu runs on Hopper")
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(d)
+    import ml_dtypes
+
+    half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    for i, (batch, nq, nk) in enumerate(((3, 77, 130), (2, 1000, 1030), (40, 640, 640))):
+        q, k, v = (torch.randn(batch, n, d, generator=gen).to(tdt).cuda() for n in (nq, nk, nk))
+        scale = -0.7 / d ** 0.5 if i == 0 else d ** -0.5
+        host = [x.float().cpu().numpy().astype(half) for x in (q, k, v)]
+        for causal in (False, True):
+            for name in names:
+                config = cpp.half_config(d) if name == "default" else cpp.WgmmaConfig.parse(name)
+                runs = []
+                for _ in range(2):
+                    out = torch.full((batch, nq, d), float("nan"), dtype=tdt, device="cuda")
+                    lse = torch.full((batch, nq), float("nan"), dtype=tdt, device="cuda")
+                    kernel, grid, block, args = cpp.flash_mma_launch(
+                        *(from_torch(x, "x") for x in (q, k, v, out)), causal, scale, from_torch(lse, "lse"), config)
+                    launch.launch(kernel, grid, block, *args)
+                    runs.append((out, lse))
+                torch.cuda.synchronize()
+                (out, lse), (again, lse_again) = runs
+                assert torch.equal(out, again) and torch.equal(lse, lse_again), (name, batch, nq, nk, causal)
+                if i < 2 or name == "default":
+                    assert_matches_reference(out.float().cpu().numpy().astype(half), *host, causal=causal,
+                                             scale=scale, kernel="cuda.flash")
+                    assert_lse_matches_reference(lse.float().cpu().numpy().astype(half), host[0], host[1],
+                                                 causal=causal, scale=scale)
+                if name == "default":
+                    default_out = out
+            lib = attnkern.attention(q[None], k[None], v[None], causal=causal, scale=scale, kernel="cuda.flash",
+                                     check_finite=False)
+            assert torch.equal(lib[0], default_out), (batch, nq, nk, causal)
+    assert isinstance(cpp.half_config(d), cpp.WgmmaConfig) and cpp.half_config(d).tma
+
+
 def test_tensor_map_pool(monkeypatch):
     """launch.tensor_map_address: one descriptor per (address, shape, box), encoded and written
     once; a full pool's addresses are forgotten and a new pool takes over, no slot written twice,
@@ -826,7 +908,7 @@ def test_features_float32_cuda_cpp(d, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128, 32, 96, 160, 192, 256])
 def test_features_half_cuda_cpp(kind, d, monkeypatch):
     """float16/bfloat16 with features: flash_wgmma.cu's featured variant on Hopper
-    at D = 64 and 128, flash_mma.cu's at D = 32, 96 and 160 to 256, against float64 from the
+    at D = 64, 128, 192 and 256, flash_mma.cu's at D = 32, 96 and 160 (and elsewhere), against float64 from the
     rounded inputs (tolerance: attnkern_bench.accuracy's for rounded P), bit-identical
     run to run."""
     import torch
@@ -958,7 +1040,7 @@ def test_mask_bad_input_on_gpu_arrays():
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16"])
 def test_mask_cuda_cpp(kind):
     """The CUDA C++ kernels' mask variants (float32: 3xTF32 and FMA kernels, D 64 and
-    36; float16/bfloat16: wgmma at D 64 and 128, mma.sync at D 96 and 256) on torch tensors with
+    36; float16/bfloat16: wgmma at D 64, 128 and 256, mma.sync at D 96) on torch tensors with
     torch masks: bool through an expanded (stride 0) view, additive float32 and (half q)
     q's dtype, with and without the other features; bit-identical run to run."""
     import torch
@@ -1207,7 +1289,7 @@ def test_dropout_in_half_precision_runs_on_the_tensor_core_kernels():
 
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d, causal", [(64, False), (128, True), (64, True)])
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True), (64, True), (256, True)])
 def test_half_kernel_writes_its_rows_unrounded_in_float32(dtype, d, causal, monkeypatch):
     """flash_half_float32 (ring attention's blocks, the ATTNKERN_WIDE variant): a float32 out
     that rounds bit for bit to the half kernel's out in the same work division (on Hopper

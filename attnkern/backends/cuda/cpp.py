@@ -277,7 +277,8 @@ HALF_MAX_HEAD = 256  # the largest head size of flash_mma.cu and flash_bwd_mma.c
 def half_head_size_ok(d: int, dv: int) -> bool:
     """Whether the float16/bfloat16 kernels (flash_mma.cu forward, flash_bwd_mma.cu backward)
     take this head size: D = Dv, a multiple of 16 up to HALF_MAX_HEAD (256). Above 128 they run
-    flash_mma.cu and flash_bwd_mma.cu's mma.sync parts 1 and 2 (wgmma takes 64 and 128 only)."""
+    flash_mma.cu and flash_bwd_mma.cu's mma.sync parts 1 and 2 (on Hopper the forward at 192 and 256 runs
+    flash_wgmma.cu: WGMMA_HEAD_SIZES; the backward's wgmma kernels take 64 and 128 only)."""
     return d == dv and d % 16 == 0 and 16 <= d <= HALF_MAX_HEAD
 
 
@@ -323,6 +324,9 @@ class WgmmaConfig:
     def check(self, d: int, itemsize: int = 2) -> None:
         """ValueError unless flash_wgmma.cu has this division and head size (itemsize 1: FP8)."""
         ok = (self.block_k in (64, 128) or (self.stages and self.block_k in WS_WIDE_TILES)) and d in WGMMA_HEAD_SIZES
+        # above D = 128 the output's D / 2 accumulators a thread leave room for 64 keys' scores only in the
+        # warp-specialized consumers' 240 registers (float16/bfloat16)
+        ok = ok and (d <= 128 or (self.stages > 0 and self.block_k == 64 and itemsize == 2))
         if self.stages:
             ok = ok and self.warpgroups in (2, 3) and 2 <= self.stages <= 6 and \
                 self.shared_bytes(d, itemsize) <= WGMMA_SHARED_LIMIT
@@ -340,7 +344,8 @@ class WgmmaConfig:
                              "bytes of shared memory; ping-pong with stages and 2, early K and TMA with stages, "
                              "an FP8 exponent variant x1... in FP8 only, h with x1 only, c or i with an x and no h, "
                              "256-key tiles not in FP8, persistent (P) with the TMA, not in FP8), "
-                             f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128, not {self} "
+                             f"64- or 128-key tiles (also {WS_WIDE_TILES} with stages) and D = 64 or 128 (192 or "
+                             f"256: stages and 64-key tiles), not {self} "
                              f"at D = {d}")
 
     @property
@@ -397,7 +402,9 @@ class WgmmaConfig:
 
 
 WS_WIDE_TILES = (160, 176, 192, 256)  # the warp-specialized variant's wider K/V tiles (wgmma_ss's N)
-WGMMA_HEAD_SIZES = (64, 128)  # flash_wgmma.cu's: the N of its P V products is D
+# flash_wgmma.cu's head sizes (the N of its P V products is D; 192 and 256 in the warp-specialized variant
+# with 64-key tiles only: WgmmaConfig.check)
+WGMMA_HEAD_SIZES = (64, 128, 192, 256)
 WGMMA_CAPABILITY = (9, 0)  # wgmma is sm_90a's: Hopper only
 WGMMA_SHARED_LIMIT = 227 * 1024  # a block's shared memory on the H100 and H200 (opt-in)
 
@@ -463,17 +470,28 @@ def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | W
 # as fast as the default in all 24 rows measured (bfloat16 (B, 16, N, D), B 2-8, N 2048-4096, causal and
 # not: D = 128 1.00-1.14x on an H200, D = 64 1.03-1.24x on an H100; docs/gpu-forward-grid.md,
 # 2026-11-27), unmeasured at batch 1 and N >= 8192: the plain call takes it in that range (persist_rule).
+# At D = 192 and 256 64-key tiles are the only ones whose scores fit beside the output's D / 2
+# accumulators a thread: two consumers of 64 rows, 2 stages at D = 256 (Q and the ring take 193 KB),
+# 3 at D = 192, no ping-pong: on an H200 (bfloat16 (1, 16, N, D), N 4096/8192, causal and not;
+# docs/gpu-large-heads.md, 2026-11-27) 1.01-1.10x cuDNN at D = 256 and 0.98-1.03x at D = 192, 2-4%
+# faster than the same tiles with ping-pong in all 8 rows, and 3.0-3.5x flash_mma.cu's 32-key division
+# (the default there before).
 WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True),
-                 128: WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True)}
+                 128: WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True),
+                 192: WgmmaConfig(2, 64, 3, early_k=True, tma=True),
+                 256: WgmmaConfig(2, 64, 2, early_k=True, tma=True)}
 # The featured kernels' and the float32-rows (ATTNKERN_WIDE) variant's: the previous default,
-# whose every feature the GPU tests have checked (the TMA is for plain calls: WgmmaConfig.tma)
-WGMMA_OTHER = {d: WgmmaConfig(2, 128, 3, early_k=True) for d in (64, 128)}
+# whose every feature the GPU tests have checked (the TMA is for plain calls: WgmmaConfig.tma);
+# above D = 128 the plain default's with cp.async copies
+WGMMA_OTHER = {**{d: WgmmaConfig(2, 128, 3, early_k=True) for d in (64, 128)},
+               192: WgmmaConfig(2, 64, 3, early_k=True), 256: WgmmaConfig(2, 64, 2, early_k=True)}
 WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the default's (225 KB at D = 128)
 # Where a plain call of the TMA default runs its dynamic persistent walk instead (persist_rule): query
 # lengths in [PERSIST_NQ[0], PERSIST_NQ[1]] with at least PERSIST_ROWS folded batch rows (batch x heads),
 # the range measured at least as fast; None turns the rule off.
 PERSIST_NQ = (2048, 4096)
 PERSIST_ROWS = 32
+PERSIST_HEADS = (64, 128)  # the head sizes measured (the walk spills at D = 256)
 
 
 def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int) -> "MmaConfig | WgmmaConfig":
@@ -481,7 +499,7 @@ def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int) 
     queries at head size d lies in the measured range (PERSIST_NQ, PERSIST_ROWS), config is the TMA
     kernel's and the GPU's shared memory a block holds the walk's 48 more bytes."""
     if (PERSIST_NQ is None or not isinstance(config, WgmmaConfig) or not config.tma or config.persistent
-            or not PERSIST_NQ[0] <= nq <= PERSIST_NQ[1] or rows < PERSIST_ROWS):
+            or not PERSIST_NQ[0] <= nq <= PERSIST_NQ[1] or rows < PERSIST_ROWS or d not in PERSIST_HEADS):
         return config
     walk = dataclasses.replace(config, persistent=True, dynamic=True)
     return walk if walk.shared_bytes(d) <= shared_limit() else config
@@ -490,13 +508,15 @@ def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int) 
 def half_config(d: int, dtype: str = "bfloat16", plain: bool = True) -> "MmaConfig | WgmmaConfig":
     """The float16/bfloat16 kernel's default division at head size d: flash_wgmma.cu's
     WGMMA_DEFAULT[d] (plain: the plain kernel's; else WGMMA_OTHER[d], the featured and
-    float32-rows variants') where it applies (Hopper, D = 64 or 128; WGMMA_FALLBACK where this
-    GPU's shared memory a block is short of it), else flash_mma.cu's (mma_config).
-    dev/gpu_flash_versions.py compares them."""
+    float32-rows variants') where it applies (Hopper, D = 64, 128, 192 or 256; WGMMA_FALLBACK where
+    this GPU's shared memory a block is short of it, flash_mma.cu's above D = 128), else flash_mma.cu's
+    (mma_config). dev/gpu_flash_versions.py compares them."""
     if not wgmma_applies(d, d):
         return mma_config(d, dtype)
     division = (WGMMA_DEFAULT if plain else WGMMA_OTHER)[d]
-    return division if division.shared_bytes(d) <= shared_limit() else WGMMA_FALLBACK
+    if division.shared_bytes(d) <= shared_limit():
+        return division
+    return WGMMA_FALLBACK if d <= 128 else mma_config(d, dtype)
 
 
 def _suffix(featured: bool, mask: int, alibi: bool, fast: bool = False, dropout: bool = False,
@@ -885,7 +905,7 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool
     keys x d take d registers a thread; ptxas: 251-255 registers, no spills, for
     sm_80 and sm_90a). The fastest of dev/gpu_bwd_versions.py's divisions on an H200
     (bfloat16, N 4096 and 8192): two mma tiles a warp and 8 warps were slower. On Hopper at
-    d = 64 or 128 (wgmma_applies) both kernels run on wgmma (BWD_WGMMA_DIVISIONS) unless wgmma or
+    d = 64 or 128 (BWD_WGMMA_DIVISIONS, where wgmma_applies) both kernels run on wgmma unless wgmma or
     BWD_WGMMA is False. Above d = 128 (to HALF_MAX_HEAD; float16/bfloat16 only): 32-row Q/dO
     tiles, and dK and dV's columns split over two blocks (kv_split 2: 16 keys x d / 2 columns of
     each, as at d = 128); dQ's whole (16 rows x d: 128 registers at d = 256) against 32-key tiles,
@@ -895,7 +915,7 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool
     spills, every variant; shared memory 132-133 KB a block at d = 256, within the A100's 163 KB."""
     if dtype == "float32":
         return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 8, 8)
-    if wgmma and BWD_WGMMA and wgmma_applies(d, d):
+    if wgmma and BWD_WGMMA and d in BWD_WGMMA_DIVISIONS and wgmma_applies(d, d):
         return BwdConfig.parse(BWD_WGMMA_DIVISIONS[d])
     if d > 128:
         return BwdConfig(dq_keys=64 if d <= 160 else 32, kv_rows=32, kv_split=2, dq_split=2 if varlen else 1)
@@ -1005,7 +1025,7 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     varlen: the variant (as the forward's; dropout and varlen in float16/bfloat16 only)."""
     config = config or bwd_config(d, dtype)
     wgmma = config.kv_wg or config.dq_wg
-    if wgmma and (dtype == "float32" or d not in WGMMA_HEAD_SIZES or mask or alibi or dropout or varlen
+    if wgmma and (dtype == "float32" or d not in BWD_WGMMA_DIVISIONS or mask or alibi or dropout or varlen
                   or (config.kv_wg and (config.kv_rows not in (64, 128) or config.kv_warps != 4 * config.kv_wg
                                         or (config.kv_rows == 128 and d > 64)))  # 128-row tiles spill above 64
                   or (config.dq_wg and (config.dq_keys not in (64, 128) or config.dq_warps != 4 * config.dq_wg))

@@ -8,7 +8,8 @@
 // (kernels.py, flash_mma_kernel): numba-cuda compiles it with NVRTC for the device's
 // arch-specific target (sm_90a on an H100), where the wgmma instructions exist.
 // kernels.py prepends the constants (kernels.WgmmaConfig):
-//   ATTNKERN_D        the head size (D = Dv): 64 or 128
+//   ATTNKERN_D        the head size (D = Dv): 64 or 128; 192 or 256 in the warp-specialized variant
+//                     with 64-key tiles (its output takes D / 2 registers a thread: 128 at D = 256)
 //   ATTNKERN_BF16     1 for bfloat16, 0 for float16
 //   ATTNKERN_NAME     the function's name
 //   ATTNKERN_BN       keys per K/V tile: 64 or 128 (the warp-specialized variant also 160, 176, 192, 256)
@@ -116,6 +117,11 @@
 #error "ATTNKERN_TMA: the warp-specialized variant's plain kernel only (FP8: also its featured one)"
 #endif
 #define D ATTNKERN_D
+#if ATTNKERN_D > 128 && (!ATTNKERN_WS || ATTNKERN_BN != 64 || ATTNKERN_FP8)
+// the output's D / 2 accumulators a thread leave room for 64 keys' scores only with the consumers'
+// 240 registers (setmaxnreg)
+#error "D = 192 or 256: the warp-specialized variant with 64-key tiles (float16/bfloat16)"
+#endif
 #define BN ATTNKERN_BN
 #define NWG ATTNKERN_NWG
 #define BM (64 * NWG)

@@ -112,17 +112,27 @@ static __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], u64 a, u64 b,
 // K-major (no transpose for 8-bit types)
 template <int NT>
 static __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const u32 (&a)[4], u64 b) {
-    static_assert(NT == 8 || NT == 16, "wgmma_rs: N = 64 or 128");
+    static_assert(NT == 8 || NT == 16 || NT == 24 || NT == 32, "wgmma_rs: N = 64, 128, 192 or 256");
     if constexpr (NT == 8)
         asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
                      "wgmma.mma_async.sync.aligned.m64n64" WG_K ".f32." WG_TYPES " " REGS32
                      ", {%32, %33, %34, %35}, %36, p, 1, 1" WG_TRANS_RS ";\n}\n"
                      : ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-    else
+    else if constexpr (NT == 16)
         asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
                      "wgmma.mma_async.sync.aligned.m64n128" WG_K ".f32." WG_TYPES " " REGS64
                      ", {%64, %65, %66, %67}, %68, p, 1, 1" WG_TRANS_RS ";\n}\n"
                      : ACC128 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else if constexpr (NT == 24)  // (the forward's P V at D = 192)
+        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                     "wgmma.mma_async.sync.aligned.m64n192" WG_K ".f32." WG_TYPES " " REGS96
+                     ", {%96, %97, %98, %99}, %100, p, 1, 1" WG_TRANS_RS ";\n}\n"
+                     : ACC192 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else  // (D = 256)
+        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256" WG_K ".f32." WG_TYPES " " REGS128
+                     ", {%128, %129, %130, %131}, %132, p, 1, 1" WG_TRANS_RS ";\n}\n"
+                     : ACC256 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
 // before the first wgmma that touches registers written since the last ones
