@@ -327,7 +327,7 @@ def test_wgmma_persistent_division(monkeypatch):
 
 def test_plain_calls_take_the_dynamic_walk_where_it_was_measured(monkeypatch):
     """The default division's dynamic persistent form (Pd) runs a plain call of the TMA default whose
-    query length lies in cpp.PERSIST_NQ with at least cpp.PERSIST_ROWS folded batch rows; outside that
+    query length lies in cpp.PERSIST_NQ[d][causal]'s range with at least its folded batch rows; outside that
     range, for featured calls, the float32-rows variant, an explicit division or with the rule off
     (PERSIST_NQ None), the division is as given."""
     import ml_dtypes
@@ -342,14 +342,16 @@ def test_plain_calls_take_the_dynamic_walk_where_it_was_measured(monkeypatch):
     monkeypatch.setattr(cpp, "shared_limit", lambda: cpp.WGMMA_SHARED_LIMIT)
     kernels = []
     monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d, config, *a, **kw: kernels.append(str(config)))
-    lo, hi = cpp.PERSIST_NQ
-    for rows, nq, want in ((cpp.PERSIST_ROWS, lo, "wg2k176s2petPd"), (128, hi, "wg2k176s2petPd"),
-                           (cpp.PERSIST_ROWS - 1, lo, "wg2k176s2pet"), (128, lo - 1, "wg2k176s2pet"),
-                           (128, hi + 1, "wg2k176s2pet")):
-        q = GpuArray((rows, nq, 128), ml_dtypes.bfloat16, None, ptr=1 << 20)
-        kernels.clear()
-        cpp.flash_mma_launch(q, q, q, q, True, 0.1, None)
-        assert kernels == [want], (rows, nq)
+    for causal in (False, True):
+        lo, hi, least = cpp.PERSIST_NQ[128][causal]
+        for rows, nq, want in ((least, lo, "wg2k176s2petPd"), (128, hi, "wg2k176s2petPd"),
+                               (least - 1, lo, "wg2k176s2pet"), (128, lo - 1, "wg2k176s2pet"),
+                               (128, hi + 1, "wg2k176s2pet")):
+            q = GpuArray((rows, nq, 128), ml_dtypes.bfloat16, None, ptr=1 << 20)
+            kernels.clear()
+            cpp.flash_mma_launch(q, q, q, q, causal, 0.1, None)
+            assert kernels == [want], (rows, nq, causal)
+    lo, hi, least = cpp.PERSIST_NQ[128][False]
     q = GpuArray((64, lo, 128), ml_dtypes.bfloat16, None, ptr=1 << 20)
     kernels.clear()
     cpp.flash_mma_launch(q, q, q, q, False, 0.1, None, config=default)  # a division given: as it is
@@ -358,14 +360,51 @@ def test_plain_calls_take_the_dynamic_walk_where_it_was_measured(monkeypatch):
     cpp.flash_mma_launch(q, q, q, q, False, 0.1, None)
     assert kernels == ["wg2k176s2pet", "wg2k176s2pe", "wg2k176s2pet"]
     assert str(cpp.persist_rule(cpp.WgmmaConfig.parse("wg2k128s3e"), 64, lo, 128)) == "wg2k128s3e"  # no TMA
-    monkeypatch.setattr(cpp, "PERSIST_NQ", (lo, hi))
+    monkeypatch.setattr(cpp, "PERSIST_NQ", {128: {False: (lo, hi, least), True: (lo, hi, least)}})
+    assert cpp.persist_rule(cpp.WgmmaConfig.parse("wg2k128s3et"), 64, lo, 64).persistent is False  # not measured
     monkeypatch.setattr(cpp, "shared_limit", lambda: default.shared_bytes(128))  # no room for the walk's slots
     assert cpp.persist_rule(default, 64, lo, 128) == default
 
 
+def test_plain_calls_take_narrower_blocks_where_the_last_wave_is_short(monkeypatch):
+    """cpp.narrow_rule: a plain call without causal masking at D = 64 runs WGMMA_NARROW[64] (128-row
+    blocks) where the default's 192-row blocks fill less than NARROW_FILL of their last wave on this
+    GPU's SMs and the narrow ones fill more; else the default (or its walk, persist_rule): causal calls,
+    other head sizes, a division given."""
+    import ml_dtypes
+
+    from attnkern._gpuarray import GpuArray
+    from attnkern.backends.cuda import cpp
+
+    monkeypatch.setattr(cpp, "wgmma_applies", lambda d, dv: d == dv and d in cpp.WGMMA_HEAD_SIZES)
+    monkeypatch.setattr(cpp, "tile_counters", lambda: 4096)
+    monkeypatch.setattr(cpp, "sm_count", lambda: 132)
+    monkeypatch.setattr(cpp, "shared_limit", lambda: cpp.WGMMA_SHARED_LIMIT)
+    assert cpp.wave_fill(132) == 1.0 and cpp.wave_fill(176) == 176 / 264
+    kernels = []
+    monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d, config, *a, **kw: kernels.append(str(config)))
+    default, narrow = cpp.WGMMA_DEFAULT[64], cpp.WGMMA_NARROW[64]
+    assert (default.block_q, narrow.block_q) == (192, 128)
+    for rows, nq, causal, want in ((16, 2048, False, str(narrow)),  # 176 blocks: 0.67 of 2 waves; 256: 0.97
+                                   (16, 2048, True, f"{default}Pd"),
+                                   (16, 4096, False, f"{default}Pd"),  # 352 blocks: 0.89
+                                   (16, 16384, False, str(default)), (1, 100, False, str(default)),
+                                   (16, 8192, False, str(default)), (16, 8192, True, f"{default}Pd")):
+        q = GpuArray((rows, nq, 64), ml_dtypes.bfloat16, None, ptr=1 << 20)
+        kernels.clear()
+        cpp.flash_mma_launch(q, q, q, q, causal, 0.1, None)
+        assert kernels == [want], (rows, nq, causal)
+    q = GpuArray((16, 2048, 64), ml_dtypes.bfloat16, None, ptr=1 << 20)
+    kernels.clear()
+    cpp.flash_mma_launch(q, q, q, q, False, 0.1, None, config=default)  # a division given: as it is
+    assert kernels == [str(default)]
+    assert cpp.narrow_rule(cpp.WGMMA_DEFAULT[128], 16, 2048, 128, False) is cpp.WGMMA_DEFAULT[128]
+
+
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("dtype, d, name", [("bfloat16", 128, "wg2k176s2pet"), ("bfloat16", 64, "wg2k128s3et"),
-                                            ("float16", 64, "wg2k128s2pet"), ("float16", 128, "wg2k128s3et")])
+                                            ("float16", 64, "wg2k128s2pet"), ("float16", 128, "wg2k128s3et"),
+                                            ("bfloat16", 64, "wg3k128s3et")])
 @pytest.mark.parametrize("walk", ["P", "Pd"])
 def test_wgmma_persistent_bit_identical(dtype, d, name, walk):
     """The persistent kernel (P) gives the same bits as the same division without it (one block a

@@ -457,9 +457,9 @@ def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | W
 
 # flash_wgmma.cu's default division per head size (half_config), read at each call: a
 # module-level table so that a measurement can swap it (dev/gpu_flash_versions.py compares them,
-# dev/pytest_wgmma_default.py runs the tests with another). The warp-specialized variant, two
-# consumers of 64 rows, K freed early, K/V copied by the TMA; at D = 64 128-key tiles in 3
-# stages, at D = 128 176-key tiles in 2 stages with ping-pong (FlashAttention-3's tile). On an
+# dev/pytest_wgmma_default.py runs the tests with another). The warp-specialized variant, consumers
+# of 64 rows, K freed early, K/V copied by the TMA; at D = 64 128-key tiles in 3 stages (three
+# consumers since, below), at D = 128 176-key tiles in 2 stages with ping-pong (FlashAttention-3's tile). On an
 # H100 (docs/results.md, 2026-11-26, two runs of 12 bfloat16 rows) 1.03-1.05x (D = 64) and
 # 0.99-1.18x (D = 128, 11 of 12 rows faster) the previous default wg2k128s3e, which has cp.async
 # copies, itself 1.4-1.7x the double-buffered wg3k128. Their persistent forms (wg2k128s3etP,
@@ -470,13 +470,18 @@ def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | W
 # as fast as the default in all 24 rows measured (bfloat16 (B, 16, N, D), B 2-8, N 2048-4096, causal and
 # not: D = 128 1.00-1.14x on an H200, D = 64 1.03-1.24x on an H100; docs/gpu-forward-grid.md,
 # 2026-11-27), unmeasured at batch 1 and N >= 8192: the plain call takes it in that range (persist_rule).
+# At D = 64 three consumers (192-row blocks; 128 registers a thread, 160 for a consumer): on an H200
+# (bfloat16 (B, 16, N, 64), B 1-8, N 1024-16384, causal and not, two runs, 2026-11-27;
+# docs/gpu-forward-grid.md) wg3k128s3et ran 1.00-1.25x wg2k128s3et's speed in 64 of 72 rows, slower
+# only where its blocks leave the last wave short (N 1024-2048 at batch 1-2: 0.80-0.96x; narrow_rule
+# takes wg2k128s3et there without causal masking); 3 stages beat 2 in every row (1.01-1.06x).
 # At D = 192 and 256 64-key tiles are the only ones whose scores fit beside the output's D / 2
 # accumulators a thread: two consumers of 64 rows, 2 stages at D = 256 (Q and the ring take 193 KB),
 # 3 at D = 192, no ping-pong: on an H200 (bfloat16 (1, 16, N, D), N 4096/8192, causal and not;
 # docs/gpu-large-heads.md, 2026-11-27) 1.01-1.10x cuDNN at D = 256 and 0.98-1.03x at D = 192, 2-4%
 # faster than the same tiles with ping-pong in all 8 rows, and 3.0-3.5x flash_mma.cu's 32-key division
 # (the default there before).
-WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True),
+WGMMA_DEFAULT = {64: WgmmaConfig(3, 128, 3, early_k=True, tma=True),
                  128: WgmmaConfig(2, 176, 2, pingpong=True, early_k=True, tma=True),
                  192: WgmmaConfig(2, 64, 3, early_k=True, tma=True),
                  256: WgmmaConfig(2, 64, 2, early_k=True, tma=True)}
@@ -486,20 +491,54 @@ WGMMA_DEFAULT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True),
 WGMMA_OTHER = {**{d: WgmmaConfig(2, 128, 3, early_k=True) for d in (64, 128)},
                192: WgmmaConfig(2, 64, 3, early_k=True), 256: WgmmaConfig(2, 64, 2, early_k=True)}
 WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the default's (225 KB at D = 128)
-# Where a plain call of the TMA default runs its dynamic persistent walk instead (persist_rule): query
-# lengths in [PERSIST_NQ[0], PERSIST_NQ[1]] with at least PERSIST_ROWS folded batch rows (batch x heads),
-# the range measured at least as fast; None turns the rule off.
-PERSIST_NQ = (2048, 4096)
-PERSIST_ROWS = 32
-PERSIST_HEADS = (64, 128)  # the head sizes measured (the walk spills at D = 256)
+# Where a plain call of the TMA default runs its dynamic persistent walk instead (persist_rule): per head
+# size and causal masking (False, True), query lengths in [first, last] with at least `rows` folded batch
+# rows (batch x heads), (first, last, rows) the range measured at least as fast. On an H200 (bfloat16 (B,
+# 16, N, D), B 1-8, docs/gpu-forward-grid.md, 2026-11-27): D = 64, wg3k128s3etPd against wg3k128s3et,
+# 1.01-1.09x without causal masking at N 1024-4096 (0.96-1.04x at 8192, 0.93-1.00x at 16384), 1.02-1.30x
+# with it up to 8192 (0.95-1.05x at 16384); D = 128, wg2k176s2petPd against wg2k176s2pet, causal
+# 1.01-1.34x at N 2048-8192 and batch 1-4 (one batch: 1.11-1.29x), 0.94-1.04x without (the walk was
+# measured at least as fast at N 2048-4096 with >= 32 rows in an earlier run). The walk spills at
+# D = 256 and is unmeasured at 192. None turns the rule off.
+PERSIST_NQ = {64: {False: (1024, 4096, 16), True: (1024, 8192, 16)},
+              128: {False: (2048, 4096, 32), True: (2048, 8192, 16)}}
+# Where a plain call without causal masking runs WGMMA_NARROW[d] instead of the default (narrow_rule): the
+# default's query blocks fill less than NARROW_FILL of the SMs' last wave (one block an SM) and the
+# narrower blocks fill more. At D = 64 the default's 192-row blocks leave 1.33 waves at (1, 16, 2048, 64)
+# (176 blocks on 132 SMs), where wg2k128s3et's 128-row ones ran 1.23x as fast (1.08x against 0.88x
+# cuDNN; H200, 2026-11-27); causal calls take the walk, which balances them (1.32x cuDNN there).
+WGMMA_NARROW = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True)}
+NARROW_FILL = 0.75
 
 
-def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int) -> "MmaConfig | WgmmaConfig":
+def wave_fill(blocks: int) -> float:
+    """The share of the SMs' slots that `blocks` blocks of one an SM fill in their waves on this GPU."""
+    sms = sm_count()
+    return blocks / (-(-blocks // sms) * sms)
+
+
+def narrow_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int,
+                causal: bool) -> "MmaConfig | WgmmaConfig":
+    """config, or WGMMA_NARROW[d] where config is the plain default at head size d, the call is not
+    causal and the default's query blocks fill less than NARROW_FILL of their last wave where the
+    narrower ones fill more."""
+    narrow = WGMMA_NARROW.get(d)
+    if causal or narrow is None or config is not WGMMA_DEFAULT.get(d) or narrow.shared_bytes(d) > shared_limit():
+        return config
+    fill, narrow_fill = (wave_fill(-(-nq // c.block_q) * rows) for c in (config, narrow))
+    return narrow if fill < NARROW_FILL <= narrow_fill else config
+
+
+def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int,
+                 causal: bool = False) -> "MmaConfig | WgmmaConfig":
     """config, or its dynamic persistent form where a plain call of `rows` folded batch rows of nq
-    queries at head size d lies in the measured range (PERSIST_NQ, PERSIST_ROWS), config is the TMA
+    queries at head size d, causal or not, lies in the measured range (PERSIST_NQ), config is the TMA
     kernel's and the GPU's shared memory a block holds the walk's 48 more bytes."""
-    if (PERSIST_NQ is None or not isinstance(config, WgmmaConfig) or not config.tma or config.persistent
-            or not PERSIST_NQ[0] <= nq <= PERSIST_NQ[1] or rows < PERSIST_ROWS or d not in PERSIST_HEADS):
+    if PERSIST_NQ is None or not isinstance(config, WgmmaConfig) or not config.tma or config.persistent \
+            or d not in PERSIST_NQ:
+        return config
+    first, last, least = PERSIST_NQ[d][bool(causal)]
+    if not first <= nq <= last or rows < least:
         return config
     walk = dataclasses.replace(config, persistent=True, dynamic=True)
     return walk if walk.shared_bytes(d) <= shared_limit() else config
@@ -751,7 +790,8 @@ def flash_mma_launch(q, k, v, out, causal: bool, scale: float, lse=None,
         config = (mma_config(d, dtype) if dropout or varlen
                   else tensor_core_config(d, dtype, plain=feat is None and not wide))
         if feat is None and not wide:
-            config = persist_rule(config, batch, nq, d)
+            narrow = narrow_rule(config, batch, nq, d, bool(causal))
+            config = narrow if narrow is not config else persist_rule(config, batch, nq, d, bool(causal))
     # its scores are q.k (Q's sign flipped for a negative scale): the cap is c / |scale| there
     if feat is not None and (feat.mask_kind > 1 or feat.alibi is not None) and scale == 0:
         raise ValueError("cuda.flash: an additive attn_mask or ALiBi with scale=0 is not supported on its tensor-core "
