@@ -113,10 +113,10 @@ def sgemm_gflops(threads: int, n: int = 2048, repeat: int = 5) -> float:
     return flops / seconds / 1e9
 
 
-def cuda_sgemm_gflops(torch, n: int = 8192, repeat: int = 10) -> float:
-    """Median GFLOP/s of torch's float32 matmul at n^3 on the current GPU (TF32 as
-    the caller set it)."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.float32)
+def cuda_sgemm_gflops(torch, n: int = 8192, repeat: int = 10, dtype=None) -> float:
+    """Median GFLOP/s of torch's matmul at n^3 on the current GPU in dtype (a torch dtype; float32
+    by default, TF32 as the caller set it)."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype or torch.float32)
     seconds = medians(take_turns({"sgemm": lambda: a @ a}, repeat=repeat, warmup=2,
                                  clock=CudaEventClock(torch)))["sgemm"]
     del a

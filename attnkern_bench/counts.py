@@ -31,7 +31,7 @@ SCORE_PASSES = {"native.naive": 1, "numpy.naive": 12, "torch.naive": 6, "cuda.na
 # Query rows per block of the algorithms that stream K and V once per query block
 # (their default block_q; torch's CPU flash kernel's is not public: 64 assumed).
 STREAM_BLOCK_Q = {"native.flash": 256, "native.tiled": 256, "numba.flash": 256, "torch.sdpa": 64,
-                  "cuda.flash": 128}
+                  "cuda.flash": 128, "triton.flash": 128}
 
 
 def attention_bytes(kernel: str, b: int, h: int, nq: int, nk: int, d: int, itemsize: int, causal: bool = False,

@@ -1,6 +1,7 @@
 """attnkern roofline: the byte model by hand, the ceilings' C loops, the command end to end."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -57,6 +58,35 @@ def test_roofline_command(tmp_path, capsys):
 def test_roofline_refuses_absurd_sizes():
     with pytest.raises(SystemExit, match="at least 1"):
         cli.main(["roofline", "--stream-mib", "0"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        cli.main(["roofline", "--device", "cuda", "--decode", "--decode-nk", "0"])
+    for extra in (["--dtype", "bfloat16"], ["--decode"]):  # GPU options: refused on the CPU, not ignored
+        with pytest.raises(SystemExit, match="are for --device cuda"):
+            cli.main(["roofline", *extra])
+
+
+@pytest.mark.skipif(not os.environ.get("ATTNKERN_TEST_GPU"), reason="needs a CUDA GPU (ATTNKERN_TEST_GPU=1)")
+def test_roofline_on_the_gpu_in_bfloat16_with_decode(tmp_path):
+    """--device cuda --dtype bfloat16: the ceilings of the dtype (torch's bfloat16 matmul, the
+    datasheet's tensor-core peak where the GPU is listed), the half kernels placed against them, and
+    --decode's points by bandwidth, each checked against float64."""
+    from attnkern_bench import roofline
+
+    out = tmp_path / "roof.json"
+    argv = ["roofline", "--device", "cuda", "--dtype", "bfloat16", "--sizes", "1024", "--causal", "no",
+            "--repeat", "2", "--kernels", "cuda.flash", "torch.sdpa[cudnn]", "--decode", "--decode-nk", "4096",
+            "--decode-batches", "1", "--json", str(out)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    c = data["ceilings"]
+    assert c["dtype"] == "bfloat16" and c["matmul_gflops"] > 10 * 67_000 / 2
+    if c["gpu"] in roofline.DATASHEET:
+        assert c["peak_gflops"] == roofline.DATASHEET[c["gpu"]]["bfloat16_gflops"]
+    assert {p["kernel"] for p in data["points"]} == {"cuda.flash", "torch.sdpa[cudnn]"}
+    assert {p["kernel"] for p in data["decode"]} == {"cuda.flash", "torch.sdpa[cudnn]"}
+    for p in data["decode"]:
+        assert p["ok"] and p["bytes"] == (2 * 8 * 4096 * 128 + 2 * 32 * 128) * 2
+        assert 0 < p["fraction"] == pytest.approx(p["gbs"] / c["bandwidth_gbs"])
 
 
 def test_the_matmul_ceiling_runs_openblas_strongest_kernel(monkeypatch):

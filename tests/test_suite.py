@@ -275,6 +275,8 @@ def _compare(asv_run, tmp_path, *asv_args, only: set[str] | None = None) -> tupl
     bench_half = _bench(tmp_path, half_k, "--dtype", "bfloat16", "--passes", "1", "--repeat", "10") if half_k else {}
 
     def picked(name, fmt, kernels, to_seconds=lambda v, causal: v):
+        if not kernels:  # a measurement of other kernels only: asv ran none of this class
+            return {}
         values = results[name]
         return {(k, c): to_seconds(values[fmt(k, c)], c) for k in kernels for c in (False, True)}
 
