@@ -122,9 +122,13 @@ KERNELS = [
     *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k64s{st}e_wide", dict(D=d, BF16=1, BN=64, NWG=2, FEAT=0, MASK=0,
        ALIBI=0, FAST=0, WIDE=1, WS=1, STAGES=st, PINGPONG=0, EARLYK=1, TMA=0, THREADS=384), MMA)
       for d, st in ((192, 3), (256, 2))),
-    *(("flash_wgmma.cu", f"wgmma_bf16_d256_wg2k64s2{'p' * pp}etPd", dict(D=256, BF16=1, BN=64, NWG=2, FEAT=0, MASK=0,
-       ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=2, PINGPONG=pp, EARLYK=1, TMA=1, PERSIST=2, THREADS=384), MMA + ("int", "u64"))
-      for pp in (0, 1)),
+    *(("flash_wgmma.cu", f"wgmma_bf16_d{d}_wg2k64s{st}etPd", dict(D=d, BF16=1, BN=64, NWG=2, FEAT=0, MASK=0,
+       ALIBI=0, FAST=0, WIDE=0, WS=1, STAGES=st, PINGPONG=0, EARLYK=1, TMA=1, PERSIST=2, THREADS=384), MMA + ("int", "u64"))
+      for d, st in ((256, 2), (192, 3))),
+    # three consumers at D = 64 (the default there), plain and its walk
+    *(("flash_wgmma.cu", f"wgmma_bf16_d64_wg3k128s3et{walk}", dict(D=64, BF16=1, BN=128, NWG=3, FEAT=0, MASK=0, ALIBI=0,
+       FAST=0, WIDE=0, WS=1, STAGES=3, PINGPONG=0, EARLYK=1, TMA=1, THREADS=512, **({"PERSIST": 2} if walk else {})),
+       MMA + (("int", "u64") if walk else ())) for walk in ("", "Pd")),
     # its FP8 variant (e4m3 q, k, V^T; the kernel's three more parameters: out_scale, vt_stride,
     # descales), plain and featured (grouped k/v heads, bottom-right causal)
     *(("flash_wgmma.cu", f"wgmma_fp8_d128_wg2k128s{st}{'p' * pp}e" + "_feat" * feat,

@@ -404,7 +404,8 @@ def test_plain_calls_take_narrower_blocks_where_the_last_wave_is_short(monkeypat
 @pytest.mark.skipif(SIMULATED, reason="needs a GPU")
 @pytest.mark.parametrize("dtype, d, name", [("bfloat16", 128, "wg2k176s2pet"), ("bfloat16", 64, "wg2k128s3et"),
                                             ("float16", 64, "wg2k128s2pet"), ("float16", 128, "wg2k128s3et"),
-                                            ("bfloat16", 64, "wg3k128s3et")])
+                                            ("bfloat16", 64, "wg3k128s3et"), ("bfloat16", 256, "wg2k64s2et"),
+                                            ("float16", 192, "wg2k64s3et")])
 @pytest.mark.parametrize("walk", ["P", "Pd"])
 def test_wgmma_persistent_bit_identical(dtype, d, name, walk):
     """The persistent kernel (P) gives the same bits as the same division without it (one block a
@@ -471,7 +472,10 @@ def test_wgmma_large_head_divisions(monkeypatch):
     monkeypatch.setattr(cpp, "shared_limit", lambda: cpp.WGMMA_SHARED_LIMIT)
     for d in (192, 256):
         assert cpp.half_config(d) is cpp.WGMMA_DEFAULT[d] and cpp.half_config(d, plain=False) is cpp.WGMMA_OTHER[d]
-        assert cpp.persist_rule(cpp.half_config(d), 64, 4096, d) is cpp.half_config(d)  # the walk: D 64, 128
+        # the walk: at D = 256 for causal calls only, never at 192
+        walked = cpp.persist_rule(cpp.half_config(d), 64, 4096, d, causal=True)
+        assert walked.dynamic if d == 256 else walked is cpp.half_config(d)
+        assert cpp.persist_rule(cpp.half_config(d), 64, 4096, d) is cpp.half_config(d)
         assert cpp.bwd_config(d, "bfloat16").kv_split == 2  # the backward's mma.sync kernels
     monkeypatch.setattr(cpp, "shared_limit", lambda: 163 * 1024)  # an A100's, were it Hopper
     assert cpp.half_config(256) == cpp.mma_config(256, "bfloat16")

@@ -621,7 +621,8 @@ register(
         name="cuda.flash",
         description="numba-cuda: FlashAttention-2 forward in one kernel, K/V tiles streamed through shared memory "
                     "(float32: tensor cores in 3xTF32, or register-blocked float32 FMAs, CUDA C++; "
-                    "float16/bfloat16: tensor cores, dropout on mma.sync; float64, and float32 with dropout: "
+                    "float16/bfloat16: tensor cores, wgmma warp-specialized on Hopper at D = 64, 128, 192, 256, "
+                    "dropout on mma.sync; float64, and float32 with dropout: "
                     "Numba); "
                     "deterministic backward in two (dQ per query block, dK/dV per key block; float16/bfloat16 "
                     "on tensor cores (wgmma on Hopper at D = 64/128 without masks, ALiBi, dropout or varlen; "
@@ -630,7 +631,8 @@ register(
                     "the default's time on an H100) and "
                     "float32 in 3xTF32, CUDA C++; float64, and float32 with tensor_cores=0 or "
                     "dropout: Numba); float16/bfloat16 forward and backward at D = Dv a multiple of 16 up to 256 "
-                    "(above 128 on mma.sync, dK/dV's columns in two blocks), float32 on tensor cores up to 128 "
+                    "(the backward above 128 on mma.sync, dK/dV's columns in two blocks), float32 on tensor "
+                    "cores up to 128 "
                     "(above: float32 FMAs forward, Numba backward)",
         run=_cuda_flash,
         params=(

@@ -498,10 +498,13 @@ WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the de
 # 1.01-1.09x without causal masking at N 1024-4096 (0.96-1.04x at 8192, 0.93-1.00x at 16384), 1.02-1.30x
 # with it up to 8192 (0.95-1.05x at 16384); D = 128, wg2k176s2petPd against wg2k176s2pet, causal
 # 1.01-1.34x at N 2048-8192 and batch 1-4 (one batch: 1.11-1.29x), 0.94-1.04x without (the walk was
-# measured at least as fast at N 2048-4096 with >= 32 rows in an earlier run). The walk spills at
-# D = 256 and is unmeasured at 192. None turns the rule off.
+# measured at least as fast at N 2048-4096 with >= 32 rows in an earlier run); D = 256, wg2k64s2etPd
+# against wg2k64s2et, B 1-8, N 2048-8192: causal 1.02-1.38x at N 2048-4096 (0.90-1.10x at 8192),
+# without causal masking 0.88-1.03x, so causal calls only (a range None: never). At D = 192 it was
+# 0.89-1.09x either way: not taken. None turns the rule off.
 PERSIST_NQ = {64: {False: (1024, 4096, 16), True: (1024, 8192, 16)},
-              128: {False: (2048, 4096, 32), True: (2048, 8192, 16)}}
+              128: {False: (2048, 4096, 32), True: (2048, 8192, 16)},
+              256: {False: None, True: (2048, 4096, 16)}}
 # Where a plain call without causal masking runs WGMMA_NARROW[d] instead of the default (narrow_rule): the
 # default's query blocks fill less than NARROW_FILL of the SMs' last wave (one block an SM) and the
 # narrower blocks fill more. At D = 64 the default's 192-row blocks leave 1.33 waves at (1, 16, 2048, 64)
@@ -537,8 +540,8 @@ def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int,
     if PERSIST_NQ is None or not isinstance(config, WgmmaConfig) or not config.tma or config.persistent \
             or d not in PERSIST_NQ:
         return config
-    first, last, least = PERSIST_NQ[d][bool(causal)]
-    if not first <= nq <= last or rows < least:
+    measured = PERSIST_NQ[d][bool(causal)]
+    if measured is None or not measured[0] <= nq <= measured[1] or rows < measured[2]:
         return config
     walk = dataclasses.replace(config, persistent=True, dynamic=True)
     return walk if walk.shared_bytes(d) <= shared_limit() else config

@@ -923,14 +923,21 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         u64 nb;
         int nq0;
         persist_tile(NEXT_TILE, nqb, rows, nk, causal, nb, nq0);
-        constexpr int NQC = 64 * ROW16 / 8 / 128;  // 16-byte chunks of the consumer's 64 rows a thread
         const u16* qn = (const u16*)qp + nb * (u64)nq * ROW16;
+#if ATTNKERN_D > 128
+        // (the output's D / 2 accumulators leave no room for D / 4 more registers of Q rows: the
+        // output is stored first, then the rows are copied)
+        store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
+        load_q<64, 128>(qn, qs0, nq0, 64 * cw, nq, sign, ct);
+#else
+        constexpr int NQC = 64 * ROW16 / 8 / 128;  // 16-byte chunks of the consumer's 64 rows a thread
         u32x4 x[NQC];
 #pragma unroll
         for (int n = 0; n < NQC; ++n) x[n] = q_chunk<64>(qn, nq0, 64 * cw, nq, sign, ct + 128 * n);
         store_rows(op, lsep, b, nq, with_lse, o, l, m, c, wr0 + g);
 #pragma unroll
         for (int n = 0; n < NQC; ++n) store_q_chunk<64>(qs0, 64 * cw, ct + 128 * n, x[n]);
+#endif
         fence_async_shared();
         named_barrier(1 + cw, 128);  // the consumer's Q rows are in, visible to its wgmma
     } else
