@@ -87,23 +87,11 @@ class ForwardGpu:
         torch.cuda.synchronize()
 
 
-class ForwardGpuHeads:
+class ForwardGpuHeads(ForwardGpu):
     """cuda.flash and torch's SDPA at head sizes 128 and 256 in bfloat16 (on Hopper flash_wgmma.cu's
     warp-specialized kernel, 64-key tiles at 256), as ForwardGpu times them."""
 
     params = [["cuda.flash", "torch.sdpa"], axis(["1x16x4096x128", "1x16x4096x256"]), ["bfloat16"], [False, True]]
-    param_names = ["kernel", "shape", "dtype", "causal"]
-    rounds = 2
-    repeat = (3, 20, 2.0)
-    warmup_time = 0.5
-    timeout = 300
-
-    def setup(self, kernel, shape, dtype, causal):
-        gpu_setup(self, kernel, shape, dtype, causal)
-
-    def time_forward(self, kernel, shape, dtype, causal):
-        self.call(self.q, self.k, self.v, causal)
-        torch.cuda.synchronize()
 
 
 def gpu_setup(bench, kernel, shape, dtype, causal, **params):
