@@ -474,7 +474,8 @@ def tensor_core_config(d: int, dtype: str, plain: bool = True) -> "MmaConfig | W
 # (bfloat16 (B, 16, N, 64), B 1-8, N 1024-16384, causal and not, two runs, 2026-11-27;
 # docs/gpu-forward-grid.md) wg3k128s3et ran 1.00-1.25x wg2k128s3et's speed in 64 of 72 rows, slower
 # only where its blocks leave the last wave short (N 1024-2048 at batch 1-2: 0.80-0.96x; narrow_rule
-# takes wg2k128s3et there without causal masking); 3 stages beat 2 in every row (1.01-1.06x).
+# takes wg2k128s3et there without causal masking); 3 stages ran 0.98-1.12x 2 stages' speed (faster in
+# 26 of 32 rows).
 # At D = 192 and 256 64-key tiles are the only ones whose scores fit beside the output's D / 2
 # accumulators a thread: two consumers of 64 rows, 2 stages at D = 256 (Q and the ring take 193 KB),
 # 3 at D = 192, no ping-pong: on an H200 (bfloat16 (1, 16, N, D), N 4096/8192, causal and not;
