@@ -220,3 +220,16 @@ def test_triton_is_timed_but_not_counted(tmp_path, monkeypatch, capsys):
     assert {r["benchmark"] for r in skipped} == {"triton.flash:bfloat16:1x2x64x64:0", "triton.flash:bfloat16:1x2x64x64:1"}
     assert all("fixed config table" in r["note"] and "timed only" in r["note"] for r in skipped)
     assert "on a fake GPU" in capsys.readouterr().out
+
+
+def test_the_json_records_an_unknown_cpu_where_the_extension_does_not_import(monkeypatch):
+    """A GPU machine gating installed wheels from a source checkout cannot import the checkout's
+    compiled extension: the JSON's informational "cpu" then says why instead of failing the run
+    after its verdicts (seen on the device machine: exit 2, an empty JSON)."""
+    def broken():
+        raise RuntimeError("the compiled extension failed to import: no _attn here")
+
+    monkeypatch.setattr(gate, "cpu_name", broken)
+    assert gate.cpu_label() == "unknown (the compiled extension failed to import: no _attn here)"
+    monkeypatch.setattr(gate, "cpu_name", lambda: "AMD EPYC")
+    assert gate.cpu_label() == "AMD EPYC"

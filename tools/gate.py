@@ -555,7 +555,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"baseline": names["baseline"], "candidate": names["candidate"], "device": args.device,
-                       "machine": where, "cpu": cpu_name(), "threads": args.threads, "rounds": args.rounds,
+                       "machine": where, "cpu": cpu_label(), "threads": args.threads, "rounds": args.rounds,
                        "calls": args.calls, "count_threshold": args.count_threshold,
                        "dram_threshold": args.dram_threshold, "time_threshold": args.time_threshold,
                        "minutes": minutes, "rows": rows}, f, indent=1)
@@ -563,6 +563,16 @@ def main(argv=None) -> int:
         print("# PERFORMANCE DECREASED: " + ", ".join(f"{r['benchmark']} ({r['signal']})" for r in slower))
         return 1
     return 0
+
+
+def cpu_label() -> str:
+    """cpu_name(), or where this process cannot import attnkern's compiled extension (a GPU machine
+    gating installed wheels from a source checkout) what it could not do: the JSON's "cpu" is
+    informational, and the comparison has been made by then."""
+    try:
+        return cpu_name()
+    except RuntimeError as exc:
+        return f"unknown ({exc})"
 
 
 def gpu_name() -> str:
