@@ -258,7 +258,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=GPU_DTYPES, default="float32", help="the kernels' dtype (cuda; cpu: float32)")
     p.add_argument("--decode", action="store_true", help="(cuda) also place KV-cache decode: (B, 32, 1, 128) "
-                   "against (B, 8, Nk, 128)")
+                   "against (B, 8, Nk, 128), in --dtype (bfloat16 where that is float32)")
     p.add_argument("--decode-nk", type=int, nargs="+", default=[4096, 16384, 65536, 131072], metavar="NK")
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8], metavar="B")
     p.add_argument("--sizes", type=int, nargs="+", help="N (cpu: 512 1024 2048 4096; cuda: 1024 4096 16384)")
