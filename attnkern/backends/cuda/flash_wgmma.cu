@@ -23,8 +23,9 @@
 //                     (launch.TensorMap), not of their elements
 //   ATTNKERN_PERSIST  1 (with ATTNKERN_TMA, plain kernels): the persistent kernel (persist_tile),
 //                     one block an SM walking the (batch row, query block) tiles; its one more
-//                     parameter is the batch rows. Bit-identical to the kernel without it; on an H100
-//                     0.80-1.10x its speed (docs/gpu-forward-grid.md): opt-in, not a default
+//                     parameter is the batch rows. Bit-identical to the kernel without it; the static
+//                     stride (1) is opt-in, the dynamic walk (2) runs plain calls where it was measured
+//                     faster (cpp.persist_rule; docs/gpu-forward-grid.md)
 // and then flash_common.cuh and flash_wgmma_common.cuh (the wgmma wrappers, descriptors and
 // swizzled copies, shared with flash_bwd_mma.cu's Hopper kernels). The grid is (query blocks, batch).
 //
