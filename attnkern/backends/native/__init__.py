@@ -25,8 +25,13 @@ from ..._registry import (ALL_FEATURES, Features, Kernel, Param, nonfinite_input
 try:
     from . import _attn
 except ImportError as exc:  # pragma: no cover - a broken build
+    import sys
+
     _attn = None
     _IMPORT_ERROR = f"the compiled extension failed to import: {exc}"
+    if "partially initialized module" in str(exc):  # Python's words for a submodule it cannot find
+        _IMPORT_ERROR += (f" (that is: no _attn extension importable by this Python, {sys.implementation.cache_tag}; "
+                          "build it for this interpreter: make setup, or pip install .)")
 else:
     _IMPORT_ERROR = None
 
