@@ -366,11 +366,10 @@ def test_plain_calls_take_the_dynamic_walk_where_it_was_measured(monkeypatch):
     assert cpp.persist_rule(default, 64, lo, 128) == default
 
 
-def test_plain_calls_take_narrower_blocks_where_the_last_wave_is_short(monkeypatch):
-    """cpp.narrow_rule: a plain call without causal masking at D = 64 runs WGMMA_NARROW[64] (128-row
-    blocks) where the default's 192-row blocks fill less than NARROW_FILL of their last wave on this
-    GPU's SMs and the narrow ones fill more; else the default (or its walk, persist_rule): causal calls,
-    other head sizes, a division given."""
+def _rule_picks(monkeypatch):
+    """cpp with Hopper's head sizes, 132 SMs and its shared memory a block, and flash_mma_kernel recording
+    the division instead of compiling: picks(rows, nq, d, causal, **kw) -> the division a plain call of
+    (rows, nq, d) bfloat16 arrays runs (flash_mma_launch's choice)."""
     import ml_dtypes
 
     from attnkern._gpuarray import GpuArray
@@ -380,9 +379,49 @@ def test_plain_calls_take_narrower_blocks_where_the_last_wave_is_short(monkeypat
     monkeypatch.setattr(cpp, "tile_counters", lambda: 4096)
     monkeypatch.setattr(cpp, "sm_count", lambda: 132)
     monkeypatch.setattr(cpp, "shared_limit", lambda: cpp.WGMMA_SHARED_LIMIT)
-    assert cpp.wave_fill(132) == 1.0 and cpp.wave_fill(176) == 176 / 264
     kernels = []
     monkeypatch.setattr(cpp, "flash_mma_kernel", lambda dtype, d, config, *a, **kw: kernels.append(str(config)))
+
+    def picks(rows, nq, d, causal, **kw):
+        q = GpuArray((rows, nq, d), ml_dtypes.bfloat16, None, ptr=1 << 20)
+        kernels.clear()
+        cpp.flash_mma_launch(q, q, q, q, causal, 0.1, None, **kw)
+        return kernels[0]
+
+    return picks
+
+
+def test_plain_calls_take_the_short_walk_where_it_was_measured(monkeypatch):
+    """cpp.persist_rule's first range: a plain call of the default at D = 128 whose query length lies in
+    cpp.SHORT_NQ[128][causal]'s range, with at least its folded batch rows, runs WGMMA_SHORT[128]'s
+    dynamic walk (wg2k128s3etPd); below the rows or outside the range the default or its own walk
+    (PERSIST_NQ); a division given, featured calls and other head sizes as before; SHORT_NQ None
+    turns the rule off."""
+    from attnkern.backends.cuda import cpp
+
+    picks = _rule_picks(monkeypatch)
+    default, short = cpp.WGMMA_DEFAULT[128], f"{cpp.WGMMA_SHORT[128]}Pd"
+    assert short == "wg2k128s3etPd"
+    for causal in (False, True):
+        lo, hi, least = cpp.SHORT_NQ[128][causal]
+        for rows, nq, want in ((least, lo, short), (128, hi, short), (least - 1, lo, str(default)),
+                               (128, lo - 1, str(default)), (128, hi + 1, f"{default}Pd")):
+            assert picks(rows, nq, 128, causal) == want, (rows, nq, causal)
+    assert picks(128, 1024, 128, False, config=default) == str(default)  # a division given: as it is
+    monkeypatch.setattr(cpp, "SHORT_NQ", None)
+    assert picks(128, 1024, 128, False) == str(default)
+    assert cpp.persist_rule(cpp.WGMMA_DEFAULT[64], 128, 1024, 64).block_q == 192  # D = 64: its own walk
+
+
+def test_plain_calls_take_narrower_blocks_where_the_last_wave_is_short(monkeypatch):
+    """cpp.narrow_rule: a plain call without causal masking at D = 64 runs WGMMA_NARROW[64] (128-row
+    blocks) where the default's 192-row blocks fill less than NARROW_FILL of their last wave on this
+    GPU's SMs and the narrow ones fill more; else the default (or its walk, persist_rule): causal calls,
+    other head sizes, a division given."""
+    from attnkern.backends.cuda import cpp
+
+    picks = _rule_picks(monkeypatch)
+    assert cpp.wave_fill(132) == 1.0 and cpp.wave_fill(176) == 176 / 264
     default, narrow = cpp.WGMMA_DEFAULT[64], cpp.WGMMA_NARROW[64]
     assert (default.block_q, narrow.block_q) == (192, 128)
     for rows, nq, causal, want in ((16, 2048, False, str(narrow)),  # 176 blocks: 0.67 of 2 waves; 256: 0.97
@@ -390,14 +429,8 @@ def test_plain_calls_take_narrower_blocks_where_the_last_wave_is_short(monkeypat
                                    (16, 4096, False, f"{default}Pd"),  # 352 blocks: 0.89
                                    (16, 16384, False, str(default)), (1, 100, False, str(default)),
                                    (16, 8192, False, str(default)), (16, 8192, True, f"{default}Pd")):
-        q = GpuArray((rows, nq, 64), ml_dtypes.bfloat16, None, ptr=1 << 20)
-        kernels.clear()
-        cpp.flash_mma_launch(q, q, q, q, causal, 0.1, None)
-        assert kernels == [want], (rows, nq, causal)
-    q = GpuArray((16, 2048, 64), ml_dtypes.bfloat16, None, ptr=1 << 20)
-    kernels.clear()
-    cpp.flash_mma_launch(q, q, q, q, False, 0.1, None, config=default)  # a division given: as it is
-    assert kernels == [str(default)]
+        assert picks(rows, nq, 64, causal) == want, (rows, nq, causal)
+    assert picks(16, 2048, 64, False, config=default) == str(default)  # a division given: as it is
     assert cpp.narrow_rule(cpp.WGMMA_DEFAULT[128], 16, 2048, 128, False) is cpp.WGMMA_DEFAULT[128]
 
 

@@ -210,8 +210,10 @@ def test_valid_but_unusual_inputs(kernel):
     assert attnkern.attention(Q[:, :0], K, V, kernel=kernel).shape == (2, 0, 4)
     assert attnkern.attention(Q, K, V[..., :0], kernel=kernel).shape == (2, 9, 0)
     assert attnkern.attention(Q[:0], K[:0], V[:0], kernel=kernel).shape == (0, 9, 4)
-    # one query, one key: the output is v
-    np.testing.assert_array_equal(attnkern.attention(Q[:, :1], K[:, :1], V[:, :1], kernel=kernel), V[:, :1])
+    # one query, one key: the output is v (to 2 units of float32's rounding: the 3xTF32 products of
+    # triton.flash's float32 split v in two parts of 11 bits, which need not add up to all of its 24)
+    np.testing.assert_allclose(attnkern.attention(Q[:, :1], K[:, :1], V[:, :1], kernel=kernel), V[:, :1],
+                               rtol=2 * np.finfo(np.float32).eps, atol=0)
 
 
 def test_torch_cpu_tensors_give_torch_tensors():

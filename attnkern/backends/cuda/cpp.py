@@ -506,6 +506,16 @@ WGMMA_FALLBACK = WgmmaConfig()  # where a GPU's shared memory is short of the de
 PERSIST_NQ = {64: {False: (1024, 4096, 16), True: (1024, 8192, 16)},
               128: {False: (2048, 4096, 32), True: (2048, 8192, 16)},
               256: {False: None, True: (2048, 4096, 16)}}
+# Where a plain call runs the persistent walk of WGMMA_SHORT[d] instead (persist_rule, before PERSIST_NQ):
+# short rows (SHORT_NQ[d][causal]: (first, last, rows) as PERSIST_NQ's). At D = 128 on an H200 (bfloat16
+# (B, 16, N, 128), two runs, 2026-11-27; docs/gpu-forward-grid.md) wg2k128s3etPd (128-key tiles in 3
+# stages, no ping-pong, walked) was the fastest of the default wg2k176s2pet, its walk and five other
+# divisions at N 1024-2048 and B 4-8 in all 16 rows of the two runs (1.02-1.09x the default's walk,
+# 1.04-1.14x the default); at B 1-2 (second run) 1.01-1.03x the default's walk without causal masking,
+# causal 1.03x at (2, 2048), 0.99x at (2, 1024) and (1, 1024), 1.00x at (1, 2048): causal from 32 rows.
+# At N 4096 (B 4-8) 0.95-1.03x against the default's 0.98-1.04x: not taken there.
+WGMMA_SHORT = {128: WgmmaConfig(2, 128, 3, early_k=True, tma=True)}
+SHORT_NQ = {128: {False: (1024, 2048, 16), True: (1024, 2048, 32)}}
 # Where a plain call without causal masking runs WGMMA_NARROW[d] instead of the default (narrow_rule): the
 # default's query blocks fill less than NARROW_FILL of the SMs' last wave (one block an SM) and the
 # narrower blocks fill more. At D = 64 the default's 192-row blocks leave 1.33 waves at (1, 16, 2048, 64)
@@ -535,9 +545,17 @@ def narrow_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int,
 
 def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int,
                  causal: bool = False) -> "MmaConfig | WgmmaConfig":
-    """config, or its dynamic persistent form where a plain call of `rows` folded batch rows of nq
-    queries at head size d, causal or not, lies in the measured range (PERSIST_NQ), config is the TMA
-    kernel's and the GPU's shared memory a block holds the walk's 48 more bytes."""
+    """config, or a dynamic persistent walk where a plain call of `rows` folded batch rows of nq
+    queries at head size d, causal or not, lies in a measured range: WGMMA_SHORT[d]'s where config is
+    the default and the call lies in SHORT_NQ's range, else config's own in PERSIST_NQ's (config the TMA
+    kernel's); each where the GPU's shared memory a block holds the walk's 48 more bytes."""
+    short = WGMMA_SHORT.get(d) if SHORT_NQ else None
+    if short is not None and config is WGMMA_DEFAULT.get(d) and d in SHORT_NQ:
+        measured = SHORT_NQ[d][bool(causal)]
+        if measured is not None and measured[0] <= nq <= measured[1] and rows >= measured[2]:
+            walk = dataclasses.replace(short, persistent=True, dynamic=True)
+            if walk.shared_bytes(d) <= shared_limit():
+                return walk
     if PERSIST_NQ is None or not isinstance(config, WgmmaConfig) or not config.tma or config.persistent \
             or d not in PERSIST_NQ:
         return config
