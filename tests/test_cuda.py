@@ -392,10 +392,10 @@ def _rule_picks(monkeypatch):
 
 
 def test_plain_calls_take_the_short_walk_where_it_was_measured(monkeypatch):
-    """cpp.persist_rule's first range: a plain call of the default at D = 128 whose query length lies in
-    cpp.SHORT_NQ[128][causal]'s range, with at least its folded batch rows, runs WGMMA_SHORT[128]'s
-    dynamic walk (wg2k128s3etPd); below the rows or outside the range the default or its own walk
-    (PERSIST_NQ); a division given, featured calls and other head sizes as before; SHORT_NQ None
+    """cpp.persist_rule's first range: a plain call of the default whose query length lies in
+    cpp.SHORT_NQ[d][causal]'s range, with at least its folded batch rows, runs WGMMA_SHORT[d]'s
+    dynamic walk (wg2k128s3etPd; D = 128, and D = 64 causal at N = 1024); below the rows or outside
+    the range the default or its own walk (PERSIST_NQ); a division given as it is; SHORT_NQ None
     turns the rule off."""
     from attnkern.backends.cuda import cpp
 
@@ -408,9 +408,15 @@ def test_plain_calls_take_the_short_walk_where_it_was_measured(monkeypatch):
                                (128, lo - 1, str(default)), (128, hi + 1, f"{default}Pd")):
             assert picks(rows, nq, 128, causal) == want, (rows, nq, causal)
     assert picks(128, 1024, 128, False, config=default) == str(default)  # a division given: as it is
+    # D = 64: causal calls at N = 1024 from 128 rows only; the rest as narrow_rule and PERSIST_NQ say
+    d64 = f"{cpp.WGMMA_DEFAULT[64]}Pd"
+    assert f"{cpp.WGMMA_SHORT[64]}Pd" == "wg2k128s3etPd"
+    for rows, nq, causal, want in ((128, 1024, True, "wg2k128s3etPd"), (127, 1024, True, d64),
+                                   (128, 2048, True, d64), (128, 1024, False, d64),
+                                   (128, 1023, True, str(cpp.WGMMA_DEFAULT[64]))):  # below PERSIST_NQ's range
+        assert picks(rows, nq, 64, causal) == want, (rows, nq, causal)
     monkeypatch.setattr(cpp, "SHORT_NQ", None)
-    assert picks(128, 1024, 128, False) == str(default)
-    assert cpp.persist_rule(cpp.WGMMA_DEFAULT[64], 128, 1024, 64).block_q == 192  # D = 64: its own walk
+    assert picks(128, 1024, 128, False) == str(default) and picks(128, 1024, 64, True) == d64
 
 
 def test_plain_calls_take_narrower_blocks_where_the_last_wave_is_short(monkeypatch):

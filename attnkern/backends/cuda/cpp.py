@@ -513,9 +513,14 @@ PERSIST_NQ = {64: {False: (1024, 4096, 16), True: (1024, 8192, 16)},
 # divisions at N 1024-2048 and B 4-8 in all 16 rows of the two runs (1.02-1.09x the default's walk,
 # 1.04-1.14x the default); at B 1-2 (second run) 1.01-1.03x the default's walk without causal masking,
 # causal 1.03x at (2, 2048), 0.99x at (2, 1024) and (1, 1024), 1.00x at (1, 2048): causal from 32 rows.
-# At N 4096 (B 4-8) 0.95-1.03x against the default's 0.98-1.04x: not taken there.
-WGMMA_SHORT = {128: WgmmaConfig(2, 128, 3, early_k=True, tma=True)}
-SHORT_NQ = {128: {False: (1024, 2048, 16), True: (1024, 2048, 32)}}
+# At N 4096 (B 4-8) 0.95-1.03x against the default's 0.98-1.04x: not taken there. At D = 64 the three
+# consumers' 192-row blocks leave a third of each row's last block empty at N = 1024, and with causal
+# masking that block is the row's heaviest: at (8, 16, 1024, 64) causal wg2k128s3etPd ran 1.05x and
+# 1.07x wg3k128s3etPd's speed in two runs (H200, 2026-11-27), but 0.97x at batch 4 and 0.93x at
+# (8, 2048): so there only, from 128 rows.
+WGMMA_SHORT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True), 128: WgmmaConfig(2, 128, 3, early_k=True, tma=True)}
+SHORT_NQ = {64: {False: None, True: (1024, 1024, 128)},
+            128: {False: (1024, 2048, 16), True: (1024, 2048, 32)}}
 # Where a plain call without causal masking runs WGMMA_NARROW[d] instead of the default (narrow_rule): the
 # default's query blocks fill less than NARROW_FILL of the SMs' last wave (one block an SM) and the
 # narrower blocks fill more. At D = 64 the default's 192-row blocks leave 1.33 waves at (1, 16, 2048, 64)
