@@ -554,13 +554,11 @@ def persist_rule(config: "MmaConfig | WgmmaConfig", rows: int, nq: int, d: int,
     queries at head size d, causal or not, lies in a measured range: WGMMA_SHORT[d]'s where config is
     the default and the call lies in SHORT_NQ's range, else config's own in PERSIST_NQ's (config the TMA
     kernel's); each where the GPU's shared memory a block holds the walk's 48 more bytes."""
-    short = WGMMA_SHORT.get(d) if SHORT_NQ else None
-    if short is not None and config is WGMMA_DEFAULT.get(d) and d in SHORT_NQ:
-        measured = SHORT_NQ[d][bool(causal)]
-        if measured is not None and measured[0] <= nq <= measured[1] and rows >= measured[2]:
-            walk = dataclasses.replace(short, persistent=True, dynamic=True)
-            if walk.shared_bytes(d) <= shared_limit():
-                return walk
+    short = (SHORT_NQ or {}).get(d, {}).get(bool(causal))
+    if short is not None and config is WGMMA_DEFAULT.get(d) and short[0] <= nq <= short[1] and rows >= short[2]:
+        walk = dataclasses.replace(WGMMA_SHORT[d], persistent=True, dynamic=True)
+        if walk.shared_bytes(d) <= shared_limit():
+            return walk
     if PERSIST_NQ is None or not isinstance(config, WgmmaConfig) or not config.tma or config.persistent \
             or d not in PERSIST_NQ:
         return config
