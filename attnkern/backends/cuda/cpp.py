@@ -518,7 +518,7 @@ PERSIST_NQ = {64: {False: (1024, 4096, 16), True: (1024, 8192, 16)},
 # masking that block is the row's heaviest: at (8, 16, 1024, 64) causal wg2k128s3etPd ran 1.05x and
 # 1.07x wg3k128s3etPd's speed in two runs (H200, 2026-11-27), but 0.97x at batch 4 and 0.93x at
 # (8, 2048): so there only, from 128 rows.
-WGMMA_SHORT = {64: WgmmaConfig(2, 128, 3, early_k=True, tma=True), 128: WgmmaConfig(2, 128, 3, early_k=True, tma=True)}
+WGMMA_SHORT = {d: WgmmaConfig(2, 128, 3, early_k=True, tma=True) for d in (64, 128)}
 SHORT_NQ = {64: {False: None, True: (1024, 1024, 128)},
             128: {False: (1024, 2048, 16), True: (1024, 2048, 32)}}
 # Where a plain call without causal masking runs WGMMA_NARROW[d] instead of the default (narrow_rule): the
