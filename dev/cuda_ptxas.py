@@ -67,7 +67,7 @@ KERNELS = [
                                                (128, 8, 64, 3), (128, 8, 128, 2), (128, 8, 64, 4))
       for feat in (0, 1)),
     # the fused backward (cpp.BWD_DETERMINISTIC False, D = 64): its first kernel (part 5: S alone, the
-    # corrected lse, delta), the dK/dV kernel with dQ added atomically (part 3, FUSEDQ) and dQ's conversion
+    # corrected lse, delta), the dK/dV kernel with dQ added by bulk reductions (part 3, FUSEDQ) and dQ's conversion
     *(("flash_bwd_mma.cu", f"bwd5_bf16_d64_w{nw}_n{bn}_s2{'_feat' if feat else ''}",
        dict(D=64, BF16=1, TF32=0, PART=5, NW=nw, MT=1, BN=bn, FEAT=feat, MASK=0, ALIBI=0, STAGES=2), BWD)
       for nw, bn in ((4, 128), (8, 128)) for feat in (0, 1)),
@@ -75,7 +75,7 @@ KERNELS = [
        dict(D=64, BF16=1, TF32=0, PART=3, NW=4, MT=1, BN=bn, FEAT=feat, MASK=0, ALIBI=0, STAGES=st, FUSEDQ=1), BWD)
       for bn, st in ((64, 2), (64, 3), (128, 2)) for feat in (0, 1)),
     ("flash_bwd_mma.cu", "bwd6_bf16_d64", dict(D=64, BF16=1, TF32=0, PART=6, NW=4, MT=1, BN=64, FEAT=0, MASK=0, ALIBI=0),
-     ("u64", "u64", "u64", "float")),
+     ("u64", "u64", "u64", "float", "int")),
     # the dropout variants (forward on mma.sync, both backward kernels) beside the backward's featured ones
     *(("flash_mma.cu", f"mma_bf16_d{d}_feat_dropout",
        dict(D=d, BF16=1, BN=64, MT=2, NW=4, QSMEM=int(d > 64), FEAT=1, MASK=0, ALIBI=0, FAST=0, DROPOUT=1), MMA)

@@ -11,6 +11,10 @@ which must be of the dtype's rounding). JSON rows to --json.
 
 A --configs name "fused" (or fused=<division>, e.g. fused=qwg1x128s2kvwg1x128s2) times the fused backward
 (cpp.BWD_DETERMINISTIC False, cpp.BWD_FUSED_DIVISIONS); its dQ differs from run to run in its last bits.
+"fusedonly" (or fusedonly=<division>) times its last two kernels alone (dK/dV/dQ and dQ's conversion),
+its first kernel run once before: what the fused backward would take given the forward's lse in
+float32 and delta (the first kernel's work; dQ's accumulator is zeroed only by that first run, so
+the timed calls add on: the same work, gradients compared from the first call only).
 """
 
 import argparse
@@ -59,6 +63,20 @@ CONFIGS = {
 }
 
 
+def fused_steps(arrays, views, causal, d, division):
+    """The fused backward's three launches (cpp.flash_bwd_launches) over scratch of its own."""
+    from attnkern.backends.cuda.arrays import workspace
+
+    q = arrays[0]
+    rows = q.shape[0] * q.shape[1]
+    scratch = workspace(cpp.bwd_scratch_elems(rows, d, True, q.shape[0]), np.float32, q.owner)
+    lse32, delta, dq32 = cpp.bwd_scratch_views(scratch.ptr, rows, scratch.owner, d, q.shape[0])
+    steps = cpp.flash_bwd_launches(*arrays, *views, lse32, delta, causal, d ** -0.5, None,
+                                   cpp.BwdConfig.parse(division), dq32)
+    fused_steps.keep = getattr(fused_steps, "keep", []) + [scratch]  # alive while timed
+    return steps
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
@@ -67,9 +85,14 @@ def main():
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--configs", nargs="+", help="divisions to time (default: the lists above), the first the base")
     p.add_argument("--json")
+    p.add_argument("--fused-define", action="append", default=[], metavar="KEY=VALUE",
+                   help="compile the fused dK/dV/dQ kernel with ATTNKERN_KEY VALUE too (cpp.BWD_FUSED_STUDY: "
+                   "timing studies, e.g. FUSEDQ_SKIP=1; see flash_bwd_mma.cu)")
     p.add_argument("--wait-for", help="a file: compile every division (all shapes) first, then wait until it "
                    "exists before timing (so that other GPU work sharing the machine can finish meanwhile)")
     a = p.parse_args()
+    if a.fused_define:  # compiled into the fused kernel only (cpp.BWD_FUSED_STUDY)
+        cpp.BWD_FUSED_STUDY = tuple(tuple(x.split("=", 1)) for x in a.fused_define)
     if a.wait_for:
         import os
         import time
@@ -102,7 +125,15 @@ def main():
                     for name in a.configs or (CONFIGS_F32 if dtype == "float32" else CONFIGS)[d]:
                         grads = [torch.empty_like(x) for x in (q, k, v)]
                         views = [from_torch(x, "grad").reshape(16, n, d) for x in grads]
-                        if name.startswith("fused"):  # fused[=division]: cpp.BWD_DETERMINISTIC False
+                        if name.startswith("fusedonly"):  # the fused backward's last two kernels
+                            division = name.partition("=")[2] or cpp.BWD_FUSED_DIVISIONS.get(d, "")
+                            steps = fused_steps(arrays, views, causal, d, division)
+
+                            def call(steps=steps, first=[True]):
+                                for kernel, grid, block, args in (steps if first[0] else steps[1:]):
+                                    cpp.launch(kernel, grid, block, *args)
+                                first[0] = False
+                        elif name.startswith("fused"):  # fused[=division]: cpp.BWD_DETERMINISTIC False
                             division = name.partition("=")[2] or cpp.BWD_FUSED_DIVISIONS.get(d, "")
 
                             def call(division=division, views=views):

@@ -18,7 +18,8 @@ overhead: per-call time through attnkern.attention at (1, 8, 16, 64) on device-r
     the host's time per call), for check_finite False and True; torch's SDPA beside it.
     With a cProfile of cuda.flash's calls (the 12 largest cumulative entries).
 small: the grid N 64-512, batch 1-8, 8 heads, D 64, float32/bfloat16/float16, causal and
-    not: 5 warm-up calls, 50 timed calls each between two CUDA events, medians;
+    not: 5 warm-up calls, then 50 calls of each kernel timed each alone between two CUDA
+    events, the kernels in turns (one call of each, then the next round), medians;
     memory: peak torch allocation during one call beyond the inputs; correctness: max
     |out - ref| / max(1, max|v|) against float64 on the same (rounded) inputs.
 large: (1, 16, N, D) N 4096 and 8192, D 64 and 128, the same dtypes, causal and not:
@@ -83,6 +84,16 @@ def error(out, q, k, v, causal):
     return float((out.double() - ref).abs().max() / max(1.0, float(v.abs().max())))
 
 
+def event_sample(fn):
+    """Seconds of one call between two CUDA events, waited for."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e-3
+
+
 def event_times(fn, warmup, runs):
     for _ in range(warmup):
         fn()
@@ -145,7 +156,7 @@ def small(result, quick, kernels, dtypes, batches):
             for n in (64, 128, 256, 512):
                 for b in batches or ((1, 8) if quick else (1, 2, 4, 8)):
                     q, k, v = inputs(b, 8, n, 64, dtype, seed=n + b)
-                    base = {}
+                    base, timed = {}, {}
                     for kernel in kernels:
                         f = caller(kernel, causal)
                         row = {"kernel": kernel, "dtype": dtype, "causal": causal, "b": b, "h": 8, "n": n, "d": 64}
@@ -159,11 +170,19 @@ def small(result, quick, kernels, dtypes, batches):
                             f(q, k, v)
                             torch.cuda.synchronize()
                             row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
-                            row["median_s"] = event_times(lambda: f(q, k, v), 5, 50)
-                            base[kernel] = row["median_s"]
+                            for _ in range(5):
+                                f(q, k, v)
+                            timed[kernel] = (row, lambda f=f: f(q, k, v), [])
                         except Exception as exc:
                             row["failed"] = repr(exc)[:300]
                         rows.append(row)
+                    # isolated calls, one of each kernel in turns (host and GPU states drift over
+                    # seconds on a shared machine: in turns each ratio compares like with like)
+                    for _ in range(50):
+                        for _, call, samples in timed.values():
+                            samples.append(event_sample(call))
+                    for kernel, (row, _, samples) in timed.items():
+                        row["median_s"] = base[kernel] = statistics.median(samples)
                     for row in rows[-len(kernels):]:
                         if "median_s" in row and "torch.sdpa" in base:
                             row["speedup_vs_torch"] = base["torch.sdpa"] / row["median_s"]

@@ -760,26 +760,31 @@ def test_fused_backward_routing(monkeypatch):
     for bad, d in (("qwg1x128s2kvwg2x64s2", 64), ("qwg1x128s2kvwg1x64s2", 128)):
         with pytest.raises(ValueError, match="fused backward takes"):
             cpp.flash_bwd_fused_kernels("bfloat16", d, cpp.BwdConfig.parse(bad))
-    # scratch: lse and delta, then dQ's float32 rows from a 16-byte boundary, within the elements asked for
-    for rows in (1, 3, 64):
-        lse32, delta, dq32 = cpp.bwd_scratch_views(1024, rows, None, 64)
+    # scratch: lse and delta, then dQ's float32 accumulator from a 16-byte boundary (whole tiles of 64
+    # rows a query head: batch ceil(nq / 64) 64 d floats at most), within the elements asked for
+    for batch, nq in ((1, 1), (3, 1), (1, 64), (2, 65), (4, 300)):
+        rows = batch * nq
+        lse32, delta, dq32 = cpp.bwd_scratch_views(1024, rows, None, 64, batch)
         assert delta.ptr == 1024 + 4 * rows and dq32.ptr % 16 == 0 and dq32.ptr >= delta.ptr + 4 * rows
-        assert (dq32.ptr - 1024) // 4 + rows * 64 == cpp.bwd_scratch_elems(rows, 64, True)
+        assert dq32.shape[0] >= batch * -(-nq // 64) * 64 * 64
+        assert (dq32.ptr - 1024) // 4 + dq32.shape[0] == cpp.bwd_scratch_elems(rows, 64, True, batch)
         assert cpp.bwd_scratch_views(1024, rows)[2] is None and cpp.bwd_scratch_elems(rows, 64, False) == 2 * rows
     monkeypatch.setattr(cpp, "flash_bwd_fused_kernels", lambda dtype, d, config, featured: ("first", "fused", "conv"))
     x = GpuArray((2, 300, 64), np.dtype(ml_dtypes.bfloat16), None, ptr=0)
     lse, small = GpuArray((2, 300), x.dtype, None, ptr=0), GpuArray((600,), np.float32, None, ptr=0)
-    dq32 = GpuArray((600 * 64,), np.float32, None, ptr=4800)
+    dq32 = GpuArray(((600 + 63 * 2) * 64,), np.float32, None, ptr=4800)
     launches = cpp.flash_bwd_launches(x, x, x, x, x, lse, x, x, x, small, small, True, 0.125, None, fused, dq32)
+    pairs = 2 * 5 * 64 * 32  # two heads' 5 tiles of 64 rows, 64 x 64 / 2 pairs each
     assert [(kernel, grid, block) for kernel, grid, block, _ in launches] == [
-        ("first", (5, 2), 128), ("fused", (5, 2), 128), ("conv", (-(-600 * 32 // cpp.CONVERT_THREADS),), 256)]
+        ("first", (5, 2), 128), ("fused", (5, 2), 128), ("conv", (-(-pairs // cpp.CONVERT_THREADS),), 256)]
     assert launches[0][3] == launches[1][3] and launches[0][3][6].array is dq32  # dQ's rows: the float32 scratch
-    assert [a.array for a in launches[2][3][:2]] == [dq32, x] and launches[2][3][2:] == (600 * 32, np.float32(0.125))
+    assert [a.array for a in launches[2][3][:2]] == [dq32, x]
+    assert launches[2][3][2:] == (pairs, np.float32(0.125), np.int32(300))
 
 
 @half_gpu
 def test_half_backward_fused(monkeypatch):
-    """cpp.BWD_DETERMINISTIC False on Hopper: the fused backward (dQ added atomically in float32) at D = 64,
+    """cpp.BWD_DETERMINISTIC False on Hopper: the fused backward (dQ added in float32 by bulk reductions) at D = 64,
     both dtypes, with GQA, both causal alignments, key lengths, a window, the softcap and a negative
     scale: within FlashAttention's rule; dK and dV bit-identical run to run (dQ need not be); and through
     torch autograd (the prepared plans, made again after the switch)."""

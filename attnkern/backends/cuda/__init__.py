@@ -428,7 +428,7 @@ def prepared_flash_backward(batch: int, nq: int, nk: int, d: int, dv: int, dtype
     rows = batch * nq
     feat = launch.KernelFeatures.of(features, batch, dtype)
     fused = cpp.bwd_fused_config(d, dtype.name, feat) is not None  # cpp.BWD_DETERMINISTIC False
-    lse32, delta, dq32 = cpp.bwd_scratch_views(0, rows, None, d if fused else 0)
+    lse32, delta, dq32 = cpp.bwd_scratch_views(0, rows, None, d if fused else 0, batch)
     scratch = [lse32, delta] + ([dq32] if fused else [])
     steps = []
     for kernel, grid, block, args in cpp.flash_bwd_launches(*roles, lse32, delta, causal, scale, feat, dq32=dq32):
@@ -444,7 +444,7 @@ def prepared_flash_backward(batch: int, nq: int, nk: int, d: int, dv: int, dtype
         for step in steps:  # two launches, or the fused backward's three
             step(*full)
 
-    return run, cpp.bwd_aligned(2 * dtype.itemsize), cpp.bwd_scratch_elems(rows, d, fused)
+    return run, cpp.bwd_aligned(2 * dtype.itemsize), cpp.bwd_scratch_elems(rows, d, fused, batch)
 
 
 def _flash_backward_tiles(block_q: int, block_k: int, d: int, dv: int, itemsize: int) -> tuple[int, int]:

@@ -1006,18 +1006,20 @@ BWD_WGMMA_DIVISIONS = {64: "qwg1x128s2kvwg1x128s2", 128: "qwg2x128s2kvwg1x64s2"}
 # without masks, ALiBi, dropout or packed sequences (bwd_wgmma_covers), FlashAttention-3's fused
 # backward runs instead: a first kernel of S = Q K^T alone for delta and the corrected lse
 # (flash_bwd_mma.cu's part 5), then one kernel for dK, dV and dQ (part 3 with FUSEDQ: dS through
-# shared memory, dQ += dS K added to a float32 accumulator by atomic adds, in the order the blocks
-# happen to run), then dQ's conversion (part 6): 6 N x N x D products (5 fused, S once more in the
-# first kernel) and the exponentials twice, instead of 7. dK and dV stay bit-identical run to run; dQ does not (its float32 additions'
-# order varies), though it is within FlashAttention's error rule. Measured slower: 1.51-1.65x the
-# default's time on an H100 (bfloat16, N 4096-16384; docs/gpu-backward-wgmma.md: every dQ element takes
-# N / 64 atomic additions, on the consumers' path), so it stays an opt-in. Read whenever a call's kernels
-# are chosen: the torch fast path keeps a call shape's plan, so call attnkern.backends.cuda.forget_plans()
-# after changing it. The division names the first kernel's half (qwg..., the dQ kernel's grid and
-# key tiles) and the fused kernel's (kvwg1x...: one warpgroup of 64 keys; ptxas, sm_90a: 216
-# registers with 64-row Q/dO tiles, 245 featured, no spills; 128-row tiles spill featured). The
-# environment variable ATTNKERN_BWD_DETERMINISTIC sets it at import ("0": False, "1" or unset: True),
-# so that a whole process (a test run, `attnkern bench`) takes the fused backward from its start.
+# shared memory, each 64-row tile of dQ += dS K staged there and added to a float32 accumulator by a
+# bulk reduction, in the order the blocks happen to run), then dQ's conversion (part 6): 6 N x N x D
+# products (5 fused, S once more in the first kernel) and the exponentials twice, instead of 7. dK and
+# dV stay bit-identical run to run; dQ does not (its float32 additions' order varies), though it is
+# within FlashAttention's error rule. Measured slower: 1.38-1.48x the default's time on an H200
+# (bfloat16, N 4096-16384), and 1.12-1.20x without its first kernel (docs/gpu-backward-wgmma.md: the
+# additions, dQ's product and dS's stores cost more than the two products saved), so it stays an
+# opt-in. Read whenever a call's kernels are chosen: the torch fast path keeps a call shape's plan, so
+# call attnkern.backends.cuda.forget_plans() after changing it. The division names the first kernel's
+# half (qwg..., the dQ kernel's grid and key tiles) and the fused kernel's (kvwg1x...: one warpgroup of
+# 64 keys; ptxas, sm_90a: 223 registers with 64-row Q/dO tiles, 245 featured, no spills; 128-row tiles
+# spill featured). The environment variable ATTNKERN_BWD_DETERMINISTIC sets it at import ("0": False,
+# "1" or unset: True), so that a whole process (a test run, `attnkern bench`) takes the fused backward
+# from its start.
 def _deterministic_from_env() -> bool:
     """ATTNKERN_BWD_DETERMINISTIC as BWD_DETERMINISTIC: unset or empty True, "1" True, "0" False."""
     text = os.environ.get("ATTNKERN_BWD_DETERMINISTIC", "").strip()
@@ -1029,6 +1031,10 @@ def _deterministic_from_env() -> bool:
 
 BWD_DETERMINISTIC = _deterministic_from_env()
 BWD_FUSED_DIVISIONS = {64: "qwg1x128s2kvwg1x64s2"}
+# Timing studies of the fused kernel only: (KEY, VALUE) pairs compiled into it as ATTNKERN_KEY
+# (flash_bwd_mma.cu's FUSEDQ_SKIP leaves parts of its work out, so dQ is then wrong; read when the
+# kernel is compiled, named into it). dev/gpu_bwd_versions.py --fused-define sets it.
+BWD_FUSED_STUDY = ()
 
 
 def bwd_wgmma_covers(feat) -> bool:
@@ -1039,7 +1045,7 @@ def bwd_wgmma_covers(feat) -> bool:
 
 
 BWD_PARAMS = ("u64",) * 11 + ("i32", "i32", "f32", "f32", "i32")
-CONVERT_PARAMS = ("u64", "u64", "u64", "f32")  # part 6: dq32, dq, pairs of elements, scale
+CONVERT_PARAMS = ("u64", "u64", "u64", "f32", "i32")  # part 6: dq32, dq, pairs of elements, scale, nq
 CONVERT_THREADS = 256
 
 
@@ -1067,13 +1073,14 @@ def flash_bwd_fused_kernels(dtype: str, d: int, config: BwdConfig, featured: boo
               ("ALIBI", 0))
     params = BWD_PARAMS + FEAT_TYPES
     first_shared = (64 * config.dq_wg + (config.dq_stages or 2) * config.dq_keys) * d * 2 + 1024
-    fused_shared = config.shared_bytes(d, 2) + config.kv_rows * 128 + 1024  # + dS, aligned to 1024
+    fused_shared = config.shared_bytes(d, 2) + config.kv_rows * (128 + 4 * d) + 1024  # + dS, aligned to 1024; dQ staged
     first = _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd5_{dtype}_{d}_{config.part_name(1)}{suffix}",
                            (*common, ("PART", 5), ("NW", config.dq_warps), ("MT", 1), ("BN", config.dq_keys),
                             ("STAGES", config.dq_stages)), params, 32 * config.dq_warps, first_shared)
-    fused = _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd3q_{dtype}_{d}_{config.part_name(2)}{suffix}",
+    study = "".join(f"_{key.lower()}{value}" for key, value in BWD_FUSED_STUDY)
+    fused = _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd3q_{dtype}_{d}_{config.part_name(2)}{suffix}{study}",
                            (*common, ("PART", 3), ("NW", 4), ("MT", 1), ("BN", config.kv_rows),
-                            ("STAGES", config.kv_stages), ("FUSEDQ", 1)), params, 128, fused_shared)
+                            ("STAGES", config.kv_stages), ("FUSEDQ", 1), *BWD_FUSED_STUDY), params, 128, fused_shared)
     convert = _linked_kernel("flash_bwd_mma.cu", f"attnkern_flash_bwd6_{dtype}_{d}",
                              (*common[:3], ("FEAT", 0), ("MASK", 0), ("ALIBI", 0), ("PART", 6), ("NW", 4),
                               ("MT", 1), ("BN", 64)), CONVERT_PARAMS,
@@ -1158,24 +1165,26 @@ def flash_bwd_mma(q, k, v, out, dout, lse, dq, dk, dv, causal: bool, scale: floa
     rows = q.shape[0] * q.shape[1]
     fused = config is None and bwd_fused_config(q.shape[2], q.dtype.name, feat) is not None
     # the corrected lse, delta (and the fused backward's float32 dQ)
-    scratch = workspace(bwd_scratch_elems(rows, q.shape[2], fused), np.float32, q.owner)
-    lse32, delta, dq32 = bwd_scratch_views(scratch.ptr, rows, scratch.owner, q.shape[2] if fused else 0)
+    scratch = workspace(bwd_scratch_elems(rows, q.shape[2], fused, q.shape[0]), np.float32, q.owner)
+    lse32, delta, dq32 = bwd_scratch_views(scratch.ptr, rows, scratch.owner, q.shape[2] if fused else 0, q.shape[0])
     for kernel, grid, block, args in flash_bwd_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, causal,
                                                         scale, feat, config, dq32):
         launch(kernel, grid, block, *args)
 
 
-def bwd_scratch_elems(rows: int, d: int, fused: bool) -> int:
+def bwd_scratch_elems(rows: int, d: int, fused: bool, batch: int = 1) -> int:
     """float32 elements of flash_bwd_mma's scratch memory (bwd_scratch_views): two per row, and
-    for the fused backward its float32 dQ (rows x d) after them, from a 16-byte boundary."""
-    return 2 * (rows + rows % 2) + rows * d if fused else 2 * max(rows, 1)
+    for the fused backward its float32 dQ after them, from a 16-byte boundary: whole tiles of 64
+    rows x d per query head (rows / batch rows each), at most (rows + 63 batch) d floats."""
+    return 2 * (rows + rows % 2) + (rows + 63 * batch) * d if fused else 2 * max(rows, 1)
 
 
-def bwd_scratch_views(base: int, rows: int, owner=None, d: int = 0) -> tuple:
+def bwd_scratch_views(base: int, rows: int, owner=None, d: int = 0, batch: int = 1) -> tuple:
     """The float32 arrays of flash_bwd_mma's scratch memory at address base (bwd_scratch_elems
     floats): the corrected lse and delta (rows,), and with d > 0 (the fused backward) its dQ
-    accumulator (rows x d floats, 16-byte aligned where base is), else None."""
-    dq32 = (GpuArray((rows * d,), np.float32, None, ptr=base + 8 * (rows + rows % 2), owner=owner) if d else None)
+    accumulator ((rows + 63 batch) d floats, 16-byte aligned where base is), else None."""
+    dq32 = (GpuArray(((rows + 63 * batch) * d,), np.float32, None, ptr=base + 8 * (rows + rows % 2), owner=owner)
+            if d else None)
     return (GpuArray((rows,), np.float32, None, ptr=base, owner=owner),
             GpuArray((rows,), np.float32, None, ptr=base + 4 * rows, owner=owner), dq32)
 
@@ -1229,11 +1238,11 @@ def _fused_launches(q, k, v, out, dout, lse, dq, dk, dv, lse32, delta, dq32, cau
     args = (Addr(q), Addr(k), Addr(v), Addr(out), Addr(dout), Addr(lse), Addr(dq32), Addr(dk), Addr(dv),
             Addr(lse32), Addr(delta), np.int32(nq), np.int32(k.shape[1]), np.float32(scale * LOG2E),
             np.float32(scale), np.int32(bool(causal)), *words)
-    pairs = batch * nq * d // 2
+    pairs = batch * -(-nq // 64) * 32 * d  # dq32's 64-row tiles (bwd_scratch_elems)
     return [(first, _grid(-(-nq // (64 * config.dq_wg)), batch, feat), 32 * config.dq_warps, args),
             (fused, _grid(-(-k.shape[1] // 64), k.shape[0], feat), 128, args),
             (convert, (max(-(-pairs // CONVERT_THREADS), 1),), CONVERT_THREADS,
-             (Addr(dq32), Addr(dq), np.uint64(pairs), np.float32(scale)))]
+             (Addr(dq32), Addr(dq), np.uint64(pairs), np.float32(scale), np.int32(nq)))]
 
 
 # ---------------------------------------------------------------- cuda.flash's split-K decode

@@ -15,7 +15,9 @@
 //                     kernel on wgmma (the same work and order of sums; NW = 4 x warpgroups, MT = 1);
 //                     the opt-in fused backward (cpp.BWD_DETERMINISTIC False, D = 64): 5 its first
 //                     kernel (delta, the corrected lse), 3 with ATTNKERN_FUSEDQ 1 (dK, dV and dQ
-//                     added atomically in float32), 6 dQ's conversion to the dtype
+//                     added to a float32 accumulator by bulk reductions), 6 dQ's conversion to the
+//                     dtype; ATTNKERN_FUSEDQ_SKIP (timing studies only, dQ then wrong): 1 leaves out
+//                     the bulk additions, 2 dQ's product too, 3 dS's stores to shared memory too
 //   ATTNKERN_NW       warps per block
 //   ATTNKERN_MT       16-row mma tiles a warp (1 or 2): 16 MT query rows (part 1) or keys (part 2);
 //                     each B fragment read from shared memory feeds MT mma tiles
@@ -895,9 +897,11 @@ static_assert((BN == 64 || BN == 128) && MT == 1 && NW % 4 == 0, "part 3: 64- or
 #ifndef ATTNKERN_FUSEDQ
 #define ATTNKERN_FUSEDQ 0
 #endif
-// FUSEDQ: dS of a tile (BN query rows x 64 keys) in shared memory, after lse and delta, at a 1024-byte boundary
+// FUSEDQ: dS of a tile (BN query rows x 64 keys) in shared memory, after lse and delta, at a 1024-byte
+// boundary; then dQ's float32 partial tiles (BN / 64 of 64 rows x D), each staged for one bulk addition
 #define DS_BYTES (ATTNKERN_FUSEDQ ? BN * 128 + 1024 : 0)
-#define WG_SMEM_BYTES (2 * KV_BYTES + STAGES * (2 * QT_BYTES + 8 * BN) + DS_BYTES + 1024)  // + lse, delta; + room to align to 1024
+#define DQS_BYTES (ATTNKERN_FUSEDQ ? BN * D * 4 : 0)
+#define WG_SMEM_BYTES (2 * KV_BYTES + STAGES * (2 * QT_BYTES + 8 * BN) + DS_BYTES + DQS_BYTES + 1024)  // + lse, delta; + room to align to 1024
 #if ATTNKERN_FUSEDQ
 static_assert(D == 64 && NW == 4, "the fused dQ: D = 64, one warpgroup of 64 keys a block");
 
@@ -906,9 +910,14 @@ static_assert(D == 64 && NW == 4, "the fused dQ: D = 64, one warpgroup of 64 key
 // K-major A operand (query rows as rows, the 64 keys along k, the 128-byte swizzle); called
 // before dK += dS^T Q is issued, since a wgmma's A registers may not be accessed until it is
 // waited for. fused_dq: per 64 query rows dQ_tile = dS K (an SS wgmma m64n64k16, K at ks read
-// transposed), added unordered to the float32 rows qb + i0... of dq32 (below nq) by
-// red.global.add.v2.f32: the order of the additions over key blocks is the scheduler's, so dQ's
-// bits vary from run to run. It waits for every wgmma of the tile (dK's too).
+// transposed), staged in shared memory at dqs in the accumulators' own order (dq_tile_at: thread
+// t's pair (j, h) at 8 ((2 j + h) 128 + t) bytes, so that the stores are conflict-free) and added
+// to that 64-row tile of the float32 accumulator dq32 (the same order in global memory: part 6
+// reads it back) by one cp.reduce.async.bulk of 64 D floats, issued by thread 0 and left running;
+// the next tile's staging waits until it has read its source. The order of the additions over
+// key blocks is the scheduler's, so dQ's bits vary from run to run. Tile t of query head b is
+// tile b ceil(nq / 64) + t of dq32 (rows past nq: zero, as their dS). It waits for every wgmma of
+// the tile (dK's too).
 static __device__ __forceinline__ void store_ds(u32 dss, const AFrag (&dsf)[BN / 8]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
 #pragma unroll
@@ -925,11 +934,18 @@ static __device__ __forceinline__ void store_ds(u32 dss, const AFrag (&dsf)[BN /
         }
 }
 
-static __device__ __forceinline__ void fused_dq(u64 dq32, u32 dss, u32 ks, u64 qb, int i0, int nq) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-    fence_async_shared();  // the stores visible to wgmma
+static __device__ __forceinline__ u32 dq_tile_at(int j, int h, int t) { return (u32)(((2 * j + h) * 128 + t) * 8); }
+
+#ifndef ATTNKERN_FUSEDQ_SKIP
+#define ATTNKERN_FUSEDQ_SKIP 0  // timing studies only (dQ then wrong): 1 no bulk additions, 2 nor dQ's product, 3 nor dS's stores
+#endif
+
+static __device__ __forceinline__ void fused_dq(u64 dq32, u32 dss, u32 ks, u32 dqs, u64 tile0, int i0, int nq) {
+    if (ATTNKERN_FUSEDQ_SKIP >= 2) return;
+    const int tid = threadIdx.x;
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // dqs free again
+    fence_async_shared();  // the dS stores visible to wgmma
     asm volatile("bar.sync 1, 128;\n" ::: "memory");
-    float* dq = (float*)dq32 + qb * D;
 #pragma unroll 1
     for (int hq = 0; hq < BN / 64; ++hq) {
         float d[D / 8][4];  // (ACC64 names it d)
@@ -942,15 +958,23 @@ static __device__ __forceinline__ void fused_dq(u64 dq32, u32 dss, u32 ks, u64 q
         wgmma_commit();
         wgmma_wait<0>();
         pin(d);
+        const u32 at = dqs + hq * (64 * D * 4);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = i0 + 64 * hq + warp * 16 + g + 8 * h;
-            if (r < nq)
+        for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-                for (int j = 0; j < D / 8; ++j)
-                    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dq + (u64)r * D + j * 8 + ACC_COL(lane, 0)),
-                                 "f"(d[j][2 * h]), "f"(d[j][2 * h + 1]) : "memory");
-        }
+            for (int h = 0; h < 2; ++h)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + dq_tile_at(j, h, tid)), "f"(d[j][2 * h]),
+                             "f"(d[j][2 * h + 1]) : "memory");
+    }
+    fence_async_shared();  // the staged tiles visible to the bulk copy
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    if (tid == 0 && ATTNKERN_FUSEDQ_SKIP == 0) {
+#pragma unroll 1
+        for (int hq = 0; hq < BN / 64 && i0 + 64 * hq < nq; ++hq)
+            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                         ::"l"((float*)dq32 + (tile0 + (u64)(i0 / 64 + hq)) * (64 * D)), "r"(dqs + hq * (64 * D * 4)),
+                         "n"(64 * D * 4) : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
 }
 #endif
@@ -977,7 +1001,8 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
               dos0 = qs0 + STAGES * QT_BYTES, sl0 = dos0 + STAGES * QT_BYTES;
     float* sl = (float*)((char*)smem + (sl0 - base));  // [stage][lse2 BN, delta BN]
 #if ATTNKERN_FUSEDQ
-    const u32 dss = (sl0 + STAGES * 8 * BN + 1023u) & ~1023u;
+    const u32 dss = (sl0 + STAGES * 8 * BN + 1023u) & ~1023u, dqs = dss + BN * 128;
+    const u64 ntiles = (u64)((nq + 63) / 64);  // 64-row tiles of dq32 a query head
 #endif
     const float c = fabsf(scale_log2), sgn = scale_log2 < 0.f ? -1.f : 1.f;
 
@@ -1045,17 +1070,20 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
         pin(dp);
         wg_dscores(s, dp, dsf, [&](int, int n, int e) { return tl[BN + n * 8 + ACC_COL(lane, e)]; });
 #if ATTNKERN_FUSEDQ
-        store_ds(dss, dsf);
+        if (ATTNKERN_FUSEDQ_SKIP < 3) store_ds(dss, dsf);
 #endif
         issue_rs(dk, dsf, qb);
 #if ATTNKERN_FUSEDQ
-        fused_dq(dqp, dss, ks, (b0 + h) * (u64)nq, i0, nq);
+        fused_dq(dqp, dss, ks, dqs, (b0 + h) * ntiles, i0, nq);
 #endif
         wgmma_wait<0>();  // this tile's Q and dO read before the next barrier refills their buffers
         pin(dv);
         pin(dk);
     }
     cp_async_wait_all();
+#if ATTNKERN_FUSEDQ
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the last additions done
+#endif
 
     const float one[2] = {1.f, 1.f}, sc[2] = {scale, scale};
     store_rows((u16*)dkp + kvrow * D, dk, sc, kw0 + g, nk);
@@ -1241,18 +1269,27 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 dop
     cp_async_wait_all();
 #pragma unroll
     for (int h = 0; h < 2; ++h) lse_fix(lsefp, qrow, lsum[h], lse2[h], r0 + 8 * h, nq, 0);
-    float4* dq32 = (float4*)dqp + qrow * (D / 4);
-    for (int i = tid; i < BW * D / 4; i += NTHREADS)
-        if (q0 + i / (D / 4) < nq) dq32[(u64)q0 * (D / 4) + i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    // the block's 64-row tiles of dQ's float32 accumulator zeroed (part 3's layout: tile t of row b
+    // at b ceil(nq / 64) + t, 64 D floats each, rows past nq included)
+    const int ntiles = (nq + 63) / 64, t0 = q0 / 64, nt = min(BW / 64, ntiles - t0);
+    float4* dq32 = (float4*)dqp + (b * (u64)ntiles + t0) * (64 * D / 4);
+    for (int i = tid; i < nt * 64 * D / 4; i += NTHREADS) dq32[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 #elif ATTNKERN_PART == 6
 // ---------------------------------------------------------------- the fused backward's last kernel
 // dQ = scale x dQ's float32 accumulator (part 3 with FUSEDQ), rounded to the input dtype: two
-// elements a thread, n2 pairs in all
-extern "C" __device__ void ATTNKERN_NAME(u64 dq32p, u64 dqp, u64 n2, float scale) {
+// elements a thread, n2 pairs in all, read in the accumulator's order (part 3's fused_dq: in each
+// 64-row tile of a query head, thread t's pair (j, h) at pair (2 j + h) 128 + t, of row
+// 16 (t / 32) + (t % 32) / 4 + 8 h and columns 8 j + 2 (t % 4)...) and written to dQ's rows below nq
+extern "C" __device__ void ATTNKERN_NAME(u64 dq32p, u64 dqp, u64 n2, float scale, int nq) {
     const u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x;
     if (i >= n2) return;
+    constexpr int PAIRS = 32 * D;  // a tile's
+    const int ntiles = (nq + 63) / 64, in = (int)(i % PAIRS), jh = in / 128, t = in % 128;
+    const u64 tile = i / PAIRS, b = tile / ntiles;
+    const int row = (int)(tile % ntiles) * 64 + 16 * (t >> 5) + ((t & 31) >> 2) + 8 * (jh & 1);
+    if (row >= nq) return;
     const float2 x = ((const float2*)dq32p)[i];
-    ((u32*)dqp)[i] = pack2(x.x * scale, x.y * scale);
+    ((u32*)dqp)[((b * nq + row) * D + 8 * (jh >> 1) + 2 * (t & 3)) / 2] = pack2(x.x * scale, x.y * scale);
 }
 #endif
