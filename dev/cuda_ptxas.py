@@ -43,11 +43,6 @@ KERNELS = [
        dict(D=128, BF16=1, BN=64, STAGES=st, MT=1, NW=1, KW=4, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0,
             FUSED=1, UNROLL=8, PREFETCH=p, THREADS=128), MMA + ("int", "int", "u64", "u64", "u64"))
       for st in (2, 3) for p in (64, 128, 256)),
-    # ... with the K/V tiles by the bulk copy engine (ATTNKERN_BULK, sm_90 only)
-    *(("flash_mma.cu", f"decode_bf16_d{d}_w{w}_k64_s{st}_kw{kw}_fused_bulk",
-       dict(D=d, BF16=1, BN=64, STAGES=st, MT=1, NW=w, KW=kw, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0,
-            FUSED=1, UNROLL=8, BULK=1, THREADS=32 * w * kw), MMA + ("int", "int", "u64", "u64", "u64"))
-      for d in (128, 64) for w, kw in ((1, 4), (2, 2), (8, 1)) for st in (2, 3)),
     *(("flash_combine.cu", f"combine_bf16_d{d}_u{u}", dict(D=d, BF16=1, FAST=0, UNROLL=u),
        ("u64",) * 4 + ("int",) * 4) for d in (128, 64) for u in (1, 8)),
     *(("flash_mma.cu", f"mma_bf16_d128_{name}",
@@ -209,7 +204,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch or ["sm_90a", "sm_80"]:
             for path, name, defines, params in KERNELS:
-                if args.only not in name or (defines.get("BULK") and arch < "sm_90"):  # the bulk copy engine: sm_90
+                if args.only not in name:
                     continue
                 cu = os.path.join(tmp, name + ".cu")
                 with open(cu, "w") as f:

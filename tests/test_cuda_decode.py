@@ -580,34 +580,3 @@ def test_decode_prefetch_changes_no_bits(stages):
     _check(first_out, first_lse, q, k, v, feats)
     for key, (out, lse) in results.items():
         assert torch.equal(out, first_out) and torch.equal(lse, first_lse), key
-
-
-@gpu
-@pytest.mark.parametrize("name", ["lengths", "gqa4-nq4-odd", "window", "d64-mqa", "gqa8-nq16"])
-def test_decode_bulk_copies_change_no_bits(name):
-    """K/V tiles by the bulk copy engine (cpp.DECODE_BULK, Hopper) compute what the cp.async tiles
-    do: the same bits, fused and in two launches, with 2 and 3 buffers, key lengths (0 and tails
-    that end inside a tile: the zeroed rows), windows, odd key counts, D 64 and 128; within the
-    bound of the reference."""
-    torch = _torch()
-    from attnkern.backends.cuda import cpp
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the bulk copy engine is sm_90's")
-    shape, feats = CASES[name]
-    q, k, v = _inputs(shape, "bfloat16", seed=50 + len(name))
-    saved = cpp.DECODE_BULK, cpp.DECODE_FUSED, cpp.DECODE_STAGES
-    results = {}
-    try:
-        for cpp.DECODE_STAGES in (2, 3):
-            for cpp.DECODE_FUSED in (True, False):
-                for cpp.DECODE_BULK in (0, 1):
-                    out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats, split_k=7))
-                    assert splits >= 2
-                    results[cpp.DECODE_STAGES, cpp.DECODE_FUSED, cpp.DECODE_BULK] = out, lse
-    finally:
-        cpp.DECODE_BULK, cpp.DECODE_FUSED, cpp.DECODE_STAGES = saved
-    first_out, first_lse = results[2, True, 0]
-    _check(first_out, first_lse, q, k, v, feats)
-    for key, (out, lse) in results.items():
-        assert torch.equal(out, first_out) and torch.equal(lse, first_lse), key

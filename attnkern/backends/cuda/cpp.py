@@ -1318,11 +1318,6 @@ def _prefetch_from_env() -> int:
 
 
 DECODE_PREFETCH = _prefetch_from_env()
-# 1: on Hopper (sm_90) the decode kernel's K/V tiles come by the bulk copy engine (flash_mma.cu's
-# ATTNKERN_BULK: a cp.async.bulk a key row, issued by one warp, counted on an mbarrier a stage) instead
-# of every thread's 16-byte cp.async; 0: cp.async everywhere. The same bits. Read when a call's
-# launches are made (a prepared plan keeps them: forget_plans() after changing it).
-DECODE_BULK = 0
 _COUNTERS: dict = {}  # device id -> the fused decode's int32 counters, the largest last (decode_counters)
 _COUNTERS_LOCK = threading.Lock()
 
@@ -1385,7 +1380,7 @@ def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) ->
 
 
 def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False, stages: int = 2,
-                        key_warps: int = 1, fused_unroll: int = 0, prefetch: int = 0, bulk: bool = False):
+                        key_warps: int = 1, fused_unroll: int = 0, prefetch: int = 0):
     """The decode variant of flash_mma.cu (ATTNKERN_DECODE) for warps 16-row mma tiles
     of a group's query rows, K/V tiles of block_k keys in `stages` buffers, each tile's
     keys shared by key_warps warps (warps key_warps threads' warps a block): Q's fragments
@@ -1393,22 +1388,20 @@ def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool
     call), two more parameters (query rows a head, keys a chunk); fast: the fastmath variant;
     fused_unroll > 0: the fused variant (ATTNKERN_FUSED, its merge reading that many partials
     at once; three more parameters: the output rows, their lse, the counters); prefetch: the K/V
-    loads' L2 prefetch size in bytes (DECODE_PREFETCHES; 0: none); bulk: the tiles by the bulk copy
-    engine (sm_90 only; prefetch then does not apply)."""
+    loads' L2 prefetch size in bytes (DECODE_PREFETCHES; 0: none)."""
     if prefetch not in DECODE_PREFETCHES:
         raise ValueError(f"cuda.flash decode: cpp.DECODE_PREFETCH must be one of {DECODE_PREFETCHES} (bytes), "
                          f"not {prefetch!r}")
     if block_k % (16 * key_warps):
         raise ValueError(f"cuda.flash decode: a K/V tile of {block_k} keys cannot be shared by {key_warps} warps "
                          "(16 keys a warp at least, a multiple of 16)")
-    prefetch = 0 if bulk else prefetch
-    shared = 2 * stages * block_k * (d + 8) * 2 + (8 * stages if bulk else 0)  # + the bulk copies' mbarriers
+    shared = 2 * stages * block_k * (d + 8) * 2
     fused = ((("FUSED", 1), ("UNROLL", fused_unroll)) if fused_unroll else ()) + (
-        (("PREFETCH", prefetch),) if prefetch else ()) + ((("BULK", 1),) if bulk else ())
+        (("PREFETCH", prefetch),) if prefetch else ())
     return _linked_kernel("flash_mma.cu",
                           f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}s{stages}kw{key_warps}"
                           f"{f'_f{fused_unroll}' if fused_unroll else ''}{f'_p{prefetch}' if prefetch else ''}"
-                          f"{'_b' if bulk else ''}{'_fm' if fast else ''}",
+                          f"{'_fm' if fast else ''}",
                           (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", block_k), ("STAGES", stages),
                            ("MT", 1), ("NW", warps), ("KW", key_warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0),
                            ("ALIBI", 0), ("DECODE", 1), ("FAST", int(fast)), *fused),
@@ -1469,17 +1462,15 @@ def flash_decode_launches(q, k, v, out, lse, part_o, part_lse, causal: bool, sca
     kw = decode_key_warps(warps)
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     dtype = q.dtype.name
-    bulk = bool(DECODE_BULK) and not config.ENABLE_CUDASIM and _capability(cuda.get_current_device().id) >= (9, 0)
     if DECODE_FUSED:
         return [(flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, DECODE_COMBINE_UNROLL,
-                                     DECODE_PREFETCH, bulk),
+                                     DECODE_PREFETCH),
                  (splits, batch_kv), 32 * warps * kw,
                  (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
                   np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None), *words, np.int32(nq),
                   np.int32(chunk), Addr(out), Addr(out if lse is None else lse), Addr(decode_counters(batch_kv))))]
     return [
-        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, prefetch=DECODE_PREFETCH,
-                             bulk=bulk),
+        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, prefetch=DECODE_PREFETCH),
          (splits, batch_kv),
          32 * warps * kw,
          (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),

@@ -38,32 +38,6 @@ static __device__ __forceinline__ void cp_async16_prefetch(u32 dst, const void* 
 
 static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-// mbarriers and the bulk copy engine (sm_90: flash_wgmma.cu's producers, flash_mma.cu's decode with
-// ATTNKERN_BULK; unused elsewhere, so never compiled for older GPUs)
-static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// until the phase of parity `parity` of bar has completed
-static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-
-// one arrival on bar that also expects `bytes` more bytes of asynchronous copies (complete_tx)
-// before the phase completes
-static __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// `bytes` (a multiple of 16) from global src to shared dst (both 16-byte aligned) by the bulk copy
-// engine, counted on bar's transaction bytes when they land
-static __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // waits until at most N of this thread's commit groups are in flight

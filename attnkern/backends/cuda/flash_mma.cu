@@ -60,10 +60,6 @@
 // sums, M the largest m_w): a fixed order, so the same bits run after run.
 // ATTNKERN_PREFETCH (decode only; default 0): the K/V loads' L2 prefetch size in bytes (64, 128,
 // 256: PTX's .L2::NB hint on cp.async), for a cache streamed once; the same bits.
-// ATTNKERN_BULK (decode only, sm_90; default 0): each K/V tile copied by the bulk copy engine, one
-// cp.async.bulk of a key row (D elements) into its padded shared row, issued by the first warp's
-// lanes and counted on the tile's mbarrier (expect_tx), instead of every thread's 16-byte
-// cp.async; rows past the key length zero-filled by plain stores. The same tiles: the same bits.
 // ATTNKERN_FUSED (decode only; with ATTNKERN_UNROLL): one launch instead of two. The last block
 // of a k/v row to finish (found by a per-row int32 counter in global memory, countp: zero before
 // the launch, set back to zero by that block) merges the row's partials into outp (and olsep) as
@@ -87,11 +83,6 @@
 #else
 #define PREFETCH 0
 #endif
-#if ATTNKERN_DECODE && defined(ATTNKERN_BULK)
-#define BULK ATTNKERN_BULK
-#else
-#define BULK 0
-#endif
 #define NTHREADS (32 * NW * KW)
 #define LD (D + 8)  // shared row stride, in elements
 // K/V buffers: two (double buffering), or in the decode variant ATTNKERN_STAGES (STAGES - 1
@@ -104,7 +95,7 @@
 #endif
 // shared memory, in elements: [Q (BM rows) if QSMEM] [K: STAGES tiles] [V: STAGES tiles]
 #define Q_ELEMS (QSMEM ? BM * LD : 0)
-#define SMEM_ELEMS (Q_ELEMS + 2 * STAGES * BN * LD + (BULK ? 4 * STAGES : 0))  // BULK: + an mbarrier a stage
+#define SMEM_ELEMS (Q_ELEMS + 2 * STAGES * BN * LD)
 
 struct __align__(16) u32x4 { u32 x, y, z, w; };
 
@@ -148,33 +139,6 @@ static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0
                                       live ? 16 : 0);
     }
 }
-
-#if BULK
-// K/V tile j0... (keys below len; BN rows of LD elements at kdst, vdst) by bulk copies, a key row
-// each, issued by the lanes of one warp and counted on bar (lane 0 expects the bytes first); rows
-// past len are the caller's to zero
-static __device__ __forceinline__ void bulk_tile(const u16* k, const u16* v, u32 kdst, u32 vdst, int j0, int len,
-                                                 u32 bar, int lane) {
-    const int rows = max(0, min(BN, len - j0));
-    if (lane == 0) mbar_arrive_expect_tx(bar, (u32)(rows * D * 2 * 2));
-    __syncwarp();
-    for (int r = lane; r < rows; r += 32) {
-        bulk_copy(kdst + (u32)(r * LD * 2), k + (u64)(j0 + r) * D, D * 2, bar);
-        bulk_copy(vdst + (u32)(r * LD * 2), v + (u64)(j0 + r) * D, D * 2, bar);
-    }
-}
-
-// rows past len of the K/V tile j0... zeroed (every thread a share), as load_tile's zero-filled copies
-static __device__ __forceinline__ void zero_tail(u32 kdst, u32 vdst, int j0, int len, int tid) {
-    const int first = max(0, min(BN, len - j0));
-    constexpr int CPR = D / 8;
-    for (int c = first * CPR + tid; c < BN * CPR; c += NTHREADS) {
-        const u32 at = (u32)(((c / CPR) * LD + (c % CPR) * 8) * 2);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(kdst + at), "r"(0u) : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vdst + at), "r"(0u) : "memory");
-    }
-}
-#endif
 
 #if ATTNKERN_DECODE && ATTNKERN_FUSED
 // the fused decode's output rows, their lse (with_lse) and its int32 counters, one a k/v row
@@ -291,19 +255,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     key_tiles(f, q0, BM, nq, BN, jt0, jt1);
 #endif
 
-#if BULK
-    // stage s's mbarrier (one arrival: the first warp's lane 0 with the tile's bytes) at bars + 8 s
-    const u32 bars = vs0 + STAGES * TILE;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8u * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    for (int s = 0; s < STAGES - 1 && jt0 + s < jt1; ++s) {
-        zero_tail(ks0 + (u32)s * TILE, vs0 + (u32)s * TILE, (jt0 + s) * BN, f.len, tid);
-        if (tid < 32) bulk_tile(k, v, ks0 + (u32)s * TILE, vs0 + (u32)s * TILE, (jt0 + s) * BN, f.len, bars + 8u * s, tid);
-    }
-#elif ATTNKERN_DECODE
+#if ATTNKERN_DECODE
     // tiles jt0 .. jt0 + STAGES - 2 in flight, one commit group each (empty past the chunk);
     // tile jt lives in buffer (jt - jt0) % STAGES
 #pragma unroll
@@ -339,16 +291,6 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         const int j0 = jb + kw * BNW;
         const u32 slot = (u32)((jt - jt0) % STAGES);
         const u32 kb = ks0 + slot * TILE + (u32)(kw * BNW * LD * 2), vb = vs0 + slot * TILE + (u32)(kw * BNW * LD * 2);
-#if BULK
-        mbar_wait(bars + 8u * slot, (u32)((jt - jt0) / STAGES) & 1u);  // tile jt's copies landed
-        __syncthreads();  // its zeroed rows seen; every warp is done with tile jt - 1, whose buffers refill now
-        if (jt + STAGES - 1 < jt_end) {
-            const u32 next = (u32)((jt - jt0 + STAGES - 1) % STAGES);  // tile jt - 1's buffers
-            zero_tail(ks0 + next * TILE, vs0 + next * TILE, jb + (STAGES - 1) * BN, f.len, tid);
-            if (tid < 32) bulk_tile(k, v, ks0 + next * TILE, vs0 + next * TILE, jb + (STAGES - 1) * BN, f.len,
-                                    bars + 8u * next, tid);
-        }
-#else
         cp_async_wait_group<STAGES - 2>();  // the groups of the tiles after jt may stay in flight
         __syncthreads();  // tile jt is in; every warp is done with tile jt - 1, whose buffers refill now
         if (jt + STAGES - 1 < jt_end) {
@@ -357,7 +299,6 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             load_tile(v, vs0 + next * TILE, jb + (STAGES - 1) * BN, LOAD_LEN, tid);
         }
         cp_async_commit();  // a group every tile (empty at the end), so that the wait above counts tiles
-#endif
 #else
         const int j0 = jt * BN;
         const u32 kb = ks0 + (jt & 1) * TILE, vb = vs0 + (jt & 1) * TILE;

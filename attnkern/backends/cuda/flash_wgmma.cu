@@ -336,6 +336,10 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 
 // ---------------------------------------------------------------- mbarriers, register reallocation
 
+static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
 static __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
@@ -344,6 +348,13 @@ static __device__ __forceinline__ void mbar_arrive(u32 bar) {
 // (noinc: the arrival counts as one of the phase's expected ones)
 static __device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// until the phase of parity `parity` of bar has completed
+static __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
 // a barrier of the `threads` threads (whole warps) that name barrier `id` (1...15; 0 is __syncthreads')
@@ -368,6 +379,12 @@ static __device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.
 #endif
 
 // ---------------------------------------------------------------- the tensor memory accelerator (TMA)
+
+// one arrival on bar that also expects `bytes` more bytes of asynchronous copies (complete_tx)
+// before the phase completes
+static __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 
 // the box at coordinates (c0, c1, c2) of the 3-D tensor map at global address map into shared
 // memory at dst (the map's 128-byte swizzle applied), its bytes counted on bar when they land
