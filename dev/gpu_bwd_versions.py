@@ -63,6 +63,9 @@ CONFIGS = {
 }
 
 
+KEEP = []  # fused_steps' scratch memory, alive while timed
+
+
 def fused_steps(arrays, views, causal, d, division):
     """The fused backward's three launches (cpp.flash_bwd_launches) over scratch of its own."""
     from attnkern.backends.cuda.arrays import workspace
@@ -73,7 +76,7 @@ def fused_steps(arrays, views, causal, d, division):
     lse32, delta, dq32 = cpp.bwd_scratch_views(scratch.ptr, rows, scratch.owner, d, q.shape[0])
     steps = cpp.flash_bwd_launches(*arrays, *views, lse32, delta, causal, d ** -0.5, None,
                                    cpp.BwdConfig.parse(division), dq32)
-    fused_steps.keep = getattr(fused_steps, "keep", []) + [scratch]  # alive while timed
+    KEEP.append(scratch)
     return steps
 
 

@@ -98,15 +98,7 @@ def event_times(fn, warmup, runs):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times)
+    return statistics.median(event_sample(fn) for _ in range(runs))
 
 
 def overhead(result, kernels, dtypes):
