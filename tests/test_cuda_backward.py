@@ -760,6 +760,11 @@ def test_fused_backward_routing(monkeypatch):
     for bad, d in (("qwg1x128s2kvwg2x64s2", 64), ("qwg1x128s2kvwg1x64s2", 128)):
         with pytest.raises(ValueError, match="fused backward takes"):
             cpp.flash_bwd_fused_kernels("bfloat16", d, cpp.BwdConfig.parse(bad))
+    for bad in ((("FUSEDQ_SKIP",),), (("FUSEDQ SKIP", 1),), (("FUSEDQ_SKIP", "1; bad"),)):
+        monkeypatch.setattr(cpp, "BWD_FUSED_STUDY", bad)
+        with pytest.raises(ValueError, match="BWD_FUSED_STUDY must be"):
+            cpp.flash_bwd_fused_kernels("bfloat16", 64, fused)
+    monkeypatch.setattr(cpp, "BWD_FUSED_STUDY", ())
     # scratch: lse and delta, then dQ's float32 accumulator from a 16-byte boundary (whole tiles of 64
     # rows a query head: batch ceil(nq / 64) 64 d floats at most), within the elements asked for
     for batch, nq in ((1, 1), (3, 1), (1, 64), (2, 65), (4, 300)):

@@ -1068,6 +1068,10 @@ def flash_bwd_fused_kernels(dtype: str, d: int, config: BwdConfig, featured: boo
             or any(s not in (0, 2, 3, 4) for s in (config.dq_stages, config.kv_stages))):
         raise ValueError(f"the fused backward takes float16/bfloat16 at D = 64 in a division qwg<n>x<64|128>[s<st>]"
                          f"kvwg1x<64|128>[s<st>] (one warpgroup of 64 keys), not {dtype} at D = {d} in {config}")
+    if not all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and pair[0].isidentifier()
+               and str(pair[1]).lstrip("-").isdigit() for pair in BWD_FUSED_STUDY):
+        raise ValueError(f"cpp.BWD_FUSED_STUDY must be (NAME, integer) pairs, e.g. (('FUSEDQ_SKIP', 1),), "
+                         f"not {BWD_FUSED_STUDY!r}")
     suffix = _suffix(featured, 0, False)
     common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", 0), ("FEAT", int(featured)), ("MASK", 0),
               ("ALIBI", 0))
