@@ -515,6 +515,9 @@ def attention(q, k, v, *, causal=False, scale=None, kernel="auto", window=None, 
         # torch CUDA tensors of a planned call shape: the plan at once, before the checks below
         # (which it has made for that shape), whose Python work outlasts the launch
         got = _torch_cuda.quick(q, k, v, causal, scale, kernel, check_finite, return_lse, params)
+        if type(got) is _torch_cuda.Plan:  # inputs that require grad: the autograd function runs the plan
+            out, lse = _autograd_function().apply(q, k, v, (causal, scale, kernel, check_finite, {}, params, got))
+            return (out, lse) if return_lse else out
         if got is not None:
             return got
     # NumPy arrays (the common host call) need no look at the module of each argument
@@ -625,19 +628,28 @@ def _autograd_function():
     class Attention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, args):
-            causal, scale, kernel, check_finite, feats, params = args
-            out, lse = _run_torch(q, k, v, causal, scale, kernel, check_finite, True, True, feats, params)
+            causal, scale, kernel, check_finite, feats, params = args[:6]
+            # args[6]: the call shape's plan, where attention() found one (_torch_cuda.quick)
+            got = _torch_cuda.run_plan(args[6], q, k, v) if len(args) > 6 else None
+            out, lse = got or _run_torch(q, k, v, causal, scale, kernel, check_finite, True, True, feats, params)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.args = args
             ctx.mark_non_differentiable(lse)
+            # no zeros for the lse's gradient (it has none) nor for an unused out: a
+            # missing gradient arrives as None instead of an allocation and a fill kernel
+            ctx.set_materialize_grads(False)
             return out, lse
 
         @staticmethod
         def backward(ctx, dout, _dlse):
+            if dout is None:  # out took no part in what is differentiated
+                return None, None, None, None
             q, k, v, out, lse = ctx.saved_tensors
-            causal, scale, kernel, _, feats, params = ctx.args
+            causal, scale, kernel, _, feats, params = ctx.args[:6]
             return (*_torch_attention_backward(q, k, v, out, dout.contiguous(), lse, causal=causal, scale=scale,
-                                               kernel=kernel, feats=feats, **params), None)
+                                               kernel=kernel, feats=feats,
+                                               forward_plan=ctx.args[6] if len(ctx.args) > 6 else None,
+                                               **params), None)
 
     return Attention
 
@@ -822,15 +834,17 @@ def attention_backward(q, k, v, out, dout, lse, *, causal=False, scale=None, ker
     return tuple(g.reshape(shape) for g, shape in zip(grads, shapes))
 
 
-def _torch_attention_backward(q, k, v, out, dout, lse, *, causal, scale, kernel, feats, **params):
+def _torch_attention_backward(q, k, v, out, dout, lse, *, causal, scale, kernel, feats, forward_plan=None,
+                              **params):
     """attention_backward on torch tensors. On CUDA tensors without features (but
     grouped k/v heads and bottom-right causal masking), a call shape's first call
-    leaves a plan (_torch_cuda.backward) that the next ones launch."""
+    leaves a plan (_torch_cuda.backward) that the next ones launch. forward_plan: the
+    plan that ran the forward (the eager autograd function's), which keeps the backward's."""
     import torch
 
     pending = None
     if type(q) is torch.Tensor and q.is_cuda and _plain(feats):
-        pending = _torch_cuda.backward(q, k, v, out, dout, lse, causal, scale, kernel, params)
+        pending = _torch_cuda.backward(q, k, v, out, dout, lse, causal, scale, kernel, params, forward_plan)
         if pending is not None and not isinstance(pending, _torch_cuda.Pending):
             return pending
     _torch_api.check_tensors((q, k, v, out, dout, lse), "q, k, v, out, dout, lse")

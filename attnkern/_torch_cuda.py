@@ -37,7 +37,7 @@ from ._gpuarray import raw_stream
 
 FAST_PATH = True  # False: every call takes the general path (measurements compare the two)
 RECHECK_S = 1.0  # how long a plan with looked-up tunables is used before it is rebuilt
-_LOCAL = threading.local()  # per thread: key -> _Plan
+_LOCAL = threading.local()  # per thread: key -> Plan
 _TORCH = []  # the torch module, imported on first use
 
 
@@ -49,16 +49,19 @@ def _torch():
     return _TORCH[0]
 
 
-class _Plan:
+class Plan:
     """A call shape's prepared work; launch None: the general path's."""
 
-    __slots__ = ("launch", "scan", "aligned", "stream", "out_shape", "lse_shape", "until", "scratch")
+    __slots__ = ("launch", "scan", "aligned", "stream", "out_shape", "lse_shape", "until", "scratch", "backward")
 
     def __init__(self, launch=None, scan=None, aligned=None, stream=None, out_shape=(), lse_shape=(),
                  until=math.inf, scratch=0):
         self.launch, self.scan, self.aligned, self.stream = launch, scan, aligned, stream
         self.out_shape, self.lse_shape, self.until = out_shape, lse_shape, until
         self.scratch = scratch  # float32 elements of scratch memory a launch takes (its last address), or 0
+        # a differentiable forward's plan: (plans' epoch, thread, the backward's plan of its call
+        # shape) once backward() found that plan on that thread
+        self.backward = None
 
 
 def usable() -> bool:
@@ -122,10 +125,15 @@ def _arguments_fit(causal, scale, kernel, params) -> bool:
     return not (params and any(type(x) is not int for x in params.values()))
 
 
+def _epoch() -> int:
+    """How many times the cuda backend's forget_plans() was called (plans older than that are not used)."""
+    return _USABLE[1].PLANS_EPOCH[0] if _USABLE else 0
+
+
 def _plans(name: str = "plans") -> dict:
     """This thread's plans: the forward's ("plans") or the backward's ("backward_plans"),
     emptied when the cuda backend's forget_plans() was called since they were made."""
-    epoch = _USABLE[1].PLANS_EPOCH[0] if _USABLE else 0
+    epoch = _epoch()
     got = getattr(_LOCAL, name, None)
     if got is None or got[0] != epoch:
         got = (epoch, {})
@@ -172,13 +180,17 @@ def quick(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
     attention()'s whole way must run (it plans a new call shape). On an H100 that way's
     Python steps before the plan took 15 of a call's 45 µs, and 77 of 189 µs where the call
     followed other work (torch's SDPA calls, a wait for the GPU: code and data cold), which
-    a timed run of 5 calls at (1, 16, 4096, 128) bfloat16 read as 13% over the kernel."""
+    a timed run of 5 calls at (1, 16, 4096, 128) bfloat16 read as 13% over the kernel.
+    A call whose inputs require grad (outside torch.compile and autocast, with the eager
+    autograd path on) gets its plan instead (a Plan), which the caller's autograd function
+    runs (run_plan): its Python steps cost as much as those of a call without grad."""
     if not _QUICK or not usable() or not _USABLE[1].QUICK_PATH:
         return None
     tensor, grad_enabled, compiling, autocast = _QUICK
     if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
         return None
-    if grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    grad = grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if grad and not _USABLE[1].EAGER_AUTOGRAD:
         return None
     if compiling() or autocast("cuda") or not _arguments_fit(causal, scale, kernel, params):
         return None
@@ -187,13 +199,24 @@ def quick(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
         return None
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return None
-    check, with_lse = bool(check_finite), bool(return_lse)
+    check, with_lse = bool(check_finite), bool(return_lse) or grad
+    # a differentiable call's forward is planned as the eager autograd path's (with the lse, a
+    # kernel with a backward)
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, device, causal, scale, kernel, check, with_lse,
-           tuple(params.items()), False)
+           tuple(params.items()), grad)
     plan = _plans().get(key)
     if plan is None or plan.until < time.monotonic():
         return None
+    if grad:  # the caller runs the plan inside its autograd function (run_plan)
+        return plan if plan.launch is not None else None
     return _run_plan(plan, q, k, v, device, with_lse)
+
+
+def run_plan(plan, q, k, v):
+    """(out, lse) of a plan that quick() returned for a differentiable call, run on its
+    inputs (read as they are; the caller's autograd function records the call), or None
+    where the general path must run."""
+    return _run_plan(plan, q, k, v, q.get_device(), True)
 
 
 _QUICK = []  # [torch.Tensor, is_grad_enabled, compiler.is_compiling, is_autocast_enabled] once a plan is made
@@ -226,7 +249,7 @@ def _run_plan(plan, q, k, v, device, with_lse):
     return (out, lse) if with_lse else out
 
 
-def backward(q, k, v, out, dout, lse, causal, scale, kernel, params):
+def backward(q, k, v, out, dout, lse, causal, scale, kernel, params, forward_plan=None):
     """attention_backward(q, k, v, out, dout, lse, ...) for torch CUDA tensors q (the
     caller knows that much) without features beyond grouped k/v heads and bottom-right
     causal masking: (dq, dk, dv); None where the general path must run; or a Pending
@@ -234,10 +257,22 @@ def backward(q, k, v, out, dout, lse, causal, scale, kernel, params):
     tensor-core backward (float16, bfloat16; float32 in 3xTF32) or triton.flash's two
     backward kernels prepared, its gradients and float32 scratch memory allocated with
     torch on the legacy default stream, which the kernels run on (on another stream: the
-    general path): no wait for the GPU and no allocation of Numba's."""
+    general path): no wait for the GPU and no allocation of Numba's.
+
+    forward_plan: the plan that ran the forward of q, k, v (the eager autograd function's,
+    out and lse its results): its backward's plan, once found here, is kept on it, so that
+    later calls check only dout (autograd hands it in out's dtype, shape and device; its
+    layout is checked) instead of looking the plan up."""
     if not usable():
         return None
     tensor = _torch().Tensor
+    if forward_plan is not None and forward_plan.backward is not None:
+        # (the plan is this thread's and of the plans' current epoch: as _plans() would give it)
+        epoch, thread, plan = forward_plan.backward
+        if (thread == threading.get_ident() and epoch == _epoch() and plan.until >= time.monotonic()
+                and type(dout) is tensor and dout.dtype is out.dtype and dout.shape == out.shape
+                and dout.is_contiguous() and dout.get_device() == out.get_device()):
+            return _launch_backward(plan, q, k, v, out, dout, lse)
     if (type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or type(out) is not tensor
             or type(dout) is not tensor or type(lse) is not tensor):
         return None
@@ -253,7 +288,16 @@ def backward(q, k, v, out, dout, lse, causal, scale, kernel, params):
     plan = plans.get(key)
     if plan is None or plan.until < time.monotonic():
         return Pending(plans, key, False, True, params, True, _backward_plan)
-    if plan.launch is None or plan.stream(device):
+    if plan.launch is None:
+        return None
+    if forward_plan is not None:
+        forward_plan.backward = (_epoch(), threading.get_ident(), plan)
+    return _launch_backward(plan, q, k, v, out, dout, lse)
+
+
+def _launch_backward(plan, q, k, v, out, dout, lse):
+    """The planned backward's (dq, dk, dv), or None where the general path must run."""
+    if plan.stream(q.get_device()):
         return None
     grads = (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
@@ -267,13 +311,13 @@ def backward(q, k, v, out, dout, lse, causal, scale, kernel, params):
     return grads
 
 
-def _backward_plan(call, chosen, resolved, params, *_) -> _Plan:
+def _backward_plan(call, chosen, resolved, params, *_) -> Plan:
     """backward()'s plan from the general path's validated call (the forward's), its
     kernel and tunables."""
     from .backends._split import PREPARED_FEATURES
 
     if call.empty or chosen.name not in ("cuda.flash", "triton.flash") or not call.needs <= PREPARED_FEATURES:
-        return _Plan()
+        return Plan()
     if chosen.name == "triton.flash":
         from .backends.triton import prepared_backward
 
@@ -285,20 +329,20 @@ def _backward_plan(call, chosen, resolved, params, *_) -> _Plan:
         prepared = prepared_flash_backward(batch, nq, nk, d, dv, call.q.dtype, call.causal, call.scale,
                                            resolved["tensor_cores"], call.features if call.needs else None)
     if prepared is None:
-        return _Plan(until=time.monotonic() + RECHECK_S)
+        return Plan(until=time.monotonic() + RECHECK_S)
     looked_up = len(params) < len(chosen.params)  # tunables from the tuning cache or defaults
-    return _Plan(prepared[0], None, prepared[1], raw_stream, until=time.monotonic() + RECHECK_S if looked_up
+    return Plan(prepared[0], None, prepared[1], raw_stream, until=time.monotonic() + RECHECK_S if looked_up
                  else math.inf, scratch=prepared[2])
 
 
-def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
+def _plan(call, chosen, resolved, params, with_lse, check) -> Plan:
     from .backends._split import PREPARED_FEATURES
     from .backends.cuda import launch, prepared_flash
 
     # featured calls take the general path, but those with grouped k/v heads and bottom-right causal
     # masking only (a KV-cache decode step), which the backends prepare on their split-K decode paths
     if call.empty or chosen.name not in ("cuda.flash", "triton.flash") or not call.needs <= PREPARED_FEATURES:
-        return _Plan()
+        return Plan()
     (batch, nq, d), nk, dv = call.q.shape, call.k.shape[1], call.v.shape[2]
     if chosen.name == "triton.flash":
         from .backends.triton import prepared as prepared_triton
@@ -312,9 +356,9 @@ def _plan(call, chosen, resolved, params, with_lse, check) -> _Plan:
     sizes = (call.q.size, call.k.size, call.v.size, math.prod(call.out_shape))
     scan = launch.FiniteScan.prepare(call.q.dtype, sizes) if check else None
     if prepared is None or (check and scan is None):
-        return _Plan(until=time.monotonic() + RECHECK_S)
+        return Plan(until=time.monotonic() + RECHECK_S)
     looked_up = len(params) < len(chosen.params)  # tunables from the tuning cache or defaults
-    return _Plan(prepared[0], scan, prepared[1], raw_stream, call.out_shape,
+    return Plan(prepared[0], scan, prepared[1], raw_stream, call.out_shape,
                  call.out_shape[:-1],
                  time.monotonic() + RECHECK_S if looked_up else math.inf,
                  prepared[2] if len(prepared) > 2 else 0)

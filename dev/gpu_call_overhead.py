@@ -29,7 +29,8 @@ cudnn, math), in turns in one process, bf16 inputs under bf16 autocast unless --
 
 --kernels: attnkern's variants once per kernel name (kernel="auto" by default; e.g.
 cuda.flash,triton.flash). --shapes: "default" (SHAPES), "tiny" ((1, 8, 16, 64): the host's cost
-alone) and "small" (SMALL_GRID: N 64-512, batch 1-8, 8 heads, D = 64, causal and not); --quick
+alone), "small" (SMALL_GRID: N 64-512, batch 1-8, 8 heads, D = 64, causal and not) and "step"
+(STEP_SHAPES: (1, 16, 2048-4096, 64), as `attnkern bench --device cuda --backward` times them); --quick
 leaves out waits and syncs (the busy-wait and the profiler trace). After each shape a line
 gives attnkern's host time per forward + backward (fwd_us + bwd_us) over that of torch SDPA's
 backend with the least.
@@ -53,6 +54,8 @@ import time
 SHAPES = [(8, 8, 1024, 64, 2, "bottom_right"), (1, 8, 128, 64, 8, True), (4, 16, 2048, 128, 4, "bottom_right")]
 SMOKE_SHAPES = [(1, 4, 64, 16, 2, "bottom_right")]
 TINY_SHAPES = [(1, 8, 16, 64, 8, False)]
+# the rows of `attnkern bench --device cuda --backward` where a step took longer than its kernels
+STEP_SHAPES = [(1, 16, 4096, 64, 16, True), (1, 16, 4096, 64, 16, False), (1, 16, 2048, 64, 16, True)]
 SMALL_GRID = [(b, 8, n, 64, 8, causal) for causal in (False, True) for n in (64, 128, 256, 512) for b in (1, 2, 4, 8)]
 # the names (or name prefixes) of calls that wait for the GPU or manage device memory
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuCtxSynchronize",
@@ -112,7 +115,7 @@ def inputs(torch, shape, device):
     return q, k, v, torch.randn(b, h, n, d, generator=g).to(device, dtype), causal
 
 
-def measure(torch, forward, shape, device, autocast, calls, quick=False):
+def measure(torch, forward, shape, device, autocast, calls, quick=False, trace=None):
     import contextlib
 
     q, k, v, dout, causal = inputs(torch, shape, device)
@@ -165,7 +168,7 @@ def measure(torch, forward, shape, device, autocast, calls, quick=False):
               "gpu_ms": start.elapsed_time(end) / calls if cuda else None}
     if cuda and not quick:
         result.update(busy_check(torch, fwd, dout))
-        result["syncs"] = count_waits(torch, fwd, dout)
+        result["syncs"] = count_waits(torch, fwd, dout, trace=trace)
     return result
 
 
@@ -234,8 +237,9 @@ def summary(shape, done) -> None:
                   f"{best['variant']}'s {base:.0f} us", flush=True)
 
 
-def count_waits(torch, fwd, dout, steps: int = 5) -> dict:
-    """{call name: count per forward + backward} of WAITS in a torch.profiler trace."""
+def count_waits(torch, fwd, dout, steps: int = 5, trace: str | None = None) -> dict:
+    """{call name: count per forward + backward} of WAITS in a torch.profiler trace (also
+    written as a Chrome trace to the path trace, when given)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -243,6 +247,8 @@ def count_waits(torch, fwd, dout, steps: int = 5) -> dict:
         for _ in range(steps):
             fwd().backward(dout)
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     counts: dict = {}
     for event in prof.events():
         name = event.name
@@ -260,8 +266,10 @@ def main(argv=None) -> int:
     p.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions of attnkern's calls")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--kernels", default="auto", help="attnkern's kernels, comma-separated (default: auto)")
-    p.add_argument("--shapes", default="default", help="default, tiny, small: comma-separated")
+    p.add_argument("--shapes", default="default", help="default, tiny, small, step: comma-separated")
     p.add_argument("--quick", action="store_true", help="no busy-wait check and no profiler trace")
+    p.add_argument("--trace", metavar="DIR", help="write each variant's profiler trace at the first shape "
+                   "there (Chrome trace JSON, 5 forward + backward steps)")
     args = p.parse_args(argv)
     import torch
 
@@ -271,7 +279,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_call_overhead.py needs a CUDA GPU (or --device cpu)")
     smoke = device.type == "cpu" or os.environ.get("ATTNKERN_BENCH_SMOKE") == "1"
-    sets = {"default": SHAPES, "tiny": TINY_SHAPES, "small": SMALL_GRID}
+    sets = {"default": SHAPES, "tiny": TINY_SHAPES, "small": SMALL_GRID, "step": STEP_SHAPES}
     unknown = set(args.shapes.split(",")) - set(sets)
     if unknown:
         raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(sets)}")
@@ -289,8 +297,12 @@ def main(argv=None) -> int:
         done = []
         for name, forward, context in variants(torch, attnkern, kernels):
             try:
+                trace = None
+                if args.trace and shape == shapes[0]:
+                    os.makedirs(args.trace, exist_ok=True)
+                    trace = os.path.join(args.trace, name.replace(" ", "_") + ".json")
                 with context():
-                    r = measure(torch, forward, shape, device, autocast, calls, args.quick)
+                    r = measure(torch, forward, shape, device, autocast, calls, args.quick, trace)
             except Exception as exc:  # e.g. an SDPA backend that does not take this call
                 r = {"error": " ".join(str(exc).split())[:200]}
             rows.append({"shape": list(shape), "variant": name, **r})

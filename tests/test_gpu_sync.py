@@ -94,6 +94,29 @@ def test_prepared_calls_match_the_general_path_bit_for_bit(autograd_path):
     assert len(plans) >= 3, "attention_backward did not take the prepared backward"
 
 
+def test_planned_differentiable_calls_run_their_plan_at_once(monkeypatch):
+    """A differentiable call of a planned shape runs its plan from attention()'s first step
+    (the eager autograd function given the plan), past the general path's checks, and its
+    backward gets no zeros for the lse's gradient (no fill kernel): the same bits as before."""
+    monkeypatch.setattr(_torch_cuda, "RECHECK_S", 3600.0)  # the plans made below stay while the test runs
+    q, k, v, dout = _leaves(torch.bfloat16, (2, 8, 256, 64), 2, seed=5)
+    for _ in range(3):
+        want = _step(q, k, v, dout, True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(attnkern._api, "_torch_attention", refuse)
+    monkeypatch.setattr(attnkern._api, "_run_torch", refuse)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = _step(q, k, v, dout, True)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    filled = [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zero_", "aten::fill_")]
+    assert not filled, f"the step filled memory: {filled}"
+    # the backward's plan was found through the forward's (no lookup of its own)
+    assert any(p.backward is not None for p in _torch_cuda._plans().values())
+
+
 def test_check_finite_still_raises_under_autograd(autograd_path):
     """check_finite=True (its scan waits for the GPU) names the input with a NaN, on a
     planned call shape too."""
