@@ -107,7 +107,7 @@ class Pending:
         if not _QUICK:
             torch = _torch()
             _QUICK.extend((torch.Tensor, torch.is_grad_enabled, torch.compiler.is_compiling,
-                           torch.is_autocast_enabled))
+                           torch.is_autocast_enabled, torch.get_autocast_dtype))
 
 
 def _arguments_fit(causal, scale, kernel, params) -> bool:
@@ -175,25 +175,30 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params, 
 
 def quick(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
     """attention()'s first step, before any of its checks, for a call without features on
-    torch CUDA tensors whose call shape has a plan (and outside autograd, torch.compile and
-    autocast: where attention() would run the plan the same way): the result, or None where
+    torch CUDA tensors whose call shape has a plan (outside torch.compile, and outside autocast
+    or with inputs of its dtype: where attention() would run the plan the same way): the result, or None where
     attention()'s whole way must run (it plans a new call shape). On an H100 that way's
     Python steps before the plan took 15 of a call's 45 µs, and 77 of 189 µs where the call
     followed other work (torch's SDPA calls, a wait for the GPU: code and data cold), which
     a timed run of 5 calls at (1, 16, 4096, 128) bfloat16 read as 13% over the kernel.
-    A call whose inputs require grad (outside torch.compile and autocast, with the eager
-    autograd path on) gets its plan instead (a Plan), which the caller's autograd function
+    A call whose inputs require grad (with the eager autograd path on) gets its plan instead (a Plan), which the caller's autograd function
     runs (run_plan): its Python steps cost as much as those of a call without grad."""
     if not _QUICK or not usable() or not _USABLE[1].QUICK_PATH:
         return None
-    tensor, grad_enabled, compiling, autocast = _QUICK
+    tensor, grad_enabled, compiling, autocast, autocast_dtype = _QUICK
     if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
         return None
     grad = grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if grad and not _USABLE[1].EAGER_AUTOGRAD:
         return None
-    if compiling() or autocast("cuda") or not _arguments_fit(causal, scale, kernel, params):
+    if compiling() or not _arguments_fit(causal, scale, kernel, params):
         return None
+    if autocast("cuda"):
+        # in an autocast region, inputs already of its dtype run as outside it: the op's autocast
+        # policy and the eager autograd path's cast leave them as they are
+        dtype = autocast_dtype("cuda")
+        if q.dtype is not dtype or k.dtype is not dtype or v.dtype is not dtype:
+            return None
     device = q.get_device()
     if k.get_device() != device or v.get_device() != device or device < 0:
         return None
@@ -219,7 +224,8 @@ def run_plan(plan, q, k, v):
     return _run_plan(plan, q, k, v, q.get_device(), True)
 
 
-_QUICK = []  # [torch.Tensor, is_grad_enabled, compiler.is_compiling, is_autocast_enabled] once a plan is made
+_QUICK = []  # [torch.Tensor, is_grad_enabled, compiler.is_compiling, is_autocast_enabled, get_autocast_dtype]
+# once a plan is made
 
 
 def _run_plan(plan, q, k, v, device, with_lse):

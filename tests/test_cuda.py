@@ -844,7 +844,7 @@ def test_quick_path_leaves_other_arrays_alone(monkeypatch):
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     tbefore = attnkern.attention(tq, tk, tv, kernel="numpy.naive")
     monkeypatch.setattr(fast, "_QUICK", [torch.Tensor, torch.is_grad_enabled, torch.compiler.is_compiling,
-                                         torch.is_autocast_enabled])
+                                         torch.is_autocast_enabled, torch.get_autocast_dtype])
     assert fast.quick(tq, tk, tv, False, None, "numpy.naive", True, False, {}) is None
     np.testing.assert_array_equal(attnkern.attention(q, k, v, causal=True, kernel="numpy.naive"), before)
     assert torch.equal(attnkern.attention(tq, tk, tv, kernel="numpy.naive"), tbefore)

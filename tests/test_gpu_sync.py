@@ -97,11 +97,13 @@ def test_prepared_calls_match_the_general_path_bit_for_bit(autograd_path):
 def test_planned_differentiable_calls_run_their_plan_at_once(monkeypatch):
     """A differentiable call of a planned shape runs its plan from attention()'s first step
     (the eager autograd function given the plan), past the general path's checks, and its
-    backward gets no zeros for the lse's gradient (no fill kernel): the same bits as before."""
+    backward gets no zeros for the lse's gradient (no fill kernel): the same bits as before;
+    in a bfloat16 autocast region too, for bfloat16 inputs (with and without grad)."""
     monkeypatch.setattr(_torch_cuda, "RECHECK_S", 3600.0)  # the plans made below stay while the test runs
     q, k, v, dout = _leaves(torch.bfloat16, (2, 8, 256, 64), 2, seed=5)
     for _ in range(3):
         want = _step(q, k, v, dout, True)
+        plain = attnkern.attention(q.detach(), k.detach(), v.detach(), causal=True, check_finite=False)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the general path ran")
@@ -113,6 +115,11 @@ def test_planned_differentiable_calls_run_their_plan_at_once(monkeypatch):
     assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     filled = [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zero_", "aten::fill_")]
     assert not filled, f"the step filled memory: {filled}"
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # inputs of the region's dtype: as outside it
+        got = _step(q, k, v, dout, True)
+        assert torch.equal(attnkern.attention(q.detach(), k.detach(), v.detach(), causal=True,
+                                              check_finite=False), plain)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     # the backward's plan was found through the forward's (no lookup of its own)
     assert any(p.backward is not None for p in _torch_cuda._plans().values())
 
