@@ -43,6 +43,10 @@ KERNELS = [
        dict(D=128, BF16=1, BN=64, STAGES=st, MT=1, NW=1, KW=4, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0,
             FUSED=1, UNROLL=8, PREFETCH=p, THREADS=128), MMA + ("int", "int", "u64", "u64", "u64"))
       for st in (2, 3) for p in (64, 128, 256)),
+    # ... with an L2 evict-first policy on those loads (ATTNKERN_EVICT_FIRST, cpp.DECODE_EVICT_FIRST)
+    ("flash_mma.cu", "decode_bf16_d128_w1_k64_s2_kw4_fused_p128_ef",
+     dict(D=128, BF16=1, BN=64, STAGES=2, MT=1, NW=1, KW=4, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0,
+          FUSED=1, UNROLL=8, PREFETCH=128, EVICT_FIRST=1, THREADS=128), MMA + ("int", "int", "u64", "u64", "u64")),
     *(("flash_combine.cu", f"combine_bf16_d{d}_u{u}", dict(D=d, BF16=1, FAST=0, UNROLL=u),
        ("u64",) * 4 + ("int",) * 4) for d in (128, 64) for u in (1, 8)),
     *(("flash_mma.cu", f"mma_bf16_d128_{name}",

@@ -13,7 +13,7 @@ D = 128, bfloat16, B in --batches, Nk in --nk; and the achieved HBM bandwidth.
 attnkern.backends.cuda.FAST_PATH = False; a double-buffered decode kernel, cpp.DECODE_STAGES = 2; a
 combine reading one partial at a time, cpp.DECODE_COMBINE_UNROLL = 1; the 264-block split,
 cpp.DECODE_SPLIT_RULE = "blocks"; 32-key tiles, one warp; two launches, cpp.DECODE_FUSED = False; no
-L2 prefetch hint, cpp.DECODE_PREFETCH = 0) and
+L2 prefetch hint, cpp.DECODE_PREFETCH = 0; no L2 evict-first policy, cpp.DECODE_EVICT_FIRST = 0) and
 triton.flash on
 the general path, in turns with today's code in one process. --decode-configs TILExSTAGES[xKW][:RULE][+NAME=N...]
 adds cuda.flash's decode kernel with other K/V tiles, pipeline depths, key warps and split rules
@@ -110,7 +110,7 @@ def contenders(q, k, v, splits=(), configs=(), backends=("cudnn", "flash", "effi
     if before:
         out["cuda.flash[before]"] = (_with(ours("cuda.flash"), False, DECODE_STAGES=2, DECODE_COMBINE_UNROLL=1,
                                            DECODE_SPLIT_RULE="blocks", DECODE_KEY_WARPS=1, DECODE_TILE=32,
-                                           DECODE_FUSED=False, DECODE_PREFETCH=0),
+                                           DECODE_FUSED=False, DECODE_PREFETCH=0, DECODE_EVICT_FIRST=0),
                                      "general path, double-buffered decode kernel, serial combine, 264-block split")
         out["triton.flash[before]"] = (_with(ours("triton.flash"), False), "general path")
     if regular:

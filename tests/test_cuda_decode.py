@@ -557,26 +557,28 @@ def test_shorter_long_chunks_match_the_reference(fused):
 @gpu
 @pytest.mark.parametrize("stages", [2, 3])
 def test_decode_prefetch_changes_no_bits(stages):
-    """The K/V loads' L2 prefetch hint (cpp.DECODE_PREFETCH 64, 128, 256 bytes) changes how the
-    cache is fetched, not what is computed: the bits of no hint, fused and in two launches, at
-    64-key tiles with 2 and 3 buffers, within the bound of the reference."""
+    """The K/V loads' L2 prefetch hint (cpp.DECODE_PREFETCH 64, 128, 256 bytes) and their L2
+    evict-first policy (cpp.DECODE_EVICT_FIRST) change how the cache is fetched, not what is
+    computed: the bits of neither, fused and in two launches, at 64-key tiles with 2 and 3
+    buffers, within the bound of the reference."""
     torch = _torch()
     from attnkern.backends.cuda import cpp
 
     shape, feats = CASES["lengths"]
     q, k, v = _inputs(shape, "bfloat16", seed=40 + stages)
-    saved = cpp.DECODE_PREFETCH, cpp.DECODE_FUSED, cpp.DECODE_STAGES
+    saved = cpp.DECODE_PREFETCH, cpp.DECODE_FUSED, cpp.DECODE_STAGES, cpp.DECODE_EVICT_FIRST
     results = {}
     try:
         cpp.DECODE_STAGES = stages
         for cpp.DECODE_FUSED in (True, False):
             for cpp.DECODE_PREFETCH in (0, 64, 128, 256):
-                out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats, split_k=13))
-                assert splits >= 2
-                results[cpp.DECODE_FUSED, cpp.DECODE_PREFETCH] = out, lse
+                for cpp.DECODE_EVICT_FIRST in (0, 1):
+                    out, lse, splits = _general(lambda: _run("cuda.flash", q, k, v, feats, split_k=13))
+                    assert splits >= 2
+                    results[cpp.DECODE_FUSED, cpp.DECODE_PREFETCH, cpp.DECODE_EVICT_FIRST] = out, lse
     finally:
-        cpp.DECODE_PREFETCH, cpp.DECODE_FUSED, cpp.DECODE_STAGES = saved
-    first_out, first_lse = results[True, 0]
+        cpp.DECODE_PREFETCH, cpp.DECODE_FUSED, cpp.DECODE_STAGES, cpp.DECODE_EVICT_FIRST = saved
+    first_out, first_lse = results[True, 0, 0]
     _check(first_out, first_lse, q, k, v, feats)
     for key, (out, lse) in results.items():
         assert torch.equal(out, first_out) and torch.equal(lse, first_lse), key

@@ -36,6 +36,24 @@ static __device__ __forceinline__ void cp_async16_prefetch(u32 dst, const void* 
         cp_async16(dst, src, src_bytes);
 }
 
+// cp_async16_prefetch with an L2 cache policy (createpolicy's 64-bit handle) on the copy
+template <int P>
+static __device__ __forceinline__ void cp_async16_policy(u32 dst, const void* src, int src_bytes, u64 policy) {
+    static_assert(P == 0 || P == 64 || P == 128 || P == 256, "an L2 prefetch size of 0, 64, 128 or 256 bytes");
+    if (P == 256)
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n"
+                     ::"r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
+    else if (P == 128)
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n"
+                     ::"r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
+    else if (P == 64)
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::64B [%0], [%1], 16, %2, %3;\n"
+                     ::"r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
+    else
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+                     ::"r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
+}
+
 static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }

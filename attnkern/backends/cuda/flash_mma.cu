@@ -130,13 +130,23 @@ static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b
 // one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled
 static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
     constexpr int CPR = D / 8;  // 16-byte chunks per row
+#if ATTNKERN_DECODE && defined(ATTNKERN_EVICT_FIRST)
+    // the decode streams K and V through once: the L2 may evict those lines first
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
 #pragma unroll
     for (int c = tid; c < BN * CPR; c += NTHREADS) {
         const int row = c / CPR, col = (c % CPR) * 8;
         const int key = j0 + row;
         const bool live = key < nk;
+#if ATTNKERN_DECODE && defined(ATTNKERN_EVICT_FIRST)
+        cp_async16_policy<PREFETCH>(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col,
+                                    live ? 16 : 0, policy);
+#else
         cp_async16_prefetch<PREFETCH>(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col,
                                       live ? 16 : 0);
+#endif
     }
 }
 
