@@ -6,7 +6,10 @@ Per (N, causal): forward + backward (out = attention(q, k, v); out.backward(dout
 autograd through each) and the backward alone (attnkern.attention_backward from
 a saved out and lse; torch: out.backward(dout, retain_graph=True) on a saved
 graph). Each is timed with CUDA events (timing.CudaEventClock) in round-robin
-turns, medians reported, with the ratio to the fastest torch backend and the
+turns over --passes passes (3 by default), medians over every pass's samples
+reported, with the ratio to the fastest torch backend, that ratio's range over the
+passes (the host's speed drifts over seconds: a row whose steps are host-bound,
+N = 2048 at batch 1, swings, and its range says so) and the
 backward's TFLOP/s: 2.5 times the forward's 4 B H N^2 D FLOPs (five N x N x D
 products against two), halved for causal. In float32 cuda.flash also runs with
 tensor_cores=0 (float32 FMAs; the backward's Numba kernels). A backend that refuses the call (its
@@ -18,6 +21,8 @@ gradients are checked against torch's math backend in float64 on the same inputs
 from __future__ import annotations
 
 import json
+
+import statistics
 
 from .timing import CudaEventClock, medians, take_turns
 
@@ -66,6 +71,26 @@ def _attnkern_fns(attnkern, q, k, v, dout, causal, **tunables):
     return both, alone
 
 
+def timed(fns: dict, repeat: int, calls: int, clock, passes: int) -> tuple[dict, list[dict]]:
+    """(median seconds per call of each fn over all samples, [each pass's medians]): `passes`
+    rounds of take_turns, each fn's turn `repeat` samples of `calls` calls."""
+    pooled: dict = {name: [] for name in fns}
+    per_pass = []
+    for _ in range(passes):
+        samples = take_turns(fns, repeat=repeat, warmup=3, calls_per_sample=calls, clock=clock)
+        per_pass.append(medians(samples))
+        for name, ts in samples.items():
+            pooled[name] += ts
+    return {name: statistics.median(ts) for name, ts in pooled.items()}, per_pass
+
+
+def ratio_range(per_pass: list[dict], name: str, torch_names: list[str]) -> tuple[float, float]:
+    """The least and greatest over the passes of (the fastest torch backend's median in that
+    pass) / (name's median in that pass)."""
+    ratios = [min(m[x] for x in torch_names) / m[name] for m in per_pass] if torch_names else [float("nan")]
+    return min(ratios), max(ratios)
+
+
 def check(torch, attnkern, q, k, v, dout, causal) -> float:
     """The largest error of cuda.flash's gradients against float64 (torch math), relative to
     max(1, the largest gradient): a wrong term shows as 0.1 or more."""
@@ -78,7 +103,7 @@ def check(torch, attnkern, q, k, v, dout, causal) -> float:
 
 
 def run(sizes, batch: int, heads: int, dim: int, dtype: str, causal_modes, repeat: int, calls: int = 1,
-        json_path: str | None = None) -> list[dict]:
+        json_path: str | None = None, passes: int = 3) -> list[dict]:
     """Time and print the rows; returns them (and writes them as JSON to json_path)."""
     import torch
 
@@ -88,9 +113,10 @@ def run(sizes, batch: int, heads: int, dim: int, dtype: str, causal_modes, repea
     tdtype = getattr(torch, dtype)
     clock, rows = CudaEventClock(torch), []
     print(f"# backward: ({batch}, {heads}, N, {dim}) {dtype} on {torch.cuda.get_device_name()}; median of "
-          f"{repeat} samples of {calls} call(s), CUDA events; ratio: the fastest torch backend's time / this one's")
+          f"{passes} passes x {repeat} samples of {calls} call(s), CUDA events; ratio: the fastest torch backend's "
+          "time / this one's (range: over the passes)")
     print(f"{'N':>6} {'causal':>6} {'kernel':>22} {'fwd+bwd ms':>11} {'bwd ms':>9} {'bwd TFLOP/s':>11} "
-          f"{'fwd+bwd ratio':>13} {'bwd ratio':>9}")
+          f"{'fwd+bwd ratio':>13} {'range':>9} {'bwd ratio':>9} {'range':>9}")
     for n in sizes:
         for causal in causal_modes:
             g = torch.Generator(device="cuda").manual_seed(n)
@@ -107,10 +133,8 @@ def run(sizes, batch: int, heads: int, dim: int, dtype: str, causal_modes, repea
                 pair = _sdpa_fns(torch, backend, q, k, v, dout, causal)
                 if pair is not None:
                     fns[f"torch.{backend.lower()}"] = pair
-            both = medians(take_turns({name: f[0] for name, f in fns.items()}, repeat=repeat, warmup=3,
-                                      calls_per_sample=calls, clock=clock))
-            alone = medians(take_turns({name: f[1] for name, f in fns.items()}, repeat=repeat, warmup=3,
-                                       calls_per_sample=calls, clock=clock))
+            both, both_passes = timed({name: f[0] for name, f in fns.items()}, repeat, calls, clock, passes)
+            alone, alone_passes = timed({name: f[1] for name, f in fns.items()}, repeat, calls, clock, passes)
             torch_names = [name for name in fns if name.startswith("torch.")]
             best_both = min((both[x] for x in torch_names), default=float("nan"))
             best_alone = min((alone[x] for x in torch_names), default=float("nan"))
@@ -119,10 +143,14 @@ def run(sizes, batch: int, heads: int, dim: int, dtype: str, causal_modes, repea
                        "fwd_bwd_s": both[name], "bwd_s": alone[name],
                        "bwd_tflops": backward_flops(batch, heads, n, dim, causal) / alone[name] / 1e12,
                        "fwd_bwd_ratio": best_both / both[name], "bwd_ratio": best_alone / alone[name],
+                       "fwd_bwd_ratio_range": ratio_range(both_passes, name, torch_names),
+                       "bwd_ratio_range": ratio_range(alone_passes, name, torch_names),
                        "cuda_flash_grad_error": error}
                 rows.append(row)
+                spans = ["{:.2f}-{:.2f}".format(*row[key]) for key in ("fwd_bwd_ratio_range", "bwd_ratio_range")]
                 print(f"{n:>6} {str(bool(causal)):>6} {name:>22} {both[name] * 1e3:>11.3f} {alone[name] * 1e3:>9.3f} "
-                      f"{row['bwd_tflops']:>11.1f} {row['fwd_bwd_ratio']:>13.2f} {row['bwd_ratio']:>9.2f}")
+                      f"{row['bwd_tflops']:>11.1f} {row['fwd_bwd_ratio']:>13.2f} {spans[0]:>9} "
+                      f"{row['bwd_ratio']:>9.2f} {spans[1]:>9}")
             print(f"#   cuda.flash gradients vs float64: max relative error {error:.2e}" if n <= 4096 else
                   "#   cuda.flash gradients not checked above N = 4096 (torch's float64 math backend's N x N buffers)")
     if json_path:

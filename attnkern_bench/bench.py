@@ -83,7 +83,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "(D = 32) on the Python docs' text, N tokens (at most 512; cached), which sets B, H, D")
     cpu = p.add_argument_group("cpu")
     cpu.add_argument("--threads", type=int, default=2, help="threads of every kernel")
-    cpu.add_argument("--passes", type=int, default=2, help="round-robin passes over the kernels")
+    p.add_argument("--passes", type=int, help="round-robin passes over the kernels (cpu: 2; cuda --backward: 3; "
+                                              "cuda forward: 1)")
     # 1 s: on a 2-core AMD EPYC, numpy.naive timed 0.3 s after torch.sdpa's turn ran 1.5-2x slower
     # than alone (and than in asv), 1 s after it as fast; OMP_WAIT_POLICY=passive did not help
     cpu.add_argument("--settle", type=float, default=1.0, help="seconds of pause before each kernel's turn "
@@ -111,7 +112,8 @@ def command(args) -> int:
         from . import backward_gpu
 
         backward_gpu.run(args.sizes or [1024, 4096, 16384], args.batch, args.heads or 16, args.dim, args.dtype,
-                         harness.causal_modes(args.causal), args.repeat or 10, args.back_to_back, args.json)
+                         harness.causal_modes(args.causal), args.repeat or 10, args.back_to_back, args.json,
+                         passes=args.passes or 3)
         return 0
     names = args.kernels or (CUDA_KERNELS if cuda else CPU_KERNELS)
     target = harness.CudaTarget(args.dtype) if cuda else harness.CpuTarget(args.threads, args.dtype)
@@ -135,7 +137,7 @@ def command(args) -> int:
         sizes=args.sizes or ([1024, 4096, 16384] if cuda else [512, 1024, 2048, 4096]),
         batch=args.batch, heads=args.heads or (16 if cuda else 8), dim=args.dim, dtype=args.dtype,
         causal=harness.causal_modes(args.causal), repeat=args.repeat or (10 if cuda else 5),
-        passes=1 if cuda else args.passes, warmup=3 if cuda else 1, settle=0.0 if cuda else args.settle,
+        passes=1 if cuda else args.passes or 2, warmup=3 if cuda else 1, settle=0.0 if cuda else args.settle,
         calls_per_sample=args.back_to_back if cuda else 1, check_rows=args.check_rows, seed=args.seed,
         inputs=args.inputs)
     if args.inputs == "minilm":

@@ -239,3 +239,28 @@ def test_fastest_torch_is_the_quickest_backend_that_ran_and_passed():
     assert harness.fastest_torch(results) == "torch.sdpa"
     assert harness.fastest_torch({"torch.sdpa": {"median_s": 2.0, "ok": True},
                                   "cuda.flash": {"median_s": 1.0, "ok": True}}) is None
+
+
+def test_backward_bench_pools_passes_and_reports_each_pass_ratio():
+    """`attnkern bench --backward`'s timing: every pass's samples pooled into the median, and
+    the ratio to the fastest torch backend taken per pass, whose range shows a drifting host."""
+    from attnkern_bench import backward_gpu
+
+    class Clock:  # a fake clock: each call of a fn returns its next time
+        def __init__(self, times):
+            self.times = {name: iter(ts) for name, ts in times.items()}
+
+        def seconds(self, fn, calls=1):
+            return next(self.times[fn()])
+
+    fns = {"cuda.flash": lambda: "cuda.flash", "torch.a": lambda: "torch.a", "torch.b": lambda: "torch.b"}
+    # warm-up calls (3 a turn) draw nothing from the clock; two passes of two samples each
+    times = {"cuda.flash": [2.0, 2.0, 4.0, 4.0], "torch.a": [1.0, 1.0, 1.0, 1.0], "torch.b": [3.0, 3.0, 2.0, 2.0]}
+    pooled, per_pass = backward_gpu.timed(fns, repeat=2, calls=1, clock=Clock(times), passes=2)
+    assert pooled == {"cuda.flash": 3.0, "torch.a": 1.0, "torch.b": 2.5}
+    assert per_pass == [{"cuda.flash": 2.0, "torch.a": 1.0, "torch.b": 3.0},
+                        {"cuda.flash": 4.0, "torch.a": 1.0, "torch.b": 2.0}]
+    assert backward_gpu.ratio_range(per_pass, "cuda.flash", ["torch.a", "torch.b"]) == (0.25, 0.5)
+    assert backward_gpu.ratio_range(per_pass, "torch.b", ["torch.a", "torch.b"]) == (0.3333333333333333, 0.5)
+    lo, hi = backward_gpu.ratio_range(per_pass, "cuda.flash", [])
+    assert lo != lo and hi != hi  # no torch backend ran: NaN
