@@ -16,7 +16,8 @@ turns, the median round's mean per step reported, in microseconds:
 Variants: cuda.flash; `floor` (a torch.autograd.Function whose forward allocates out and
 lse, saves q, k, v, out, lse and marks lse non-differentiable, and whose backward
 allocates dq, dk, dv: what our autograd path costs without its own work); torch SDPA with
-each backend forced (cudnn, flash, efficient)."""
+each backend forced (cudnn, flash, efficient); with --compiled also cuda.flash (its custom
+op) and torch's default SDPA each in a torch.compile(fullgraph=True) function."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--compiled", action="store_true", help="add cuda.flash and torch's default SDPA each "
+                   "inside torch.compile(fullgraph=True)")
     p.add_argument("--trace", metavar="FILE", help="also write a torch.profiler trace (Chrome JSON, Python "
                    "functions of every thread recorded) of 20 cuda.flash steps there")
     args = p.parse_args(argv)
@@ -83,6 +86,12 @@ def main(argv=None) -> int:
         backend = getattr(SDPBackend, name)
         variants[f"sdpa {name.split('_')[0].lower()}"] = (
             lambda: sdpa(*leaves, is_causal=causal), lambda: sdpa(q, k, v, is_causal=causal), None, backend)
+    if args.compiled:  # each forward inside torch.compile(fullgraph=True): what a compiled model's step runs
+        mine = torch.compile(lambda a, b_, c: attnkern.attention(a, b_, c, causal=causal, kernel="cuda.flash",
+                                                                 check_finite=False), fullgraph=True)
+        theirs = torch.compile(lambda a, b_, c: sdpa(a, b_, c, is_causal=causal), fullgraph=True)
+        variants["cuda.flash compiled"] = (lambda: mine(*leaves), lambda: mine(q, k, v), None, None)
+        variants["sdpa compiled"] = (lambda: theirs(*leaves), lambda: theirs(q, k, v), None, None)
 
     def timed(fn, steps):
         t = time.perf_counter_ns()
