@@ -176,13 +176,13 @@ def attention(q, k, v, causal, scale, kernel, check_finite, return_lse, params, 
 def quick(q, k, v, causal, scale, kernel, check_finite, return_lse, params):
     """attention()'s first step, before any of its checks, for a call without features on
     torch CUDA tensors whose call shape has a plan (outside torch.compile, and outside autocast
-    or with inputs of its dtype: where attention() would run the plan the same way): the result, or None where
-    attention()'s whole way must run (it plans a new call shape). On an H100 that way's
-    Python steps before the plan took 15 of a call's 45 µs, and 77 of 189 µs where the call
-    followed other work (torch's SDPA calls, a wait for the GPU: code and data cold), which
-    a timed run of 5 calls at (1, 16, 4096, 128) bfloat16 read as 13% over the kernel.
-    A call whose inputs require grad (with the eager autograd path on) gets its plan instead (a Plan), which the caller's autograd function
-    runs (run_plan): its Python steps cost as much as those of a call without grad."""
+    or with inputs of its dtype: where attention() would run the plan the same way): the
+    result, or None where attention()'s whole way must run (it plans a new call shape). On an
+    H100 that way's Python steps before the plan took 15 of a call's 45 µs, and 77 of 189 µs
+    where the call followed other work (torch's SDPA calls, a wait for the GPU: code and data
+    cold), which a timed run of 5 calls at (1, 16, 4096, 128) bfloat16 read as 13% over the
+    kernel. A call whose inputs require grad (with the eager autograd path on) gets its plan
+    instead (a Plan), which the caller's autograd function runs (run_plan)."""
     if not _QUICK or not usable() or not _USABLE[1].QUICK_PATH:
         return None
     tensor, grad_enabled, compiling, autocast, autocast_dtype = _QUICK
