@@ -104,6 +104,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def command(args) -> int:
     cuda = args.device == "cuda"
+    for name in ("repeat", "passes", "back_to_back"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.dtype == "float64" and cuda:
         raise SystemExit("--device cuda measures float32, float16 and bfloat16")
     if args.backward:

@@ -264,3 +264,11 @@ def test_backward_bench_pools_passes_and_reports_each_pass_ratio():
     assert backward_gpu.ratio_range(per_pass, "torch.b", ["torch.a", "torch.b"]) == (0.3333333333333333, 0.5)
     lo, hi = backward_gpu.ratio_range(per_pass, "cuda.flash", [])
     assert lo != lo and hi != hi  # no torch backend ran: NaN
+
+
+@pytest.mark.parametrize("argv", [["--repeat", "0"], ["--passes", "-1"], ["--back-to-back", "0"]])
+def test_bench_refuses_counts_below_one(argv):
+    """A sample count, pass count or calls per sample below 1 is refused with the option's name
+    (they would otherwise fall back to the default or time nothing)."""
+    with pytest.raises(SystemExit, match=f"^{argv[0]} must be at least 1, got {argv[1]}$"):
+        cli.main(["bench", "--sizes", "64", *argv])
