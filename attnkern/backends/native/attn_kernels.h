@@ -1893,13 +1893,24 @@ static int ST(flash_backward_run)(const attn_problem *p, const T *q, const T *k,
             int64_t first = 0;  /* the first partial that holds row i */
             while (first < G[s] && !seen[r0 + first * srows])
                 first++;
-            for (int64_t c = 0; c < d; c++) {
-                T acc = first < G[s] ? pdq[(r0 + first * srows) * d_pad + c] : 0;
-                for (int64_t gm = first + 1; gm < G[s]; gm++)
-                    if (seen[r0 + gm * srows])
-                        acc += pdq[(r0 + gm * srows) * d_pad + c];
-                dq[i * d + c] = acc * scale;
+            /* whole rows at a time (vector adds along c), each element's sum in the order of gamma */
+            T *row = dq + i * d;
+            if (first == G[s]) {
+                for (int64_t c = 0; c < d; c++)
+                    row[c] = (T)0 * scale;
+                continue;
             }
+            const T *src = pdq + (r0 + first * srows) * d_pad;
+            for (int64_t c = 0; c < d; c++)
+                row[c] = src[c];
+            for (int64_t gm = first + 1; gm < G[s]; gm++)
+                if (seen[r0 + gm * srows]) {
+                    src = pdq + (r0 + gm * srows) * d_pad;
+                    for (int64_t c = 0; c < d; c++)
+                        row[c] += src[c];
+                }
+            for (int64_t c = 0; c < d; c++)
+                row[c] *= scale;
         }
     }
     attn_free(G);
