@@ -21,7 +21,6 @@ gradients are checked against torch's math backend in float64 on the same inputs
 from __future__ import annotations
 
 import json
-
 import statistics
 
 from .timing import CudaEventClock, medians, take_turns

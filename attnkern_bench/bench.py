@@ -42,7 +42,8 @@ normal distribution:
           torch's SDPA and attnkern's default float32 kernels use on tensor
           cores), 3 untimed calls, then --repeat samples timed with
           CUDA events, each around --back-to-back calls (1: isolated calls,
-          Python launch overhead in full; 5 or so: queued calls, as in a loop).
+          Python launch overhead in full; 5 or so: queued calls, as in a loop),
+          in --passes round-robin passes (1 by default; --backward: 3).
           attnkern's cuda.* run through attnkern.attention with check_finite=False.
 Reported: median time per call; GFLOP/s counting 4*B*H*N^2*D per forward (half
 for causal); the fraction of a float32 matmul measured in the same run (NumPy's
@@ -83,8 +84,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "(D = 32) on the Python docs' text, N tokens (at most 512; cached), which sets B, H, D")
     cpu = p.add_argument_group("cpu")
     cpu.add_argument("--threads", type=int, default=2, help="threads of every kernel")
-    p.add_argument("--passes", type=int, help="round-robin passes over the kernels (cpu: 2; cuda --backward: 3; "
-                                              "cuda forward: 1)")
+    p.add_argument("--passes", type=int, help="round-robin passes over the kernels (default: cpu 2, cuda 1, "
+                                              "cuda --backward 3)")
     # 1 s: on a 2-core AMD EPYC, numpy.naive timed 0.3 s after torch.sdpa's turn ran 1.5-2x slower
     # than alone (and than in asv), 1 s after it as fast; OMP_WAIT_POLICY=passive did not help
     cpu.add_argument("--settle", type=float, default=1.0, help="seconds of pause before each kernel's turn "
@@ -141,7 +142,7 @@ def command(args) -> int:
         sizes=args.sizes or ([1024, 4096, 16384] if cuda else [512, 1024, 2048, 4096]),
         batch=args.batch, heads=args.heads or (16 if cuda else 8), dim=args.dim, dtype=args.dtype,
         causal=harness.causal_modes(args.causal), repeat=args.repeat or (10 if cuda else 5),
-        passes=1 if cuda else args.passes or 2, warmup=3 if cuda else 1, settle=0.0 if cuda else args.settle,
+        passes=args.passes or (1 if cuda else 2), warmup=3 if cuda else 1, settle=0.0 if cuda else args.settle,
         calls_per_sample=args.back_to_back if cuda else 1, check_rows=args.check_rows, seed=args.seed,
         inputs=args.inputs)
     if args.inputs == "minilm":
