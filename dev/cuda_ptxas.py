@@ -47,6 +47,11 @@ KERNELS = [
     ("flash_mma.cu", "decode_bf16_d128_w1_k64_s2_kw4_fused_p128_ef",
      dict(D=128, BF16=1, BN=64, STAGES=2, MT=1, NW=1, KW=4, QSMEM=0, FEAT=1, MASK=0, ALIBI=0, DECODE=1, FAST=0,
           FUSED=1, UNROLL=8, PREFETCH=128, EVICT_FIRST=1, THREADS=128), MMA + ("int", "int", "u64", "u64", "u64")),
+    # ... with the keys on the mma's M (ATTNKERN_KEYS_M, cpp.DECODE_KEYS_M: groups of at most 8 rows)
+    *(("flash_mma.cu", f"decode_{t}_d{d}_w1_k64_s2_kw{kw}_fused_p128_ef_km",
+       dict(D=d, BF16=int(t == "bf16"), BN=64, STAGES=2, MT=1, NW=1, KW=kw, QSMEM=0, FEAT=1, MASK=0, ALIBI=0,
+            DECODE=1, FAST=0, FUSED=1, UNROLL=8, PREFETCH=128, EVICT_FIRST=1, KEYS_M=1, THREADS=32 * kw),
+       MMA + ("int", "int", "u64", "u64", "u64")) for t in ("bf16", "f16") for d in (128, 64, 32) for kw in (4, 2, 1)),
     *(("flash_combine.cu", f"combine_bf16_d{d}_u{u}", dict(D=d, BF16=1, FAST=0, UNROLL=u),
        ("u64",) * 4 + ("int",) * 4) for d in (128, 64) for u in (1, 8)),
     *(("flash_mma.cu", f"mma_bf16_d128_{name}",

@@ -582,3 +582,55 @@ def test_decode_prefetch_changes_no_bits(stages):
     _check(first_out, first_lse, q, k, v, feats)
     for key, (out, lse) in results.items():
         assert torch.equal(out, first_out) and torch.equal(lse, first_lse), key
+
+
+# groups of at most 8 query rows (kv_group x nq), with the features the decode takes
+KEYS_M_CASES = {
+    "lengths-g4": ((3, 8, 2, 1, 9000, 128), dict(causal="bottom_right", key_lengths=[9000, 0, 1234])),
+    "window-g2-nq4": ((1, 4, 2, 4, 8192, 128), dict(causal="bottom_right", window=(700, 0))),
+    "top-left-g4-nq2-d64": ((1, 8, 2, 2, 2048, 64), dict(causal=True)),
+    "softcap-g8-d48": ((1, 8, 1, 1, 3000, 48), dict(softcap=2.0, scale=0.5)),
+    "mqa-nq8-d32": ((2, 1, 1, 8, 5000, 32), dict(causal="bottom_right")),
+}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", KEYS_M_CASES)
+def test_decode_keys_on_m_layout(name, dtype):
+    """Groups of at most 8 query rows take the decode kernel with the keys on the mma's M
+    (cpp.DECODE_KEYS_M): it and the row layout (DECODE_KEYS_M = 0) are each within the bound
+    of the float64 reference and of each other, each bit-identical run to run, and fused or in
+    two launches the same bits; the kernel asked for is the one the setting names."""
+    torch = _torch()
+    from attnkern.backends.cuda import cpp
+
+    shape, feats = KEYS_M_CASES[name]
+    q, k, v = _inputs(shape, dtype, seed=sum(map(ord, name)))
+    saved = cpp.DECODE_KEYS_M, cpp.DECODE_FUSED, cpp.flash_decode_kernel
+    asked = []
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("keys_m", False))
+        return saved[2](*args, **kwargs)
+
+    results = {}
+    try:
+        cpp.flash_decode_kernel = recording
+        for cpp.DECODE_KEYS_M in (1, 0):
+            for cpp.DECODE_FUSED in (True, False):
+                asked.clear()
+                runs = [_general(lambda: _run("cuda.flash", q, k, v, feats, split_k=7)) for _ in range(2)]
+                assert asked and all(x == bool(cpp.DECODE_KEYS_M) for x in asked), asked
+                (out, lse, splits), (again, again_lse, _) = runs
+                assert splits >= 2
+                assert torch.equal(out, again) and torch.equal(lse, again_lse), "not bit-identical run to run"
+                results[cpp.DECODE_KEYS_M, cpp.DECODE_FUSED] = out, lse
+    finally:
+        cpp.DECODE_KEYS_M, cpp.DECODE_FUSED, cpp.flash_decode_kernel = saved
+    for keys_m in (1, 0):
+        out, lse = results[keys_m, True]
+        _check(out, lse, q, k, v, feats)
+        assert torch.equal(out, results[keys_m, False][0]) and torch.equal(lse, results[keys_m, False][1]), keys_m
+    per = 2 * tolerance(dtype, rounds_p=True) * max(1.0, float(v.abs().max()))
+    assert float((results[1, True][0].double() - results[0, True][0].double()).abs().max()) <= per

@@ -1326,6 +1326,12 @@ DECODE_PREFETCH = _prefetch_from_env()
 # each line is read once. On an H100 the decode kernel took 0.4-1.2% less time with it at B 1-8,
 # Nk 64k-128k (two runs; identical code differed by up to 0.7% at B 1, 0.15% at B 4-8); 0 turns it off
 DECODE_EVICT_FIRST = 1
+# the decode kernel with the keys on the mma's M dimension for groups of at most 8 query rows
+# (flash_mma.cu's ATTNKERN_KEYS_M: S^T = K Q^T, 16 keys x 8 rows an mma, where the row layout fills
+# 4 of an mma's 16 rows with a group of 4: half the mma and softmax work a key). Its row sums add in
+# another order, so its bits differ from the row layout's (each is deterministic).
+DECODE_KEYS_M = 1
+DECODE_KEYS_M_ROWS = 8  # the most query rows of a group the keys-on-M layout takes (an mma's N)
 _COUNTERS: dict = {}  # device id -> the fused decode's int32 counters, the largest last (decode_counters)
 _COUNTERS_LOCK = threading.Lock()
 
@@ -1388,7 +1394,7 @@ def decode_refusal(dtype: str, nq: int, kv_group: int, d: int, dv: int, feat) ->
 
 
 def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool = False, stages: int = 2,
-                        key_warps: int = 1, fused_unroll: int = 0, prefetch: int = 0):
+                        key_warps: int = 1, fused_unroll: int = 0, prefetch: int = 0, keys_m: bool = False):
     """The decode variant of flash_mma.cu (ATTNKERN_DECODE) for warps 16-row mma tiles
     of a group's query rows, K/V tiles of block_k keys in `stages` buffers, each tile's
     keys shared by key_warps warps (warps key_warps threads' warps a block): Q's fragments
@@ -1396,20 +1402,24 @@ def flash_decode_kernel(dtype: str, d: int, warps: int, block_k: int, fast: bool
     call), two more parameters (query rows a head, keys a chunk); fast: the fastmath variant;
     fused_unroll > 0: the fused variant (ATTNKERN_FUSED, its merge reading that many partials
     at once; three more parameters: the output rows, their lse, the counters); prefetch: the K/V
-    loads' L2 prefetch size in bytes (DECODE_PREFETCHES; 0: none)."""
+    loads' L2 prefetch size in bytes (DECODE_PREFETCHES; 0: none); keys_m: the keys on the mma's M
+    (ATTNKERN_KEYS_M; one warp of rows, a group of at most DECODE_KEYS_M_ROWS rows)."""
     if prefetch not in DECODE_PREFETCHES:
         raise ValueError(f"cuda.flash decode: cpp.DECODE_PREFETCH must be one of {DECODE_PREFETCHES} (bytes), "
                          f"not {prefetch!r}")
     if block_k % (16 * key_warps):
         raise ValueError(f"cuda.flash decode: a K/V tile of {block_k} keys cannot be shared by {key_warps} warps "
                          "(16 keys a warp at least, a multiple of 16)")
+    if keys_m and warps != 1:
+        raise ValueError(f"cuda.flash decode: the keys-on-M layout takes one warp of rows, not {warps}")
     shared = 2 * stages * block_k * (d + 8) * 2
-    fused = ((("FUSED", 1), ("UNROLL", fused_unroll)) if fused_unroll else ()) + (
+    fused = ((("KEYS_M", 1),) if keys_m else ()) + (
+        (("FUSED", 1), ("UNROLL", fused_unroll)) if fused_unroll else ()) + (
         (("PREFETCH", prefetch),) if prefetch else ()) + ((("EVICT_FIRST", 1),) if DECODE_EVICT_FIRST else ())
     return _linked_kernel("flash_mma.cu",
                           f"attnkern_flash_decode_{dtype}_{d}_w{warps}k{block_k}s{stages}kw{key_warps}"
                           f"{f'_f{fused_unroll}' if fused_unroll else ''}{f'_p{prefetch}' if prefetch else ''}"
-                          f"{'_ef' if DECODE_EVICT_FIRST else ''}"
+                          f"{'_ef' if DECODE_EVICT_FIRST else ''}{'_km' if keys_m else ''}"
                           f"{'_fm' if fast else ''}",
                           (("D", d), ("BF16", int(dtype == "bfloat16")), ("BN", block_k), ("STAGES", stages),
                            ("MT", 1), ("NW", warps), ("KW", key_warps), ("QSMEM", 0), ("FEAT", 1), ("MASK", 0),
@@ -1469,17 +1479,19 @@ def flash_decode_launches(q, k, v, out, lse, part_o, part_lse, causal: bool, sca
     rows = batch // batch_kv * nq  # a group's query rows
     warps = -(-rows // 16)
     kw = decode_key_warps(warps)
+    keys_m = bool(DECODE_KEYS_M) and rows <= DECODE_KEYS_M_ROWS
     words = PLAIN_WORDS if feat is None else feat.words(abs(scale) or 1.0)
     dtype = q.dtype.name
     if DECODE_FUSED:
         return [(flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, DECODE_COMBINE_UNROLL,
-                                     DECODE_PREFETCH),
+                                     DECODE_PREFETCH, keys_m=keys_m),
                  (splits, batch_kv), 32 * warps * kw,
                  (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),
                   np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(lse is not None), *words, np.int32(nq),
                   np.int32(chunk), Addr(out), Addr(out if lse is None else lse), Addr(decode_counters(batch_kv))))]
     return [
-        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, prefetch=DECODE_PREFETCH),
+        (flash_decode_kernel(dtype, d, warps, DECODE_TILE, fast, DECODE_STAGES, kw, prefetch=DECODE_PREFETCH,
+                             keys_m=keys_m),
          (splits, batch_kv),
          32 * warps * kw,
          (Addr(q), Addr(k), Addr(v), Addr(part_o), Addr(part_lse), np.int32(rows), np.int32(nk),

@@ -60,6 +60,12 @@
 // sums, M the largest m_w): a fixed order, so the same bits run after run.
 // ATTNKERN_PREFETCH (decode only; default 0): the K/V loads' L2 prefetch size in bytes (64, 128,
 // 256: PTX's .L2::NB hint on cp.async), for a cache streamed once; the same bits.
+// ATTNKERN_KEYS_M (decode only, a group of at most 8 query rows, NW 1): the keys on the mma's
+// M dimension and the query rows on its N (8 columns): S^T = K Q^T, 16 keys x 8 rows an mma, and
+// O^T = V^T P^T, 16 head columns x 8 rows, P^T's B fragments by movmatrix from S^T's accumulators.
+// A group of 4 rows fills half of each mma's columns where the row layout (16 rows an mma) fills a
+// quarter: half the mma, probabilities and rescales a key. Its row sums add a lane's keys in
+// another order than the row layout's, so the two layouts' bits differ; each is deterministic.
 // ATTNKERN_FUSED (decode only; with ATTNKERN_UNROLL): one launch instead of two. The last block
 // of a k/v row to finish (found by a per-row int32 counter in global memory, countp: zero before
 // the launch, set back to zero by that block) merges the row's partials into outp (and olsep) as
@@ -77,6 +83,11 @@
 #define KW 1
 #endif
 #define BNW (BN / KW)  // keys of a K/V tile that one warp computes
+#if ATTNKERN_DECODE && defined(ATTNKERN_KEYS_M) && ATTNKERN_KEYS_M
+#define KEYS_M 1
+#else
+#define KEYS_M 0
+#endif
 // the K/V tiles' L2 prefetch size (flash_common.cuh's cp_async16_prefetch): decode only, 0 unless given
 #if ATTNKERN_DECODE && defined(ATTNKERN_PREFETCH)
 #define PREFETCH ATTNKERN_PREFETCH
@@ -127,27 +138,139 @@ static __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled
+#if KEYS_M
+// the 8 x 8 16-bit matrix whose fragment (lane row g, columns 2t, 2t + 1) is x, transposed:
+// the lane gets rows 2t and 2t + 1 of column g
+static __device__ __forceinline__ u32 movmatrix_t(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// The online softmax of one tile's raw scores in the keys-on-M layout: s[n] is the m16n8
+// accumulator of S^T for keys j0 + 16 n + g (elements 0, 1) and + 8 (2, 3), block rows (query
+// columns) 2t (elements 0, 2) and 2t + 1 (1, 3). Masks as softmax_tile's; m, l and a are per
+// column (l: this lane's keys only, summed over the column's 8 lanes at the end); the
+// probabilities leave as P^T's B fragments of O^T += V^T P^T, pb[n] (keys 0-7 and 8-15 of the
+// 16, in the input dtype).
+template <int NSM, bool MASK>
+static __device__ __forceinline__ void softmax_tile_t(float (&s)[NSM][4], float (&m)[2], float (&l)[2], float (&a)[2],
+                                                      float c, int j0, const Feat& f, u32 (&pb)[NSM][2]) {
+    const float NEG_INF = neg_inf();
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int n = 0; n < NSM; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (ATTNKERN_FEAT && f.cap > 0.f) s[n][e] = capped(f, s[n][e]);
+            if (MASK) {
+                const int key = j0 + 16 * n + g + 8 * (e >> 1), row = QUERY_ROW(f, 2 * t + (e & 1));
+                if (key_hidden(f, key, row))
+                    s[n][e] = NEG_INF;
+                else if (ATTNKERN_MASK || ATTNKERN_ALIBI)
+                    s[n][e] = mask_score(f, s[n][e], key, row);
+            }
+            mx[e & 1] = fmaxf(mx[e & 1], s[n][e]);
+        }
+    }
+    float mc[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        // a column's keys are spread over the 8 lanes of its t
+#pragma unroll
+        for (int w = 4; w < 32; w <<= 1) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], w));
+        // a row with no visible key yet keeps max -inf: its p, sums and factors stay 0
+        mc[h] = mx[h] == NEG_INF ? 0.f : mx[h] * c;
+        a[h] = m[h] == NEG_INF ? 0.f : ex2(m[h] * c - mc[h]);
+        m[h] = mx[h];
+    }
+    float ps[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < NSM; ++n) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            p[e] = ex2(fmaf(s[n][e], c, -mc[e & 1]));
+            if (MASK && s[n][e] == NEG_INF) p[e] = 0.f;  // also where c = 0
+        }
+        ps[0] += p[0] + p[2];
+        ps[1] += p[1] + p[3];
+        pb[n][0] = movmatrix_t(pack2(p[0], p[1]));
+        pb[n][1] = movmatrix_t(pack2(p[2], p[3]));
+    }
+    l[0] = l[0] * a[0] + ps[0];
+    l[1] = l[1] * a[1] + ps[1];
+}
+
+// The keys-on-M partial: this lane's columns (block rows) 2t and 2t + 1 of O^T (head columns
+// 16 j + g and + 8), divided by their row sums (l: summed here over the column's 8 lanes), in
+// float32 where below nq, and their log-sum-exp in the log2 domain from the lanes with g = 0
+// (store_partial_rows' values in the other layout).
+template <int DH>
+static __device__ __forceinline__ void store_partial_cols(float* out, float* lse, const float (&o)[DH / 16][4],
+                                                          const float (&l)[2], const float (&m)[2], float c, int nq) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float lh = l[h];
+#pragma unroll
+        for (int w = 4; w < 32; w <<= 1) lh += __shfl_xor_sync(0xffffffffu, lh, w);
+        const int r = 2 * t + h;
+        if (r >= nq) continue;
+        const float inv = row_inverse(lh);
+#pragma unroll
+        for (int j = 0; j < DH / 16; ++j) {
+            out[(u64)r * DH + 16 * j + g] = o[j][h] * inv;
+            out[(u64)r * DH + 16 * j + g + 8] = o[j][h + 2] * inv;
+        }
+        if (g == 0) lse[r] = lh == 0.f ? neg_inf() : m[h] * c + lg2(lh);
+    }
+}
+#endif
+
+// one K or V tile of BN rows (keys j0...) into shared memory, rows past nk zero-filled. Thread
+// tid copies 16-byte chunks tid, tid + NTHREADS, ... of the tile's BN D / 8 (rows of D / 8 chunks).
+// The decode variant, which does little else than copy, copies a tile whose rows are all below nk
+// without the per-row test and, where NTHREADS is a multiple of a row's chunks, from one base
+// address at constant offsets (a fixed count of copies, unrolled), in blocks of up to 128 threads;
+// its last, ragged tile, its blocks of 8 warps and the other variants take the plain loop (at their
+// register limits the unrolled one spilled more in some and less in others).
 static __device__ __forceinline__ void load_tile(const u16* src, u32 dst, int j0, int nk, int tid) {
     constexpr int CPR = D / 8;  // 16-byte chunks per row
+    constexpr int CHUNKS = BN * CPR;
 #if ATTNKERN_DECODE && defined(ATTNKERN_EVICT_FIRST)
     // the decode streams K and V through once: the L2 may evict those lines first
     u64 policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+#define COPY16(to, from, bytes) cp_async16_policy<PREFETCH>(to, from, bytes, policy)
+#else
+#define COPY16(to, from, bytes) cp_async16_prefetch<PREFETCH>(to, from, bytes)
+#endif
+#if ATTNKERN_DECODE
+    constexpr int ITERS = (CHUNKS + NTHREADS - 1) / NTHREADS;
+    if (NTHREADS % CPR == 0 && NTHREADS <= 128 && j0 + BN <= nk) {
+        // a thread's chunks share their column (tid % CPR), rows tid / CPR + NTHREADS / CPR i:
+        // one source pointer and one shared address, the copies at constant offsets from them
+        const int row0 = tid / CPR, col = (tid % CPR) * 8;
+        const u16* from = src + (u64)(j0 + row0) * D + col;
+        const u32 to = dst + (u32)(row0 * LD + col) * 2u;
+#pragma unroll
+        for (int i = 0; i < ITERS; ++i) {
+            if (CHUNKS % NTHREADS != 0 && tid + i * NTHREADS >= CHUNKS) break;
+            COPY16(to + (u32)(i * (NTHREADS / CPR) * LD * 2), from + (u64)(i * (NTHREADS / CPR)) * D, 16);
+        }
+        return;
+    }
 #endif
 #pragma unroll
-    for (int c = tid; c < BN * CPR; c += NTHREADS) {
+    for (int c = tid; c < CHUNKS; c += NTHREADS) {
         const int row = c / CPR, col = (c % CPR) * 8;
         const int key = j0 + row;
         const bool live = key < nk;
-#if ATTNKERN_DECODE && defined(ATTNKERN_EVICT_FIRST)
-        cp_async16_policy<PREFETCH>(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col,
-                                    live ? 16 : 0, policy);
-#else
-        cp_async16_prefetch<PREFETCH>(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col,
-                                      live ? 16 : 0);
-#endif
+        COPY16(dst + (u32)(row * LD + col) * 2u, src + (u64)(live ? key : 0) * D + col, live ? 16 : 0);
     }
+#undef COPY16
 }
 
 #if ATTNKERN_DECODE && ATTNKERN_FUSED
@@ -223,6 +346,15 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
             *(u32x4*)(smem + row * LD + col) = x;
         }
     }
+#elif KEYS_M
+    // Q's B fragments of S^T = K Q^T (the rows on the mma's N): row g, cols 2t.. and 8+2t..
+    u32 qf[KC][2];
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+        const int col = kc * 16 + 2 * (lane & 3);
+        qf[kc][0] = g < nq ? *(const u32*)(q + (u64)g * D + col) ^ sign : 0u;
+        qf[kc][1] = g < nq ? *(const u32*)(q + (u64)g * D + col + 8) ^ sign : 0u;
+    }
 #else
     // Q's A fragments, per mma tile: (row g, cols 2t..) (row g+8, cols 2t..) (row g, cols 8+2t..)
     // (row g+8, cols 8+2t..)
@@ -240,11 +372,13 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
         }
     }
 #endif
-    float o[MT][NO][4];
+    // the output accumulators: O (16 rows x 8 columns a tile), or with KEYS_M O^T (16 head columns x 8 rows)
+    constexpr int NOT = KEYS_M ? D / 16 : NO;
+    float o[MT][NOT][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int j = 0; j < NO; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
+        for (int j = 0; j < NOT; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
     float m[MT][2], l[MT][2];  // running max of the raw scores (after Q's sign); the lane's partial row sums
 #pragma unroll
     for (int i = 0; i < MT; ++i) m[i][0] = m[i][1] = NEG_INF, l[i][0] = l[i][1] = 0.f;
@@ -328,6 +462,47 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #else
         if (causal && j0 > wr0 + 16 * MT - 1) continue;
 #endif
+#if KEYS_M
+        {
+            // S^T = K Q^T: keys 16 n.. of the warp's share (A: K rows from shared memory) x the rows
+            constexpr int NSM = BNW / 16;
+            float st[NSM][4];
+#pragma unroll
+            for (int n = 0; n < NSM; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < KC; ++kc)
+#pragma unroll
+                for (int n = 0; n < NSM; ++n) {
+                    u32 ka[4];
+                    ldsm_x4(kb + (u32)((n * 16 + (lane & 15)) * LD + kc * 16 + (lane >> 4) * 8) * 2u, ka[0], ka[1],
+                            ka[2], ka[3]);
+                    mma(st[n], ka, qf[kc][0], qf[kc][1]);
+                }
+            float a[2];
+            u32 pb[NSM][2];
+            if (TILE_MASKED(0))
+                softmax_tile_t<NSM, true>(st, m[0], l[0], a, c, j0, f, pb);
+            else
+                softmax_tile_t<NSM, false>(st, m[0], l[0], a, c, j0, f, pb);
+            if (warp_any(a[0] != 1.f || a[1] != 1.f)) {
+#pragma unroll
+                for (int j = 0; j < NOT; ++j) {
+                    o[0][j][0] *= a[0], o[0][j][2] *= a[0];
+                    o[0][j][1] *= a[1], o[0][j][3] *= a[1];
+                }
+            }
+            // O^T += V^T P^T: A = V^T's 16 head columns x 16 keys by ldmatrix.trans of V's rows
+#pragma unroll
+            for (int n = 0; n < NSM; ++n)
+#pragma unroll
+                for (int j = 0; j < NOT; ++j) {
+                    u32 va[4];
+                    const int key = n * 16 + (lane & 7) + (lane >> 4) * 8, col = j * 16 + ((lane >> 3) & 1) * 8;
+                    ldsm_x4_t(vb + (u32)(key * LD + col) * 2u, va[0], va[1], va[2], va[3]);
+                    mma(o[0][j], va, pb[n][0], pb[n][1]);
+                }
+        }
+#else
 
         float s[MT][NS][4];
 #pragma unroll
@@ -417,6 +592,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                 }
             }
         }
+#endif
     }
 
     if (ATTNKERN_FEAT) cp_async_wait_all();  // a block whose rows see no key loaded a tile it never waited for
@@ -424,20 +600,22 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #if KW > 1
     // the key warps' rows merged into key warp 0's (the K/V buffers hold them: every warp is past
     // its last tile and no load is in flight), each lane's values at [warp][value][lane]
-    constexpr int VALS = NO * 4 + 4;  // o, then m and l of the lane's two rows
+    constexpr int VALS = NOT * 4 + 4;  // o, then m and l of the lane's two rows (KEYS_M: columns)
+    // the row (KEYS_M: column) of the lane's two that accumulator element e belongs to
+#define HALF(e) (KEYS_M ? (e) & 1 : (e) >> 1)
     static_assert((KW - 1) * NW * VALS * 32 * 4 <= 2 * STAGES * BN * LD * 2, "the merge's shared memory");
     float* xs = (float*)smem + (u64)Q_ELEMS / 2;
     __syncthreads();
     if (kw > 0) {
         float* mine = xs + (u64)((kw - 1) * NW + warp) * VALS * 32 + lane;
 #pragma unroll
-        for (int j = 0; j < NO; ++j)
+        for (int j = 0; j < NOT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32] = o[0][j][e];
-        mine[(NO * 4) * 32] = m[0][0];
-        mine[(NO * 4 + 1) * 32] = m[0][1];
-        mine[(NO * 4 + 2) * 32] = l[0][0];
-        mine[(NO * 4 + 3) * 32] = l[0][1];
+        mine[(NOT * 4) * 32] = m[0][0];
+        mine[(NOT * 4 + 1) * 32] = m[0][1];
+        mine[(NOT * 4 + 2) * 32] = l[0][0];
+        mine[(NOT * 4 + 3) * 32] = l[0][1];
     }
     __syncthreads();
     // key warp 0 merges (the others wait at the fused variant's barriers below, or are done)
@@ -445,23 +623,27 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = m[0][h];
-            for (int w = 1; w < KW; ++w) mx = fmaxf(mx, xs[((u64)((w - 1) * NW + warp) * VALS + NO * 4 + h) * 32 + lane]);
+            for (int w = 1; w < KW; ++w)
+                mx = fmaxf(mx, xs[((u64)((w - 1) * NW + warp) * VALS + NOT * 4 + h) * 32 + lane]);
             // a part that saw no key (max -inf) adds nothing; every factor is 0 where no part saw one
             const float mc = mx == NEG_INF ? 0.f : mx * c;
             const float a0 = m[0][h] == NEG_INF ? 0.f : ex2(m[0][h] * c - mc);
             l[0][h] *= a0;
 #pragma unroll
-            for (int j = 0; j < NO; ++j) o[0][j][2 * h] *= a0, o[0][j][2 * h + 1] *= a0;
+            for (int j = 0; j < NOT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (HALF(e) == h) o[0][j][e] *= a0;
             for (int w = 1; w < KW; ++w) {
                 const float* theirs = xs + (u64)((w - 1) * NW + warp) * VALS * 32 + lane;
-                const float mw = theirs[(NO * 4 + h) * 32];
+                const float mw = theirs[(NOT * 4 + h) * 32];
                 const float aw = mw == NEG_INF ? 0.f : ex2(mw * c - mc);
-                l[0][h] = fmaf(theirs[(NO * 4 + 2 + h) * 32], aw, l[0][h]);
+                l[0][h] = fmaf(theirs[(NOT * 4 + 2 + h) * 32], aw, l[0][h]);
 #pragma unroll
-                for (int j = 0; j < NO; ++j) {
-                    o[0][j][2 * h] = fmaf(theirs[(j * 4 + 2 * h) * 32], aw, o[0][j][2 * h]);
-                    o[0][j][2 * h + 1] = fmaf(theirs[(j * 4 + 2 * h + 1) * 32], aw, o[0][j][2 * h + 1]);
-                }
+                for (int j = 0; j < NOT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (HALF(e) == h) o[0][j][e] = fmaf(theirs[(j * 4 + e) * 32], aw, o[0][j][e]);
             }
             m[0][h] = mx;
         }
@@ -469,9 +651,14 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
 #endif
     // the partial of (k/v row b, split x): rows normalised by their own sums, float32
     const u64 part = b * gridDim.x + blockIdx.x;
+#if KEYS_M
+    if (kw == 0)
+        store_partial_cols<D>((float*)op + part * (u64)nq * D, (float*)lsep + part * (u64)nq, o[0], l[0], m[0], c, nq);
+#else
     if (kw == 0)
         store_partial_rows<D>((float*)op + part * (u64)nq * D, (float*)lsep + part * (u64)nq, o[0], l[0], m[0], c,
                               wr0 + g, nq);
+#endif
 #if ATTNKERN_FUSED
     // The last block of k/v row b to finish merges its chunks' partials into the output rows:
     // each thread's partial stores are made visible device-wide (fence) before the block counts
@@ -491,8 +678,7 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
                                               with_lse ? (u16*)olsep + b * nq + r : nullptr);
     if (tid == 0) *count = 0;
 #endif
-    return;
-#endif
+#else  // not the decode variant: the block's rows into out (and lse)
 #if ATTNKERN_WIDE
     // float32 rows and log2-domain lse, unrounded (out and lse are float32 arrays; lse given)
 #pragma unroll
@@ -506,5 +692,6 @@ extern "C" __device__ void ATTNKERN_NAME(u64 qp, u64 kp, u64 vp, u64 op, u64 lse
     for (int i = 0; i < MT; ++i) {
         store_half_rows<D>(out, with_lse ? (u16*)lsep + qrow : nullptr, o[i], l[i], m[i], c, wr0 + 16 * i + g, nq);
     }
+#endif
 #endif
 }
