@@ -1,18 +1,22 @@
 """Compile cuda.flash's CUDA C++ sources here, without a GPU, and print ptxas's
 registers, spills and shared memory per kernel (nvcc or the pip ptxas/NVRTC on PATH).
 
-    python dev/cuda_ptxas.py [--arch sm_90a] [--arch sm_80]
+    python dev/cuda_ptxas.py [--arch sm_90a] [--arch sm_80] [--only NAME] [--sass DIR]
 
 Each source is built as cpp._linked_kernel builds it (the ATTNKERN_* constants,
 flash_common.cuh, the source) with a __global__ wrapper that passes its parameters
 on, so the numbers are those of the device function inlined into a kernel (numba-cuda
-links it into its own wrapper; registers can differ by a few)."""
+links it into its own wrapper; registers can differ by a few). --sass DIR keeps each kernel's
+cubin and, with cuobjdump and nvdisasm on PATH (pip wheels nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm), its SASS as DIR/<arch>_<name>.sass, to read a loop's instructions before a
+device run."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 
@@ -209,7 +213,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", help="e.g. sm_90a (default: sm_90a and sm_80)")
     parser.add_argument("--only", default="", help="a substring of the kernels' names")
+    parser.add_argument("--sass", metavar="DIR", help="keep the cubins and their SASS (cuobjdump) in DIR")
     args = parser.parse_args()
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch or ["sm_90a", "sm_80"]:
             for path, name, defines, params in KERNELS:
@@ -223,6 +230,12 @@ def main() -> None:
                 if run.returncode:
                     print(f"{arch} {name}: FAILED\n{run.stderr}")
                     continue
+                if args.sass:
+                    keep = os.path.join(args.sass, f"{arch}_{name}")
+                    shutil.copy(os.path.join(tmp, name + ".cubin"), keep + ".cubin")
+                    sass = subprocess.run(["cuobjdump", "-sass", keep + ".cubin"], capture_output=True, text=True)
+                    with open(keep + ".sass", "w") as f:
+                        f.write(sass.stdout if sass.returncode == 0 else sass.stderr)
                 regs = re.search(r"Used (\d+) registers", run.stderr)
                 spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
                 print(f"{arch} {name}: {regs.group(1) if regs else '?'} registers, "
