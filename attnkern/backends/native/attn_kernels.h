@@ -1546,16 +1546,17 @@ static __attribute__((noinline)) void ST(gemm_ab_half)(const T *a, int64_t ars, 
 /* o[0:rows, 0:round_up(ncols, NR)) (+)= A . b, added as epi says (tile_ab), with
  * A[r][t] = a[r * ars + t * ats] (rows x kdim) and b kdim rows of panels packed by
  * pack_v (kpanel rows a panel, ncols columns); o (and comp) have row stride ldo,
- * seen one flag per row of o. A last panel of at most VW valid columns goes through
- * gemm_ab_half, which leaves its columns from VW on unwritten: its callers (dV, dK and dQ
- * of the backward) read only the first ncols. */
+ * seen one flag per row of o. Panel by panel, all the row tiles of one panel together:
+ * its kdim rows stay in L1 for all of them. A last panel of at most VW valid columns goes
+ * through gemm_ab_half, which leaves its columns from VW on unwritten: its callers (dV, dK
+ * and dQ of the backward) read only the first ncols. */
 static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, const T *pack, int64_t kpanel,
                         int64_t kdim, int64_t ncols, T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi)
 {
     const int64_t tail = ncols % NR, full = tail && tail <= VW ? ncols - tail : ncols;
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-        for (int64_t c0 = 0; c0 < full; c0 += NR) {
+    for (int64_t c0 = 0; c0 < full; c0 += NR) {
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
             const T *ar = a + r0 * ars, *bp = pack + c0 * kpanel;
             T *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
             const uint8_t *sr = seen ? seen + r0 : NULL;
