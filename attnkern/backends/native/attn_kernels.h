@@ -1876,8 +1876,6 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
  * only, so that a varlen batch sums each sequence as a call of its own would. */
 #define ATTN_BWD_TASKS 32
 #define ATTN_BWD_PARTIAL_BYTES ((int64_t)1 << 28)
-/* The rows of D whose sums the backward forms together (flash_backward_run). */
-#define ATTN_BWD_DROWS 8
 static int64_t ST(bwd_groups)(const attn_problem *p, int64_t nq, int64_t nk)
 {
     const int64_t batch_kv = p->batch / p->kv_group, nkb = (nk + p->block_k - 1) / p->block_k;
@@ -1919,26 +1917,34 @@ static int ST(flash_backward_run)(const attn_problem *p, const T *q, const T *k,
     uint8_t *seen = attn_alloc(prow > 0 ? prow : 1, 1, 1);  /* per partial row: written yet */
     int failed = !(G && lse_rows && dvec && pdq && seen);
     if (!failed) {
-        /* D_i = dO_i . O_i, each row's sum in the order of c; ATTN_BWD_DROWS rows at a
-         * time, their sums interleaved (independent chains, not one add's latency a term) */
+        /* D_i = dO_i . O_i, each row's sum in the order of c, VW rows at a time: where the
+         * includer names TRANSPOSE_T, the products of VW rows and VW columns transposed,
+         * so that one vector add takes the next term of all VW sums (one lane a row), not
+         * one add's latency a term; the rest, term by term */
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
-        for (int64_t i0 = 0; i0 < rows; i0 += ATTN_BWD_DROWS) {
-            if (rows - i0 >= ATTN_BWD_DROWS) {
-                T acc[ATTN_BWD_DROWS] = {0};
-                for (int64_t c = 0; c < dvn; c++)
-                    for (int r = 0; r < ATTN_BWD_DROWS; r++)
-                        acc[r] += dout[(i0 + r) * dvn + c] * out[(i0 + r) * dvn + c];
-                for (int r = 0; r < ATTN_BWD_DROWS; r++)
-                    dvec[i0 + r] = acc[r];
-            } else {
-                for (int64_t i = i0; i < rows; i++) {
-                    T acc = 0;
-                    for (int64_t c = 0; c < dvn; c++)
-                        acc += dout[i * dvn + c] * out[i * dvn + c];
-                    dvec[i] = acc;
-                }
+        for (int64_t i0 = 0; i0 < rows; i0 += VW) {
+            const int64_t nr = rows - i0 < VW ? rows - i0 : VW;
+            int64_t c0 = 0;
+            T sums[VW];
+            VT acc = V(zero)();
+#ifdef TRANSPOSE_T
+            T prod[VW * VW], cols[VW * VW];
+            for (; nr == VW && c0 + VW <= dvn; c0 += VW) {
+                for (int64_t r = 0; r < VW; r++)
+                    V(storeu)(prod + r * VW, V(mul)(V(loadu)(dout + (i0 + r) * dvn + c0),
+                                                    V(loadu)(out + (i0 + r) * dvn + c0)));
+                TRANSPOSE_T(prod, VW, cols, VW);
+                for (int64_t c = 0; c < VW; c++)
+                    acc = V(add)(acc, V(loadu)(cols + c * VW));
             }
-            for (int64_t i = i0; i < rows && i < i0 + ATTN_BWD_DROWS; i++) {
+#endif
+            V(storeu)(sums, acc);
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t i = i0 + r;
+                T sum = sums[r];
+                for (int64_t c = c0; c < dvn; c++)
+                    sum += dout[i * dvn + c] * out[i * dvn + c];
+                dvec[i] = sum;
                 lse_rows[i] = lse[i];
                 /* a row that saw no key (lse -inf): P = e^(s - inf) = 0, zero gradients */
                 if (features && lse_rows[i] == -INFINITY)
