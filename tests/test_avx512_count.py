@@ -82,10 +82,11 @@ def test_an_avx512_only_slowdown_raises_the_count(harnesses):
         key = avx512_count.config_key(kind, shape, causal)
         assert 1.015 < ratios[key] < 1.03, ratios
         assert next(r for r in rows if r["benchmark"] == key)["verdict"] == "slower"
-    # ... and more instructions on the backward (about +0.2%: 2^x is a smaller share of it), below the
-    # threshold
+    # ... and more instructions on the backward, fewer than on the forward (2^x is a smaller share
+    # of it): about +1.2%, where the backward's 2^x runs in a rolled loop over the rows of Sᵀ's
+    # register tile (its epilogue), around which the injected FMAs stay a loop of their own
     key = avx512_count.config_key(*BACKWARD[0])
-    assert 1.0 < ratios[key] < 1.01, ratios
+    assert 1.0 < ratios[key] < 1.02, ratios
 
 
 def test_the_avx2_path_does_not_see_it(tmp_path):

@@ -90,6 +90,21 @@ static ATTN_INLINE void vtranspose_f32(const float *src, int64_t lds, float *dst
         _mm512_storeu_ps(dst + j * ldd, r[j]);
 }
 
+/* The same transpose of the rows times c (each element multiplied once, as it is
+ * loaded): the backward's scaled Qt panels (TRANSPOSE_T_SCALED of attn_kernels.h). */
+static ATTN_INLINE void vtranspose_scaled_f32(const float *src, int64_t lds, float *dst, int64_t ldd, float c)
+{
+    __m512 r[16];
+    const __m512 vc = _mm512_set1_ps(c);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_mul_ps(_mm512_loadu_ps(src + i * lds), vc);
+    vtranspose_regs(r);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++)
+        _mm512_storeu_ps(dst + j * ldd, r[j]);
+}
+
 /* The same transpose from bfloat16 (kind 0) or float16 (kind 1) rows, widened to
  * float32 in registers as they are loaded (exact): the decode path packs half K
  * panels with it, with no widened copy of the rows in memory. */
@@ -234,6 +249,7 @@ static ATTN_INLINE void dec_in_order(int kind, float *o, int64_t n)
 #define VT __m512
 #define VW 16
 #define TRANSPOSE_T vtranspose_f32
+#define TRANSPOSE_T_SCALED vtranspose_scaled_f32
 #define VEXP2_T VEXP2_F32
 #ifdef ATTN_DOT_BF16 /* attn_avx512bf16.c: flash_backward_dot too */
 #include "attn_bf16dot.h"

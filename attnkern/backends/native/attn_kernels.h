@@ -102,6 +102,30 @@ static void ST(softcap_row)(T *x, T *g, int64_t n, T cap2)
     }
 }
 
+/* The backward's P = e^(x ln 2 - m) for scores x in the forward's log2 domain and the
+ * natural-log lse m (m = +inf gives 0), to a few ulp of the result whatever the size of
+ * the scores: y = x ln 2 - m is formed in natural-log units by an FMA with ln 2's low
+ * part added (x rounded exactly as the forward rounded it, m as precise as stored;
+ * lse * log2(e) rounded to T would shift every probability of a row by up to its half
+ * ulp of about 10), and e^y = 2^(y log2 e) keeps the change of base's rounding error:
+ * y log2(e) = hi + lo to first order (an FMA and log2(e)'s low part), e^y = 2^hi (1 + lo ln 2). */
+static ATTN_INLINE VT ST(vexp_sub)(VT xv, VT m)
+{
+    const VT ln2 = V(set1)((T)ATTN_LN2), ln2_lo = V(set1)((T)(ATTN_LN2 - (double)(T)ATTN_LN2));
+    const VT l2e = V(set1)((T)ATTN_LOG2E), l2e_lo = V(set1)((T)(ATTN_LOG2E - (double)(T)ATTN_LOG2E));
+    /* y below -1000 (a masked score, x = -inf, or a padding column, m = +inf) gives
+     * exactly 0 through vexp2's clamp with every term finite (ln 2's low part times x
+     * clamped at -1e30, where it is not what decides); a NaN stays NaN (the max's
+     * second operand) */
+    const VT floor = V(set1)((T)-1000), xfloor = V(set1)((T)-1e30);
+    VT y = V(fma)(V(max)(xfloor, xv), ln2_lo, V(fma)(xv, ln2, V(sub)(V(zero)(), m)));
+    y = V(max)(floor, y);
+    VT hi = V(mul)(y, l2e);
+    VT lo = V(fma)(y, l2e_lo, V(fma)(y, l2e, V(sub)(V(zero)(), hi)));
+    VT e = ST(vexp2)(hi);
+    return V(fma)(e, V(mul)(lo, ln2), e);
+}
+
 /* The factor q (or k) is multiplied by before the scores: scale * log2(e) (scores
  * in the log2 domain), or with a softcap c, scale / c (scores s / c, for the tanh;
  * softcap_row takes them to the log2 domain). */
@@ -110,11 +134,21 @@ static T ST(score_factor)(const attn_problem *p)
     return (T)(p->softcap > 0 ? p->scale / p->softcap : p->scale * ATTN_LOG2E);
 }
 
+/* What tile_qk stores of its sums x: ATTN_QK_STORE, x; ATTN_QK_EXP, the backward's P^T
+ * vexp_sub(x, vec[column]) (vec the lse per column); ATTN_QK_DS, the backward's dS^T
+ * pp * (x - vec[column]) (pp P^T laid out as s, vec D per column). Fused into the tile, so
+ * that the backward's P and dS need no pass of their own over the rows just stored. */
+#define ATTN_QK_STORE 0
+#define ATTN_QK_EXP 1
+#define ATTN_QK_DS 2
+
 /* s[r][0:NR) = sum_d a[r][d] * b[d][0:NR) for r < mr: one register tile of
- * Q Kt, with b a packed panel of Kt (d rows of NR contiguous columns). With mx,
+ * Q Kt, with b a packed panel of Kt (d rows of NR contiguous columns), stored as epi
+ * says (vec and pp for the column's first element and the tile's first row). With mx,
  * mx[0:NR) also becomes its maximum with every row of the tile (a column max). */
 static ATTN_INLINE void ST(tile_qk)(int mr, int64_t d, const T *a, int64_t lda,
-                                    const T *b, T *s, int64_t lds, T *mx)
+                                    const T *b, T *s, int64_t lds, T *mx, int epi, const T *vec,
+                                    const T *pp)
 {
     VT acc[MR][2];
     for (int r = 0; r < MR; r++)
@@ -129,6 +163,19 @@ static ATTN_INLINE void ST(tile_qk)(int mr, int64_t d, const T *a, int64_t lda,
                 acc[r][1] = V(fma)(ar, b1, acc[r][1]);
             }
         }
+    }
+    if (epi != ATTN_QK_STORE) {
+        VT v0 = V(loadu)(vec), v1 = V(loadu)(vec + VW);
+        for (int r = 0; r < MR; r++) {
+            if (r < mr && epi == ATTN_QK_EXP) {
+                V(store)(s + r * lds, ST(vexp_sub)(acc[r][0], v0));
+                V(store)(s + r * lds + VW, ST(vexp_sub)(acc[r][1], v1));
+            } else if (r < mr) {
+                V(store)(s + r * lds, V(mul)(V(load)(pp + r * lds), V(sub)(acc[r][0], v0)));
+                V(store)(s + r * lds + VW, V(mul)(V(load)(pp + r * lds + VW), V(sub)(acc[r][1], v1)));
+            }
+        }
+        return;
     }
     for (int r = 0; r < MR; r++) {
         if (r < mr) {
@@ -190,9 +237,9 @@ static inline void ST(call_qk)(int mr, int64_t d, const T *a, int64_t lda, const
                                T *s, int64_t lds, T *mx)
 {
     if (mr == MR)
-        ST(tile_qk)(MR, d, a, lda, b, s, lds, mx);
+        ST(tile_qk)(MR, d, a, lda, b, s, lds, mx, ATTN_QK_STORE, NULL, NULL);
     else
-        ST(tile_qk)(mr, d, a, lda, b, s, lds, mx);
+        ST(tile_qk)(mr, d, a, lda, b, s, lds, mx, ATTN_QK_STORE, NULL, NULL);
 }
 
 static inline void ST(call_pv)(int mr, int64_t kb, const T *p, int64_t ldp, const T *b, int64_t ldb,
@@ -205,10 +252,12 @@ static inline void ST(call_pv)(int mr, int64_t kb, const T *p, int64_t ldp, cons
 }
 
 /* Packs rows [0, kb) of k (row stride d) as Kt panels: panel j holds
- * d rows of NR columns, columns past kb are zero. Where the includer names an
- * in-register VW x VW transpose for T inputs (TRANSPOSE_T), whole squares of
- * full panels go through it; the rest is copied element by element. */
-static void ST(pack_kt)(const TIN *k, int64_t kb, int64_t d, T *kt)
+ * d rows of NR columns, columns past kb are zero; with scaled, each element of k
+ * times cf (as scale_rows multiplies it; the zeros stay zeros). Where the includer
+ * names an in-register VW x VW transpose for T inputs (TRANSPOSE_T), whole squares of
+ * full panels go through it (scaled in its registers by TRANSPOSE_T_SCALED where named,
+ * else just after it, while in cache); the rest is copied element by element. */
+static ATTN_INLINE void ST(pack_kt_by)(const TIN *k, int64_t kb, int64_t d, T *kt, int scaled, T cf)
 {
     for (int64_t j0 = 0; j0 < kb; j0 += NR) {
         T *panel = kt + j0 * d;
@@ -217,24 +266,50 @@ static void ST(pack_kt)(const TIN *k, int64_t kb, int64_t d, T *kt)
 #ifdef TRANSPOSE_T
         if (nc == NR) {
             for (; t0 + VW <= d; t0 += VW)
-                for (int64_t c0 = 0; c0 < NR; c0 += VW)
+                for (int64_t c0 = 0; c0 < NR; c0 += VW) {
+#ifdef TRANSPOSE_T_SCALED
+                    if (scaled) {
+                        TRANSPOSE_T_SCALED(k + (j0 + c0) * d + t0, d, panel + t0 * NR + c0, NR, cf);
+                        continue;
+                    }
+#endif
                     TRANSPOSE_T(k + (j0 + c0) * d + t0, d, panel + t0 * NR + c0, NR);
+                    for (int64_t t = t0; scaled && t < t0 + VW; t++)  /* no scaled transpose: after it */
+                        V(store)(panel + t * NR + c0, V(mul)(V(load)(panel + t * NR + c0), V(set1)(cf)));
+                }
         }
 #endif
         for (int64_t t = t0; t < d; t++) {
             int64_t c = 0;
             for (; c < nc; c++)
-                panel[t * NR + c] = LOAD_IN(k[(j0 + c) * d + t]);
+                panel[t * NR + c] = scaled ? LOAD_IN(k[(j0 + c) * d + t]) * cf : LOAD_IN(k[(j0 + c) * d + t]);
             for (; c < NR; c++)
                 panel[t * NR + c] = 0;
         }
     }
 }
 
+static void ST(pack_kt)(const TIN *k, int64_t kb, int64_t d, T *kt)
+{
+    ST(pack_kt_by)(k, kb, d, kt, 0, 1);
+}
+
 /* Packs rows [0, kb) of v (row stride dv) as panels of NR columns: panel c
- * starts at c * kb * NR and holds kb rows; columns past dv are zero. */
+ * starts at c * kb * NR and holds kb rows; columns past dv are zero. T inputs with
+ * whole panels only (dv a multiple of NR) are copied a row at a time, two vectors
+ * into each panel: v read in order, no element loop. */
 static void ST(pack_v)(const TIN *v, int64_t kb, int64_t dv, T *vp)
 {
+#ifdef ATTN_SAME_IO
+    if (dv % NR == 0) {
+        for (int64_t t = 0; t < kb; t++)
+            for (int64_t c0 = 0; c0 < dv; c0 += NR) {
+                V(storeu)(vp + c0 * kb + t * NR, V(loadu)(v + t * dv + c0));
+                V(storeu)(vp + c0 * kb + t * NR + VW, V(loadu)(v + t * dv + c0 + VW));
+            }
+        return;
+    }
+#endif
     for (int64_t c0 = 0; c0 < dv; c0 += NR) {
         T *panel = vp + c0 * kb;
         int64_t nc = dv - c0 < NR ? dv - c0 : NR;
@@ -1368,16 +1443,32 @@ int FN(flash)(const attn_problem *p, const TIN *q, const TIN *k, const TIN *v, T
  * with Kahan's compensation, so their rounding does not grow with N. dQ and dK
  * take the scale last. */
 
-/* c[0:rows, 0:round_up(ncols, NR)) = a . b^T: a is rows x kdim (row stride lda),
- * b is ncols x kdim (row stride kdim), packed into pack first; c has row stride ldc. */
-static void ST(gemm_abt)(T *pack, const T *a, int64_t rows, int64_t lda, const T *b,
-                         int64_t ncols, int64_t kdim, T *c, int64_t ldc)
+/* c[0:rows, 0:round_up(ncols, NR)) = a . (bf b)^T, stored as epi says (tile_qk; vec one
+ * element per column of c, round_up(ncols, NR) of them, pp laid out as c): a is rows x
+ * kdim (row stride lda), b is ncols x kdim (row stride kdim), packed into pack first
+ * (times bf as it is packed, where bf is not 1: each element of b times bf, the bits of
+ * scale_rows' copy); c has row stride ldc. */
+static void ST(gemm_abt)(T *pack, const T *a, int64_t rows, int64_t lda, const T *b, T bf,
+                         int64_t ncols, int64_t kdim, T *c, int64_t ldc, int epi, const T *vec, const T *pp)
 {
-    ST(pack_kt)(b, ncols, kdim, pack);
+    if (bf != 1)
+        ST(pack_kt_by)(b, ncols, kdim, pack, 1, bf);
+    else
+        ST(pack_kt)(b, ncols, kdim, pack);
     for (int64_t jp = 0; jp < ncols; jp += NR)
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-            ST(call_qk)(mr, kdim, a + r0 * lda, lda, pack + jp * kdim, c + r0 * ldc + jp, ldc, NULL);
+            const T *ar = a + r0 * lda, *bp = pack + jp * kdim, *vc = vec ? vec + jp : NULL;
+            const T *pr = pp ? pp + r0 * ldc + jp : NULL;
+            T *cr = c + r0 * ldc + jp;
+            if (epi == ATTN_QK_EXP && mr == MR)
+                ST(tile_qk)(MR, kdim, ar, lda, bp, cr, ldc, NULL, ATTN_QK_EXP, vc, pr);
+            else if (epi == ATTN_QK_DS && mr == MR)
+                ST(tile_qk)(MR, kdim, ar, lda, bp, cr, ldc, NULL, ATTN_QK_DS, vc, pr);
+            else if (epi == ATTN_QK_STORE && mr == MR)
+                ST(tile_qk)(MR, kdim, ar, lda, bp, cr, ldc, NULL, ATTN_QK_STORE, vc, pr);
+            else
+                ST(tile_qk)(mr, kdim, ar, lda, bp, cr, ldc, NULL, epi, vc, pr);
         }
 }
 
@@ -1455,16 +1546,17 @@ static __attribute__((noinline)) void ST(gemm_ab_half)(const T *a, int64_t ars, 
 /* o[0:rows, 0:round_up(ncols, NR)) (+)= A . b, added as epi says (tile_ab), with
  * A[r][t] = a[r * ars + t * ats] (rows x kdim) and b kdim rows of panels packed by
  * pack_v (kpanel rows a panel, ncols columns); o (and comp) have row stride ldo,
- * seen one flag per row of o. A last panel of at most VW valid columns goes through
- * gemm_ab_half, which leaves its columns from VW on unwritten: its callers (dV, dK and dQ
- * of the backward) read only the first ncols. */
+ * seen one flag per row of o. Panel by panel, all the row tiles of one panel together:
+ * its kdim rows stay in L1 for all of them. A last panel of at most VW valid columns goes
+ * through gemm_ab_half, which leaves its columns from VW on unwritten: its callers (dV, dK
+ * and dQ of the backward) read only the first ncols. */
 static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, const T *pack, int64_t kpanel,
                         int64_t kdim, int64_t ncols, T *o, int64_t ldo, T *comp, const uint8_t *seen, int epi)
 {
     const int64_t tail = ncols % NR, full = tail && tail <= VW ? ncols - tail : ncols;
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-        for (int64_t c0 = 0; c0 < full; c0 += NR) {
+    for (int64_t c0 = 0; c0 < full; c0 += NR) {
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
             const T *ar = a + r0 * ars, *bp = pack + c0 * kpanel;
             T *op = o + r0 * ldo + c0, *cp = comp ? comp + r0 * ldo + c0 : NULL;
             const uint8_t *sr = seen ? seen + r0 : NULL;
@@ -1489,31 +1581,12 @@ static void ST(gemm_ab)(const T *a, int64_t ars, int64_t ats, int64_t rows, cons
  * the gradients (2^-9); the epilogues' adds come once a block pair. */
 #define ATTN_BWD_CHAIN_DOT 256
 
-/* x[0:n) = 2^(x - m2[0:n)) for scores x in the forward's log2 domain and the natural-log
- * lse m (n a multiple of VW; m = +inf gives 0), to a few ulp of the result whatever the
- * size of the scores: y = x ln 2 - m is formed in natural-log units by an FMA with ln 2's
- * low part added (x rounded exactly as the forward rounded it, m as precise as stored;
- * lse * log2(e) rounded to T would shift every probability of a row by up to its half
- * ulp of about 10), and e^y = 2^(y log2 e) keeps the change of base's rounding error:
- * y log2(e) = hi + lo to first order (an FMA and log2(e)'s low part), e^y = 2^hi (1 + lo ln 2). */
+/* x[0:n) = e^(x ln 2 - m[0:n)) for scores x in the forward's log2 domain (n a multiple
+ * of VW): vexp_sub on each vector. */
 static void ST(exp_sub)(T *x, const T *m, int64_t n)
 {
-    const VT ln2 = V(set1)((T)ATTN_LN2), ln2_lo = V(set1)((T)(ATTN_LN2 - (double)(T)ATTN_LN2));
-    const VT l2e = V(set1)((T)ATTN_LOG2E), l2e_lo = V(set1)((T)(ATTN_LOG2E - (double)(T)ATTN_LOG2E));
-    /* y below -1000 (a masked score, x = -inf, or a padding column, m = +inf) gives
-     * exactly 0 through vexp2's clamp with every term finite (ln 2's low part times x
-     * clamped at -1e30, where it is not what decides); a NaN stays NaN (the max's
-     * second operand) */
-    const VT floor = V(set1)((T)-1000), xfloor = V(set1)((T)-1e30);
-    for (int64_t j = 0; j < n; j += VW) {
-        VT xv = V(load)(x + j);
-        VT y = V(fma)(V(max)(xfloor, xv), ln2_lo, V(fma)(xv, ln2, V(sub)(V(zero)(), V(loadu)(m + j))));
-        y = V(max)(floor, y);
-        VT hi = V(mul)(y, l2e);
-        VT lo = V(fma)(y, l2e_lo, V(fma)(y, l2e, V(sub)(V(zero)(), hi)));
-        VT e = ST(vexp2)(hi);
-        V(store)(x + j, V(fma)(e, V(mul)(lo, ln2), e));
-    }
+    for (int64_t j = 0; j < n; j += VW)
+        V(store)(x + j, ST(vexp_sub)(V(load)(x + j), V(loadu)(m + j)));
 }
 
 /* x[0:n) *= g[0:n) (n a multiple of VW): dS times the softcap's derivative. */
@@ -1531,7 +1604,6 @@ static void ST(ds_cols)(const T *p, T *dp, const T *dvec, int64_t n)
 }
 
 typedef struct {
-    T *a;        /* the query block's rows times the score factor, as the forward scales them */
     T *pack;     /* packed panels of the query block's operand of each matmul */
     T *packk;    /* the key block's K packed as pack_v panels, for dQ */
     T *s, *dp;   /* P^T and dP^T, then dS^T: keys x ldc (queries) */
@@ -1549,7 +1621,7 @@ typedef struct {
 
 static void ST(bwd_free)(ST(bwd_ws) *w)
 {
-    attn_free(w->a); attn_free(w->pack); attn_free(w->packk); attn_free(w->s); attn_free(w->dp);
+    attn_free(w->pack); attn_free(w->packk); attn_free(w->s); attn_free(w->dp);
     attn_free(w->acc1); attn_free(w->acc2); attn_free(w->c1); attn_free(w->c2);
     attn_free(w->m); attn_free(w->dd); attn_free(w->g); attn_free(w->z);
 #ifdef ATTN_BWD_DOT
@@ -1563,7 +1635,6 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
 {
     int64_t ldc = ST(round_up)(cols, NR), dmax = d > dv ? d : dv;
     int64_t wide = ST(round_up)(dmax, NR), tall = ST(round_up)(rows > cols ? rows : cols, NR);
-    w->a = attn_alloc(cols, d, sizeof(T));
     w->pack = attn_alloc(wide, tall, sizeof(T));
     w->packk = attn_alloc(wide, rows, sizeof(T));
     w->s = attn_alloc(rows, ldc, sizeof(T));
@@ -1576,7 +1647,7 @@ static int ST(bwd_alloc)(ST(bwd_ws) *w, int64_t rows, int64_t cols, int64_t d, i
     w->dd = attn_alloc(tall, 1, sizeof(T));
     w->g = softcap ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
     w->z = dropout ? attn_alloc(rows, ldc, sizeof(T)) : NULL;
-    if (!(w->a && w->pack && w->packk && w->s && w->dp && w->acc1 && w->acc2 && w->c1 && w->c2 &&
+    if (!(w->pack && w->packk && w->s && w->dp && w->acc1 && w->acc2 && w->c1 && w->c2 &&
           w->m && w->dd && (w->g || !softcap) && (w->z || !dropout))) {
         ST(bwd_free)(w);
         return 0;
@@ -1659,6 +1730,9 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
     const int64_t ldc = ST(round_up)(bq, NR), dp_pad = ST(round_up)(dv, NR), d_pad = ST(round_up)(d, NR);
     const T cap2 = (T)(p->softcap * ATTN_LOG2E);
     const T *kr = k + (bkv * nk + j0) * d, *vr = v + (bkv * nk + j0) * dv;
+    /* P^T straight from S^T's register tiles (gemm_abt's epilogue), where nothing changes
+     * the scores between the product and the exponential */
+    const int exp_fused = !dot && cap2 == 0 && !p->mask && !p->alibi;
     for (int64_t i = 0; i < kb * dp_pad; i++)
         w->acc1[i] = w->c1[i] = 0;
     for (int64_t i = 0; i < kb * d_pad; i++)
@@ -1706,8 +1780,8 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
             } else
 #endif
             {
-                ST(scale_rows)(qh + i0 * d, qb, d, ST(score_factor)(p), w->a);
-                ST(gemm_abt)(w->pack, kr, kbh, d, w->a, qb, d, w->s, ldc);
+                ST(gemm_abt)(w->pack, kr, kbh, d, qh + i0 * d, ST(score_factor)(p), qb, d, w->s, ldc,
+                             exp_fused ? ATTN_QK_EXP : ATTN_QK_STORE, w->m, NULL);
             }
             for (int64_t j = 0; j < kbh; j++) {
                 T *pj = w->s + j * ldc;
@@ -1723,7 +1797,8 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                     for (int64_t i = 0; i < qb; i++)
                         pj[i] -= a2 * (T)llabs(i0 + i + sp.len - nq - (j0 + j));
                 }
-                ST(exp_sub)(pj, w->m, qb_vw);
+                if (!exp_fused)
+                    ST(exp_sub)(pj, w->m, qb_vw);
                 /* query i0 + i sees key j0 + j only if j0 + j - hi <= i0 + i <= j0 + j - lo */
                 int64_t first = attn_clamp(j0 + j - sp.hi - i0, qb), past = attn_clamp(j0 + j - sp.lo + 1 - i0, qb);
                 for (int64_t i = 0; i < first; i++)
@@ -1744,7 +1819,8 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                          NULL, 1.0f, DOT_EPI_SCALE);
             } else
 #endif
-                ST(gemm_abt)(w->pack, vr, kbh, dv, doh + i0 * dv, qb, dv, w->dp, ldc); /* (3) dP^T */
+                ST(gemm_abt)(w->pack, vr, kbh, dv, doh + i0 * dv, 1, qb, dv, w->dp, ldc, /* (3) dP^T, or dS^T */
+                             w->z ? ATTN_QK_STORE : ATTN_QK_DS, w->dd, w->s);
             if (w->z) {  /* dP * Z, and P * Z for dV */
                 for (int64_t i = 0; i < kbh * ldc; i++) {
                     w->dp[i] *= w->z[i];
@@ -1765,7 +1841,11 @@ static void ST(bwd_kv_block)(const attn_problem *p, const T *q, const T *k, cons
                 ST(gemm_ab)(pz + c0, ldc, 1, kbh, w->pack + c0 * NR, qb, nc, dv, w->acc1, dp_pad, w->c1, NULL,
                             ATTN_EPI_KAHAN);
             }
-            ST(bwd_ds)(w, kbh, qb_vw, ldc, cap2);
+            if (w->z)
+                ST(bwd_ds)(w, kbh, qb_vw, ldc, cap2);
+            else if (cap2 != 0)  /* dS^T from (3), times the softcap's derivative */
+                for (int64_t j = 0; j < kbh; j++)
+                    ST(mul_row)(w->dp + j * ldc, w->g + j * ldc, qb_vw);
             ST(pack_v)(qh + i0 * d, qb, d, w->pack);
             for (int64_t c0 = 0; c0 < qb; c0 += ATTN_BWD_CHAIN) {                         /* (4) dK */
                 int64_t nc = qb - c0 < ATTN_BWD_CHAIN ? qb - c0 : ATTN_BWD_CHAIN;
@@ -1837,16 +1917,39 @@ static int ST(flash_backward_run)(const attn_problem *p, const T *q, const T *k,
     uint8_t *seen = attn_alloc(prow > 0 ? prow : 1, 1, 1);  /* per partial row: written yet */
     int failed = !(G && lse_rows && dvec && pdq && seen);
     if (!failed) {
+        /* D_i = dO_i . O_i, each row's sum in the order of c, VW rows at a time: where the
+         * includer names TRANSPOSE_T, the products of VW rows and VW columns transposed,
+         * so that one vector add takes the next term of all VW sums (one lane a row), not
+         * one add's latency a term; the rest, term by term */
 #pragma omp parallel for schedule(static) num_threads(p->num_threads)
-        for (int64_t i = 0; i < rows; i++) {
-            T acc = 0;
-            for (int64_t c = 0; c < dvn; c++)
-                acc += dout[i * dvn + c] * out[i * dvn + c];
-            dvec[i] = acc;
-            lse_rows[i] = lse[i];
-            /* a row that saw no key (lse -inf): P = e^(s - inf) = 0, zero gradients */
-            if (features && lse_rows[i] == -INFINITY)
-                lse_rows[i] = INFINITY;
+        for (int64_t i0 = 0; i0 < rows; i0 += VW) {
+            const int64_t nr = rows - i0 < VW ? rows - i0 : VW;
+            int64_t c0 = 0;
+            T sums[VW];
+            VT acc = V(zero)();
+#ifdef TRANSPOSE_T
+            T prod[VW * VW], cols[VW * VW];
+            for (; nr == VW && c0 + VW <= dvn; c0 += VW) {
+                for (int64_t r = 0; r < VW; r++)
+                    V(storeu)(prod + r * VW, V(mul)(V(loadu)(dout + (i0 + r) * dvn + c0),
+                                                    V(loadu)(out + (i0 + r) * dvn + c0)));
+                TRANSPOSE_T(prod, VW, cols, VW);
+                for (int64_t c = 0; c < VW; c++)
+                    acc = V(add)(acc, V(loadu)(cols + c * VW));
+            }
+#endif
+            V(storeu)(sums, acc);
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t i = i0 + r;
+                T sum = sums[r];
+                for (int64_t c = c0; c < dvn; c++)
+                    sum += dout[i * dvn + c] * out[i * dvn + c];
+                dvec[i] = sum;
+                lse_rows[i] = lse[i];
+                /* a row that saw no key (lse -inf): P = e^(s - inf) = 0, zero gradients */
+                if (features && lse_rows[i] == -INFINITY)
+                    lse_rows[i] = INFINITY;
+            }
         }
     }
     if (!failed) {
@@ -1988,6 +2091,7 @@ double FN(fma_peak)(int64_t iters, int num_threads)
 #undef ADT
 #undef ATTN_HALF_IO
 #undef TRANSPOSE_T
+#undef TRANSPOSE_T_SCALED
 #undef TRANSPOSE_IN
 #undef VEXP2_T
 #undef ATTN_SAME_IO
