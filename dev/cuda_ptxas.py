@@ -216,6 +216,10 @@ def main() -> None:
     parser.add_argument("--sass", metavar="DIR", help="keep the cubins and their SASS (cuobjdump) in DIR")
     args = parser.parse_args()
     if args.sass:
+        missing = [tool for tool in ("cuobjdump", "nvdisasm") if shutil.which(tool) is None]
+        if missing:
+            parser.error(f"--sass needs {' and '.join(missing)} on PATH (pip install nvidia-cuda-cuobjdump "
+                         "nvidia-cuda-nvdisasm; their bin folders under site-packages/nvidia/cu*/bin)")
         os.makedirs(args.sass, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch or ["sm_90a", "sm_80"]:
