@@ -2,7 +2,8 @@
 
 1. Every benchmark of the suite runs once (`asv run --quick`: one sample each, setup
    caches included, each benchmark in a process forked from asv's server, as in
-   `make bench`) and none fails. Two differences from `make bench`, for time: the
+   `make bench`) and none fails. Three differences from `make bench`, for time: two asv
+   processes at once, each running part of the suite's modules (SMOKE_PARTS); the
    suite's smoke setting (ATTNKERN_BENCH_SMOKE=1, benchmarks/common.py) keeps the first
    value of each size axis (every kernel, mask and dtype stays), and `--python=same`
    runs against this checkout's installed attnkern instead of a wheel built in asv's
@@ -73,6 +74,13 @@ BUSY_SHARE = 0.10
 # after the first, only the kernels that still disagree are measured again (seconds each)
 MEASUREMENTS = 5
 
+# The smoke run (test_every_benchmark_of_the_suite_runs) as two asv processes at once, the
+# suite's modules split between them: one asv process kept 1.3 of the 2 cores busy (forks,
+# imports and setups between short benchmarks), 126 s on a 2-core AMD EPYC. The second part
+# is everything the first leaves, so the two cover the suite whatever modules it gains.
+_FIRST = r"bench_tracks|bench_tuned|bench_memory|bench_half|bench_realistic"
+SMOKE_PARTS = [rf"^({_FIRST})\.", rf"^(?!({_FIRST})\.)"]
+
 
 def _env():
     # what asv.conf.json's env_nobuild gives the benchmarked environment; without the CUDA
@@ -93,25 +101,43 @@ def asv_run(tmp_path_factory):
     from asv.util import load_json
 
     tmp = tmp_path_factory.mktemp("suite")
-    config = load_json(str(REPO / "asv.conf.json"), js_comments=True)
-    config.update(repo=str(REPO), benchmark_dir=str(REPO / "benchmarks"), results_dir=str(tmp / "results"),
-                  html_dir=str(tmp / "html"), env_dir=str(tmp / "env"))
-    conf = tmp / "asv.conf.json"
-    conf.write_text(json.dumps(config, indent=2))
-    subprocess.run([*ASV, "machine", "--yes", "--machine", MACHINE, "--config", str(conf)], cwd=REPO, check=True,
-                   capture_output=True)
+    base = load_json(str(REPO / "asv.conf.json"), js_comments=True)
+    confs = []
+    for i in range(len(SMOKE_PARTS)):
+        # one results directory a part, so that parts run at once do not share a results file
+        config = dict(base, repo=str(REPO), benchmark_dir=str(REPO / "benchmarks"),
+                      results_dir=str(tmp / f"results{i}"), html_dir=str(tmp / "html"), env_dir=str(tmp / "env"))
+        confs.append(tmp / f"asv{i}.conf.json")
+        confs[-1].write_text(json.dumps(config, indent=2))
+    subprocess.run([*ASV, "machine", "--yes", "--machine", MACHINE, "--config", str(confs[0])], cwd=REPO,
+                   check=True, capture_output=True)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, check=True, capture_output=True,
                           text=True).stdout.strip()
 
-    def run(*args, env=None):
-        for old in (tmp / "results" / MACHINE).glob("*.json"):
+    def start(i, args, env):
+        for old in (tmp / f"results{i}" / MACHINE).glob("*.json"):
             if old.name != "machine.json":
                 old.unlink()
-        proc = subprocess.run([*ASV, "run", "--python=same", "--machine", MACHINE, "--set-commit-hash", head,
-                               "--show-stderr", "--config", str(conf), *args], cwd=REPO, env=env or _env(),
-                              capture_output=True, text=True)
-        results = [p for p in (tmp / "results" / MACHINE).glob("*.json") if p.name != "machine.json"]
-        return proc, (_load(results[0]) if results else {})
+        return subprocess.Popen([*ASV, "run", "--python=same", "--machine", MACHINE, "--set-commit-hash", head,
+                                 "--show-stderr", "--config", str(confs[i]), *args], cwd=REPO, env=env or _env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish(i, proc):
+        out, err = proc.communicate()
+        results = [p for p in (tmp / f"results{i}" / MACHINE).glob("*.json") if p.name != "machine.json"]
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), \
+            (_load(results[0]) if results else {})
+
+    def run(*args, env=None, parts=None):
+        """One asv run of args; with parts (regular expressions), one asv process a part,
+        all at once, each given -b part, and their results together (the first failing
+        process, or the last one, as the process)."""
+        if parts is None:
+            return finish(0, start(0, args, env))
+        procs = [start(i, [*args, "-b", part], env) for i, part in enumerate(parts)]
+        done = [finish(i, proc) for i, proc in enumerate(procs)]
+        merged = {name: values for _, results in done for name, values in results.items()}
+        return next((p for p, _ in done if p.returncode != 0), done[-1][0]), merged
 
     return run
 
@@ -140,11 +166,14 @@ def _p(value) -> str:
 
 
 def test_every_benchmark_of_the_suite_runs(asv_run):
-    proc, results = asv_run("--quick", env=dict(_env(), ATTNKERN_BENCH_SMOKE="1"))
+    proc, results = asv_run("--quick", env=dict(_env(), ATTNKERN_BENCH_SMOKE="1"), parts=SMOKE_PARTS)
     failed = sorted(f"{name}{list(params)}" for name, values in results.items()
                     for params, value in values.items() if value is None)
     assert proc.returncode == 0 and not failed, (
         f"asv run exited {proc.returncode}; failed: {failed}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    # the parts together ran every benchmark module of the suite
+    modules = {p.stem for p in (REPO / "benchmarks").glob("bench_*.py")}
+    assert modules == {name.split(".")[0] for name in results}, sorted(results)
     threads = results["bench_tracks.ThreadsUsed.track_threads"]
     assert all(v == THREADS for v in threads.values()), threads
 
