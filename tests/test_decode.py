@@ -292,12 +292,23 @@ def test_direct_decode_matches_the_reference_for_every_thread_count(isa, kind, d
 @pytest.mark.parametrize("kind", DIRECT_KINDS)
 def test_direct_decode_reports_nonfinite_cache_rows(isa, kind):
     q, k, v = (x.astype(host(kind)) for x in make(dict(shape=(1, 8, 2, 1, 3000)), np.float32, d=64, dv=64))
-    for which, where in (("k", 5), ("v", 2999), ("k", 1700)):
+    # the scan reads the elements' bits: infinities of both signs and NaN anywhere in a
+    # row (its first and last element, in a block's vectors or its odd last key's), and
+    # the dtype's largest finite values are finite
+    for which, where, col, bad in (("k", 5, 3, np.inf), ("v", 2999, 63, -np.inf), ("k", 1700, 0, np.nan),
+                                   ("v", 0, 31, np.nan), ("k", 2999, 32, -np.inf)):
         kk, vv = k.copy(), v.copy()
-        (kk if which == "k" else vv)[0, 1, where, 3] = np.inf
+        (kk if which == "k" else vv)[0, 1, where, col] = bad
         with pytest.raises(ValueError, match=which):
             attnkern.attention(q, kk, vv, kernel="native.flash", causal="bottom_right")
         assert _attn.last_split() >= 2
+    big = np.finfo(host(kind)).max if kind != "bfloat16" else ml_dtypes.finfo(ml_dtypes.bfloat16).max
+    kk, vv = k.copy(), v.copy()
+    kk[0, 1, 7, 5], kk[0, 0, 2999, 63] = big, -big
+    if kind != "float32":  # float32's largest value in V (not half of it) makes a non-finite output: K alone
+        vv[0, 1, 1700, 0], vv[0, 0, 2999, 62] = big, -big
+    out = attnkern.attention(q * 0, kk, vv, kernel="native.flash", causal="bottom_right")
+    assert _attn.last_split() >= 2 and not np.isnan(np.asarray(out, np.float64)).any()
 
 
 def test_other_build_says_what_is_missing(tmp_path):

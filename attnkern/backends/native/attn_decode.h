@@ -370,34 +370,39 @@ static void attn_dec_finish(int kind, float *o, int64_t R, int64_t dv)
         dec_in_order(kind, o, R * dv);
 }
 
-/* 1 if any of the n elements (kind) at x is infinite or NaN: x * 0 summed, in registers. */
+/* 1 if any of the n elements (kind) at x is infinite or NaN, by their bits: an element
+ * whose exponent bits are all ones, i.e. (x & ~sign) >= the infinity's bits, has the top
+ * bit of (x & ~sign) + (2^(top) - infinity) set; OR-ed over 32-bit words (a half kind's two
+ * elements a word each in its own 16 bits: the sum stays inside them). Integer ANDs, adds
+ * and ORs of one cycle each, in two chains: the x * 0 sums it replaces waited an FMA's
+ * latency twice per vector, which on a Zen 4 took a quarter of a bfloat16 decode's time. */
+typedef uint32_t dec_u32v __attribute__((vector_size(DEC_VW * 4)));
+
 static int attn_dec_nonfinite(int kind, const void *x, int64_t n)
 {
-    const int64_t step = 2 * DEC_VW;
-    dec_vt acc = dec_zero(), zero = acc;
+    const uint32_t mask = kind == DEC_F32 ? 0x7fffffffu : 0x7fff7fffu;
+    const uint32_t add = kind == DEC_F32 ? 0x00800000u : kind == DEC_BF16 ? 0x00800080u : 0x04000400u;
+    const uint32_t top = kind == DEC_F32 ? 0x80000000u : 0x80008000u;
+    const int64_t es = kind == DEC_F32 ? 4 : 2, bytes = n * es, vb = (int64_t)sizeof(dec_u32v);
+    const char *c = (const char *)x;
+    dec_u32v a0 = {0}, a1 = {0}, w0, w1;
     int64_t i = 0;
-    for (; i + step <= n; i += step) {
-        dec_vt a, b;
-        if (kind == DEC_F32) {
-            a = dec_loadu((const float *)x + i);
-            b = dec_loadu((const float *)x + i + DEC_VW);
-        } else {
-            dec_raw w = dec_raw_load((const uint16_t *)x + i);
-            a = dec_lo(kind, w);
-            b = dec_hi(kind, w);
-        }
-        acc = dec_fma(b, zero, dec_fma(a, zero, acc));
+    for (; i + 2 * vb <= bytes; i += 2 * vb) {
+        memcpy(&w0, c + i, sizeof w0);
+        memcpy(&w1, c + i + vb, sizeof w1);
+        a0 |= (w0 & mask) + add;
+        a1 |= (w1 & mask) + add;
     }
-    float tail = 0, lanes[DEC_VW];
-    for (; i < n; i++) {
-        uint16_t h = kind == DEC_F32 ? 0 : ((const uint16_t *)x)[i];
-        float y = kind == DEC_F32 ? ((const float *)x)[i] : kind == DEC_BF16 ? attn_bf16_to_f32(h) : _cvtsh_ss(h);
-        tail += y * 0;
-    }
-    dec_storeu(lanes, acc);
+    a0 |= a1;
+    uint32_t any = 0;
     for (int l = 0; l < DEC_VW; l++)
-        tail += lanes[l];
-    return !(tail == 0);
+        any |= a0[l];
+    for (; i < bytes; i += es) {
+        uint32_t e = 0;
+        memcpy(&e, c + i, (size_t)es);  /* a half element in the low 16 bits */
+        any |= ((e & mask) + add) & (kind == DEC_F32 ? top : 0x8000u);
+    }
+    return (any & top) != 0;
 }
 
 #endif /* ATTN_DECODE_H */
