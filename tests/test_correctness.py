@@ -96,6 +96,26 @@ def test_huge_scores_stay_finite_and_correct(kernel, dtype):
         np.testing.assert_allclose(out, ref, rtol=0, atol=tolerance(dtype) * max(1.0, np.abs(v).max()))
 
 
+@pytest.mark.parametrize("kernel", AVAILABLE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_lone_key_gets_probability_exactly_one(kernel, dtype):
+    """The largest score's probability is 2^0 = 1 exactly: a row with one key returns that
+    key's v row bit for bit (and a score of 0 an lse of 0), even where v holds the dtype's largest finite
+    values (a 2^0 one unit above 1, as the float32 polynomial once gave, overflowed there
+    and put 1.2e-7 in the lse of a score of 0)."""
+    big = np.finfo(dtype).max
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 3, 16)).astype(dtype)
+    k = rng.standard_normal((2, 1, 16)).astype(dtype)
+    v = rng.standard_normal((2, 1, 24)).astype(dtype)
+    v[0, 0, :4] = [big, -big, big / 3, 1.0]
+    out = attnkern.attention(q, k, v, kernel=kernel)
+    np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(v, (2, 3, 24)))
+    if attnkern.kernel_info(kernel)["returns_lse"]:  # a lone score of 0: log(2^0) = 0
+        _, lse = attnkern.attention(q * 0, k, v, kernel=kernel, return_lse=True)
+        np.testing.assert_array_equal(np.asarray(lse, np.float64), 0.0)
+
+
 @pytest.mark.parametrize("kernel", CPU_TUNABLE)
 def test_causal_matches_torch_top_left(kernel):
     rng = np.random.default_rng(2)

@@ -37,12 +37,16 @@ extern _Thread_local int attn_split_chunks;
 #define ATTN_ALIGN 64
 
 /* Polynomials for 2^f, |f| <= 1/2, lowest degree first.
- * float32: Chebyshev interpolant of degree 5, relative error 1.0e-7 (below
- * float32's epsilon of 1.2e-7) with one FMA fewer than Taylor's degree 6.
+ * float32: degree 5 with the constant term exactly 1, so that 2^0 is 1 (a row's largest
+ * score gets probability 1, as in exact arithmetic: a constant of 1 + 7.5e-8, which float32
+ * rounds to 1 + 2^-23, made p v overflow for v near float32's largest value and put 1.2e-7
+ * in the lse of a lone key); the other coefficients fitted for the least largest relative
+ * error, 1.7e-7 evaluated in float32 FMAs over |f| <= 1/2 (the unconstrained degree-5
+ * Chebyshev interpolant before it: 2.2e-7; dev/exp2_fit.py fits and measures both).
  * float64: Taylor series (ln 2)^k / k! to degree 13, truncation error 2e-16. */
 static const double attn_exp2_f32[6] = {
-    1.0000000754548972, 0.6931471880262294, 0.24022107485309188,
-    0.055503571142190296, 0.009676031918298474, 0.0013390863364698205,
+    1.0, 0.6931469776433113, 0.2402224213749696,
+    0.0555073371388895, 0.009671509212427367, 0.0013264722783000956,
 };
 static const double attn_exp2_f64[14] = {
     1.0, 0.6931471805599453, 0.2402265069591007, 0.055504108664821576,
