@@ -31,6 +31,13 @@ FEATURED = [k for k in AVAILABLE if attnkern.kernel_info(k)["features"]]
 DIFFERENTIABLE = [k for k in AVAILABLE if attnkern.kernel_info(k)["backward_features"]]
 
 
+def widest(kernel, *arrays):
+    """arrays as float64 where kernel takes float64, else as float32 (triton.flash on a
+    GPU), and that dtype: the float64 checks run every kernel in the widest dtype it takes."""
+    dtype = np.float64 if "float64" in attnkern.kernel_info(kernel)["dtypes"] else np.float32
+    return [x.astype(dtype) for x in arrays], dtype
+
+
 def visible(q_shape, nk, causal=False, window=None, key_lengths=None):
     """The mask (B, 1, nq, nk) by FlashAttention's rule: query i sees key j < len iff
     diag - left <= j <= diag + right, diag = i (top-left) or i + len - nq
@@ -125,10 +132,12 @@ def test_the_reference_on_sampled_rows_2d_inputs_and_no_value_columns():
     part, part_lse = attnkern.reference(q, k, v, rows=[0, 3, 6], return_lse=True, **kw)
     assert np.array_equal(part, full[..., [0, 3, 6], :]) and np.array_equal(part_lse, lse[..., [0, 3, 6]])
     for kernel in [n for n in FEATURED if set(WORDS) <= set(attnkern.kernel_info(n)["features"])]:
-        out, got = attnkern.attention(q, k, v[..., :0], return_lse=True, kernel=kernel, **kw)
-        assert out.shape == (2, 4, 7, 0) and err(got[~np.isneginf(lse)], lse[~np.isneginf(lse)]) < 1e-12
+        (qx, kx, vx), dtype = widest(kernel, q, k, v)
+        out, got = attnkern.attention(qx, kx, vx[..., :0], return_lse=True, kernel=kernel, **kw)
+        limit = 1e-12 if dtype == np.float64 else bound(lse[~np.isneginf(lse)], qx, kx, dtype, 10, None)
+        assert out.shape == (2, 4, 7, 0) and err(got[~np.isneginf(lse)], lse[~np.isneginf(lse)]) <= limit
         assert np.array_equal(np.isneginf(got), np.isneginf(lse))
-        check_forward(kernel, q[1, 0], k[1, 0], v[1, 0], dict(kw, key_lengths=[4]), np.float64)
+        check_forward(kernel, qx[1, 0], kx[1, 0], vx[1, 0], dict(kw, key_lengths=[4]), dtype)
     assert np.array_equal(attnkern.reference(q[1, 0], k[1, 0], v[1, 0], **dict(kw, key_lengths=[4])), full[1, 0])
 
 
@@ -154,6 +163,8 @@ def test_forward_and_lse_match_the_reference(kernel, name, dtype):
     shape, kw = CASES[name]
     if not needs(shape, kw) <= set(attnkern.kernel_info(kernel)["features"]):
         pytest.skip(f"{kernel} does not claim {needs(shape, kw)} (test_kernel_info_tells_the_truth)")
+    if np.dtype(dtype).name not in attnkern.kernel_info(kernel)["dtypes"]:
+        pytest.skip(f"{kernel} does not take {np.dtype(dtype).name} (kernel_info's dtypes)")
     q, k, v, _ = inputs(shape, dtype)
     check_forward(kernel, q, k, v, kw, dtype)
 
@@ -185,6 +196,8 @@ def test_gradients_by_flash_attentions_rule(kernel, name, dtype):
     error of torch's in the same dtype, plus 4 ulp of the values; dk and dv have k's
     H_kv heads; the gradients of rows and keys no query sees are 0."""
     shape, kw = CASES[name]
+    if np.dtype(dtype).name not in attnkern.kernel_info(kernel)["backward_dtypes"]:
+        pytest.skip(f"{kernel}'s backward does not take {np.dtype(dtype).name}")
     q, k, v, dout = inputs(shape, dtype)
     ref = [attnkern.reference(q, k, v, **kw), *attnkern.reference_backward(q, k, v, dout, **kw)]
     peer = torch_peer(q, k, v, dout, kw)
@@ -384,7 +397,7 @@ def test_backward_refusals():
 @given(data=st.data())
 def test_any_shape_lengths_and_window_match_the_reference(data):
     """native.flash forward, lse and backward, and every kernel claiming the call's
-    features forward, against the oracle, float64."""
+    features forward, against the oracle: float64, or float32 for a kernel without it."""
     group, hkv = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
     b, nq, nk = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 20)), data.draw(st.integers(1, 24))
     side = st.none() | st.integers(0, 30)
@@ -397,7 +410,8 @@ def test_any_shape_lengths_and_window_match_the_reference(data):
     for kernel in FEATURED:
         call_needs = needs((b, hkv * group, hkv, nq, nk), kw)
         if call_needs <= set(attnkern.kernel_info(kernel)["features"]):
-            check_forward(kernel, q, k, v, kw, np.float64)
+            (qx, kx, vx), dtype = widest(kernel, q, k, v)
+            check_forward(kernel, qx, kx, vx, kw, dtype)
     with forced_isa(data.draw(st.sampled_from(attnkern.supported_isas()))):
         out, lse = attnkern.attention(q, k, v, return_lse=True, kernel="native.flash", **kw,
                                       block_q=data.draw(st.integers(1, 16)), block_k=data.draw(st.integers(1, 16)))
