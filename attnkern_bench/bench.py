@@ -86,6 +86,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     cpu.add_argument("--threads", type=int, default=2, help="threads of every kernel")
     p.add_argument("--passes", type=int, help="round-robin passes over the kernels (default: cpu 2, cuda 1, "
                                               "cuda --backward 3)")
+    p.add_argument("--no-ceiling", action="store_true",
+                   help="do not measure the matmul ceiling (no %%matmul column): its worker, its measurement "
+                        "alone and its turns among each row's kernels are most of a short CPU run's time")
     # 1 s: on a 2-core AMD EPYC, numpy.naive timed 0.3 s after torch.sdpa's turn ran 1.5-2x slower
     # than alone (and than in asv), 1 s after it as fast; OMP_WAIT_POLICY=passive did not help
     cpu.add_argument("--settle", type=float, default=1.0, help="seconds of pause before each kernel's turn "
@@ -150,7 +153,7 @@ def command(args) -> int:
             raise SystemExit("--inputs minilm: N is at most 512 tokens (the model's positions)")
         cfg.batch, cfg.heads, cfg.dim = 6, 12, 32
     candidates = target.candidates(names, cfg.dim, args.sweep and cuda)
-    ceiling_name, ceiling = target.ceiling()
+    ceiling_name, ceiling = (None, None) if args.no_ceiling else target.ceiling()
     peers = [p for p in harness.PEERS if p in [c.name for c in candidates]]
     if any(c.name in harness.SDPA_BACKENDS for c in candidates):
         peers.append(harness.FASTEST)  # the fastest torch SDPA backend of the row
@@ -164,7 +167,9 @@ def command(args) -> int:
               f"{np.log(max(cfg.sizes)):.2f})")
     print(f"# ({cfg.batch}, {cfg.heads}, N, {cfg.dim}) {cfg.dtype}; median of {cfg.passes} x {cfg.repeat} samples "
           f"({target.clock.name}); error = max|out - ref| / (max(1, max|v|) kappa) on {cfg.check_rows} rows")
-    if hasattr(target, "ceiling_turn"):
+    if ceiling is None:
+        print("# ceiling: not measured (--no-ceiling)")
+    elif hasattr(target, "ceiling_turn"):
         print(f"# ceiling: {ceiling_name}, timed in turns with each row's kernels (%matmul); alone before the "
               f"rows: {ceiling:.1f} GFLOP/s")
     else:
@@ -178,12 +183,14 @@ def command(args) -> int:
         if "failed" in row:
             print(f"{line} failed: {row['failed']}", flush=True)
             return
-        line += (f" {row['median_s'] * 1e3:>10.3f} {row['gflops']:>9.1f} {row['gflops'] / row['ceiling_gflops']:>8.1%}"
+        matmul = f"{row['gflops'] / row['ceiling_gflops']:>8.1%}" if "ceiling_gflops" in row else f"{'-':>8}"
+        line += (f" {row['median_s'] * 1e3:>10.3f} {row['gflops']:>9.1f} {matmul}"
                  + "".join(f" {row.get(f'speedup_vs_{p}', float('nan')):>14.2f}x" for p in peers)
                  + f" {row['error']:>9.1e}" + ("" if row["ok"] else " FAIL"))
         print(line, flush=True)
 
-    result = {"device": target.describe(), "ceiling": {"name": ceiling_name, "gflops": ceiling},
+    result = {"device": target.describe(),
+              "ceiling": None if ceiling is None else {"name": ceiling_name, "gflops": ceiling},
               "rows": harness.run(target, candidates, cfg, ceiling, emit)}
     if args.memory and not cuda:
         result["memory"] = []

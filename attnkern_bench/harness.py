@@ -281,14 +281,15 @@ class Settings:
 _CEILING = " ceiling"  # the ceiling's turn among the kernels' (no kernel name starts with a space)
 
 
-def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: float,
+def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: float | None,
         emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """For each size and mask: every candidate's output on sampled query rows against
     the float64 reference, then its median time; emit(row) as each row is ready. A
     target with ceiling_turn() has its ceiling operation timed in the same turns as
-    each row's kernels (row["ceiling_gflops"]); otherwise it is ceiling_gflops."""
+    each row's kernels (row["ceiling_gflops"]); otherwise it is ceiling_gflops. None: no
+    ceiling (no ceiling_gflops in the rows, no ceiling turns)."""
     rng = np.random.default_rng(cfg.seed)
-    turn = target.ceiling_turn() if hasattr(target, "ceiling_turn") else None
+    turn = target.ceiling_turn() if hasattr(target, "ceiling_turn") and ceiling_gflops is not None else None
     rows_out = []
     configs = [(n, c) for n in cfg.sizes for c in cfg.causal]
     for step, (n, causal) in enumerate(configs, 1):
@@ -329,7 +330,8 @@ def run(target, candidates: list[Candidate], cfg: Settings, ceiling_gflops: floa
         for row in results.values():
             if "median_s" in row:
                 row["gflops"] = flops / row["median_s"] / 1e9
-                row["ceiling_gflops"] = ceiling_now
+                if ceiling_now is not None:
+                    row["ceiling_gflops"] = ceiling_now
                 for peer in PEERS:
                     if "median_s" in results.get(peer, {}):
                         row[f"speedup_vs_{peer}"] = results[peer]["median_s"] / row["median_s"]

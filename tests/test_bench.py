@@ -39,6 +39,28 @@ def test_bench_checks_times_and_writes_json_and_csv(tmp_path, capsys):
     assert "[2/2] N=64 causal=True" in captured.err  # progress, on stderr
 
 
+def test_bench_without_the_ceiling(tmp_path, capsys, monkeypatch):
+    """--no-ceiling: no ceiling measured (its worker never starts), no ceiling turns among the
+    kernels', no %matmul in the table or the rows; everything else as usual."""
+    from attnkern_bench import harness
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the ceiling was measured")
+
+    monkeypatch.setattr(harness.CpuTarget, "ceiling", refuse)
+    monkeypatch.setattr(harness.CpuTarget, "ceiling_turn", refuse)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--sizes", "64", "--heads", "2", "--repeat", "1", "--passes", "1", "--settle", "0",
+            "--kernels", "native.flash", "--no-ceiling", "--json", str(out)]
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["ceiling"] is None and len(result["rows"]) == 2
+    assert all(r["median_s"] > 0 and r["ok"] and "ceiling_gflops" not in r for r in result["rows"])
+    captured = capsys.readouterr().out
+    assert "ceiling: not measured (--no-ceiling)" in captured
+    assert [line.split()[5] for line in captured.splitlines() if "native.flash" in line] == ["-", "-"]
+
+
 def test_bench_fails_a_wrong_kernel(monkeypatch, capsys):
     """The check is real: a kernel whose output is off makes the command exit 1."""
     real = attnkern.attention

@@ -229,9 +229,12 @@ def _bench_one(tmp_path, *args, tries: int = 3) -> dict:
     out = tmp_path / "bench.json"
     b, h, n, d = (int(x) for x in SHAPE.split("x"))
     # --settle: bench's pause before each turn lets the last kernel's threads go quiet; with one
-    # kernel a process there is none, and the default's 1 s a turn was 4 s of each process's 10
+    # kernel a process there is none, and the default's 1 s a turn was 4 s of each process's 10.
+    # --no-ceiling: the matmul ceiling (a worker process, its timing alone, its turns between the
+    # kernel's) was 3.5 s of each 4.8 s process and is not what asv measures; the kernel's turns,
+    # each an untimed call then the timed ones, are the same without it
     cmd = [sys.executable, "-m", "attnkern", "bench", "--sizes", str(n), "--batch", str(b), "--heads", str(h),
-           "--dim", str(d), "--threads", str(THREADS), "--settle", "0.2", "--json", str(out), *args]
+           "--dim", str(d), "--threads", str(THREADS), "--settle", "0.2", "--no-ceiling", "--json", str(out), *args]
     for attempt in range(1, tries + 1):
         busy0, steal0 = _cpu_jiffies()
         own0 = os.times()
