@@ -48,8 +48,15 @@ $(VENV)/.installed: pyproject.toml requirements-build.txt requirements-bench.txt
 # ~/.asv-machine.json. The slow ones print their durations: together they are about 7 of the
 # 15 minutes this command may take on a 2-core machine.
 test: setup
-	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile
-	$(PY) -m pytest -m slow --durations=11
+	@# The slow tests that compare no times (the suite's smoke run, history over a broken commit,
+	@# ...) in a process of their own beside the xdist stage, which leaves about a quarter of the
+	@# cores idle; their output follows the stage's. Then the tests marked alone (asv against
+	@# attnkern bench, the gate's timing) with nothing beside them.
+	@$(PY) -m pytest -m "slow and not alone" --durations=5 > .slow-beside.log 2>&1 & beside=$$!; \
+	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile; stage=$$?; \
+	wait $$beside; slow=$$?; cat .slow-beside.log; \
+	test $$stage -eq 0 -a $$slow -eq 0
+	$(PY) -m pytest -m alone --durations=11
 
 # The tests without the slow asv end-to-end ones (seconds, not minutes).
 test-fast: setup

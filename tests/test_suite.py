@@ -336,6 +336,7 @@ def _compare(asv_run, tmp_path, *asv_args, only: set[str] | None = None) -> tupl
     return problems, {key: forward[key] / bench[key] for key in forward}
 
 
+@pytest.mark.alone  # two tools' times compared: make test runs it with nothing beside it
 def test_asv_agrees_with_attnkern_bench(asv_run, tmp_path):
     """A disagreement fails only if every measurement shows it (the same timing off the
     same way, or the same pair in the other order), up to MEASUREMENTS of them, each
