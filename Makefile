@@ -43,15 +43,13 @@ $(VENV)/.installed: pyproject.toml requirements-build.txt requirements-bench.txt
 
 # Set up from a fresh clone and run the tests, the slow asv end-to-end ones included: the
 # others on two pytest-xdist workers (a file's tests on one worker; most are single-threaded
-# Python, Numba's CUDA simulator above all), then the slow ones alone, one at a time: they
-# time kernels against other tools (a busy machine would fail them) and share asv's
-# ~/.asv-machine.json. The slow ones print their durations: together they are about 7 of the
-# 15 minutes this command may take on a 2-core machine.
+# Python, Numba's CUDA simulator above all), and beside them, in one process of their own, the
+# slow tests that compare no times (the suite's smoke run, history over a broken commit: the
+# xdist stage leaves about a quarter of the cores idle), their output after the stage's. Then
+# the tests marked alone, one at a time with nothing beside them: they compare kernels' times
+# across tools (a busy machine would fail them). Only one process at a time writes asv's
+# ~/.asv-machine.json. The 15 minutes this command may take on a 2-core machine: 14m17s measured.
 test: setup
-	@# The slow tests that compare no times (the suite's smoke run, history over a broken commit,
-	@# ...) in a process of their own beside the xdist stage, which leaves about a quarter of the
-	@# cores idle; their output follows the stage's. Then the tests marked alone (asv against
-	@# attnkern bench, the gate's timing) with nothing beside them.
 	@$(PY) -m pytest -m "slow and not alone" --durations=5 > .slow-beside.log 2>&1 & beside=$$!; \
 	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile; stage=$$?; \
 	wait $$beside; slow=$$?; cat .slow-beside.log; \
