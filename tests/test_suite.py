@@ -118,12 +118,16 @@ def asv_run(tmp_path_factory):
         for old in (tmp / f"results{i}" / MACHINE).glob("*.json"):
             if old.name != "machine.json":
                 old.unlink()
-        return subprocess.Popen([*ASV, "run", "--python=same", "--machine", MACHINE, "--set-commit-hash", head,
-                                 "--show-stderr", "--config", str(confs[i]), *args], cwd=REPO, env=env or _env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # output to files, not pipes: a part whose pipe filled while the test waited on another
+        # part would stop until then
+        with open(tmp / f"out{i}.txt", "w") as out, open(tmp / f"err{i}.txt", "w") as err:
+            return subprocess.Popen([*ASV, "run", "--python=same", "--machine", MACHINE, "--set-commit-hash", head,
+                                     "--show-stderr", "--config", str(confs[i]), *args], cwd=REPO,
+                                    env=env or _env(), stdout=out, stderr=err, text=True)
 
     def finish(i, proc):
-        out, err = proc.communicate()
+        proc.wait()
+        out, err = ((tmp / f"{name}{i}.txt").read_text() for name in ("out", "err"))
         results = [p for p in (tmp / f"results{i}" / MACHINE).glob("*.json") if p.name != "machine.json"]
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), \
             (_load(results[0]) if results else {})
