@@ -958,10 +958,10 @@ class BwdConfig:
 
 def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool = False) -> BwdConfig:
     """flash_bwd_mma.cu's default division at head size d. float32 (3xTF32), whose
-    accumulations hold a zeroed fragment a k step (flash_bwd_mma.cu, accumulate): up to
+    accumulations sum a tile in zeroed fragments (flash_bwd_mma.cu, accumulate): up to
     d = 64, 64 query rows a dQ block (4 warps) against 64-key tiles and 64 keys a dK/dV
-    block against 32-row Q/dO tiles (ptxas, sm_90a: 173-189 registers, featured variants
-    included; 64-row tiles spilled); above, 8 warps a block (128 rows or keys; 4 warps a
+    block against 32-row Q/dO tiles (ptxas, sm_90a: 165-168 registers, featured variants
+    included; 64-row tiles spilled with the accumulation before); above, 8 warps a block (128 rows or keys; 4 warps a
     block, one block an SM, as shared memory allows, left half the warps of 255-register
     threads idle) against 32-key tiles and 8-row Q/dO tiles (16 and 32 spilled: 84-564 bytes).
     float16/bfloat16: 64 query rows a dQ block

@@ -211,31 +211,58 @@ static __device__ __forceinline__ void products(float (&s)[MT][NC][4], u32 a, u3
 // the tile's rows 8 n + t and 8 n + t + 4 (ACC_COL), which the lane's A elements hold. The
 // accumulators grow over every key (dQ) or query row (dK, dV), and a tensor core's addition
 // to them truncates: three mma.sync into acc a k step lost up to 3 ulp of acc each, always
-// toward zero (3e-5 of the largest dK at N = 1030, causal, on an H200). So each k step's three
-// products go to a zeroed fragment first and acc takes it in one float32 addition (rounded to
-// nearest, errors of either sign).
+// toward zero (3e-5 of the largest dK at N = 1030, causal, on an H200). So the tile's products
+// go to zeroed fragments first (their truncations are of the tile's own sums, a small part of
+// acc's) and acc takes each in one float32 addition (rounded to nearest, errors of either sign):
+// one addition a tile instead of one a k step. The partial sums of ACC_PASS 8-column tiles of acc
+// are held at once (registers; fewer where ACC_PASS does not divide acc's tiles), A split again
+// each pass; a tile of one k step (NC 1) keeps one.
+#define ACC_PASS 8
+// the most 8-column tiles, up to ACC_PASS, that divide the n tiles of acc into whole passes
+__host__ __device__ constexpr int acc_pass(int n) {
+    int p = ACC_PASS;
+    while (n % p != 0) --p;
+    return p;
+}
 template <int NC>
 static __device__ __forceinline__ void accumulate(float (&acc)[MT][DC / 8][4], const AFrag (&pf)[MT][NC], u32 bsm,
                                                   int lane, int c0) {
     const int g = lane >> 2, t = lane & 3;
+    constexpr int JP = NC == 1 ? 1 : acc_pass(DC / 8);  // acc's tiles a pass
+    constexpr int PASSES = NC == 1 ? 1 : DC / 8 / JP, JN = NC == 1 ? DC / 8 : JP;  // tiles a pass's k step takes
 #pragma unroll
-    for (int n = 0; n < NC; ++n) {
-        u32 ab[MT][4], as[MT][4];
+    for (int p = 0; p < PASSES; ++p) {
+        float part[MT][JP][4];
 #pragma unroll
-        for (int i = 0; i < MT; ++i)
-            split_a(make_float2(pf[i][n][0], pf[i][n][1]), make_float2(pf[i][n][2], pf[i][n][3]), ab[i], as[i]);
-        const u32 at = bsm + (u32)((n * 8 + t) * LD + c0 + g) * ESZ;
+        for (int n = 0; n < NC; ++n) {
+            u32 ab[MT][4], as[MT][4];
 #pragma unroll
-        for (int j = 0; j < DC / 8; ++j) {
-            u32 bb[2], bs[2];
-            split(lds1(at + j * 8 * ESZ), bb[0], bs[0]);
-            split(lds1(at + (4 * LD + j * 8) * ESZ), bb[1], bs[1]);
+            for (int i = 0; i < MT; ++i)
+                split_a(make_float2(pf[i][n][0], pf[i][n][1]), make_float2(pf[i][n][2], pf[i][n][3]), ab[i], as[i]);
+            const u32 at = bsm + (u32)((n * 8 + t) * LD + c0 + g) * ESZ;
 #pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-                mma3(part, ab[i], as[i], bb, bs);
-                acc[i][j][0] += part[0], acc[i][j][1] += part[1], acc[i][j][2] += part[2], acc[i][j][3] += part[3];
+            for (int jj = 0; jj < JN; ++jj) {
+                const int j = p * JP + jj, jp = NC == 1 ? 0 : jj;  // acc's tile, its partial sum
+                u32 bb[2], bs[2];
+                split(lds1(at + j * 8 * ESZ), bb[0], bs[0]);
+                split(lds1(at + (4 * LD + j * 8) * ESZ), bb[1], bs[1]);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    if (NC == 1 || n == 0) part[i][jp][0] = part[i][jp][1] = part[i][jp][2] = part[i][jp][3] = 0.f;
+                    mma3(part[i][jp], ab[i], as[i], bb, bs);
+                    if (NC == 1)
+                        acc[i][j][0] += part[i][0][0], acc[i][j][1] += part[i][0][1], acc[i][j][2] += part[i][0][2],
+                            acc[i][j][3] += part[i][0][3];
+                }
             }
+        }
+        if (NC > 1) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int jj = 0; jj < JP; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][p * JP + jj][e] += part[i][jj][e];
         }
     }
 }
