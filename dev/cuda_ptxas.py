@@ -67,6 +67,10 @@ KERNELS = [
       for d, parts in ((64, ((4, 64), (4, 32))), (128, ((8, 32), (8, 8))), (32, ((4, 64), (4, 32))),
                        (48, ((4, 64), (4, 32))), (80, ((8, 32), (8, 8))), (112, ((8, 32), (8, 8))))
       for part, (nw, bn) in zip((1, 2), parts) for feat in (0, 1)),
+    # ... with dK and dV's columns in two slices at D = 128 (ATTNKERN_DSPLIT; cpp.BwdConfig's c suffix)
+    *(("flash_bwd_mma.cu", f"bwd2_tf32_d128_w{nw}_n{bn}_c2{'_feat' if feat else ''}",
+       dict(D=128, BF16=0, TF32=1, PART=2, NW=nw, MT=1, BN=bn, DSPLIT=2, FEAT=feat, MASK=4 * feat, ALIBI=feat), BWD)
+      for nw in (4, 8) for bn in (16, 32) for feat in (0, 1)),
     *(("flash_bwd_mma.cu", f"bwd{part}_bf16_d{d}",
        dict(D=d, BF16=1, TF32=0, PART=part, NW=4, MT=1, BN=bn, FEAT=0, MASK=0, ALIBI=0), BWD)
       for d, bns in ((64, (64, 128)), (128, (64, 64))) for part, bn in zip((1, 2), bns)),

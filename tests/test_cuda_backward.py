@@ -515,7 +515,7 @@ def test_half_backward_registered():
         cpp.flash_bwd_kernels("float32", 256)
     with pytest.raises(ValueError, match="up to 256"):
         cpp.flash_bwd_kernels("bfloat16", 272, cpp.BwdConfig())
-    for dtype, d, config in (("float32", 64, cpp.BwdConfig.parse("q4x64kv4x32c2")),
+    for dtype, d, config in (("float32", 48, cpp.BwdConfig.parse("q4x64kv4x32c2")),
                              ("bfloat16", 128, cpp.BwdConfig.parse("q4x64kv4x64c9")),
                              ("bfloat16", 128, cpp.BwdConfig(kv_warps=4, kv_wg=1, kv_split=2))):
         with pytest.raises(ValueError, match="column slices"):
@@ -839,7 +839,8 @@ def _flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats):
     from attnkern.backends.cuda import launch
     from attnkern.backends.cuda.arrays import GpuArray
 
-    dtypes = {torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float16: np.dtype(np.float16)}
+    dtypes = {torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float16: np.dtype(np.float16),
+              torch.float32: np.dtype(np.float32)}
 
     def flat(x):  # a GpuArray over the tensor's memory, heads folded into the batch
         shape = (-1, *x.shape[-2:]) if x.dim() == 4 else (-1, x.shape[-1])
@@ -859,6 +860,41 @@ def _flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats):
                       scale, feat, config)
     torch.cuda.synchronize()
     return grads
+
+
+# float32 (3xTF32) divisions the tests run beside the defaults: dK and dV's columns in slices (c2), which
+# leave room for longer Q/dO tiles at D = 128, and at D = 64 the same tiles whole and sliced
+F32_DIVISIONS = {64: ["q4x64kv4x32", "q4x64kv4x32c2", "q8x32kv8x16c4"],
+                 128: ["q8x32kv8x8", "q8x32kv8x32c2", "q8x32kv8x16c2", "q8x32kv4x32c2"]}
+
+
+@half_gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_float32_backward_divisions(d):
+    """Each float32 division (3xTF32) on the same arrays, with GQA, both causal alignments, key
+    lengths, a window and the softcap: within FlashAttention's rule and bit-identical run to run;
+    a division and its column slices (the same tiles) give the same bits."""
+    from attnkern.backends.cuda import cpp
+    from test_triton import check_gradients
+
+    assert str(cpp.bwd_config(d, "float32")) in F32_DIVISIONS[d]
+    cases = [((1, 2), 2, 700, 700, False, {}), ((1, 2), 1, 333, 500, True, {}),
+             ((2, 4), 2, 300, 300, "bottom_right", {"key_lengths": [300, 129]}),
+             ((1, 4), 1, 260, 200, False, {"window": (70, 20), "softcap": 8.0})]
+    for i, (lead, h_kv, nq, nk, causal, feats) in enumerate(cases):
+        q, k, v, dout = _half_case(torch, "float32", lead, nq, nk, d, 500 + 10 * i, kv_heads=h_kv)
+        scale = 1 / d ** 0.5
+        out, lse = attnkern.attention(q, k, v, kernel="cuda.flash", causal=causal, scale=scale, return_lse=True,
+                                      **feats)
+        bits = {}
+        for name in F32_DIVISIONS[d]:
+            config = cpp.BwdConfig.parse(name)
+            runs = [_flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats) for _ in range(2)]
+            check_gradients(runs[0], q, k, v, dout, causal, scale, feats, ("float32", i, name))
+            assert all(torch.equal(g, a) for g, a in zip(*runs)), name
+            bits[name] = runs[0]
+        if d == 64:
+            assert all(torch.equal(g, a) for g, a in zip(bits["q4x64kv4x32"], bits["q4x64kv4x32c2"]))
 
 
 @half_gpu

@@ -1116,11 +1116,11 @@ def flash_bwd_kernels(dtype: str, d: int, config: BwdConfig | None = None, featu
     if not (half_head_size_ok(d, d) if dtype in MMA_DTYPES else mma_head_size_ok(d, d)):
         raise ValueError(f"flash_bwd_mma.cu takes float16/bfloat16 at D a multiple of 16 up to {HALF_MAX_HEAD}, "
                          f"float32 up to 128, not {dtype} at D = {d}")
-    if any(not 1 <= config.split(p) <= d // 16 or (config.split(p) > 1 and (dtype == "float32"
-                                                                            or config.kernel_part(p) > 2))
-           for p in (1, 2)):
+    if any(not 1 <= config.split(p) <= d // 16 or (config.split(p) > 1 and (
+            (dtype == "float32" and (d // 16) % config.split(p)) or config.kernel_part(p) > 2)) for p in (1, 2)):
         raise ValueError(f"flash_bwd_mma.cu division {config}: column slices (1 to D / 16) are for the "
-                         f"float16/bfloat16 mma.sync kernels only, not {dtype} at D = {d}")
+                         f"mma.sync kernels only, in float32 slices of whole 16-column blocks that divide D, "
+                         f"not {dtype} at D = {d}")
     suffix = _suffix(featured, mask, alibi, dropout=dropout, varlen=varlen)
     common = (("D", d), ("BF16", int(dtype == "bfloat16")), ("TF32", int(dtype == "float32")),
               ("FEAT", int(featured)), ("MASK", mask), ("ALIBI", int(alibi)), *_variant(dropout, varlen))

@@ -81,8 +81,8 @@
 #endif
 #define DSPLIT ATTNKERN_DSPLIT
 #define DC (16 * ((D / 16 + DSPLIT - 1) / DSPLIT))  // columns of a block's gradient accumulators
-#if DSPLIT > 1 && (ATTNKERN_PART > 2 || ATTNKERN_TF32)
-#error "column slices (DSPLIT) are for the float16/bfloat16 mma.sync kernels (parts 1 and 2) only"
+#if DSPLIT > 1 && (ATTNKERN_PART > 2 || (ATTNKERN_TF32 && DC * DSPLIT != D))
+#error "column slices (DSPLIT) are for the mma.sync kernels (parts 1 and 2) only, in float32 slices that divide D"
 #endif
 // whether accumulator column j8 (a multiple of 16 from the slice's first, c0) lies within D: a
 // constant true without slices
