@@ -64,7 +64,7 @@ KERNELS = [
     # the backward (flash_bwd_mma.cu) in float32 (3xTF32) at the default divisions (cpp.bwd_config)
     *(("flash_bwd_mma.cu", f"bwd{part}_tf32_d{d}{'_feat' if feat else ''}",
        dict(D=d, BF16=0, TF32=1, PART=part, NW=nw, MT=1, BN=bn, FEAT=feat, MASK=4 * feat, ALIBI=feat), BWD)
-      for d, parts in ((64, ((4, 64), (4, 32))), (128, ((8, 32), (8, 8))), (32, ((4, 64), (4, 32))),
+      for d, parts in ((64, ((4, 64), (4, 32))), (128, ((8, 32), (4, 16))), (32, ((4, 64), (4, 32))),
                        (48, ((4, 64), (4, 32))), (80, ((8, 32), (8, 8))), (112, ((8, 32), (8, 8))))
       for part, (nw, bn) in zip((1, 2), parts) for feat in (0, 1)),
     # ... with dK and dV's columns in two slices at D = 128 (ATTNKERN_DSPLIT; cpp.BwdConfig's c suffix)

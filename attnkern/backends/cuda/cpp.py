@@ -961,9 +961,12 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool
     accumulations sum a tile in zeroed fragments (flash_bwd_mma.cu, accumulate): up to
     d = 64, 64 query rows a dQ block (4 warps) against 64-key tiles and 64 keys a dK/dV
     block against 32-row Q/dO tiles (ptxas, sm_90a: 165-168 registers, featured variants
-    included; 64-row tiles spilled with the accumulation before); above, 8 warps a block (128 rows or keys; 4 warps a
-    block, one block an SM, as shared memory allows, left half the warps of 255-register
-    threads idle) against 32-key tiles and 8-row Q/dO tiles (16 and 32 spilled: 84-564 bytes).
+    included; 64-row tiles spilled with the accumulation before); above, dQ blocks of 8 warps
+    (128 rows; 4 warps a block, one block an SM, as shared memory allows, left half the warps of
+    255-register threads idle) against 32-key tiles, and dK/dV blocks of 8 warps against 8-row
+    Q/dO tiles, but at d = 128 of 4 warps (64 keys, two blocks an SM) against 16-row tiles: 254
+    registers, no spills (they spilled before the tile sums), 1.10-1.13x the 8-row division's
+    speed on an H100 (docs/gpu-backward.md); 16-row tiles spill 8-24 bytes at d = 80 and 112.
     float16/bfloat16: 64 query rows a dQ block
     (4 warps of one mma tile) against 64-key tiles; 64 keys a dK/dV block against
     Q/dO tiles of 128 rows up to d = 64, 64 above (the dK and dV accumulators of 16
@@ -979,7 +982,7 @@ def bwd_config(d: int, dtype: str = "bfloat16", wgmma: bool = True, varlen: bool
     variant spilled 8 bytes on sm_80 at d = 256); ptxas, sm_90a and sm_80: at most 255 registers, no
     spills, every variant; shared memory 132-133 KB a block at d = 256, within the A100's 163 KB."""
     if dtype == "float32":
-        return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 8, 8)
+        return BwdConfig(kv_rows=32) if d <= 64 else BwdConfig(8, 32, 4, 16) if d == 128 else BwdConfig(8, 32, 8, 8)
     if wgmma and BWD_WGMMA and d in BWD_WGMMA_DIVISIONS and wgmma_applies(d, d):
         return BwdConfig.parse(BWD_WGMMA_DIVISIONS[d])
     if d > 128:
