@@ -52,7 +52,7 @@ def sample_ms(call, reps: int = 5) -> float:
 # than 32 (D = 64) or 8 (D = 128) streamed rows
 CONFIGS_F32 = {
     64: ["q4x64kv4x32", "q4x32kv4x32", "q8x32kv8x32", "q4x64kv8x32", "q8x64kv4x32"],
-    128: ["q8x32kv8x8", "q4x64kv4x8", "q8x32kv4x8", "q4x32kv8x8", "q4x64kv8x8"],
+    128: ["q8x32kv4x16", "q8x32kv8x8", "q8x32kv8x16", "q4x64kv4x8", "q8x32kv4x8", "q4x32kv8x8", "q4x64kv8x8"],
 }
 # the mma.sync divisions; on Hopper, the wgmma kernels' (qwg / kvwg: warpgroups, e.g. qwg2x64kvwg2x64)
 CONFIGS = {
