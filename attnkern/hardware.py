@@ -37,8 +37,9 @@ def fma_peak(isa: str, iterations: int, threads: int) -> tuple[float, float]:
 
 
 def stream(kind: str, a, b, c, threads: int) -> float:
-    """Seconds of one STREAM-style pass ("copy": a = b; "triad": a = b + 3 c) over
-    float32 arrays on `threads` threads: memory bandwidth."""
+    """Seconds of one STREAM-style pass ("copy": a = b; "triad": a = b + 3 c; "read": b
+    summed, each thread's sum in a[thread]) over float32 arrays on `threads` threads: memory
+    bandwidth (bytes: 8, 12 and 4 an element)."""
     return _attn().stream(kind, a, b, c, threads)
 
 

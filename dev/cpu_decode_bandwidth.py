@@ -19,7 +19,8 @@ many calls as fill about 20 ms (at least one).
 GB/s: bytes of K and V (B H_kv Nk D 2 itemsize: the cache, read once) over the time,
 next to STREAM copy (read + write counted) measured in the same run by attnkern's own
 STREAM loop (attnkern.hardware.stream, as `attnkern roofline` runs it) on --threads
-threads, and a NumPy read (np.sum of a float32 array far beyond the caches). The
+threads, with its read loop (a float32 array far beyond the caches summed, 4 bytes an element:
+the read-only stream a decode makes; "% read") and a NumPy read (np.sum, one thread). The
 per-call overhead is the time of the smallest call (Nk = 1 key, B = 1, Nq = 1): no cache
 to read, only the wrapper, the checks and the thread team.
 
@@ -72,18 +73,20 @@ def in_turns(fns: dict, runs: int) -> dict:
 
 
 def stream_gbs(threads: int, mib: int, repeat: int) -> dict:
-    """STREAM copy and triad (attnkern's loop) and a NumPy read, GB/s, best of `repeat`."""
+    """STREAM copy and triad, and a read (b summed: the read-only stream a decode makes), all
+    attnkern's loops on `threads` threads, and a NumPy read (one thread), GB/s, best of `repeat`."""
     n = mib * 2**20 // 4
     a, b, c = np.empty(n, np.float32), np.ones(n, np.float32), np.full(n, 2.0, np.float32)
     hardware.stream("copy", a, b, c, threads)
     copy = 2 * 4 * n / min(hardware.stream("copy", a, b, c, threads) for _ in range(repeat)) / 1e9
     triad = 3 * 4 * n / min(hardware.stream("triad", a, b, c, threads) for _ in range(repeat)) / 1e9
+    read = 4 * n / min(hardware.stream("read", a, b, c, threads) for _ in range(repeat)) / 1e9
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
         b.sum()
         best = min(best, time.perf_counter() - t0)
-    return {"copy_gbs": copy, "triad_gbs": triad, "numpy_read_gbs": 4 * n / best / 1e9}
+    return {"copy_gbs": copy, "triad_gbs": triad, "read_gbs": read, "numpy_read_gbs": 4 * n / best / 1e9}
 
 
 def problem(b: int, nq: int, nk: int, dtype: str, seed: int = 0):
@@ -155,13 +158,14 @@ def main():
     torch.set_num_threads(args.threads)
     s = stream_gbs(args.threads, args.stream_mib, 3)
     print(f"STREAM ({args.threads} threads, {args.stream_mib} MiB arrays): copy {s['copy_gbs']:.1f} GB/s, "
-          f"triad {s['triad_gbs']:.1f} GB/s; NumPy read {s['numpy_read_gbs']:.1f} GB/s; isa {attnkern.active_isa()}")
+          f"triad {s['triad_gbs']:.1f} GB/s, read {s['read_gbs']:.1f} GB/s; NumPy read (one thread) "
+          f"{s['numpy_read_gbs']:.1f} GB/s; isa {attnkern.active_isa()}")
     over = measure(1, 1, 1, "float32", args.threads, args.runs, base)
     print(f"per-call overhead (B 1, Nq 1, Nk 1, float32): native.flash {over['ours_s'] * 1e6:.1f} us, "
           f"torch.sdpa {over['torch_s'] * 1e6:.1f} us"
           + (f", base build {over['base_s'] * 1e6:.1f} us" if base else ""))
     print(f"{'dtype':9} {'B':>2} {'Nq':>3} {'Nk':>7} {'ours us':>10} {'torch us':>10} {'ours GB/s':>10} "
-          f"{'torch GB/s':>10} {'% copy':>7} {'vs torch':>8}" + (f" {'base us':>10} {'vs base':>8}" if base else ""))
+          f"{'torch GB/s':>10} {'% copy':>7} {'% read':>7} {'vs torch':>8}" + (f" {'base us':>10} {'vs base':>8}" if base else ""))
     rows = []
     for dtype in args.dtypes:
         for b in args.batches:
@@ -174,6 +178,7 @@ def main():
                     vs_base = f" {r['base_s'] * 1e6:10.1f} {r['base_s'] / r['ours_s']:7.2f}x" if base else ""
                     print(f"{dtype:9} {b:2d} {nq:3d} {nk:7d} {r['ours_s'] * 1e6:10.1f} {r['torch_s'] * 1e6:10.1f} "
                           f"{r['ours_gbs']:10.1f} {r['torch_gbs']:10.1f} {100 * r['ours_gbs'] / s['copy_gbs']:6.0f}% "
+                          f"{100 * r['ours_gbs'] / s['read_gbs']:6.0f}% "
                           f"{r['torch_s'] / r['ours_s']:7.2f}x" + vs_base, flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -33,6 +33,14 @@ def test_fma_peak_and_stream_loops():
     np.testing.assert_array_equal(a, b + 3)
     _attn.stream("copy", a, b, c, 1)
     np.testing.assert_array_equal(a, b)
+    # read: each thread's sum of its share of b in a[thread] (1001 elements: shares not multiples of 64)
+    b = np.arange(1001, dtype=np.float32)
+    a, c = np.zeros_like(b), np.zeros_like(b)
+    for threads in (1, 2, 3):
+        assert _attn.stream("read", a, b, c, threads) >= 0
+        assert a[:threads].sum() == b.sum(), threads  # integers below 2^24: exact in float32
+    with pytest.raises(ValueError, match="'copy', 'triad' or 'read'"):
+        _attn.stream("write", a, b, c, 1)
     with pytest.raises(ValueError, match="one length"):
         _attn.stream("copy", a[:10], b, c, 1)
     with pytest.raises(ValueError, match="isa must be one of"):

@@ -522,13 +522,14 @@ def fma_peak(str isa, int64_t iters, int num_threads):
 
 
 def stream(str op, float[::1] a, const float[::1] b, const float[::1] c, int num_threads):
-    """Seconds of one STREAM pass over len(a) floats: op "copy" (a = b) or "triad" (a = b + 3 c)."""
+    """Seconds of one STREAM pass over len(a) floats: op "copy" (a = b), "triad" (a = b + 3 c) or
+    "read" (b summed, each thread's sum in a[thread]: the read-only stream a decode makes)."""
     import time
-    if op not in ("copy", "triad"):
-        raise ValueError(f"stream: op is 'copy' or 'triad', got {op!r}")
+    if op not in ("copy", "triad", "read"):
+        raise ValueError(f"stream: op is 'copy', 'triad' or 'read', got {op!r}")
     if not (a.shape[0] == b.shape[0] == c.shape[0]) or not 1 <= num_threads <= ATTN_MAX_THREADS:
         raise ValueError("stream: a, b, c must have one length, and 1 <= num_threads <= the maximum")
-    cdef int o = 0 if op == "copy" else 1
+    cdef int o = {"copy": 0, "triad": 1, "read": 2}[op]
     cdef int64_t n = a.shape[0]
     t0 = time.perf_counter()
     with nogil:

@@ -814,6 +814,24 @@ static void stream(int op, float *a, const float *b, const float *c, int64_t n, 
 #pragma omp for simd schedule(static)
             for (int64_t i = 0; i < n; i++)
                 a[i] = b[i];
+        } else if (op == 2) {
+            /* read: b summed (each thread's sum in a[thread], so that the loads are not dropped) */
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
+            /* 64 partial sums (four 16-lane vectors): the adds' latency off the loads' way */
+            float part[64] = {0.0f}, sum = 0.0f;
+            int64_t i = lo;
+            for (; i + 64 <= hi; i += 64) {
+#pragma omp simd
+                for (int j = 0; j < 64; j++)
+                    part[j] += b[i + j];
+            }
+            for (; i < hi; i++)
+                sum += b[i];
+            for (int j = 0; j < 64; j++)
+                sum += part[j];
+            if (t < n)
+                a[t] = sum;
         } else {
 #pragma omp for simd schedule(static)
             for (int64_t i = 0; i < n; i++)
