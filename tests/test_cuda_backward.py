@@ -862,8 +862,9 @@ def _flash_bwd_with(cpp, config, q, k, v, out, dout, lse, causal, scale, feats):
     return grads
 
 
-# float32 (3xTF32) divisions the tests run beside the defaults: dK and dV's columns in slices (c2), which
-# leave room for longer Q/dO tiles at D = 128, and at D = 64 the same tiles whole and sliced
+# float32 (3xTF32) divisions the tests run, the defaults first: at D = 128 the 8-row Q/dO tiles of the
+# default before, 16-row ones in 8 warps, and dK and dV's columns in slices (c2, 32-row tiles); at D = 64
+# the same tiles whole and sliced (the same bits), and in 4 slices
 F32_DIVISIONS = {64: ["q4x64kv4x32", "q4x64kv4x32c2", "q8x32kv8x16c4"],
                  128: ["q8x32kv4x16", "q8x32kv8x8", "q8x32kv8x16", "q8x32kv8x32c2"]}
 
