@@ -109,8 +109,14 @@ def asv_run(tmp_path_factory):
                       results_dir=str(tmp / f"results{i}"), html_dir=str(tmp / "html"), env_dir=str(tmp / "env"))
         confs.append(tmp / f"asv{i}.conf.json")
         confs[-1].write_text(json.dumps(config, indent=2))
-    subprocess.run([*ASV, "machine", "--yes", "--machine", MACHINE, "--config", str(confs[0])], cwd=REPO,
-                   check=True, capture_output=True)
+    # a home a part: every `asv run` rewrites ~/.asv-machine.json as it starts, and a part that read the
+    # file while another part wrote it failed ("Error parsing JSON"); attnkern's cache stays where it is
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    homes = [dict(HOME=str(tmp / f"home{i}"), XDG_CACHE_HOME=cache) for i in range(len(SMOKE_PARTS))]
+    for i, home in enumerate(homes):
+        Path(home["HOME"]).mkdir()
+        subprocess.run([*ASV, "machine", "--yes", "--machine", MACHINE, "--config", str(confs[i])], cwd=REPO,
+                       env=dict(os.environ, **home), check=True, capture_output=True)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, check=True, capture_output=True,
                           text=True).stdout.strip()
 
@@ -123,7 +129,7 @@ def asv_run(tmp_path_factory):
         with open(tmp / f"out{i}.txt", "w") as out, open(tmp / f"err{i}.txt", "w") as err:
             return subprocess.Popen([*ASV, "run", "--python=same", "--machine", MACHINE, "--set-commit-hash", head,
                                      "--show-stderr", "--config", str(confs[i]), *args], cwd=REPO,
-                                    env=env or _env(), stdout=out, stderr=err, text=True)
+                                    env=dict(env or _env(), **homes[i]), stdout=out, stderr=err, text=True)
 
     def finish(i, proc):
         proc.wait()
